@@ -1,0 +1,102 @@
+"""Baselines: FP32 (no compression), FP16 and BF16 casts.
+
+Steps (fp16):
+    1. Pre-scale by 1/world_size, so the fp16 sum of n ranks stays within the fp16 range
+       (|x| <= 65504 per rank suffices), as PyTorch DDP's ``fp16_compress_hook`` does.
+    2. Cast to float16: the payload, d elements, 2 bytes each.
+    3. Horovod all-reduces it (Sum or Average).
+    4. Decompress casts to float32 and multiplies by world_size: the sum under ``op=Sum``,
+       the mean under ``op=Average`` (the scaling is linear, so it commutes with either op).
+
+Tiny values: after the 1/n pre-scale a value below 6.1e-5 * n falls in fp16's subnormal range,
+where the spacing is 2**-24 (5.96e-8); the absolute error per coordinate of the result is then
+at most n * 2**-24 * n / 2 (half a spacing per rank, times n for the post-scale). Plain fp16
+without the pre-scale has the same spacing there and overflows above 65504 / n.
+
+BF16: Horovod's collectives have no bfloat16 dtype (PyTorch refuses it, TensorFlow has no such
+Horovod type). ``bf16`` therefore rounds each value to bfloat16 (round to nearest even) and
+carries it in a **float32** payload: the numerics of a BF16 gradient exchange, at FP32's
+4 bytes per coordinate. It saves no bandwidth under Horovod; it exists to measure the accuracy
+effect of BF16 rounding side by side with the other schemes.
+"""
+from dataclasses import dataclass
+
+from .base import Scheme, TensorInfo, WireBytes
+from .primitives import itemsize
+
+__all__ = ["NoneConfig", "Fp16Config", "Bf16Config", "NoneScheme", "Fp16Scheme", "Bf16Scheme"]
+
+
+@dataclass(frozen=True)
+class NoneConfig:
+    """FP32 baseline: the gradient is all-reduced as it is. No options."""
+
+
+@dataclass(frozen=True)
+class Fp16Config:
+    """FP16 baseline: pre-scaled float16 payload. No options."""
+
+
+@dataclass(frozen=True)
+class Bf16Config:
+    """BF16 numerics carried in float32 (see the module docstring). No options."""
+
+
+class NoneScheme(Scheme):
+    """Identity: the payload is the gradient itself, in its own dtype (Horovod's ``none``)."""
+
+    name = "none"
+    guards_nonfinite = False
+    identity = True  # adapters hand the tensor to Horovod untouched, with no copy
+
+    def __init__(self, config: NoneConfig = NoneConfig()):
+        self.config = config
+
+    def compress(self, ops, x, state, info, finite):
+        return x, None, state
+
+    def decompress(self, ops, payload, ctx, info):
+        return payload
+
+    def wire(self, info: TensorInfo) -> WireBytes:
+        return WireBytes(info.numel * itemsize(info.dtype))
+
+
+class Fp16Scheme(Scheme):
+    """float16 payload pre-scaled by 1/world_size (module docstring, steps 1-4)."""
+
+    name = "fp16"
+    guards_nonfinite = False  # NaN/inf survive the cast and the sum on their own
+
+    def __init__(self, config: Fp16Config = Fp16Config()):
+        self.config = config
+
+    def compress(self, ops, x, state, info, finite):
+        # Step 1-2: 1/n keeps the n-rank fp16 sum from overflowing (DDP's fp16 hook does the same).
+        return ops.cast(x * (1.0 / info.world_size), "float16"), None, state
+
+    def decompress(self, ops, payload, ctx, info):
+        # Step 4: undo the pre-scale; linear, so right under Sum and Average alike.
+        return ops.cast(payload, "float32") * float(info.world_size)
+
+    def wire(self, info: TensorInfo) -> WireBytes:
+        return WireBytes(2 * info.numel)
+
+
+class Bf16Scheme(Scheme):
+    """Values rounded to bfloat16, carried in a float32 payload (Horovod has no bf16 dtype)."""
+
+    name = "bf16"
+    guards_nonfinite = False
+
+    def __init__(self, config: Bf16Config = Bf16Config()):
+        self.config = config
+
+    def compress(self, ops, x, state, info, finite):
+        return ops.cast(ops.cast(x, "bfloat16"), "float32"), None, state
+
+    def decompress(self, ops, payload, ctx, info):
+        return payload
+
+    def wire(self, info: TensorInfo) -> WireBytes:
+        return WireBytes(4 * info.numel)

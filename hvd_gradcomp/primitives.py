@@ -1,0 +1,81 @@
+"""The tensor primitives every compression scheme is written against.
+
+Rules (after einops' backend table and array-api-compat):
+
+1. The core (``hvd_gradcomp``) imports no framework and no NumPy. Each scheme receives an
+   ``ops: Primitives`` instance and calls only its fields, plus Python's arithmetic and
+   comparison operators (``+ - * / < >``), which both PyTorch and TensorFlow tensors overload
+   with the same meaning for same-dtype operands and Python scalars.
+2. ``torch_backend`` and ``tf_backend`` each build one instance by keyword, so a missing
+   primitive fails at import, not in the middle of a training step.
+3. Names follow the frameworks (``top_k``, ``argsort``, ``matmul``); every reduction takes an
+   explicit ``axis`` (``None`` reduces everything to a 0-d tensor).
+4. Dtypes are named by strings: ``"float16" "bfloat16" "float32" "float64" "int32" "int64"``.
+5. Nothing here moves data to the host or branches on tensor values: the same scheme code
+   runs on GPU tensors and traces inside ``tf.function``. Sizes used to build shapes are
+   static Python ints taken from the tensor's static shape.
+"""
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["Primitives", "FLOAT_DTYPES", "INT_DTYPES", "itemsize"]
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+INT_DTYPES = ("int8", "uint8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64")
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8,
+             "int8": 1, "uint8": 1, "int16": 2, "bool": 1}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as in :class:`Primitives` (e.g. ``"float16"`` -> 2)."""
+    return _ITEMSIZE[dtype]
+
+
+@dataclass(frozen=True)
+class Primitives:
+    """One framework's implementation of the primitives (see the module docstring).
+
+    ``x`` is a tensor of the framework, ``n``/``k`` are Python ints, ``dtype`` a dtype string.
+    """
+
+    name: str  # "torch" or "tensorflow"
+    # --- structure (static shapes only) ---
+    shape: Callable[[Any], tuple]  # shape(x) -> tuple of Python ints; ValueError if unknown
+    dtype: Callable[[Any], str]  # dtype(x) -> dtype string
+    reshape: Callable[[Any, tuple], Any]  # reshape(x, shape) -> view/copy of x in that shape
+    concat: Callable[[list, int], Any]  # concat([x, ...], axis) along an existing axis
+    transpose: Callable[[Any, tuple], Any]  # transpose(x, perm) -> x with axes permuted
+    zeros: Callable[[tuple, str, Any], Any]  # zeros(shape, dtype, like): on like's device
+    arange: Callable[[int, str, Any], Any]  # arange(n, dtype, like) -> [0, 1, ..., n-1]
+    constant: Callable[[list, str, Any], Any]  # constant(nested Python list, dtype, like)
+    cast: Callable[[Any, str], Any]  # cast(x, dtype): round-to-nearest for floats
+    # --- elementwise math ---
+    abs: Callable[[Any], Any]
+    sqrt: Callable[[Any], Any]
+    floor: Callable[[Any], Any]
+    round: Callable[[Any], Any]  # round half to even (both frameworks' default)
+    minimum: Callable[[Any, Any], Any]
+    maximum: Callable[[Any, Any], Any]
+    where: Callable[[Any, Any, Any], Any]  # where(cond, a, b), broadcasting
+    isfinite: Callable[[Any], Any]
+    logical_and: Callable[[Any, Any], Any]
+    # --- reductions (axis=None -> 0-d) ---
+    sum: Callable[[Any, Any], Any]  # sum(x, axis)
+    max: Callable[[Any, Any], Any]  # max(x, axis)
+    all: Callable[[Any, Any], Any]  # all(bool_x, axis)
+    # --- linear algebra ---
+    matmul: Callable[[Any, Any], Any]  # matmul(a [.., n, k], b [.., k, m]) -> [.., n, m]
+    # --- selection ---
+    top_k: Callable[[Any, int], Any]  # top_k(x 1-D, k) -> int64 indices of the k largest
+    argsort: Callable[[Any], Any]  # argsort(x 1-D) -> int64, descending, stable (ties: lower index first)
+    gather: Callable[[Any, Any], Any]  # gather(x, idx) -> x[idx] along axis 0
+    scatter: Callable[[Any, Any, tuple], Any]  # scatter(idx, rows, shape) -> zeros(shape) with [idx] = rows
+    # --- integer bit operations (int32/int64, non-negative operands) ---
+    bitwise_and: Callable[[Any, Any], Any]
+    bitwise_or: Callable[[Any, Any], Any]
+    bitwise_xor: Callable[[Any, Any], Any]
+    left_shift: Callable[[Any, Any], Any]
+    right_shift: Callable[[Any, Any], Any]
+    # --- side collective (synchronous, all ranks in the same order with the same name) ---
+    allreduce: Callable[[Any, str, str], Any]  # allreduce(x, op "sum"|"max", name) -> reduced x
