@@ -1,0 +1,10 @@
+"""PyTorch frontend of hvd-gradcomp: ``from torch_backend import Compression``.
+
+``Compression.<name>(**options)`` returns a compressor for ``hvd.DistributedOptimizer``;
+``Compression.from_spec("topkc:ratio=0.01")`` builds one from text. ``OPS`` is the PyTorch
+implementation of the shared primitives.
+"""
+from .compression import Compression, Compressor
+from .ops import OPS
+
+__all__ = ["Compression", "Compressor", "OPS"]

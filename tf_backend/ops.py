@@ -1,0 +1,75 @@
+"""TensorFlow implementation of :class:`hvd_gradcomp.primitives.Primitives`.
+
+Every function traces inside ``tf.function``; shapes must be static (gradients of variables
+are). Python int/float operands of bit operations and min/max are converted to the other
+operand's dtype, as PyTorch does implicitly.
+"""
+import tensorflow as tf
+
+from hvd_gradcomp.primitives import Primitives
+
+__all__ = ["OPS"]
+
+_DTYPES = {"float16": tf.float16, "bfloat16": tf.bfloat16, "float32": tf.float32,
+           "float64": tf.float64, "int32": tf.int32, "int64": tf.int64, "int8": tf.int8,
+           "uint8": tf.uint8, "int16": tf.int16, "bool": tf.bool}
+
+
+def _shape(x):
+    dims = x.shape.as_list() if x.shape.rank is not None else None
+    if dims is None or any(d is None for d in dims):
+        raise ValueError(f"hvd_gradcomp needs a static shape, got {x.shape} for {getattr(x, 'name', x)!r}")
+    return tuple(dims)
+
+
+def _like(fn):
+    """fn(a, b) with b converted to a's dtype when it is a Python number."""
+    def wrapped(a, b):
+        if not isinstance(b, (tf.Tensor, tf.Variable)):
+            b = tf.constant(b, dtype=a.dtype)
+        return fn(a, b)
+    return wrapped
+
+
+def _allreduce(x, op, name):
+    import horovod.tensorflow as hvd
+    hop = {"sum": hvd.Sum, "max": hvd.Max}[op]
+    safe = "".join(c if c.isalnum() or c in "_." else "_" for c in name)
+    return hvd.allreduce(x, op=hop, name=safe, ignore_name_scope=True)
+
+
+OPS = Primitives(
+    name="tensorflow",
+    shape=_shape,
+    dtype=lambda x: x.dtype.name,
+    reshape=lambda x, shape: tf.reshape(x, shape),
+    concat=lambda xs, axis: tf.concat(xs, axis),
+    transpose=lambda x, perm: tf.transpose(x, perm),
+    zeros=lambda shape, dtype, like: tf.zeros(shape, dtype=_DTYPES[dtype]),
+    arange=lambda n, dtype, like: tf.range(n, dtype=_DTYPES[dtype]),
+    constant=lambda value, dtype, like: tf.constant(value, dtype=_DTYPES[dtype]),
+    cast=lambda x, dtype: tf.cast(x, _DTYPES[dtype]),
+    abs=tf.abs,
+    sqrt=tf.sqrt,
+    floor=tf.floor,
+    round=tf.round,
+    minimum=_like(tf.minimum),
+    maximum=_like(tf.maximum),
+    where=lambda c, a, b: tf.where(c, a, b),
+    isfinite=tf.math.is_finite,
+    logical_and=tf.logical_and,
+    sum=lambda x, axis: tf.reduce_sum(x, axis),
+    max=lambda x, axis: tf.reduce_max(x, axis),
+    all=lambda x, axis: tf.reduce_all(x, axis),
+    matmul=tf.linalg.matmul,
+    top_k=lambda x, k: tf.cast(tf.math.top_k(x, k, sorted=True).indices, tf.int64),
+    argsort=lambda x: tf.cast(tf.argsort(x, direction="DESCENDING", stable=True), tf.int64),
+    gather=lambda x, idx: tf.gather(x, idx),
+    scatter=lambda idx, rows, shape: tf.scatter_nd(tf.expand_dims(idx, 1), rows, shape),
+    bitwise_and=_like(tf.bitwise.bitwise_and),
+    bitwise_or=_like(tf.bitwise.bitwise_or),
+    bitwise_xor=_like(tf.bitwise.bitwise_xor),
+    left_shift=_like(tf.bitwise.left_shift),
+    right_shift=_like(tf.bitwise.right_shift),
+    allreduce=_allreduce,
+)
