@@ -1,0 +1,27 @@
+"""``python -m hvd_gradcomp.bench <command> [options]``.
+
+Commands:
+    tta       time-to-accuracy sweep over a bandwidth-limited emulated network (the main job)
+    overhead  compress + decompress cost per compressor and tensor size, against FP16
+    model     scale model: projected step time and TTA ratio vs FP16 for N workers and links
+
+Each command's ``--help`` lists its options.
+"""
+import importlib
+import sys
+
+COMMANDS = {"tta": "hvd_gradcomp.bench.tta", "overhead": "hvd_gradcomp.bench.overhead",
+            "model": "hvd_gradcomp.bench.model"}
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Test configuration.
+
+HVD_GRADCOMP_BACKENDS (comma-separated, default "torch,tensorflow") names the backends under
+test; an unknown name is an error.
+"""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+KNOWN_BACKENDS = ("torch", "tensorflow")
+BACKENDS = tuple(b.strip() for b in os.environ.get("HVD_GRADCOMP_BACKENDS", ",".join(KNOWN_BACKENDS)).split(",") if b.strip())
+_unknown = [b for b in BACKENDS if b not in KNOWN_BACKENDS]
+if _unknown:
+    raise pytest.UsageError(f"HVD_GRADCOMP_BACKENDS names unknown backend(s) {_unknown}; known: {KNOWN_BACKENDS}")
+
+
+def backend_ops(name):
+    """The Primitives instance of a backend by name."""
+    if name == "torch":
+        from torch_backend import OPS
+    else:
+        from tf_backend import OPS
+    return OPS
+
+
+def requires_backend(name):
+    return pytest.mark.skipif(name not in BACKENDS, reason=f"backend {name} not under test")
