@@ -113,7 +113,7 @@ class HorovodCompressor:
             return payload
         info, scheme_ctx = ctx
         out = decompress_tensor(self.scheme, self.ops, payload, scheme_ctx, info)
-        if type(self.scheme).absorb is not Scheme.absorb:
+        if type(self.scheme).absorb is not Scheme.absorb and self._has_state(info.key):
             new_state = self.scheme.absorb(self.ops, payload, scheme_ctx, self._read_state(info.key), info)
             if new_state is not None:
                 self._write_state(info.key, new_state)

@@ -1,0 +1,263 @@
+"""PyTorch frontend under real Horovod (2 ranks, Gloo): one launch runs every check below.
+
+The worker trains a module whose gradients are known in advance (loss = sum_i <p_i, C_i>, so
+grad p_i = C_i(rank, step, pass)) with ``hvd.DistributedOptimizer``, SGD with lr 1: each
+parameter ends at ``init - sum of decompressed outputs``, which the tests compare with the
+float64 references of tests/reference.py simulating every rank.
+"""
+import numpy as np
+import pytest
+
+from tests.hvdrun import run
+from tests.reference import RefTopK, RefTopKC, allreduce_fp16, fp16
+
+SHAPES = {"a": (64,), "b": (64,), "w": (8, 16), "s": ()}
+STEPS = 4
+
+# name -> (spec, optimizer kwargs, zero_grad set_to_none, op)
+SCENARIOS = {
+    "topkc_none": ("topkc:ratio=0.25,chunk=8", {}, True, "average"),
+    "topkc_zero": ("topkc:ratio=0.25,chunk=8", {}, False, "average"),
+    "topkc_bpps2": ("topkc:ratio=0.25,chunk=8", {"backward_passes_per_step": 2}, True, "average"),
+    "topkc_groups": ("topkc:ratio=0.25,chunk=8", {"num_groups": 2}, True, "average"),
+    "topkc_sum": ("topkc:ratio=0.25,chunk=8", {}, True, "sum"),
+    "topkc_prev": ("topkc:ratio=0.25,chunk=8,selection=previous", {}, True, "average"),
+    "topkc_fp32_noef": ("topkc:ratio=0.3,chunk=4,payload_dtype=float32,error_feedback=false", {}, True, "average"),
+    "topk": ("topk:ratio=0.1", {}, True, "average"),
+    "fp16": ("fp16", {}, True, "average"),
+    "bf16": ("bf16", {}, True, "sum"),
+    "none": ("none", {}, True, "average"),
+}
+
+
+def grad_of(name, rank, step, pas):
+    """The gradient of parameter ``name`` on ``rank`` at ``step``, backward pass ``pas`` (float32)."""
+    if name == "w" and step % 2 == 1:
+        return None  # w takes no part in the loss on odd steps
+    seed = [sorted(SHAPES).index(name), rank, step, pas]
+    return np.random.default_rng(seed).standard_normal(SHAPES[name]).astype(np.float32)
+
+
+def init_of(name):
+    return np.random.default_rng([99, sorted(SHAPES).index(name)]).standard_normal(SHAPES[name]).astype(np.float32)
+
+
+def _train(hvd, torch, Compression, spec, opt_kwargs, set_to_none, op, steps=STEPS, start=0,
+           params=None, state=None):
+    """Run ``steps`` steps from ``start``; returns (params dict, compressor)."""
+    module = torch.nn.Module()
+    for name in sorted(SHAPES):
+        value = init_of(name) if params is None else params[name]
+        setattr(module, name, torch.nn.Parameter(torch.tensor(value)))
+    compressor = Compression.from_spec(spec)
+    if state is not None:
+        compressor.load_state_dict(state)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(module.parameters(), lr=1.0),
+                                   named_parameters=module.named_parameters(), compression=compressor,
+                                   op=hvd.Sum if op == "sum" else hvd.Average, **opt_kwargs)
+    passes = opt_kwargs.get("backward_passes_per_step", 1)
+    for step in range(start, start + steps):
+        # Horovod's zero_grad() takes no arguments (and sets grads to None in PyTorch 2.x).
+        if set_to_none:
+            opt.zero_grad()
+        else:
+            module.zero_grad(set_to_none=False)
+        for pas in range(passes):
+            loss = 0
+            for name in sorted(SHAPES):
+                g = grad_of(name, hvd.rank(), step, pas)
+                if g is not None:
+                    loss = loss + (getattr(module, name) * torch.tensor(g)).sum()
+            loss.backward()
+        opt.step()
+    return {k: v.detach().numpy().copy() for k, v in module.named_parameters()}, compressor
+
+
+def worker():
+    import horovod.torch as hvd
+    import torch
+    from torch_backend import Compression
+    hvd.init()
+    torch.manual_seed(0)
+    out = {"rank": hvd.rank(), "size": hvd.size()}
+
+    # 1. Every scenario trains STEPS steps.
+    for label, (spec, kw, set_to_none, op) in SCENARIOS.items():
+        params, comp = _train(hvd, torch, Compression, spec, kw, set_to_none, op)
+        out[label] = {"params": params, "wire": {k: tuple(v) for k, v in comp.wire_bytes().items()},
+                      "state_keys": sorted(comp.state_dict()["tensors"])}
+
+    # 2. Checkpoint: 3 steps, save, fresh objects, load, 3 more == 6 uninterrupted.
+    spec = "topkc:ratio=0.25,chunk=8,selection=previous"
+    full, _ = _train(hvd, torch, Compression, spec, {}, True, "average", steps=6)
+    half, comp = _train(hvd, torch, Compression, spec, {}, True, "average", steps=3)
+    saved = comp.state_dict()
+    resumed, _ = _train(hvd, torch, Compression, spec, {}, True, "average", steps=3, start=3,
+                        params=half, state=saved)
+    out["resume_equal"] = all(np.array_equal(full[k], resumed[k]) for k in full)
+
+    # 3. A state of the wrong shape is refused on every rank, before any collective.
+    bad = {"spec": saved["spec"], "tensors": {k: dict(v) for k, v in saved["tensors"].items()}}
+    bad["tensors"]["a"]["residual"] = torch.zeros(65)
+    try:
+        _train(hvd, torch, Compression, spec, {}, True, "average", steps=1, params=half, state=bad)
+        out["bad_state"] = None
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        out["bad_state"] = f"{type(e).__name__}: {e}"
+    # A state saved by another compressor is refused at load.
+    try:
+        Compression.topkc(ratio=0.5).load_state_dict(saved)
+        out["bad_spec"] = None
+    except ValueError as e:
+        out["bad_spec"] = str(e)
+
+    # 4. NaN on rank 0 reaches every rank's output and never enters rank 0's residual.
+    comp = Compression.topkc(ratio=0.5, chunk=4)
+    x = torch.arange(32, dtype=torch.float32) * (hvd.rank() + 1) / 7.0
+    hvd.allreduce(x, name="nan_t", compression=comp)
+    before = comp.state_dict()["tensors"]["nan_t"]["residual"].clone()
+    y = x.clone()
+    if hvd.rank() == 0:
+        y[5] = float("nan")
+    res = hvd.allreduce(y, name="nan_t", compression=comp)
+    after = comp.state_dict()["tensors"]["nan_t"]["residual"]
+    out["nan"] = {"output_finite": bool(torch.isfinite(res).all()),
+                  "residual_kept": bool(torch.equal(before, after)),
+                  "residual_finite": bool(torch.isfinite(after).all())}
+    # Infinity in a chunk that is not selected still reaches the output.
+    comp = Compression.topkc(ratio=0.1, chunk=4)
+    z = torch.ones(64)
+    z[60] = float("inf") if hvd.rank() == 1 else 0.0
+    out["inf_output_finite"] = bool(torch.isfinite(hvd.allreduce(z, name="inf_t", compression=comp)).all())
+
+    # 5. Tensors passed through untouched: integers, empty; 0-d and non-contiguous kept.
+    comp = Compression.topkc(ratio=0.5, chunk=4)
+    ints = torch.arange(6, dtype=torch.int32)
+    payload, ctx = comp.compress(ints)
+    out["int_passthrough"] = payload is ints and ctx is None
+    empty = torch.zeros(0)
+    out["empty_passthrough"] = comp.compress(empty)[0] is empty
+    nc = (torch.arange(12, dtype=torch.float32).reshape(3, 4) * (hvd.rank() + 1)).t()
+    r = hvd.allreduce(nc, name="nc_t", compression=Compression.topkc(ratio=1.0, chunk=5), op=hvd.Sum)
+    out["noncontig"] = (tuple(r.shape), r.numpy().copy())
+    s = hvd.allreduce(torch.tensor(2.5 * (hvd.rank() + 1)), name="scalar_t",
+                      compression=Compression.topk(ratio=1.0), op=hvd.Sum)
+    out["scalar"] = (tuple(s.shape), float(s))
+    h = hvd.allreduce(torch.full((10,), 1.5, dtype=torch.float16), name="half_t",
+                      compression=Compression.topkc(ratio=1.0, chunk=4), op=hvd.Sum)
+    out["half"] = (str(h.dtype), h.float().numpy().copy())
+
+    # 6. Without a name or an optimizer frame the tensor cannot be identified: a clear error.
+    try:
+        Compression.topkc().compress(torch.ones(8))
+        out["no_key"] = None
+    except ValueError as e:
+        out["no_key"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run(worker, np=2)
+
+
+def _reference(spec, kw, set_to_none, op):
+    opts = dict(p.split("=") for p in spec.partition(":")[2].split(",") if p)
+    name = spec.partition(":")[0]
+    passes = kw.get("backward_passes_per_step", 1)
+    params = {k: init_of(k).astype(np.float64).reshape(-1) for k in SHAPES}
+    refs = {}
+    for k in SHAPES:
+        d = int(np.prod(SHAPES[k]))
+        if name == "topkc":
+            refs[k] = RefTopKC(d, 2, float(opts["ratio"]), int(opts["chunk"]),
+                               error_feedback=opts.get("error_feedback", "true") == "true",
+                               payload=opts.get("payload_dtype", "float16"),
+                               selection=opts.get("selection", "current"))
+        elif name == "topk":
+            refs[k] = RefTopK(d, 2, float(opts["ratio"]))
+    for step in range(STEPS):
+        for k in SHAPES:
+            grads = []
+            for r in range(2):
+                parts = [grad_of(k, r, step, p) for p in range(passes)]
+                parts = [p for p in parts if p is not None]
+                g = np.zeros(SHAPES[k], np.float32)
+                for p in parts:
+                    g = g + p  # accumulated in float32, as autograd does
+                grads.append(g.astype(np.float64).reshape(-1))
+            if name in ("topkc", "topk"):
+                update = refs[k].step(grads, op)
+            elif name == "fp16":
+                update = allreduce_fp16([fp16(g / 2) for g in grads], op) * 2
+            elif name == "bf16":
+                import torch
+                b = [torch.tensor(g).to(torch.bfloat16).double().numpy() for g in grads]
+                update = sum(b) / (2 if op == "average" else 1)
+            else:
+                update = sum(grads) / (2 if op == "average" else 1)
+            params[k] = (params[k] - update).astype(np.float32).astype(np.float64)
+    return {k: v.reshape(SHAPES[k]) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("label", sorted(SCENARIOS))
+def test_scenario_matches_float64_reference(results, label):
+    spec, kw, set_to_none, op = SCENARIOS[label]
+    expected = _reference(spec, kw, set_to_none, op)
+    for rank_out in results:
+        got = rank_out[label]["params"]
+        for k in SHAPES:
+            np.testing.assert_allclose(got[k], expected[k], rtol=2e-3, atol=2e-3,
+                                       err_msg=f"{label} param {k} rank {rank_out['rank']}")
+    for k in SHAPES:  # all ranks bit-identical
+        assert np.array_equal(results[0][label]["params"][k], results[1][label]["params"][k])
+
+
+def test_one_residual_per_parameter(results):
+    for label in ("topkc_none", "topkc_groups", "topkc_bpps2", "topk"):
+        assert results[0][label]["state_keys"] == ["a", "b", "s", "w"], label
+    assert results[0]["fp16"]["state_keys"] == []
+
+
+def test_wire_bytes(results):
+    wire = results[0]["topkc_none"]["wire"]
+    # a: 64 coords -> 8 chunks of 8, k = 2: payload 16 fp16 = 32 bytes; scores 8 float32.
+    assert wire["a"] == (32, 32, 1)
+    # w: 128 coords -> 16 chunks, k = 4: 32 coords; s: 1 chunk.
+    assert wire["w"] == (64, 64, 1) and wire["s"] == (16, 4, 1)
+    prev = results[0]["topkc_prev"]["wire"]
+    assert prev["a"] == ((16 + 8) * 2, 0, 0)
+    assert results[0]["topk"]["wire"]["w"] == (128 * 4, 0, 0)
+    assert results[0]["fp16"]["wire"]["w"] == (256, 0, 0)
+    assert results[0]["none"]["wire"]["w"] == (512, 0, 0)
+
+
+def test_checkpoint_resume_equals_uninterrupted(results):
+    assert all(r["resume_equal"] for r in results)
+
+
+def test_bad_state_refused_on_every_rank(results):
+    for r in results:
+        assert r["bad_state"] is not None and "'a'" in r["bad_state"] and "[65]" in r["bad_state"], r["bad_state"]
+        assert "topkc" in r["bad_spec"]
+
+
+def test_nonfinite_reaches_every_rank_not_residual(results):
+    for r in results:
+        assert r["nan"]["output_finite"] is False
+        assert r["nan"]["residual_finite"] is True
+        assert r["inf_output_finite"] is False
+    assert results[0]["nan"]["residual_kept"] is True
+
+
+def test_bad_input_shapes_and_dtypes(results):
+    expected_nc = (np.arange(12, dtype=np.float32).reshape(3, 4) * 3).T
+    for r in results:
+        assert r["int_passthrough"] and r["empty_passthrough"]
+        shape, value = r["noncontig"]
+        assert shape == (4, 3)
+        np.testing.assert_allclose(value, expected_nc, rtol=1e-3)
+        assert r["scalar"] == ((), 7.5)
+        assert r["half"][0] == "torch.float16"
+        np.testing.assert_array_equal(r["half"][1], np.full(10, 3.0))
+        assert "cannot tell which parameter" in r["no_key"]

@@ -1,0 +1,127 @@
+"""The contract every scheme in the catalogue keeps, in each backend, at the scheme level.
+
+These run one process with the side collective replaced by the identity (world size 1, so
+an all-reduce of one rank *is* the identity); everything multi-rank is in tests/parallel/.
+
+Checked for every entry of ``SCHEMES`` with default options:
+- dtype and shape survive compress + decompress (0-d, 1-d, 2-d, 4-d, fp16/bf16/fp32/fp64),
+- zeros give exact zeros,
+- error feedback: (grad + old residual) == locally decoded payload + new residual (float64),
+- payload size depends only on shape, dtype, config and world size,
+- wire() matches the payload actually produced.
+"""
+import dataclasses
+
+import pytest
+
+from hvd_gradcomp.base import TensorInfo, compress_tensor, decompress_tensor
+from hvd_gradcomp.primitives import itemsize
+from hvd_gradcomp.registry import SCHEMES, make_scheme
+from tests.conftest import BACKENDS, backend_ops
+
+SHAPES = [(), (7,), (64, 48), (8, 4, 3, 3), (5000,)]
+DTYPES = ["float32", "float16", "bfloat16", "float64"]
+
+
+def _ops(backend):
+    return dataclasses.replace(backend_ops(backend), allreduce=lambda x, op, name: x)
+
+
+def _tensor(backend, values, dtype):
+    if backend == "torch":
+        import torch
+        from torch_backend.ops import to_torch_dtype
+        return torch.as_tensor(values, dtype=torch.float64).to(to_torch_dtype(dtype))
+    import tensorflow as tf
+    return tf.cast(tf.constant(values, dtype=tf.float64), dtype)
+
+
+def _values(shape, seed):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(shape)
+
+
+def _to_numpy(x):
+    import numpy as np
+    if hasattr(x, "detach"):
+        import torch
+        return x.detach().to(torch.float64).numpy()
+    import tensorflow as tf
+    return np.asarray(tf.cast(x, tf.float64))
+
+
+def _roundtrip(backend, scheme, x, key="t", steps=1):
+    ops = _ops(backend)
+    info = TensorInfo(key, ops.shape(x), ops.dtype(x), 1, 0)
+    state = scheme.init(ops, info, x)
+    for _ in range(steps):
+        payload, ctx, new_state = compress_tensor(scheme, ops, x, state, info)
+        out = decompress_tensor(scheme, ops, payload, ctx, info)
+        after = scheme.absorb(ops, payload, ctx, new_state, info)
+        old, state = state, (after if after is not None else new_state)
+    return out, payload, old, new_state, info
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_shape_dtype_zeros(backend, name):
+    scheme = make_scheme(name)
+    ops = _ops(backend)
+    for shape in SHAPES:
+        for dtype in DTYPES:
+            x = _tensor(backend, _values(shape, 1), dtype)
+            out, payload, _, _, _ = _roundtrip(backend, scheme, x)
+            assert tuple(ops.shape(out)) == shape, (name, shape, dtype)
+            assert ops.dtype(out) == dtype, (name, shape, dtype)
+        zeros = _tensor(backend, _values(shape, 1) * 0.0, "float32")
+        out, _, _, _, _ = _roundtrip(backend, scheme, zeros, steps=2)
+        assert (_to_numpy(out) == 0).all(), (name, shape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_error_feedback_identity(backend, name):
+    """(grad + old residual) == locally decoded + new residual, checked in float64."""
+    import numpy as np
+    scheme = make_scheme(name)
+    for shape in [(64, 48), (5000,)]:
+        x = _tensor(backend, _values(shape, 2), "float32")
+        out, _, old, new, _ = _roundtrip(backend, scheme, x, steps=3)
+        if "residual" not in getattr(new, "_fields", ()) or _to_numpy(new.residual).size == 0:
+            continue
+        corrected = _to_numpy(x).reshape(-1) + _to_numpy(old.residual).reshape(-1)
+        rebuilt = _to_numpy(out).reshape(-1) + _to_numpy(new.residual).reshape(-1)
+        np.testing.assert_allclose(rebuilt, corrected, rtol=1e-5, atol=1e-5 * np.abs(corrected).max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_payload_size_is_static_and_reported(backend, name):
+    """Payload size is a function of (shape, dtype, config, world size), and wire() says it."""
+    scheme = make_scheme(name)
+    ops = _ops(backend)
+    for shape in [(64, 48), (5000,)]:
+        sizes = set()
+        for seed, scale in [(3, 1.0), (4, 1e-6), (5, 1e4)]:
+            x = _tensor(backend, _values(shape, seed) * scale, "float32")
+            _, payload, _, _, info = _roundtrip(backend, scheme, x)
+            numel = 1
+            for s in ops.shape(payload):
+                numel *= s
+            sizes.add(numel * itemsize(ops.dtype(payload)))
+        assert len(sizes) == 1, (name, shape, sizes)
+        assert scheme.wire(info).payload == sizes.pop(), (name, shape)
+
+
+def test_fp16_prescale_keeps_8_rank_sums_in_range():
+    """Scheme-level: a value of 3e4 on each of 8 ranks survives (the multi-rank run is in parallel/)."""
+    import numpy as np
+    scheme = make_scheme("fp16")
+    ops = _ops(BACKENDS[0])
+    x = _tensor(BACKENDS[0], np.full((16,), 3.0e4), "float32")
+    info = TensorInfo("t", (16,), "float32", 8, 0)
+    payload, ctx, _ = compress_tensor(scheme, ops, x, scheme.init(ops, info, x), info)
+    summed = payload * 8  # what an 8-rank Sum all-reduce of identical payloads gives
+    out = _to_numpy(decompress_tensor(scheme, ops, summed, ctx, info))
+    np.testing.assert_allclose(out, 8 * 3.0e4, rtol=1e-3)
