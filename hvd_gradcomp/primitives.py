@@ -77,5 +77,11 @@ class Primitives:
     bitwise_xor: Callable[[Any, Any], Any]
     left_shift: Callable[[Any, Any], Any]
     right_shift: Callable[[Any, Any], Any]
+    # --- control flow ---
+    # cond(pred bool 0-d, true_fn, false_fn) -> the outputs of the branch pred selects; only
+    # that branch runs (so it may hold collectives; all ranks must take the same branch).
+    # Both return the same structure and dtypes; shapes may differ (TensorFlow relaxes the
+    # static shape of such an output). PyTorch reads pred on the host: a device sync on GPU.
+    cond: Callable[[Any, Callable, Callable], Any]
     # --- side collective (synchronous, all ranks in the same order with the same name) ---
     allreduce: Callable[[Any, str, str], Any]  # allreduce(x, op "sum"|"max", name) -> reduced x

@@ -71,5 +71,6 @@ OPS = Primitives(
     bitwise_xor=_like(tf.bitwise.bitwise_xor),
     left_shift=_like(tf.bitwise.left_shift),
     right_shift=_like(tf.bitwise.right_shift),
+    cond=lambda pred, true_fn, false_fn: tf.cond(pred, true_fn, false_fn),
     allreduce=_allreduce,
 )

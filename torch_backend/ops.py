@@ -30,6 +30,10 @@ def _allreduce(x, op, name):
     return hvd.allreduce(x, op=hop, name=name)
 
 
+def _cond(pred, true_fn, false_fn):
+    # A Python branch on pred's value: a host read (a device sync when pred is on a GPU).
+    return true_fn() if bool(pred) else false_fn()
+
 
 OPS = Primitives(
     name="torch",
@@ -67,5 +71,6 @@ OPS = Primitives(
     bitwise_xor=torch.bitwise_xor,
     left_shift=torch.bitwise_left_shift,
     right_shift=torch.bitwise_right_shift,
+    cond=_cond,
     allreduce=_allreduce,
 )
