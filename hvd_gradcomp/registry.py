@@ -9,6 +9,7 @@ import dataclasses
 import typing
 
 from .cast import Bf16Config, Bf16Scheme, Fp16Config, Fp16Scheme, NoneConfig, NoneScheme
+from .powersgd import PowerSGDConfig, PowerSGDScheme
 from .topk import TopKConfig, TopKScheme
 from .topkc import TopKCConfig, TopKCScheme
 
@@ -21,6 +22,7 @@ SCHEMES = {
     "bf16": (Bf16Config, Bf16Scheme),
     "topk": (TopKConfig, TopKScheme),
     "topkc": (TopKCConfig, TopKCScheme),
+    "powersgd": (PowerSGDConfig, PowerSGDScheme),
 }
 # Also accepted by parse_spec/make_scheme.
 ALIASES = {"fp32": "none"}

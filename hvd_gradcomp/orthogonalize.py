@@ -1,0 +1,67 @@
+"""Orthonormalise the columns of a tall matrix: Gram-Schmidt, twice, guarded.
+
+Used by PowerSGD (``powersgd.py``) on the all-reduced ``P`` (float32 [n, r], r small).
+
+Steps, for each column j = 0 .. r-1 in order (a Python loop over the r columns; r is static):
+    1. Scale the column by 1 / max|column| (exact for the direction; keeps the squares below
+       from underflowing for tiny gradients or overflowing for huge ones).
+    2. Subtract its projection on the columns already produced, twice ("twice is enough":
+       Giraud, Langou, Rozloznik, "The loss of orthogonality in the Gram-Schmidt process",
+       Comput. Math. Appl. 2005). One pass in float32 leaves a dependent column's remainder
+       with components along the earlier columns as large as the remainder itself; the
+       second pass makes what survives orthogonal to working precision.
+    3. Keep the column, scaled to unit norm, if its remaining norm exceeds ``rel_tol`` times
+       its norm after step 1; otherwise it is (numerically) zero or a combination of earlier
+       columns and becomes exactly zero.
+
+Guards (no try/except: tensors never raise, they give inf/NaN):
+    - a zero column gives exact zeros (0 > 0 is False, and 0 * 0 = 0), never 0/0 = NaN;
+    - a dependent column gives exact zeros (below ``rel_tol``);
+    - a column holding NaN/inf stays non-finite (it is multiplied, never replaced), so a
+      non-finite gradient on any rank still reaches every rank's output.
+
+Output: float32 [n, r] whose non-zero columns are orthonormal (to float32 precision).
+"""
+
+__all__ = ["orthogonalize", "DEPENDENT_TOL"]
+
+# A column whose part orthogonal to the earlier columns is below this fraction of its own
+# norm is treated as dependent. After two projection passes an exactly dependent float32
+# column keeps about eps * sqrt(n) of its norm (eps = 1.2e-7: ~1e-5 for n = 10^4); 1e-4
+# stays above that while dropping only directions 10^4 times weaker than the column.
+DEPENDENT_TOL = 1e-4
+# Smallest divisor: keeps 1/x finite for a zero column (the mask then zeroes it anyway).
+_TINY = 1e-30
+
+
+def orthogonalize(ops, p, rel_tol: float = DEPENDENT_TOL):
+    """Columns of ``p`` made orthonormal in order; zero/dependent columns become zeros.
+
+    Args:
+        ops: the backend's :class:`~hvd_gradcomp.primitives.Primitives`.
+        p: float32 [n, r] (static shape).
+        rel_tol: relative threshold of step 3, in (0, 1); default :data:`DEPENDENT_TOL`.
+
+    Returns:
+        float32 [n, r]: the span of the first j columns of ``p`` equals that of the first
+        j non-zero output columns, for every j (up to the dropped dependent parts).
+    """
+    n, r = ops.shape(p)
+    cols = []
+    for j in range(r):
+        v = p[:, j:j + 1]
+        # Step 1: 1/max|v| changes the length only; max(., tiny) keeps 1/0 out of a zero column.
+        v = v * (1.0 / ops.maximum(ops.max(ops.abs(v), None), _TINY))
+        norm0 = ops.sqrt(ops.sum(v * v, None))
+        # Step 2: project out the earlier (orthonormal or zero) columns, twice.
+        if cols:
+            basis = ops.concat(cols, 1) if len(cols) > 1 else cols[0]
+            basis_t = ops.transpose(basis, (1, 0))
+            for _ in range(2):
+                v = v - ops.matmul(basis, ops.matmul(basis_t, v))
+        # Step 3: normalise, or zero a zero/dependent column. NaN > x is False, but NaN * 0 is
+        # still NaN, so a non-finite column is not turned into zeros.
+        norm = ops.sqrt(ops.sum(v * v, None))
+        keep = norm > norm0 * rel_tol
+        cols.append(v * ops.where(keep, 1.0 / ops.maximum(norm, _TINY), 0.0))
+    return ops.concat(cols, 1) if r > 1 else cols[0]
