@@ -123,12 +123,7 @@ class HorovodCompressor:
         """The state under info.key: existing, loaded, or freshly initialised; checked."""
         if self._has_state(info.key):
             return self._read_state(info.key)
-        fresh = self._fresh_state(info, like)
-        loaded = self._pending.pop(info.key, None)
-        if loaded is not None:
-            self._check_loaded(info.key, loaded, fresh)
-            fresh = type(fresh)(*[self.ops.cast(self._to_device(v, like), self.ops.dtype(f))
-                                  for v, f in zip(loaded, fresh)])
+        fresh = self._initial_state(info, like, self._pending.pop(info.key, None))
         if len(fresh):
             self._create_state(info.key, fresh)
             return self._read_state(info.key)
@@ -137,9 +132,17 @@ class HorovodCompressor:
     def _to_device(self, value, like):
         return value
 
-    def _fresh_state(self, info, like):
-        """The scheme's initial state for a tensor (TensorFlow builds it outside any graph)."""
-        return self.scheme.init(self.ops, info, like)
+    def _initial_state(self, info, like, loaded):
+        """The scheme's initial state for a tensor, or ``loaded`` checked against it.
+
+        TensorFlow overrides this to build it outside any graph (it becomes tf.Variables).
+        """
+        fresh = self.scheme.init(self.ops, info, like)
+        if loaded is None:
+            return fresh
+        self._check_loaded(info.key, loaded, fresh)
+        return type(fresh)(*[self.ops.cast(self._to_device(v, like), self.ops.dtype(f))
+                             for v, f in zip(loaded, fresh)])
 
     def _check_loaded(self, key, loaded, fresh):
         check_state(loaded, fresh, key)

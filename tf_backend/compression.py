@@ -19,6 +19,7 @@ and stable across steps and retraces. ``hvd.allreduce(t, name=..., compression=c
 import sys
 
 import tensorflow as tf
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 from hvd_gradcomp.adapter import HorovodCompressor, Namespace
 
@@ -97,14 +98,19 @@ class Compressor(HorovodCompressor):
         cls, variables = self._vars[key]
         return cls(*[tf.identity(v) for v in variables])
 
-    def _fresh_state(self, info, like):
+    def _initial_state(self, info, like, loaded):
         with tf.init_scope():  # initial values must not live in the calling tf.function's graph
-            return self.scheme.init(self.ops, info, None)
+            return super()._initial_state(info, None, loaded)
 
     def _create_state(self, key, state):
+        # A gradient may first appear in a later trace of the user's tf.function (a variable
+        # outside the loss at first), and tf.Variable() refuses creation after the first call.
+        # These variables are created eagerly (init_scope) and kept in self._vars for the
+        # compressor's lifetime, which is what that rule protects; constructing the
+        # ResourceVariable class directly skips the tf.function variable-creator check.
         with tf.init_scope():
             safe = "".join(c if c.isalnum() else "_" for c in key)
-            variables = tuple(tf.Variable(v, trainable=False, name=f"hvd_gradcomp_{safe}_{f}")
+            variables = tuple(ResourceVariable(v, trainable=False, name=f"hvd_gradcomp_{safe}_{f}")
                               for f, v in zip(state._fields, state))
         self._vars[key] = (type(state), variables)
 

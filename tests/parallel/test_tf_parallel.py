@@ -1,0 +1,159 @@
+"""TensorFlow frontend under real Horovod (2 ranks, Gloo): one launch runs every check below.
+
+Same known-gradient set-up as test_torch_parallel.py (loss = sum_i <v_i, C_i>, SGD lr 1), with
+``hvd.DistributedGradientTape`` inside ``tf.function`` and eagerly, with ``groups``, and with
+``hvd.DistributedOptimizer`` around a Keras 2 optimizer. In TensorFlow a variable outside the
+loss has a None gradient, which Horovod does not reduce: on odd steps ``w`` is skipped (its
+residual waits), and the step function is traced twice (with and without ``w``), so keys
+must survive retracing.
+"""
+import numpy as np
+import pytest
+
+from tests.hvdrun import run
+from tests.parallel.test_torch_parallel import SHAPES, grad_of, init_of
+from tests.reference import RefTopK, RefTopKC, allreduce_fp16, fp16
+
+STEPS = 4
+
+# name -> (spec, how, op)
+SCENARIOS = {
+    "tape_fn_topkc": ("topkc:ratio=0.25,chunk=8", "tape_fn", "average"),
+    "tape_eager_topkc_prev": ("topkc:ratio=0.25,chunk=8,selection=previous", "tape_eager", "average"),
+    "tape_groups_topkc": ("topkc:ratio=0.25,chunk=8", "tape_groups", "average"),
+    "tape_fn_topkc_sum": ("topkc:ratio=0.25,chunk=8", "tape_fn", "sum"),
+    "keras_opt_topk": ("topk:ratio=0.1", "keras", "average"),
+    "tape_fn_fp16": ("fp16", "tape_fn", "average"),
+}
+
+
+def _train(hvd, tf, Compression, spec, how, op, steps=STEPS, start=0, values=None, state=None):
+    names = sorted(SHAPES)
+    variables = {k: tf.Variable(init_of(k) if values is None else values[k], name=k) for k in names}
+    var_list = [variables[k] for k in names]
+    comp = Compression.from_spec(spec)
+    if state is not None:
+        comp.load_state_dict(state)
+    hop = hvd.Sum if op == "sum" else hvd.Average
+
+    def loss_fn(consts, use_w):
+        total = 0.0
+        for k in names:
+            if k != "w" or use_w:
+                total += tf.reduce_sum(variables[k] * consts[k])
+        return total
+
+    if how == "keras":
+        opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(1.0), compression=comp, op=hop)
+        opt.build(var_list)
+
+        def step(consts, use_w):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(consts, use_w)
+            used = [v for k, v in zip(names, var_list) if k != "w" or use_w]
+            opt.minimize(loss, used, tape=tape)
+    else:
+        sgd = tf.keras.optimizers.SGD(1.0)
+        sgd.build(var_list)
+        groups = 2 if how == "tape_groups" else None
+
+        def step(consts, use_w):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(consts, use_w)
+            tape = hvd.DistributedGradientTape(tape, compression=comp, op=hop, groups=groups)
+            grads = tape.gradient(loss, var_list)
+            sgd.apply_gradients([(g, v) for g, v in zip(grads, var_list) if g is not None])
+    if how != "tape_eager":
+        step = tf.function(step)
+    for s in range(start, start + steps):
+        consts = {k: tf.constant(grad_of(k, hvd.rank(), s, 0) if grad_of(k, hvd.rank(), s, 0) is not None
+                                 else np.zeros(SHAPES[k], np.float32)) for k in names}
+        step(consts, s % 2 == 0)
+    return {k: v.numpy().copy() for k, v in variables.items()}, comp
+
+
+def worker():
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    from tf_backend import Compression
+    hvd.init()
+    out = {"rank": hvd.rank()}
+    for label, (spec, how, op) in SCENARIOS.items():
+        values, comp = _train(hvd, tf, Compression, spec, how, op)
+        out[label] = {"params": values, "state_keys": sorted(comp.state_dict()["tensors"]),
+                      "wire": {k: tuple(v) for k, v in comp.wire_bytes().items()}}
+    # Checkpoint: 3 steps, save, fresh variables and compressor, load, 3 more == 6 in one go.
+    spec = "topkc:ratio=0.25,chunk=8,selection=previous"
+    full, _ = _train(hvd, tf, Compression, spec, "tape_fn", "average", steps=6)
+    half, comp = _train(hvd, tf, Compression, spec, "tape_fn", "average", steps=3)
+    saved = comp.state_dict()
+    resumed, _ = _train(hvd, tf, Compression, spec, "tape_fn", "average", steps=3, start=3,
+                        values=half, state=saved)
+    out["resume_equal"] = all(np.array_equal(full[k], resumed[k]) for k in full)
+    # NaN on rank 1 through hvd.allreduce (eager): every rank's output is non-finite.
+    comp = Compression.topkc(ratio=0.5, chunk=4)
+    x = np.arange(32, dtype=np.float32) / 7.0
+    if hvd.rank() == 1:
+        x[3] = np.nan
+    res = hvd.allreduce(tf.constant(x), name="nan_t", compression=comp)
+    out["nan_output_finite"] = bool(tf.reduce_all(tf.math.is_finite(res)))
+    out["nan_residual_finite"] = bool(tf.reduce_all(tf.math.is_finite(
+        comp.state_dict()["tensors"]["nan_t"]["residual"])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run(worker, np=2)
+
+
+def _reference(spec, op):
+    name, _, rest = spec.partition(":")
+    opts = dict(p.split("=") for p in rest.split(",") if p)
+    params = {k: init_of(k).astype(np.float64).reshape(-1) for k in SHAPES}
+    refs = {}
+    for k in SHAPES:
+        d = int(np.prod(SHAPES[k]))
+        if name == "topkc":
+            refs[k] = RefTopKC(d, 2, float(opts["ratio"]), int(opts["chunk"]),
+                               selection=opts.get("selection", "current"))
+        elif name == "topk":
+            refs[k] = RefTopK(d, 2, float(opts["ratio"]))
+    for step in range(STEPS):
+        for k in SHAPES:
+            if k == "w" and step % 2 == 1:
+                continue  # None gradient: not reduced, no update
+            grads = [grad_of(k, r, step, 0).astype(np.float64).reshape(-1) for r in range(2)]
+            if name == "fp16":
+                update = allreduce_fp16([fp16(g / 2) for g in grads], op) * 2
+            else:
+                update = refs[k].step(grads, op)
+            params[k] = (params[k] - update).astype(np.float32).astype(np.float64)
+    return {k: v.reshape(SHAPES[k]) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("label", sorted(SCENARIOS))
+def test_scenario_matches_float64_reference(results, label):
+    spec, _, op = SCENARIOS[label]
+    expected = _reference(spec, op)
+    for r in results:
+        for k in SHAPES:
+            np.testing.assert_allclose(r[label]["params"][k], expected[k], rtol=2e-3, atol=2e-3,
+                                       err_msg=f"{label} {k} rank {r['rank']}")
+    for k in SHAPES:
+        assert np.array_equal(results[0][label]["params"][k], results[1][label]["params"][k])
+
+
+def test_one_residual_per_variable_across_retraces(results):
+    for label in ("tape_fn_topkc", "tape_groups_topkc", "keras_opt_topk", "tape_eager_topkc_prev"):
+        assert results[0][label]["state_keys"] == ["a:0", "b:0", "s:0", "w:0"], label
+    assert results[0]["tape_fn_topkc"]["wire"]["a:0"] == (32, 32, 1)
+
+
+def test_checkpoint_resume_equals_uninterrupted(results):
+    assert all(r["resume_equal"] for r in results)
+
+
+def test_nonfinite_reaches_every_rank(results):
+    for r in results:
+        assert r["nan_output_finite"] is False and r["nan_residual_finite"] is True
