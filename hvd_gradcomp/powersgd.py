@@ -45,7 +45,8 @@ Q after warm-up for the bytes to be honest; the uncompressed matrix (n*m values)
 in it. So the step chooses between two branches with :func:`Primitives.cond` (``tf.cond``;
 in PyTorch a Python branch on the step's value), and only the chosen branch's collectives run:
     W1. the full matrix ``M`` goes through a *side* all-reduce (Sum), float16 pre-scaled by
-        1/world_size, named ``hvd_gradcomp.powersgd.full.<key>``; the residual becomes zero;
+        1/world_size, named ``hvd_gradcomp.powersgd.full.<key>``; the residual becomes zero
+        (M is sent whole; its fp16 rounding is not fed back, as in the fp16 baseline);
     W2. the Q-shaped payload carries the constant 1/world_size in each coordinate: after
         Horovod's Sum it reads 1, after Average 1/world_size, and decompress multiplies the
         summed matrix by it, so warm-up steps also give the sum or the mean as Horovod asked.
