@@ -1,0 +1,94 @@
+"""Public API: the framework-free core, the catalogue, text specs and construction errors."""
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from hvd_gradcomp.registry import SCHEMES, make_scheme, parse_spec, to_spec
+from tests.conftest import BACKENDS, ROOT
+
+
+def test_core_imports_no_framework():
+    code = ("import sys, hvd_gradcomp, hvd_gradcomp.registry, hvd_gradcomp.adapter, hvd_gradcomp.rng;"
+            "import pkgutil, importlib;"
+            "[importlib.import_module('hvd_gradcomp.' + m.name) for m in pkgutil.iter_modules(hvd_gradcomp.__path__)"
+            " if m.name != 'bench'];"
+            "print(sorted(m for m in ('torch', 'tensorflow', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_spec_round_trip():
+    assert parse_spec("topkc:ratio=0.01,chunk=256") == ("topkc", {"ratio": 0.01, "chunk": 256})
+    assert parse_spec(" topkc : ratio = 0.5 , error_feedback = false ") == (
+        "topkc", {"ratio": 0.5, "error_feedback": False})
+    assert parse_spec("fp32") == ("none", {})
+    for name in SCHEMES:
+        scheme = make_scheme(name)
+        assert to_spec(scheme) == name
+        n, opts = parse_spec(to_spec(scheme))
+        assert make_scheme(n, **opts).config == scheme.config
+    s = make_scheme("topkc", ratio=0.1, chunk=64, selection="previous")
+    assert to_spec(s) == "topkc:ratio=0.1,chunk=64,selection=previous"
+    assert make_scheme(*[parse_spec(to_spec(s))[0]], **parse_spec(to_spec(s))[1]).config == s.config
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("topkc:ratio=1.5", "topkc: ratio must be in (0, 1], got 1.5"),
+    ("topkc:ratio=0", "topkc: ratio must be in (0, 1], got 0.0"),
+    ("topk:ratio=-0.1", "topk: ratio must be in (0, 1], got -0.1"),
+    ("topkc:chunk=0", "topkc: chunk must be an integer >= 1, got 0"),
+    ("topkc:payload_dtype=int8", "topkc: payload_dtype must be 'float16' or 'float32'"),
+    ("topkc:selection=lagged", "topkc: selection must be 'current' or 'previous'"),
+    ("topkc:rank=2", "topkc: unknown option 'rank'"),
+    ("topkc:ratio", "expected key=value"),
+    ("topkc:ratio=abc", "topkc: option ratio must be float"),
+    ("topkc:error_feedback=maybe", "must be true or false"),
+    ("zip", "unknown compressor 'zip'"),
+])
+def test_bad_specs_raise_value_error(spec, message):
+    with pytest.raises(ValueError) as err:
+        name, opts = parse_spec(spec)
+        make_scheme(name, **opts)
+    assert message in str(err.value)
+
+
+def test_bad_keyword_options_raise_value_error():
+    with pytest.raises(ValueError, match="unknown option"):
+        make_scheme("topk", chunk=3)
+    with pytest.raises(ValueError, match="ratio must be in"):
+        make_scheme("topk", ratio=True)
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="needs both backends")
+def test_frontends_offer_the_same_compressors():
+    import tf_backend
+    import torch_backend
+    assert torch_backend.Compression.names() == tf_backend.Compression.names() == sorted(SCHEMES)
+    for name in SCHEMES:
+        a = getattr(torch_backend.Compression, name)()
+        b = getattr(tf_backend.Compression, name)()
+        assert a.spec == b.spec == name
+        assert dataclasses.fields(a.scheme.config) == dataclasses.fields(b.scheme.config)
+    c = torch_backend.Compression.from_spec("topkc:ratio=0.02,chunk=128")
+    assert c.scheme.config.ratio == 0.02 and c.scheme.config.chunk == 128
+    with pytest.raises(ValueError, match="ratio must be in"):
+        tf_backend.Compression.topkc(ratio=2)
+    with pytest.raises(AttributeError, match="no compressor 'zstd'"):
+        torch_backend.Compression.zstd
+    # Horovod's habit of passing the class attribute itself gets a clear message.
+    with pytest.raises(TypeError, match=r"pass Compression.fp16\(\)"):
+        torch_backend.Compression.fp16.compress(None)
+
+
+def test_every_public_module_lists_all():
+    import importlib
+    import pkgutil
+
+    import hvd_gradcomp
+    for m in pkgutil.iter_modules(hvd_gradcomp.__path__):
+        if m.name in ("bench",):
+            continue
+        mod = importlib.import_module(f"hvd_gradcomp.{m.name}")
+        assert hasattr(mod, "__all__"), m.name
