@@ -5,7 +5,7 @@ Steps:
     2. Select the ``k = max(1, ceil(ratio * d))`` coordinates of largest ``|c|`` (by magnitude,
        never by signed value). Each rank picks its own indices.
     3. Payload: ``c`` with every other coordinate zeroed, float32 [d]. A true sparse exchange
-       of (index, value) pairs would need allgather, which this project rules out; under a plain
+       of (index, value) pairs would need an all-gather, which this project rules out; under a plain
        all-reduce the masked tensor is the honest form, so **TopK saves no bandwidth**: it is
        the accuracy reference for TopKC.
     4. Residual: ``e' = c - payload`` (everything not sent).
