@@ -43,12 +43,28 @@ class HorovodCompressor:
         self._pending = {}
 
     # ---- backend hooks ----
-    def _identify(self, tensor) -> str:
+    no_key_message = "{scheme}: cannot tell which tensor this is; call compress(tensor, name=...)"
+
+    @staticmethod
+    def _find_key(tensor):
+        """The tensor's stable identity from Horovod's calling frames, or None."""
         raise NotImplementedError
+
+    @staticmethod
+    def _horovod():
+        """The framework's Horovod module (horovod.torch or horovod.tensorflow)."""
+        raise NotImplementedError
+
+    def _identify(self, tensor) -> str:
+        key = self._find_key(tensor)
+        if key is None:
+            raise ValueError(self.no_key_message.format(scheme=self.scheme.name))
+        return key
 
     def _world(self):
         """(world_size, rank) of the all-reduce."""
-        raise NotImplementedError
+        hvd = self._horovod()
+        return hvd.size(), hvd.rank()
 
     def _read_state(self, key):
         raise NotImplementedError

@@ -81,15 +81,13 @@ class Compressor(HorovodCompressor):
     def decompress(self, payload, ctx):
         return super().decompress(payload, ctx)
 
-    def _identify(self, tensor):
-        key = _variable_name(tensor)
-        if key is None:
-            raise ValueError(_NO_KEY.format(scheme=self.scheme.name))
-        return key
+    no_key_message = _NO_KEY
+    _find_key = staticmethod(_variable_name)
 
-    def _world(self):
+    @staticmethod
+    def _horovod():
         import horovod.tensorflow as hvd
-        return hvd.size(), hvd.rank()
+        return hvd
 
     def _has_state(self, key):
         return key in self._vars

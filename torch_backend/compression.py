@@ -68,15 +68,13 @@ class Compressor(HorovodCompressor):
         super().__init__(scheme)
         self._states = {}
 
-    def _identify(self, tensor):
-        key = _horovod_name(tensor)
-        if key is None:
-            raise ValueError(_NO_KEY.format(scheme=self.scheme.name))
-        return key
+    no_key_message = _NO_KEY
+    _find_key = staticmethod(_horovod_name)
 
-    def _world(self):
+    @staticmethod
+    def _horovod():
         import horovod.torch as hvd
-        return hvd.size(), hvd.rank()
+        return hvd
 
     def _has_state(self, key):
         return key in self._states
