@@ -13,6 +13,8 @@ from hvd_gradcomp.bench import model
 from hvd_gradcomp.bench.model import (Measurement, Network, allreduce_time, latency, load_inputs,
                                       predict_step_time, tta_ratio, winning_ranges)
 
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # matplotlib's pyparsing use
+
 NO_LATENCY = Network(alpha_s=0.0, hop_s=0.0, hops="none")
 
 
@@ -170,3 +172,21 @@ def test_command_writes_table_csv_and_heatmap(tmp_path, capsys):
     assert len(rows) == 2 * 2 * 2
     assert {"compressor", "workers", "gbps", "step_s", "tta_vs_fp16"} <= set(rows[0])
     assert os.path.getsize(out / "model_heatmap.png") > 1000
+
+
+def test_check_against_a_run_record():
+    # 100 steps in 50 s -> 0.5 s per step; compute 60% = 0.3 s, codec 10% = 0.05 s.
+    # 800 Mbit/s = 1e8 B/s, N=2: 2(N-1)/N = 1, payload 1e7 B -> 0.1 s; no latency.
+    # Predicted 0.3 + 0.05 + 0.1 = 0.45 s against a measured median of 0.5 s: -10%.
+    row = {"run_id": "r1", "spec": "topkc", "status": "ok", "steps": 100, "clock_s": 50.0,
+           "compute_share": 0.6, "codec_share": 0.1, "bytes_payload": 1e7, "bytes_side": 0,
+           "side_collectives": 0, "world_size": 2, "bandwidth_mbit": 800, "latency_ms": 0,
+           "step_ms_median": 500.0}
+    m, workers, gbps, lat = model.measurement_from_run(row)
+    assert (m.compute_s, m.codec_s, workers, gbps, lat) == pytest.approx((0.3, 0.05, 2, 0.8, 0.0))
+    (res,) = model.check_against_runs([row, dict(row, bandwidth_mbit=None), dict(row, status="failed")],
+                                      NO_LATENCY)
+    assert res["predicted_s"] == pytest.approx(0.45) and res["rel_error"] == pytest.approx(-0.1)
+    # A 2 ms link latency on a ring of 2 (2 hops) adds 4 ms to the one fused collective.
+    (res,) = model.check_against_runs([dict(row, latency_ms=2)], Network(0.0, 0.0, "ring"))
+    assert res["predicted_s"] == pytest.approx(0.454)

@@ -50,7 +50,8 @@ deliver ``B`` per worker at any N), hierarchical all-reduce, compute that change
 
 Outputs: a table of the ratio for every (N, bandwidth), the bandwidth below which each
 compressor beats FP16 at each N (where it starts and where it stops), and a heat-map PNG.
-:func:`predict_step_time` is the function to check against measured bandwidth-limited runs.
+:func:`predict_step_time` is the function to check against measured bandwidth-limited runs;
+:func:`check_against_runs` applies it to the TTA harness's run summaries (``report.RUN_COLUMNS``).
 """
 import argparse
 import csv
@@ -62,6 +63,7 @@ from typing import NamedTuple, Optional
 
 __all__ = ["Measurement", "Network", "StepTime", "latency", "allreduce_time",
            "predict_step_time", "tta_ratio", "winning_ranges", "load_inputs",
+           "measurement_from_run", "check_against_runs",
            "REFERENCE_MODELS", "WORKERS", "BANDWIDTHS_GBPS", "DEFAULT_INPUTS", "main"]
 
 WORKERS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -244,6 +246,63 @@ def winning_ranges(m, fp16, workers, lo_gbps, hi_gbps, net=Network(), codec_scal
                 start = None
     if start is not None:
         out.append((start, grid[-1]))
+    return out
+
+
+def measurement_from_run(row):
+    """A TTA-harness run summary (``report.RUN_COLUMNS``) as model inputs.
+
+    Per-step means from the run: ``compute_s = compute_share * clock_s / steps`` and
+    ``codec_s = codec_share * clock_s / steps``; wire bytes from ``bytes_payload``,
+    ``bytes_side`` and ``side_collectives``.
+
+    Returns:
+        (Measurement, workers, gbps, link_latency_s): ``gbps`` from ``bandwidth_mbit``
+        (None when the run was not bandwidth-limited), ``link_latency_s`` from ``latency_ms``.
+
+    Raises:
+        ValueError: the row lacks steps, clock or shares.
+    """
+    steps, clock = row.get("steps"), row.get("clock_s")
+    if not steps or clock in (None, "") or row.get("compute_share") in (None, ""):
+        raise ValueError(f"model: run {row.get('run_id')!r} lacks steps, clock_s or compute_share")
+    per_step = float(clock) / float(steps)
+    m = Measurement(compute_s=float(row["compute_share"]) * per_step,
+                    codec_s=float(row.get("codec_share") or 0.0) * per_step,
+                    payload_bytes=float(row.get("bytes_payload") or 0.0),
+                    side_bytes=float(row.get("bytes_side") or 0.0),
+                    side_collectives=int(float(row.get("side_collectives") or 0)))
+    mbit = row.get("bandwidth_mbit")
+    gbps = float(mbit) / 1e3 if mbit not in (None, "") else None
+    latency_s = float(row.get("latency_ms") or 0.0) / 1e3
+    return m, int(row["world_size"]), gbps, latency_s
+
+
+def check_against_runs(rows, net: Network = Network(hops="ring")):
+    """Predicted vs measured step time for bandwidth-limited TTA runs.
+
+    For each run with a bandwidth and a median step time: the model's step time from the
+    run's own compute, codec and wire numbers (:func:`measurement_from_run`), with the run's
+    link latency as ``hop_s`` (``net.hop_s`` when the run has none), against
+    ``step_ms_median``. Runs without a bandwidth or status other than "ok" are skipped.
+
+    Returns:
+        list of dicts: run_id, spec, workers, gbps, predicted_s, measured_s, rel_error
+        ((predicted - measured) / measured).
+    """
+    out = []
+    for row in rows:
+        if (row.get("status") or "ok") != "ok" or row.get("step_ms_median") in (None, ""):
+            continue
+        m, workers, gbps, latency_s = measurement_from_run(row)
+        if gbps is None:
+            continue
+        run_net = net._replace(hop_s=latency_s) if latency_s else net
+        predicted = predict_step_time(m, workers, gbps, run_net).total
+        measured = float(row["step_ms_median"]) / 1e3
+        out.append({"run_id": row.get("run_id"), "spec": row.get("spec"), "workers": workers,
+                    "gbps": gbps, "predicted_s": predicted, "measured_s": measured,
+                    "rel_error": (predicted - measured) / measured})
     return out
 
 

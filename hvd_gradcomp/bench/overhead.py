@@ -302,29 +302,17 @@ class _TFRunner:
 
 
 def _devices(requested: str):
-    """[(framework_device_name)] to run: 'cpu', 'gpu' (or 'auto' = cpu + gpu when present)."""
-    wanted = [d.strip() for d in requested.split(",") if d.strip()]
+    """Devices to try, from 'cpu', 'gpu' or 'auto' (= cpu and gpu; a framework without a GPU
+    skips the gpu runs)."""
     out = []
-    for d in wanted:
+    for d in (d.strip() for d in requested.split(",")):
         if d == "auto":
-            out.append("cpu")
-            if _gpu_present():
-                out.append("gpu")
+            out += ["cpu", "gpu"]
         elif d in ("cpu", "gpu"):
             out.append(d)
-        else:
+        elif d:
             raise ValueError(f"overhead: device must be cpu, gpu or auto, got {d!r}")
     return list(dict.fromkeys(out))
-
-
-def _gpu_present() -> bool:
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return True
-    except ImportError:
-        pass
-    return False
 
 
 def _runner(framework, device, args):
