@@ -7,6 +7,9 @@ Steps, per gradient tensor and step:
        ``rank * (n + m) * min_compression_rate <= n * m``. Every other tensor (vectors, scalars,
        small or square-ish matrices) is sent uncompressed: float16 pre-scaled by
        1/world_size (:class:`~hvd_gradcomp.cast.Fp16Scheme`), or float32 as it is.
+       Conv kernels follow their framework's layout: PyTorch's (out, in, h, w) becomes
+       out x (in h w); TensorFlow's (h, w, in, out) becomes h x (w in out), a matrix with few
+       rows, which rank r captures less of.
     2. Error feedback: ``M = G + E`` (float32 [n, m]; E = 0 without error feedback).
     3. Q (float32 [m, r], kept transposed as ``[r, m]``): with ``warm_start`` the state's Q
        (the previous step's aggregated Q, unit columns); otherwise a fresh one each step. The
