@@ -10,6 +10,7 @@ import typing
 
 from .cast import Bf16Config, Bf16Scheme, Fp16Config, Fp16Scheme, NoneConfig, NoneScheme
 from .powersgd import PowerSGDConfig, PowerSGDScheme
+from .thc import THCConfig, THCScheme
 from .topk import TopKConfig, TopKScheme
 from .topkc import TopKCConfig, TopKCScheme
 
@@ -23,6 +24,7 @@ SCHEMES = {
     "topk": (TopKConfig, TopKScheme),
     "topkc": (TopKCConfig, TopKCScheme),
     "powersgd": (PowerSGDConfig, PowerSGDScheme),
+    "thc": (THCConfig, THCScheme),
 }
 # Also accepted by parse_spec/make_scheme.
 ALIASES = {"fp32": "none"}
