@@ -273,6 +273,16 @@ class THCScheme(Scheme):
     def _side_name(self, info):
         return f"hvd_gradcomp.thc.scale.{info.key}"
 
+    def rotation_diagonal(self, ops, info: TensorInfo, step, like):
+        """Step 3's diagonal: float32 [P] of ``+-1/sqrt(B)``, the same on every rank.
+
+        Args:
+            step: int64 0-d tensor, the state's step counter.
+        """
+        block, padded, _, _ = self._sizes(info)
+        key = rng.step_key(ops, rng.stream_key("thc.rotation", self.config.seed, info.key), step)
+        return hadamard.rademacher(ops, key, padded, like, 1.0 / math.sqrt(block))
+
     def _uniform(self, ops, info, step, padded, like):
         """float32 [P] pairwise-independent uniforms on a 2**-23 lattice (step 6), per rank."""
         cols = hadamard.next_pow2(math.isqrt(padded))
@@ -297,8 +307,7 @@ class THCScheme(Scheme):
         # Step 2.
         c = ops.concat([corrected, ops.zeros((padded - d,), "float32", x)], 0) if padded > d else corrected
         # Step 3: shared diagonal, +-1/sqrt(B) so the rotation is orthonormal.
-        rot_key = rng.step_key(ops, rng.stream_key("thc.rotation", cfg.seed, info.key), state.step)
-        diag = hadamard.rademacher(ops, rot_key, padded, x, 1.0 / math.sqrt(block))
+        diag = self.rotation_diagonal(ops, info, state.step, x)
         factors = hadamard.hadamard_factors(ops, block, x)
         y = hadamard.rht(ops, c, diag, factors)
         # Step 4: NaN must not reach Horovod's Max, so each entry is sanitised and flagged.
