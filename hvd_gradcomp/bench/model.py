@@ -541,6 +541,9 @@ def _parser():
                    help="factor on the size-dependent codec time (default: the inputs' meta "
                         "codec_scale, else 1)")
     p.add_argument("--compute-s", type=float, default=None, help="override every compute_s")
+    p.add_argument("--ignore-codec", action="store_true",
+                   help="set every codec time to 0 (the communication-only view that ignores "
+                        "compute overhead), for comparison")
     p.add_argument("--only", default=None, help="comma-separated compressors to keep (fp16 always kept)")
     p.add_argument("--out", default="runs/model", help="folder for model.txt, model.csv, model_heatmap.png")
     return p
@@ -551,6 +554,8 @@ def main(argv=None) -> int:
     inputs, meta = load_inputs(args.inputs)
     if args.compute_s is not None:
         inputs = {k: m._replace(compute_s=args.compute_s) for k, m in inputs.items()}
+    if args.ignore_codec:
+        inputs = {k: m._replace(codec_s=0.0, codec_fixed_s=0.0) for k, m in inputs.items()}
     if args.only:
         keep = {BASELINE} | {s.strip() for s in args.only.split(",")}
         inputs = {k: m for k, m in inputs.items() if k in keep}
