@@ -1,0 +1,165 @@
+"""The same PyTorch workloads under ``torch.distributed`` DDP (Gloo) with its built-in hooks.
+
+What a PyTorch user would pick instead of Horovod + hvd-gradcomp: DDP's own communication
+hooks. Launch with torchrun-style variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE``; the harness sets them), e.g.::
+
+    torchrun --nproc_per_node 2 examples/train_ddp_torch.py --workload digits --hook fp16
+
+``--hook``: ``none`` (DDP's plain fp32 all-reduce), ``fp16`` (``fp16_compress_hook``) or
+``powersgd:rank=R`` (``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=R,
+start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)``; 2 is the smallest warm-up
+DDP accepts with error feedback).
+
+Time split (DDP overlaps its all-reduces with backward and waits at the end of backward, so
+the parts cannot be read off one timer):
+
+- compute: forward + backward measured without communication (``model.no_sync()`` on the
+  same batch, every ``--eval-every`` steps, off the clock; the median is used) plus the
+  optimizer update;
+- compress+decompress: time spent inside the hook call itself (compression and launching the
+  all-reduce; PowerSGD's later steps run in future callbacks and count as communication, so
+  this is a lower bound);
+- communication: the rest of the step.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import torch_workloads  # noqa: E402
+from hvd_gradcomp.bench.worker import add_common_args  # noqa: E402
+
+
+def parse_hook(spec):
+    """``"none"``, ``"fp16"`` or ``"powersgd:rank=R"`` -> (name, rank)."""
+    name, _, rest = spec.partition(":")
+    if name in ("none", "fp32") and not rest:
+        return "none", None
+    if name == "fp16" and not rest:
+        return "fp16", None
+    if name == "powersgd":
+        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        unknown = set(opts) - {"rank"}
+        if unknown:
+            raise ValueError(f"ddp hook powersgd: unknown option(s) {sorted(unknown)}; expected rank")
+        return "powersgd", int(opts.get("rank", 1))
+    raise ValueError(f"ddp hook must be none, fp16 or powersgd:rank=R, got {spec!r}")
+
+
+def wire_bytes(model, hook, rank, min_compression_rate=2):
+    """Bytes per rank per step handed to DDP's all-reduces (PowerSGD after its warm-up)."""
+    payload = side = 0
+    for p in model.parameters():
+        n = p.numel()
+        if hook == "none":
+            payload += 4 * n
+        elif hook == "fp16":
+            payload += 2 * n
+        else:  # PowerSGD views each tensor as rows x rest; 1-D tensors go uncompressed
+            rows = p.shape[0] if p.dim() > 1 else 1
+            cols = n // rows
+            if p.dim() > 1 and (rows + cols) * rank * min_compression_rate < rows * cols:
+                side += 4 * rows * rank  # P
+                payload += 4 * cols * rank  # Q
+            else:
+                payload += 4 * n
+    return {"payload": payload, "side": side, "side_collectives": None}
+
+
+class DDPTrainer:
+    def __init__(self, workload, model, lr, hook, rank, seed, calib_every):
+        self.workload = workload
+        self.model = DDP(model)  # broadcasts rank 0's parameters
+        self.opt = workload.optimizer(self.model.parameters(), lr)
+        self.hook_s = 0.0
+        self.calib, self.calib_every, self.steps = [], calib_every, 0
+        if hook == "fp16":
+            state, fn = None, default_hooks.fp16_compress_hook
+        elif hook == "powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                                start_powerSGD_iter=2, use_error_feedback=True,
+                                                warm_start=True, random_seed=seed)
+            fn = powerSGD_hook.powerSGD_hook
+        else:
+            state = fn = None
+        if fn is not None:
+            def timed(state, bucket):
+                t0 = time.perf_counter()
+                try:
+                    return fn(state, bucket)
+                finally:
+                    self.hook_s += time.perf_counter() - t0
+            self.model.register_comm_hook(state, timed)
+
+    def _calibrate(self, x, y):
+        self.opt.zero_grad()
+        t0 = time.perf_counter()
+        with self.model.no_sync():
+            self.workload.loss(self.model, x, y).backward()
+        self.calib.append(time.perf_counter() - t0)
+        self.opt.zero_grad()
+
+    def step(self, x, y):
+        if self.steps % self.calib_every == 0:
+            self._calibrate(x, y)  # off the clock
+        self.steps += 1
+        self.hook_s = 0.0
+        t0 = time.perf_counter()
+        self.opt.zero_grad()
+        loss = self.workload.loss(self.model, x, y)
+        loss.backward()  # DDP all-reduces buckets during backward and waits at its end
+        t1 = time.perf_counter()
+        self.opt.step()
+        t2 = time.perf_counter()
+        fb = statistics.median(self.calib[-5:])
+        codec = self.hook_s
+        return loss.detach(), fb + (t2 - t1), codec, (t1 - t0) - fb - codec
+
+    def allreduce_sum(self, values):
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+
+def main(argv=None):
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload", choices=sorted(torch_workloads.WORKLOADS), default="digits")
+    known, _ = pre.parse_known_args(argv)
+    cls = torch_workloads.WORKLOADS[known.workload]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[pre])
+    add_common_args(parser, higher_is_better=cls.higher_is_better, **cls.defaults)
+    parser.add_argument("--hook", default="fp16", help="none, fp16 or powersgd:rank=R")
+    if known.workload == "digits":
+        parser.add_argument("--hidden", type=int, default=2048)
+    args = parser.parse_args(argv)
+    hook, hook_rank = parse_hook(args.hook)
+    args.compression = f"ddp:{args.hook}"
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    extra = {"hidden": args.hidden} if known.workload == "digits" else {}
+    wl = cls(rank, size, args.seed, args.batch_size, **extra)
+    model = wl.model()
+    trainer = DDPTrainer(wl, model, args.lr, hook, hook_rank, args.seed, args.eval_every)
+    label = {"none": "DDP fp32", "fp16": "DDP fp16_compress_hook",
+             "powersgd": f"DDP powerSGD_hook rank={hook_rank}"}[hook]
+    meta = {"framework": "torch", "system": "ddp", "label": label, "hook": args.hook,
+            "ddp_start_powerSGD_iter": 2 if hook == "powersgd" else None}
+    torch_workloads.train(wl, trainer.model, trainer, args, rank, size, meta,
+                          lambda: wire_bytes(model, hook, hook_rank or 1))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

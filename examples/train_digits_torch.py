@@ -1,0 +1,94 @@
+"""Digits classifier (PyTorch + Horovod) with a compressor given as a spec string.
+
+Run under Horovod, e.g.::
+
+    horovodrun -np 2 --gloo python examples/train_digits_torch.py --compression topkc:ratio=0.01
+
+The model is an MLP 64-2048-2048-10 (4,349,962 parameters, see ``torch_workloads``); data
+shards by rank, seeds are fixed (``--seed``). Each step is timed and split into:
+
+- compute: forward, backward and the optimizer update, minus the compressor's own time;
+- compress+decompress: the compressor's ``compress`` and ``decompress`` calls, timed by a
+  proxy (:class:`hvd_gradcomp.bench.worker.TimedCompressor`) around the compressor object;
+- communication: the rest of ``optimizer.synchronize()`` (waiting for the all-reduces that
+  backward started) plus any synchronous side collective issued inside ``compress``.
+
+With ``--out PATH`` rank 0 writes the records as JSON (the harness
+``python -m hvd_gradcomp.bench tta`` runs this script and collects them).
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import horovod.torch as hvd  # noqa: E402
+
+import torch_workloads  # noqa: E402
+from hvd_gradcomp.bench.worker import TimedCompressor, add_common_args  # noqa: E402
+from torch_backend import Compression  # noqa: E402
+
+
+class HorovodTrainer:
+    """One ``hvd.DistributedOptimizer`` step, timed (module docs)."""
+
+    def __init__(self, workload, model, lr, spec):
+        self.workload, self.model = workload, model
+        self.compressor = TimedCompressor(Compression.from_spec(spec), hvd, "allreduce")
+        opt = workload.optimizer(model.parameters(), lr)
+        self.opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                            compression=self.compressor, op=hvd.Average)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+    def step(self, x, y):
+        t0 = time.perf_counter()
+        self.opt.zero_grad()
+        loss = self.workload.loss(self.model, x, y)
+        loss.backward()  # Horovod's hooks compress each gradient and start its all-reduce
+        t1 = time.perf_counter()
+        self.opt.synchronize()  # wait for the all-reduces, decompress into p.grad
+        t2 = time.perf_counter()
+        with self.opt.skip_synchronize():
+            self.opt.step()
+        t3 = time.perf_counter()
+        comp_s, decomp_s, side_s = self.compressor.take()
+        compute = (t1 - t0 - comp_s - side_s) + (t3 - t2)
+        return loss.detach(), compute, comp_s + decomp_s, (t2 - t1 - decomp_s) + side_s
+
+    def allreduce_sum(self, values):
+        out = hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=hvd.Sum, name="tta.eval")
+        return out.tolist()
+
+    def bytes_per_step(self):
+        w = self.compressor.bytes_per_step()
+        return {"payload": w.payload, "side": w.side, "side_collectives": w.side_collectives}
+
+
+def main(argv=None, workload="digits"):
+    cls = torch_workloads.WORKLOADS[workload]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if workload == "digits"
+                                     else f"{workload} workload (PyTorch + Horovod)")
+    add_common_args(parser, higher_is_better=cls.higher_is_better, **cls.defaults)
+    if workload == "digits":
+        parser.add_argument("--hidden", type=int, default=2048, help="MLP width (default 2048)")
+    args = parser.parse_args(argv)
+    hvd.init()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    extra = {"hidden": args.hidden} if workload == "digits" else {}
+    wl = cls(hvd.rank(), hvd.size(), args.seed, args.batch_size, **extra)
+    model = wl.model()
+    trainer = HorovodTrainer(wl, model, args.lr, args.compression)
+    meta = {"framework": "torch", "system": "horovod", "label": args.compression}
+    torch_workloads.train(wl, model, trainer, args, hvd.rank(), hvd.size(), meta,
+                          trainer.bytes_per_step)
+    trainer.compressor.close()
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

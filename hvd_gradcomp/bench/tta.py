@@ -1,0 +1,394 @@
+"""``python -m hvd_gradcomp.bench tta``: time-to-accuracy sweep over an emulated slow network.
+
+What it does, in order:
+
+1. Plans the runs: for each workload (``--workloads``; default ``digits``), one Horovod run per
+   compressor spec (``--compressors``; default: FP32, FP16, TopK, TopKC, the THC variants and
+   PowerSGD at two ranks, whichever are registered in :data:`hvd_gradcomp.registry.SCHEMES`),
+   plus, for PyTorch workloads, ``torch.distributed`` DDP runs with its built-in hooks
+   (``--ddp-hooks``; default ``fp16_compress_hook`` and ``powerSGD_hook``), labelled as such.
+2. Sets up the network (:mod:`.netem`): one namespace per worker, veth links rate-limited to
+   ``--bandwidth`` Mbit/s (optional ``--latency``) to a bridge; without root it falls back to
+   loopback and says so in every output. The link is verified with a timed all-reduce
+   against the ring model (``--link-factor``); a link that misses stops the sweep.
+3. Runs each worker script of ``examples/`` on the ranks (Horovod's rendezvous server, or
+   torch.distributed variables for DDP), with a progress bar fed by rank 0's ``@tta`` lines.
+   Each run trains to its target and a fixed number of epochs past it, or until its caps.
+4. Writes to ``--out`` (default ``runs/tta-<time>``): ``results.json`` (everything: sweep
+   metadata with versions, git commit, network and link check; every run's records),
+   ``runs.csv``/``steps.csv``/``evals.csv``, ``tta_<workload>.png`` plots and ``summary.md``;
+   prints the summary table (:mod:`.report` defines its columns). ``--update-doc FILE``
+   rewrites the table and plot block between ``<!-- tta-demo:start/end -->`` in FILE.
+5. Tears the network down (always: ``finally``, Ctrl-C and SIGTERM included).
+
+Default bandwidth, 500 Mbit/s per worker link: the digits model's FP32 gradient is 17.4 MB,
+so at 500 Mbit/s FP32 communication takes about 0.35 s a step and FP16 about 0.17 s, against
+roughly 0.05 s of compute on one core per worker: communication dominates, as on a GPU
+cluster with a fast network and a large model, while the whole default sweep still fits in
+about 15 minutes. Measured on our 2-core machines, the namespaces carry 500 Mbit/s within
+1.2x of the ring model; at 1 Gbit/s the kernel path on 2 busy cores no longer keeps up (about
+2.4x), which the link check would report.
+"""
+import argparse
+import datetime
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from . import netem, report
+from .worker import PROGRESS_PREFIX
+
+__all__ = ["main", "default_specs", "parse_compressors", "plan_runs", "RunSpec", "WORKLOADS"]
+
+REPO = netem.REPO_ROOT
+EXAMPLES = os.path.join(REPO, "examples")
+
+# workload key -> (framework, script, workload name inside the script, DDP-capable)
+WORKLOADS = {
+    "digits": ("torch", "train_digits_torch.py", "digits", True),
+    "lm": ("torch", "train_lm_torch.py", "lm", True),
+    "digits-tf": ("tensorflow", "train_digits_tf.py", "digits", False),
+}
+# Candidate defaults, in table order; those naming an unregistered scheme or option are skipped.
+DEFAULT_CANDIDATES = (
+    "none", "fp16", "topk:ratio=0.1", "topkc:ratio=0.1",
+    "thc:rotation=full,saturation=false",  # THC's simple adaptation to all-reduce
+    "thc",  # THC with saturation and partial rotation (10 stages), 4 bits
+    "powersgd:rank=1", "powersgd:rank=4",
+)
+DEFAULT_DDP_HOOKS = "fp16;powersgd:rank=4"
+DEFAULT_BANDWIDTH_MBIT = 500.0
+
+
+class RunSpec:
+    """One planned run: workload key, system ("horovod"/"ddp"), spec, label, run id."""
+
+    def __init__(self, workload, system, spec, label=None):
+        self.workload, self.system, self.spec = workload, system, spec
+        self.framework = WORKLOADS[workload][0]
+        self.label = label or (spec if system == "horovod" else f"DDP {spec}")
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", spec).strip("-")
+        self.run_id = f"{workload}-{system}-{slug}"
+
+    def __repr__(self):
+        return f"RunSpec({self.run_id})"
+
+
+def default_specs():
+    """The default compressor specs that the registry can build right now, and the skipped ones."""
+    from hvd_gradcomp.registry import parse_spec
+    ok, skipped = [], []
+    for spec in DEFAULT_CANDIDATES:
+        try:
+            parse_spec(spec)
+        except ValueError as e:
+            skipped.append((spec, str(e).split(";")[0]))
+        else:
+            ok.append(spec)
+    return ok, skipped
+
+
+def parse_compressors(text):
+    """``"fp16; topkc:ratio=0.01,chunk=256"`` -> list of specs (``;`` separates specs).
+
+    Each spec is checked with :func:`hvd_gradcomp.registry.parse_spec`; ``fp32`` means ``none``.
+
+    Raises:
+        ValueError: an empty list, or a spec the registry rejects (its message says why).
+    """
+    from hvd_gradcomp.registry import parse_spec
+    specs = [s.strip() for s in text.split(";") if s.strip()]
+    if not specs:
+        raise ValueError(f"expected at least one compressor spec, got {text!r}")
+    out = []
+    for s in specs:
+        parse_spec(s)
+        out.append("none" if s == "fp32" else s)
+    return out
+
+
+def parse_ddp_hooks(text):
+    """``"fp16;powersgd:rank=4"`` -> list; ``""`` or ``"off"`` -> []. Checked like the worker does."""
+    if text.strip().lower() in ("", "off", "no"):
+        return []
+    hooks = [s.strip() for s in text.split(";") if s.strip()]
+    for h in hooks:
+        name, _, rest = h.partition(":")
+        if name not in ("none", "fp32", "fp16", "powersgd") or (name != "powersgd" and rest) or (
+                rest and not re.fullmatch(r"rank=\d+", rest)):
+            raise ValueError(f"ddp hook must be none, fp16 or powersgd:rank=R, got {h!r}")
+    return hooks
+
+
+def plan_runs(workloads, specs, ddp_hooks):
+    """The runs in table order: per workload, the Horovod specs then the DDP hooks."""
+    plan = []
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise ValueError(f"unknown workload {w!r}; expected some of {sorted(WORKLOADS)}")
+        plan += [RunSpec(w, "horovod", s) for s in specs]
+        if WORKLOADS[w][3]:
+            for h in ddp_hooks:
+                name = h.split(":")[0]
+                label = {"none": "DDP fp32", "fp32": "DDP fp32", "fp16": "DDP fp16_compress_hook"}.get(
+                    name, f"DDP powerSGD_hook {h.partition(':')[2]}".strip())
+                plan.append(RunSpec(w, "ddp", h, label))
+    return plan
+
+
+def _git_commit():
+    try:
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _versions():
+    from importlib import metadata
+    import platform
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "horovod", "tensorflow-cpu", "tensorflow", "numpy", "scikit-learn",
+                 "matplotlib"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _command(run, args, out_json):
+    framework, script, wname, _ = WORKLOADS[run.workload]
+    cmd = [sys.executable, os.path.join(EXAMPLES, "train_ddp_torch.py" if run.system == "ddp" else script)]
+    if run.system == "ddp":
+        cmd += ["--workload", wname, "--hook", run.spec]
+    else:
+        cmd += ["--compression", run.spec]
+    cmd += ["--seed", str(args.seed), "--out", out_json, "--progress"]
+    if args.max_seconds:
+        cmd += ["--max-seconds", str(args.max_seconds)]
+    cmd += args.worker_args.split() if args.worker_args else []
+    return cmd
+
+
+def _stub_result(run, status, error=""):
+    return {"status": status, "error": error,
+            "meta": {"workload": WORKLOADS[run.workload][2], "framework": WORKLOADS[run.workload][0],
+                     "system": run.system, "label": run.label, "compression": run.spec}}
+
+
+def execute(net, run, args, out_dir, progress=True):
+    """Run one planned run on ``net``; returns its result dict (``status`` "ok" or why not)."""
+    from tqdm import tqdm
+    log_dir = os.path.join(out_dir, "logs", run.run_id)
+    os.makedirs(log_dir, exist_ok=True)
+    out_json = os.path.join(out_dir, "runs", run.run_id + ".json")
+    os.makedirs(os.path.dirname(out_json), exist_ok=True)
+    if os.path.exists(out_json):
+        os.remove(out_json)
+    cmd = _command(run, args, out_json)
+    with open(os.path.join(log_dir, "command.txt"), "w") as f:
+        f.write(" ".join(cmd) + "\n")
+    handle = netem.launch(net, cmd, kind="ddp" if run.system == "ddp" else "horovod",
+                          log_dir=log_dir, pipe_rank0=True)
+    lines = queue.Queue()
+    stdout = handle.procs[0].stdout
+
+    def reader():
+        for line in stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=reader, daemon=True).start()
+    bar = tqdm(total=None, desc=f"{run.workload} {run.label}"[:48], unit="step", leave=True,
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    timeout = args.run_timeout or (3 * args.max_seconds + 300 if args.max_seconds else 1800)
+    deadline = time.monotonic() + timeout
+    code, eof = None, False
+    with open(os.path.join(log_dir, "rank0.stdout"), "w") as raw:
+        try:
+            while True:
+                try:
+                    line = lines.get(timeout=0.2)
+                except queue.Empty:
+                    line = ""
+                if line is None:
+                    eof = True
+                elif line:
+                    if line.startswith(PROGRESS_PREFIX):
+                        p = json.loads(line[len(PROGRESS_PREFIX):])
+                        bar.total = p["total"]
+                        bar.n = p["step"]
+                        bar.set_postfix(metric=f"{p['metric']:.4g}", rolling=f"{p['rolling']:.4g}",
+                                        clock=f"{p['t']:.0f}s", refresh=False)
+                        bar.refresh()
+                    else:
+                        raw.write(line)
+                code = handle.poll()
+                if code not in (None, 0) or (code == 0 and eof):
+                    break
+                if time.monotonic() > deadline:
+                    code = 124
+                    break
+        finally:
+            bar.close()
+            handle.kill()
+            handle.close()
+    if code == 0 and os.path.exists(out_json):
+        with open(out_json) as f:
+            result = json.load(f)
+        result["status"] = "ok"
+        return result
+    tail = ""
+    for name in sorted(os.listdir(log_dir)):
+        if name.startswith("rank"):
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                text = f.read()
+            tail += f"--- {name} ---\n" + "\n".join(text.strip().splitlines()[-15:]) + "\n"
+    status = "timeout" if code == 124 else f"failed (exit {code})"
+    print(f"tta: run {run.run_id} {status}; logs in {log_dir}\n{tail}", file=sys.stderr)
+    return _stub_result(run, status, tail)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m hvd_gradcomp.bench tta",
+                                description="Time-to-accuracy sweep over an emulated bandwidth-limited network.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workloads", default="digits",
+                   help=f"comma-separated, some of {sorted(WORKLOADS)}")
+    p.add_argument("--compressors", default=None,
+                   help="';'-separated compressor specs (default: every registered default, "
+                        f"from {'; '.join(DEFAULT_CANDIDATES)})")
+    p.add_argument("--ddp-hooks", default=DEFAULT_DDP_HOOKS,
+                   help="';'-separated DDP hooks for PyTorch workloads (none, fp16, powersgd:rank=R); "
+                        "'off' for none")
+    p.add_argument("--workers", type=int, default=2, help="ranks (one namespace each)")
+    p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_MBIT,
+                   help="Mbit/s per worker link, each direction")
+    p.add_argument("--latency", type=float, default=0.0, help="one-way latency per worker link, ms")
+    p.add_argument("--loopback", action="store_true",
+                   help="skip the emulation and run on 127.0.0.1 (also the automatic fallback without root)")
+    p.add_argument("--link-factor", type=float, default=2.5,
+                   help="the link check allows measured/model time up to this factor")
+    p.add_argument("--skip-link-check", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=90.0,
+                   help="cap on each run's training clock (s); 0 = none")
+    p.add_argument("--run-timeout", type=float, default=0.0,
+                   help="wall-clock limit per run (s); 0 = 3 x max-seconds + 300")
+    p.add_argument("--worker-args", default="",
+                   help="extra flags for every worker, e.g. '--max-steps 10 --hidden 256'")
+    p.add_argument("--out", default=None, help="output folder (default runs/tta-<time>)")
+    p.add_argument("--update-doc", default=None,
+                   help="a Markdown file whose <!-- tta-demo:start/end --> block gets the table and plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _install_sigterm():
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    t_start = time.time()
+    try:
+        workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        if args.compressors:
+            specs, skipped = parse_compressors(args.compressors), []
+        else:
+            specs, skipped = default_specs()
+        hooks = parse_ddp_hooks(args.ddp_hooks)
+        plan = plan_runs(workloads, specs, hooks)
+        link = netem.LinkConfig(args.bandwidth, args.latency)
+    except ValueError as e:
+        print(f"tta: {e}", file=sys.stderr)
+        return 2
+    for spec, why in skipped:
+        print(f"tta: skipping default compressor {spec!r} ({why})", file=sys.stderr)
+    out_dir = args.out or os.path.join(REPO, "runs", "tta-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+
+    net = netem.make_network(args.workers, link, loopback=args.loopback)
+    if net.mode == "loopback":
+        print(f"tta: WARNING: running on LOOPBACK ({net.reason}); no rate limit, communication is "
+              "nearly free, and every output says so.", file=sys.stderr)
+    previous = _install_sigterm()
+    results, link_check = {}, None
+    interrupted = False
+    try:
+        net.setup()
+        desc = net.describe()
+        print(f"tta: {desc['note']}; {len(plan)} runs: {', '.join(r.run_id for r in plan)}", file=sys.stderr)
+        if not args.skip_link_check:
+            try:
+                link_check = netem.verify_link(net, factor=args.link_factor)
+            except netem.LinkError as e:
+                print(f"tta: {e}", file=sys.stderr)
+                return 3
+            if link_check.get("model_seconds"):
+                print(f"tta: link check: {link_check['nbytes'] / 2**20:.1f} MiB all-reduce in "
+                      f"{link_check['seconds']:.3f} s (ring model {link_check['model_seconds']:.3f} s, "
+                      f"ratio {link_check['ratio']:.2f}, allowed <= {args.link_factor:g}); "
+                      f"effective {link_check['effective_mbit']:.0f} Mbit/s", file=sys.stderr)
+            else:
+                print(f"tta: link check (loopback, not checked): effective "
+                      f"{link_check['effective_mbit']:.0f} Mbit/s", file=sys.stderr)
+        for run in plan:
+            results[run.run_id] = execute(net, run, args, out_dir, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("tta: interrupted; tearing down and writing what finished", file=sys.stderr)
+    finally:
+        net.teardown()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    desc = net.describe()
+    commit = _git_commit()
+    sweep = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "argv": list(argv or sys.argv[1:]),
+             "git_commit": commit, "versions": _versions(), "cpu_count": os.cpu_count(),
+             "network": desc, "link_check": link_check, "workloads": workloads,
+             "skipped_defaults": skipped, "elapsed_s": time.time() - t_start,
+             "interrupted": interrupted}
+    rows = [report.summarize(rid, res, desc, commit) for rid, res in results.items()]
+    report.add_baseline_ratios(rows)
+    report.write_csvs(out_dir, rows, results)
+    report.write_json(os.path.join(out_dir, "results.json"), sweep, rows, results)
+    plots = []
+    for w in workloads:
+        sel = [r for r in rows if r["run_id"].startswith(w + "-") and results[r["run_id"]].get("evals")]
+        if sel:
+            title = f"{w} ({WORKLOADS[w][0]}), {args.workers} workers: time to accuracy"
+            plots.append(report.plot(os.path.join(out_dir, f"tta_{w}.png"), sel, results, title, desc))
+    table = report.format_table(rows, desc)
+    md = report.markdown_table(rows, desc)
+    elapsed = time.time() - t_start
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(md + "\n")
+    print()
+    print(table)
+    print(f"\nSweep took {elapsed / 60:.1f} min; outputs in {out_dir}")
+    if args.update_doc:
+        rel = [os.path.relpath(p, os.path.dirname(os.path.abspath(args.update_doc))) for p in plots]
+        block = md + "\n\n" + "\n".join(f"![{os.path.basename(p)}]({p})" for p in rel) + (
+            f"\n\nRun of {sweep['date']} at commit `{commit}`: {len(rows)} runs in "
+            f"{elapsed / 60:.1f} min, {args.workers} workers, {os.cpu_count()} cores; "
+            f"command `python -m hvd_gradcomp.bench tta {' '.join(sweep['argv'])}`.")
+        report.update_doc(args.update_doc, block)
+    if interrupted:
+        return 130
+    return 0 if all(r.get("status") == "ok" for r in results.values()) else 1

@@ -1,0 +1,239 @@
+"""What every time-to-accuracy worker script shares (framework-free; used by ``examples/``).
+
+A worker (``examples/train_*.py``) trains one model with one compressor and writes one JSON
+file (rank 0) that the harness (:mod:`hvd_gradcomp.bench.tta`) collects:
+
+1. :func:`add_common_args`: the flags every worker takes (``--compression SPEC``, ``--seed``,
+   ``--target``, ``--max-epochs``, ``--max-seconds``, ``--out`` ...).
+2. :class:`TimedCompressor`: a proxy around a Horovod compressor that times its
+   ``compress``/``decompress`` calls (eagerly run, as in PyTorch) and, separately, the side
+   collectives issued inside ``compress`` (a synchronous all-reduce is communication, not
+   compression).
+3. :class:`Recorder`: per-step wall time split into compute / compress+decompress /
+   communication, the loss, the metric on a schedule, and the stop rule. Rank 0 prints one
+   progress line per evaluation (``@tta {json}``) that the harness turns into a progress bar.
+
+The clock: ``t`` is the sum of the step times (evaluation excluded), in seconds. Evaluation
+happens every ``--eval-every`` steps on every rank (each on its shard of the held-out set,
+summed by one small all-reduce), so the stop decision is identical on all ranks.
+
+Stop rule: train until the rolling average (``--window`` evaluations) of the metric reaches
+``--target``, then ``--epochs-past-target`` more epochs; or until ``--max-epochs`` or
+``--max-seconds`` of training clock, whichever comes first.
+"""
+import json
+import math
+import os
+import platform
+import sys
+import threading
+import time
+
+__all__ = ["add_common_args", "TimedCompressor", "Recorder", "rolling_mean", "PROGRESS_PREFIX"]
+
+PROGRESS_PREFIX = "@tta "
+
+
+def add_common_args(parser, *, target, higher_is_better, lr, batch_size, eval_every,
+                    max_epochs, max_seconds=0.0):
+    """The flags every worker takes, with the workload's defaults."""
+    g = parser.add_argument_group("time-to-accuracy run")
+    g.add_argument("--compression", default="none",
+                   help="compressor spec, e.g. fp16, topkc:ratio=0.01 (default none = FP32)")
+    g.add_argument("--seed", type=int, default=0, help="model init and data order (default 0)")
+    g.add_argument("--batch-size", type=int, default=batch_size, help="per worker")
+    g.add_argument("--lr", type=float, default=lr)
+    g.add_argument("--max-epochs", type=float, default=max_epochs)
+    g.add_argument("--max-seconds", type=float, default=max_seconds,
+                   help="stop after this much training clock (0 = no limit)")
+    g.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = no limit)")
+    g.add_argument("--target", type=float, default=target,
+                   help=f"metric target ({'>=' if higher_is_better else '<='}, rolling average)")
+    g.add_argument("--epochs-past-target", type=float, default=1.0,
+                   help="epochs to keep training once the target is reached")
+    g.add_argument("--eval-every", type=int, default=eval_every, help="steps between evaluations")
+    g.add_argument("--window", type=int, default=5, help="evaluations in the rolling average")
+    g.add_argument("--out", default=None, help="JSON result file (written by rank 0)")
+    g.add_argument("--progress", action="store_true", help="print @tta progress lines (rank 0)")
+    return g
+
+
+def rolling_mean(values, window):
+    """Trailing mean over the last ``window`` values at each position (shorter at the start)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+class TimedCompressor:
+    """Times a Horovod compressor's calls; Horovod sees only ``compress``/``decompress``.
+
+    Args:
+        inner: the compressor (e.g. ``torch_backend.Compression.from_spec(spec)``).
+        side_module, side_attr: where the framework's synchronous all-reduce lives (e.g.
+            ``horovod.torch``, ``"allreduce"``); while ``compress`` runs, calls to it are timed
+            as communication (``side_s``) and excluded from ``compress_s``. None: not separated.
+
+    Use :meth:`take` once per step to read and reset ``(compress_s, decompress_s, side_s)``.
+    Valid only where compress runs eagerly (PyTorch; not inside ``tf.function``).
+    """
+
+    def __init__(self, inner, side_module=None, side_attr="allreduce"):
+        self.inner = inner
+        self.compress_s = self.decompress_s = self.side_s = 0.0
+        self._inside = threading.local()
+        self._patched = None
+        if side_module is not None:
+            original = getattr(side_module, side_attr)
+
+            def timed_side(*args, **kwargs):
+                if not getattr(self._inside, "on", False):
+                    return original(*args, **kwargs)
+                t0 = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self.side_s += time.perf_counter() - t0
+
+            setattr(side_module, side_attr, timed_side)
+            self._patched = (side_module, side_attr, original)
+
+    def compress(self, tensor):
+        self._inside.on = True
+        side0 = self.side_s
+        t0 = time.perf_counter()
+        try:
+            return self.inner.compress(tensor)
+        finally:
+            self._inside.on = False
+            self.compress_s += time.perf_counter() - t0 - (self.side_s - side0)
+
+    def decompress(self, payload, ctx):
+        t0 = time.perf_counter()
+        try:
+            return self.inner.decompress(payload, ctx)
+        finally:
+            self.decompress_s += time.perf_counter() - t0
+
+    def take(self):
+        """``(compress_s, decompress_s, side_s)`` since the last call; resets them."""
+        out = (self.compress_s, self.decompress_s, self.side_s)
+        self.compress_s = self.decompress_s = self.side_s = 0.0
+        return out
+
+    def bytes_per_step(self):
+        return self.inner.bytes_per_step()
+
+    def close(self):
+        if self._patched is not None:
+            module, attr, original = self._patched
+            setattr(module, attr, original)
+            self._patched = None
+
+
+class Recorder:
+    """Per-step and per-evaluation records of one run, the stop rule, and the JSON output.
+
+    Args:
+        args: the parsed flags of :func:`add_common_args`.
+        rank, world_size: this process's place.
+        steps_per_epoch: optimizer steps per epoch (same on all ranks).
+        higher_is_better: True for accuracy, False for perplexity.
+        meta: anything to record with the run (workload, model size, versions ...).
+    """
+
+    def __init__(self, args, rank, world_size, steps_per_epoch, higher_is_better, meta):
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.steps_per_epoch = steps_per_epoch
+        self.higher = higher_is_better
+        self.meta = dict(meta)
+        self.meta.update(compression=args.compression, seed=args.seed, batch_size=args.batch_size,
+                         lr=args.lr, target=args.target, world_size=world_size,
+                         higher_is_better=higher_is_better, steps_per_epoch=steps_per_epoch,
+                         eval_every=args.eval_every, window=args.window,
+                         epochs_past_target=args.epochs_past_target, max_epochs=args.max_epochs,
+                         max_seconds=args.max_seconds, python=platform.python_version(),
+                         argv=sys.argv)
+        self.steps = {k: [] for k in ("step", "epoch", "t", "compute_s", "codec_s", "comm_s", "loss")}
+        self.evals = {k: [] for k in ("step", "epoch", "t", "metric")}
+        self.clock = 0.0
+        self.step_count = 0
+        self.reached_epoch = None
+        self.stop_reason = None
+        self.wall_start = time.time()
+
+    @property
+    def max_steps(self) -> int:
+        n = int(math.ceil(self.args.max_epochs * self.steps_per_epoch))
+        return min(n, self.args.max_steps) if self.args.max_steps else n
+
+    def step(self, compute_s, codec_s, comm_s, loss):
+        """Record one optimizer step (seconds; ``comm_s`` is clamped at 0)."""
+        comm_s = max(0.0, comm_s)
+        self.step_count += 1
+        self.clock += compute_s + codec_s + comm_s
+        s = self.steps
+        s["step"].append(self.step_count)
+        s["epoch"].append(self.step_count / self.steps_per_epoch)
+        s["t"].append(self.clock)
+        s["compute_s"].append(compute_s)
+        s["codec_s"].append(codec_s)
+        s["comm_s"].append(comm_s)
+        s["loss"].append(float(loss))
+
+    def due(self) -> bool:
+        """True when an evaluation is scheduled after the step just recorded."""
+        return self.step_count % self.args.eval_every == 0 or self.step_count >= self.max_steps
+
+    def evaluate(self, metric, clock) -> bool:
+        """Record an evaluation; returns True when training should stop (same on all ranks).
+
+        Args:
+            metric: the held-out metric, already combined over ranks.
+            clock: the training clock agreed by the ranks (e.g. their mean), seconds.
+        """
+        e = self.evals
+        epoch = self.step_count / self.steps_per_epoch
+        e["step"].append(self.step_count)
+        e["epoch"].append(epoch)
+        e["t"].append(self.clock)
+        e["metric"].append(float(metric))
+        roll = rolling_mean(e["metric"], self.args.window)[-1]
+        meets = roll >= self.args.target if self.higher else roll <= self.args.target
+        if meets and self.reached_epoch is None:
+            self.reached_epoch = epoch
+        if self.rank == 0 and self.args.progress:
+            print(PROGRESS_PREFIX + json.dumps({"step": self.step_count, "total": self.max_steps,
+                                                "t": round(self.clock, 3), "metric": metric,
+                                                "rolling": roll, "reached": self.reached_epoch is not None}),
+                  flush=True)
+        if not math.isfinite(metric):
+            self.stop_reason = "diverged"
+        elif self.reached_epoch is not None and epoch - self.reached_epoch >= self.args.epochs_past_target - 1e-9:
+            self.stop_reason = "target+epochs"
+        elif self.step_count >= self.max_steps:
+            self.stop_reason = "max_steps" if self.args.max_steps and self.step_count >= self.args.max_steps \
+                else "max_epochs"
+        elif self.args.max_seconds and clock >= self.args.max_seconds:
+            self.stop_reason = "max_seconds"
+        return self.stop_reason is not None
+
+    def write(self, bytes_per_step=None, extra=None):
+        """Rank 0: write the JSON result to ``--out`` (no-op elsewhere or without --out)."""
+        if self.rank != 0 or not self.args.out:
+            return
+        meta = dict(self.meta)
+        meta.update(extra or {})
+        meta.update(stop_reason=self.stop_reason or "max_epochs", steps_run=self.step_count,
+                    wall_seconds=time.time() - self.wall_start)
+        result = {"meta": meta, "bytes_per_step": bytes_per_step, "steps": self.steps,
+                  "evals": self.evals}
+        tmp = self.args.out + ".tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, self.args.out)
