@@ -334,7 +334,6 @@ class THCScheme(Scheme):
         top = agreed[1]
         if cfg.saturation:
             top = ops.minimum(top, agreed[0] * (self._threshold / math.sqrt(padded)))
-        if cfg.saturation:
             clipped = ops.minimum(ops.maximum(y, -top), top)
             saturated = ops.sum(ops.cast(magnitude > top, "int64"), None)
         else:  # R is the largest |y| of all ranks: nothing to clip
