@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass, field
 
 __all__ = ["LinkConfig", "EmulatedNetwork", "LoopbackNetwork", "LinkError", "emulation_available",
+           "netem_available",
            "make_network", "launch", "Launch", "ring_allreduce_seconds", "verify_link",
            "cleanup_stale", "REPO_ROOT"]
 
@@ -126,6 +127,24 @@ def emulation_available():
         return False, f"`ip netns add` failed: {res.stderr.strip()}"
     _run(["ip", "netns", "del", probe], check=False)
     return True, ""
+
+
+def netem_available():
+    """``(True, "")`` when the kernel has the ``netem`` qdisc (needed for ``latency_ms > 0``).
+
+    Probed on the loopback of a throwaway namespace; some kernels (e.g. minimal VM kernels)
+    are built without ``sch_netem`` and answer "Specified qdisc kind is unknown".
+    """
+    probe = f"{_PREFIX}{os.getpid()}w98"
+    res = _run(["ip", "netns", "add", probe], check=False)
+    if res.returncode != 0:
+        return False, f"`ip netns add` failed: {res.stderr.strip()}"
+    try:
+        res = _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root",
+                    "netem", "delay", "1ms"], check=False)
+        return (True, "") if res.returncode == 0 else (False, res.stderr.strip())
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -325,6 +344,11 @@ class EmulatedNetwork(_Network):
             _run(pre + ["tc", "qdisc", "replace", "dev", dev, "root"] + tbf)
 
     def _setup(self):
+        if self.link.latency_ms > 0:
+            ok, why = netem_available()
+            if not ok:
+                raise LinkError(f"netem: latency {self.link.latency_ms:g} ms needs the kernel's netem "
+                                f"qdisc, which this kernel lacks ({why}); run without a latency")
         self.subnet = f"{_SUBNET}.{self._free_subnet_octet()}"
         host = socket.gethostname()
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])

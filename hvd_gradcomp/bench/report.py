@@ -190,6 +190,8 @@ def _cells(row):
     for _, key, kind in _TABLE:
         if kind == "metric":
             out.append(_metric_text(row))
+        elif key == "workload":
+            out.append(f"{row.get('workload')}" + ("-tf" if row.get("framework") == "tensorflow" else ""))
         elif key == "label" and row.get("status") != "ok":
             out.append(f"{row.get('label')} [{row.get('status')}]")
         elif key == "tta_s" and row.get("status") == "ok" and row.get("tta_s") is None:

@@ -80,13 +80,19 @@ class RunSpec:
         return f"RunSpec({self.run_id})"
 
 
+def _check_spec(spec):
+    """Parse ``spec`` and build its scheme (framework-free), so bad values fail here, not in a worker."""
+    from hvd_gradcomp.registry import make_scheme, parse_spec
+    name, options = parse_spec(spec)
+    make_scheme(name, **options)
+
+
 def default_specs():
     """The default compressor specs that the registry can build right now, and the skipped ones."""
-    from hvd_gradcomp.registry import parse_spec
     ok, skipped = [], []
     for spec in DEFAULT_CANDIDATES:
         try:
-            parse_spec(spec)
+            _check_spec(spec)
         except ValueError as e:
             skipped.append((spec, str(e).split(";")[0]))
         else:
@@ -97,18 +103,17 @@ def default_specs():
 def parse_compressors(text):
     """``"fp16; topkc:ratio=0.01,chunk=256"`` -> list of specs (``;`` separates specs).
 
-    Each spec is checked with :func:`hvd_gradcomp.registry.parse_spec`; ``fp32`` means ``none``.
+    Each spec is parsed and its config built (:func:`_check_spec`); ``fp32`` means ``none``.
 
     Raises:
         ValueError: an empty list, or a spec the registry rejects (its message says why).
     """
-    from hvd_gradcomp.registry import parse_spec
     specs = [s.strip() for s in text.split(";") if s.strip()]
     if not specs:
         raise ValueError(f"expected at least one compressor spec, got {text!r}")
     out = []
     for s in specs:
-        parse_spec(s)
+        _check_spec(s)
         out.append("none" if s == "fp32" else s)
     return out
 

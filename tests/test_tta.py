@@ -1,0 +1,259 @@
+"""The time-to-accuracy harness's pieces (no training here; see test_tta_smoke.py for a sweep).
+
+Spec and hook parsing, run planning, the rolling mean and time-to-target, the stop rule,
+the compressor timing proxy, the CSV/JSON schema, the table, the plots and the doc update.
+"""
+import csv
+import json
+import os
+import time
+import types
+
+import pytest
+
+from hvd_gradcomp.bench import report, tta
+from hvd_gradcomp.bench.worker import Recorder, TimedCompressor, rolling_mean
+
+
+# ---- specs, hooks, plan ----
+
+def test_parse_compressors_accepts_specs_with_commas_and_fp32_alias():
+    specs = tta.parse_compressors(" fp32; fp16 ;topkc:ratio=0.01,chunk=256;")
+    assert specs == ["none", "fp16", "topkc:ratio=0.01,chunk=256"]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("nosuch", "unknown compressor 'nosuch'"),
+    ("topkc:ratio=2", "topkc: ratio must be in (0, 1]"),
+    ("topkc:colour=1", "unknown option 'colour'"),
+    ("topkc:ratio", "expected key=value"),
+    (" ; ", "expected at least one compressor spec"),
+])
+def test_parse_compressors_rejects_bad_specs(text, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("]", r"\]")):
+        tta.parse_compressors(text)
+
+
+def test_default_specs_are_buildable_and_skip_missing(monkeypatch):
+    ok, skipped = tta.default_specs()
+    assert ok[:2] == ["none", "fp16"]
+    assert {"topk:ratio=0.1", "topkc:ratio=0.1"} <= set(ok)
+    monkeypatch.setattr(tta, "DEFAULT_CANDIDATES", ("fp16", "notyet:rank=2", "topkc:nosuch=1"))
+    ok, skipped = tta.default_specs()
+    assert ok == ["fp16"]
+    assert [s for s, _ in skipped] == ["notyet:rank=2", "topkc:nosuch=1"]
+    assert "unknown compressor 'notyet'" in skipped[0][1]
+
+
+def test_parse_ddp_hooks():
+    assert tta.parse_ddp_hooks("fp16; powersgd:rank=4") == ["fp16", "powersgd:rank=4"]
+    assert tta.parse_ddp_hooks("off") == [] and tta.parse_ddp_hooks("") == []
+    for bad in ("topkc", "powersgd:ratio=2", "fp16:x=1"):
+        with pytest.raises(ValueError, match="ddp hook must be"):
+            tta.parse_ddp_hooks(bad)
+
+
+def test_plan_runs_orders_and_labels():
+    plan = tta.plan_runs(["digits", "digits-tf"], ["none", "topkc:ratio=0.1"], ["fp16", "powersgd:rank=4"])
+    ids = [r.run_id for r in plan]
+    assert ids == ["digits-horovod-none", "digits-horovod-topkc-ratio-0-1", "digits-ddp-fp16",
+                   "digits-ddp-powersgd-rank-4", "digits-tf-horovod-none", "digits-tf-horovod-topkc-ratio-0-1"]
+    assert plan[2].label == "DDP fp16_compress_hook" and plan[3].label == "DDP powerSGD_hook rank=4"
+    assert plan[4].framework == "tensorflow"
+    with pytest.raises(ValueError, match="unknown workload 'mnist'"):
+        tta.plan_runs(["mnist"], ["fp16"], [])
+
+
+# ---- rolling mean, time-to-target, stop rule ----
+
+def test_rolling_mean_is_trailing():
+    assert rolling_mean([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
+    assert rolling_mean([], 3) == []
+
+
+def test_time_to_target_accuracy_and_perplexity():
+    t = [0, 1, 2, 3, 4, 5]
+    acc = [0.1, 0.9, 0.94, 0.97, 0.97, 0.98]
+    assert report.time_to_target(t, acc, 0.96, True, window=1) == 3
+    assert report.time_to_target(t, acc, 0.96, True, window=2) == 4  # (0.97 + 0.97) / 2
+    assert report.time_to_target(t, acc, 0.99, True, window=1) is None
+    ppl = [200, 20, 12, 10, 9, 9]
+    assert report.time_to_target(t, ppl, 10.5, False, window=1) == 3
+    assert report.time_to_target(t, ppl, 10.5, False, window=3) == 4  # (12 + 10 + 9) / 3 > 10.5
+    with pytest.raises(ValueError, match="equal length"):
+        report.time_to_target([0, 1], [0.5], 0.9)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        report.time_to_target([0], [0.5], 0.9, window=0)
+
+
+def _args(**kw):
+    base = dict(compression="fp16", seed=0, batch_size=8, lr=0.1, target=0.9, eval_every=2,
+                window=1, epochs_past_target=1.0, max_epochs=10, max_seconds=0.0, max_steps=0,
+                out=None, progress=False)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_recorder_stops_one_epoch_past_target():
+    rec = Recorder(_args(), 0, 2, steps_per_epoch=4, higher_is_better=True, meta={})
+    metrics = iter([0.5, 0.95, 0.95, 0.95, 0.95])
+    assert not rec.evaluate(0.1, 0.0)
+    stops = []
+    for _ in range(12):
+        rec.step(0.01, 0.002, 0.005, 1.0)
+        if rec.due():
+            stops.append((rec.step_count, rec.evaluate(next(metrics), rec.clock)))
+            if stops[-1][1]:
+                break
+    # target met at step 4 (epoch 1); one epoch later (step 8) the run stops
+    assert stops == [(2, False), (4, False), (6, False), (8, True)]
+    assert rec.stop_reason == "target+epochs"
+    assert rec.clock == pytest.approx(8 * 0.017)
+    assert rec.steps["epoch"][-1] == 2.0
+
+
+def test_recorder_caps_and_divergence():
+    rec = Recorder(_args(max_seconds=0.05), 0, 2, 4, True, {})
+    rec.step(0.03, 0, 0.03, 1.0)
+    rec.step(0.03, 0, -0.01, 1.0)  # a negative remainder is clamped to 0
+    assert rec.steps["comm_s"][-1] == 0.0
+    assert rec.evaluate(0.2, 0.06) and rec.stop_reason == "max_seconds"
+    rec = Recorder(_args(max_steps=3), 0, 2, 4, False, {})
+    assert rec.max_steps == 3
+    assert rec.evaluate(float("nan"), 0) and rec.stop_reason == "diverged"
+
+
+def test_recorder_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    rec = Recorder(_args(out=str(out)), 0, 2, 4, True, {"workload": "digits"})
+    rec.evaluate(0.5, 0)
+    rec.step(0.1, 0.01, 0.02, 2.0)
+    rec.write({"payload": 10, "side": 2, "side_collectives": 1})
+    data = json.loads(out.read_text())
+    assert data["meta"]["workload"] == "digits" and data["meta"]["world_size"] == 2
+    assert data["steps"]["t"] == [pytest.approx(0.13)] and data["evals"]["metric"] == [0.5]
+    Recorder(_args(out=str(tmp_path / "other.json")), 1, 2, 4, True, {}).write()
+    assert not (tmp_path / "other.json").exists()  # only rank 0 writes
+
+
+# ---- timing proxy ----
+
+def test_timed_compressor_separates_side_collectives():
+    side = types.SimpleNamespace(allreduce=lambda x, **kw: (time.sleep(0.05), x)[1])
+
+    class Inner:
+        def compress(self, t):
+            time.sleep(0.02)
+            side.allreduce(t, name="scores")
+            return t, None
+
+        def decompress(self, p, ctx):
+            time.sleep(0.01)
+            return p
+
+    timed = TimedCompressor(Inner(), side, "allreduce")
+    side.allreduce(1)  # outside compress: not counted
+    payload, ctx = timed.compress(3)
+    assert timed.decompress(payload, ctx) == 3
+    comp, decomp, side_s = timed.take()
+    assert 0.015 < comp < 0.045 and 0.008 < decomp < 0.03 and 0.045 < side_s < 0.09
+    assert timed.take() == (0.0, 0.0, 0.0)
+    timed.close()
+    assert side.allreduce(5) == 5 and side.allreduce.__name__ == "<lambda>"
+
+
+# ---- summaries, CSV/JSON, table, plots ----
+
+def _fake_result(spec, system="horovod", step_s=0.1, payload=8000, reach_at=3, higher=True):
+    n = 10
+    metric = [0.5 + 0.05 * i for i in range(n)] if higher else [50.0 / (1 + i) for i in range(n)]
+    return {"status": "ok", "bytes_per_step": {"payload": payload, "side": 40, "side_collectives": 2},
+            "meta": {"workload": "digits", "framework": "torch", "system": system, "label": spec,
+                     "compression": spec, "window": 1, "higher_is_better": higher, "target": 0.62 if higher else 10,
+                     "world_size": 2, "seed": 0, "params": 4000, "metric": "test accuracy",
+                     "versions": {"torch": "x"}, "wall_seconds": 3.0, "stop_reason": "target+epochs"},
+            "steps": {"step": list(range(1, n + 1)), "epoch": [i / 5 for i in range(1, n + 1)],
+                      "t": [step_s * i for i in range(1, n + 1)], "compute_s": [step_s * 0.5] * n,
+                      "codec_s": [step_s * 0.1] * n, "comm_s": [step_s * 0.4] * n, "loss": [1.0] * n},
+            "evals": {"step": list(range(n)), "epoch": [i / 5 for i in range(n)],
+                      "t": [step_s * i for i in range(n)], "metric": metric}}
+
+
+NET = {"mode": "netns", "bandwidth_mbit": 500.0, "latency_ms": 0.0, "note": "emulated: 500 Mbit/s per worker link",
+       "qdisc": "tbf rate 500mbit"}
+LOOP = {"mode": "loopback", "bandwidth_mbit": None, "latency_ms": None,
+        "note": "LOOPBACK: no rate limit, communication nearly free (not running as root)"}
+
+
+def _rows_and_results(network=NET):
+    results = {"a-fp16": _fake_result("fp16", step_s=0.2), "a-topkc": _fake_result("topkc:ratio=0.1", payload=800),
+               "a-ddp": _fake_result("ddp:fp16", system="ddp", step_s=0.4),
+               "a-bad": {"status": "failed (exit 1)", "meta": {"workload": "digits", "framework": "torch",
+                                                               "system": "horovod", "label": "thc", "compression": "thc"}}}
+    rows = [report.summarize(k, v, network, "abc123") for k, v in results.items()]
+    return report.add_baseline_ratios(rows), results
+
+
+def test_summarize_fields_and_baseline_ratios():
+    rows, _ = _rows_and_results()
+    fp16, topkc, ddp, bad = rows
+    assert fp16["tta_s"] == pytest.approx(0.6)  # 0.5 + 0.05 i >= 0.62 from i = 3, at t = 0.2 i
+    assert topkc["tta_s"] == pytest.approx(0.3)
+    assert topkc["tta_vs_fp16"] == pytest.approx(2.0)
+    assert topkc["fp16_bytes_ratio"] == pytest.approx(8040 / 840)
+    assert ddp["tta_vs_fp16"] == pytest.approx(1.0)  # its own system's FP16 baseline
+    assert fp16["compute_share"] + fp16["codec_share"] + fp16["comm_share"] == pytest.approx(1.0)
+    assert fp16["codec_share"] == pytest.approx(0.1) and fp16["step_ms_median"] == pytest.approx(200)
+    assert fp16["bytes_per_step"] == 8040 and fp16["network_mode"] == "netns" and fp16["git_commit"] == "abc123"
+    assert bad["status"] == "failed (exit 1)" and bad["tta_s"] is None and bad["steps"] is None
+
+
+def test_csv_and_json_schema(tmp_path):
+    rows, results = _rows_and_results()
+    report.write_csvs(str(tmp_path), rows, results)
+    report.write_json(str(tmp_path / "results.json"), {"network": NET}, rows, results)
+    with open(tmp_path / "runs.csv") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == report.RUN_COLUMNS
+        runs = list(reader)
+    assert [r["run_id"] for r in runs] == ["a-fp16", "a-topkc", "a-ddp", "a-bad"]
+    assert float(runs[1]["tta_vs_fp16"]) == pytest.approx(2.0)
+    with open(tmp_path / "steps.csv") as f:
+        steps = list(csv.reader(f))
+    assert steps[0] == report.STEP_COLUMNS and len(steps) == 1 + 3 * 10
+    with open(tmp_path / "evals.csv") as f:
+        evals = list(csv.reader(f))
+    assert evals[0] == report.EVAL_COLUMNS and len(evals) == 1 + 3 * 10
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert set(data) == {"sweep", "runs", "results"} and data["runs"][0]["run_id"] == "a-fp16"
+
+
+def test_table_says_loopback_and_marks_failures():
+    rows, _ = _rows_and_results(LOOP)
+    text = report.format_table(rows, LOOP)
+    assert text.splitlines()[0].startswith("Network: LOOPBACK")
+    assert "thc [failed (exit 1)]" in text and "2.00x" in text
+    md = report.markdown_table(rows, LOOP)
+    assert "LOOPBACK" in md and md.count("\n| ") == 5  # header + 4 runs
+    assert all(r["network_mode"] == "loopback" for r in rows)
+
+
+@pytest.mark.parametrize("higher", [True, False])
+def test_plot_writes_png(tmp_path, higher):
+    results = {"fp16": _fake_result("fp16", higher=higher), "none": _fake_result("none", step_s=0.3, higher=higher),
+               "ddp": _fake_result("ddp:fp16", system="ddp", higher=higher)}
+    rows = [report.summarize(k, v, NET) for k, v in results.items()]
+    path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
+    with open(path, "rb") as f:
+        head = f.read(8)
+    assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 10_000
+
+
+def test_update_doc_replaces_only_the_block(tmp_path):
+    doc = tmp_path / "d.md"
+    doc.write_text("intro\n<!-- tta-demo:start -->\nold\n<!-- tta-demo:end -->\noutro\n")
+    report.update_doc(str(doc), "| new |")
+    assert doc.read_text() == "intro\n<!-- tta-demo:start -->\n| new |\n<!-- tta-demo:end -->\noutro\n"
+    doc.write_text("no markers")
+    with pytest.raises(ValueError, match="expected the markers"):
+        report.update_doc(str(doc), "x")

@@ -1,0 +1,90 @@
+"""One tiny sweep end to end: ``python -m hvd_gradcomp.bench tta`` with 2 workers, FP16 and
+TopKC, a few steps of a narrow digits MLP, on the emulated network (loopback without root).
+
+Checks that every output exists and holds sane values, and that no namespace is left behind.
+"""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hvd_gradcomp.bench import netem, report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HIDDEN, STEPS = 128, 6
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tta")
+    cmd = [sys.executable, "-m", "hvd_gradcomp.bench", "tta", "--compressors", "fp16;topkc:ratio=0.1",
+           "--ddp-hooks", "off", "--workers", "2", "--bandwidth", "200", "--out", str(out), "--no-progress",
+           "--worker-args", f"--max-steps {STEPS} --hidden {HIDDEN} --eval-every 3 --target 0.5"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
+                         env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+    return out, res
+
+
+def test_exit_status_and_table(sweep):
+    out, res = sweep
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "fp16" in res.stdout and "topkc:ratio=0.1" in res.stdout and "Network:" in res.stdout
+    ok, _ = netem.emulation_available()
+    assert ("emulated: 200 Mbit/s" in res.stdout) if ok else ("LOOPBACK" in res.stdout)
+
+
+def test_runs_csv_values(sweep):
+    out, _ = sweep
+    with open(out / "runs.csv") as f:
+        rows = {r["spec"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"fp16", "topkc:ratio=0.1"}
+    params = 64 * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN * 10 + 10
+    for spec, r in rows.items():
+        assert r["status"] == "ok" and int(r["steps"]) == STEPS and int(r["world_size"]) == 2
+        assert int(r["params"]) == params and r["git_commit"]
+        assert 0 < float(r["clock_s"]) < 120 and 0 < float(r["step_ms_median"]) < 20_000
+        shares = float(r["compute_share"]) + float(r["codec_share"]) + float(r["comm_share"])
+        assert shares == pytest.approx(1.0, abs=1e-6)
+        assert 0.0 <= float(r["final_metric"]) <= 1.0
+        assert json.loads(r["versions"])["torch"]
+    assert int(rows["fp16"]["bytes_per_step"]) == 2 * params
+    assert int(rows["topkc:ratio=0.1"]["bytes_per_step"]) < int(rows["fp16"]["bytes_per_step"]) / 4
+    assert float(rows["topkc:ratio=0.1"]["fp16_bytes_ratio"]) > 4
+    assert int(rows["topkc:ratio=0.1"]["side_collectives"]) == 6  # one per tensor (3 weights, 3 biases)
+    assert rows["fp16"]["network_mode"] in ("netns", "loopback")
+
+
+def test_records_json_and_plot(sweep):
+    out, _ = sweep
+    data = json.loads((out / "results.json").read_text())
+    sweep_meta = data["sweep"]
+    assert sweep_meta["network"]["mode"] in ("netns", "loopback") and sweep_meta["git_commit"]
+    assert sweep_meta["versions"]["horovod"] == "0.28.1" and sweep_meta["cpu_count"] >= 1
+    if sweep_meta["network"]["mode"] == "netns":
+        lc = sweep_meta["link_check"]
+        assert lc["ok"] and lc["ratio"] <= 2.5 and lc["nbytes"] > 0
+    for run_id, res in data["results"].items():
+        steps, evals = res["steps"], res["evals"]
+        assert steps["step"] == list(range(1, STEPS + 1))
+        assert all(t2 >= t1 for t1, t2 in zip(steps["t"], steps["t"][1:]))
+        assert min(steps["compute_s"]) > 0 and min(steps["codec_s"]) >= 0 and min(steps["comm_s"]) >= 0
+        assert evals["step"] == [0, 3, 6] and all(0 <= m <= 1 for m in evals["metric"])
+        assert res["meta"]["stop_reason"] == "max_steps"
+    for name in ("steps.csv", "evals.csv", "summary.md"):
+        assert (out / name).stat().st_size > 0
+    with open(out / "tta_digits.png", "rb") as f:
+        assert f.read(4) == b"\x89PNG"
+    with open(out / "steps.csv") as f:
+        assert next(csv.reader(f)) == report.STEP_COLUMNS
+
+
+def test_nothing_left_behind(sweep):
+    """No namespace or /etc/netns folder of a harness that has exited (live sweeps may run)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if os.geteuid() == 0 else ""
+    folders = os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []
+    for name in listed.split() + folders:
+        m = netem._NAME_RE.match(name)
+        assert not m or netem._pid_alive(int(m.group(1))), f"left behind: {name}"
