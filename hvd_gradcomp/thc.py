@@ -303,7 +303,7 @@ class THCScheme(Scheme):
     def compress(self, ops, x, state, info, finite):
         if self._tiny(info):
             return self._fp16.compress(ops, x, state, info, finite)
-        cfg, n = self.config, info.world_size
+        cfg = self.config
         block, padded, layout, words = self._sizes(info)
         levels_max = (1 << cfg.bits) - 1
         d = info.numel

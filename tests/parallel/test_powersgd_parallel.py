@@ -17,7 +17,6 @@ RANK = 2
 # Training comparison (test_training_reaches_fp16_loss): after 200 steps PowerSGD's final
 # full-data loss may exceed the fp16 run's by at most this fraction, for ranks 2 and 4 with
 # error feedback (measured: fp16 0.091, rank 4 0.092, rank 2 0.099; rank 1, reported only, 0.115).
-LOSS_TOLERANCE = 0.15
 
 
 def _grad(tag, rank, step, shape=SHAPE):
@@ -59,43 +58,8 @@ def _reference(inputs, q0_t, average=True):
 
 
 # ------------------------------------------------------------------ PyTorch worker
-def _train_digits(spec, steps):
-    """2-rank SGD on sklearn digits (MLP 64-64-64-10); final full-data loss, accuracy, bytes."""
-    import horovod.torch as hvd
-    import torch
-    from sklearn.datasets import load_digits
-
-    from torch_backend import Compression
-
-    x_all, y_all = load_digits(return_X_y=True)
-    x_all = torch.tensor(x_all / 16.0, dtype=torch.float32)
-    y_all = torch.tensor(y_all)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-                                torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    comp = Compression.from_spec(spec)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters(), compression=comp)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    shard = torch.arange(hvd.rank(), len(y_all), hvd.size())
-    gen = torch.Generator().manual_seed(1234 + hvd.rank())
-    for _ in range(steps):
-        idx = shard[torch.randint(len(shard), (32,), generator=gen)]
-        loss = torch.nn.functional.cross_entropy(model(x_all[idx]), y_all[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        logits = model(x_all)
-        loss = float(torch.nn.functional.cross_entropy(logits, y_all))
-        acc = float((logits.argmax(1) == y_all).float().mean())
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-    return {"loss": loss, "acc": acc, "bytes": tuple(comp.bytes_per_step()), "params": params}
-
-
 def _torch_worker():
     import dataclasses
-    import time
 
     import horovod.torch as hvd
     import torch
@@ -106,7 +70,6 @@ def _torch_worker():
     hvd.init()
     rank = hvd.rank()
     res = {"rank": rank}
-    started = time.perf_counter()
 
     def t(a, dtype=torch.float32):
         return torch.as_tensor(np.asarray(a, dtype=np.float64)).to(dtype)
@@ -208,13 +171,7 @@ def _torch_worker():
         res["low_rank_err"][warm_start] = [float(np.abs(o - 1.5 * (s + 1) * low).max()
                                                  / np.linalg.norm(1.5 * (s + 1) * low)) for s, o in enumerate(outs)]
 
-    # 9. Training through hvd.DistributedOptimizer (bytes include the P collectives).
-    res["checks_s"] = time.perf_counter() - started
-    res["train"] = {}
-    for spec in ("fp16", "powersgd:rank=1", "powersgd:rank=2", "powersgd:rank=4"):
-        started = time.perf_counter()
-        res["train"][spec] = _train_digits(spec, 200)
-        res["train"][spec]["seconds"] = time.perf_counter() - started
+    # Training with PowerSGD against FP16: tests/parallel/test_training.py.
     return res
 
 
@@ -386,20 +343,6 @@ def test_start_step_warm_up(torch_results):
         np.testing.assert_allclose(res["warm_sum"][step], sum(xs), atol=4e-3)
     for got, want in zip(res["warm_out"][2:], res["fresh_out"]):
         np.testing.assert_array_equal(got, want)
-
-
-def test_training_reaches_fp16_loss(torch_results):
-    train = torch_results[0]["train"]
-    for spec, r in train.items():  # reported, rank 1 included
-        print(f"{spec:18s} loss {r['loss']:.4f} acc {r['acc']:.4f} bytes/step {r['bytes']} "
-              f"{r['seconds']:.1f} s")
-    for spec in train:  # the model stays identical on both ranks
-        np.testing.assert_array_equal(torch_results[0]["train"][spec]["params"],
-                                      torch_results[1]["train"][spec]["params"])
-    fp16 = train["fp16"]["loss"]
-    for spec in ("powersgd:rank=2", "powersgd:rank=4"):
-        assert train[spec]["loss"] <= fp16 * (1 + LOSS_TOLERANCE), (spec, train[spec]["loss"], fp16)
-    assert train["powersgd:rank=4"]["bytes"][0] + train["powersgd:rank=4"]["bytes"][1] < train["fp16"]["bytes"][0]
 
 
 # ------------------------------------------------------------------ TensorFlow checks

@@ -1,10 +1,13 @@
-"""Training with compression, 2 ranks: does TopKC with error feedback keep up with FP16?
+"""Training with compression, 2 ranks: do the compressors keep up with FP16?
 
 Workload: a 64-32-10 MLP (2,410 parameters) on scikit-learn's digits (1,797 images), each
 rank holding half of the data, full-batch gradient descent (lr 0.5) for 200 steps, identical
-initial weights. The final full-data cross-entropy is compared:
-- topkc (ratio 0.05, chunk 16, error feedback) must reach the fp16 loss within 10% + 0.02,
-- topkc without error feedback must be measurably worse: at least 0.05 higher than with it.
+initial weights. The final full-data cross-entropy is compared with FP16's (one launch):
+- topkc (ratio 0.05, chunk 16, error feedback) within 10% + 0.02; without error feedback it
+  must be measurably worse (at least 0.05 higher than with it);
+- thc (saturation, partial rotation) and the simple adaptation within 2% + 0.005 (the
+  32x64 weight is THC-compressed; the smaller tensors go fp16 below min_numel);
+- powersgd at ranks 2 and 4 within 15%.
 Also an 8-rank launch checks that fp16 sums of large values do not overflow.
 """
 import numpy as np
@@ -13,7 +16,9 @@ import pytest
 from tests.hvdrun import run
 
 SPECS = {"fp16": "fp16", "topkc_ef": "topkc:ratio=0.05,chunk=16",
-         "topkc_no_ef": "topkc:ratio=0.05,chunk=16,error_feedback=false"}
+         "topkc_no_ef": "topkc:ratio=0.05,chunk=16,error_feedback=false",
+         "thc": "thc", "thc_simple": "thc:rotation=full,saturation=false",
+         "powersgd_2": "powersgd:rank=2", "powersgd_4": "powersgd:rank=4"}
 STEPS = 200
 
 
@@ -28,20 +33,21 @@ def worker():
     x = torch.tensor(data.data / 16.0, dtype=torch.float32)
     y = torch.tensor(data.target)
     shard = slice(hvd.rank(), None, hvd.size())
-    losses = {}
+    losses, wire = {}, {}
     for label, spec in SPECS.items():
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+        comp = Compression.from_spec(spec)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5),
-                                       named_parameters=net.named_parameters(),
-                                       compression=Compression.from_spec(spec))
+                                       named_parameters=net.named_parameters(), compression=comp)
         for _ in range(STEPS):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(net(x[shard]), y[shard]).backward()
             opt.step()
         with torch.no_grad():
             losses[label] = float(torch.nn.functional.cross_entropy(net(x), y))
-    return losses
+        wire[label] = comp.bytes_per_step().total
+    return {"losses": losses, "wire": wire}
 
 
 def worker_fp16_large_and_tiny():
@@ -49,7 +55,7 @@ def worker_fp16_large_and_tiny():
     import torch
     from torch_backend import Compression
     hvd.init()
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     big = torch.full((32,), 1.0e4 + 100.0 * r)
     tiny = torch.full((32,), 1.0e-6 * (r + 1))
     out = {}
@@ -62,14 +68,39 @@ def worker_fp16_large_and_tiny():
 
 
 @pytest.fixture(scope="module")
-def losses():
+def trained():
     return run(worker, np=2)
+
+
+@pytest.fixture(scope="module")
+def losses(trained):
+    return [r["losses"] for r in trained]
+
+
+def test_compressors_send_fewer_bytes_than_fp16(trained):
+    wire = trained[0]["wire"]
+    # fp16: 2,410 coordinates x 2 bytes. Only the 64x32 weight is large enough to compress.
+    assert wire["fp16"] == 2 * 2410
+    for label in ("topkc_ef", "thc", "thc_simple", "powersgd_2", "powersgd_4"):
+        assert wire[label] < wire["fp16"], (label, wire)
 
 
 def test_topkc_with_error_feedback_matches_fp16(losses):
     for r in losses:
         assert r["topkc_ef"] <= 1.10 * r["fp16"] + 0.02, r
     assert losses[0] == losses[1]
+
+
+def test_thc_matches_fp16(losses):
+    for r in losses:
+        for label in ("thc", "thc_simple"):
+            assert r[label] <= 1.02 * r["fp16"] + 0.005, (label, r)
+
+
+def test_powersgd_matches_fp16(losses):
+    for r in losses:
+        for label in ("powersgd_2", "powersgd_4"):
+            assert r[label] <= 1.15 * r["fp16"], (label, r)
 
 
 def test_topkc_without_error_feedback_is_worse(losses):
