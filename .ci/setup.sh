@@ -84,6 +84,8 @@ if ! built_ok; then
   cache="${HVD_GRADCOMP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd-gradcomp}/wheels/$key"
   wheel=$(ls "$cache"/horovod-*.whl 2>/dev/null | head -n 1 || true)
   if [ -z "$wheel" ]; then
+    # --no-cache-dir: pip's own wheel cache is keyed by the sdist alone and would hand back a
+    # Horovod built against other framework versions.
     log "building horovod==$hvd_version against $key (about 10 minutes on 2 cores)"
     mkdir -p "$cache"
     tmp=$(mktemp -d)
@@ -96,7 +98,7 @@ if ! built_ok; then
     HOROVOD_WITHOUT_MXNET=1 HOROVOD_GPU_OPERATIONS= \
     PATH="$venv/bin:$PATH" \
       "$py" -m pip wheel --disable-pip-version-check --no-build-isolation --no-deps \
-        --no-binary horovod -w "$tmp" "horovod==$hvd_version"
+        --no-cache-dir --no-binary horovod -w "$tmp" "horovod==$hvd_version"
     mv "$tmp"/horovod-*.whl "$cache"/
     rm -rf "$tmp"
     wheel=$(ls "$cache"/horovod-*.whl | head -n 1)
