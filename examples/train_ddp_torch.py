@@ -21,6 +21,8 @@ the parts cannot be read off one timer):
   all-reduce; PowerSGD's later steps run in future callbacks and count as communication, so
   this is a lower bound);
 - communication: the rest of the step.
+
+Buckets: one, of up to 64 MiB (see ``DDPTrainer``).
 """
 import argparse
 import os
@@ -78,7 +80,12 @@ def wire_bytes(model, hook, rank, min_compression_rate=2):
 class DDPTrainer:
     def __init__(self, workload, model, lr, hook, rank, seed, calib_every):
         self.workload = workload
-        self.model = DDP(model)  # broadcasts rank 0's parameters
+        # One bucket of up to 64 MiB (an explicit cap also sizes DDP's first bucket), like
+        # Horovod's default 64 MiB fusion buffer. With DDP's default small first bucket,
+        # powerSGD_hook on Gloo hung here: each bucket's future callback issues a nested
+        # all-reduce from a Gloo thread and waits for it, and with two buckets the ranks
+        # could post those in different orders.
+        self.model = DDP(model, bucket_cap_mb=64)  # broadcasts rank 0's parameters
         self.opt = workload.optimizer(self.model.parameters(), lr)
         self.hook_s = 0.0
         self.calib, self.calib_every, self.steps = [], calib_every, 0
@@ -157,6 +164,7 @@ def main(argv=None):
             "ddp_start_powerSGD_iter": 2 if hook == "powersgd" else None}
     torch_workloads.train(wl, trainer.model, trainer, args, rank, size, meta,
                           lambda: wire_bytes(model, hook, hook_rank or 1))
+    dist.barrier()  # leave together: a rank tearing down Gloo early can abort its peer
     dist.destroy_process_group()
     return 0
 

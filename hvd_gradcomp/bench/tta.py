@@ -286,7 +286,7 @@ def build_parser():
                    help="the link check allows measured/model time up to this factor")
     p.add_argument("--skip-link-check", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-seconds", type=float, default=90.0,
+    p.add_argument("--max-seconds", type=float, default=120.0,
                    help="cap on each run's training clock (s); 0 = none")
     p.add_argument("--run-timeout", type=float, default=0.0,
                    help="wall-clock limit per run (s); 0 = 3 x max-seconds + 300")
