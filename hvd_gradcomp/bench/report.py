@@ -231,7 +231,7 @@ def format_table(rows, network):
 def markdown_table(rows, network):
     """The summary as a Markdown table with the same columns (for docs)."""
     header = [h for h, _, _ in _TABLE]
-    out = [" ".join(f"{x}" for x in table_header(network, rows)), "",
+    out = ["\n\n".join(table_header(network, rows)), "",
            "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     return "\n".join(out)
@@ -291,20 +291,18 @@ def plot(path, rows, results, title, network):
     return path
 
 
-_START, _END = "<!-- tta-demo:start -->", "<!-- tta-demo:end -->"
-
-
-def update_doc(doc_path, block):
-    """Replace the text between ``<!-- tta-demo:start -->`` and ``<!-- tta-demo:end -->``.
+def update_doc(doc_path, block, name="tta-demo"):
+    """Replace the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in a file.
 
     Raises:
         ValueError: the markers are missing (nothing is written).
     """
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     with open(doc_path) as f:
         text = f.read()
-    i, j = text.find(_START), text.find(_END)
+    i, j = text.find(start), text.find(end)
     if i < 0 or j < i:
-        raise ValueError(f"{doc_path}: expected the markers {_START} and {_END}")
-    text = text[:i + len(_START)] + "\n" + block.strip() + "\n" + text[j:]
+        raise ValueError(f"{doc_path}: expected the markers {start} and {end}")
+    text = text[:i + len(start)] + "\n" + block.strip() + "\n" + text[j:]
     with open(doc_path, "w") as f:
         f.write(text)

@@ -72,7 +72,7 @@ class RunSpec:
     def __init__(self, workload, system, spec, label=None):
         self.workload, self.system, self.spec = workload, system, spec
         self.framework = WORKLOADS[workload][0]
-        self.label = label or (spec if system == "horovod" else f"DDP {spec}")
+        self.label = label or ({"none": "fp32 (none)"}.get(spec, spec) if system == "horovod" else f"DDP {spec}")
         slug = re.sub(r"[^A-Za-z0-9]+", "-", spec).strip("-")
         self.run_id = f"{workload}-{system}-{slug}"
 
@@ -252,6 +252,7 @@ def execute(net, run, args, out_dir, progress=True):
         with open(out_json) as f:
             result = json.load(f)
         result["status"] = "ok"
+        result["meta"]["label"] = run.label
         return result
     tail = ""
     for name in sorted(os.listdir(log_dir)):
@@ -294,7 +295,8 @@ def build_parser():
                    help="extra flags for every worker, e.g. '--max-steps 10 --hidden 256'")
     p.add_argument("--out", default=None, help="output folder (default runs/tta-<time>)")
     p.add_argument("--update-doc", default=None,
-                   help="a Markdown file whose <!-- tta-demo:start/end --> block gets the table and plots")
+                   help="a Markdown file whose <!-- BLOCK:start/end --> block gets the table and plots")
+    p.add_argument("--doc-block", default="tta-demo", help="BLOCK name for --update-doc")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -389,11 +391,16 @@ def main(argv=None) -> int:
     print(f"\nSweep took {elapsed / 60:.1f} min; outputs in {out_dir}")
     if args.update_doc:
         rel = [os.path.relpath(p, os.path.dirname(os.path.abspath(args.update_doc))) for p in plots]
+        lc = ""
+        if link_check and link_check.get("model_seconds"):
+            lc = (f" Link check: a {link_check['nbytes'] / 2**20:.0f} MiB all-reduce took "
+                  f"{link_check['seconds']:.3f} s against {link_check['model_seconds']:.3f} s for the ring "
+                  f"model (ratio {link_check['ratio']:.2f}).")
         block = md + "\n\n" + "\n".join(f"![{os.path.basename(p)}]({p})" for p in rel) + (
             f"\n\nRun of {sweep['date']} at commit `{commit}`: {len(rows)} runs in "
             f"{elapsed / 60:.1f} min, {args.workers} workers, {os.cpu_count()} cores; "
-            f"command `python -m hvd_gradcomp.bench tta {' '.join(sweep['argv'])}`.")
-        report.update_doc(args.update_doc, block)
+            f"command `python -m hvd_gradcomp.bench tta {' '.join(sweep['argv'])}`.{lc}")
+        report.update_doc(args.update_doc, block, args.doc_block)
     if interrupted:
         return 130
     return 0 if all(r.get("status") == "ok" for r in results.values()) else 1
