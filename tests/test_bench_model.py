@@ -190,3 +190,22 @@ def test_check_against_a_run_record():
     # A 2 ms link latency on a ring of 2 (2 hops) adds 4 ms to the one fused collective.
     (res,) = model.check_against_runs([dict(row, latency_ms=2)], Network(0.0, 0.0, "ring"))
     assert res["predicted_s"] == pytest.approx(0.454)
+
+
+def test_model_against_the_committed_bandwidth_limited_runs():
+    """The scale model's step time against the real 500 Mbit/s runs of docs/tta-demo.
+
+    Stated error: within 40% for every Horovod run, and never above the measurement by more
+    than 10% (the model leaves out Horovod's negotiation cycle and the CPU cost of summing
+    fp16 in Gloo, so it under-predicts). DDP PowerSGD is excluded: the harness counts its
+    asynchronous half as communication, which the model does not see as codec time.
+    """
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "tta-demo", "runs.csv")
+    if not os.path.exists(path):
+        pytest.skip("no committed TTA demo run")
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r["system"] == "horovod"]
+    checks = model.check_against_runs(rows)
+    assert len(checks) >= 4
+    for c in checks:
+        assert -0.40 <= c["rel_error"] <= 0.10, c

@@ -389,18 +389,18 @@ def main(argv=None) -> int:
     print()
     print(table)
     print(f"\nSweep took {elapsed / 60:.1f} min; outputs in {out_dir}")
-    if args.update_doc:
-        rel = [os.path.relpath(p, os.path.dirname(os.path.abspath(args.update_doc))) for p in plots]
-        lc = ""
-        if link_check and link_check.get("model_seconds"):
-            lc = (f" Link check: a {link_check['nbytes'] / 2**20:.0f} MiB all-reduce took "
-                  f"{link_check['seconds']:.3f} s against {link_check['model_seconds']:.3f} s for the ring "
-                  f"model (ratio {link_check['ratio']:.2f}).")
+    lc = ""
+    if link_check and link_check.get("model_seconds"):
+        lc = (f" Link check: a {link_check['nbytes'] / 2**20:.0f} MiB all-reduce took "
+              f"{link_check['seconds']:.3f} s against {link_check['model_seconds']:.3f} s for the ring "
+              f"model (ratio {link_check['ratio']:.2f}).")
+    for doc in args.update_doc:
+        rel = [os.path.relpath(p, os.path.dirname(os.path.abspath(doc))) for p in plots]
         block = md + "\n\n" + "\n".join(f"![{os.path.basename(p)}]({p})" for p in rel) + (
             f"\n\nRun of {sweep['date']} at commit `{commit}`: {len(rows)} runs in "
             f"{elapsed / 60:.1f} min, {args.workers} workers, {os.cpu_count()} cores; "
             f"command `python -m hvd_gradcomp.bench tta {' '.join(sweep['argv'])}`.{lc}")
-        report.update_doc(args.update_doc, block, args.doc_block)
+        report.update_doc(doc, block, args.doc_block)
     if interrupted:
         return 130
     return 0 if all(r.get("status") == "ok" for r in results.values()) else 1
