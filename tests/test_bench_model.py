@@ -209,3 +209,18 @@ def test_model_against_the_committed_bandwidth_limited_runs():
     assert len(checks) >= 4
     for c in checks:
         assert -0.40 <= c["rel_error"] <= 0.10, c
+
+
+def test_check_command_prints_the_comparison(tmp_path, capsys):
+    row = {"run_id": "r1", "spec": "topkc", "status": "ok", "steps": 100, "clock_s": 50.0,
+           "compute_share": 0.6, "codec_share": 0.1, "bytes_payload": 1e7, "bytes_side": 0,
+           "side_collectives": 0, "world_size": 2, "bandwidth_mbit": 800, "latency_ms": 0,
+           "step_ms_median": 500.0}
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(row))
+        w.writeheader()
+        w.writerow(row)
+    assert model.main(["--check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "topkc" in out and "500.0" in out

@@ -529,6 +529,8 @@ def _parser():
                                 description="Project step time and TTA ratio vs FP16 for N workers "
                                             "and link bandwidths from measured inputs.")
     p.add_argument("--inputs", default=DEFAULT_INPUTS, help="JSON or CSV of per-compressor measurements")
+    p.add_argument("--check", default=None, metavar="RUNS_CSV",
+                   help="instead: predicted vs measured step time for a TTA sweep's runs.csv")
     p.add_argument("--workers", default=",".join(map(str, WORKERS)))
     p.add_argument("--gbps", default=",".join(map(str, BANDWIDTHS_GBPS)), help="link bandwidths, Gbit/s")
     p.add_argument("--alpha-ms", type=float, default=Network().alpha_s * 1e3,
@@ -549,8 +551,23 @@ def _parser():
     return p
 
 
+def format_check(checks) -> str:
+    """Text table of :func:`check_against_runs` results."""
+    lines = [f"{'run':44s} {'predicted ms':>12s} {'measured ms':>12s} {'error':>7s}"]
+    for c in checks:
+        lines.append(f"{c['spec']:44s} {c['predicted_s'] * 1e3:12.1f} {c['measured_s'] * 1e3:12.1f} "
+                     f"{c['rel_error']:+7.0%}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.check:
+        with open(args.check) as f:
+            checks = check_against_runs(list(csv.DictReader(f)))
+        print(f"Scale model vs measured median step time ({args.check}):")
+        print(format_check(checks))
+        return 0
     inputs, meta = load_inputs(args.inputs)
     if args.compute_s is not None:
         inputs = {k: m._replace(compute_s=args.compute_s) for k, m in inputs.items()}
