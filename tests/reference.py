@@ -87,3 +87,28 @@ class RefTopK:
                 self.residual[r] = x - masked
             total += masked
         return total / self.n if op == "average" else total
+
+
+def fwht64(v, block):
+    """Float64 Walsh-Hadamard transform (Sylvester order, unnormalised) of each block, by butterflies."""
+    a = np.asarray(v, dtype=np.float64).reshape(-1, block)
+    h = 1
+    while h < block:
+        a = a.reshape(a.shape[0], block // (2 * h), 2, h)
+        a = np.concatenate([a[:, :, :1] + a[:, :, 1:], a[:, :, :1] - a[:, :, 1:]], axis=2)
+        h *= 2
+    return a.reshape(-1)
+
+
+def reference_for_spec(spec, numel, n):
+    """A reference simulator (RefTopKC / RefTopK) for a ``topkc``/``topk`` spec, else None."""
+    name, _, rest = spec.partition(":")
+    opts = dict(p.split("=") for p in rest.split(",") if p)
+    if name == "topkc":
+        return RefTopKC(numel, n, float(opts["ratio"]), int(opts["chunk"]),
+                        error_feedback=opts.get("error_feedback", "true") == "true",
+                        payload=opts.get("payload_dtype", "float16"),
+                        selection=opts.get("selection", "current"))
+    if name == "topk":
+        return RefTopK(numel, n, float(opts["ratio"]))
+    return None

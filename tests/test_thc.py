@@ -52,6 +52,7 @@ from hvd_gradcomp import hadamard, thc
 from hvd_gradcomp.base import TensorInfo, compress_tensor, decompress_tensor
 from hvd_gradcomp.registry import make_scheme, parse_spec
 from hvd_gradcomp.thc import THCConfig, THCScheme, lane_layout, saturation_threshold
+from tests.reference import fwht64
 from tests.conftest import BACKENDS, backend_ops, requires_backend
 
 
@@ -126,17 +127,6 @@ def simulated_allreduce(backend, scheme, xs, op="sum", states=None, key="w"):
     decoded = [_np(decompress_tensor(scheme, base_ops, _tensor(backend, reduced, str(reduced.dtype)), ctx, info))
                .astype(np.float64) for (_, ctx, _), info in zip(outs, infos)]
     return decoded, [st for _, _, st in outs], payloads, [ctx for _, ctx, _ in outs]
-
-
-def _fwht64(v, block):
-    """Float64 Walsh-Hadamard transform (Sylvester order) of each block, by butterflies."""
-    a = np.asarray(v, dtype=np.float64).reshape(-1, block)
-    h = 1
-    while h < block:
-        a = a.reshape(a.shape[0], block // (2 * h), 2, h)
-        a = np.concatenate([a[:, :, :1] + a[:, :, 1:], a[:, :, :1] - a[:, :, 1:]], axis=2)
-        h *= 2
-    return a.reshape(-1)
 
 
 def _student_t(rng, d, df=3.0):
@@ -273,7 +263,7 @@ def test_hadamard_matches_sylvester(backend):
         assert max(hadamard.factor_sizes(block)) <= hadamard.MAX_FACTOR
         x = rng.standard_normal(3 * block).astype(np.float32)
         got = _np(hadamard.wht(ops, _tensor(backend, x), hadamard.hadamard_factors(ops, block, None)))
-        np.testing.assert_allclose(got, _fwht64(x, block), rtol=0, atol=1e-4 * math.sqrt(block))
+        np.testing.assert_allclose(got, fwht64(x, block), rtol=0, atol=1e-4 * math.sqrt(block))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -346,7 +336,7 @@ def test_unbiased(bits, rotation, d):
         err_sum += out - x64[:d]
         # The step's exact variance, from its rotation and grid.
         diag, top, delta = _np(ctx.diag).astype(np.float64), float(ctx.top), float(ctx.delta)
-        u = (_fwht64(x64 * diag, block) + top) / delta
+        u = (fwht64(x64 * diag, block) + top) / delta
         frac = u - np.floor(u)
         per_block = (frac * (1 - frac)).reshape(-1, block).sum(1) * delta ** 2 / block
         var_sum += np.repeat(per_block, block)[:d]
@@ -386,7 +376,7 @@ def test_levels_unbiased_and_independent_per_rank():
         padded = _np(ctx.diag).size
         levels.append(_unpack_levels(_np(payload), layout, padded))
     levels = np.array(levels, dtype=np.float64)
-    y = _fwht64(np.concatenate([x.numpy(), np.zeros(padded - d)]) * _np(ctx.diag), 1024)
+    y = fwht64(np.concatenate([x.numpy(), np.zeros(padded - d)]) * _np(ctx.diag), 1024)
     u = (y.astype(np.float32) + np.float32(ctx.top)) / np.float32(ctx.delta)  # as the scheme computes it
     u = u.astype(np.float64)
     frac = u - np.floor(u)
@@ -452,7 +442,7 @@ def test_relative_error_bounds(variant, bits, dist):
         assert int(state.saturated) == 0
     else:
         block = hadamard.block_size(d, None if variant == "saturation" else 10)
-        y = _fwht64(np.concatenate([x, np.zeros(padded - d)]) * _np(ctx.diag), block)
+        y = fwht64(np.concatenate([x, np.zeros(padded - d)]) * _np(ctx.diag), block)
         expected = int((np.abs(y) > float(ctx.top) * (1 + 1e-6)).sum())
         assert abs(int(state.saturated) - expected) <= int((np.abs(np.abs(y) / float(ctx.top) - 1) < 1e-5).sum())
         assert scheme.metrics(state)["saturated"] is state.saturated

@@ -257,3 +257,9 @@ def test_update_doc_replaces_only_the_block(tmp_path):
     doc.write_text("no markers")
     with pytest.raises(ValueError, match="expected the markers"):
         report.update_doc(str(doc), "x")
+
+
+def test_update_doc_is_repeatable():
+    args = tta.build_parser().parse_args(["--update-doc", "docs/tta.md", "--update-doc", "README.md"])
+    assert args.update_doc == ["docs/tta.md", "README.md"]
+    assert tta.build_parser().parse_args([]).update_doc == []

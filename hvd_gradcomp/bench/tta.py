@@ -294,8 +294,9 @@ def build_parser():
     p.add_argument("--worker-args", default="",
                    help="extra flags for every worker, e.g. '--max-steps 10 --hidden 256'")
     p.add_argument("--out", default=None, help="output folder (default runs/tta-<time>)")
-    p.add_argument("--update-doc", default=None,
-                   help="a Markdown file whose <!-- BLOCK:start/end --> block gets the table and plots")
+    p.add_argument("--update-doc", action="append", default=[],
+                   help="a Markdown file whose <!-- BLOCK:start/end --> block gets the table and "
+                        "plots (repeatable)")
     p.add_argument("--doc-block", default="tta-demo", help="BLOCK name for --update-doc")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p

@@ -12,7 +12,7 @@ import pytest
 
 from tests.hvdrun import run
 from tests.parallel.test_torch_parallel import SHAPES, grad_of, init_of
-from tests.reference import RefTopK, RefTopKC, allreduce_fp16, fp16
+from tests.reference import allreduce_fp16, fp16, reference_for_spec
 
 STEPS = 4
 
@@ -108,17 +108,9 @@ def results():
 
 
 def _reference(spec, op):
-    name, _, rest = spec.partition(":")
-    opts = dict(p.split("=") for p in rest.split(",") if p)
+    name = spec.partition(":")[0]
     params = {k: init_of(k).astype(np.float64).reshape(-1) for k in SHAPES}
-    refs = {}
-    for k in SHAPES:
-        d = int(np.prod(SHAPES[k]))
-        if name == "topkc":
-            refs[k] = RefTopKC(d, 2, float(opts["ratio"]), int(opts["chunk"]),
-                               selection=opts.get("selection", "current"))
-        elif name == "topk":
-            refs[k] = RefTopK(d, 2, float(opts["ratio"]))
+    refs = {k: reference_for_spec(spec, int(np.prod(SHAPES[k])), 2) for k in SHAPES}
     for step in range(STEPS):
         for k in SHAPES:
             if k == "w" and step % 2 == 1:

@@ -26,6 +26,7 @@ import math
 import numpy as np
 import pytest
 
+from tests.reference import fwht64
 from tests.hvdrun import run
 
 D = 5000  # coordinates of the main test tensor (50 x 100): not a power of two
@@ -214,16 +215,6 @@ def tf2():
 
 # ---------------------------------------------------------------- reference
 
-def _fwht64(v, block):
-    a = np.asarray(v, dtype=np.float64).reshape(-1, block)
-    h = 1
-    while h < block:
-        a = a.reshape(a.shape[0], block // (2 * h), 2, h)
-        a = np.concatenate([a[:, :, :1] + a[:, :, 1:], a[:, :, :1] - a[:, :, 1:]], axis=2)
-        h *= 2
-    return a.reshape(-1)
-
-
 def _layout(bits, n):
     width, guard = (n * ((1 << bits) - 1)).bit_length(), n.bit_length()
     return (31 - guard) // width, width, guard
@@ -242,7 +233,7 @@ def _reference(records, bits, op, block):
     levels = sum(_unpack(rec["own"][:-1], bits, n, padded) for rec in records)
     top, delta, diag = records[0]["top"], records[0]["delta"], records[0]["diag"].astype(np.float64)
     values = levels * delta - n * top if op == "sum" else levels / n * delta - top
-    return _fwht64(values, block) * diag, levels
+    return fwht64(values, block) * diag, levels
 
 
 def _check_exact_and_reference(records, bits, op, block, shape):

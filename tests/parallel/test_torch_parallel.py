@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.hvdrun import run
-from tests.reference import RefTopK, RefTopKC, allreduce_fp16, fp16
+from tests.reference import allreduce_fp16, fp16, reference_for_spec
 
 SHAPES = {"a": (64,), "b": (64,), "w": (8, 16), "s": ()}
 STEPS = 4
@@ -162,20 +162,10 @@ def results():
 
 
 def _reference(spec, kw, set_to_none, op):
-    opts = dict(p.split("=") for p in spec.partition(":")[2].split(",") if p)
     name = spec.partition(":")[0]
     passes = kw.get("backward_passes_per_step", 1)
     params = {k: init_of(k).astype(np.float64).reshape(-1) for k in SHAPES}
-    refs = {}
-    for k in SHAPES:
-        d = int(np.prod(SHAPES[k]))
-        if name == "topkc":
-            refs[k] = RefTopKC(d, 2, float(opts["ratio"]), int(opts["chunk"]),
-                               error_feedback=opts.get("error_feedback", "true") == "true",
-                               payload=opts.get("payload_dtype", "float16"),
-                               selection=opts.get("selection", "current"))
-        elif name == "topk":
-            refs[k] = RefTopK(d, 2, float(opts["ratio"]))
+    refs = {k: reference_for_spec(spec, int(np.prod(SHAPES[k])), 2) for k in SHAPES}
     for step in range(STEPS):
         for k in SHAPES:
             grads = []
