@@ -154,6 +154,9 @@ class PowerSGDScheme(Scheme):
     """Rank-r PowerSGD with error feedback and warm start (module docstring, steps 1-11)."""
 
     name = "powersgd"
+    # The residual is held back when the all-reduced P is non-finite (any rank); Q and step
+    # change only in absorb, guarded there.
+    masks_own_state = True
 
     def __init__(self, config: PowerSGDConfig = PowerSGDConfig()):
         self.config = config

@@ -252,6 +252,8 @@ class THCScheme(Scheme):
     """THC with exact int32 lanes on a Sum/Average all-reduce (module docstring, steps 1-13)."""
 
     name = "thc"
+    # Step and residual advance only if every rank was finite (the side collective says so).
+    masks_own_state = True
 
     def __init__(self, config: THCConfig = THCConfig()):
         self.config = config
