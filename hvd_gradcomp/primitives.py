@@ -15,10 +15,11 @@ Rules (after einops' backend table and array-api-compat):
    runs on GPU tensors and traces inside ``tf.function``. Sizes used to build shapes are
    static Python ints taken from the tensor's static shape.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Primitives", "FLOAT_DTYPES", "INT_DTYPES", "itemsize"]
+__all__ = ["Primitives", "FLOAT_DTYPES", "INT_DTYPES", "itemsize", "one_rank"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 INT_DTYPES = ("int8", "uint8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64")
@@ -85,3 +86,10 @@ class Primitives:
     cond: Callable[[Any, Callable, Callable], Any]
     # --- side collective (synchronous, all ranks in the same order with the same name) ---
     allreduce: Callable[[Any, str, str], Any]  # allreduce(x, op "sum"|"max", name) -> reduced x
+
+
+def one_rank(ops: Primitives) -> Primitives:
+    """``ops`` whose side all-reduce is the identity, which is what an all-reduce over a
+    world of one rank returns. For running schemes without Horovod: scheme-level tests and
+    the overhead benchmark (collective excluded)."""
+    return dataclasses.replace(ops, allreduce=lambda x, op, name: x)

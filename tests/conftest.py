@@ -31,3 +31,28 @@ def backend_ops(name):
 
 def requires_backend(name):
     return pytest.mark.skipif(name not in BACKENDS, reason=f"backend {name} not under test")
+
+
+def one_rank_ops(name):
+    """A backend's primitives with the side all-reduce of a one-rank world (the identity)."""
+    from hvd_gradcomp.primitives import one_rank
+    return one_rank(backend_ops(name))
+
+
+def scheme_steps(ops, scheme, tensors, info):
+    """Run compress -> (one-rank all-reduce) -> decompress -> absorb over ``tensors``.
+
+    Returns one dict per step: payload, ctx, out (decompressed), old (state before), new
+    (state compress returned) and after (state after absorb, i.e. the next step's).
+    """
+    from hvd_gradcomp.base import compress_tensor, decompress_tensor
+    state = scheme.init(ops, info, tensors[0])
+    log = []
+    for x in tensors:
+        payload, ctx, new = compress_tensor(scheme, ops, x, state, info)
+        out = decompress_tensor(scheme, ops, payload, ctx, info)
+        absorbed = scheme.absorb(ops, payload, ctx, new, info)
+        after = absorbed if absorbed is not None else new
+        log.append({"payload": payload, "ctx": ctx, "out": out, "old": state, "new": new, "after": after})
+        state = after
+    return log

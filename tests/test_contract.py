@@ -10,21 +10,16 @@ Checked for every entry of ``SCHEMES`` with default options:
 - payload size depends only on shape, dtype, config and world size,
 - wire() matches the payload actually produced.
 """
-import dataclasses
 
 import pytest
 
 from hvd_gradcomp.base import TensorInfo, compress_tensor, decompress_tensor
 from hvd_gradcomp.primitives import itemsize
 from hvd_gradcomp.registry import SCHEMES, make_scheme
-from tests.conftest import BACKENDS, backend_ops
+from tests.conftest import BACKENDS, one_rank_ops, scheme_steps
 
 SHAPES = [(), (7,), (64, 48), (8, 4, 3, 3), (5000,)]
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
-
-
-def _ops(backend):
-    return dataclasses.replace(backend_ops(backend), allreduce=lambda x, op, name: x)
 
 
 def _tensor(backend, values, dtype):
@@ -52,22 +47,18 @@ def _to_numpy(x):
 
 
 def _roundtrip(backend, scheme, x, key="t", steps=1):
-    ops = _ops(backend)
+    """``steps`` steps on ``x``; the last step's (out, payload, old state, new state, info)."""
+    ops = one_rank_ops(backend)
     info = TensorInfo(key, ops.shape(x), ops.dtype(x), 1, 0)
-    state = scheme.init(ops, info, x)
-    for _ in range(steps):
-        payload, ctx, new_state = compress_tensor(scheme, ops, x, state, info)
-        out = decompress_tensor(scheme, ops, payload, ctx, info)
-        after = scheme.absorb(ops, payload, ctx, new_state, info)
-        old, state = state, (after if after is not None else new_state)
-    return out, payload, old, new_state, info
+    last = scheme_steps(ops, scheme, [x] * steps, info)[-1]
+    return last["out"], last["payload"], last["old"], last["new"], info
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_shape_dtype_zeros(backend, name):
     scheme = make_scheme(name)
-    ops = _ops(backend)
+    ops = one_rank_ops(backend)
     for shape in SHAPES:
         for dtype in DTYPES:
             x = _tensor(backend, _values(shape, 1), dtype)
@@ -100,7 +91,7 @@ def test_error_feedback_identity(backend, name):
 def test_payload_size_is_static_and_reported(backend, name):
     """Payload size is a function of (shape, dtype, config, world size), and wire() says it."""
     scheme = make_scheme(name)
-    ops = _ops(backend)
+    ops = one_rank_ops(backend)
     for shape in [(64, 48), (5000,)]:
         sizes = set()
         for seed, scale in [(3, 1.0), (4, 1e-6), (5, 1e4)]:
@@ -118,7 +109,7 @@ def test_fp16_prescale_keeps_8_rank_sums_in_range():
     """Scheme-level: a value of 3e4 on each of 8 ranks survives (the multi-rank run is in parallel/)."""
     import numpy as np
     scheme = make_scheme("fp16")
-    ops = _ops(BACKENDS[0])
+    ops = one_rank_ops(BACKENDS[0])
     x = _tensor(BACKENDS[0], np.full((16,), 3.0e4), "float32")
     info = TensorInfo("t", (16,), "float32", 8, 0)
     payload, ctx, _ = compress_tensor(scheme, ops, x, scheme.init(ops, info, x), info)

@@ -2,11 +2,10 @@
 
 Collectives: a single process never reaches compress through Horovod (Horovod skips
 compression at size 1), so these tests call the scheme directly with
-``_world1_ops(backend)``: the backend's primitives with the side all-reduce replaced by the
+``one_rank_ops(backend)``: the backend's primitives with the side all-reduce replaced by the
 identity, which is exactly what an all-reduce over one rank does. Everything multi-rank
 (real Horovod, 2 ranks) is in tests/parallel/test_powersgd_parallel.py.
 """
-import dataclasses
 
 import numpy as np
 import pytest
@@ -16,12 +15,7 @@ from hvd_gradcomp.cast import Fp16Scheme
 from hvd_gradcomp.orthogonalize import orthogonalize
 from hvd_gradcomp.powersgd import PowerSGDConfig, PowerSGDScheme, PowerSGDState
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
-from tests.conftest import BACKENDS, backend_ops
-
-
-def _world1_ops(backend):
-    """The backend's primitives with the side collective of a one-rank world (the identity)."""
-    return dataclasses.replace(backend_ops(backend), allreduce=lambda x, op, name: x)
+from tests.conftest import BACKENDS, backend_ops, one_rank_ops, scheme_steps
 
 
 def _tensor(backend, values, dtype="float32"):
@@ -47,23 +41,10 @@ def _low_rank(n, m, k, seed):
 
 
 def _steps(backend, scheme, grads, key="w", world_size=1):
-    """Run compress -> (identity all-reduce) -> decompress -> absorb over ``grads``.
-
-    Returns a list of dicts per step: out, payload, state before (old) and after (new).
-    """
-    ops = _world1_ops(backend)
-    x0 = _tensor(backend, grads[0])
-    info = TensorInfo(key, ops.shape(x0), ops.dtype(x0), world_size, 0)
-    state = scheme.init(ops, info, x0)
-    log = []
-    for g in grads:
-        x = _tensor(backend, g)
-        payload, ctx, new = compress_tensor(scheme, ops, x, state, info)
-        out = decompress_tensor(scheme, ops, payload, ctx, info)
-        after = scheme.absorb(ops, payload, ctx, new, info)
-        log.append({"out": out, "payload": payload, "old": state, "new": after})
-        state = after
-    return log
+    """:func:`tests.conftest.scheme_steps` over ``grads`` (NumPy arrays) on one backend."""
+    ops = one_rank_ops(backend)
+    xs = [_tensor(backend, g) for g in grads]
+    return scheme_steps(ops, scheme, xs, TensorInfo(key, ops.shape(xs[0]), ops.dtype(xs[0]), world_size, 0))
 
 
 # ---------------------------------------------------------------- configuration and policy
@@ -194,7 +175,7 @@ def test_exact_low_rank_recovered_at_first_step(backend, rank, warm_start):
             want = a if i < 2 else 0.5 * a
             out = _np(step["out"])
             np.testing.assert_allclose(out, want, rtol=0, atol=2e-5 * np.abs(want).max())
-            assert np.abs(_np(step["new"].residual)).max() < 2e-5 * np.abs(want).max()
+            assert np.abs(_np(step["after"].residual)).max() < 2e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -213,7 +194,7 @@ def test_warm_start_converges_to_best_rank_r(backend):
     err_cold = [np.linalg.norm(_np(x["out"]) - a) for x in cold]
     assert err_warm[-1] < best * 1.01, (err_warm[-1], best)
     assert err_warm[-1] < err_warm[0] and np.mean(err_cold[5:]) > err_warm[-1] * 1.05
-    q = _np(warm[-1]["new"].q)  # unit rows (= Q's columns), aligned with the top singular vectors
+    q = _np(warm[-1]["after"].q)  # unit rows (= Q's columns), aligned with the top singular vectors
     np.testing.assert_allclose(np.linalg.norm(q, axis=1), 1.0, atol=1e-6)
     np.testing.assert_allclose(np.abs(q @ v[:, :2]), np.eye(2), atol=1e-2)
 
@@ -231,7 +212,7 @@ def test_error_feedback_identity_float64(backend):
         log = _steps(backend, PowerSGDScheme(cfg), grads)
         for step, g in list(zip(log, grads))[cfg.start_step:]:
             corrected = g + _np(step["old"].residual)
-            rebuilt = _np(step["out"]) + _np(step["new"].residual)
+            rebuilt = _np(step["out"]) + _np(step["after"].residual)
             np.testing.assert_allclose(rebuilt, corrected, rtol=0, atol=1e-5 * np.abs(corrected).max())
 
 
@@ -242,10 +223,10 @@ def test_zeros_give_exact_zeros_and_keep_q(backend):
     log = _steps(backend, scheme, [np.zeros((30, 20)), np.zeros((30, 20)), a])
     for step in log[:2]:
         out = _np(step["out"])
-        assert (out == 0).all() and (_np(step["new"].residual) == 0).all()
-        np.testing.assert_array_equal(_np(step["new"].q), _np(log[0]["old"].q))  # not poisoned
+        assert (out == 0).all() and (_np(step["after"].residual) == 0).all()
+        np.testing.assert_array_equal(_np(step["after"].q), _np(log[0]["old"].q))  # not poisoned
     np.testing.assert_allclose(_np(log[2]["out"]), a, atol=2e-5 * np.abs(a).max())
-    assert [int(_np(s["new"].step)) for s in log] == [1, 2, 3]
+    assert [int(_np(s["after"].step)) for s in log] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -258,9 +239,9 @@ def test_nonfinite_keeps_state_and_reaches_output(backend):
     log = _steps(backend, scheme, [g0, bad, g2])
     assert np.isnan(_np(log[1]["out"])).all() and np.isnan(_np(log[1]["payload"])).all()
     for field in ("residual", "q"):
-        np.testing.assert_array_equal(_np(getattr(log[1]["new"], field)),
+        np.testing.assert_array_equal(_np(getattr(log[1]["after"], field)),
                                       _np(getattr(log[1]["old"], field)))
-    assert int(_np(log[1]["new"].step)) == 2  # the counter still advances (same on all ranks)
+    assert int(_np(log[1]["after"].step)) == 2  # the counter still advances (same on all ranks)
     assert np.isfinite(_np(log[2]["out"])).all()
     # The vector path (fp16) carries NaN through the cast.
     vec = np.ones(9)
@@ -271,7 +252,7 @@ def test_nonfinite_keeps_state_and_reaches_output(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_uncompressed_tensors_follow_fp16_or_float32(backend):
-    ops = _world1_ops(backend)
+    ops = one_rank_ops(backend)
     rng = np.random.default_rng(7)
     for shape in [(), (9,), (3, 3), (2, 2, 2)]:
         g = rng.standard_normal(shape) * 100
@@ -287,7 +268,7 @@ def test_uncompressed_tensors_follow_fp16_or_float32(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_start_step_warm_up(backend):
     """Before start_step: fp16 round trip, payload of the same size, Q untouched; then PowerSGD."""
-    ops = _world1_ops(backend)
+    ops = one_rank_ops(backend)
     rng = np.random.default_rng(8)
     grads = [rng.standard_normal((24, 20)) for _ in range(4)]
     scheme = PowerSGDScheme(PowerSGDConfig(rank=2, start_step=2))
@@ -298,19 +279,19 @@ def test_start_step_warm_up(backend):
         x = _tensor(backend, grads[i])
         fp16 = _np(Fp16Scheme().decompress(ops, Fp16Scheme().compress(ops, x, (), info, None)[0], None, info))
         np.testing.assert_array_equal(_np(log[i]["out"]), fp16)
-        np.testing.assert_array_equal(_np(log[i]["new"].q), _np(log[0]["old"].q))
-        assert (_np(log[i]["new"].residual) == 0).all()
+        np.testing.assert_array_equal(_np(log[i]["after"].q), _np(log[0]["old"].q))
+        assert (_np(log[i]["after"].residual) == 0).all()
     # From step 2 on it is exactly PowerSGD started fresh (the warm-up left no trace).
     for a, b in zip(log[2:], plain):
         np.testing.assert_array_equal(_np(a["out"]), _np(b["out"]))
     sizes = {tuple(ops.shape(s["payload"])) for s in log}
     assert sizes == {(40,)}
-    assert [int(_np(s["new"].step)) for s in log] == [1, 2, 3, 4]
+    assert [int(_np(s["after"].step)) for s in log] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_low_precision_inputs_keep_dtype(backend):
-    ops = _world1_ops(backend)
+    ops = one_rank_ops(backend)
     scheme = PowerSGDScheme(PowerSGDConfig(rank=2))
     a = _low_rank(16, 12, 2, seed=9)
     for dtype in ("float16", "bfloat16", "float64"):
@@ -327,7 +308,7 @@ def test_low_precision_inputs_keep_dtype(backend):
 def _tf_graph_steps(scheme, grads, key="w"):
     """The TensorFlow run of _steps, each step one tf.function call (state passed through)."""
     import tensorflow as tf
-    ops = _world1_ops("tensorflow")
+    ops = one_rank_ops("tensorflow")
     info = TensorInfo(key, tuple(np.shape(grads[0])), "float32", 1, 0)
     state = scheme.init(ops, info, None)
 
@@ -353,13 +334,13 @@ def test_torch_tensorflow_parity_eager_and_tf_function():
         scheme = PowerSGDScheme(cfg)
         # The first Q comes from the counter-based generator: bit-identical in both frameworks.
         np.testing.assert_array_equal(
-            _np(scheme.init(_world1_ops("torch"), TensorInfo("w", (40, 12), "float32", 1, 0), None).q),
-            _np(scheme.init(_world1_ops("tensorflow"), TensorInfo("w", (40, 12), "float32", 1, 0), None).q))
+            _np(scheme.init(one_rank_ops("torch"), TensorInfo("w", (40, 12), "float32", 1, 0), None).q),
+            _np(scheme.init(one_rank_ops("tensorflow"), TensorInfo("w", (40, 12), "float32", 1, 0), None).q))
         torch_log = _steps("torch", scheme, grads)
         tf_log = _steps("tensorflow", scheme, grads)
         graph_outs, graph_state = _tf_graph_steps(scheme, grads)
         for a, b, c in zip(torch_log, tf_log, graph_outs):
             np.testing.assert_allclose(_np(a["out"]), _np(b["out"]), rtol=1e-4, atol=1e-4)
             np.testing.assert_allclose(_np(b["out"]), c, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(_np(torch_log[-1]["new"].residual), _np(graph_state.residual), atol=1e-4)
+        np.testing.assert_allclose(_np(torch_log[-1]["after"].residual), _np(graph_state.residual), atol=1e-4)
         assert int(_np(graph_state.step)) == len(grads)

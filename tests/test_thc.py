@@ -53,7 +53,7 @@ from hvd_gradcomp.base import TensorInfo, compress_tensor, decompress_tensor
 from hvd_gradcomp.registry import make_scheme, parse_spec
 from hvd_gradcomp.thc import THCConfig, THCScheme, lane_layout, saturation_threshold
 from tests.reference import fwht64
-from tests.conftest import BACKENDS, backend_ops, requires_backend
+from tests.conftest import BACKENDS, backend_ops, requires_backend, one_rank_ops
 
 
 # ---------------------------------------------------------------- helpers
@@ -85,11 +85,6 @@ def _tensor(backend, values, dtype="float32"):
         return torch.as_tensor(np.asarray(values)).to(to_torch_dtype(dtype))
     import tensorflow as tf
     return tf.constant(np.asarray(values), dtype=dtype)
-
-
-def _identity_ops(backend):
-    """Primitives whose side collective returns its input: a world of one rank."""
-    return dataclasses.replace(backend_ops(backend), allreduce=lambda x, op, name: x)
 
 
 def simulated_allreduce(backend, scheme, xs, op="sum", states=None, key="w"):
@@ -224,7 +219,7 @@ def test_average_recovers_exact_words(n):
 
 def test_layout_errors_before_any_collective():
     scheme = THCScheme(THCConfig(bits=16))
-    ops = _identity_ops("torch")
+    ops = one_rank_ops("torch")
     import torch
     info = TensorInfo("w", (4096,), "float32", 256, 0)
     with pytest.raises(ValueError, match="thc: bits=16 with 256 ranks"):
@@ -317,7 +312,7 @@ def test_unbiased(bits, rotation, d):
     about sqrt(2/d) times a small factor for correlations inside a block).
     """
     import torch
-    ops = _identity_ops("torch")
+    ops = one_rank_ops("torch")
     scheme = THCScheme(THCConfig(bits=bits, rotation=rotation, saturation=False, error_feedback=False,
                                  min_numel=1))
     x = torch.as_tensor(_student_t(np.random.default_rng(1), d))
@@ -364,7 +359,7 @@ def test_levels_unbiased_and_independent_per_rank():
     deviation about 1 / sqrt(P * pairs).
     """
     import torch
-    ops = _identity_ops("torch")
+    ops = one_rank_ops("torch")
     d, ranks, world = 3000, 800, 1024
     scheme = THCScheme(THCConfig(saturation=False, min_numel=1))
     x = torch.as_tensor(_student_t(np.random.default_rng(2), d))
@@ -425,7 +420,7 @@ def test_relative_error_bounds(variant, bits, dist):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(d).astype(np.float32) if dist == "gaussian" else _student_t(rng, d)
     scheme = THCScheme(dataclasses.replace(VARIANTS[variant], bits=bits))
-    ops = _identity_ops("torch")
+    ops = one_rank_ops("torch")
     info = TensorInfo("w", (d,), "float32", 1, 0)
     xt = torch.as_tensor(x)
     payload, ctx, state = compress_tensor(scheme, ops, xt, scheme.init(ops, info, xt), info)
@@ -493,7 +488,7 @@ def test_simulated_zeros_and_nonfinite():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tiny_tensors_go_fp16(backend):
     scheme = THCScheme(THCConfig(min_numel=1024))
-    ops = _identity_ops(backend)
+    ops = one_rank_ops(backend)
     x = _tensor(backend, np.linspace(-1, 1, 1023).astype(np.float32))
     info = TensorInfo("b", (1023,), "float32", 4, 0)
     payload, ctx, state = compress_tensor(scheme, ops, x, scheme.init(ops, info, x), info)
@@ -528,7 +523,7 @@ def test_torch_tensorflow_payload_parity(config):
     x = np.random.default_rng(3).integers(-1, 2, 4096).astype(np.float32)
     results = {}
     for backend in ("torch", "tensorflow"):
-        ops = _identity_ops(backend)
+        ops = one_rank_ops(backend)
         scheme = THCScheme(config)
         for n in (2, 8):
             info = TensorInfo("layer/w", (64, 64), "float32", n, 1)
@@ -571,7 +566,7 @@ def test_measure_rotation_stages():
 
     import torch
     from hvd_gradcomp.cast import Fp16Scheme
-    ops = _identity_ops("torch")
+    ops = one_rank_ops("torch")
     gen = torch.Generator().manual_seed(0)
     inputs = torch.relu(torch.randn(32, 1024, generator=gen)) * (torch.rand(1024, generator=gen) < 0.7)
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ What one timed *call* is:
        ``scheme.absorb`` when the scheme has one (as the adapters do).
     3. **Collective excluded**: the payload all-reduce is skipped and ``ops.allreduce`` (side
        collectives such as TopKC's score sum) is replaced by the identity
-       (``dataclasses.replace(OPS, allreduce=lambda x, op, name: x)``). The time is the
+       (:func:`hvd_gradcomp.primitives.one_rank`). The time is the
        compressor's own compute on this device, nothing else.
     4. The state returned is fed to the next call, so error feedback accumulates as in training.
 
@@ -56,7 +56,6 @@ bytes of a reference model's gradient tensors per compressor (see ``model.py``).
 """
 import argparse
 import csv
-import dataclasses
 import io
 import json
 import math
@@ -65,7 +64,7 @@ import sys
 import time
 
 from hvd_gradcomp.base import Scheme, TensorInfo, compress_tensor, decompress_tensor
-from hvd_gradcomp.primitives import itemsize
+from hvd_gradcomp.primitives import itemsize, one_rank
 from hvd_gradcomp.registry import SCHEMES, make_scheme, parse_spec
 
 __all__ = ["main", "COLUMNS", "DEFAULT_LAYERS", "no_collective", "floor_bytes", "measure",
@@ -86,9 +85,7 @@ COLUMNS = ["framework", "device", "threads", "timer", "case", "shape", "numel", 
 _REFERENCE = "fp16"
 
 
-def no_collective(ops):
-    """``ops`` with ``allreduce`` replaced by the identity (collective excluded)."""
-    return dataclasses.replace(ops, allreduce=lambda x, op, name: x)
+no_collective = one_rank  # ``ops`` with ``allreduce`` replaced by the identity (collective excluded)
 
 
 def _numel(shape) -> int:

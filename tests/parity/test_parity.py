@@ -4,15 +4,14 @@ Scheme level, one process, side collectives replaced by the identity (world size
 multi-rank behaviour of each frontend is tested in tests/parallel/. Selections (integer ctx
 tensors) and integer payloads must match bit for bit; float outputs must be allclose.
 """
-import dataclasses
 
 import numpy as np
 import pytest
 
 from hvd_gradcomp import rng
-from hvd_gradcomp.base import TensorInfo, compress_tensor, decompress_tensor
+from hvd_gradcomp.base import TensorInfo
 from hvd_gradcomp.registry import SCHEMES, make_scheme
-from tests.conftest import BACKENDS
+from tests.conftest import BACKENDS, one_rank_ops, scheme_steps
 
 pytestmark = pytest.mark.skipif(len(BACKENDS) < 2, reason="parity needs both backends")
 
@@ -21,11 +20,6 @@ VARIANTS = [(name, {}) for name in sorted(SCHEMES)] + [
     ("topkc", {"payload_dtype": "float32", "chunk": 7, "ratio": 0.3}),
     ("topk", {"ratio": 0.05}),
 ]
-
-
-def _ops(name):
-    from tests.conftest import backend_ops
-    return dataclasses.replace(backend_ops(name), allreduce=lambda x, op, n: x)
 
 
 def _np(x):
@@ -43,20 +37,15 @@ def _tensor(backend, value):
 
 
 def _run(backend, scheme, inputs):
-    ops = _ops(backend)
-    info = TensorInfo("layer.weight", inputs[0].shape, "float32", 1, 0)
-    state = scheme.init(ops, info, _tensor(backend, inputs[0]))
+    ops = one_rank_ops(backend)
+    xs = [_tensor(backend, v) for v in inputs]
     trace = []
-    for value in inputs:
-        x = _tensor(backend, value)
-        payload, ctx, state = compress_tensor(scheme, ops, x, state, info)
-        out = decompress_tensor(scheme, ops, payload, ctx, info)
-        after = scheme.absorb(ops, payload, ctx, state, info)
-        state = after if after is not None else state
+    for step in scheme_steps(ops, scheme, xs, TensorInfo("layer.weight", inputs[0].shape, "float32", 1, 0)):
+        ctx = step["ctx"]
         leaves = ctx if isinstance(ctx, (tuple, list)) else [ctx]
         selections = [_np(c) for c in leaves if c is not None and hasattr(c, "dtype")
                       and "int" in str(c.dtype)]
-        trace.append((_np(payload), selections, _np(out)))
+        trace.append((_np(step["payload"]), selections, _np(step["out"])))
     return trace
 
 
