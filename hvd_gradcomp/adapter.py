@@ -73,7 +73,8 @@ class HorovodCompressor:
         raise NotImplementedError
 
     def _create_state(self, key, state):
-        raise NotImplementedError
+        """Store a tensor's first state (TensorFlow makes variables here); default: write it."""
+        self._write_state(key, state)
 
     def _has_state(self, key) -> bool:
         raise NotImplementedError

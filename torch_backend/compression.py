@@ -82,9 +82,6 @@ class Compressor(HorovodCompressor):
     def _read_state(self, key):
         return self._states[key]
 
-    def _create_state(self, key, state):
-        self._states[key] = state
-
     def _write_state(self, key, state):
         self._states[key] = state
 
