@@ -8,10 +8,35 @@ tensors in PyTorch, ``tf.Variable``s in TensorFlow).
 
 Each instance belongs to one training run: give every ``DistributedOptimizer`` its own.
 """
-from .registry import SCHEMES, make_scheme, parse_spec
-from .base import Scheme, TensorInfo, WireBytes, check_state, compress_tensor, decompress_tensor, passes_through
+from typing import Any, NamedTuple
 
-__all__ = ["HorovodCompressor", "Namespace", "Factory"]
+from .registry import SCHEMES, make_scheme, parse_spec
+from .base import Scheme, TensorInfo, WireBytes, check_state, compress_tensor, finish_tensor, passes_through
+
+__all__ = ["HorovodCompressor", "Namespace", "Factory", "Call"]
+
+
+class Call(NamedTuple):
+    """What the adapters learn from Horovod's calling frame about one compress call.
+
+    key: Horovod's name for the tensor (parameter name, variable position, ``name=``), or None.
+    op: ``"sum" "average" "adasum" "min" "max" "product"``, or None when unknown.
+    prescale, postscale: the factors Horovod will multiply the payload by before and after the
+        reduction (``gradient_predivide_factor`` f gives 1/f and f under Average); 1.0 when none.
+    process_set: the framework's process set of the all-reduce, or None for the global one.
+    owner: the optimizer or tape that issued the call (its state is kept apart), or None.
+    filled_in: True when Horovod's ``synchronize()`` is filling in a gradient this rank never
+        computed (an unused parameter): its collectives run in an order that differs between
+        ranks.
+    """
+
+    key: Any = None
+    op: Any = None
+    prescale: float = 1.0
+    postscale: float = 1.0
+    process_set: Any = None
+    owner: Any = None
+    filled_in: bool = False
 
 
 class HorovodCompressor:
@@ -32,6 +57,8 @@ class HorovodCompressor:
         "_infos", "_wire",
         # states loaded by load_state_dict() before the tensor was first seen
         "_pending",
+        # optimizers/tapes seen, in order of first use (their keys are kept apart)
+        "_owners",
         "__weakref__",
     )
     ops = None  # the backend's Primitives (class attribute of the subclass)
@@ -41,13 +68,14 @@ class HorovodCompressor:
         self._infos = {}
         self._wire = {}
         self._pending = {}
+        self._owners = []
 
     # ---- backend hooks ----
     no_key_message = "{scheme}: cannot tell which tensor this is; call compress(tensor, name=...)"
 
     @staticmethod
-    def _find_key(tensor):
-        """The tensor's stable identity from Horovod's calling frames, or None."""
+    def _find_call(tensor) -> Call:
+        """The :class:`Call` read from Horovod's calling frames (key None when not found)."""
         raise NotImplementedError
 
     @staticmethod
@@ -55,16 +83,12 @@ class HorovodCompressor:
         """The framework's Horovod module (horovod.torch or horovod.tensorflow)."""
         raise NotImplementedError
 
-    def _identify(self, tensor) -> str:
-        key = self._find_key(tensor)
-        if key is None:
-            raise ValueError(self.no_key_message.format(scheme=self.scheme.name))
-        return key
-
-    def _world(self):
-        """(world_size, rank) of the all-reduce."""
+    def _world(self, process_set):
+        """(world_size, rank) of the all-reduce: the process set's, or the global ones."""
         hvd = self._horovod()
-        return hvd.size(), hvd.rank()
+        if process_set is None or getattr(process_set, "process_set_id", 0) == 0:
+            return hvd.size(), hvd.rank()
+        return process_set.size(), process_set.rank()
 
     def _read_state(self, key):
         raise NotImplementedError
@@ -83,10 +107,57 @@ class HorovodCompressor:
         """A host-side copy of a state tensor for state_dict()."""
         raise NotImplementedError
 
+    def _detach(self, tensor):
+        """The gradient without any autograd history (PyTorch); default: itself."""
+        return tensor
+
     # ---- Horovod's contract ----
     @property
     def spec(self) -> str:
         return self.scheme.spec()
+
+    def _key(self, call: Call):
+        """The state key of a call: Horovod's name, kept apart per optimizer/tape."""
+        key = call.key
+        if key is None:
+            if type(self.scheme).init is Scheme.init:  # stateless: any key will do
+                return "<unnamed>"
+            raise ValueError(self.no_key_message.format(scheme=self.scheme.name))
+        if call.owner is not None:
+            for i, owner in enumerate(self._owners):
+                if owner is call.owner:
+                    break
+            else:
+                i = len(self._owners)
+                self._owners.append(call.owner)
+            if i:
+                key = f"{key}@{i}"
+        return key
+
+    def _check_call(self, key, call: Call):
+        """Refuse, before any collective, what Horovod would do to a payload this scheme cannot take."""
+        s = self.scheme
+        if s.identity or s.linear:
+            if call.op == "product" and not s.identity:
+                raise ValueError(f"{s.name}: tensor {key!r}: op=Product of pre-scaled payloads is not "
+                                 f"the product of the gradients; use op=Sum or Average")
+            return
+        if call.op not in (None, "sum", "average"):
+            raise ValueError(f"{s.name}: tensor {key!r}: op={call.op.capitalize()} cannot combine "
+                             f"{s.name} payloads (selected or quantised per step); {s.name} supports "
+                             f"op=Sum and op=Average only. Use Compression.fp16() or none with "
+                             f"op={call.op.capitalize()}")
+        if not s.scalable and (call.prescale != 1.0 or call.postscale != 1.0):
+            raise ValueError(f"{s.name}: tensor {key!r}: Horovod would scale the payload "
+                             f"(gradient_predivide_factor / prescale_factor={call.prescale:g}, "
+                             f"postscale_factor={call.postscale:g}), which corrupts {s.name}'s "
+                             f"integer payload; leave these factors at 1 with this compressor")
+        if s.blocking and call.filled_in:
+            raise ValueError(f"{s.spec()}: tensor {key!r} had no gradient on this rank, so Horovod's "
+                             f"synchronize() fills it in, in an order that differs between ranks; "
+                             f"this variant posts a blocking side all-reduce inside compress and "
+                             f"would hang. Use the default (single-collective) variant of "
+                             f"{s.name}")
 
     def compress(self, tensor, name=None):
         """Compress one gradient. Returns ``(payload, ctx)``; see the scheme's docs for layout.
@@ -97,8 +168,10 @@ class HorovodCompressor:
             name: the tensor's stable identity; found from Horovod's call frames when None.
 
         Raises:
-            ValueError: the tensor cannot be identified, or its shape/dtype differs from the
-                state kept (or loaded) under its key. Raised before any collective.
+            ValueError: the tensor cannot be identified (stateful schemes), its shape/dtype
+                differs from the state kept (or loaded) under its key, or Horovod would apply
+                an op or scaling this scheme's payload cannot take. Raised before any
+                collective, on every rank alike.
         """
         ops = self.ops
         shape, dtype = ops.shape(tensor), ops.dtype(tensor)
@@ -107,33 +180,38 @@ class HorovodCompressor:
             numel *= s
         if passes_through(dtype, numel):
             return tensor, None
-        key = name if name is not None else self._identify(tensor)
-        world_size, rank = self._world()
-        info = TensorInfo(key, shape, dtype, world_size, rank)
+        call = self._find_call(tensor)
+        if name is not None:
+            call = call._replace(key=name)
+        key = self._key(call)
+        self._check_call(key, call)
+        world_size, rank = self._world(call.process_set)
+        op = call.op if call.op in ("sum", "average") else None
+        info = TensorInfo(key, shape, dtype, world_size, rank, op, call.process_set)
         known = self._infos.get(key)
         if known is not None and (known.shape, known.dtype) != (shape, dtype):
             raise ValueError(f"{self.scheme.name}: tensor {key!r} was {known.dtype}{list(known.shape)} "
                              f"in earlier steps, got {dtype}{list(shape)}; one key, one shape")
         self._infos[key] = info
         self._wire[key] = self.scheme.wire(info)
-        if getattr(self.scheme, "identity", False):
+        if self.scheme.identity:
             return tensor, None
+        tensor = self._detach(tensor)
         state = self._state_for(info, tensor)
-        payload, ctx, new_state = compress_tensor(self.scheme, ops, tensor, state, info)
-        if len(new_state):
-            self._write_state(key, new_state)
+        payload, ctx = compress_tensor(self.scheme, ops, tensor, state, info)
         return payload, (info, ctx)
 
     def decompress(self, payload, ctx):
-        """The all-reduced payload mapped back to the gradient's shape and dtype."""
+        """The all-reduced payload mapped back to the gradient's shape and dtype; the tensor's
+        state moves on (or stays, if the payload says some rank failed this step)."""
         if ctx is None:
             return payload
         info, scheme_ctx = ctx
-        out = decompress_tensor(self.scheme, self.ops, payload, scheme_ctx, info)
-        if type(self.scheme).absorb is not Scheme.absorb and self._has_state(info.key):
-            new_state = self.scheme.absorb(self.ops, payload, scheme_ctx, self._read_state(info.key), info)
-            if new_state is not None:
-                self._write_state(info.key, new_state)
+        has_state = self._has_state(info.key)
+        state = self._read_state(info.key) if has_state else None
+        out, new_state = finish_tensor(self.scheme, self.ops, payload, scheme_ctx, state, info)
+        if has_state and new_state is not state:
+            self._write_state(info.key, new_state)
         return out
 
     def _state_for(self, info, like):

@@ -1,32 +1,70 @@
 """The contract between compression schemes (framework-neutral) and the backend adapters.
 
-A *scheme* is the math of one compressor, written once against :class:`~.primitives.Primitives`:
+A *scheme* is the math of one compressor, written once against :class:`~.primitives.Primitives`.
+One training step of one tensor is::
+
+    payload, ctx = compress_tensor(scheme, ops, grad, state, info)   # this rank only
+    reduced = <Horovod all-reduces payload across the ranks>          # the one collective
+    out, state = finish_tensor(scheme, ops, reduced, ctx, state, info)
+
+The scheme's methods:
 
 - ``init(ops, info, like) -> State``: the per-tensor state (a ``NamedTuple`` of tensors, or
   :class:`EmptyState`), created on ``like``'s device.
-- ``compress(ops, x, state, info, finite) -> (payload, ctx, new_state)``: ``x`` is the
-  gradient as a float32 tensor of ``info.shape``; ``finite`` is a bool 0-d tensor, False when
-  ``x`` holds a NaN/inf (None for schemes with ``guards_nonfinite = False``). ``payload`` is the one tensor Horovod all-reduces;
-  ``ctx`` is whatever ``decompress`` needs (tensors or Python values); ``new_state`` replaces
-  ``state``. Side collectives (``ops.allreduce``) happen here, before the payload exists.
+- ``compress(ops, x, state, info, finite) -> (payload, ctx)``: ``x`` is the gradient as a
+  float32 tensor of ``info.shape``; ``finite`` is a bool 0-d tensor, False when ``x`` holds a
+  NaN/inf (None for schemes with ``guards_nonfinite = False``). ``payload`` is the one tensor
+  Horovod all-reduces; ``ctx`` is whatever ``decompress`` and ``finish`` need (tensors or
+  Python values), including the state this step would leave behind. **compress posts no
+  collective and waits on no other rank** (the rule that keeps a training step from hanging
+  when ranks call compress in different orders, for different tensors, or not at all). What
+  ranks must agree on (TopKC's chunk ranking, THC's ranges, PowerSGD's shared factor) is
+  computed from data every rank already holds: the previous step's all-reduced payload, kept
+  in the state by ``finish``, and functions of (seed, tensor key). The only exceptions are the
+  papers' two-round variants, which set ``blocking = True`` and are documented as such.
 - ``decompress(ops, payload, ctx, info) -> float32 tensor of info.shape``: the all-reduced
   payload mapped back. Under ``op=Sum`` it is the sum of the ranks' decoded contributions,
-  under ``op=Average`` their mean (float payloads are linear in the contributions, so this
-  holds without knowing the op; integer payloads carry their own op marker, see ``thc``).
+  under ``op=Average`` their mean.
+- ``finish(ops, payload, ctx, state, info) -> State``: the state after the step, from the
+  all-reduced payload and ``ctx``; it always returns a state (``state`` itself when nothing
+  changes). The rule every scheme keeps: if the all-reduced payload says the step failed (some
+  rank's gradient was not finite, which every rank sees in the same payload), the state stays
+  exactly as it was, on every rank.
 - ``wire(info) -> WireBytes``: bytes this tensor puts on the wire per step; a function of
   (shape, dtype, config, world size) only, never of values.
 
 The adapters (``torch_backend``, ``tf_backend``) own the state map, the tensor identity and
-everything framework-specific; :func:`compress_tensor` and :func:`decompress_tensor` hold the
-rules every scheme shares (dtype handling, pass-through, non-finite input).
+everything framework-specific; :func:`compress_tensor` and :func:`finish_tensor` hold the
+rules every scheme shares (dtype handling, non-finite input).
+
+Flags a scheme may set (class attributes, all declared on :class:`Scheme`):
+
+- ``guards_nonfinite`` (default True): compress receives ``finite`` and must make the payload
+  carry a NaN/inf on one rank to every rank's output (:func:`poison` for float payloads).
+  Plain casts set it False: NaN/inf survive the cast and the sum on their own.
+- ``identity`` (default False): the adapters hand the tensor to Horovod untouched (``none``).
+- ``linear`` (default False): the payload is a linear function of the gradient, in a float
+  dtype, with no selection agreed between ranks, so Horovod's prescale/postscale factors,
+  ``Min``/``Max`` and ``Adasum`` keep their meaning (the casts). Other schemes accept only
+  ``Sum``/``Average`` with no scaling; the adapters refuse the rest before any collective.
+- ``scalable`` (default True): Horovod may multiply the payload by prescale/postscale
+  factors (``gradient_predivide_factor``); the decoded result is then scaled the same way,
+  as for an uncompressed tensor. Integer payloads (THC) set it False and the adapters refuse
+  any factor other than 1.
+- ``blocking`` (default False): compress posts a synchronous side collective (``ops.allreduce``);
+  only the papers' two-round variants do.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .primitives import FLOAT_DTYPES
 
-__all__ = ["EmptyState", "TensorInfo", "WireBytes", "Scheme", "compress_tensor",
-           "decompress_tensor", "poison", "passes_through", "check_state"]
+__all__ = ["EmptyState", "TensorInfo", "WireBytes", "Scheme", "compress_tensor", "finish_tensor",
+           "poison", "saturating_cast", "payload_finite", "commit", "passes_through", "check_state",
+           "FP16_MAX"]
+
+# Largest finite float16: float payloads saturate here instead of overflowing to inf.
+FP16_MAX = 65504.0
 
 
 class EmptyState(NamedTuple):
@@ -38,11 +76,18 @@ class TensorInfo:
     """What a scheme may know about the tensor it compresses.
 
     Attributes:
-        key: stable identity of the tensor across steps and ranks (Horovod's parameter name).
+        key: stable identity of the tensor across steps, identical on every rank.
         shape: static shape of the gradient (tuple of ints).
         dtype: dtype string of the gradient (one of FLOAT_DTYPES).
-        world_size: number of ranks in the all-reduce (>= 1).
-        rank: this process's rank in [0, world_size).
+        world_size: number of ranks in the all-reduce (>= 1): the size of the process set
+            Horovod reduces this tensor in.
+        rank: this process's rank in that process set, in [0, world_size).
+        op: the reduction Horovod applies to the payload, ``"sum"`` or ``"average"``, when the
+            adapter knows it (a call from Horovod's optimizers or ``hvd.allreduce``); None when
+            unknown (``compress(tensor, name=...)`` called by hand). Schemes whose decoding
+            depends on it recover it from the payload when None.
+        group: the framework's process-set object for blocking side collectives (None for the
+            global set); not part of the tensor's identity.
     """
 
     key: str
@@ -50,6 +95,8 @@ class TensorInfo:
     dtype: str
     world_size: int
     rank: int
+    op: Any = None
+    group: Any = field(default=None, compare=False, hash=False)
 
     @property
     def numel(self) -> int:
@@ -64,7 +111,7 @@ class WireBytes(NamedTuple):
     """Bytes one tensor puts on the wire per step (per rank, as handed to the all-reduces).
 
     payload: bytes of the payload tensor Horovod all-reduces.
-    side: bytes of all side collectives issued inside compress.
+    side: bytes of all side collectives issued inside compress (blocking variants only).
     side_collectives: how many side collectives compress issues (each costs a latency).
     """
 
@@ -81,19 +128,17 @@ class Scheme:
     """Base class of the framework-neutral schemes (see the module docstring).
 
     Subclasses set ``name`` and ``config`` and implement ``compress``/``decompress``/``wire``;
-    the default ``init`` returns :class:`EmptyState`.
+    the default ``init`` returns :class:`EmptyState` and the default ``finish`` keeps the state.
     """
 
     name = "scheme"
     config: Any = None
-    # Schemes that select or quantise must route a NaN/inf to every rank's output themselves
-    # (see poison); plain casts propagate it through the all-reduce on their own.
+    # The flags of the module docstring, with their defaults.
     guards_nonfinite = True
-    # Schemes whose state must stay identical across ranks (a step counter keying shared
-    # randomness) hold it back themselves when *any* rank was non-finite, a condition they
-    # learn from a side collective and that implies this rank's; compress_tensor then skips
-    # its own, redundant per-rank masking pass over the state.
-    masks_own_state = False
+    identity = False
+    linear = False
+    scalable = True
+    blocking = False
 
     def spec(self) -> str:
         """The text spec that rebuilds this scheme, e.g. ``"topkc:ratio=0.01,chunk=256"``."""
@@ -109,16 +154,12 @@ class Scheme:
     def decompress(self, ops, payload, ctx, info: TensorInfo):
         raise NotImplementedError(f"{type(self).__name__}.decompress")
 
+    def finish(self, ops, payload, ctx, state, info: TensorInfo):
+        """The state after this step (module docstring); default: unchanged."""
+        return state
+
     def wire(self, info: TensorInfo) -> WireBytes:
         raise NotImplementedError(f"{type(self).__name__}.wire")
-
-    def absorb(self, ops, payload, ctx, state, info: TensorInfo):
-        """State update that needs the all-reduced payload; None (the default) for none.
-
-        Called by the adapters right after ``decompress`` with the same arguments plus the
-        current state; returns the new state or None.
-        """
-        return None
 
     def metrics(self, state) -> dict:
         """Per-tensor diagnostics read from the state (tensors, no host sync); default none."""
@@ -149,39 +190,60 @@ def poison(ops, payload, finite):
     """Make a float payload NaN everywhere when ``finite`` (bool 0-d tensor) is False.
 
     After the all-reduce every rank's output is then non-finite, so a loss scaler skips the
-    step on all ranks together (a NaN on one rank alone would desynchronise them).
+    step on all ranks together (a NaN on one rank alone would desynchronise them), and every
+    rank's ``finish`` sees the failed step in the same payload.
     """
+    if finite is None:
+        return payload
     return payload + ops.cast(ops.where(finite, 0.0, float("nan")), ops.dtype(payload))
 
 
+def saturating_cast(ops, x, dtype: str):
+    """``x`` (float32) cast to a float payload dtype, finite values clamped to its range.
+
+    A finite gradient above float16's 65504 must not become inf on the wire: the payload
+    carries +-65504 and the rest stays in the sender's error feedback (its residual is
+    ``x - decoded(payload)``). NaN stays NaN (a failed step must still be seen as one).
+    """
+    if dtype == "float16":
+        x = ops.minimum(ops.maximum(x, -FP16_MAX), FP16_MAX)
+    return ops.cast(x, dtype) if dtype != "float32" else x
+
+
+def payload_finite(ops, payload):
+    """bool 0-d: the all-reduced float payload holds no NaN/inf (one float32 sum)."""
+    return ops.isfinite(ops.sum(ops.cast(payload, "float32"), None))
+
+
+def commit(ops, ok, new, old):
+    """``new`` (a state NamedTuple) where the bool 0-d ``ok`` holds, else ``old``, field by field."""
+    return type(old)(*[ops.where(ok, a, b) for a, b in zip(new, old)])
+
+
 def compress_tensor(scheme: Scheme, ops, tensor, state, info: TensorInfo):
-    """Shared compress rules around ``scheme.compress``.
+    """Shared compress rules around ``scheme.compress``; returns ``(payload, ctx)``.
 
     1. The gradient is viewed in float32 (fp16/bf16/fp64 inputs are cast; fp64 loses precision
        beyond float32, which every payload here has anyway).
-    2. ``scheme.compress`` runs on it.
-    3. If any input coordinate is NaN/inf (or the float32 sum of the gradient overflows), the
-       state is kept as it was, so the non-finite values never enter the residual (schemes
-       with ``masks_own_state`` do this themselves, on the all-ranks condition); the scheme
-       makes the payload carry the non-finite marker (:func:`poison` for float payloads).
-
-    Returns:
-        (payload, ctx, new_state).
+    2. ``finite``: one float32 sum, non-finite iff some coordinate is NaN/inf (or the finite
+       values sum beyond 3.4e38, which is treated as non-finite too). 4M coordinates: 0.3 ms
+       against 13 ms for all(isfinite).
+    3. ``scheme.compress`` runs; it posts no collective (unless the scheme is ``blocking``).
     """
     x = ops.cast(tensor, "float32") if info.dtype != "float32" else tensor
-    # One reduction instead of an elementwise test plus an all(): the float32 sum is non-finite
-    # iff some coordinate is NaN/inf, or the finite values sum beyond 3.4e38 (a gradient that
-    # large is treated as non-finite too). 4M coordinates: 0.3 ms against 13 ms for all(isfinite).
     finite = ops.isfinite(ops.sum(x, None)) if scheme.guards_nonfinite else None
-    payload, ctx, new_state = scheme.compress(ops, x, state, info, finite)
-    if len(state) and not scheme.masks_own_state:
-        new_state = type(new_state)(*[ops.where(finite, new, old)
-                                       for new, old in zip(new_state, state)])
-    return payload, ctx, new_state
+    return scheme.compress(ops, x, state, info, finite)
 
 
-def decompress_tensor(scheme: Scheme, ops, payload, ctx, info: TensorInfo):
-    """``scheme.decompress`` followed by a cast back to the gradient's dtype and shape."""
+def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo):
+    """The rest of the step once Horovod has all-reduced ``payload``: ``(out, new_state)``.
+
+    ``out`` is ``scheme.decompress`` in the gradient's shape and dtype; ``new_state`` is
+    ``scheme.finish`` (the state stays as it was when the all-reduced payload says a rank
+    failed). Used by the adapters, the overhead benchmark and the tests alike.
+    """
     out = scheme.decompress(ops, payload, ctx, info)
     out = ops.reshape(out, info.shape)
-    return ops.cast(out, info.dtype) if info.dtype != "float32" else out
+    if info.dtype != "float32":
+        out = ops.cast(out, info.dtype)
+    return out, scheme.finish(ops, payload, ctx, state, info)

@@ -72,6 +72,7 @@ class Primitives:
     argsort: Callable[[Any], Any]  # argsort(x 1-D) -> int64, descending, stable (ties: lower index first)
     gather: Callable[[Any, Any], Any]  # gather(x, idx) -> x[idx] along axis 0
     scatter: Callable[[Any, Any, tuple], Any]  # scatter(idx, rows, shape) -> zeros(shape) with [idx] = rows
+    index_add: Callable[[Any, Any, Any], Any]  # index_add(x, idx, rows) -> x with x[idx] += rows (idx unique)
     # --- integer bit operations (int32/int64, non-negative operands) ---
     bitwise_and: Callable[[Any, Any], Any]
     bitwise_or: Callable[[Any, Any], Any]
@@ -85,11 +86,15 @@ class Primitives:
     # static shape of such an output). PyTorch reads pred on the host: a device sync on GPU.
     cond: Callable[[Any, Callable, Callable], Any]
     # --- side collective (synchronous, all ranks in the same order with the same name) ---
-    allreduce: Callable[[Any, str, str], Any]  # allreduce(x, op "sum"|"max", name) -> reduced x
+    # allreduce(x, op "sum"|"max", name, group) -> reduced x over the process set ``group``
+    # (None: the global set). Only the blocking variants use it (see base.py); PyTorch gives
+    # up with a RuntimeError after HVD_GRADCOMP_SIDE_TIMEOUT seconds (default 60) instead of
+    # hanging.
+    allreduce: Callable[[Any, str, str, Any], Any]
 
 
 def one_rank(ops: Primitives) -> Primitives:
     """``ops`` whose side all-reduce is the identity, which is what an all-reduce over a
     world of one rank returns. For running schemes without Horovod: scheme-level tests and
     the overhead benchmark (collective excluded)."""
-    return dataclasses.replace(ops, allreduce=lambda x, op, name: x)
+    return dataclasses.replace(ops, allreduce=lambda x, op, name, group=None: x)

@@ -1,36 +1,55 @@
-"""TopKC: chunked Top-K whose chunks every rank agrees on, all-reduce only.
+"""TopKC: chunked Top-K whose chunks every rank agrees on, one all-reduce per tensor.
 
-Steps (``selection="current"``, the default):
-    1. Error feedback: ``c = g + e`` (flat float32 [d]), zero-padded to ``m * chunk`` with
-       ``m = ceil(d / chunk)`` and viewed as ``m`` chunks of ``chunk`` coordinates.
-    2. Score each chunk by its squared L2 norm (float32 [m]; NaN/inf scores count as 0).
-    3. Side collective: all-reduce (Sum) the scores, so every rank holds the same vector.
-    4. Select the ``k = max(1, ceil(ratio * m))`` chunks of highest aggregated score, ties by
-       lower chunk index (a stable descending sort): the same chunks on every rank.
-    5. Payload: the selected chunks packed densely in chunk-index order of the sort,
-       ``k * chunk`` values, pre-scaled by 1/world_size and cast to ``payload_dtype``
-       (float16 by default; the pre-scale keeps the fp16 sum in range, as in ``fp16``).
-    6. Residual: ``e' = c - decode_local(payload)``: the unsent chunks and the fp16 rounding.
-    7. Decompress: cast, undo the pre-scale, scatter the chunks into zeros, drop the padding.
+Steps of ``compress`` (``selection="previous"``, the default; ``d`` coordinates, world size
+``n``, ``m = ceil(d / chunk)`` chunks, ``k = max(1, ceil(ratio * m))`` of them sent):
+    1. Error feedback: ``c = g + e`` (flat float32 [d]), zero-padded to ``m * chunk`` and
+       viewed as ``m`` chunks of ``chunk`` coordinates.
+    2. Select the ``k`` chunks of highest *agreed* score, ties by lower chunk index (a stable
+       descending sort). The agreed scores are the all-reduced scores of the previous step
+       (step 6), which every rank received in the same payload and kept in its state, so
+       every rank selects the same chunks without any collective inside ``compress``. Before
+       the first step all scores are 0 and the first ``k`` chunks go.
+    3. Payload values: the selected chunks packed densely, ``k * chunk`` values pre-scaled by
+       1/n (so n ranks' float16 sum stays in range, as in ``fp16``) and cast to
+       ``payload_dtype`` with saturation (a finite value never becomes inf on the wire).
+    4. Residual: ``e' = c`` with the sent values (as decoded) subtracted from the selected
+       chunks: unsent chunks, fp16 rounding and anything the saturation cut.
+    5. Scores for the next step: the squared L2 norm of each chunk of ``g + e'``, the best
+       guess this rank has of next step's corrected gradient (next ``c`` is next ``g`` plus
+       ``e'``): a chunk just sent starts again from its gradient alone, and a chunk left
+       unsent keeps what it owes. (Scores of ``c`` taken *before* sending, as the first
+       version did, re-select the chunks the step has just flushed and cost about 60 % more
+       steps to the same accuracy.) Normalised by their maximum (non-finite as 0), cast to
+       ``payload_dtype``, appended to the payload: ``m`` values.
+    6. Horovod all-reduces ``[values..., scores...]`` (Sum or Average).
 
-Wire: payload ``k * chunk * itemsize(payload_dtype)`` bytes; side collective ``4 m`` bytes,
-one per tensor per step (a latency each). No indices travel: every rank knows them.
+``decompress``: cast, undo the pre-scale, scatter the chunks into zeros, drop the padding.
+``finish``: if the all-reduced payload is finite, the residual becomes ``e'`` and the agreed
+scores become the payload's score part; otherwise (some rank's gradient held a NaN/inf, which
+:func:`~hvd_gradcomp.base.poison` spread to every rank's payload) both stay as they were, on
+every rank.
 
-``selection="previous"`` (no side collective): step 4 ranks chunks by the aggregated scores
-of the *previous* step (kept in the state; all zeros before the first step, so step 0 takes
-the first ``k`` chunks), and this step's scores ride at the end of the payload, normalised by
-their maximum (so they fit fp16 and sum to at most world_size), to be used next step. The
-trade-off: one collective's latency saved per tensor per step, ``m`` payload elements added,
-and selection one step stale (error feedback catches what a stale choice misses).
+Wire: one all-reduce of ``(k * chunk + m) * itemsize(payload_dtype)`` bytes; nothing else.
+
+``selection="current"`` is the paper's two-round form (blocking): step 2 ranks chunks by this
+step's scores of ``c``, summed across ranks by a synchronous side all-reduce inside
+``compress`` (``4 m`` bytes, one latency per tensor per step); the payload is the values only.
+It needs every rank to compress every tensor in the same order: an unused parameter, a
+rank-dependent graph or ``hvd.join()`` makes it fail (PyTorch: after
+``HVD_GRADCOMP_SIDE_TIMEOUT`` seconds on every rank; immediately on a rank whose gradient
+Horovod fills in), where the default completes.
+
+Tensors with fewer than ``min_numel`` coordinates travel as FP16 (:class:`Fp16Scheme`).
 
 Reference: the TopKC scheme of Han et al., "Beyond Throughput and Compression Ratios: Towards
 High End-to-end Utility of Gradient Compression", HotNets 2024 (reconstructed; see
-``shared/reference/algorithms.md``).
+``shared/reference/algorithms.md``); error feedback after Stich et al., NeurIPS 2018.
 """
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .base import EmptyState, Scheme, TensorInfo, WireBytes, poison
+from .base import EmptyState, Scheme, TensorInfo, WireBytes, payload_finite, poison, saturating_cast
+from .cast import Fp16Scheme
 from .primitives import itemsize
 from .topk import check_ratio, num_selected
 
@@ -38,6 +57,7 @@ __all__ = ["TopKCConfig", "TopKCState", "TopKCScheme"]
 
 # Smallest score norm used as a divisor: an all-zero tensor's max score is 0 (0/0 is NaN).
 _TINY = 1e-30
+_FP16 = Fp16Scheme()
 
 
 @dataclass(frozen=True)
@@ -46,37 +66,53 @@ class TopKCConfig:
 
     Attributes:
         ratio: fraction of chunks sent, in (0, 1]; default 0.01. Smaller compresses harder.
-            Tuning: start at 0.01 with error feedback; halve it while the loss keeps up with
+            Tuning: start at 0.1 with error feedback; lower it while the loss keeps up with
             the FP16 run.
-        chunk: coordinates per chunk, >= 1; default 256. Larger chunks cost less side traffic
-            (4 bytes per chunk) and select less precisely.
+        chunk: coordinates per chunk, >= 1; default 256. Larger chunks cost fewer score
+            values on the wire (one per chunk) and select less precisely.
         error_feedback: keep what is not sent for the next step; default True.
-        payload_dtype: "float16" (default) or "float32" for the packed chunks.
-        selection: "current" (default; one extra small all-reduce of the scores per tensor)
-            or "previous" (no extra collective; selection lags a step, see the module docs).
+        payload_dtype: "float16" (default) or "float32" for the packed chunks and scores.
+        selection: "previous" (default: one all-reduce, selection by the previous step's
+            agreed scores) or "current" (the paper's blocking two-round form; see the module
+            docstring).
+        min_numel: tensors with fewer coordinates travel as FP16, integer >= 1; default 1024
+            (their chunk scores and selection would cost more than they save).
+
+    Raises:
+        ValueError: an option outside its range, naming it.
     """
 
     ratio: float = 0.01
     chunk: int = 256
     error_feedback: bool = True
     payload_dtype: str = "float16"
-    selection: str = "current"
+    selection: str = "previous"
+    min_numel: int = 1024
 
     def __post_init__(self):
         check_ratio("topkc", self.ratio)
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
-            raise ValueError(f"topkc: chunk must be an integer >= 1, got {self.chunk!r}")
+        for name in ("chunk", "min_numel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"topkc: {name} must be an integer >= 1, got {value!r}")
         if self.payload_dtype not in ("float16", "float32"):
             raise ValueError(f"topkc: payload_dtype must be 'float16' or 'float32', "
                              f"got {self.payload_dtype!r}")
         if self.selection not in ("current", "previous"):
-            raise ValueError(f"topkc: selection must be 'current' or 'previous', "
+            raise ValueError(f"topkc: selection must be 'previous' or 'current', "
                              f"got {self.selection!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"topkc: error_feedback must be True or False, got {self.error_feedback!r}")
 
 
 class TopKCState(NamedTuple):
-    residual: object  # float32 [d]: error feedback (zeros when error_feedback=False)
-    scores: object  # float32 [m]: previous step's aggregated chunk scores ("previous" only; else [0])
+    residual: object  # float32 [d]: error feedback ([0] when error_feedback=False)
+    scores: object  # float32 [m]: agreed chunk scores from the last step ("previous"; else [0])
+
+
+class _Ctx(NamedTuple):
+    idx: object  # int64 [k]: the selected chunks
+    residual: object  # float32 [d]: e' (None without error feedback)
 
 
 class TopKCScheme(Scheme):
@@ -86,6 +122,10 @@ class TopKCScheme(Scheme):
 
     def __init__(self, config: TopKCConfig = TopKCConfig()):
         self.config = config
+        self.blocking = config.selection == "current"
+
+    def _tiny(self, info: TensorInfo) -> bool:
+        return info.numel < self.config.min_numel
 
     # Static sizes: m chunks, k selected, padding.
     def _sizes(self, info: TensorInfo):
@@ -94,67 +134,83 @@ class TopKCScheme(Scheme):
         return m, num_selected(self.config.ratio, m), m * c - info.numel
 
     def init(self, ops, info: TensorInfo, like):
-        m, _, _ = self._sizes(info)
-        if not self.config.error_feedback and self.config.selection == "current":
+        cfg = self.config
+        if self._tiny(info) or (not cfg.error_feedback and self.blocking):
             return EmptyState()
-        return TopKCState(ops.zeros((info.numel if self.config.error_feedback else 0,), "float32", like),
-                          ops.zeros((m if self.config.selection == "previous" else 0,), "float32", like))
+        m, _, _ = self._sizes(info)
+        return TopKCState(ops.zeros((info.numel if cfg.error_feedback else 0,), "float32", like),
+                          ops.zeros((0 if self.blocking else m,), "float32", like))
 
     def _side_name(self, info):
         return f"hvd_gradcomp.topkc.scores.{info.key}"
 
     def compress(self, ops, x, state, info, finite):
+        if self._tiny(info):
+            return _FP16.compress(ops, x, state, info, finite)
         cfg, n = self.config, info.world_size
         m, k, pad = self._sizes(info)
         # Step 1.
-        corrected = ops.reshape(x, (info.numel,))
-        if cfg.error_feedback:
-            corrected = corrected + state.residual
+        flat = ops.reshape(x, (info.numel,))
+        corrected = flat + state.residual if cfg.error_feedback else flat
         padded = ops.concat([corrected, ops.zeros((pad,), "float32", x)], 0) if pad else corrected
         chunks = ops.reshape(padded, (m, cfg.chunk))
         # Step 2.
-        scores = ops.sum(chunks * chunks, 1)
-        scores = ops.where(ops.isfinite(scores), scores, 0.0)
-        # Steps 3-4.
-        if cfg.selection == "current":
-            ranking = ops.allreduce(scores, "sum", self._side_name(info))
+        if self.blocking:
+            scores = ops.sum(chunks * chunks, 1)
+            scores = ops.where(ops.isfinite(scores), scores, 0.0)
+            ranking = ops.allreduce(scores, "sum", self._side_name(info), info.group)
         else:
             ranking = state.scores
         idx = ops.argsort(ranking)[:k]
-        # Step 5: 1/n keeps the fp16 sum of n ranks in range.
-        rows = ops.gather(chunks, idx) * (1.0 / n)
-        payload = ops.cast(ops.reshape(rows, (k * cfg.chunk,)), cfg.payload_dtype)
-        if cfg.selection == "previous":
+        # Step 3.
+        wire = saturating_cast(ops, ops.gather(chunks, idx) * (1.0 / n), cfg.payload_dtype)
+        payload = ops.reshape(wire, (k * cfg.chunk,))
+        residual = None
+        if cfg.error_feedback or not self.blocking:
+            # Step 4: subtract what was sent (as decoded) from the selected chunks only.
+            sent = ops.cast(wire, "float32") * float(n)
+            left = ops.index_add(chunks, idx, sent * -1.0)
+            left = ops.reshape(left, (m * cfg.chunk,))
+            residual = left[:info.numel] if pad else left
+        if not self.blocking:
+            # Step 5: scores of g + e', normalised by their maximum.
+            guess = flat + residual if cfg.error_feedback else flat
+            guess = ops.concat([guess, ops.zeros((pad,), "float32", x)], 0) if pad else guess
+            guess = ops.reshape(guess, (m, cfg.chunk))
+            scores = ops.sum(guess * guess, 1)
+            scores = ops.where(ops.isfinite(scores), scores, 0.0)
             top = ops.maximum(ops.max(scores, None), _TINY)
             payload = ops.concat([payload, ops.cast(scores / top, cfg.payload_dtype)], 0)
-        # Step 6.
-        new_state = state
-        if cfg.error_feedback:
-            sent = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk)) * float(n)
-            unsent = padded - ops.reshape(ops.scatter(idx, sent, (m, cfg.chunk)), (m * cfg.chunk,))
-            new_state = state._replace(residual=unsent[:info.numel])
-        return poison(ops, payload, finite), idx, new_state
+        return poison(ops, payload, finite), _Ctx(idx, residual if cfg.error_feedback else None)
 
     def decompress(self, ops, payload, ctx, info):
+        if self._tiny(info):
+            return _FP16.decompress(ops, payload, ctx, info)
         cfg = self.config
         m, k, _ = self._sizes(info)
-        # Step 7.
         rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
-        dense = ops.scatter(ctx, rows * float(info.world_size), (m, cfg.chunk))
+        dense = ops.scatter(ctx.idx, rows * float(info.world_size), (m, cfg.chunk))
         return ops.reshape(dense, (m * cfg.chunk,))[:info.numel]
 
-    # "previous" selection: the aggregated scores arrive with the payload.
-    def absorb(self, ops, payload, ctx, state, info):
-        """New state after the all-reduce (``selection="previous"`` only; else None)."""
-        if self.config.selection != "previous":
-            return None
+    def finish(self, ops, payload, ctx, state, info):
+        """Residual and agreed scores move on iff the all-reduced payload is finite."""
+        if not len(state):
+            return state
         m, k, _ = self._sizes(info)
-        agg = ops.cast(payload[k * self.config.chunk:], "float32")
-        return state._replace(scores=ops.where(ops.isfinite(agg), agg, state.scores))
+        ok = payload_finite(ops, payload)
+        new = state
+        if ctx.residual is not None:
+            new = new._replace(residual=ops.where(ok, ctx.residual, state.residual))
+        if not self.blocking:
+            agreed = ops.cast(payload[k * self.config.chunk:], "float32")
+            new = new._replace(scores=ops.where(ok, agreed, state.scores))
+        return new
 
     def wire(self, info: TensorInfo) -> WireBytes:
+        if self._tiny(info):
+            return _FP16.wire(info)
         m, k, _ = self._sizes(info)
         size = itemsize(self.config.payload_dtype)
-        if self.config.selection == "previous":
-            return WireBytes((k * self.config.chunk + m) * size)
-        return WireBytes(k * self.config.chunk * size, 4 * m, 1)
+        if self.blocking:
+            return WireBytes(k * self.config.chunk * size, 4 * m, 1)
+        return WireBytes((k * self.config.chunk + m) * size)

@@ -40,19 +40,17 @@ def one_rank_ops(name):
 
 
 def scheme_steps(ops, scheme, tensors, info):
-    """Run compress -> (one-rank all-reduce) -> decompress -> absorb over ``tensors``.
+    """Run compress -> (one-rank all-reduce) -> decompress + finish over ``tensors``.
 
-    Returns one dict per step: payload, ctx, out (decompressed), old (state before), new
-    (state compress returned) and after (state after absorb, i.e. the next step's).
+    Returns one dict per step: payload, ctx, out (decompressed), old (state before) and after
+    (state after finish, i.e. the next step's).
     """
-    from hvd_gradcomp.base import compress_tensor, decompress_tensor
+    from hvd_gradcomp.base import compress_tensor, finish_tensor
     state = scheme.init(ops, info, tensors[0])
     log = []
     for x in tensors:
-        payload, ctx, new = compress_tensor(scheme, ops, x, state, info)
-        out = decompress_tensor(scheme, ops, payload, ctx, info)
-        absorbed = scheme.absorb(ops, payload, ctx, new, info)
-        after = absorbed if absorbed is not None else new
-        log.append({"payload": payload, "ctx": ctx, "out": out, "old": state, "new": new, "after": after})
+        payload, ctx = compress_tensor(scheme, ops, x, state, info)
+        out, after = finish_tensor(scheme, ops, payload, ctx, state, info)
+        log.append({"payload": payload, "ctx": ctx, "out": out, "old": state, "after": after})
         state = after
     return log

@@ -3,22 +3,314 @@
 Each launch costs seconds (TensorFlow's import more), so tests group many checks into one
 worker function and assert on its returned values. Workers must return picklable values
 (Python numbers, lists, dicts, NumPy arrays).
+
+Every launch has a hard timeout, so a hang (a collective one rank never joins) fails the test
+instead of stalling CI: ``run(..., timeout=s)``, else ``$HVD_GRADCOMP_TEST_TIMEOUT``, else
+:data:`DEFAULT_TIMEOUT` seconds. ``horovod.run`` runs in a child process in its own session;
+at the timeout the worker ranks first dump their Python stacks (``faulthandler``, into the
+error message), then every process of the launch is killed: the child's whole process tree
+(Horovod's launcher puts each worker in a session of its own, so a process-group kill alone
+misses them), anything that escaped it carrying the launch's marker in its environment, and
+the child's session. Then :class:`TimeoutError` ("... hung for N s; ranks killed") is raised.
+
+An exception raised by the worker function on any rank surfaces in the caller: a built-in
+exception (ValueError, AssertionError, ...) is re-raised as the same type with the same
+message; any other as :class:`WorkerError` with ``"<type>: <message>"``. Either way its notes
+(shown by pytest, and matched by ``pytest.raises(match=...)``) say which rank raised it and
+hold that rank's traceback. When several ranks raise, the first to do so is reported.
 """
+import builtins
 import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TIMEOUT = 180.0
+TIMEOUT_ENV = "HVD_GRADCOMP_TEST_TIMEOUT"
+MARKER_ENV = "HVD_GRADCOMP_HVDRUN_ID"  # set in every process of one launch, to find them all
+STACK_LINES = 40  # lines of each rank's stack dump kept in a TimeoutError's message
 
 
-def run(fn, np=2, args=(), kwargs=None, env=None):
-    """``horovod.run(fn, num_proc=np, use_gloo=True)`` from the repository root; returns [rank0, rank1, ...]."""
-    import horovod
-    saved = dict(os.environ)  # horovod.run passes the caller's environment to the workers
+class WorkerError(RuntimeError):
+    """A worker raised an exception that is not a built-in one, or ``horovod.run`` failed.
+
+    Attributes: ``rank`` (the reporting rank, or None), ``worker_traceback`` (its text) and
+    ``errors`` (one dict per rank that raised: rank, type, message, traceback).
+    """
+
+    def __init__(self, message, rank=None, worker_traceback="", errors=()):
+        super().__init__(message)
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+        self.errors = list(errors)
+
+
+def default_timeout():
+    """``$HVD_GRADCOMP_TEST_TIMEOUT`` (seconds) when set, else :data:`DEFAULT_TIMEOUT`."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT
     try:
-        os.environ["PYTHONPATH"] = ROOT + os.pathsep + saved.get("PYTHONPATH", "")
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        os.environ.update(env or {})
-        return horovod.run(fn, args=args, kwargs=kwargs or {}, num_proc=np, use_gloo=True, verbose=0)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
+def run(fn, np=2, args=(), kwargs=None, env=None, timeout=None):
+    """``horovod.run(fn, num_proc=np, use_gloo=True)`` from the repository root; returns [rank0, rank1, ...].
+
+    Args:
+        fn: the worker function (a module-level function of an importable module, or anything
+            cloudpickle can send); called as ``fn(*args, **kwargs)`` on every rank.
+        env: extra environment variables for the workers (the caller's are passed too, with
+            the repository root put first on PYTHONPATH).
+        timeout: seconds before every process of the launch is killed and TimeoutError raised;
+            None: ``$HVD_GRADCOMP_TEST_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`.
+    """
+    import cloudpickle
+    timeout = default_timeout() if timeout is None else float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    what = getattr(fn, "__qualname__", None) or repr(fn)
+    run_id = uuid.uuid4().hex
+    with tempfile.TemporaryDirectory(prefix="hvdrun-") as tmp:
+        with open(os.path.join(tmp, "job.pkl"), "wb") as f:
+            cloudpickle.dump({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {}), "np": np}, f)
+        child_env = dict(os.environ)  # horovod.run passes its environment on to the workers
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+        child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        child_env.setdefault("OMP_NUM_THREADS", "1")
+        child_env.update(env or {})
+        child_env[MARKER_ENV] = run_id
+        code = "import sys; from tests.hvdrun import _child_main; _child_main(sys.argv[1])"
+        proc = subprocess.Popen([sys.executable, "-c", code, tmp], env=child_env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = _dump_stacks(tmp)
+            killed = _kill_all(proc, run_id)
+            raise TimeoutError(f"hvdrun: {what} on {np} Horovod ranks hung for {timeout:g} s; ranks killed "
+                               f"({killed} processes){stacks}") from None
+        except BaseException:  # KeyboardInterrupt, pytest's own timeouts: leave nothing behind
+            _kill_all(proc, run_id)
+            raise
+        _kill_all(proc, run_id)  # stragglers of a finished launch (normally none)
+        return _collect(tmp, what, np, proc.returncode)
+
+
+# ---------------------------------------------------------------- parent side helpers
+
+def _dump_stacks(tmp, wait_s=2.0):
+    """Ask every started worker to write its Python stacks; returns them as message text."""
+    pids = {}
+    for name in os.listdir(tmp):
+        if name.startswith("pid-"):
+            try:
+                with open(os.path.join(tmp, name)) as f:
+                    pids[name[4:]] = int(f.read().strip())
+            except (OSError, ValueError):
+                pass
+    if not pids:
+        return "\nNo worker had started the function (stuck in start-up?)."
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    texts = {}
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        for rank in pids:
+            try:
+                with open(os.path.join(tmp, f"stack-{rank}.txt")) as f:
+                    texts[rank] = f.read()
+            except OSError:
+                pass
+        if all(texts.get(r) for r in pids):
+            break
+        time.sleep(0.1)
+    parts = []
+    for rank in sorted(pids, key=lambda r: (len(r), r)):
+        lines = (texts.get(rank) or "(no stack dumped)").rstrip().splitlines()
+        if len(lines) > STACK_LINES:
+            lines = lines[:STACK_LINES] + [f"... {len(lines) - STACK_LINES} more lines"]
+        parts.append(f"--- rank {rank} (pid {pids[rank]}), most recent call first:\n" + "\n".join(lines))
+    return "\nPython stacks of the ranks at the timeout:\n" + "\n".join(parts)
+
+
+def _launch_processes(proc, run_id):
+    """The launch's live processes: the child's tree plus any process carrying its marker."""
+    import psutil
+    found = {}
+    try:
+        root = psutil.Process(proc.pid)
+        found[root.pid] = root
+        for p in root.children(recursive=True):
+            found[p.pid] = p
+    except psutil.Error:
+        pass
+    for p in psutil.process_iter():
+        if p.pid in found or p.pid == os.getpid():
+            continue
+        try:
+            if p.environ().get(MARKER_ENV) == run_id:
+                found[p.pid] = p
+        except (psutil.Error, OSError):
+            pass  # gone, a zombie, or not ours to read
+    return found
+
+
+def _kill_all(proc, run_id):
+    """Kill every process of the launch; returns how many were found alive."""
+    import psutil
+    seen = {}
+    # Freeze before killing, and look again, so nothing forks or slips out of the tree meanwhile.
+    for _ in range(3):
+        new = {pid: p for pid, p in _launch_processes(proc, run_id).items() if pid not in seen}
+        if not new:
+            break
+        for p in new.values():
+            try:
+                p.suspend()
+            except psutil.Error:
+                pass
+        seen.update(new)
+    for p in seen.values():
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child's session (its pid is the group id)
+    except OSError:
+        pass
+    psutil.wait_procs(list(seen.values()), timeout=10)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    return sum(1 for p in seen.values() if p.pid != proc.pid)
+
+
+def _collect(tmp, what, np, returncode):
+    """The ranks' results, or the worker's exception, from the child's files."""
+    import cloudpickle
+    path = os.path.join(tmp, "result.pkl")
+    if not os.path.exists(path):
+        raise WorkerError(f"hvdrun: the launcher of {what} on {np} ranks exited with status "
+                          f"{returncode} without a result")
+    with open(path, "rb") as f:
+        result = cloudpickle.load(f)
+    if result["ok"]:
+        return result["results"]
+    errors = []
+    for name in os.listdir(tmp):
+        if name.startswith("error-"):
+            try:
+                with open(os.path.join(tmp, name), "rb") as f:
+                    errors.append(pickle.load(f))
+            except Exception:  # noqa: BLE001 - a half-written file from a killed rank
+                pass
+    if not errors:
+        raise WorkerError(f"hvdrun: horovod.run of {what} on {np} ranks failed and no rank reported "
+                          f"an exception (crashed or killed?): {result['error']}",
+                          worker_traceback=result["traceback"])
+    errors.sort(key=lambda e: e["time"])
+    first = errors[0]
+    note = (f"raised on rank {first['rank']} of {np} in {what} (hvdrun); worker traceback:\n"
+            f"{first['traceback'].rstrip()}")
+    others = [f"rank {e['rank']}: {e['type']}: {e['message']}" for e in errors[1:]]
+    if others:
+        note += "\nlater, on other ranks:\n" + "\n".join(others)
+    exc = _builtin_exception(first)
+    if exc is None:
+        exc = WorkerError(f"{first['type']}: {first['message']}", rank=first["rank"],
+                          worker_traceback=first["traceback"], errors=errors)
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python < 3.11: no notes; put it in the message
+        exc.args = (f"{exc}\n{note}",)
+    raise exc
+
+
+def _builtin_exception(error):
+    """The worker's exception rebuilt, when its type is a built-in Exception; else None."""
+    cls = getattr(builtins, error["type"], None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)) or error["module"] != "builtins":
+        return None
+    try:
+        exc_args = pickle.loads(error["args"]) if error["args"] is not None else (error["message"],)
+        return cls(*exc_args)
+    except Exception:  # noqa: BLE001 - args this type does not take: fall back to WorkerError
+        return None
+
+
+# ---------------------------------------------------------------- child and worker side
+
+class _Guarded:
+    """Runs the worker function on a rank: records its pid (for stack dumps), and any exception."""
+
+    def __init__(self, fn, tmp):
+        self.fn = fn
+        self.tmp = tmp
+
+    def __call__(self, *args, **kwargs):
+        import faulthandler
+        import traceback
+        rank = os.environ.get("HOROVOD_RANK", "x")
+        global _STACK_FILE
+        _STACK_FILE = open(os.path.join(self.tmp, f"stack-{rank}.txt"), "w")
+        faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True)
+        with open(os.path.join(self.tmp, f"pid-{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            return self.fn(*args, **kwargs)
+        except BaseException as e:
+            try:
+                exc_args = pickle.dumps(e.args)
+                pickle.loads(exc_args)
+            except Exception:  # noqa: BLE001
+                exc_args = None
+            record = {"rank": rank, "time": time.time(), "type": type(e).__qualname__,
+                      "module": type(e).__module__, "message": str(e), "args": exc_args,
+                      "traceback": traceback.format_exc()}
+            part = os.path.join(self.tmp, f"error-{rank}.part")
+            with open(part, "wb") as f:
+                pickle.dump(record, f)
+            os.replace(part, os.path.join(self.tmp, f"error-{rank}"))
+            raise
+
+
+_STACK_FILE = None
+
+
+def _child_main(tmp):
+    """The launcher process: ``horovod.run`` the job in ``tmp``; writes ``tmp/result.pkl``."""
+    import traceback
+    import cloudpickle
+    try:  # orphaned descendants (workers whose middleman died) stay in this process's tree
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:  # noqa: BLE001 - not Linux: the marker scan still finds them
+        pass
+    with open(os.path.join(tmp, "job.pkl"), "rb") as f:
+        job = cloudpickle.load(f)
+    try:
+        import horovod
+        results = horovod.run(_Guarded(job["fn"], tmp), args=job["args"], kwargs=job["kwargs"],
+                              num_proc=job["np"], use_gloo=True, verbose=0)
+        result = {"ok": True, "results": results}
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    part = os.path.join(tmp, "result.part")
+    with open(part, "wb") as f:
+        cloudpickle.dump(result, f)
+    os.replace(part, os.path.join(tmp, "result.pkl"))

@@ -21,7 +21,7 @@ import sys
 import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
-from hvd_gradcomp.adapter import HorovodCompressor, Namespace
+from hvd_gradcomp.adapter import Call, HorovodCompressor, Namespace
 
 from .ops import OPS
 
@@ -32,29 +32,56 @@ _NO_KEY = ("{scheme}: cannot tell which variable this gradient belongs to; use t
            "hvd.allreduce, or call compress(tensor, name=...)")
 
 
-def _variable_name(tensor):
-    """The name of the variable whose gradient ``tensor`` is, from Horovod's calling frames.
+def op_name(op, average=None):
+    """Horovod's op constant (or the deprecated ``average`` flag) as a lower-case name."""
+    import horovod.tensorflow as hvd
+    if op is None:
+        return "average" if average is None or average else "sum"
+    for name in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
+        if getattr(hvd, name, object()) == op:
+            return name.lower()
+    return str(op)
 
-    Horovod's ``allreduce_grads(grads, vars, ...)`` (also under autograph, as
-    ``tf__allreduce_grads``) hands each element of ``grads`` itself to ``compress``, in the
-    grouped and the non-grouped path alike, so the position of ``tensor`` in ``grads`` names
-    its variable. ``hvd.allreduce(t, name=...)`` called directly gives ``name``.
+
+def _find_call(tensor) -> Call:
+    """Key, op, scaling and process set of ``tensor``'s all-reduce, from Horovod's frames.
+
+    Horovod's ``allreduce(tensor, ..., op, prescale_factor, postscale_factor, name,
+    process_set)`` calls ``compress`` and holds those arguments. Above it,
+    ``allreduce_grads(grads, vars)`` (also under autograph, as ``tf__allreduce_grads``) hands
+    each element of ``grads`` itself to ``compress``, in the grouped and the non-grouped path
+    alike; the key is the gradient's position ``grad_<j>`` in that call, as Horovod names its
+    own collectives, so it is identical on every rank even when auto-generated variable names
+    differ. The owner is the ``DistributedGradientTape`` / ``DistributedOptimizer`` above.
+    ``hvd.allreduce(t, name=...)`` called directly gives ``name``.
     """
     frame = sys._getframe(3)
-    name = None
+    call = None
     while frame is not None:
         loc = frame.f_locals
         code = frame.f_code.co_name.removeprefix("tf__")
-        if code == "allreduce_grads" and isinstance(loc.get("grads"), (list, tuple)):
+        if code == "allreduce" and call is None and "compression" in loc:
+            name = loc.get("name")
+            call = Call(name if isinstance(name, str) else None, op_name(loc.get("op"), loc.get("average")),
+                        float(loc.get("prescale_factor", 1.0) or 1.0),
+                        float(loc.get("postscale_factor", 1.0) or 1.0), loc.get("process_set"))
+        elif code == "grouped_allreduce" and call is None and "compression" in loc:
+            call = Call(None, op_name(loc.get("op"), loc.get("average")),
+                        float(loc.get("prescale_factor", 1.0) or 1.0),
+                        float(loc.get("postscale_factor", 1.0) or 1.0), loc.get("process_set"))
+        elif code == "allreduce_grads" and isinstance(loc.get("grads"), (list, tuple)):
             for j, grad in enumerate(loc["grads"]):
                 if grad is tensor:
-                    variables = loc.get("vars")
-                    return variables[j].name if variables is not None else f"grad_{j}"
-            return None
-        if code == "allreduce" and name is None and isinstance(loc.get("name"), str):
-            name = loc["name"]
+                    call = (call or Call())._replace(key=f"grad_{j}")
+                    break
+            else:
+                return call or Call()
+        elif call is not None and call.key is not None and call.key.startswith("grad_"):
+            owner = loc.get("self")
+            if owner is not None and "Distributed" in type(owner).__name__:
+                return call._replace(owner=owner)
         frame = frame.f_back
-    return name
+    return call or Call()
 
 
 class Compressor(HorovodCompressor):
@@ -82,7 +109,7 @@ class Compressor(HorovodCompressor):
         return super().decompress(payload, ctx)
 
     no_key_message = _NO_KEY
-    _find_key = staticmethod(_variable_name)
+    _find_call = staticmethod(_find_call)
 
     @staticmethod
     def _horovod():

@@ -31,11 +31,14 @@ def _like(fn):
     return wrapped
 
 
-def _allreduce(x, op, name):
+def _allreduce(x, op, name, group=None):
+    # Inside a graph the wait cannot be polled: Horovod's own stall check
+    # (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) is what stops a mismatched order (README).
     import horovod.tensorflow as hvd
     hop = {"sum": hvd.Sum, "max": hvd.Max}[op]
     safe = "".join(c if c.isalnum() or c in "_." else "_" for c in name)
-    return hvd.allreduce(x, op=hop, name=safe, ignore_name_scope=True)
+    kwargs = {} if group is None else {"process_set": group}
+    return hvd.allreduce(x, op=hop, name=safe, ignore_name_scope=True, **kwargs)
 
 
 OPS = Primitives(
@@ -66,6 +69,7 @@ OPS = Primitives(
     argsort=lambda x: tf.cast(tf.argsort(x, direction="DESCENDING", stable=True), tf.int64),
     gather=lambda x, idx: tf.gather(x, idx),
     scatter=lambda idx, rows, shape: tf.scatter_nd(tf.expand_dims(idx, 1), rows, shape),
+    index_add=lambda x, idx, rows: tf.tensor_scatter_nd_add(x, tf.expand_dims(idx, 1), rows),
     bitwise_and=_like(tf.bitwise.bitwise_and),
     bitwise_or=_like(tf.bitwise.bitwise_or),
     bitwise_xor=_like(tf.bitwise.bitwise_xor),

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from hvd_gradcomp.adapter import HorovodCompressor, Namespace
+from hvd_gradcomp.adapter import Call, HorovodCompressor, Namespace
 
 from .ops import OPS
 
@@ -29,8 +29,26 @@ _NO_KEY = ("{scheme}: cannot tell which parameter this gradient belongs to; use 
            "compress(tensor, name=...)")
 
 
-def _horovod_name(tensor):
-    """Horovod's name for the parameter whose .grad is ``tensor``, from the calling frames."""
+def op_name(op, average=None):
+    """Horovod's op constant (or the deprecated ``average`` flag) as a lower-case name."""
+    import horovod.torch as hvd
+    if op is None:
+        return "average" if average is None or average else "sum"
+    for name in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
+        if getattr(hvd, name, object()) == op:
+            return name.lower()
+    return str(op)
+
+
+def _find_call(tensor) -> Call:
+    """Horovod's name, op, scaling and process set for ``tensor``, from the calling frames.
+
+    ``hvd.DistributedOptimizer`` (``_allreduce_grad_async(p)`` and its grouped variant) holds
+    the parameter ``p`` with ``p.grad is tensor``; its name is ``_parameter_names[p]``. Called
+    from ``synchronize()``'s loop over parameters that got no gradient on this rank, the call
+    is a fill-in. ``hvd.allreduce(t, name=..., compression=c, op=..., process_set=...)`` gives
+    its arguments.
+    """
     frame = sys._getframe(3)
     param = None
     for _ in range(8):
@@ -44,14 +62,25 @@ def _horovod_name(tensor):
         owner = loc.get("self")
         names = getattr(owner, "_parameter_names", None)
         if param is not None and isinstance(names, dict) and param in names:
-            return names[param]
-        name = loc.get("name")
+            grouped = frame.f_code.co_name.startswith("_grouped")
+            op = op_name(getattr(owner, "op", None))
+            factor = 1.0 if grouped else float(getattr(owner, "gradient_predivide_factor", 1.0))
+            pre, post = (1.0 / factor, factor) if op == "average" and factor != 1.0 else (1.0, 1.0)
+            caller = frame.f_back
+            filled_in = caller is not None and caller.f_code.co_name == "synchronize" and \
+                param in caller.f_locals.get("missing_p", ())
+            return Call(names[param], op, pre, post, getattr(owner, "process_set", None), owner,
+                        filled_in)
         # hvd.allreduce(tensor, name=..., compression=c); not grouped_allreduce, whose one
         # name covers every tensor of the group.
-        if param is None and isinstance(name, str) and frame.f_code.co_name == "allreduce":
-            return name
+        if param is None and frame.f_code.co_name == "allreduce" and "compression" in loc:
+            name = loc.get("name")
+            return Call(name if isinstance(name, str) else None,
+                        op_name(loc.get("op"), loc.get("average")),
+                        float(loc.get("prescale_factor", 1.0)), float(loc.get("postscale_factor", 1.0)),
+                        loc.get("process_set"))
         frame = frame.f_back
-    return None
+    return Call()
 
 
 class Compressor(HorovodCompressor):
@@ -69,7 +98,7 @@ class Compressor(HorovodCompressor):
         self._states = {}
 
     no_key_message = _NO_KEY
-    _find_key = staticmethod(_horovod_name)
+    _find_call = staticmethod(_find_call)
 
     @staticmethod
     def _horovod():
@@ -87,6 +116,9 @@ class Compressor(HorovodCompressor):
 
     def _export(self, tensor):
         return tensor.detach().cpu().clone()
+
+    def _detach(self, tensor):
+        return tensor.detach()
 
     def _to_device(self, value, like):
         return torch.as_tensor(value).to(like.device)

@@ -24,10 +24,32 @@ def _scatter(idx, rows, shape):
     return out.index_copy_(0, idx, rows)
 
 
-def _allreduce(x, op, name):
+def _allreduce(x, op, name, group=None):
+    """Blocking side all-reduce that gives up after HVD_GRADCOMP_SIDE_TIMEOUT seconds.
+
+    Horovod matches collectives by name; a rank whose peers never post ``name`` (they called
+    compress in another order, or not at all) would wait for ever. Polling the handle lets
+    every rank stop with an error that says so.
+    """
+    import os
+    import time
     import horovod.torch as hvd
     hop = {"sum": hvd.Sum, "max": hvd.Max}[op]
-    return hvd.allreduce(x, op=hop, name=name)
+    kwargs = {} if group is None else {"process_set": group}
+    handle = hvd.allreduce_async(x, op=hop, name=name, **kwargs)
+    limit = float(os.environ.get("HVD_GRADCOMP_SIDE_TIMEOUT", "60"))
+    deadline, pause = time.monotonic() + limit, 1e-5
+    while not hvd.poll(handle):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"hvd_gradcomp: blocking side all-reduce {name!r} got no partner for {limit:g} s "
+                f"(HVD_GRADCOMP_SIDE_TIMEOUT): the ranks call compress in different orders or not "
+                f"at all (unused parameters, rank-dependent graphs, hvd.join). The papers' "
+                f"two-round variants need every rank to compress every tensor in the same "
+                f"order; use the scheme's default single-collective variant")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    return hvd.synchronize(handle)
 
 
 def _cond(pred, true_fn, false_fn):
@@ -66,6 +88,7 @@ OPS = Primitives(
     argsort=lambda x: torch.sort(x, descending=True, stable=True).indices,
     gather=lambda x, idx: x.index_select(0, idx),
     scatter=_scatter,
+    index_add=lambda x, idx, rows: x.index_add(0, idx, rows),
     bitwise_and=torch.bitwise_and,
     bitwise_or=torch.bitwise_or,
     bitwise_xor=torch.bitwise_xor,
