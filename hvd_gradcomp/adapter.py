@@ -8,10 +8,12 @@ tensors in PyTorch, ``tf.Variable``s in TensorFlow).
 
 Each instance belongs to one training run: give every ``DistributedOptimizer`` its own.
 """
+import dataclasses
 from typing import Any, NamedTuple
 
 from .registry import SCHEMES, make_scheme, parse_spec
-from .base import Scheme, TensorInfo, WireBytes, check_state, compress_tensor, finish_tensor, passes_through
+from .base import EmptyState, Scheme, TensorInfo, WireBytes, check_state, compress_tensor, finish_tensor, passes_through
+from .primitives import FLOAT_DTYPES
 
 __all__ = ["HorovodCompressor", "Namespace", "Factory", "Call"]
 
@@ -28,6 +30,8 @@ class Call(NamedTuple):
     filled_in: True when Horovod's ``synchronize()`` is filling in a gradient this rank never
         computed (an unused parameter): its collectives run in an order that differs between
         ranks.
+    shape: the static shape of the tensor's variable, when the gradient's own shape has
+        unknown dimensions (TensorFlow ``sparse_as_dense``); None otherwise.
     """
 
     key: Any = None
@@ -37,6 +41,7 @@ class Call(NamedTuple):
     process_set: Any = None
     owner: Any = None
     filled_in: bool = False
+    shape: Any = None
 
 
 class HorovodCompressor:
@@ -59,6 +64,8 @@ class HorovodCompressor:
         "_pending",
         # optimizers/tapes seen, in order of first use (their keys are kept apart)
         "_owners",
+        # loss scale source (GradScaler / LossScaleOptimizer), see set_loss_scale()
+        "_scale_source",
         "__weakref__",
     )
     ops = None  # the backend's Primitives (class attribute of the subclass)
@@ -69,6 +76,7 @@ class HorovodCompressor:
         self._wire = {}
         self._pending = {}
         self._owners = []
+        self._scale_source = None
 
     # ---- backend hooks ----
     no_key_message = "{scheme}: cannot tell which tensor this is; call compress(tensor, name=...)"
@@ -107,6 +115,35 @@ class HorovodCompressor:
         """A host-side copy of a state tensor for state_dict()."""
         raise NotImplementedError
 
+    @staticmethod
+    def _scale_of(source):
+        """The current loss scale of ``source`` as a 0-d float32 tensor on device (no host read)."""
+        raise NotImplementedError
+
+    def set_loss_scale(self, source):
+        """Keep error feedback in unscaled units under loss scaling.
+
+        Args:
+            source: PyTorch's ``torch.cuda.amp.GradScaler`` / ``torch.amp.GradScaler``, Keras'
+                ``LossScaleOptimizer``, a 0-d tensor or variable holding the scale, or None
+                (no loss scaling, the default).
+
+        With a source, ``compress`` divides the (scaled) gradient by the current scale S
+        before error feedback and compression, and ``decompress`` multiplies the result by S
+        again, so Horovod's caller still receives scaled gradients (which the scaler then
+        unscales and checks), while every residual stays in the gradient's own units: a
+        change of scale between steps no longer replays old residuals at S_old / S_new. The
+        scale is read on the device, never on the host. All ranks must use the same scale,
+        which they do when every rank's scaler sees the same (all-reduced) gradients.
+        Returns self.
+        """
+        self._scale_source = source
+        return self
+
+    def _static(self, tensor, call: Call):
+        """``tensor`` with a fully known static shape (TensorFlow overrides); default: itself."""
+        return tensor
+
     def _detach(self, tensor):
         """The gradient without any autograd history (PyTorch); default: itself."""
         return tensor
@@ -134,7 +171,7 @@ class HorovodCompressor:
                 key = f"{key}@{i}"
         return key
 
-    def _check_call(self, key, call: Call):
+    def _check_call(self, key, call: Call, info: TensorInfo):
         """Refuse, before any collective, what Horovod would do to a payload this scheme cannot take."""
         s = self.scheme
         if s.identity or s.linear:
@@ -152,7 +189,7 @@ class HorovodCompressor:
                              f"(gradient_predivide_factor / prescale_factor={call.prescale:g}, "
                              f"postscale_factor={call.postscale:g}), which corrupts {s.name}'s "
                              f"integer payload; leave these factors at 1 with this compressor")
-        if s.blocking and call.filled_in:
+        if call.filled_in and s.blocks(info):
             raise ValueError(f"{s.spec()}: tensor {key!r} had no gradient on this rank, so Horovod's "
                              f"synchronize() fills it in, in an order that differs between ranks; "
                              f"this variant posts a blocking side all-reduce inside compress and "
@@ -174,20 +211,24 @@ class HorovodCompressor:
                 collective, on every rank alike.
         """
         ops = self.ops
-        shape, dtype = ops.shape(tensor), ops.dtype(tensor)
+        dtype = ops.dtype(tensor)
+        if dtype not in FLOAT_DTYPES:
+            return tensor, None
+        call = self._find_call(tensor)
+        if name is not None:
+            call = call._replace(key=name)
+        tensor = self._static(tensor, call)
+        shape = ops.shape(tensor)
         numel = 1
         for s in shape:
             numel *= s
         if passes_through(dtype, numel):
             return tensor, None
-        call = self._find_call(tensor)
-        if name is not None:
-            call = call._replace(key=name)
         key = self._key(call)
-        self._check_call(key, call)
         world_size, rank = self._world(call.process_set)
         op = call.op if call.op in ("sum", "average") else None
         info = TensorInfo(key, shape, dtype, world_size, rank, op, call.process_set)
+        self._check_call(key, call, info)
         known = self._infos.get(key)
         if known is not None and (known.shape, known.dtype) != (shape, dtype):
             raise ValueError(f"{self.scheme.name}: tensor {key!r} was {known.dtype}{list(known.shape)} "
@@ -197,19 +238,33 @@ class HorovodCompressor:
         if self.scheme.identity:
             return tensor, None
         tensor = self._detach(tensor)
+        scale = None
+        if self._scale_source is not None:
+            scale = self._scale_of(self._scale_source)
+            tensor = ops.cast(tensor, "float32") * (1.0 / scale)
+            info_x = info if info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
+        else:
+            info_x = info
         state = self._state_for(info, tensor)
-        payload, ctx = compress_tensor(self.scheme, ops, tensor, state, info)
-        return payload, (info, ctx)
+        payload, ctx = compress_tensor(self.scheme, ops, tensor, state, info_x)
+        return payload, (info, ctx, scale)
 
     def decompress(self, payload, ctx):
         """The all-reduced payload mapped back to the gradient's shape and dtype; the tensor's
         state moves on (or stays, if the payload says some rank failed this step)."""
         if ctx is None:
             return payload
-        info, scheme_ctx = ctx
+        info, scheme_ctx, scale = ctx
         has_state = self._has_state(info.key)
-        state = self._read_state(info.key) if has_state else None
-        out, new_state = finish_tensor(self.scheme, self.ops, payload, scheme_ctx, state, info)
+        state = self._read_state(info.key) if has_state else EmptyState()
+        if scale is None:
+            out, new_state = finish_tensor(self.scheme, self.ops, payload, scheme_ctx, state, info)
+        else:
+            info_x = info if info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
+            out, new_state = finish_tensor(self.scheme, self.ops, payload, scheme_ctx, state, info_x)
+            out = out * scale
+            if info.dtype != "float32":
+                out = self.ops.cast(out, info.dtype)
         if has_state and new_state is not state:
             self._write_state(info.key, new_state)
         return out
@@ -259,6 +314,14 @@ class HorovodCompressor:
             tensors.setdefault(key, {f: v for f, v in zip(state._fields, state)})
         return {"spec": self.spec, "tensors": tensors}
 
+    def _same_config(self, spec) -> bool:
+        """True if the text ``spec`` describes this compressor's scheme and config."""
+        try:
+            name, options = parse_spec(spec)
+            return name == self.scheme.name and make_scheme(name, **options).config == self.scheme.config
+        except (ValueError, TypeError, AttributeError):
+            return False
+
     def load_state_dict(self, state_dict: dict):
         """Restore what :meth:`state_dict` returned (on the same rank, same model).
 
@@ -267,7 +330,7 @@ class HorovodCompressor:
                 wrong fields or shapes (checked now for tensors already seen, else at their
                 first compress, before any collective).
         """
-        if state_dict.get("spec") != self.spec:
+        if not self._same_config(state_dict.get("spec")):
             raise ValueError(f"state_dict was saved by compressor {state_dict.get('spec')!r}, "
                              f"this one is {self.spec!r}")
         for key, fields in state_dict["tensors"].items():
@@ -303,7 +366,8 @@ class HorovodCompressor:
         return {k: self.scheme.metrics(self._read_state(k)) for k in self._infos if self._has_state(k)}
 
     def __repr__(self):
-        return f"{type(self).__name__}({self.spec!r})"
+        from .registry import to_spec
+        return f"{type(self).__name__}({to_spec(self.scheme, full=True)!r})"
 
 
 class _FieldBag(tuple):
@@ -327,8 +391,8 @@ class Factory:
         self._cls, self.name = compressor_cls, name
         self.__doc__ = f"A new {name} compressor; options: see {SCHEMES[name][0].__name__}."
 
-    def __call__(self, **options):
-        return self._cls(make_scheme(self.name, **options))
+    def __call__(self, *args, **options):
+        return self._cls(make_scheme(self.name, *args, **options))
 
     def compress(self, tensor, *args, **kwargs):
         raise TypeError(f"Compression.{self.name} is a factory: pass Compression.{self.name}() "
@@ -347,6 +411,8 @@ class Namespace:
         self._cls = compressor_cls
 
     def __getattr__(self, name):
+        if not name.startswith("_") and name.lower() in SCHEMES:
+            name = name.lower()
         if name.startswith("_") or name not in SCHEMES:
             raise AttributeError(f"Compression has no compressor {name!r}; "
                                  f"expected one of {sorted(SCHEMES)}")

@@ -161,6 +161,11 @@ class Scheme:
     def wire(self, info: TensorInfo) -> WireBytes:
         raise NotImplementedError(f"{type(self).__name__}.wire")
 
+    def blocks(self, info: TensorInfo) -> bool:
+        """True if compress posts a blocking side collective for this tensor (``blocking``
+        variants, except on the tensors they send uncompressed)."""
+        return self.blocking and self.wire(info).side_collectives > 0
+
     def metrics(self, state) -> dict:
         """Per-tensor diagnostics read from the state (tensors, no host sync); default none."""
         return {}

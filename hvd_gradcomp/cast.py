@@ -53,7 +53,7 @@ class NoneScheme(Scheme):
         self.config = config
 
     def compress(self, ops, x, state, info, finite):
-        return x, None, state
+        return x, None
 
     def decompress(self, ops, payload, ctx, info):
         return payload
@@ -67,13 +67,14 @@ class Fp16Scheme(Scheme):
 
     name = "fp16"
     guards_nonfinite = False  # NaN/inf survive the cast and the sum on their own
+    linear = True  # Min/Max/Adasum and Horovod's scale factors keep their meaning
 
     def __init__(self, config: Fp16Config = Fp16Config()):
         self.config = config
 
     def compress(self, ops, x, state, info, finite):
         # Step 1-2: 1/n keeps the n-rank fp16 sum from overflowing (DDP's fp16 hook does the same).
-        return ops.cast(x * (1.0 / info.world_size), "float16"), None, state
+        return ops.cast(x * (1.0 / info.world_size), "float16"), None
 
     def decompress(self, ops, payload, ctx, info):
         # Step 4: undo the pre-scale; linear, so right under Sum and Average alike.
@@ -88,12 +89,13 @@ class Bf16Scheme(Scheme):
 
     name = "bf16"
     guards_nonfinite = False
+    linear = True
 
     def __init__(self, config: Bf16Config = Bf16Config()):
         self.config = config
 
     def compress(self, ops, x, state, info, finite):
-        return ops.cast(ops.cast(x, "bfloat16"), "float32"), None, state
+        return ops.cast(ops.cast(x, "bfloat16"), "float32"), None
 
     def decompress(self, ops, payload, ctx, info):
         return payload

@@ -1,8 +1,10 @@
 """Orthonormalise the columns of a tall matrix: Gram-Schmidt, twice, guarded.
 
-Used by PowerSGD (``powersgd.py``) on the all-reduced ``P`` (float32 [n, r], r small).
+Used by PowerSGD (``powersgd.py``): on the all-reduced factor (float32 [len, r], r small) that
+becomes the next step's projection basis.
 
-Steps, for each column j = 0 .. r-1 in order (a Python loop over the r columns; r is static):
+Steps of :func:`orthogonalize`, for each column j = 0 .. r-1 in order (a Python loop over the
+r columns; r is static):
     1. Scale the column by 1 / max|column| (exact for the direction; keeps the squares below
        from underflowing for tiny gradients or overflowing for huge ones).
     2. Subtract its projection on the columns already produced, twice ("twice is enough":
@@ -21,9 +23,14 @@ Guards (no try/except: tensors never raise, they give inf/NaN):
       non-finite gradient on any rank still reaches every rank's output.
 
 Output: float32 [n, r] whose non-zero columns are orthonormal (to float32 precision).
+
+:func:`basis` is the variant for a projection basis, which must keep r usable directions:
+an exactly zero input column (an all-zero gradient, or a column that came out zero from the
+previous step's basis) is replaced by the matching column of a fill matrix that every rank
+holds (PowerSGD's shared random matrix) before orthogonalising.
 """
 
-__all__ = ["orthogonalize", "DEPENDENT_TOL"]
+__all__ = ["orthogonalize", "basis", "DEPENDENT_TOL"]
 
 # A column whose part orthogonal to the earlier columns is below this fraction of its own
 # norm is treated as dependent. After two projection passes an exactly dependent float32
@@ -55,13 +62,35 @@ def orthogonalize(ops, p, rel_tol: float = DEPENDENT_TOL):
         norm0 = ops.sqrt(ops.sum(v * v, None))
         # Step 2: project out the earlier (orthonormal or zero) columns, twice.
         if cols:
-            basis = ops.concat(cols, 1) if len(cols) > 1 else cols[0]
-            basis_t = ops.transpose(basis, (1, 0))
+            basis_ = ops.concat(cols, 1) if len(cols) > 1 else cols[0]
+            basis_t = ops.transpose(basis_, (1, 0))
             for _ in range(2):
-                v = v - ops.matmul(basis, ops.matmul(basis_t, v))
+                v = v - ops.matmul(basis_, ops.matmul(basis_t, v))
         # Step 3: normalise, or zero a zero/dependent column. NaN > x is False, but NaN * 0 is
         # still NaN, so a non-finite column is not turned into zeros.
         norm = ops.sqrt(ops.sum(v * v, None))
         keep = norm > norm0 * rel_tol
         cols.append(v * ops.where(keep, 1.0 / ops.maximum(norm, _TINY), 0.0))
     return ops.concat(cols, 1) if r > 1 else cols[0]
+
+
+def basis(ops, p, fill, rel_tol: float = DEPENDENT_TOL):
+    """:func:`orthogonalize` of ``p`` after its all-zero columns are replaced by ``fill``'s.
+
+    Args:
+        p: float32 [n, r].
+        fill: float32 [n, r], the same on every rank (a shared random matrix); its columns
+            are used only where ``p``'s column is exactly zero. Rows that must stay zero
+            (padding) must be zero in ``fill`` too.
+
+    Returns:
+        float32 [n, r]: orthonormal columns. The span of ``p``'s non-zero columns is kept. A
+        column dependent on earlier ones still comes out zero (it is not known to be
+        dependent before the projection); the caller's next use of the basis then gives an
+        exactly zero column, which the next call fills. A NaN/inf column stays non-finite.
+    """
+    n, r = ops.shape(p)
+    top = ops.reshape(ops.max(ops.abs(p), 0), (1, r))
+    # Zero column: top == 0 (finite and not > 0); NaN columns keep their NaN.
+    zero = ops.logical_and(ops.isfinite(top), ops.where(top > 0.0, False, True))
+    return orthogonalize(ops, ops.where(zero, fill, p), rel_tol)

@@ -1,71 +1,128 @@
-"""PowerSGD: rank-r compression by one step of subspace iteration, with error feedback.
+"""PowerSGD: rank-r compression with error feedback, one all-reduce per tensor per step.
 
-Steps, per gradient tensor and step:
-    1. Policy (static, from the shape only): the gradient is viewed as a matrix of
-       ``n = shape[0]`` rows and ``m = prod(shape[1:])`` columns (conv kernels included). It is
-       compressed only if it has >= 2 dimensions, is not empty, and
-       ``rank * (n + m) * min_compression_rate <= n * m``. Every other tensor (vectors, scalars,
-       small or square-ish matrices) is sent uncompressed: float16 pre-scaled by
-       1/world_size (:class:`~hvd_gradcomp.cast.Fp16Scheme`), or float32 as it is.
-       Conv kernels follow their framework's layout: PyTorch's (out, in, h, w) becomes
-       out x (in h w); TensorFlow's (h, w, in, out) becomes h x (w in out), a matrix with few
-       rows, which rank r captures less of.
-    2. Error feedback: ``M = G + E`` (float32 [n, m]; E = 0 without error feedback).
-    3. Q (float32 [m, r], kept transposed as ``[r, m]``): with ``warm_start`` the state's Q
-       (the previous step's aggregated Q, unit columns); otherwise a fresh one each step. The
-       first Q (and every fresh one) comes from :func:`hvd_gradcomp.rng.normal`, keyed by
-       ``(seed, tensor key)`` (and the step counter without warm start): identical on every
-       rank, the framework's global RNG untouched.
-    4. ``P = M Q`` (float32 [n, r]).
-    5. Side collective: all-reduce (Sum) of P, named ``hvd_gradcomp.powersgd.p.<key>``, so
-       every rank holds ``sum_i M_i Q`` (Q is the same on all ranks). Sum rather than mean:
-       step 6 does not depend on the scale.
-    6. Orthonormalise P (:func:`~hvd_gradcomp.orthogonalize.orthogonalize`): zero and
-       dependent columns become exact zeros, never NaN.
-    7. ``Q_i = M^T P``; the payload is ``Q_i^T`` flattened, float32 [r * m], made all NaN if
-       the gradient holds a NaN/inf (:func:`~hvd_gradcomp.base.poison`).
-    8. Residual ``E' = M - P Q_i^T``: each rank keeps what its *local* decompression misses,
-       before aggregation, as in Vogels et al. (Algorithm 1 with the error feedback of their
-       Algorithm 2) and their reference code (epfml/powersgd). (PyTorch DDP's
-       ``powerSGD_hook`` instead subtracts the aggregated ``P Q^T``.) If the all-reduced P is
-       not finite, some rank had a NaN/inf: the step is lost on every rank, so each keeps
-       its old residual (the adapter masks the rank that had it; this covers the others).
-    9. Horovod all-reduces the payload with Sum or Average.
-    10. Decompress: ``P Q_agg^T`` in the gradient's shape. It is linear in the payload, so
-        it is ``sum_i P Q_i^T`` under Sum and their mean under Average, without knowing which.
-    11. Absorb (after the all-reduce, see :meth:`Scheme.absorb`): with warm start the state's
-        Q becomes the aggregated Q with each column scaled to unit length. Only Q's columns'
-        directions matter for the next ``P = M Q`` (P is orthonormalised anyway), and the
-        scale removes the Sum/Average factor and the gradient's size, so P neither grows nor
-        shrinks over the steps. A zero or non-finite column (an all-zero gradient, a skipped
-        NaN step) keeps the previous Q column, so Q is never poisoned. The step counter
-        (int64) advances on every call, identically on every rank.
+Notation, per gradient tensor: ``W`` ranks ``i`` (the process set's size), rank ``r`` of the
+approximation, the matrix view ``M`` (``n x m``, step 1), ``K = max(n, m)``.
 
-Warm-up (``start_step > 0``): while the step counter is below ``start_step`` the tensor is
-sent uncompressed. Horovod all-reduces one payload per tensor, whose shape cannot change
-between steps in TensorFlow (compress is traced once) and which must stay the r*m floats of
-Q after warm-up for the bytes to be honest; the uncompressed matrix (n*m values) does not fit
-in it. So the step chooses between two branches with :func:`Primitives.cond` (``tf.cond``;
-in PyTorch a Python branch on the step's value), and only the chosen branch's collectives run:
-    W1. the full matrix ``M`` goes through a *side* all-reduce (Sum), float16 pre-scaled by
-        1/world_size, named ``hvd_gradcomp.powersgd.full.<key>``; the residual becomes zero
-        (M is sent whole; its fp16 rounding is not fed back, as in the fp16 baseline);
-    W2. the Q-shaped payload carries the constant 1/world_size in each coordinate: after
-        Horovod's Sum it reads 1, after Average 1/world_size, and decompress multiplies the
-        summed matrix by it, so warm-up steps also give the sum or the mean as Horovod asked.
-    Trade-off: a warm-up step costs ``2 n m + 4 r m`` bytes in two collectives instead of
-    ``2 n m`` in one; after warm-up nothing extra is sent. PyTorch reads the step counter on
-    the host at each compress and decompress (a device sync on GPU) for the whole run when
-    ``start_step > 0``; with ``start_step = 0`` (the default) the choice is static and no
-    conditional exists. Q, P and the residual are untouched during warm-up.
+Policy and matrix view (static: shape, options and the framework's kernel layout):
+    1. ``M`` has the output channels as its ``n`` rows in both frameworks:
+       - ``ndim <= 2``: ``n = shape[0]``, ``m = numel / n`` (a TensorFlow Dense kernel
+         ``(in, out)`` is the transpose of PyTorch's ``(out, in)``; a rank-r approximation of
+         a matrix and of its transpose are the same);
+       - ``ndim >= 3`` in PyTorch (``ops.name == "torch"``): ``(out, in, h, w)`` gives
+         ``n = out``, ``m = in h w``;
+       - ``ndim >= 3`` in TensorFlow (``ops.name == "tensorflow"``): ``(h, w, in, out)`` gives
+         ``n = out``, ``m = h w in``. The tensor's plain reshape is then ``M^T`` (``m x n``);
+         every product below is formed with the small factors transposed instead
+         (``M F = (F^T M^T)^T``), so no ``n x m`` transpose is ever made. (Before state format
+         2 TensorFlow kernels were viewed as ``h x (w in out)``, a matrix of 1 to 7 rows.)
+       A tensor is compressed iff it has >= 2 dimensions, is not empty and
+       ``r (n + m) min_compression_rate <= n m``. Every other tensor (vectors, scalars, small or
+       square-ish matrices) is sent uncompressed: float16 pre-scaled by ``1/W`` (as the
+       ``fp16`` scheme, but saturating at +-65504 instead of overflowing to inf), or float32.
 
-Wire, per compressed tensor and step: payload ``4 r m`` bytes (Q, float32), one side
-collective of ``4 n r`` bytes (P, float32). Uncompressed tensors: ``2 d`` bytes (float16) or
-``4 d`` (float32), no side collective. :meth:`PowerSGDScheme.wire` reports the bytes after
-warm-up.
+``variant="alternating"`` (the default; ACP-SGD, Zhang, Shi, Li et al., "Evaluation and
+Optimization of Gradient Compression for Distributed Deep Learning", ICDCS 2023). State per
+tensor: residual ``E_i``, the shared bases ``P^`` (``n x r``) and ``Q^`` (``m x r``) with
+orthonormal columns, the step counter ``t`` whose parity says which factor travels, and a
+count of realignments. Steps:
+    2. Error feedback: ``M_i = G_i + E_i`` (float32; ``E_i = 0`` without error feedback).
+    3. The shared basis of step ``t``: ``Q^`` on even steps, ``P^`` on odd steps. Every rank
+       holds the same one: it was computed in step 10 of the previous step from the
+       all-reduced payload. The first ``Q^`` is the orthonormalised ``U[:, :m]``, where
+       ``U`` (``r x K``, uniform in [-1, 1)) comes from :func:`hvd_gradcomp.rng.uniform` keyed
+       by ``(seed, tensor key)``: identical on every rank, the framework's RNG untouched.
+    4. The travelling factor, not orthonormalised (it carries the gradient's scale):
+       even ``t``: ``P_i = M_i Q^`` (``n x r``); odd ``t``: ``Q_i = M_i^T P^`` (``m x r``).
+       The parity is a tensor, so both products are formed and one is kept with ``where``
+       (a branch would read the parity on the host: a device sync per tensor in PyTorch).
+       Cost ``2 n m r`` multiply-adds, the same as the two-round variant's two products.
+    5. Control values (float32): ``[1 if t even else 0, 1 if t odd else 0, f1, f1^2, f2, f2^2]``
+       with fingerprints of the basis of step 3: ``f1 = <U, B>``, ``f2 = <U*U - 1/3, B>``
+       (``B`` the basis as ``r x K``, zero-padded; the two weightings are uncorrelated).
+    6. Payload: the travelling factor's ``r`` columns, each zero-padded to ``K``, then the 6
+       control values: ``r K + 6`` float32, the same size at every step (the shapes of
+       ``P_i`` and ``Q_i`` differ; a per-step size would need a new TensorFlow trace, and two
+       ranks on different parities would post different shapes, which Horovod refuses or
+       waits on). All NaN if this rank's gradient holds a NaN/inf
+       (:func:`~hvd_gradcomp.base.poison`).
+    7. Horovod all-reduces the payload with Sum or Average (a rank in ``hvd.join()``
+       contributes zeros everywhere, controls included).
+    8. Agreement, computed in ``decompress`` and in ``finish`` from the all-reduced payload
+       only, hence the same on every rank. With ``c_e, c_o, S1, S2`` the summed controls and
+       ``c = c_e + c_o``, the ranks disagreed if ``c_e > 0`` and ``c_o > 0`` (parities
+       differ) or, for either fingerprint, ``S2 c - S1^2 > tol S2 c``: the fingerprints of
+       the contributing ranks are not all equal (``S2 c - S1^2`` is ``c^2`` times their
+       variance), ``tol = (8 W + 16) 2**-24`` being above the float32 rounding of the sums.
+       Every term scales alike, so the test holds under Sum, Average and Horovod's
+       prescale/postscale factors. Causes: a checkpoint loaded on some ranks only, a rank
+       back from ``hvd.join()`` having missed steps. A basis that differs only in its last
+       bits (ranks on different hardware) passes.
+    9. Decompress: even ``t``: ``P_agg Q^^T``; odd ``t``: ``P^ Q_agg^T``, where ``P_agg`` /
+       ``Q_agg`` is the all-reduced factor. That is ``sum_i M_i Q^ Q^^T`` or
+       ``P^ P^^T sum_i M_i`` under Sum, the mean under Average: linear in the payload, so the
+       op need not be known, and the basis is orthonormal, so the scale is the gradient's.
+       On disagreement the output is exactly 0 for this tensor and step (never a wrong
+       value; a non-finite payload still gives NaN).
+    10. Finish (when the all-reduced payload is not finite, some rank failed, and the whole
+        state stays as it was on every rank):
+        - residual ``E_i' = M_i - P_i Q^^T`` (even) or ``M_i - P^ Q_i^T`` (odd): what this
+          rank's *own* contribution misses, i.e. ``M_i (I - Q^ Q^^T)`` or
+          ``(I - P^ P^^T) M_i``, as in Vogels et al. (Algorithm 2) and epfml/powersgd;
+        - new basis: even ``t``: ``P^ := basis(P_agg)``; odd ``t``: ``Q^ := basis(Q_agg)``,
+          with :func:`~hvd_gradcomp.orthogonalize.basis`: Gram-Schmidt, exactly zero columns
+          (an all-zero gradient; a dependent column zeroed the step before) replaced by
+          ``U``'s first, so the basis always has ``r`` directions. Orthonormalising drops
+          the scale (Sum or Average, the gradient's size): the factors neither grow nor
+          shrink over the steps. The basis is the next step's warm start;
+        - ``t := t + 1``;
+        - on disagreement (step 8): ``E_i' = M_i`` (the step applied nothing, so nothing is
+          lost with error feedback on; without it this tensor's gradient of that step is
+          dropped), ``Q^ := basis`` of the aggregate's first ``m`` values of each column
+          (the same data on every rank), ``P^ := 0``, ``t := 0`` and ``realigned`` + 1. From
+          the next step on every rank agrees again.
+    This is PowerSGD's subspace iteration on the summed matrix, one half per training step:
+    ``P^ = orth((sum_i M_i) Q^)``, then ``Q^ = orth((sum_i M_i)^T P^)``, with warm start. A
+    repeated matrix ``A`` of rank ``<= r`` (one rank): step 0 gives ``A Q0 Q0^T``, step 1
+    gives ``A + E_1`` exactly (``E_1``'s columns lie in ``A``'s span), the steps after give
+    ``A``.
+    ``warm_start=False`` is refused (the alternating basis *is* the previous step's factor),
+    and so is ``start_step > 0``: an uncompressed warm-up step does not fit in the fixed
+    ``r K + 6`` payload and would need a side collective inside ``compress``.
 
-State (per tensor, :class:`PowerSGDState`): residual, Q and the step counter; saved and
-restored by the adapters' ``state_dict()`` / ``load_state_dict()``.
+``variant="two_round"``: the original PowerSGD (Vogels et al., Algorithm 1), ``blocking``:
+    2. ``M_i = G_i + E_i``.
+    3. ``Q`` (``m x r``): with ``warm_start`` the state's (the previous step's aggregate with
+       unit columns), otherwise a fresh one from the RNG keyed by ``(seed, key, step)``; the
+       first one is keyed by ``(seed, key)``.
+    4. ``P_i = M_i Q``; side collective inside ``compress``: all-reduce (Sum) of ``P_i``,
+       named ``hvd_gradcomp.powersgd.p.<key>``, in the tensor's process set. Every rank must
+       compress every tensor in the same order (unused parameters, rank-dependent graphs and
+       ``hvd.join()`` break it; the adapters refuse the first).
+    5. ``P^ = orthogonalize(sum_i P_i)``; ``Q_i = M_i^T P^``; payload ``Q_i`` (``r m``
+       float32), poisoned if not finite.
+    6. Decompress ``P^ Q_agg^T``; residual ``E_i' = M_i - P^ Q_i^T``; the state's ``Q``
+       becomes the aggregate with unit columns (a zero or non-finite column keeps the old
+       one). Finish keeps the whole state when the payload is not finite.
+    Warm-up (``start_step > 0``, this variant only): while ``t < start_step`` the full ``M_i``
+    goes through a side all-reduce (float16 pre-scaled by ``1/W``, saturating), named
+    ``hvd_gradcomp.powersgd.full.<key>``, and the ``r m`` payload carries ``1/W`` in every
+    coordinate (after Sum it reads 1, after Average ``1/W``; decompress multiplies the summed
+    matrix by it). The residual becomes 0, ``Q`` is untouched. The branch is
+    :func:`Primitives.cond` (a host read of ``t`` per tensor in PyTorch).
+
+Wire per compressed tensor and step (:meth:`PowerSGDScheme.wire`):
+    alternating: ``4 (r K + 6)`` bytes in the one all-reduce, nothing else. ACP-SGD proper
+    sends ``4 r n`` and ``4 r m`` bytes on alternate steps (``2 r (n + m)`` on average); the
+    fixed size pads the shorter factor, costing ``4 r |n - m|`` bytes every other step:
+    ``n = m``: half the two-round bytes; a 3x3 conv with 512 channels (``512 x 4608``):
+    ``4608 r`` floats against the two-round's ``5120 r`` (10 % fewer, and no blocking
+    collective).
+    two_round: payload ``4 r m`` bytes, one side collective of ``4 r n`` bytes.
+    Uncompressed tensors: ``2 d`` bytes (float16) or ``4 d`` (float32).
+
+State (:class:`PowerSGDState`, saved by the adapters' ``state_dict()``), format
+:data:`STATE_VERSION`. States written before format 2 (fields ``residual, q, step``) are
+refused at load with a message naming the change (:meth:`PowerSGDScheme.check_loaded`).
 
 Reference: Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
 Distributed Optimization", NeurIPS 2019 (https://github.com/epfml/powersgd).
@@ -73,18 +130,21 @@ Distributed Optimization", NeurIPS 2019 (https://github.com/epfml/powersgd).
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .base import Scheme, TensorInfo, WireBytes, poison
-from .cast import Fp16Scheme
-from .orthogonalize import orthogonalize
-from .rng import normal, step_key, stream_key
+from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit, payload_finite, poison, saturating_cast
+from .orthogonalize import basis, orthogonalize
+from .rng import normal, step_key, stream_key, uniform
 
-__all__ = ["PowerSGDConfig", "PowerSGDState", "PowerSGDScheme"]
+__all__ = ["PowerSGDConfig", "PowerSGDState", "PowerSGDScheme", "STATE_VERSION", "CONTROL",
+           "matrix_view"]
 
-# Smallest column norm treated as non-zero when Q is normalised in absorb (step 11); below it
+# Format of PowerSGDState; 1 was (residual, q, step) with TensorFlow kernels as h x (w in out).
+STATE_VERSION = 2
+# Control values at the end of the alternating payload (step 5).
+CONTROL = 6
+# Smallest column norm treated as non-zero when the two-round Q is normalised; below it
 # (an all-zero gradient, or entries under ~1e-35 after the max-abs scaling) the old column stays.
 _TINY = 1e-30
-# The fp16 baseline (stateless): uncompressed tensors and warm-up steps go through it.
-_FP16 = Fp16Scheme()
+_VARIANTS = ("alternating", "two_round")
 
 
 def _check_int(name, value, low):
@@ -98,25 +158,28 @@ class PowerSGDConfig:
 
     Attributes:
         rank: r, the rank of the approximation, an integer >= 1; default 1. Smaller
-            compresses harder (bytes per matrix are 4 r (n + m)). Tuning (Vogels et al.):
+            compresses harder (bytes per matrix: module docstring). Tuning (Vogels et al.):
             start at rank 1 with error feedback and warm start; double it while the loss
             trails the FP16 run's; 1 to 4 suits most vision models, language models may need
             up to 32.
         min_compression_rate: a matrix is compressed only if ``n m >= rate * r (n + m)``; a
             number >= 1, default 2.0. Larger sends more matrices uncompressed.
         start_step: number of initial steps sent uncompressed (warm-up), an integer >= 0;
-            default 0. See the module docstring for what warm-up costs.
+            default 0. Only with ``variant="two_round"`` (module docstring).
         error_feedback: keep what the approximation misses and add it next step; default True.
             Without it PowerSGD is biased and usually trains worse.
-        warm_start: reuse last step's Q (True, default) instead of a fresh random Q each
-            step; one power-iteration step per training step then tracks the top subspace.
-        seed: key of the shared generator for the random Q (any integer; default 0). All
-            ranks must use the same seed.
-        uncompressed_dtype: "float16" (default; pre-scaled by 1/world_size, as the ``fp16``
-            scheme) or "float32", for the tensors step 1 leaves uncompressed.
+        warm_start: reuse last step's factor (True, default). ``False`` (a fresh random Q
+            each step) only with ``variant="two_round"``.
+        seed: key of the shared generator for the random start (any integer; default 0).
+            All ranks must use the same seed.
+        uncompressed_dtype: "float16" (default; pre-scaled by 1/world_size, saturating) or
+            "float32", for the tensors step 1 leaves uncompressed.
+        variant: "alternating" (default: one all-reduce per tensor, P and Q travel on
+            alternate steps, compress waits on no other rank) or "two_round" (the original
+            PowerSGD: a blocking side all-reduce of P inside compress, then Q as the payload).
 
     Raises:
-        ValueError: an option outside its range, e.g.
+        ValueError: an option outside its range or a combination the variant cannot do, e.g.
             "powersgd: rank must be an integer >= 1, got 0".
     """
 
@@ -127,6 +190,7 @@ class PowerSGDConfig:
     warm_start: bool = True
     seed: int = 0
     uncompressed_dtype: str = "float16"
+    variant: str = "alternating"
 
     def __post_init__(self):
         _check_int("rank", self.rank, 1)
@@ -142,167 +206,382 @@ class PowerSGDConfig:
         if self.uncompressed_dtype not in ("float16", "float32"):
             raise ValueError(f"powersgd: uncompressed_dtype must be 'float16' or 'float32', "
                              f"got {self.uncompressed_dtype!r}")
+        if self.variant not in _VARIANTS:
+            raise ValueError(f"powersgd: variant must be 'alternating' or 'two_round', got {self.variant!r}")
+        if self.variant == "alternating":
+            if self.start_step:
+                raise ValueError(
+                    f"powersgd: start_step={self.start_step} needs variant='two_round': the "
+                    f"alternating variant's payload has a fixed size of rank * max(n, m) + "
+                    f"{CONTROL} floats, too small for an uncompressed warm-up step, which would "
+                    f"need a blocking side collective inside compress")
+            if not self.warm_start:
+                raise ValueError(
+                    "powersgd: warm_start=False needs variant='two_round': the alternating "
+                    "variant's projection basis is the previous step's all-reduced factor")
 
 
 class PowerSGDState(NamedTuple):
-    residual: object  # float32 [n, m]: error feedback E; [0] when uncompressed or error_feedback=False
-    q: object  # float32 [r, m]: Q transposed, unit columns (warm start); [0] when uncompressed
-    step: object  # int64 []: compress calls so far (drives start_step and fresh Q draws)
+    residual: object  # float32, the tensor's plain 2-D reshape ([n, m]; TF ndim>=3: [m, n]): E; [0] without EF
+    p: object  # float32 [r, n]: P^ transposed, orthonormal rows (alternating; 0 after a realignment); [0] two-round
+    q: object  # float32 [r, m]: Q^ transposed (alternating: orthonormal rows; two-round: unit rows)
+    step: object  # int64 []: steps completed since the start or the last realignment; parity = the factor that travels
+    fill: object  # float32 [r, K]: U (step 3), the same on every rank (alternating; [0] two-round)
+    realigned: object  # int64 []: steps whose ranks disagreed (step 8), output 0 (diagnostic)
+    version: object  # int64 []: STATE_VERSION
+
+
+class _View(NamedTuple):
+    n: int  # rows of M (output channels)
+    m: int  # columns of M
+    transposed: bool  # the tensor's plain reshape is M^T [m, n] (TensorFlow kernels, ndim >= 3)
+
+    @property
+    def natural(self):
+        """Shape of the tensor's plain 2-D reshape."""
+        return (self.m, self.n) if self.transposed else (self.n, self.m)
+
+
+class _AltCtx(NamedTuple):
+    even: object  # bool []: P travels (the state's step is even)
+    matrix: object  # M_i in the plain layout (None without error feedback)
+    local: object  # float32 [r, K]: this rank's travelling factor, transposed, zero-padded
+    p: object  # the state's P^ [r, n]
+    q: object  # the state's Q^ [r, m]
+
+
+class _TwoCtx(NamedTuple):
+    warm: object  # None (start_step = 0) or bool []: this is a warm-up step
+    p: object  # float32 [r, n]: P^ transposed ([1, 1] placeholder during warm-up)
+    full: object  # None or the summed matrix of a warm-up step ([1, 1] placeholder otherwise)
+    residual: object  # the residual candidate (None without error feedback)
+
+
+def matrix_view(shape, layout: str):
+    """``(n, m, transposed)`` of the matrix view (module step 1), for any shape with ndim >= 2.
+
+    ``layout`` is the backend's ``ops.name``: ``"tensorflow"`` puts ``shape[-1]`` (the output
+    channels of a kernel ``(h, w, in, out)``) as rows for ndim >= 3; anything else takes
+    ``shape[0]`` (PyTorch's ``(out, in, h, w)``).
+    """
+    numel = 1
+    for s in shape:
+        numel *= s
+    if len(shape) >= 3 and layout == "tensorflow":
+        n = shape[-1]
+        return _View(n, numel // n if n else 0, True)
+    n = shape[0]
+    return _View(n, numel // n if n else 0, False)
+
+
+# ---- products with M held in its plain layout (no n x m transpose) ----
+def _t(ops, x):
+    return ops.transpose(x, (1, 0))
+
+
+def _times_right(ops, mat, ft, v):
+    """``(M F)^T`` [r, n] for ``ft = F^T`` [r, m]."""
+    if v.transposed:  # mat = M^T [m, n]
+        return ops.matmul(ft, mat)
+    return _t(ops, ops.matmul(mat, _t(ops, ft)))
+
+
+def _times_left(ops, mat, ft, v):
+    """``(M^T F)^T = F^T M`` [r, m] for ``ft = F^T`` [r, n]."""
+    if v.transposed:
+        return _t(ops, ops.matmul(mat, _t(ops, ft)))
+    return ops.matmul(ft, mat)
+
+
+def _outer(ops, pt, qt, v):
+    """``P Q^T`` in the plain layout, from ``pt = P^T`` [r, n] and ``qt = Q^T`` [r, m]."""
+    if v.transposed:
+        return ops.matmul(_t(ops, qt), pt)
+    return ops.matmul(_t(ops, pt), qt)
+
+
+def _pad(ops, x, width):
+    """[r, w] zero-padded on the right to [r, width]."""
+    r, w = ops.shape(x)
+    return x if w == width else ops.concat([x, ops.zeros((r, width - w), "float32", x)], 1)
 
 
 class PowerSGDScheme(Scheme):
-    """Rank-r PowerSGD with error feedback and warm start (module docstring, steps 1-11)."""
+    """Rank-r PowerSGD with error feedback and warm start (module docstring)."""
 
     name = "powersgd"
-    # The residual is held back when the all-reduced P is non-finite (any rank); Q and step
-    # change only in absorb, guarded there.
-    masks_own_state = True
 
     def __init__(self, config: PowerSGDConfig = PowerSGDConfig()):
         self.config = config
-        self._fallback = _FP16 if config.uncompressed_dtype == "float16" else None
+        self.blocking = config.variant == "two_round"
+        self._fp16 = config.uncompressed_dtype == "float16"
+        # ops.name of the backend this scheme last ran with (for wire(), which gets no ops).
+        self._layout = None
 
     # ---- Step 1: the static policy ----
-    def matrix_shape(self, info: TensorInfo):
-        """``(n, m)`` if this tensor is compressed, else None (a function of the shape only)."""
+    def matrix_shape(self, info: TensorInfo, layout: str = "torch"):
+        """``(n, m)`` if this tensor is compressed under ``layout`` (``ops.name``), else None."""
+        v = self._view(info, layout)
+        return None if v is None else (v.n, v.m)
+
+    def _view(self, info: TensorInfo, layout: str):
         if len(info.shape) < 2 or info.numel == 0:
             return None
-        n, m = info.shape[0], info.numel // info.shape[0]
+        v = matrix_view(info.shape, layout)
         r = self.config.rank
-        if r * (n + m) * self.config.min_compression_rate > n * m:
+        if r * (v.n + v.m) * self.config.min_compression_rate > v.n * v.m:
             return None
-        return n, m
+        return v
 
-    def _seed_key(self, info):
+    def _view_of(self, ops, info):
+        self._layout = ops.name
+        return self._view(info, ops.name)
+
+    # ---- shared randomness ----
+    def _key(self, info):
         return stream_key("powersgd", self.config.seed, info.key)
 
+    def _fill(self, ops, info, width, like):
+        """U: float32 [r, width], uniform in [-1, 1), keyed by (seed, tensor key)."""
+        r = self.config.rank
+        return ops.reshape(uniform(ops, self._key(info), r * width, like), (r, width)) * 2.0 - 1.0
+
     def _random_q(self, ops, info, m, like, step=None):
-        """float32 [r, m] from the shared generator (keyed by the step when given)."""
-        r, key = self.config.rank, self._seed_key(info)
+        """Two-round: float32 [r, m] approximately normal, keyed by (seed, key[, step])."""
+        r, key = self.config.rank, self._key(info)
         if step is not None:
             key = step_key(ops, key, step)
         return ops.reshape(normal(ops, key, r * m, like), (r, m))
 
+    # ---- init ----
     def init(self, ops, info: TensorInfo, like):
-        step = ops.zeros((), "int64", like)
-        shape = self.matrix_shape(info)
-        if shape is None:
+        v = self._view_of(ops, info)
+        if v is None:
+            return EmptyState()
+        cfg, r = self.config, self.config.rank
+        zero = ops.zeros((), "int64", like)
+        residual = ops.zeros(v.natural if cfg.error_feedback else (0,), "float32", like)
+        version = zero + STATE_VERSION
+        if cfg.variant == "two_round":
             empty = ops.zeros((0,), "float32", like)
-            return PowerSGDState(empty, empty, step)
-        n, m = shape
-        residual = ops.zeros((n, m) if self.config.error_feedback else (0,), "float32", like)
-        return PowerSGDState(residual, self._random_q(ops, info, m, like), step)
-
-    def _side_name(self, what, info):
-        return f"hvd_gradcomp.powersgd.{what}.{info.key}"
+            return PowerSGDState(residual, empty, self._random_q(ops, info, v.m, like), zero, empty, zero,
+                                 version)
+        fill = self._fill(ops, info, max(v.n, v.m), like)
+        q = _t(ops, orthogonalize(ops, _t(ops, fill[:, :v.m])))
+        return PowerSGDState(residual, ops.zeros((r, v.n), "float32", like), q, zero, fill, zero, version)
 
     # ---- compress ----
     def compress(self, ops, x, state, info, finite):
-        """Payload: float32 [r m] (compressed) or the uncompressed tensor; see module steps."""
-        shape = self.matrix_shape(info)
-        if shape is None:
-            payload, ctx = self._uncompressed(ops, x, info)
-            return payload, ctx, state
-        n, m = shape
-        cfg = self.config
-        # Step 2.
-        matrix = ops.reshape(x, (n, m))
-        if cfg.error_feedback:
+        v = self._view_of(ops, info)
+        if v is None:
+            return self._uncompressed(ops, x, info, finite), None
+        matrix = ops.reshape(x, v.natural)
+        if self.config.error_feedback:
             matrix = matrix + state.residual
+        if self.config.variant == "two_round":
+            return self._two_round_compress(ops, matrix, state, info, finite, v)
+        return self._alternating_compress(ops, matrix, state, info, finite, v)
+
+    def _uncompressed(self, ops, x, info, finite):
+        if not self._fp16:
+            return x  # float32 carries a NaN/inf by itself
+        half = saturating_cast(ops, x * (1.0 / info.world_size), "float16")
+        return poison(ops, half, finite)  # saturation would turn an inf into 65504
+
+    # Steps 2-6 (alternating).
+    def _alternating_compress(self, ops, matrix, state, info, finite, v):
+        r, width = self.config.rank, max(v.n, v.m)
+        even = ops.bitwise_and(state.step, 1) < 1
+        # Step 4: P_i^T = (M Q^)^T and Q_i^T = P^^T M; the parity keeps one.
+        local = ops.where(even, _pad(ops, _times_right(ops, matrix, state.q, v), width),
+                          _pad(ops, _times_left(ops, matrix, state.p, v), width))
+        # Step 5: fingerprints of this step's basis.
+        shared = ops.where(even, _pad(ops, state.q, width), _pad(ops, state.p, width))
+        weights = ops.reshape(ops.concat([state.fill, state.fill * state.fill - 1.0 / 3.0], 0), (2, r * width))
+        f = ops.matmul(weights, ops.reshape(shared, (r * width, 1)))  # [f1, f2]
+        e = ops.reshape(ops.cast(even, "float32"), (1,))
+        control = ops.concat([e, 1.0 - e, ops.reshape(ops.concat([f, f * f], 1), (4,))], 0)
+        # Step 6.
+        payload = poison(ops, ops.concat([ops.reshape(local, (r * width,)), control], 0), finite)
+        ctx = _AltCtx(even, matrix if self.config.error_feedback else None, local, state.p, state.q)
+        return payload, ctx
+
+    # Step 8 (alternating): 1.0 where the ranks disagreed, else 0.0 (0.0 for a NaN payload too).
+    def _disagreement(self, ops, payload, info, v):
+        c = payload[self.config.rank * max(v.n, v.m):]
+        parity = ops.cast(ops.logical_and(c[0] > 0.0, c[1] > 0.0), "float32")
+        s = ops.reshape(c[2:], (2, 2))  # rows: (S1, S2) of each fingerprint
+        spread = s[:, 1] * (c[0] + c[1])
+        tol = (8 * info.world_size + 16) * 2.0 ** -24
+        basis_differs = ops.max(ops.cast(spread - s[:, 0] * s[:, 0] > spread * tol, "float32"), None)
+        return ops.maximum(parity, basis_differs)
+
+    # ---- decompress ----
+    def decompress(self, ops, payload, ctx, info):
+        """float32 in the tensor's plain 2-D layout (finish_tensor reshapes): step 9."""
+        v = self._view_of(ops, info)
+        if v is None:
+            if self._fp16:
+                return ops.cast(payload, "float32") * float(info.world_size)
+            return payload
+        r = self.config.rank
+        if self.config.variant == "two_round":
+            q_t = ops.reshape(payload, (r, v.m))
+            if ctx.warm is None:
+                return _outer(ops, ctx.p, q_t, v)
+            return ops.cond(ctx.warm, lambda: ctx.full * payload[0], lambda: _outer(ops, ctx.p, q_t, v))
+        width = max(v.n, v.m)
+        agg = ops.reshape(payload[:r * width], (r, width))
+        keep = 1.0 - self._disagreement(ops, payload, info, v)  # NaN * 1 stays NaN
+        a = ops.where(ctx.even, agg[:, :v.n], ctx.p) * keep
+        b = ops.where(ctx.even, ctx.q, agg[:, :v.m])
+        return _outer(ops, a, b, v)
+
+    # ---- finish ----
+    def finish(self, ops, payload, ctx, state, info):
+        """The state after the step (step 10; two-round: step 6); unchanged if the payload
+        is not finite."""
+        v = self._view_of(ops, info)
+        if v is None:
+            return state
+        ok = payload_finite(ops, payload)
+        if self.config.variant == "two_round":
+            return commit(ops, ok, self._two_round_finish(ops, payload, ctx, state, v), state)
+        r, width = self.config.rank, max(v.n, v.m)
+        bad = self._disagreement(ops, payload, info, v)
+        agreed = bad < 0.5
+        to_p = ops.logical_and(ctx.even, agreed)  # the n-side factor arrived
+        # The aggregate, masked to the side it belongs to (after a disagreement: the m side).
+        cols = ops.arange(width, "int64", payload)
+        mask = ops.where(to_p, ops.cast(cols < v.n, "float32"), ops.cast(cols < v.m, "float32"))
+        agg = ops.reshape(payload[:r * width], (r, width)) * mask
+        new_basis = _t(ops, basis(ops, _t(ops, agg), _t(ops, state.fill * mask)))
+        p = ops.where(to_p, new_basis[:, :v.n], ops.where(agreed, state.p, state.p * 0.0))
+        q = ops.where(to_p, state.q, new_basis[:, :v.m])
+        step = ops.where(agreed, state.step + 1, state.step * 0)
+        realigned = ops.where(agreed, state.realigned, state.realigned + 1)
+        residual = state.residual
+        if self.config.error_feedback:
+            # This rank's own decoded contribution; none after a disagreement (E' = M).
+            local_p = ops.where(ctx.even, ctx.local[:, :v.n], state.p) * (1.0 - bad)
+            local_q = ops.where(ctx.even, state.q, ctx.local[:, :v.m])
+            residual = ctx.matrix - _outer(ops, local_p, local_q, v)
+        new = PowerSGDState(residual, p, q, step, state.fill, realigned, state.version)
+        return commit(ops, ok, new, state)
+
+    # ---- two-round ----
+    def _side_name(self, what, info):
+        return f"hvd_gradcomp.powersgd.{what}.{info.key}"
+
+    def _two_round_compress(self, ops, matrix, state, info, finite, v):
+        cfg = self.config
         if cfg.start_step == 0:
-            payload, p, residual = self._power_step(ops, matrix, state, info, finite, m)
-            return payload, (None, p, None), state._replace(residual=residual)
-        # Both branches give (payload, P, summed matrix, residual); the one a branch does not
+            payload, p, residual = self._power_step(ops, matrix, state, info, finite, v)
+            return payload, _TwoCtx(None, p, None, residual)
+        # Both branches give (payload, P^T, summed matrix, residual); the one a branch does not
         # compute is a [1, 1] placeholder (TensorFlow relaxes that output's static shape).
         warm = state.step < cfg.start_step
 
         def compressed():
-            payload, p, residual = self._power_step(ops, matrix, state, info, finite, m)
-            return payload, p, ops.zeros((1, 1), "float32", matrix), residual
+            payload, p, residual = self._power_step(ops, matrix, state, info, finite, v)
+            return payload, p, ops.zeros((1, 1), "float32", matrix), self._or_placeholder(ops, residual, matrix)
 
-        payload, p, full, residual = ops.cond(
-            warm, lambda: self._warmup_step(ops, matrix, state, info, finite, m), compressed)
-        return payload, (warm, p, full), state._replace(residual=residual)
+        def warm_up():
+            payload, p, full, residual = self._warmup_step(ops, matrix, state, info, finite, v)
+            return payload, p, full, self._or_placeholder(ops, residual, matrix)
 
-    def _uncompressed(self, ops, x, info):
-        if self._fallback is not None:
-            payload, ctx, _ = self._fallback.compress(ops, x, (), info, None)
-            return payload, ctx
-        return x, None
+        payload, p, full, residual = ops.cond(warm, warm_up, compressed)
+        return payload, _TwoCtx(warm, p, full, residual if cfg.error_feedback else None)
 
-    def _power_step(self, ops, matrix, state, info, finite, m):
-        """Steps 3-8: (payload float32 [r m], P [n, r], residual)."""
+    @staticmethod
+    def _or_placeholder(ops, residual, like):
+        return ops.zeros((1, 1), "float32", like) if residual is None else residual
+
+    def _power_step(self, ops, matrix, state, info, finite, v):
+        """Two-round steps 3-5: (payload float32 [r m], P^ transposed [r, n], residual or None)."""
         cfg = self.config
-        # Step 3.
-        q_t = state.q if cfg.warm_start else self._random_q(ops, info, m, matrix, state.step)
-        # Step 4.
-        p = ops.matmul(matrix, ops.transpose(q_t, (1, 0)))
-        # Step 5: every rank must issue this, with this name, in the same order.
-        p = ops.allreduce(p, "sum", self._side_name("p", info))
-        # Step 6.
-        p = orthogonalize(ops, p)
-        # Step 7: Q_i^T = P^T M, so no n x m transpose is formed.
-        q_local_t = ops.matmul(ops.transpose(p, (1, 0)), matrix)
-        payload = poison(ops, ops.reshape(q_local_t, (cfg.rank * m,)), finite)
-        # Step 8: local decompression; a non-finite P means the step is lost on every rank.
-        residual = state.residual
-        if cfg.error_feedback:
-            p_finite = ops.all(ops.isfinite(p), None)
-            residual = ops.where(p_finite, matrix - ops.matmul(p, q_local_t), state.residual)
-        return payload, p, residual
+        q_t = state.q if cfg.warm_start else self._random_q(ops, info, v.m, matrix, state.step)
+        p_t = _times_right(ops, matrix, q_t, v)
+        # Every rank must issue this, with this name, in the same order (blocking). Sent flat:
+        # a reshape is a contiguous copy of a transposed view (Horovod refuses strided tensors).
+        flat = ops.allreduce(ops.reshape(p_t, (cfg.rank * v.n,)), "sum", self._side_name("p", info), info.group)
+        p_t = ops.reshape(flat, (cfg.rank, v.n))
+        p_t = _t(ops, orthogonalize(ops, _t(ops, p_t)))
+        q_local_t = _times_left(ops, matrix, p_t, v)
+        payload = poison(ops, ops.reshape(q_local_t, (cfg.rank * v.m,)), finite)
+        residual = matrix - _outer(ops, p_t, q_local_t, v) if cfg.error_feedback else None
+        return payload, p_t, residual
 
-    def _warmup_step(self, ops, matrix, state, info, finite, m):
-        """Steps W1-W2: (payload float32 [r m], [1, 1] placeholder, summed matrix, zero residual)."""
+    def _warmup_step(self, ops, matrix, state, info, finite, v):
+        """Two-round warm-up: (marker payload, [1, 1] placeholder, summed matrix, zero residual)."""
         r, size = self.config.rank, info.world_size
-        # Step W1: the fp16 baseline's pre-scaled cast (overflow-safe sum), as a side all-reduce.
-        half, ctx, _ = _FP16.compress(ops, matrix, (), info, None)
-        half = ops.allreduce(half, "sum", self._side_name("full", info))
-        summed = _FP16.decompress(ops, half, ctx, info)
-        # Step W2: 1/size in every coordinate; Horovod's Sum makes it 1, Average 1/size.
-        marker = poison(ops, ops.zeros((r * m,), "float32", matrix) + 1.0 / size, finite)
-        return marker, ops.zeros((1, 1), "float32", matrix), summed, ops.zeros(
-            ops.shape(state.residual), "float32", matrix)
+        half = saturating_cast(ops, matrix * (1.0 / size), "float16")
+        half = ops.allreduce(half, "sum", self._side_name("full", info), info.group)
+        summed = ops.cast(half, "float32") * float(size)
+        # 1/size in every coordinate; Horovod's Sum makes it 1, Average 1/size.
+        marker = poison(ops, ops.zeros((r * v.m,), "float32", matrix) + 1.0 / size, finite)
+        residual = ops.zeros(v.natural, "float32", matrix) if self.config.error_feedback else None
+        return marker, ops.zeros((1, 1), "float32", matrix), summed, residual
 
-    # ---- decompress ----
-    def decompress(self, ops, payload, ctx, info):
-        """float32 of the matrix shape (or the tensor's): step 10, or W2 during warm-up."""
-        shape = self.matrix_shape(info)
-        if shape is None:
-            if self._fallback is not None:
-                return self._fallback.decompress(ops, payload, ctx, info)
-            return payload
-        n, m = shape
-        warm, p, full = ctx
-        q_t = ops.reshape(payload, (self.config.rank, m))
-        if warm is None:
-            return ops.matmul(p, q_t)
-        return ops.cond(warm, lambda: full * payload[0], lambda: ops.matmul(p, q_t))
-
-    # ---- Step 11 ----
-    def absorb(self, ops, payload, ctx, state, info):
-        """Warm-start Q from the aggregated payload (unit columns) and the step counter + 1."""
-        step = state.step + 1
-        shape = self.matrix_shape(info)
-        if shape is None or not self.config.warm_start:
-            return state._replace(step=step)
-        n, m = shape
-        agg = ops.reshape(payload, (self.config.rank, m))  # row j = column j of Q
+    def _two_round_finish(self, ops, payload, ctx, state, v):
+        new = state._replace(step=state.step + 1)
+        if ctx.residual is not None:
+            new = new._replace(residual=ctx.residual)
+        if not self.config.warm_start:
+            return new
+        r = self.config.rank
+        agg = ops.reshape(payload, (r, v.m))  # row j = column j of Q
         # Scale rows by 1/max|row| first so the squares neither under- nor overflow.
         top = ops.maximum(ops.max(ops.abs(agg), 1), _TINY)
-        agg = agg * ops.reshape(1.0 / top, (self.config.rank, 1))
-        norms = ops.reshape(ops.sqrt(ops.sum(agg * agg, 1)), (self.config.rank, 1))
+        agg = agg * ops.reshape(1.0 / top, (r, 1))
+        norms = ops.reshape(ops.sqrt(ops.sum(agg * agg, 1)), (r, 1))
         usable = ops.logical_and(ops.isfinite(norms), norms > _TINY)
         q_t = ops.where(usable, agg * (1.0 / ops.maximum(norms, _TINY)), state.q)
-        warm = ctx[0]
-        if warm is not None:
-            q_t = ops.where(warm, state.q, q_t)
-        return state._replace(q=q_t, step=step)
+        if ctx.warm is not None:
+            q_t = ops.where(ctx.warm, state.q, q_t)
+        return new._replace(q=q_t)
 
-    def wire(self, info: TensorInfo) -> WireBytes:
-        """Bytes per step after warm-up: Q payload plus the P side collective (module docs)."""
-        shape = self.matrix_shape(info)
-        if shape is None:
-            return WireBytes((2 if self._fallback is not None else 4) * info.numel)
-        n, m = shape
+    # ---- reporting and checkpoints ----
+    def wire(self, info: TensorInfo, layout: str = None) -> WireBytes:
+        """Bytes per step (after warm-up) under ``layout`` (``ops.name``; default: the backend
+        this scheme last ran with, else ``"torch"``); module docstring."""
+        v = self._view(info, layout or self._layout or "torch")
+        if v is None:
+            return WireBytes((2 if self._fp16 else 4) * info.numel)
         r = self.config.rank
-        return WireBytes(4 * r * m, 4 * n * r, 1)
+        if self.config.variant == "two_round":
+            return WireBytes(4 * r * v.m, 4 * r * v.n, 1)
+        return WireBytes(4 * (r * max(v.n, v.m) + CONTROL))
+
+    def metrics(self, state) -> dict:
+        """``realigned``: steps of this tensor whose ranks disagreed (output 0; step 8)."""
+        return {"realigned": state.realigned} if isinstance(state, PowerSGDState) else {}
+
+    def check_loaded(self, key, loaded):
+        """Raise ValueError naming the change if ``loaded`` (a tensor's state read from a
+        checkpoint: a NamedTuple-like with ``_fields``, or a dict) predates this format.
+
+        The adapters' generic checks (fields, shapes) refuse such a state too; this gives the
+        reason. Call it before them.
+        """
+        fields = tuple(loaded) if isinstance(loaded, dict) else tuple(getattr(loaded, "_fields", ()))
+        values = loaded if isinstance(loaded, dict) else dict(zip(fields, loaded))
+        if "version" not in fields:
+            if set(fields) == {"residual", "q", "step"}:
+                raise ValueError(
+                    f"powersgd: the saved state of tensor {key!r} is PowerSGD state format 1 "
+                    f"(fields residual, q, step), written by an earlier hvd_gradcomp. Format "
+                    f"{STATE_VERSION} views TensorFlow kernels (h, w, in, out) as out x (h w in) "
+                    f"instead of h x (w in out), keeps orthonormal factors P and Q and alternates "
+                    f"which one travels (variant='alternating'); the old state cannot be "
+                    f"converted. Start this compressor afresh (do not load its state_dict; the "
+                    f"model and optimizer checkpoints are unaffected)")
+            return
+        try:
+            version = int(values["version"])
+        except (TypeError, ValueError):
+            version = None
+        if version != STATE_VERSION:
+            raise ValueError(f"powersgd: the saved state of tensor {key!r} is PowerSGD state "
+                             f"format {version}; this hvd_gradcomp reads format {STATE_VERSION} "
+                             f"only. Start this compressor afresh (do not load its state_dict)")

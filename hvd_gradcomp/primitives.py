@@ -56,6 +56,8 @@ class Primitives:
     sqrt: Callable[[Any], Any]
     floor: Callable[[Any], Any]
     round: Callable[[Any], Any]  # round half to even (both frameworks' default)
+    log2: Callable[[Any], Any]  # float32 log base 2 (last bits may differ between frameworks)
+    exp2: Callable[[Any], Any]  # float32 2**x
     minimum: Callable[[Any, Any], Any]
     maximum: Callable[[Any, Any], Any]
     where: Callable[[Any, Any, Any], Any]  # where(cond, a, b), broadcasting

@@ -28,6 +28,26 @@ SCHEMES = {
 }
 # Also accepted by parse_spec/make_scheme.
 ALIASES = {"fp32": "none"}
+# The option a bare first value sets: Compression.topkc(0.01), "topkc:0.01".
+PRIMARY = {"topk": "ratio", "topkc": "ratio", "thc": "bits", "powersgd": "rank"}
+
+
+def _canonical_name(name: str) -> str:
+    name = name.strip().lower()
+    return ALIASES.get(name, name)
+
+
+def _normalise(config_cls, options: dict) -> dict:
+    """Options with ints given for float fields made floats, so equal configs compare equal
+    and print the same spec (``ratio=1`` and ``ratio=1.0``)."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    out = {}
+    for key, value in options.items():
+        typ = fields[key].type if key in fields else None
+        if typ in (float, "float") and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        out[key] = value
+    return out
 
 
 def register(name: str, config_cls, scheme_cls):
@@ -35,17 +55,25 @@ def register(name: str, config_cls, scheme_cls):
     SCHEMES[name] = (config_cls, scheme_cls)
 
 
-def make_scheme(name: str, **options):
-    """Build a scheme by name with config options; ValueError for unknown names or options."""
-    name = ALIASES.get(name, name)
+def make_scheme(name: str, *args, **options):
+    """Build a scheme by name (case-insensitive) with config options; ValueError for unknown
+    names or options. One positional value sets the scheme's main option (``PRIMARY``)."""
+    name = _canonical_name(name)
     if name not in SCHEMES:
         raise ValueError(f"unknown compressor {name!r}; expected one of {sorted(SCHEMES)}")
     config_cls, scheme_cls = SCHEMES[name]
+    if args:
+        if len(args) > 1 or name not in PRIMARY:
+            raise ValueError(f"{name}: takes {'at most one positional option (' + PRIMARY[name] + ')' if name in PRIMARY else 'no positional options'}, "
+                             f"got {len(args)}; pass options by name")
+        if PRIMARY[name] in options:
+            raise ValueError(f"{name}: {PRIMARY[name]} given twice")
+        options = {PRIMARY[name]: args[0], **options}
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(options) - fields)
     if unknown:
         raise ValueError(f"{name}: unknown option(s) {unknown}; expected some of {sorted(fields)}")
-    return scheme_cls(config_cls(**options))
+    return scheme_cls(config_cls(**_normalise(config_cls, options)))
 
 
 def _convert(name: str, field, text: str):
@@ -75,14 +103,16 @@ def parse_spec(spec: str):
         ValueError: unknown name or option, malformed ``key=value``, or a value of the wrong type.
     """
     name, _, rest = spec.strip().partition(":")
-    name = ALIASES.get(name.strip(), name.strip())
+    name = _canonical_name(name)
     if name not in SCHEMES:
         raise ValueError(f"unknown compressor {name!r} in spec {spec!r}; expected one of {sorted(SCHEMES)}")
     fields = {f.name: f for f in dataclasses.fields(SCHEMES[name][0])}
     options = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
+    for i, item in enumerate(filter(None, (p.strip() for p in rest.split(",")))):
         key, eq, value = item.partition("=")
         key = key.strip()
+        if not eq and i == 0 and name in PRIMARY:  # "topkc:0.01"
+            key, value, eq = PRIMARY[name], item, "="
         if not eq:
             raise ValueError(f"{name}: expected key=value in spec {spec!r}, got {item!r}")
         if key not in fields:
@@ -91,9 +121,10 @@ def parse_spec(spec: str):
     return name, options
 
 
-def to_spec(scheme) -> str:
-    """The spec of a scheme, listing only options that differ from their defaults."""
+def to_spec(scheme, full: bool = False) -> str:
+    """The canonical spec of a scheme: options that differ from their defaults (every option
+    with ``full=True``), values normalised, so equal configs give one string."""
     cfg = scheme.config
     parts = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-             if getattr(cfg, f.name) != f.default]
+             if full or getattr(cfg, f.name) != f.default]
     return scheme.name + (":" + ",".join(parts) if parts else "")

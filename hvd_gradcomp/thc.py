@@ -4,64 +4,82 @@ Tensor Homomorphic Compression (Li, Ben Basat, Vargaftik, Lao, Kim, Mitzenmacher
 Accelerating Distributed Deep Learning Using Tensor Homomorphic Compression", NSDI 2024) was
 built for a parameter server that adds small integers. Here the integers travel through one
 Horovod all-reduce instead, packed into int32 lanes wide enough for the sum over all ranks
-(the "simple adaptation" of Han et al., HotNets 2024; see ``shared/reference/algorithms.md``).
+(the "simple adaptation" of Han et al., HotNets 2024; see ``shared/reference/algorithms.md``),
+and the quantisation grid comes from statistics that rode in the previous step's payload, so
+``compress`` waits on no other rank.
 
-Steps of ``compress`` (tensor of ``d`` coordinates, world size ``n``, ``L = 2**bits - 1``):
-    1. Error feedback: ``c = g + e`` (flat float32 [d]).
-    2. Pad ``c`` with zeros to ``P`` coordinates: a multiple of the rotation block ``B``
-       (``B = 2**rotation_stages``, or ``next_pow2(d)`` with ``rotation="full"``).
-    3. Randomized Hadamard rotation ``y = H_B D c`` blockwise (:mod:`hvd_gradcomp.hadamard`),
-       orthonormal; the +-1 diagonal ``D`` comes from the counter-based RNG keyed by
-       ``(seed, tensor key, step)``, the same on every rank.
-    4. Side collective, one per tensor per step: all-reduce (Max) of float32
-       ``[||y||_2, max|y|, not_finite]`` (the norm is sent as 0 without saturation, which does
-       not use it); every rank then holds the same norm ``N``, peak ``M`` and a flag that is 1
-       if any rank's input (or its rotation) was not finite. Non-finite entries are sent as 0
-       and flagged, so Horovod's Max never sees a NaN.
-    5. Range ``R``: ``M`` without saturation (the whole range, nothing is clipped); with
-       saturation ``min(M, T * sigma)``, ``sigma = N / sqrt(P)`` (the standard deviation a
-       rotated coordinate would have if they were Gaussian) and ``T`` the two-sided normal
-       quantile of ``saturation_rate`` (3.2971933456919635 for 1/1024, as THC). Coordinates
-       with ``|y| > R`` are clipped to ``+-R`` and counted (``metrics()["saturated"]``).
-    6. Quantise: ``u = (clip(y) + R) / delta`` with grid step ``delta = 2 R / L`` (times
-       ``1 + 2**-20``, so that float rounding never pushes ``u`` above ``L``; ``R`` floored at
-       1e-30 in ``delta`` only, so an all-zero tensor gives level 0 and decodes to exactly 0);
-       level ``q = floor(u) + [U < u - floor(u)]`` with ``U`` uniform: unbiased stochastic
-       rounding, ``E[q] = u``. ``U`` is independent per rank (the key includes the rank) and is
-       drawn as ``frac(a_i + b_j)`` over a ``(P/C) x C`` grid from ``P/C + C`` hashed values on
-       a ``2**-23`` lattice (exact in float32): each ``U`` is uniform and any two are
-       independent, which is all that unbiasedness and the variance of sums need, at a small
-       fraction of the cost of hashing every coordinate.
-    7. Pack: levels ``0..L`` into int32 words of ``lanes = (31 - g) // w`` lanes of
-       ``w = bit_length(n L)`` bits, above ``g = bit_length(n)`` guard bits that are always 0
-       (so ``2**g > n``); the sign bit is never used. A lane holds the sum of ``n`` levels,
-       at most ``n L < 2**w``: nothing carries into its neighbour.
-    8. Append one int32 marker: ``K = 2**10`` when every rank's input was finite (step 4's
-       flag), ``-2**21`` otherwise. Payload = ``[words..., marker]``, int32.
-    9. Residual: ``e' = c - irht(q delta - R)[:d]``, this rank's own decoded contribution, so
-       error feedback absorbs clipping and rounding. The step counter and the residual
-       advance only when every rank was finite (all ranks keep the same step, so the same
-       rotation; a skipped step leaves everyone's residual as it was).
+Notation: ``d`` coordinates, world size ``n`` (of the process set), ``L = 2**bits - 1``,
+rotation block ``B`` (``2**rotation_stages``, or ``next_pow2(d)`` with ``rotation="full"``),
+padded length ``P`` (a multiple of ``B``), ``nb = P / B`` blocks.
 
-Steps of ``decompress`` (Horovod has all-reduced the payload with Sum or Average):
-    10. Which op? ``Sum`` gives marker ``n K``, ``Average`` gives ``K`` (Horovod scales int32
-        by ``1/n`` in double and truncates): the op was Sum iff ``2 marker > K (n + 1)``.
-    11. Exact words. Under Sum they are exact. Under Average each word is ``trunc(W * (1/n))``
-        with ``W`` the exact sum, which is ``floor(W/n)`` or, when ``n`` divides ``W``, possibly
-        ``W/n - 1`` (the double rounding of ``1/n``); either way ``n * avg`` lies in
-        ``(W - 2**g, W]`` and ``W`` is a multiple of ``2**g``, so ``W`` is the smallest
-        multiple of ``2**g`` that is ``>= n * avg`` (computed in int64).
-    12. Unpack the lanes (shift, mask): ``S`` = sum of the ranks' levels per coordinate.
-        Value ``S delta - n R`` (Sum) or ``(S / n) delta - R`` (Average), selected with
-        ``where`` on the marker: the sum or the mean of the ranks' decoded contributions.
-        A negative marker (some rank not finite) makes every value NaN, on every rank.
-    13. Inverse rotation, drop the padding, reshape.
+State (per tensor, :class:`THCState`): the residual *in the rotated basis* (float32 [P]), the
+agreed range of each block ``R`` (float32 [nb]), a step counter (int64) and the count of
+saturated coordinates of the last step.
 
-Wire per tensor and step (``P`` padded length):
-    payload: ``4 * (ceil(P / lanes) + 1)`` bytes of int32 (all-reduced with the caller's op);
-    side: 12 bytes (3 float32), one Max all-reduce. Bits per coordinate on the wire:
-    ``32 / lanes`` with ``lanes = (31 - bit_length(n)) // bit_length(n (2**bits - 1))``
-    (:func:`wire_bits`); lanes x lane width in brackets:
+Steps of ``compress`` (no collective):
+    1. Rotate: ``y = H_B D pad(g) + e``. ``D`` is a +-1/sqrt(B) diagonal drawn once per tensor
+       from the counter-based RNG keyed by ``(seed, tensor key)``, the same on every rank and
+       at every step, so the rotation is a fixed orthonormal map and the residual ``e`` can be
+       kept in the rotated basis (no inverse rotation in ``compress``).
+    2. Next step's statistics, per block: the range this rank would want, ``r = T sigma`` with
+       ``sigma = ||y_block|| / sqrt(B)`` (with saturation; ``T`` the two-sided normal quantile of
+       ``saturation_rate``, 3.2971933456919635 for 1/1024 as THC) or the block's peak ``max |y|``
+       (without), as a log code ``clamp(round(4 log2 r) + 160, 1, 255)`` (0 for an all-zero
+       block) and a flag "non-zero". Quarter-octave steps from ``2**-39.75`` to ``2**23.75``.
+    3. Quantise with the agreed ranges ``R`` (step 8 of the previous step; all 0 at first): clip
+       ``y`` to ``[-R, R]`` per block (counted in ``metrics()["saturated"]``), grid step
+       ``delta = 2 R / L`` (times ``1 + 2**-20`` so float rounding never gives a level above
+       ``L``), level ``q = floor(u) + [U < u - floor(u)]`` with ``u = (clip(y) + R) / delta`` and
+       ``U`` uniform: unbiased stochastic rounding, independent per rank (keyed by rank and step),
+       drawn as ``frac(a_i + b_j)`` over a grid from hashed values on a ``2**-23`` lattice.
+       A block whose range is 0 sends level 0, which decodes to exactly 0: the first step sends
+       nothing and keeps everything in error feedback (the safe first encoding).
+    4. Residual candidate ``e' = y - (q delta - R)``: clipping and rounding, in the rotated basis.
+    5. Pack into int32 words, every field above ``g = bit_length(n)`` guard bits that are
+       always 0 (so ``2**g > n``); the sign bit is never used:
+       levels ``0..L`` in lanes of ``w = bit_length(n L)`` bits (``(31 - g) // w`` per word);
+       the block statistics (code, flag) in lanes of ``bit_length(255 n)`` bits; and four
+       control words: ``1`` (a contributing rank), ``1`` if this rank's gradient was not
+       finite, and a fingerprint ``s, s**2`` of this rank's step counter (``s`` a hash of it
+       below ``2**h``). A lane holds the sum over ``n`` ranks without carrying into the next.
+
+Horovod all-reduces the words with Sum or Average (a rank in ``hvd.join()`` contributes zeros).
+
+Steps of ``decompress`` / ``finish``:
+    6. Exact sums. Under Sum the words are exact. Under Average each word is
+       ``trunc(W * (1/n))`` with ``W`` the exact sum, a multiple of ``2**g``; ``n * avg`` lies in
+       ``(W - 2**g, W]``, so ``W`` is the smallest multiple of ``2**g`` that is ``>= n * avg``.
+       The op comes from Horovod's call (the adapters read it); when unknown (a hand-made
+       call), full participation is assumed and the count word tells Sum (``n``) from Average.
+    7. ``c`` = contributing ranks (joined ranks contribute nothing), ``S`` = summed levels per
+       coordinate. The result is ``S delta - c R`` (the sum of the contributors' decoded
+       values), divided by ``n`` under Average (Horovod's convention, as for an uncompressed
+       tensor), inverse-rotated, unpadded. A non-finite rank makes every value NaN on every
+       rank. If the fingerprints disagree (``c * sum(s**2) != sum(s)**2``: some rank's state
+       is not the others', e.g. a checkpoint loaded on one rank only, or a rank that sat out
+       steps in ``hvd.join()``), the ranks quantised on different grids: the output is 0 for
+       this tensor and step (never a wrong value) and ``metrics()["realigned"]`` counts it.
+    8. ``finish``: when no rank failed, the ranges become ``2**((sum code / count - 160) / 4)``
+       per block, from the summed statistics (a geometric mean over the ranks that had data; 0
+       where none did), identical on every rank. The residual becomes ``e'`` and the step
+       counter advances; after a fingerprint mismatch the residual becomes all of ``y``
+       (nothing was applied), the counters restart at 0 on every rank, and the ranks agree
+       again from the next step on. When some rank failed, the state stays as it was.
+
+A stale range clips what this step's gradient has beyond it; saturation counts those
+coordinates and error feedback carries them into the next steps (the ranges follow within a
+step, since the statistics are of ``y``, residual included).
+
+``range="current"`` is the paper's blocking form: step 2's per-block range is all-reduced
+(Max) by a synchronous side collective inside ``compress`` and used in this same step (no
+clipping at all without saturation); it needs every rank to compress every tensor in the
+same order (see ``base.py``). The simple adaptation is
+``THCConfig(rotation="full", saturation=False, range="current")``.
+
+Wire per tensor and step: ``4 * (words + stats_words + 4)`` bytes of int32 in the one all-reduce
+(plus ``4 nb`` bytes in a side collective with ``range="current"``). Bits per coordinate of the
+levels: ``32 / lanes`` with ``lanes = (31 - bit_length(n)) // bit_length(n (2**bits - 1))``
+(:func:`wire_bits`); lanes x lane width in brackets:
 
     =====  ============  ============  =============  =============
     bits   n = 2         n = 4         n = 8          n = 16
@@ -71,16 +89,15 @@ Wire per tensor and step (``P`` padded length):
     8      10.67 (3x9)   16.00 (2x10)  16.00 (2x11)   16.00 (2x12)
     =====  ============  ============  =============  =============
 
-    FP16 is 16 bits per coordinate. The container grows like ``log2(n)``, the known cost of
-    carrying THC's integers through an all-reduce; ``bits = 8`` saves nothing from n = 4.
+The statistics add ``2 / (B lanes_s)`` words per coordinate (under 0.03 bits at ``B = 1024``).
 
-Tensors with fewer than ``min_numel`` coordinates are sent as FP16 (:class:`Fp16Scheme`, pre-
-scaled by ``1/n``): below that, the side collective's latency costs more than the bytes saved.
+Tensors with fewer than ``min_numel`` coordinates are sent as FP16 (:class:`Fp16Scheme`).
 
-Limits: world size at most 1024 (the marker's sums must fit int32); ``ValueError`` at the first
-``compress`` (before any collective) if no lane fits (``bit_length(n) + bit_length(n L) > 31``:
-``bits = 16`` from 129 ranks on; ``bits <= 10`` always fits). Horovod's ``gradient_predivide_factor`` and ``prescale_factor``
-must stay 1 (they would scale integer words), and ``op`` must be Sum or Average.
+Limits: world size at most 1024; ``ValueError`` at the first ``compress`` (before any
+collective) if no lane fits (``bits = 16`` from 129 ranks on; ``bits <= 10`` always fits).
+The payload is integer: Horovod's ``gradient_predivide_factor`` and prescale/postscale factors
+must stay 1 and ``op`` must be Sum or Average (the adapters refuse anything else, before any
+collective, on every rank).
 
 References: THC (NSDI 2024) for rotate-clamp-quantise and ``T``; Suresh et al., "Distributed
 Mean Estimation with Limited Communication", ICML 2017, for the randomized Hadamard rotation.
@@ -94,16 +111,15 @@ from .base import EmptyState, Scheme, TensorInfo, WireBytes
 from .cast import Fp16Scheme
 
 __all__ = ["THCConfig", "THCState", "THCScheme", "saturation_threshold", "lane_layout",
-           "wire_bits", "was_summed", "exact_words", "MAX_WORLD_SIZE"]
+           "wire_bits", "exact_words", "MAX_WORLD_SIZE"]
 
-# Step 8's marker: K per finite rank; BAD per rank otherwise. n*K and n*BAD fit int32 for
-# n <= 1024, and one BAD outweighs 1023 K's, so any non-finite rank makes the sum (and the
-# truncated average) negative.
-_MARKER_OK = 1 << 10
-_MARKER_BAD = -(1 << 21)
 MAX_WORLD_SIZE = 1024
-# Floor of the range in the grid step: keeps L / (2 R) finite for an all-zero tensor.
+# Floor of the range in the grid step: keeps L / (2 R) finite for an all-zero block.
 _TINY_RANGE = 1e-30
+# Log codes of the per-block ranges (step 2): code = round(4 log2 r) + 160 in [1, 255].
+_CODE_SCALE, _CODE_OFFSET, _CODE_MAX = 4.0, 160.0, 255
+# Control words (step 5): contributing, not finite, fingerprint s, s**2.
+_CONTROL = 4
 
 
 def saturation_threshold(rate: float) -> float:
@@ -151,17 +167,12 @@ def wire_bits(bits: int, world_size: int) -> float:
     return 32.0 / lane_layout(bits, world_size).lanes
 
 
-def was_summed(marker, world_size: int):
-    """Step 10: bool 0-d, True if the all-reduce was a Sum (marker ``n K``), False if Average (``K``)."""
-    return marker * 2 > _MARKER_OK * (world_size + 1)
-
-
-def exact_words(ops, words, marker, world_size: int, guard: int):
-    """Step 11: the exact int64 sums of the packed words, whichever op Horovod applied.
+def exact_words(ops, words, summed, world_size: int, guard: int):
+    """Step 6: the exact int64 sums of the packed words, whichever op Horovod applied.
 
     Args:
         words: int64 [m], the all-reduced words (sums, or Horovod's truncated averages).
-        marker: int64 0-d, the all-reduced marker (see :func:`was_summed`).
+        summed: bool 0-d tensor or Python bool, True if Horovod applied Sum.
         world_size: n.
         guard: guard bits g of the layout (``2**g > n``; exact sums are multiples of ``2**g``).
 
@@ -171,7 +182,9 @@ def exact_words(ops, words, marker, world_size: int, guard: int):
     """
     scaled = words * world_size + ((1 << guard) - 1)
     recovered = ops.left_shift(ops.right_shift(scaled, guard), guard)
-    return ops.where(was_summed(marker, world_size), words, recovered)
+    if isinstance(summed, bool):
+        return words if summed else recovered
+    return ops.where(summed, words, recovered)
 
 
 @dataclass(frozen=True)
@@ -186,20 +199,20 @@ class THCConfig:
             ``next_pow2(d)``, up to 2x padding on the wire).
         rotation_stages: ``k`` butterfly stages of the partial rotation, integer in [1, 30];
             default 10 (THC's code). Larger mixes more coordinates, costs more time and pads
-            to a multiple of ``2**k``. Measured on a 2**22 layer gradient (table in
-            ``tests/test_thc.py``): error 0.218/0.201/0.200/0.200/0.182/0.180 at k = 4/8/10/
-            12/14/full, WHT 4.4/7.6/10.8/12.7/13.8/25.6 ms; on Gaussian data flat in k.
-        saturation: clamp at ``T sigma`` (True, default) or use the whole range (False, the
-            simple adaptation). The clamp buys a finer grid with the same bits.
+            to a multiple of ``2**k``. Each block has its own range.
+        saturation: clamp at ``T sigma`` (True, default) or aim the range at the block's peak
+            (False). The clamp buys a finer grid with the same bits.
         saturation_rate: fraction of a standard normal clipped, in (0, 0.5]; default 1/1024
             (THC's, ``T = 3.297``). Larger clips more and refines the grid.
+        range: "previous" (default: ranges from the statistics of the previous step, one
+            all-reduce) or "current" (the paper's blocking form: this step's ranges through a
+            synchronous Max side all-reduce inside compress).
         seed: seeds the shared rotation and the per-rank rounding (integer >= 0); default 0.
-        error_feedback: keep ``c - own decoded`` for the next step; default True.
-        min_numel: tensors with fewer coordinates go as FP16; integer >= 1, default 1024
-            (2 KiB in FP16: below that a side collective's latency costs more than the at most
-            1.2 KiB that THC would save).
+        error_feedback: keep ``y - own decoded`` for the next step; default True.
+        min_numel: tensors with fewer coordinates go as FP16; integer >= 1, default 1024.
 
-    The simple adaptation is ``THCConfig(rotation="full", saturation=False)``.
+    Raises:
+        ValueError: an option outside its range, naming it.
     """
 
     bits: int = 4
@@ -207,6 +220,7 @@ class THCConfig:
     rotation_stages: int = 10
     saturation: bool = True
     saturation_rate: float = 1.0 / 1024
+    range: str = "previous"
     seed: int = 0
     error_feedback: bool = True
     min_numel: int = 1024
@@ -218,6 +232,8 @@ class THCConfig:
             raise ValueError(f"thc: bits must be an integer in [1, 16], got {self.bits!r}")
         if self.rotation not in ("partial", "full"):
             raise ValueError(f"thc: rotation must be 'partial' or 'full', got {self.rotation!r}")
+        if self.range not in ("previous", "current"):
+            raise ValueError(f"thc: range must be 'previous' or 'current', got {self.range!r}")
         if not is_int(self.rotation_stages) or not 1 <= self.rotation_stages <= 30:
             raise ValueError(f"thc: rotation_stages must be an integer in [1, 30], "
                              f"got {self.rotation_stages!r}")
@@ -234,29 +250,46 @@ class THCConfig:
 
 
 class THCState(NamedTuple):
-    residual: object  # float32 [d]: error feedback ([0] when error_feedback=False)
-    step: object  # int64 []: steps compressed so far, equal on all ranks (keys the rotation)
+    residual: object  # float32 [P]: error feedback in the rotated basis ([0] without it)
+    ranges: object  # float32 [nb]: the agreed range R of each block for the next step
+    diag: object  # float32 [P]: the fixed rotation diagonal +-1/sqrt(B) (a constant, kept)
+    step: object  # int64 []: steps completed, equal on all ranks (keys rounding, fingerprint)
     saturated: object  # int64 []: rotated coordinates clipped at +-R in the last step (this rank)
+    realigned: object  # int64 []: steps whose output was 0 because ranks' states disagreed
+
+
+class Layout(NamedTuple):
+    """Static sizes of one tensor's payload (all ints)."""
+
+    block: int  # B
+    padded: int  # P
+    blocks: int  # nb
+    levels: LaneLayout  # lanes of the levels
+    words: int  # int32 words of levels
+    stats: LaneLayout  # lanes of the block statistics (code, flag)
+    stats_words: int  # int32 words of statistics (0 with range="current")
+    fingerprint_bits: int  # h: s < 2**h
 
 
 class _Ctx(NamedTuple):
-    """What decompress needs from compress (tensors of this step)."""
+    """What decompress and finish need from compress."""
 
-    diag: object  # float32 [P]: the rotation's +-1/sqrt(B) diagonal
-    factors: list  # hadamard_factors(B)
-    top: object  # float32 []: R, the grid's upper end (its lower end is -R)
-    delta: object  # float32 []: grid step 2 max(R, 1e-30) / L
+    ranges: object  # float32 [nb]: R used this step
+    residual: object  # float32 [P]: e' (None without error feedback)
+    corrected: object  # float32 [P]: y, kept when the step is realigned
+    saturated: object  # int64 []
+    diag: object  # float32 [P]
 
 
 class THCScheme(Scheme):
-    """THC with exact int32 lanes on a Sum/Average all-reduce (module docstring, steps 1-13)."""
+    """THC with exact int32 lanes on a Sum/Average all-reduce (module docstring, steps 1-8)."""
 
     name = "thc"
-    # Step and residual advance only if every rank was finite (the side collective says so).
-    masks_own_state = True
+    scalable = False  # integer payload: Horovod's scale factors would corrupt it
 
     def __init__(self, config: THCConfig = THCConfig()):
         self.config = config
+        self.blocking = config.range == "current"
         self._fp16 = Fp16Scheme()
         self._threshold = saturation_threshold(config.saturation_rate)
 
@@ -264,36 +297,35 @@ class THCScheme(Scheme):
     def _tiny(self, info: TensorInfo) -> bool:
         return info.numel < self.config.min_numel
 
-    def _sizes(self, info: TensorInfo):
-        """(B, P, layout, words): block, padded length, lane layout, int32 words of levels."""
-        cfg = self.config
+    def layout(self, info: TensorInfo) -> Layout:
+        """The payload layout of a tensor; ValueError if no lane fits (module docstring)."""
+        cfg, n = self.config, info.world_size
         block = hadamard.block_size(info.numel, None if cfg.rotation == "full" else cfg.rotation_stages)
         padded = hadamard.padded_size(info.numel, block)
-        layout = lane_layout(cfg.bits, info.world_size)
-        return block, padded, layout, -(-padded // layout.lanes)
+        levels = lane_layout(cfg.bits, n)
+        stats = lane_layout(8, n)  # codes 0..255
+        stats_words = 0 if self.blocking else -(-2 * (padded // block) // stats.lanes)
+        h = min(13, (31 - levels.guard - n.bit_length()) // 2)
+        return Layout(block, padded, padded // block, levels, -(-padded // levels.lanes), stats,
+                      stats_words, h)
 
     def init(self, ops, info: TensorInfo, like):
         if self._tiny(info):
             return EmptyState()
-        self._sizes(info)  # ValueError now if no lane fits
-        return THCState(ops.zeros((info.numel if self.config.error_feedback else 0,), "float32", like),
-                        ops.zeros((), "int64", like), ops.zeros((), "int64", like))
+        lay = self.layout(info)  # ValueError now if no lane fits
+        zero = ops.zeros((), "int64", like)
+        return THCState(ops.zeros((lay.padded if self.config.error_feedback else 0,), "float32", like),
+                        ops.zeros((lay.blocks,), "float32", like),
+                        self.rotation_diagonal(ops, info, like), zero, zero, zero)
 
-    def _side_name(self, info):
-        return f"hvd_gradcomp.thc.scale.{info.key}"
-
-    def rotation_diagonal(self, ops, info: TensorInfo, step, like):
-        """Step 3's diagonal: float32 [P] of ``+-1/sqrt(B)``, the same on every rank.
-
-        Args:
-            step: int64 0-d tensor, the state's step counter.
-        """
-        block, padded, _, _ = self._sizes(info)
-        key = rng.step_key(ops, rng.stream_key("thc.rotation", self.config.seed, info.key), step)
-        return hadamard.rademacher(ops, key, padded, like, 1.0 / math.sqrt(block))
+    def rotation_diagonal(self, ops, info: TensorInfo, like):
+        """Step 1's diagonal: float32 [P] of ``+-1/sqrt(B)``, the same on every rank and step."""
+        lay = self.layout(info)
+        key = rng.stream_key("thc.rotation", self.config.seed, info.key)
+        return hadamard.rademacher(ops, key, lay.padded, like, 1.0 / math.sqrt(lay.block))
 
     def _uniform(self, ops, info, step, padded, like):
-        """float32 [P] pairwise-independent uniforms on a 2**-23 lattice (step 6), per rank."""
+        """float32 [P] pairwise-independent uniforms on a 2**-23 lattice (step 3), per rank."""
         cols = hadamard.next_pow2(math.isqrt(padded))
         rows = -(-padded // cols)
         key = rng.step_key(ops, rng.stream_key("thc.round", self.config.seed, info.key, info.rank), step)
@@ -302,103 +334,165 @@ class THCScheme(Scheme):
         u = ops.reshape(u - ops.floor(u), (rows * cols,))  # sums < 2 on a 2**-23 lattice: exact
         return u[:padded] if rows * cols > padded else u
 
+    def _fingerprint(self, ops, step, bits):
+        """int64 0-d hash of the step counter below ``2**bits`` (step 5)."""
+        return ops.bitwise_and(rng.step_key(ops, rng.stream_key("thc.fingerprint"), step), (1 << bits) - 1)
+
+    @staticmethod
+    def _pack(ops, values, lay: LaneLayout, words: int, like):
+        """int32 [words]: int32 ``values`` in lanes of ``lay`` above its guard bits."""
+        slots = words * lay.lanes
+        n = ops.shape(values)[0]
+        if slots > n:
+            values = ops.concat([values, ops.zeros((slots - n,), "int32", like)], 0)
+        shifts = ops.constant([lay.guard + j * lay.width for j in range(lay.lanes)], "int32", like)
+        return ops.sum(ops.left_shift(ops.reshape(values, (words, lay.lanes)), shifts), 1)
+
+    @staticmethod
+    def _unpack(ops, words, lay: LaneLayout, count: int, like):
+        """int32 [count]: the lane sums of exact int32 ``words``."""
+        n = ops.shape(words)[0]
+        shifts = ops.constant([lay.guard + j * lay.width for j in range(lay.lanes)], "int32", like)
+        lanes = ops.bitwise_and(ops.right_shift(ops.reshape(words, (n, 1)), shifts), (1 << lay.width) - 1)
+        lanes = ops.reshape(lanes, (n * lay.lanes,))
+        return lanes[:count] if n * lay.lanes > count else lanes
+
+    def _codes(self, ops, yb, finite):
+        """Step 2: (wanted range float32 [nb], int32 [nb] log codes, int32 [nb] non-zero flags)."""
+        if self.config.saturation:
+            wanted = ops.sqrt(ops.sum(yb * yb, 1) * (1.0 / ops.shape(yb)[1])) * self._threshold
+        else:
+            wanted = ops.max(ops.abs(yb), 1)
+        usable = wanted > _TINY_RANGE
+        if finite is not None:
+            usable = ops.logical_and(usable, finite)
+        safe = ops.where(usable, wanted, 1.0)
+        code = ops.round(ops.log2(safe) * _CODE_SCALE) + _CODE_OFFSET
+        code = ops.minimum(ops.maximum(code, 1.0), float(_CODE_MAX))
+        return wanted, ops.cast(ops.where(usable, code, 0.0), "int32"), ops.cast(usable, "int32")
+
+    # ---- compress ----
     def compress(self, ops, x, state, info, finite):
         if self._tiny(info):
             return self._fp16.compress(ops, x, state, info, finite)
         cfg = self.config
-        block, padded, layout, words = self._sizes(info)
+        lay = self.layout(info)
         levels_max = (1 << cfg.bits) - 1
-        d = info.numel
+        d, P, nb, B = info.numel, lay.padded, lay.blocks, lay.block
         # Step 1.
-        corrected = ops.reshape(x, (d,))
+        flat = ops.reshape(x, (d,))
+        c = ops.concat([flat, ops.zeros((P - d,), "float32", x)], 0) if P > d else flat
+        factors = hadamard.hadamard_factors(ops, B, x)
+        y = hadamard.rht(ops, c, state.diag, factors)
         if cfg.error_feedback:
-            corrected = corrected + state.residual
+            y = y + state.residual
+        yb = ops.reshape(y, (nb, B))
         # Step 2.
-        c = ops.concat([corrected, ops.zeros((padded - d,), "float32", x)], 0) if padded > d else corrected
-        # Step 3: shared diagonal, +-1/sqrt(B) so the rotation is orthonormal.
-        diag = self.rotation_diagonal(ops, info, state.step, x)
-        factors = hadamard.hadamard_factors(ops, block, x)
-        y = hadamard.rht(ops, c, diag, factors)
-        # Step 4: NaN must not reach Horovod's Max, so each entry is sanitised and flagged.
-        magnitude = ops.abs(y)
-        peak = ops.max(magnitude, None)
-        # A NaN/inf anywhere makes these sums non-finite (Max itself may drop NaNs); without
-        # saturation the norm is not needed and the cheaper sum of magnitudes is checked.
-        check = ops.sum(y * y, None) if cfg.saturation else ops.sum(magnitude, None)
-        ok_local = ops.logical_and(finite, ops.isfinite(check))
-        norm = ops.where(ok_local, ops.sqrt(check), 0.0) if cfg.saturation else ops.zeros((), "float32", x)
-        side = ops.concat([ops.reshape(norm, (1,)),
-                           ops.reshape(ops.where(ok_local, peak, 0.0), (1,)),
-                           ops.reshape(ops.where(ok_local, 0.0, 1.0), (1,))], 0)
-        agreed = ops.allreduce(side, "max", self._side_name(info))
-        ok = agreed[2] < 0.5
-        # Step 5.
-        top = agreed[1]
-        if cfg.saturation:
-            top = ops.minimum(top, agreed[0] * (self._threshold / math.sqrt(padded)))
-            clipped = ops.minimum(ops.maximum(y, -top), top)
-            saturated = ops.sum(ops.cast(magnitude > top, "int64"), None)
-        else:  # R is the largest |y| of all ranks: nothing to clip
-            clipped, saturated = y, ops.zeros((), "int64", x)
-        # Step 6: grid of L + 1 points from -R with step delta; unbiased stochastic rounding.
-        # delta is widened by 2**-20 so that u <= L despite rounding (no clamp pass needed).
-        delta = ops.maximum(top, _TINY_RANGE) * (2.0 * (1.0 + 2.0 ** -20) / levels_max)
-        u = (clipped + top) / delta
+        wanted, codes, nonzero = self._codes(ops, yb, finite)
+        if self.blocking:
+            ranges = ops.allreduce(ops.where(ops.isfinite(wanted), wanted, 0.0), "max",
+                                   f"hvd_gradcomp.thc.range.{info.key}", info.group)
+        else:
+            ranges = state.ranges
+        # Step 3.
+        top = ops.reshape(ranges, (nb, 1))
+        delta = top * (2.0 * (1.0 + 2.0 ** -20) / levels_max)
+        clipped = ops.minimum(ops.maximum(yb, top * -1.0), top)
+        saturated = ops.sum(ops.cast(ops.abs(yb) > top, "int64"), None)
+        u = (clipped + top) / ops.maximum(delta, _TINY_RANGE)
         low = ops.floor(u)
-        uniform = self._uniform(ops, info, state.step, padded, x)
+        uniform = ops.reshape(self._uniform(ops, info, state.step, P, x), (nb, B))
         q = low + ops.cast(uniform < u - low, "float32")
-        q = ops.where(ok, q, 0.0)  # NaN levels would be undefined integers
-        # Step 7.
-        lanes, width, guard = layout
-        slots = words * lanes
-        levels = ops.cast(q, "int32")
-        if slots > padded:
-            levels = ops.concat([levels, ops.zeros((slots - padded,), "int32", x)], 0)
-        shifts = ops.constant([guard + j * width for j in range(lanes)], "int32", x)
-        packed = ops.sum(ops.left_shift(ops.reshape(levels, (words, lanes)), shifts), 1)
-        # Step 8.
-        marker = ops.reshape(ops.where(ok, float(_MARKER_OK), float(_MARKER_BAD)), (1,))
-        payload = ops.concat([ops.cast(packed, "int32"), ops.cast(marker, "int32")], 0)
-        # Step 9.
-        new_state = state._replace(step=state.step + ops.cast(ok, "int64"),
-                                   saturated=ops.where(ok, saturated, state.saturated))
+        if finite is not None:
+            q = ops.where(finite, q, 0.0)  # NaN levels would be undefined integers
+        # Step 4.
+        residual = None
         if cfg.error_feedback:
-            own = hadamard.irht(ops, q * delta - top, diag, factors)
-            residual = corrected - (own[:d] if padded > d else own)
-            new_state = new_state._replace(residual=ops.where(ok, residual, state.residual))
-        return payload, _Ctx(diag, factors, top, delta), new_state
+            residual = ops.reshape(yb - (q * delta - top), (P,))
+        # Step 5.
+        g = lay.levels.guard
+        parts = [self._pack(ops, ops.cast(ops.reshape(q, (P,)), "int32"), lay.levels, lay.words, x)]
+        if lay.stats_words:
+            stats = ops.reshape(ops.concat([ops.reshape(codes, (nb, 1)), ops.reshape(nonzero, (nb, 1))], 1),
+                                (2 * nb,))
+            parts.append(self._pack(ops, stats, lay.stats, lay.stats_words, x))
+        s = self._fingerprint(ops, state.step, lay.fingerprint_bits)
+        bad = ops.zeros((), "int64", x) if finite is None else ops.cast(ops.where(finite, 0.0, 1.0), "int64")
+        control = ops.concat([ops.reshape(v, (1,)) for v in (ops.zeros((), "int64", x) + 1, bad, s, s * s)], 0)
+        parts.append(ops.cast(ops.left_shift(control, g), "int32"))
+        payload = ops.concat(parts, 0)
+        return payload, _Ctx(ranges, residual, y, saturated, state.diag)
+
+    # ---- decompress / finish ----
+    def _read(self, ops, payload, info, lay):
+        """Step 6-7 bookkeeping: (exact int64 words, contributors c, bad, mismatch, summed)."""
+        n, g = info.world_size, lay.levels.guard
+        whole = ops.cast(payload, "int64")  # Horovod may hand back another dtype under Average
+        if info.op is not None:
+            summed = info.op == "sum"
+        else:  # full participation assumed: the count word is n << g under Sum, 1 << g under Average
+            summed = whole[lay.words + lay.stats_words] > (1 << g)
+        exact = exact_words(ops, whole, summed, n, g)
+        control = ops.right_shift(exact[lay.words + lay.stats_words:], g)
+        count, bad, s1, s2 = control[0], control[1], control[2], control[3]
+        mismatch = s2 * count != s1 * s1
+        return exact, count, bad, mismatch, summed
 
     def decompress(self, ops, payload, ctx, info):
         if self._tiny(info):
             return self._fp16.decompress(ops, payload, ctx, info)
-        n = info.world_size
-        block, padded, (lanes, width, guard), words = self._sizes(info)
-        whole = ops.cast(payload, "int64")  # Horovod may hand back another dtype under Average
-        marker = whole[words]
-        # Steps 10-11.
-        summed = was_summed(marker, n)
-        exact = ops.cast(exact_words(ops, whole[:words], marker, n, guard), "int32")  # < 2**31
-        # Step 12.
-        shifts = ops.constant([guard + j * width for j in range(lanes)], "int32", payload)
-        lane_sums = ops.bitwise_and(ops.right_shift(ops.reshape(exact, (words, 1)), shifts), (1 << width) - 1)
-        total = ops.cast(ops.reshape(lane_sums, (words * lanes,)), "float32")
-        if words * lanes > padded:
-            total = total[:padded]
-        share = ops.where(summed, 1.0, 1.0 / n)  # 1 for the sum, 1/n for the mean
-        offset = ctx.top * (share * n) + ops.where(marker < 0, float("nan"), 0.0)
-        values = total * (ctx.delta * share) - offset
-        # Step 13.
-        out = hadamard.irht(ops, values, ctx.diag, ctx.factors)
-        return out[:info.numel] if padded > info.numel else out
+        lay = self.layout(info)
+        n, P, nb, B = info.world_size, lay.padded, lay.blocks, lay.block
+        exact, count, bad, mismatch, summed = self._read(ops, payload, info, lay)
+        # Step 7.
+        levels = self._unpack(ops, ops.cast(exact[:lay.words], "int32"), lay.levels, P, payload)
+        total = ops.reshape(ops.cast(levels, "float32"), (nb, B))
+        top = ops.reshape(ctx.ranges, (nb, 1))
+        delta = top * (2.0 * (1.0 + 2.0 ** -20) / ((1 << self.config.bits) - 1))
+        values = total * delta - top * ops.cast(count, "float32")
+        if isinstance(summed, bool):
+            values = values if summed else values * (1.0 / n)
+        else:
+            values = values * ops.where(summed, 1.0, 1.0 / n)
+        values = ops.where(mismatch, 0.0, values) + ops.where(bad > 0, float("nan"), 0.0)
+        out = hadamard.irht(ops, ops.reshape(values, (P,)), ctx.diag,
+                            hadamard.hadamard_factors(ops, B, payload))
+        return out[:info.numel] if P > info.numel else out
+
+    def finish(self, ops, payload, ctx, state, info):
+        """Step 8: ranges, residual and counters from the all-reduced payload."""
+        if not len(state):
+            return state
+        lay = self.layout(info)
+        nb = lay.blocks
+        exact, count, bad, mismatch, _ = self._read(ops, payload, info, lay)
+        ok = bad == 0
+        if self.blocking:
+            ranges = state.ranges
+        else:
+            stats = self._unpack(ops, ops.cast(exact[lay.words:lay.words + lay.stats_words], "int32"),
+                                 lay.stats, 2 * nb, payload)
+            stats = ops.cast(ops.reshape(stats, (nb, 2)), "float32")
+            code_sum, have = stats[:, 0], stats[:, 1]
+            mean = code_sum / ops.maximum(have, 1.0)
+            ranges = ops.where(have > 0.5, ops.exp2((mean - _CODE_OFFSET) * (1.0 / _CODE_SCALE)), 0.0)
+        step = ops.where(mismatch, state.step * 0, state.step + 1)
+        new = state._replace(ranges=ranges, step=step, saturated=ctx.saturated,
+                             realigned=state.realigned + ops.cast(mismatch, "int64"))
+        if self.config.error_feedback:
+            new = new._replace(residual=ops.where(mismatch, ctx.corrected, ctx.residual))
+        return type(state)(*[ops.where(ok, a, b) for a, b in zip(new, state)])
 
     def wire(self, info: TensorInfo) -> WireBytes:
         if self._tiny(info):
             return self._fp16.wire(info)
-        _, _, _, words = self._sizes(info)
-        return WireBytes(4 * (words + 1), 12, 1)
+        lay = self.layout(info)
+        payload = 4 * (lay.words + lay.stats_words + _CONTROL)
+        return WireBytes(payload, 4 * lay.blocks, 1) if self.blocking else WireBytes(payload)
 
     def metrics(self, state) -> dict:
-        """``{"saturated": int64 []}``: rotated coordinates clipped in the last step (this rank)."""
+        """``{"saturated": int64 [], "realigned": int64 []}``: rotated coordinates clipped in the
+        last step (this rank); steps whose output was 0 because the ranks' states disagreed."""
         if not len(state):
             return {}
-        return {"saturated": state.saturated}
+        return {"saturated": state.saturated, "realigned": state.realigned}

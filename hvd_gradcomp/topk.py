@@ -8,8 +8,10 @@ Steps:
        of (index, value) pairs would need an all-gather, which this project rules out; under a plain
        all-reduce the masked tensor is the honest form, so **TopK saves no bandwidth**: it is
        the accuracy reference for TopKC.
-    4. Residual: ``e' = c - payload`` (everything not sent).
+    4. Residual: ``e' = c - payload`` (everything not sent), kept in ``ctx``.
     5. Decompress: the all-reduced payload is the result (sum or mean of the masked tensors).
+    6. Finish: the residual becomes ``e'`` if the all-reduced payload is finite; otherwise
+       (some rank's gradient held a NaN/inf, spread to every rank by ``poison``) it stays.
 
 Wire: one all-reduce of d float32 (4d bytes), no side collective.
 
@@ -20,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .base import EmptyState, Scheme, TensorInfo, WireBytes, poison
+from .base import EmptyState, Scheme, TensorInfo, WireBytes, payload_finite, poison
 
 __all__ = ["TopKConfig", "TopKState", "TopKScheme", "check_ratio", "num_selected"]
 
@@ -81,11 +83,17 @@ class TopKScheme(Scheme):
         # Step 3.
         payload = ops.scatter(idx, ops.gather(corrected, idx), (d,))
         # Step 4.
-        new_state = TopKState(corrected - payload) if self.config.error_feedback else state
-        return poison(ops, payload, finite), None, new_state
+        residual = corrected - payload if self.config.error_feedback else None
+        return poison(ops, payload, finite), residual
 
     def decompress(self, ops, payload, ctx, info):
         return payload
+
+    def finish(self, ops, payload, ctx, state, info):
+        """Step 6: the residual moves on iff the all-reduced payload is finite."""
+        if ctx is None:
+            return state
+        return TopKState(ops.where(payload_finite(ops, payload), ctx, state.residual))
 
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(4 * info.numel)

@@ -55,7 +55,7 @@ def _find_call(tensor) -> Call:
     differ. The owner is the ``DistributedGradientTape`` / ``DistributedOptimizer`` above.
     ``hvd.allreduce(t, name=...)`` called directly gives ``name``.
     """
-    frame = sys._getframe(3)
+    frame = sys._getframe(2)
     call = None
     while frame is not None:
         loc = frame.f_locals
@@ -72,7 +72,11 @@ def _find_call(tensor) -> Call:
         elif code == "allreduce_grads" and isinstance(loc.get("grads"), (list, tuple)):
             for j, grad in enumerate(loc["grads"]):
                 if grad is tensor:
-                    call = (call or Call())._replace(key=f"grad_{j}")
+                    variables = loc.get("vars")
+                    shape = None
+                    if variables is not None and j < len(variables):
+                        shape = getattr(variables[j], "shape", None)
+                    call = (call or Call())._replace(key=f"grad_{j}", shape=shape)
                     break
             else:
                 return call or Call()
@@ -143,6 +147,24 @@ class Compressor(HorovodCompressor):
         _, variables = self._vars[key]
         for var, value in zip(variables, state):
             var.assign(value)
+
+    @staticmethod
+    def _scale_of(source):
+        scale = getattr(source, "loss_scale", source)  # Keras LossScaleOptimizer: a variable
+        return tf.reshape(tf.cast(tf.convert_to_tensor(scale), tf.float32), [])
+
+    def _static(self, tensor, call):
+        """Give a gradient with unknown dimensions (``sparse_as_dense`` on an embedding gives
+        ``(None, 16)``) its variable's static shape, so the payload size is a function of the
+        known shape and every rank posts the same size."""
+        if tensor.shape.rank is not None and tensor.shape.is_fully_defined():
+            return tensor
+        known = call.shape
+        if known is None or not tf.TensorShape(known).is_fully_defined():
+            raise ValueError(f"hvd_gradcomp: gradient {call.key or getattr(tensor, 'name', '?')!r} has shape "
+                             f"{tensor.shape} with unknown dimensions and no variable of known shape; "
+                             f"compressors need a static shape (pass a tensor of known shape)")
+        return tf.reshape(tensor, tf.TensorShape(known).as_list())
 
     def _export(self, tensor):
         return tf.identity(tensor)

@@ -49,7 +49,7 @@ def _find_call(tensor) -> Call:
     is a fill-in. ``hvd.allreduce(t, name=..., compression=c, op=..., process_set=...)`` gives
     its arguments.
     """
-    frame = sys._getframe(3)
+    frame = sys._getframe(2)
     param = None
     for _ in range(8):
         if frame is None:
@@ -60,6 +60,9 @@ def _find_call(tensor) -> Call:
                 p.grad is not None and p.grad.is_sparse)):
             param = p
         owner = loc.get("self")
+        if param is None and p is tensor and "Adasum" in type(owner).__name__:
+            # hvd.DistributedOptimizer(op=hvd.Adasum) compresses the parameter's delta itself.
+            return Call(getattr(owner, "_parameter_names", {}).get(p), "adasum", owner=owner)
         names = getattr(owner, "_parameter_names", None)
         if param is not None and isinstance(names, dict) and param in names:
             grouped = frame.f_code.co_name.startswith("_grouped")
@@ -116,6 +119,14 @@ class Compressor(HorovodCompressor):
 
     def _export(self, tensor):
         return tensor.detach().cpu().clone()
+
+    @staticmethod
+    def _scale_of(source):
+        scale = getattr(source, "_scale", source)  # GradScaler keeps it as a device tensor
+        if scale is None:
+            raise ValueError("set_loss_scale: the GradScaler has no scale yet; call it after the "
+                             "first scaler.scale(loss)")
+        return scale.reshape(()).float() if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
 
     def _detach(self, tensor):
         return tensor.detach()

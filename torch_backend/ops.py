@@ -75,6 +75,8 @@ OPS = Primitives(
     sqrt=torch.sqrt,
     floor=torch.floor,
     round=torch.round,
+    log2=torch.log2,
+    exp2=torch.exp2,
     minimum=lambda a, b: torch.minimum(a, torch.as_tensor(b, dtype=a.dtype, device=a.device)),
     maximum=lambda a, b: torch.maximum(a, torch.as_tensor(b, dtype=a.dtype, device=a.device)),
     where=lambda c, a, b: torch.where(c, a, b),

@@ -6,11 +6,12 @@ What one timed *call* is:
     1. ``compress_tensor(scheme, ops, grad, state, info)`` (hvd_gradcomp.base), the same code
        path the Horovod adapters run, with ``info = TensorInfo(key, shape, "float32",
        world_size, rank=0)``.
-    2. ``decompress_tensor(...)`` on the payload exactly as compress returned it, then
-       ``scheme.absorb`` when the scheme has one (as the adapters do).
-    3. **Collective excluded**: the payload all-reduce is skipped and ``ops.allreduce`` (side
-       collectives such as TopKC's score sum) is replaced by the identity
-       (:func:`hvd_gradcomp.primitives.one_rank`). The time is the
+    2. ``finish_tensor(...)`` on the payload exactly as compress returned it: the decoded
+       output and the state after the step (as the adapters' ``decompress`` does).
+    3. **Collective excluded**: the payload all-reduce is skipped. The default variants post
+       no other collective; the blocking two-round variants (``blocking = True``, e.g.
+       ``topkc:selection=current``) have their side all-reduce (``ops.allreduce``) replaced
+       by the identity (:func:`hvd_gradcomp.primitives.one_rank`). The time is the
        compressor's own compute on this device, nothing else.
     4. The state returned is fed to the next call, so error feedback accumulates as in training.
 
@@ -63,7 +64,7 @@ import os
 import sys
 import time
 
-from hvd_gradcomp.base import Scheme, TensorInfo, compress_tensor, decompress_tensor
+from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import itemsize, one_rank
 from hvd_gradcomp.registry import SCHEMES, make_scheme, parse_spec
 
@@ -165,19 +166,14 @@ class _TorchRunner:
         return self.torch.from_numpy(array).to(self.torch_device)
 
     def prepare(self, scheme, info, grad):
-        """A callable running one compress + decompress call; returns (call, state0)."""
+        """A callable running one compress + finish call; returns (call, state0)."""
         ops, torch = self.ops, self.torch
-        absorbs = type(scheme).absorb is not Scheme.absorb
         holder = [scheme.init(ops, info, grad)]
 
         def call():
             with torch.no_grad():
-                payload, ctx, new = compress_tensor(scheme, ops, grad, holder[0], info)
-                out = decompress_tensor(scheme, ops, payload, ctx, info)
-                if absorbs:
-                    after = scheme.absorb(ops, payload, ctx, new, info)
-                    new = new if after is None else after
-            holder[0] = new
+                payload, ctx = compress_tensor(scheme, ops, grad, holder[0], info)
+                out, holder[0] = finish_tensor(scheme, ops, payload, ctx, holder[0], info)
             return out
 
         return call, holder[0]
@@ -241,7 +237,6 @@ class _TFRunner:
 
     def prepare(self, scheme, info, grad):
         tf, ops, inner = self.tf, self.ops, self.inner
-        absorbs = type(scheme).absorb is not Scheme.absorb
         with tf.device(self.tf_device):
             state0 = scheme.init(ops, info, grad)
         cls = type(state0)
@@ -250,12 +245,8 @@ class _TFRunner:
             st = cls(*fields)
             out = g
             for _ in range(inner):
-                payload, ctx, new = compress_tensor(scheme, ops, g, st, info)
-                out = decompress_tensor(scheme, ops, payload, ctx, info)
-                if absorbs:
-                    after = scheme.absorb(ops, payload, ctx, new, info)
-                    new = new if after is None else after
-                st = new
+                payload, ctx = compress_tensor(scheme, ops, g, st, info)
+                out, st = finish_tensor(scheme, ops, payload, ctx, st, info)
             # A one-element slice of the result: fetching it waits for the whole call.
             return (out, tf.reshape(out, [-1])[:1]) + tuple(st)
 
@@ -450,8 +441,8 @@ def _fmt(value, kind):
 def format_table(rows, header_lines=()):
     """The human-readable table: definitions, then per framework/device a block of rows."""
     out = io.StringIO()
-    out.write("Compress + decompress per call, COLLECTIVE EXCLUDED (payload all-reduce skipped, side\n"
-              "collectives = identity). Raw numbers first, then ratios:\n"
+    out.write("Compress + decompress per call, COLLECTIVE EXCLUDED (payload all-reduce skipped; the\n"
+              "side all-reduce of blocking variants = identity). Raw numbers first, then ratios:\n"
               "  median, p10-p90: ms per call; GB/s: gradient bytes (4 B/coord) / median;\n"
               "  wire MB: payload + side bytes per call; floor MB: bytes the scheme must at least\n"
               "  read+write (grad in, result out, state in+out, payload out+in, side out+in);\n"

@@ -57,10 +57,13 @@ WORKLOADS = {
 }
 # Candidate defaults, in table order; those naming an unregistered scheme or option are skipped.
 DEFAULT_CANDIDATES = (
-    "none", "fp16", "topk:ratio=0.1", "topkc:ratio=0.1",
-    "thc:rotation=full,saturation=false",  # THC's simple adaptation to all-reduce
-    "thc",  # THC with saturation and partial rotation (10 stages), 4 bits
-    "powersgd:rank=1", "powersgd:rank=4",
+    "none", "fp16", "topk:ratio=0.1",
+    "topkc:ratio=0.1",  # single collective: selection by the previous step's agreed scores
+    "topkc:ratio=0.1,selection=current",  # the paper's two rounds (blocking score all-reduce)
+    "thc",  # single collective: saturation, partial rotation (10 stages), 4 bits, lagged ranges
+    "thc:rotation=full,saturation=false,range=current",  # THC's simple adaptation (blocking)
+    "powersgd:rank=4",  # single collective: alternating factors (ACP-SGD)
+    "powersgd:rank=4,variant=two_round",  # Vogels et al.'s two rounds (blocking P all-reduce)
 )
 DEFAULT_DDP_HOOKS = "fp16;powersgd:rank=4"
 DEFAULT_BANDWIDTH_MBIT = 500.0
