@@ -17,9 +17,11 @@ Steps of ``compress`` (``selection="previous"``, the default; ``d`` coordinates,
     5. Scores for the next step: the squared L2 norm of each chunk of ``g + e'``, the best
        guess this rank has of next step's corrected gradient (next ``c`` is next ``g`` plus
        ``e'``): a chunk just sent starts again from its gradient alone, and a chunk left
-       unsent keeps what it owes. (Scores of ``c`` taken *before* sending, as the first
-       version did, re-select the chunks the step has just flushed and cost about 60 % more
-       steps to the same accuracy.) Normalised by their maximum (non-finite as 0), cast to
+       unsent keeps what it owes. Measured on the digits TTA workload (2 ranks, ratio 0.1,
+       steps to 96 %, seeds 0 and 1): this step's scores (the blocking ``"current"``) 130 and
+       145; scores of ``g + e'`` 145 and 150 (+7 %); scores of ``e'`` alone 150 (seed 0);
+       scores of ``c`` taken before sending, as the first version did, 205 (+58 %): they
+       re-select the chunks the step has just flushed. Normalised by their maximum (non-finite as 0), cast to
        ``payload_dtype``, appended to the payload: ``m`` values.
     6. Horovod all-reduces ``[values..., scores...]`` (Sum or Average).
 
