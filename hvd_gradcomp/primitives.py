@@ -74,7 +74,9 @@ class Primitives:
     argsort: Callable[[Any], Any]  # argsort(x 1-D) -> int64, descending, stable (ties: lower index first)
     gather: Callable[[Any, Any], Any]  # gather(x, idx) -> x[idx] along axis 0
     scatter: Callable[[Any, Any, tuple], Any]  # scatter(idx, rows, shape) -> zeros(shape) with [idx] = rows
-    index_add: Callable[[Any, Any, Any], Any]  # index_add(x, idx, rows) -> x with x[idx] += rows (idx unique)
+    # index_add(x, idx, rows) -> x with x[idx] += rows (idx unique); may reuse x's storage,
+    # so x must be a temporary the caller no longer needs (PyTorch updates it in place).
+    index_add: Callable[[Any, Any, Any], Any]
     # --- integer bit operations (int32/int64, non-negative operands) ---
     bitwise_and: Callable[[Any, Any], Any]
     bitwise_or: Callable[[Any, Any], Any]

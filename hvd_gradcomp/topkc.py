@@ -168,11 +168,11 @@ class TopKCScheme(Scheme):
         wire = saturating_cast(ops, ops.gather(chunks, idx) * (1.0 / n), cfg.payload_dtype)
         payload = ops.reshape(wire, (k * cfg.chunk,))
         residual = None
-        if cfg.error_feedback or not self.blocking:
-            # Step 4: subtract what was sent (as decoded) from the selected chunks only.
+        if cfg.error_feedback:
+            # Step 4: subtract what was sent (as decoded) from the selected chunks only; the
+            # chunks are a temporary here (c = g + e is a new tensor), updated in place.
             sent = ops.cast(wire, "float32") * float(n)
-            left = ops.index_add(chunks, idx, sent * -1.0)
-            left = ops.reshape(left, (m * cfg.chunk,))
+            left = ops.reshape(ops.index_add(chunks, idx, sent * -1.0), (m * cfg.chunk,))
             residual = left[:info.numel] if pad else left
         if not self.blocking:
             # Step 5: scores of g + e', normalised by their maximum.

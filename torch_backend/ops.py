@@ -90,7 +90,7 @@ OPS = Primitives(
     argsort=lambda x: torch.sort(x, descending=True, stable=True).indices,
     gather=lambda x, idx: x.index_select(0, idx),
     scatter=_scatter,
-    index_add=lambda x, idx, rows: x.index_add(0, idx, rows),
+    index_add=lambda x, idx, rows: x.index_add_(0, idx, rows),
     bitwise_and=torch.bitwise_and,
     bitwise_or=torch.bitwise_or,
     bitwise_xor=torch.bitwise_xor,
