@@ -15,9 +15,11 @@ the child's session. Then :class:`TimeoutError` ("... hung for N s; ranks killed
 
 An exception raised by the worker function on any rank surfaces in the caller: a built-in
 exception (ValueError, AssertionError, ...) is re-raised as the same type with the same
-message; any other as :class:`WorkerError` with ``"<type>: <message>"``. Either way its notes
-(shown by pytest, and matched by ``pytest.raises(match=...)``) say which rank raised it and
-hold that rank's traceback. When several ranks raise, the first to do so is reported.
+message; any other as :class:`WorkerError` with ``"<type>: <message>"``, so
+``pytest.raises(ValueError, match="^thc: ...$")`` works as for a local call. Its cause (a
+:class:`WorkerError`, printed by pytest) says which rank raised it and holds that rank's
+traceback; ``rank``, ``worker_traceback`` and ``errors`` (every rank that raised) are set on
+it too. When several ranks raise, the first to do so is reported.
 """
 import builtins
 import os
@@ -83,7 +85,8 @@ def run(fn, np=2, args=(), kwargs=None, env=None, timeout=None):
     run_id = uuid.uuid4().hex
     with tempfile.TemporaryDirectory(prefix="hvdrun-") as tmp:
         with open(os.path.join(tmp, "job.pkl"), "wb") as f:
-            cloudpickle.dump({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {}), "np": np}, f)
+            cloudpickle.dump({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {}), "np": np,
+                              "gloo_built": _gloo_built()}, f)
         child_env = dict(os.environ)  # horovod.run passes its environment on to the workers
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -108,6 +111,25 @@ def run(fn, np=2, args=(), kwargs=None, env=None, timeout=None):
 
 # ---------------------------------------------------------------- parent side helpers
 
+_GLOO_BUILT = None
+
+
+def _gloo_built():
+    """Whether Horovod has Gloo, asked once per session instead of by every launch.
+
+    ``horovod.run`` calls ``gloo_built()``, which imports Horovod's TensorFlow extension (so
+    TensorFlow: 10-30 s on a small machine) in a fork, cached per process; the child process
+    of each launch would pay it every time. Here the PyTorch extension answers (a few
+    seconds, once), and Horovod's own check only when that one is not available.
+    """
+    global _GLOO_BUILT
+    if _GLOO_BUILT is None:
+        from horovod.common import util
+        result = util._check_extension_lambda("torch", lambda ext: ext.gloo_built(), "built with Gloo", False)
+        _GLOO_BUILT = bool(result if result is not None else util.gloo_built())
+    return _GLOO_BUILT
+
+
 def _dump_stacks(tmp, wait_s=2.0):
     """Ask every started worker to write its Python stacks; returns them as message text."""
     pids = {}
@@ -120,11 +142,13 @@ def _dump_stacks(tmp, wait_s=2.0):
                 pass
     if not pids:
         return "\nNo worker had started the function (stuck in start-up?)."
-    for pid in pids.values():
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except OSError:
-            pass
+    returned = {r for r in pids if os.path.exists(os.path.join(tmp, f"returned-{r}"))}
+    for rank, pid in pids.items():
+        if rank not in returned:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except OSError:
+                pass
     texts = {}
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -134,11 +158,14 @@ def _dump_stacks(tmp, wait_s=2.0):
                     texts[rank] = f.read()
             except OSError:
                 pass
-        if all(texts.get(r) for r in pids):
+        if all(texts.get(r) for r in pids if r not in returned):
             break
         time.sleep(0.1)
     parts = []
     for rank in sorted(pids, key=lambda r: (len(r), r)):
+        if rank in returned:
+            parts.append(f"--- rank {rank} (pid {pids[rank]}): the function had returned")
+            continue
         lines = (texts.get(rank) or "(no stack dumped)").rstrip().splitlines()
         if len(lines) > STACK_LINES:
             lines = lines[:STACK_LINES] + [f"... {len(lines) - STACK_LINES} more lines"]
@@ -225,20 +252,18 @@ def _collect(tmp, what, np, returncode):
                           worker_traceback=result["traceback"])
     errors.sort(key=lambda e: e["time"])
     first = errors[0]
-    note = (f"raised on rank {first['rank']} of {np} in {what} (hvdrun); worker traceback:\n"
-            f"{first['traceback'].rstrip()}")
+    detail = (f"raised on rank {first['rank']} of {np} in {what} (hvdrun); worker traceback:\n"
+              f"{first['traceback'].rstrip()}")
     others = [f"rank {e['rank']}: {e['type']}: {e['message']}" for e in errors[1:]]
     if others:
-        note += "\nlater, on other ranks:\n" + "\n".join(others)
+        detail += "\nlater, on other ranks:\n" + "\n".join(others)
     exc = _builtin_exception(first)
     if exc is None:
-        exc = WorkerError(f"{first['type']}: {first['message']}", rank=first["rank"],
-                          worker_traceback=first["traceback"], errors=errors)
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # Python < 3.11: no notes; put it in the message
-        exc.args = (f"{exc}\n{note}",)
-    raise exc
+        exc = WorkerError(f"{first['type']}: {first['message']}")
+    exc.rank, exc.worker_traceback, exc.errors = first["rank"], first["traceback"], errors
+    # The worker's traceback rides as the cause: pytest prints it, and ``match=`` sees the
+    # worker's message alone (anchors included).
+    raise exc from WorkerError(detail, rank=first["rank"], worker_traceback=first["traceback"], errors=errors)
 
 
 def _builtin_exception(error):
@@ -272,7 +297,9 @@ class _Guarded:
         with open(os.path.join(self.tmp, f"pid-{rank}"), "w") as f:
             f.write(str(os.getpid()))
         try:
-            return self.fn(*args, **kwargs)
+            result = self.fn(*args, **kwargs)
+            open(os.path.join(self.tmp, f"returned-{rank}"), "w").close()
+            return result
         except BaseException as e:
             try:
                 exc_args = pickle.dumps(e.args)
@@ -305,6 +332,9 @@ def _child_main(tmp):
         job = cloudpickle.load(f)
     try:
         import horovod
+        import horovod.runner.launch
+        if job["gloo_built"]:
+            horovod.runner.launch.gloo_built = lambda verbose=False: True
         results = horovod.run(_Guarded(job["fn"], tmp), args=job["args"], kwargs=job["kwargs"],
                               num_proc=job["np"], use_gloo=True, verbose=0)
         result = {"ok": True, "results": results}

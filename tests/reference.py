@@ -28,48 +28,113 @@ def chunk_selection(scores, k):
     return np.array(order[:k], dtype=np.int64)
 
 
+FP16_MAX = 65504.0
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def saturate_fp16(x):
+    """fp16 payload cast of finite values: clamped to +-65504 first (never inf on the wire)."""
+    return fp16(np.clip(np.asarray(x, np.float64), -FP16_MAX, FP16_MAX))
+
+
+def fp32(x):
+    return np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64)
+
+
 class RefTopKC:
-    """TopKC (selection="current" or "previous"), error feedback optional, fp16 or fp32 payload."""
+    """TopKC, every rank of one tensor: ``selection="previous"`` (default) or ``"current"``,
+    error feedback optional, fp16 or fp32 payload, tensors below ``min_numel`` as fp16.
+
+    "previous": the k chunks of highest agreed score are sent (ties: lower index; all zero
+    before the first step); the scores each rank appends to its payload are the squared chunk
+    norms of ``g + e'`` (its gradient plus its new residual), normalised by that rank's own
+    maximum (non-finite scores as 0), cast to the payload dtype; they are all-reduced with the
+    values (fp16: summed as Horovod sums fp16, under Average divided by n) and become the
+    agreed scores of the NEXT step. "current": chunks ranked by this step's float32 scores of
+    ``c = g + e`` summed over the ranks (the blocking side all-reduce); the payload is the
+    values only. Either way each rank's residual is ``c`` minus the decoded values it sent, on
+    the selected chunks (what fp16 rounding and the saturation at +-65504 cut stays there);
+    when the all-reduced payload is not finite, every rank's residual and the agreed scores
+    stay as they were.
+    """
 
     def __init__(self, numel, n, ratio, chunk, error_feedback=True, payload="float16",
-                 selection="current"):
+                 selection="previous", min_numel=1024):
         self.d, self.n, self.c = numel, n, chunk
         self.m = -(-numel // chunk)
         self.k = min(self.m, max(1, math.ceil(ratio * self.m - 1e-9)))
         self.ef, self.payload, self.selection = error_feedback, payload, selection
+        self.tiny = numel < min_numel
         self.residual = [np.zeros(numel) for _ in range(n)]
         self.prev = np.zeros(self.m)
+        self.last_payload = None  # the all-reduced payload of the last step (float64 values)
+        self.last_idx = None  # the chunks selected in the last step
+
+    def _cast(self, v):
+        return saturate_fp16(v) if self.payload == "float16" else fp32(v)
+
+    def _allreduce(self, parts, op):
+        if self.payload == "float16":
+            return allreduce_fp16(parts, op)
+        return sum(parts) / (self.n if op == "average" else 1)
+
+    def _padded(self, flat):
+        return np.concatenate([flat, np.zeros(self.m * self.c - self.d)]).reshape(self.m, self.c)
+
+    def _scores(self, chunks):
+        """float32 squared chunk norms, non-finite (float32 overflow included) as 0."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            s = (chunks ** 2).sum(1)
+        return np.where(np.isfinite(s) & (s <= F32_MAX), s, 0.0)
 
     def step(self, grads, op="average"):
-        n, c, m, k = self.n, self.c, self.m, self.k
-        corrected = [np.asarray(g, np.float64).reshape(-1) + (self.residual[r] if self.ef else 0)
-                     for r, g in enumerate(grads)]
-        padded = [np.concatenate([x, np.zeros(m * c - self.d)]).reshape(m, c) for x in corrected]
-        scores = [(p ** 2).sum(1) for p in padded]
-        ranking = sum(scores) if self.selection == "current" else self.prev
-        idx = chunk_selection(list(ranking), k)
-        cast = fp16 if self.payload == "float16" else (lambda v: v.astype(np.float32).astype(np.float64))
-        sent = [cast(p[idx] / n) for p in padded]
-        if self.payload == "float16":
-            agg = allreduce_fp16(sent, op)
+        n, m, k = self.n, self.m, self.k
+        grads = [np.asarray(g, np.float64).reshape(-1) for g in grads]
+        if self.tiny:  # plain fp16 (Fp16Scheme): no saturation, no state
+            with np.errstate(over="ignore", invalid="ignore"):
+                agg = allreduce_fp16([fp16(g / n) for g in grads], op) * n
+            self.last_payload = agg
+            return agg
+        corrected = [g + (self.residual[r] if self.ef else 0) for r, g in enumerate(grads)]
+        padded = [self._padded(x) for x in corrected]
+        if self.selection == "current":
+            ranking = sum(fp32(self._scores(p)) for p in padded)
         else:
-            agg = sum(sent) / (n if op == "average" else 1)
-        out = np.zeros((m, c))
-        out[idx] = agg * n
-        if self.ef:
-            for r in range(n):
-                local = np.zeros((m, c))
-                local[idx] = sent[r] * n
-                self.residual[r] = (padded[r] - local).reshape(-1)[:self.d]
+            ranking = self.prev
+        idx = self.last_idx = chunk_selection(list(ranking), k)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sent = [self._cast(p[idx] / n) for p in padded]
+        # Residual e' = c - (decoded values sent), on the selected chunks only.
+        new_residual = []
+        for r in range(n):
+            left = padded[r].copy()
+            left[idx] -= sent[r] * n
+            new_residual.append(left.reshape(-1)[:self.d])
+        parts = [s.reshape(-1) for s in sent]
         if self.selection == "previous":
-            normed = [cast(s / max(s.max(), 1e-30)) for s in scores]
-            self.prev = (allreduce_fp16(normed, op) if self.payload == "float16"
-                         else sum(normed) / (n if op == "average" else 1))
+            for r in range(n):
+                guess = grads[r] + new_residual[r] if self.ef else grads[r]
+                scores = self._scores(self._padded(guess))
+                parts[r] = np.concatenate([parts[r], self._cast(scores / max(scores.max(), 1e-30))])
+        finite = [np.isfinite(g).all() for g in grads]
+        with np.errstate(over="ignore", invalid="ignore"):
+            agg = self._allreduce(parts, op)
+        if not all(finite):  # poison: a NaN/inf on one rank makes every rank's payload NaN
+            agg = agg + np.nan
+        self.last_payload = agg
+        out = np.zeros((m, self.c))
+        out[idx] = agg[:k * self.c].reshape(k, self.c) * n
+        if np.isfinite(agg.sum()):
+            if self.ef:
+                self.residual = new_residual
+            if self.selection == "previous":
+                self.prev = agg[k * self.c:]
         return out.reshape(-1)[:self.d]
 
 
 class RefTopK:
-    """Magnitude TopK with error feedback, dense float32 payload."""
+    """Magnitude TopK with error feedback, dense float32 payload (a NaN/inf on one rank makes
+    every output NaN and leaves every residual as it was)."""
 
     def __init__(self, numel, n, ratio, error_feedback=True):
         self.d, self.n, self.ef = numel, n, error_feedback
@@ -78,14 +143,16 @@ class RefTopK:
 
     def step(self, grads, op="average"):
         total = np.zeros(self.d)
+        new_residual = []
         for r, g in enumerate(grads):
             x = np.asarray(g, np.float64).reshape(-1) + (self.residual[r] if self.ef else 0)
             idx = np.argsort(-np.abs(x), kind="stable")[:self.k]
             masked = np.zeros(self.d)
             masked[idx] = x[idx]
-            if self.ef:
-                self.residual[r] = x - masked
-            total += masked
+            new_residual.append(x - masked)
+            total += masked if np.isfinite(x).all() else np.nan  # poison
+        if self.ef and np.isfinite(total).all():  # a failed step leaves every residual as it was
+            self.residual = new_residual
         return total / self.n if op == "average" else total
 
 
@@ -105,10 +172,11 @@ def reference_for_spec(spec, numel, n):
     name, _, rest = spec.partition(":")
     opts = dict(p.split("=") for p in rest.split(",") if p)
     if name == "topkc":
-        return RefTopKC(numel, n, float(opts["ratio"]), int(opts["chunk"]),
+        return RefTopKC(numel, n, float(opts.get("ratio", 0.01)), int(opts.get("chunk", 256)),
                         error_feedback=opts.get("error_feedback", "true") == "true",
                         payload=opts.get("payload_dtype", "float16"),
-                        selection=opts.get("selection", "current"))
+                        selection=opts.get("selection", "previous"),
+                        min_numel=int(opts.get("min_numel", 1024)))
     if name == "topk":
         return RefTopK(numel, n, float(opts["ratio"]))
     return None

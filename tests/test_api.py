@@ -29,9 +29,14 @@ def test_spec_round_trip():
         assert to_spec(scheme) == name
         n, opts = parse_spec(to_spec(scheme))
         assert make_scheme(n, **opts).config == scheme.config
-    s = make_scheme("topkc", ratio=0.1, chunk=64, selection="previous")
-    assert to_spec(s) == "topkc:ratio=0.1,chunk=64,selection=previous"
+    s = make_scheme("topkc", ratio=0.1, chunk=64, selection="current", min_numel=1)
+    assert to_spec(s) == "topkc:ratio=0.1,chunk=64,selection=current,min_numel=1"
     assert make_scheme(*[parse_spec(to_spec(s))[0]], **parse_spec(to_spec(s))[1]).config == s.config
+    # The defaults: single-collective selection, fp16 below 1024 coordinates; not in the spec.
+    default = make_scheme("topkc")
+    assert (default.config.selection, default.config.min_numel) == ("previous", 1024)
+    assert to_spec(make_scheme("topkc", selection="previous", min_numel=1024)) == "topkc"
+    assert not default.blocking and s.blocking
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -40,9 +45,12 @@ def test_spec_round_trip():
     ("topk:ratio=-0.1", "topk: ratio must be in (0, 1], got -0.1"),
     ("topkc:chunk=0", "topkc: chunk must be an integer >= 1, got 0"),
     ("topkc:payload_dtype=int8", "topkc: payload_dtype must be 'float16' or 'float32'"),
-    ("topkc:selection=lagged", "topkc: selection must be 'current' or 'previous'"),
+    ("topkc:selection=lagged", "topkc: selection must be 'previous' or 'current', got 'lagged'"),
+    ("topkc:min_numel=0", "topkc: min_numel must be an integer >= 1, got 0"),
+    ("topkc:min_numel=1.5", "topkc: option min_numel must be int"),
     ("topkc:rank=2", "topkc: unknown option 'rank'"),
-    ("topkc:ratio", "expected key=value"),
+    ("topkc:chunk=8,ratio", "topkc: expected key=value in spec 'topkc:chunk=8,ratio', got 'ratio'"),
+    ("topkc:ratio", "topkc: option ratio must be float, got 'ratio'"),  # a bare first value is the ratio
     ("topkc:ratio=abc", "topkc: option ratio must be float"),
     ("topkc:error_feedback=maybe", "must be true or false"),
     ("zip", "unknown compressor 'zip'"),
@@ -92,3 +100,16 @@ def test_every_public_module_lists_all():
             continue
         mod = importlib.import_module(f"hvd_gradcomp.{m.name}")
         assert hasattr(mod, "__all__"), m.name
+
+
+def test_scheme_flags():
+    """Which schemes Horovod may Min/Max/Adasum/scale (linear casts) and which it may not."""
+    for name in ("fp16", "bf16"):
+        s = make_scheme(name)
+        assert s.linear and s.scalable and not s.identity and not s.blocking, name
+    assert make_scheme("none").identity
+    for name in ("topk", "topkc"):
+        s = make_scheme(name)
+        assert not s.linear and not s.identity and s.scalable and not s.blocking, name
+    assert make_scheme("topkc", selection="current").blocking
+

@@ -79,9 +79,16 @@ def test_floor_bytes_hand_cases(backend):
     # residual state 4d read + written, dense float32 payload 4d written + read: 2*4d * 3 = 24 d.
     assert overhead.floor_bytes(topk, info, ops, topk.init(ops, info, like)) == 24 * d
     topkc = make_scheme("topkc", chunk=256, ratio=0.01)
-    # m = 4 chunks, k = 1: payload 256 fp16 = 512 B; side 4 float32 = 16 B; residual 4d.
-    expected = 2 * 4 * d + 2 * 4 * d + 2 * 512 + 2 * 16
+    # m = 4 chunks, k = 1: payload 256 values + 4 scores in fp16 = 520 B, no side collective;
+    # state: residual 4d + agreed scores 4 float32 = 16 B.
+    expected = 2 * 4 * d + 2 * (4 * d + 16) + 2 * 520
     assert overhead.floor_bytes(topkc, info, ops, topkc.init(ops, info, like)) == expected
+    current = make_scheme("topkc", chunk=256, ratio=0.01, selection="current")
+    # The blocking variant: payload 512 B; side 4 float32 = 16 B; residual 4d, no scores.
+    expected = 2 * 4 * d + 2 * 4 * d + 2 * 512 + 2 * 16
+    assert overhead.floor_bytes(current, info, ops, current.init(ops, info, like)) == expected
+    small = TensorInfo("b", (1000,), "float32", 8, 0)  # below min_numel: fp16, no state
+    assert overhead.floor_bytes(topkc, small, ops, topkc.init(ops, small, like)) == 2 * 4000 + 2 * 2000
 
 
 def test_no_collective_is_identity():
@@ -94,19 +101,49 @@ def test_model_inputs_for_a_tiny_reference(monkeypatch):
     monkeypatch.setitem(model.REFERENCE_MODELS, "tiny", {
         "shapes": [(64, 32), (64,), (64, 32)], "compute_s": 0.05, "note": "two matrices and a bias"})
     runner = overhead._runner(BACKENDS[0], "cpu", type("A", (), {"threads": 0, "tf_inner": 1})())
-    schemes = overhead._build_schemes("topkc")
+    schemes = overhead._build_schemes("topkc topkc:selection=current")
     data = overhead.model_inputs(runner, schemes, "tiny", world_size=8, warmup=1, reps=1, min_reps=1,
                                  budget=0, copy_gbps=10.0, worker_counts=(8, 16),
                                  target_copy_gbps=1000.0)
     assert data["meta"]["codec_scale"] == pytest.approx(0.01) and data["meta"]["tensors"] == 3
+    assert data["meta"]["errors"] == {}
     topkc = data["compressors"]["topkc"]
     info = TensorInfo("t", (64, 32), "float32", 8, 0)
     wire = make_scheme("topkc").wire(info)
     bias = make_scheme("topkc").wire(TensorInfo("b", (64,), "float32", 8, 0))
+    # 2048 coordinates: 8 chunks of 256, k = 1, scores ride in the payload; the 64-bias is
+    # below min_numel and goes as fp16.
+    assert wire == (2 * (256 + 8), 0, 0) and bias == (2 * 64, 0, 0)
     assert topkc["payload_bytes"] == 2 * wire.payload + bias.payload
-    assert topkc["side_collectives"] == 3
+    assert topkc["side_bytes"] == 0 and topkc["side_collectives"] == 0
+    # The blocking variant: one side all-reduce (8 float32 scores) per compressed matrix.
+    current = data["compressors"]["topkc:selection=current"]
+    assert current["payload_bytes"] == 2 * 2 * 256 + bias.payload
+    assert current["side_bytes"] == 2 * 4 * 8 and current["side_collectives"] == 2
     assert topkc["payload_bytes_by_workers"]["16"] == topkc["payload_bytes"]
     assert 0 < topkc["codec_fixed_s"] <= topkc["codec_s"] and topkc["compute_s"] == 0.05
     # The entry round-trips through JSON and the model's reader.
     m = model._measurement("topkc", json.loads(json.dumps(topkc)))
     assert m.payload_at(8) == topkc["payload_bytes"] and not math.isinf(m.payload_at(16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_timed_call_is_one_training_step(backend):
+    """Each timed call is compress + finish on the state the previous call left (error feedback
+    and TopKC's agreed scores move on): the outputs equal scheme_steps' over the same steps."""
+    import numpy as np
+    from tests.conftest import scheme_steps
+    runner = overhead._runner(backend, "cpu", type("A", (), {"threads": 0, "tf_inner": 1})())
+    gen = np.random.default_rng(5)
+    array = (gen.standard_normal(4096) * np.repeat(gen.uniform(0.1, 2.0, 16), 256)).astype(np.float32)
+    grad = runner.tensor(array)
+    for spec in ("topkc:ratio=0.1", "topkc:ratio=0.1,selection=current", "topk:ratio=0.05"):
+        scheme = make_scheme(*overhead.parse_spec(spec)[:1], **overhead.parse_spec(spec)[1])
+        info = TensorInfo("bench.t", (4096,), "float32", 8, 0)
+        call, _ = runner.prepare(scheme, info, grad)
+        got = [np.asarray(call()) for _ in range(4)]
+        expected = [np.asarray(s["out"]) for s in scheme_steps(runner.ops, scheme, [grad] * 4, info)]
+        for step, (a, b) in enumerate(zip(got, expected)):
+            # TensorFlow runs the call as one graph, which may round differently from eager ops.
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max(), err_msg=f"{spec} step {step}")
+        assert not all(np.array_equal(got[0], g) for g in got[1:]), spec  # the state moved on

@@ -3,8 +3,9 @@
 These run one process with the side collective replaced by the identity (world size 1, so
 an all-reduce of one rank *is* the identity); everything multi-rank is in tests/parallel/.
 
-Checked for every entry of ``SCHEMES`` with default options:
-- dtype and shape survive compress + decompress (0-d, 1-d, 2-d, 4-d, fp16/bf16/fp32/fp64),
+Checked for every entry of ``SCHEMES`` with default options, and for the variants of
+``EXTRA`` (TopKC on small tensors, below its default ``min_numel``, and its blocking form):
+- dtype and shape survive compress + finish (0-d, 1-d, 2-d, 4-d, fp16/bf16/fp32/fp64),
 - zeros give exact zeros,
 - error feedback: (grad + old residual) == locally decoded payload + new residual (float64),
 - payload size depends only on shape, dtype, config and world size,
@@ -13,13 +14,19 @@ Checked for every entry of ``SCHEMES`` with default options:
 
 import pytest
 
-from hvd_gradcomp.base import TensorInfo, compress_tensor, decompress_tensor
+from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import itemsize
 from hvd_gradcomp.registry import SCHEMES, make_scheme
 from tests.conftest import BACKENDS, one_rank_ops, scheme_steps
 
 SHAPES = [(), (7,), (64, 48), (8, 4, 3, 3), (5000,)]
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
+# (name, options): every scheme with its defaults, plus TopKC's path on tensors of every size
+# (min_numel=1) in its default and its blocking ("current") form.
+EXTRA = [("topkc", {"min_numel": 1}), ("topkc", {"min_numel": 1, "selection": "current"}),
+         ("topkc", {"min_numel": 1, "chunk": 7, "ratio": 0.3, "payload_dtype": "float32"})]
+VARIANTS = [(name, {}) for name in sorted(SCHEMES)] + EXTRA
+IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 
 
 def _tensor(backend, values, dtype):
@@ -47,17 +54,17 @@ def _to_numpy(x):
 
 
 def _roundtrip(backend, scheme, x, key="t", steps=1):
-    """``steps`` steps on ``x``; the last step's (out, payload, old state, new state, info)."""
+    """``steps`` steps on ``x``; the last step's (out, payload, old state, state after, info)."""
     ops = one_rank_ops(backend)
     info = TensorInfo(key, ops.shape(x), ops.dtype(x), 1, 0)
     last = scheme_steps(ops, scheme, [x] * steps, info)[-1]
-    return last["out"], last["payload"], last["old"], last["new"], info
+    return last["out"], last["payload"], last["old"], last["after"], info
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", sorted(SCHEMES))
-def test_shape_dtype_zeros(backend, name):
-    scheme = make_scheme(name)
+@pytest.mark.parametrize("name,options", VARIANTS, ids=IDS)
+def test_shape_dtype_zeros(backend, name, options):
+    scheme = make_scheme(name, **options)
     ops = one_rank_ops(backend)
     for shape in SHAPES:
         for dtype in DTYPES:
@@ -71,12 +78,13 @@ def test_shape_dtype_zeros(backend, name):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", sorted(SCHEMES))
-def test_error_feedback_identity(backend, name):
+@pytest.mark.parametrize("name,options", VARIANTS, ids=IDS)
+def test_error_feedback_identity(backend, name, options):
     """(grad + old residual) == locally decoded + new residual, checked in float64."""
     import numpy as np
-    scheme = make_scheme(name)
-    for shape in [(64, 48), (5000,)]:
+    scheme = make_scheme(name, **options)
+    shapes = [(64, 48), (5000,)] + ([(7,), (8, 4, 3, 3)] if options.get("min_numel") == 1 else [])
+    for shape in shapes:
         x = _tensor(backend, _values(shape, 2), "float32")
         out, _, old, new, _ = _roundtrip(backend, scheme, x, steps=3)
         if "residual" not in getattr(new, "_fields", ()) or _to_numpy(new.residual).size == 0:
@@ -87,12 +95,12 @@ def test_error_feedback_identity(backend, name):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", sorted(SCHEMES))
-def test_payload_size_is_static_and_reported(backend, name):
+@pytest.mark.parametrize("name,options", VARIANTS, ids=IDS)
+def test_payload_size_is_static_and_reported(backend, name, options):
     """Payload size is a function of (shape, dtype, config, world size), and wire() says it."""
-    scheme = make_scheme(name)
+    scheme = make_scheme(name, **options)
     ops = one_rank_ops(backend)
-    for shape in [(64, 48), (5000,)]:
+    for shape in [(7,), (64, 48), (5000,)]:
         sizes = set()
         for seed, scale in [(3, 1.0), (4, 1e-6), (5, 1e4)]:
             x = _tensor(backend, _values(shape, seed) * scale, "float32")
@@ -112,7 +120,46 @@ def test_fp16_prescale_keeps_8_rank_sums_in_range():
     ops = one_rank_ops(BACKENDS[0])
     x = _tensor(BACKENDS[0], np.full((16,), 3.0e4), "float32")
     info = TensorInfo("t", (16,), "float32", 8, 0)
-    payload, ctx, _ = compress_tensor(scheme, ops, x, scheme.init(ops, info, x), info)
+    state = scheme.init(ops, info, x)
+    payload, ctx = compress_tensor(scheme, ops, x, state, info)
     summed = payload * 8  # what an 8-rank Sum all-reduce of identical payloads gives
-    out = _to_numpy(decompress_tensor(scheme, ops, summed, ctx, info))
-    np.testing.assert_allclose(out, 8 * 3.0e4, rtol=1e-3)
+    out, after = finish_tensor(scheme, ops, summed, ctx, state, info)
+    np.testing.assert_allclose(_to_numpy(out), 8 * 3.0e4, rtol=1e-3)
+    assert after is state
+
+
+def _state_arrays(state):
+    return [_to_numpy(v) for v in state]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,options", VARIANTS, ids=IDS)
+def test_failed_step_leaves_every_rank_state_as_it_was(backend, name, options):
+    """Two ranks simulated in one process (the all-reduce is the Sum of their payloads).
+
+    After a normal step, rank 1's gradient holds an inf and rank 0's is finite: both ranks'
+    outputs are non-finite, and both ranks' states after ``finish`` equal their states before
+    the step, bit for bit (rank 0 learns of the failure only from the all-reduced payload).
+    """
+    import numpy as np
+    scheme = make_scheme(name, **options)
+    ops = one_rank_ops(backend)
+    shape = (64, 48)
+    xs = [_tensor(backend, _values(shape, 10 + r), "float32") for r in range(2)]
+    infos = [TensorInfo("t", shape, "float32", 2, r, "sum") for r in range(2)]
+    states = [scheme.init(ops, infos[r], xs[r]) for r in range(2)]
+
+    def step(grads):
+        sent = [compress_tensor(scheme, ops, grads[r], states[r], infos[r]) for r in range(2)]
+        reduced = sent[0][0] + sent[1][0]
+        return [finish_tensor(scheme, ops, reduced, sent[r][1], states[r], infos[r]) for r in range(2)]
+
+    states = [after for _, after in step(xs)]
+    bad = _values(shape, 12)
+    bad[3, 5] = np.inf
+    results = step([_tensor(backend, _values(shape, 11), "float32"), _tensor(backend, bad, "float32")])
+    for r, (out, after) in enumerate(results):
+        assert not np.isfinite(_to_numpy(out)).all(), (name, r)
+        assert type(after) is type(states[r]) and len(after) == len(states[r])
+        for field, a, b in zip(after._fields, _state_arrays(after), _state_arrays(states[r])):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} rank {r} state field {field}")

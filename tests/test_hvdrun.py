@@ -61,8 +61,10 @@ def test_results_args_kwargs_env():
 def test_worker_error_surfaces_with_its_text():
     with pytest.raises(ValueError, match=r"^boom on rank 1: bad option 'x'$") as err:
         run(worker_raises, np=2, timeout=60)
-    notes = "\n".join(getattr(err.value, "__notes__", []))
-    assert "raised on rank 1 of 2 in worker_raises" in notes and "Traceback" in notes, notes
+    cause = str(err.value.__cause__)
+    assert isinstance(err.value.__cause__, WorkerError)
+    assert "raised on rank 1 of 2 in worker_raises" in cause and "Traceback" in cause, cause
+    assert err.value.rank == "1" and "worker_raises" in err.value.worker_traceback
 
 
 def test_non_builtin_exception_is_worker_error(tmp_path):
@@ -77,7 +79,7 @@ def test_non_builtin_exception_is_worker_error(tmp_path):
         (tmp_path / f"error-{rank}").write_bytes(pickle.dumps(record))
     with pytest.raises(KeyError, match="m1") as err:  # the earliest error wins
         hvdrun._collect(str(tmp_path), "w", 2, 1)
-    assert "rank 0: CustomError: m0" in "\n".join(err.value.__notes__)
+    assert "rank 0: CustomError: m0" in str(err.value.__cause__)
     (tmp_path / "error-1").unlink()
     with pytest.raises(WorkerError, match="^CustomError: m0$") as err:
         hvdrun._collect(str(tmp_path), "w", 2, 1)

@@ -26,7 +26,7 @@ def test_parse_compressors_accepts_specs_with_commas_and_fp32_alias():
     ("nosuch", "unknown compressor 'nosuch'"),
     ("topkc:ratio=2", "topkc: ratio must be in (0, 1]"),
     ("topkc:colour=1", "unknown option 'colour'"),
-    ("topkc:ratio", "expected key=value"),
+    ("topkc:chunk=8,ratio", "expected key=value"),
     (" ; ", "expected at least one compressor spec"),
 ])
 def test_parse_compressors_rejects_bad_specs(text, words):

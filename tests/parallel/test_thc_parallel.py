@@ -2,61 +2,104 @@
 
 Each launch runs one worker that does every check below and returns plain values; the tests
 assert on them. Payloads are all-reduced by Horovod itself, with ``op=hvd.Sum`` and with the
-default ``op=hvd.Average`` (which truncates int32: the scheme must recover exact sums).
+default ``op=hvd.Average`` (which truncates int32: the scheme must recover exact sums). Two
+call paths: by hand (``compress(t, name=...)``, ``hvd.allreduce(payload, op=...)``,
+``decompress``: the op is unknown to the compressor and inferred from the count word; the
+payload is visible, so outputs are checked against the float64 reference of
+tests/test_thc.py computed from every rank's own levels), and through Horovod
+(``hvd.allreduce(t, compression=c)``, ``DistributedOptimizer``, ``DistributedGradientTape``:
+the adapter reads the op; the payload is not visible, so the reference is each rank's own
+decoded contribution recovered from its states, ``rht(x) + e_before - e_after``).
 
-- 2 ranks (PyTorch): decoded == a float64 reference computed here from every rank's own
-  levels; identical outputs on all ranks; zeros -> zeros; NaN/inf on one rank -> NaN on every
-  rank, residual and step unchanged; tiny tensors travel as fp16; Sum == n * Average;
+The first step of a tensor sends nothing (its ranges are all 0), so every check runs at
+least two steps.
+
+- 2 ranks (PyTorch): decoded == the float64 reference, identical on all ranks, next ranges
+  == the reference from the ranks' statistics, for the default THC and for the simple
+  adaptation with the blocking ``range="current"`` (a real Max side all-reduce), Sum and
+  Average; Horovod's int32 Average == trunc(sum / n) as tests/test_thc.py emulates it; every
+  coordinate at the top level; zeros -> zeros; NaN/inf on one rank -> NaN on every rank and
+  every rank's whole state unchanged; a state with another step loaded on one rank -> output
+  exactly 0 on both ranks, ``metrics()["realigned"] == 1``, then correct; tiny tensors as
+  fp16; Sum == n * Average; ``hvd.allreduce(..., compression=c)`` with the op known;
   ``hvd.DistributedOptimizer`` with Average and with Sum gives the mean and the sum of the
-  ranks' gradients; a 200-step training run (below).
+  ranks' decoded gradients; and the 200-step training below.
 - 3 ranks: Average with a world size that is not a power of two (``1/3`` is inexact in double).
 - 4 ranks: every coordinate of every rank at the top level, at 2, 4 and 8 bits (8 bits at 4
   ranks fills a 10-bit lane to 1020 of 1023): the all-reduced lanes equal the sums of the
   ranks' levels, so nothing carried.
-- 2 ranks (TensorFlow): the same through ``DistributedGradientTape`` inside ``tf.function``.
+- 2 ranks (TensorFlow): ``DistributedGradientTape`` inside ``tf.function``, a direct Sum, the
+  hand-made path under Average (TF's int32 Average), and NaN on one rank.
 
-Training: a 64-128-10 MLP (both weight matrices, 8192 and 1280 coordinates, go through THC;
-the biases are below ``min_numel`` and go as fp16) on scikit-learn's digits, each rank holding
-half the data, full-batch gradient descent (lr 0.5), 200 steps from the same initial weights.
-THC with saturation (4 bits, partial rotation, error feedback) must end within 2 % + 0.005 of
-the fp16 run's full-data cross-entropy (measured: 0.107771 against fp16's 0.107770).
+Training: the workload of tests/parallel/test_training.py (a 64-32-10 MLP on scikit-learn's
+digits, each rank holding half the data, full-batch gradient descent, lr 0.5, 200 steps from
+the same initial weights; the 32x64 weight goes through THC, the rest is below ``min_numel``
+and goes as fp16). THC's default and the simple adaptation with this step's ranges
+(``thc:rotation=full,saturation=false,range=current``, the blocking variant) must end within
+2 % + 0.005 of the fp16 run's full-data cross-entropy.
 """
 import math
 
 import numpy as np
 import pytest
 
-from tests.reference import fwht64
 from tests.hvdrun import run
+from tests.test_thc import (emulate_allreduce, fingerprint_ok, np_layout, reference_codes, reference_decode,
+                            reference_ranges, rotated, split_payload, top_level_misses_allowed, unrotated)
 
-D = 5000  # coordinates of the main test tensor (50 x 100): not a power of two
+SHAPE = (50, 100)  # the main test tensor: 5000 coordinates, not a power of two
+D = 5000
+STEPS = 3  # steps per recorded run: the first sends nothing
+# THC's default is trained against fp16 in tests/parallel/test_training.py (same workload).
+TRAIN_SPECS = {"fp16": "fp16", "thc_simple_current": "thc:rotation=full,saturation=false,range=current"}
+TRAIN_STEPS = 200
 
 
-def _inputs(rank, seed=0):
-    return np.random.default_rng([seed, rank]).standard_normal((50, 100)).astype(np.float32)
+def _inputs(rank, seed=0, step=0, shape=SHAPE):
+    return np.random.default_rng([seed, rank, step]).standard_normal(shape).astype(np.float32)
 
 
-def _record(comp, tensor, name, op_fn, hvd):
-    """compress, Horovod all-reduce, decompress; everything the tests need, as NumPy."""
+def _state_np(comp, name):
+    st = comp.state_dict()["tensors"].get(name)
+    return None if st is None else {k: np.array(v.numpy(), copy=True) for k, v in st.items()}
+
+
+def _hand_step(comp, tensor, name, op_fn, hvd):
+    """compress by hand, Horovod all-reduce of the payload, decompress; all as NumPy."""
+    before = _state_np(comp, name)
     payload, ctx = comp.compress(tensor, name=name)
     own = np.array(payload.numpy(), copy=True)
     reduced = hvd.allreduce(payload, op=op_fn, name=name + ".payload")
     out = comp.decompress(reduced, ctx)
-    rec = {"own": own, "reduced": np.array(reduced.numpy(), copy=True), "out": out.numpy().copy(),
-           "dtype": str(payload.dtype).replace("torch.", "")}
-    if ctx is not None and hasattr(ctx[1], "diag"):
-        rec.update(diag=ctx[1].diag.numpy().copy(), top=float(ctx[1].top), delta=float(ctx[1].delta))
+    rec = {"own": own, "reduced": np.array(reduced.numpy(), copy=True), "out": np.array(out.numpy(), copy=True),
+           "dtype": str(payload.dtype).replace("torch.", "").replace("<dtype: '", "").replace("'>", ""),
+           "x": np.array(tensor.numpy(), copy=True), "before": before, "after": _state_np(comp, name)}
+    scheme_ctx = ctx[1] if ctx is not None else None
+    if scheme_ctx is not None and hasattr(scheme_ctx, "diag"):
+        rec.update(ranges=np.array(scheme_ctx.ranges.numpy(), copy=True),
+                   diag=np.array(scheme_ctx.diag.numpy(), copy=True),
+                   corrected=np.array(scheme_ctx.corrected.numpy(), copy=True))
     return rec
 
 
-def _max_level_input(scheme, ops, info, torch):
-    """x with rotated y = +R in every coordinate: a spike, signed by the step-0 diagonal."""
-    diag = scheme.rotation_diagonal(ops, info, torch.tensor(0, dtype=torch.int64), torch.zeros(1))
-    x = torch.zeros(info.shape)
-    # rht(x) = H (x * diag): only coordinate 0 is non-zero, 3 |diag_0| = 3 / sqrt(B) > 0, and
-    # column 0 of H is all ones, so every rotated coordinate is +3 / sqrt(B) = R.
-    x.view(-1)[0] = 3.0 * float(torch.sign(diag[0]))
-    return x
+def _top_input(scheme, ops, info, like):
+    """x whose rotation is +3/sqrt(B) in every coordinate: a spike signed by the diagonal."""
+    diag = np.asarray(scheme.rotation_diagonal(ops, info, like).numpy())
+    x = np.zeros(info.numel, np.float32)
+    x[0] = 3.0 * np.sign(diag[0])
+    return x.reshape(info.shape)
+
+
+def _spy_op(comp):
+    """A list that fills with the TensorInfo.op of each decompress of ``comp``'s scheme."""
+    seen = []
+    decompress = comp.scheme.decompress
+
+    def spy(ops, payload, ctx, info):
+        seen.append(info.op)
+        return decompress(ops, payload, ctx, info)
+    comp.scheme.decompress = spy
+    return seen
 
 
 def worker_torch():
@@ -67,73 +110,124 @@ def worker_torch():
     hvd.init()
     torch.set_num_threads(1)
     r, n = hvd.rank(), hvd.size()
-    ops_by_name = {"sum": hvd.Sum, "average": hvd.Average}
+    ops = {"sum": hvd.Sum, "average": hvd.Average}
     out = {"rank": r, "size": n}
 
-    # 1. Main tensor, default THC and the simple adaptation, both ops.
-    for label, spec in (("default", "thc"), ("simple", "thc:rotation=full,saturation=false,bits=2")):
+    # 1. Main tensor by hand: default THC and the simple adaptation (blocking), both ops.
+    for label, spec in (("default", "thc"), ("simple", "thc:rotation=full,saturation=false,bits=2,range=current")):
         for op in ("sum", "average"):
             comp = Compression.from_spec(spec)
-            out[f"{label}_{op}"] = _record(comp, torch.tensor(_inputs(r)), "main", ops_by_name[op], hvd)
-            out[f"{label}_{op}"]["saturated"] = int(comp.metrics()["main"]["saturated"])
+            recs = []
+            for t in range(STEPS):
+                recs.append(_hand_step(comp, torch.tensor(_inputs(r, 0, t)), "main", ops[op], hvd))
+                recs[-1]["saturated"] = int(comp.metrics()["main"]["saturated"])
+            out[f"{label}_{op}"] = recs
 
-    # 2. Top level everywhere (bits 4, full rotation, no saturation).
-    scheme_spec = "thc:rotation=full,saturation=false"
-    comp = Compression.from_spec(scheme_spec)
-    info = TensorInfo("top", (4096,), "float32", n, r)
-    x = _max_level_input(comp.scheme, OPS, info, torch)
-    out["top_sum"] = _record(comp, x, "top", hvd.Sum, hvd)
+    # 2. Top level everywhere (4 bits, full rotation, no saturation), Sum.
+    comp = Compression.from_spec("thc:rotation=full,saturation=false")
+    x = _top_input(comp.scheme, OPS, TensorInfo("top", (4096,), "float32", n, r), torch.zeros(1))
+    out["top_sum"] = [_hand_step(comp, torch.tensor(x), "top", hvd.Sum, hvd) for _ in range(2)]
 
-    # 3. Zeros give zeros.
+    # 3. Zeros give zeros (through Horovod, op known).
     for op in ("sum", "average"):
-        out[f"zeros_{op}"] = _record(Compression.thc(), torch.zeros(50, 100), "zeros", ops_by_name[op], hvd)["out"]
+        comp = Compression.thc()
+        out[f"zeros_{op}"] = [hvd.allreduce(torch.zeros(50, 100), name=f"zeros_{op}", op=ops[op],
+                                            compression=comp).numpy().copy() for _ in range(3)]
 
-    # 4. NaN on rank 1, inf on rank 0 (other tensor): NaN everywhere; states untouched.
+    # 4. NaN on rank 1, inf on rank 0: NaN everywhere; every rank's whole state untouched.
     for label, bad_rank, bad in (("nan", 1, float("nan")), ("inf", 0, float("inf"))):
         comp = Compression.thc()
-        _record(comp, torch.tensor(_inputs(r, 1)), "t", hvd.Average, hvd)  # a first, finite step
-        before = {k: v.clone() for k, v in comp.state_dict()["tensors"]["t"].items()}
+        for t in range(2):  # finite steps first: residual, ranges and step are set
+            _hand_step(comp, torch.tensor(_inputs(r, 1, t)), "t", hvd.Average, hvd)
         y = torch.tensor(_inputs(r, 2))
         if r == bad_rank:
             y[3, 7] = bad
-        res = _record(comp, y, "t", hvd.Average, hvd)
-        after = comp.state_dict()["tensors"]["t"]
-        out[label] = {"all_nan": bool(np.isnan(res["out"]).all()),
-                      "state_kept": all(torch.equal(before[k], after[k]) for k in before),
-                      "step": int(after["step"])}
+        res = _hand_step(comp, y, "t", hvd.Average, hvd)
+        nxt = _hand_step(comp, torch.tensor(_inputs(r, 3)), "t", hvd.Average, hvd)
+        out[label] = {"rec": res, "next": nxt}
 
-    # 5. Tiny tensors travel as fp16, pre-scaled by 1/n.
-    tiny = torch.linspace(-1, 1, 100) * (r + 1)
-    out["tiny"] = _record(Compression.thc(), tiny, "tiny", hvd.Sum, hvd)
+    # 5. A state with another step loaded on rank 1 only: zero output, realigned, then correct.
+    comp = Compression.thc()
+    recs = [_hand_step(comp, torch.tensor(_inputs(r, 4, t)), "fp", hvd.Sum, hvd) for t in range(2)]
+    if r == 1:
+        saved = comp.state_dict()
+        saved["tensors"]["fp"]["step"] = saved["tensors"]["fp"]["step"] + 7
+        comp.load_state_dict(saved)
+    for t in range(2, 5):
+        recs.append(_hand_step(comp, torch.tensor(_inputs(r, 4, t)), "fp", hvd.Sum, hvd))
+        recs[-1]["realigned"] = int(comp.metrics()["fp"]["realigned"])
+    out["mismatch"] = recs
 
-    # 6. Sum == n * Average from identical states (same seed, same step, same levels).
-    a = _record(Compression.thc(bits=8), torch.tensor(_inputs(r, 3)), "same", hvd.Sum, hvd)["out"]
-    b = _record(Compression.thc(bits=8), torch.tensor(_inputs(r, 3)), "same", hvd.Average, hvd)["out"]
-    out["sum_vs_avg"] = (a, b)
+    # 6. Tiny tensors travel as fp16, pre-scaled by 1/n.
+    out["tiny"] = _hand_step(Compression.thc(), torch.linspace(-1, 1, 100) * (r + 1), "tiny", hvd.Sum, hvd)
+    out["tiny_wire"] = Compression.thc().scheme.wire(TensorInfo("tiny", (100,), "float32", n, r)).payload
 
-    # 7. DistributedOptimizer, default op (Average) and op=Sum: grads vs the true mean / sum.
+    # 7. Sum == n * Average from identical states (same seed, same steps, same levels).
+    for op in ("sum", "average"):
+        comp = Compression.thc(bits=8)
+        out[f"same_{op}"] = [_hand_step(comp, torch.tensor(_inputs(r, 5, t)), "same", ops[op], hvd)["out"]
+                             for t in range(2)]
+
+    # 8. hvd.allreduce(..., compression=c): the adapter knows the op; wire == payload bytes.
+    for op in ("sum", "average"):
+        comp = Compression.thc()
+        seen = _spy_op(comp)
+        recs = []
+        for t in range(STEPS):
+            x = torch.tensor(_inputs(r, 6, t))
+            before = _state_np(comp, "known")
+            got = hvd.allreduce(x, name="known", op=ops[op], compression=comp)
+            recs.append({"x": x.numpy().copy(), "out": got.numpy().copy(), "before": before,
+                         "after": _state_np(comp, "known")})
+        out[f"known_{op}"] = {"steps": recs, "wire": comp.wire_bytes()["known"].payload, "ops": seen}
+
+    # 9. DistributedOptimizer, default op (Average) and op=Sum, lr 0: synced vs decoded.
     for op in ("average", "sum"):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
         kwargs = {} if op == "average" else {"op": hvd.Sum}
+        comp = Compression.thc(bits=8)
+        seen = _spy_op(comp)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0),
-                                       named_parameters=net.named_parameters(),
-                                       compression=Compression.thc(bits=8), **kwargs)
-        gen = torch.Generator().manual_seed(100 + r)
-        xb, yb = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
-        local = [torch.autograd.grad(torch.nn.functional.cross_entropy(net(xb), yb), list(net.parameters()))]
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(xb), yb).backward()
-        opt.step()
-        out[f"opt_{op}"] = {"local": [g.numpy().copy() for g in local[0]],
-                            "synced": [p.grad.numpy().copy() for p in net.parameters()]}
+                                       named_parameters=net.named_parameters(), compression=comp, **kwargs)
+        names = [name for name, _ in net.named_parameters()]
+        steps = []
+        for t in range(STEPS):
+            gen = torch.Generator().manual_seed(100 + 10 * t + r)
+            xb, yb = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+            before = {k: _state_np(comp, k) for k in names}
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(xb), yb).backward()
+            local = [p.grad.numpy().copy() for p in net.parameters()]
+            opt.step()
+            steps.append({"local": local, "synced": [p.grad.numpy().copy() for p in net.parameters()],
+                          "before": before, "after": {k: _state_np(comp, k) for k in names}})
+        out[f"opt_{op}"] = {"names": names, "steps": steps, "ops": seen}
 
-    # Training with THC against FP16: tests/parallel/test_training.py.
+    # 10. Training against fp16 (tests/parallel/test_training.py's workload).
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    xs = torch.tensor(data.data / 16.0, dtype=torch.float32)
+    ys = torch.tensor(data.target)
+    shard = slice(r, None, n)
+    out["losses"] = {}
+    for label, spec in TRAIN_SPECS.items():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5),
+                                       named_parameters=net.named_parameters(),
+                                       compression=Compression.from_spec(spec))
+        for _ in range(TRAIN_STEPS):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(xs[shard]), ys[shard]).backward()
+            opt.step()
+        with torch.no_grad():
+            out["losses"][label] = float(torch.nn.functional.cross_entropy(net(xs), ys))
     return out
 
 
 def worker_wide():
-    """3 or 4 ranks: top-level lanes at 2/4/8 bits, and a random tensor, with Sum and Average."""
+    """3 or 4 ranks: top-level lanes at 2/4/8 bits, a random tensor, Sum and Average."""
     import horovod.torch as hvd
     import torch
     from hvd_gradcomp.base import TensorInfo
@@ -145,11 +239,21 @@ def worker_wide():
     for bits in (2, 4, 8):
         for op_name, op in (("sum", hvd.Sum), ("average", hvd.Average)):
             comp = Compression.thc(bits=bits, rotation="full", saturation=False)
-            info = TensorInfo("top", (4096,), "float32", n, r)
-            out[f"top_{bits}_{op_name}"] = _record(comp, _max_level_input(comp.scheme, OPS, info, torch),
-                                                   "top", op, hvd)
-            out[f"rand_{bits}_{op_name}"] = _record(Compression.thc(bits=bits), torch.tensor(_inputs(r, 4)),
-                                                    "rand", op, hvd)
+            x = _top_input(comp.scheme, OPS, TensorInfo("top", (4096,), "float32", n, r), torch.zeros(1))
+            out[f"top_{bits}_{op_name}"] = [_hand_step(comp, torch.tensor(x), "top", op, hvd) for _ in range(2)]
+            comp = Compression.thc(bits=bits)
+            out[f"rand_{bits}_{op_name}"] = [_hand_step(comp, torch.tensor(_inputs(r, 7, t)), "rand", op, hvd)
+                                             for t in range(STEPS)]
+    comp = Compression.thc()
+    seen = _spy_op(comp)
+    known = []
+    for t in range(STEPS):
+        x = torch.tensor(_inputs(r, 8, t))
+        before = _state_np(comp, "known")
+        got = hvd.allreduce(x, name="known", compression=comp)  # Average, op known
+        known.append({"x": x.numpy().copy(), "out": got.numpy().copy(), "before": before,
+                      "after": _state_np(comp, "known")})
+    out["known_average"] = {"steps": known, "ops": seen}
     return out
 
 
@@ -173,21 +277,52 @@ def worker_tf():
         tape = hvd.DistributedGradientTape(tape, compression=comp)
         return tape.gradient(loss, [w, bias])
 
+    def w_state():
+        for key, fields in comp.state_dict()["tensors"].items():
+            if "residual" in fields and np.asarray(fields["residual"]).size == 8192:
+                return key, {k: np.array(v, copy=True) for k, v in fields.items()}
+        return None, None
+
     out["tape"] = []
-    for step in range(3):
+    for step in range(STEPS):
         rng = np.random.default_rng([step, r])
         c_w = rng.standard_normal((64, 128)).astype(np.float32)
         c_b = rng.standard_normal(128).astype(np.float32)
+        before = w_state()[1]
         g_w, g_b = grads(tf.constant(c_w), tf.constant(c_b))
-        out["tape"].append((c_w, c_b, g_w.numpy(), g_b.numpy()))
-    out["tape_step"] = {k: int(v["step"]) for k, v in comp.state_dict()["tensors"].items() if "step" in v}
-    # Direct all-reduce with op=Sum, and NaN on rank 0.
-    x = tf.constant(_inputs(r, 5))
-    out["sum"] = hvd.allreduce(x, name="tf_sum", op=hvd.Sum, compression=Compression.thc(bits=8)).numpy()
-    bad = _inputs(r, 6)
+        key, after = w_state()
+        out["tape"].append({"c_w": c_w, "c_b": c_b, "g_w": g_w.numpy(), "g_b": g_b.numpy(),
+                            "before": before, "after": after, "key": key})
+    # Direct all-reduce with op=Sum (op known), two steps.
+    comp = Compression.thc(bits=8)
+    out["sum"] = []
+    for t in range(2):
+        x = tf.constant(_inputs(r, 5, t))
+        before = {k: np.array(v, copy=True) for k, v in comp.state_dict()["tensors"].get("tf_sum", {}).items()}
+        got = hvd.allreduce(x, name="tf_sum", op=hvd.Sum, compression=comp).numpy()
+        after = {k: np.array(v, copy=True) for k, v in comp.state_dict()["tensors"]["tf_sum"].items()}
+        out["sum"].append({"x": x.numpy(), "out": got, "before": before or None, "after": after})
+    # By hand under Average: TF's int32 Average, op inferred.
+    comp = Compression.thc()
+    out["hand_average"] = []
+    for t in range(STEPS):
+        x = tf.constant(_inputs(r, 9, t))
+        payload, ctx = comp.compress(x, name="hand")
+        reduced = hvd.allreduce(payload, op=hvd.Average, name="hand.payload")
+        got = comp.decompress(reduced, ctx)
+        out["hand_average"].append({"own": payload.numpy(), "reduced": reduced.numpy(),
+                                    "reduced_dtype": reduced.dtype.name, "out": got.numpy(),
+                                    "ranges": ctx[1].ranges.numpy(), "diag": ctx[1].diag.numpy()})
+    # NaN on rank 0 after a finite step.
+    comp = Compression.thc()
+    hvd.allreduce(tf.constant(_inputs(r, 6)), name="tf_nan", compression=comp)
+    before = {k: np.array(v, copy=True) for k, v in comp.state_dict()["tensors"]["tf_nan"].items()}
+    bad = _inputs(r, 6, 1)
     if r == 0:
         bad[0, 0] = np.nan
-    out["nan"] = hvd.allreduce(tf.constant(bad), name="tf_nan", compression=Compression.thc()).numpy()
+    out["nan"] = hvd.allreduce(tf.constant(bad), name="tf_nan", compression=comp).numpy()
+    after = comp.state_dict()["tensors"]["tf_nan"]
+    out["nan_state_kept"] = all(np.array_equal(before[k], np.asarray(after[k])) for k in before)
     return out
 
 
@@ -215,105 +350,201 @@ def tf2():
 
 # ---------------------------------------------------------------- reference
 
-def _layout(bits, n):
-    width, guard = (n * ((1 << bits) - 1)).bit_length(), n.bit_length()
-    return (31 - guard) // width, width, guard
+def _layout(rec, bits, n, blocking=False):
+    """np_layout of a recorded tensor (block from its diagonal's +-1/sqrt(B))."""
+    block = int(round(1.0 / float(np.abs(rec["diag"][0])) ** 2))
+    return np_layout(bits, n, rec["x"].size if "x" in rec else D, block, blocking)
 
 
-def _unpack(words, bits, n, padded):
-    lanes, width, guard = _layout(bits, n)
-    shifts = guard + width * np.arange(lanes)
-    return ((np.asarray(words, np.int64)[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)[:padded]
-
-
-def _reference(records, bits, op, block):
-    """What every rank must output, in float64, from each rank's own (pre-all-reduce) levels."""
+def _check_hand(records, bits, op, blocking=False, saturation=True):
+    """One hand-made step of every rank: outputs against the float64 reference from the ranks'
+    own payloads, identical on all ranks; Horovod's reduced words against the emulation; the
+    next ranges against the ranks' statistics. Returns (reference, layout, summed levels)."""
     n = len(records)
-    padded = records[0]["diag"].size
-    levels = sum(_unpack(rec["own"][:-1], bits, n, padded) for rec in records)
-    top, delta, diag = records[0]["top"], records[0]["delta"], records[0]["diag"].astype(np.float64)
-    values = levels * delta - n * top if op == "sum" else levels / n * delta - top
-    return fwht64(values, block) * diag, levels
-
-
-def _check_exact_and_reference(records, bits, op, block, shape):
-    n = len(records)
-    for rec in records[1:]:  # shared scale and rotation; identical outputs
-        assert rec["top"] == records[0]["top"] and np.array_equal(rec["diag"], records[0]["diag"])
+    lay = _layout(records[0], bits, n, blocking)
+    for rec in records:
+        assert rec["dtype"] == "int32" and rec["own"].dtype == np.int32 and rec["own"].size == lay["total"]
+    for rec in records[1:]:  # the same grid and rotation everywhere; identical outputs
+        np.testing.assert_array_equal(rec["ranges"], records[0]["ranges"])
+        np.testing.assert_array_equal(rec["diag"], records[0]["diag"])
         np.testing.assert_array_equal(rec["out"], records[0]["out"])
-    # The all-reduced lanes hold exactly the sums of the ranks' levels (no carry), which for
-    # Average are recovered from the truncated words (step 11).
-    padded = records[0]["diag"].size
-    summed = np.sum([rec["own"].astype(np.int64) for rec in records], axis=0)
-    if op == "sum":
-        np.testing.assert_array_equal(records[0]["reduced"].astype(np.int64), summed)
-    else:
-        np.testing.assert_array_equal(records[0]["reduced"][-1], 1 << 10)  # the averaged marker K
-    ref, levels = _reference(records, bits, op, block)
-    np.testing.assert_array_equal(_unpack(summed[:-1], bits, n, padded), levels)
-    d = int(np.prod(shape))
-    out = records[0]["out"].reshape(-1).astype(np.float64)
-    np.testing.assert_allclose(out, ref[:d], rtol=0, atol=2e-6 * max(1.0, np.abs(ref).max()) * math.log2(block))
-    return levels
+    own = [rec["own"] for rec in records]
+    # What Horovod handed back is what tests/test_thc.py emulates: the sum, or trunc(sum / n).
+    np.testing.assert_array_equal(np.asarray(records[0]["reduced"]).astype(np.int64),
+                                  emulate_allreduce(own, op, n).astype(np.int64))
+    summed = np.sum([split_payload(p, lay)[0] for p in own], axis=0)
+    ref = reference_decode(own, records[0]["ranges"], records[0]["diag"], lay, op)
+    got = records[0]["out"].reshape(-1).astype(np.float64)
+    atol = 2e-6 * max(1.0, np.abs(ref).max()) * math.log2(lay["block"])
+    np.testing.assert_allclose(got, ref, rtol=0, atol=atol)
+    after = records[0].get("after")
+    if after is not None and not blocking and fingerprint_ok(own, lay):
+        np.testing.assert_allclose(after["ranges"], reference_ranges(own, lay), rtol=5e-6)
+    if blocking:  # the real Max side all-reduce of the ranks' wanted ranges
+        wanted = [reference_codes(rec["corrected"], lay, saturation)[2] for rec in records]
+        np.testing.assert_allclose(records[0]["ranges"], np.max(wanted, axis=0), rtol=1e-5)
+    return ref, lay, summed
+
+
+def _decoded_from_states(steps, op, block):
+    """Per rank: its own decoded contribution, rht(x) + e_before - e_after (float64), from its
+    states; the output every rank must hold is their sum (Sum) or mean (Average), rotated back."""
+    n = len(steps)
+    diag = steps[0]["after"]["diag"]
+    total = 0.0
+    for st in steps:
+        e_before = st["before"]["residual"] if st["before"] is not None else 0.0
+        total = total + rotated(st["x"], diag, block) + e_before - st["after"]["residual"]
+    if op == "average":
+        total = total / n
+    return unrotated(total, diag, block, steps[0]["x"].size)
+
+
+def _check_known(runs, op, block=1024):
+    """hvd.allreduce(..., compression=c) steps of every rank against the states' reference."""
+    n = len(runs)
+    for t in range(len(runs[0])):
+        steps = [run_[t] for run_ in runs]
+        for st in steps[1:]:
+            np.testing.assert_array_equal(st["out"], steps[0]["out"])
+        got = steps[0]["out"].reshape(-1).astype(np.float64)
+        if t == 0:
+            assert (got == 0).all()  # the first step sends nothing
+            continue
+        ref = _decoded_from_states(steps, op, block)
+        assert np.abs(ref).max() > 0.1
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        assert all(int(st["after"]["step"]) == t + 1 for st in steps)
+    # Error feedback across the ranks: everything sent so far plus what the ranks still carry
+    # is everything they were given (Sum; their mean under Average).
+    scale = n if op == "average" else 1
+    delivered = sum(steps["out"].reshape(-1).astype(np.float64) for steps in runs[0])
+    last = [run_[-1]["after"] for run_ in runs]
+    pending = sum(unrotated(st["residual"], st["diag"], block, runs[0][0]["x"].size) for st in last) / scale
+    given = sum(st["x"].reshape(-1).astype(np.float64) for run_ in runs for st in run_) / scale
+    np.testing.assert_allclose(delivered + pending, given, rtol=0, atol=1e-5 * len(runs[0]) * np.abs(given).max())
 
 
 # ---------------------------------------------------------------- 2 ranks, PyTorch
 
-@pytest.mark.parametrize("label,bits,block", [("default", 4, 1024), ("simple", 2, 8192)])
+@pytest.mark.parametrize("label,bits,blocking,saturation", [("default", 4, False, True), ("simple", 2, True, False)])
 @pytest.mark.parametrize("op", ["sum", "average"])
-def test_decoded_matches_float64_reference(torch2, label, bits, block, op):
-    records = [res[f"{label}_{op}"] for res in torch2]
-    assert all(rec["dtype"] == "int32" for rec in records)
-    _check_exact_and_reference(records, bits, op, block, (50, 100))
-    # ...and approximates the true sum / mean of the inputs.
-    truth = sum(_inputs(r) for r in range(2)) / (2 if op == "average" else 1)
-    err = np.linalg.norm(records[0]["out"] - truth) / np.linalg.norm(truth)
-    assert err < {4: 0.25, 2: 1.3}[bits], err
-    if label == "default":
-        assert all(0 <= rec["saturated"] < 0.01 * 5120 for rec in records)
-    else:
-        assert all(rec["saturated"] == 0 for rec in records)
+def test_decoded_matches_float64_reference(torch2, label, bits, blocking, saturation, op):
+    for t in range(STEPS):
+        records = [res[f"{label}_{op}"][t] for res in torch2]
+        ref, lay, _ = _check_hand(records, bits, op, blocking, saturation)
+        if not blocking and t == 0:
+            assert (ref == 0).all() and all((rec["out"] == 0).all() for rec in records)
+            for rec in records:  # the residual is the whole rotated input
+                np.testing.assert_allclose(rec["after"]["residual"], rotated(rec["x"], rec["diag"], lay["block"]),
+                                           rtol=0, atol=1e-5)
+            continue
+        # ...and approximates the sum / mean of what the ranks set out to send this step.
+        target = sum(unrotated(rec["corrected"], rec["diag"], lay["block"], D) for rec in records)
+        target /= (2 if op == "average" else 1)
+        err = np.linalg.norm(records[0]["out"].reshape(-1) - target) / np.linalg.norm(target)
+        assert err < {4: 0.3, 2: 1.3}[bits], (t, err)
+        for rec in records:
+            assert int(rec["after"]["step"]) == t + 1
+            if saturation:
+                assert 0 <= rec["saturated"] < 0.05 * lay["padded"]
+            else:
+                assert rec["saturated"] == 0  # this step's peak: nothing clipped
 
 
 def test_top_level_on_two_ranks(torch2):
-    records = [res["top_sum"] for res in torch2]
-    levels = _check_exact_and_reference(records, 4, "sum", 4096, (4096,))
-    assert levels.max() == 2 * 15 and (levels == 30).mean() > 0.999
+    records = [res["top_sum"][1] for res in torch2]
+    ref, lay, summed = _check_hand(records, 4, "sum", saturation=False)
+    assert summed.max() == 2 * 15 and (summed < 30).sum() <= top_level_misses_allowed(2, 4, summed.size)
 
 
 @pytest.mark.parametrize("op", ["sum", "average"])
 def test_zeros_give_zeros(torch2, op):
     for res in torch2:
-        assert (res[f"zeros_{op}"] == 0).all()
+        for out in res[f"zeros_{op}"]:
+            assert (out == 0).all()
 
 
 @pytest.mark.parametrize("label", ["nan", "inf"])
 def test_nonfinite_reaches_every_rank_and_spares_the_state(torch2, label):
     for res in torch2:
-        assert res[label] == {"all_nan": True, "state_kept": True, "step": 1}
+        rec = res[label]["rec"]
+        assert np.isnan(rec["out"]).all()
+        for field, value in rec["before"].items():  # the whole state, every field
+            np.testing.assert_array_equal(rec["after"][field], value, err_msg=field)
+        assert int(rec["after"]["step"]) == 2
+    _check_hand([res[label]["next"] for res in torch2], 4, "average")
+
+
+def test_fingerprint_mismatch_gives_zero_then_recovers(torch2):
+    runs = [res["mismatch"] for res in torch2]
+    assert [int(rec["after"]["step"]) for rec in runs[1][:2]] == [1, 2]
+    bad = [run_[2] for run_ in runs]
+    lay = _layout(bad[0], 4, 2)
+    assert not fingerprint_ok([rec["own"] for rec in bad], lay)
+    for rec in bad:
+        assert (rec["out"] == 0).all() and rec["realigned"] == 1
+        assert int(rec["after"]["step"]) == 0
+        np.testing.assert_array_equal(rec["after"]["residual"], rec["corrected"])  # nothing applied
+    for t in (3, 4):
+        records = [run_[t] for run_ in runs]
+        ref, _, _ = _check_hand(records, 4, "sum")
+        assert np.abs(ref).max() > 0.5
+        assert all(rec["realigned"] == 1 and int(rec["after"]["step"]) == t - 2 for rec in records)
 
 
 def test_tiny_tensor_goes_fp16(torch2):
     for res in torch2:
-        assert res["tiny"]["dtype"] == "float16"
+        assert res["tiny"]["dtype"] == "float16" and res["tiny"]["own"].nbytes == res["tiny_wire"] == 200
         np.testing.assert_allclose(res["tiny"]["out"], np.linspace(-1, 1, 100) * 3, atol=3e-3)
 
 
 def test_sum_is_n_times_average(torch2):
     for res in torch2:
-        total, mean = res["sum_vs_avg"]
-        np.testing.assert_allclose(total, 2 * mean, rtol=0, atol=1e-5 * np.abs(total).max())
+        for total, mean in zip(res["same_sum"], res["same_average"]):
+            np.testing.assert_allclose(total, 2 * mean, rtol=0, atol=1e-5 * max(1.0, np.abs(total).max()))
+        assert np.abs(res["same_sum"][1]).max() > 1
+
+
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_allreduce_with_compression_knows_the_op(torch2, op):
+    _check_known([res[f"known_{op}"]["steps"] for res in torch2], op)
+    assert all(res[f"known_{op}"]["ops"] == [op] * STEPS for res in torch2)
+    lay = np_layout(4, 2, D, 1024)
+    assert torch2[0][f"known_{op}"]["wire"] == 4 * lay["total"]
 
 
 @pytest.mark.parametrize("op", ["average", "sum"])
 def test_distributed_optimizer_sum_and_average(torch2, op):
+    """Synced gradients == the mean / sum of the ranks' decoded gradients (THC on the two
+    weights, 8192 and 1280 coordinates; fp16 on the biases, below min_numel)."""
     runs = [res[f"opt_{op}"] for res in torch2]
-    for a, b in zip(runs[0]["synced"], runs[1]["synced"]):
-        np.testing.assert_array_equal(a, b)
-    for i, synced in enumerate(runs[0]["synced"]):
-        truth = sum(run_["local"][i] for run_ in runs) / (2 if op == "average" else 1)
-        err = np.linalg.norm(synced - truth) / np.linalg.norm(truth)
-        assert err < 0.05, (op, i, err)  # 8 bits; biases (< min_numel) go as fp16 (~1e-3)
+    assert all(run_["ops"] == [op] * (4 * STEPS) for run_ in runs), [run_["ops"] for run_ in runs]
+    names = runs[0]["names"]
+    for t in range(STEPS):
+        steps = [run_["steps"][t] for run_ in runs]
+        for i, name in enumerate(names):
+            synced = [st["synced"][i] for st in steps]
+            np.testing.assert_array_equal(synced[0], synced[1])
+            truth = sum(st["local"][i] for st in steps) / (2 if op == "average" else 1)
+            if steps[0]["after"][name] is None:  # bias: fp16
+                np.testing.assert_allclose(synced[0], truth, rtol=0, atol=2e-3 * np.abs(truth).max())
+                continue
+            if t == 0:
+                assert (synced[0] == 0).all()
+                continue
+            per_rank = [{"x": st["local"][i], "before": st["before"][name], "after": st["after"][name]} for st in steps]
+            ref = _decoded_from_states(per_rank, op, 1024).reshape(synced[0].shape)
+            np.testing.assert_allclose(synced[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_training_matches_fp16(torch2):
+    print("final full-data cross-entropy:", torch2[0]["losses"])
+    for res in torch2:
+        losses = res["losses"]
+        for label in ("thc_simple_current",):
+            assert losses[label] <= 1.02 * losses["fp16"] + 0.005, (label, losses)
+    assert torch2[0]["losses"] == torch2[1]["losses"]
 
 
 # ---------------------------------------------------------------- 3 and 4 ranks
@@ -324,28 +555,46 @@ def test_wide_worlds(torch3, torch4, bits, op):
     for results in (torch3, torch4):
         n = len(results)
         assert [res["size"] for res in results] == [n] * n
-        levels = _check_exact_and_reference([res[f"top_{bits}_{op}"] for res in results], bits, op, 4096, (4096,))
+        _, lay, summed = _check_hand([res[f"top_{bits}_{op}"][1] for res in results], bits, op, saturation=False)
         top = (1 << bits) - 1
-        assert levels.max() == n * top and (levels == n * top).mean() > 0.999
-        assert n * top < 2 ** _layout(bits, n)[1]
-        _check_exact_and_reference([res[f"rand_{bits}_{op}"] for res in results], bits, op, 1024, (50, 100))
+        assert summed.max() == n * top and (summed < n * top).sum() <= top_level_misses_allowed(n, bits, summed.size)
+        assert summed.min() >= n * (top - 1) and n * top < 2 ** lay["width"]
+        for t in range(STEPS):
+            ref, _, _ = _check_hand([res[f"rand_{bits}_{op}"][t] for res in results], bits, op)
+            assert (ref == 0).all() if t == 0 else np.abs(ref).max() > 0.1
+
+
+def test_wide_worlds_known_average(torch3, torch4):
+    for results in (torch3, torch4):
+        _check_known([res["known_average"]["steps"] for res in results], "average")
+        assert all(res["known_average"]["ops"] == ["average"] * STEPS for res in results)
 
 
 # ---------------------------------------------------------------- TensorFlow
 
-def test_tensorflow_tape_and_sum(tf2):
-    for step in range(3):
-        g_w = [res["tape"][step][2] for res in tf2]
-        g_b = [res["tape"][step][3] for res in tf2]
+def test_tensorflow_tape(tf2):
+    for t in range(STEPS):
+        steps = [res["tape"][t] for res in tf2]
+        g_w = [st["g_w"] for st in steps]
         np.testing.assert_array_equal(g_w[0], g_w[1])
-        np.testing.assert_array_equal(g_b[0], g_b[1])
-        true_w = (tf2[0]["tape"][step][0] + tf2[1]["tape"][step][0]) / 2
-        true_b = (tf2[0]["tape"][step][1] + tf2[1]["tape"][step][1]) / 2
-        assert np.linalg.norm(g_w[0] - true_w) / np.linalg.norm(true_w) < 0.05  # 8 bits, with EF
-        np.testing.assert_allclose(g_b[0], true_b, atol=2e-3)  # fp16
-    assert all(step == 3 for step in tf2[0]["tape_step"].values()) and tf2[0]["tape_step"]
-    truth = _inputs(0, 5) + _inputs(1, 5)
+        np.testing.assert_array_equal(steps[0]["g_b"], steps[1]["g_b"])
+        true_b = (steps[0]["c_b"] + steps[1]["c_b"]) / 2
+        np.testing.assert_allclose(steps[0]["g_b"], true_b, atol=2e-3)  # fp16
+        if t == 0:
+            assert (g_w[0] == 0).all()
+            continue
+        per_rank = [{"x": st["c_w"], "before": st["before"], "after": st["after"]} for st in steps]
+        ref = _decoded_from_states(per_rank, "average", 1024).reshape(64, 128)
+        np.testing.assert_allclose(g_w[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        assert int(steps[0]["after"]["step"]) == t + 1
+
+
+def test_tensorflow_sum_average_and_nan(tf2):
+    _check_known([res["sum"] for res in tf2], "sum")
+    for t in range(STEPS):
+        records = [dict(rec, dtype="int32", x=np.zeros(D, np.float32)) for rec in (res["hand_average"][t] for res in tf2)]
+        assert all(np.asarray(rec["reduced"]).dtype.kind == "i" for rec in records)
+        ref, _, _ = _check_hand(records, 4, "average")
+        assert (ref == 0).all() if t == 0 else np.abs(ref).max() > 0.1
     for res in tf2:
-        np.testing.assert_array_equal(res["sum"], tf2[0]["sum"])
-        assert np.linalg.norm(res["sum"] - truth) / np.linalg.norm(truth) < 0.05
-        assert np.isnan(res["nan"]).all()
+        assert np.isnan(res["nan"]).all() and res["nan_state_kept"]

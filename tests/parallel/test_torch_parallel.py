@@ -14,20 +14,29 @@ from tests.reference import allreduce_fp16, fp16, reference_for_spec
 SHAPES = {"a": (64,), "b": (64,), "w": (8, 16), "s": ()}
 STEPS = 4
 
+# These tensors are all below TopKC's default min_numel (1024), so the TopKC specs set it.
+TOPKC = "topkc:ratio=0.25,chunk=8,min_numel=1"
 # name -> (spec, optimizer kwargs, zero_grad set_to_none, op)
 SCENARIOS = {
-    "topkc_none": ("topkc:ratio=0.25,chunk=8", {}, True, "average"),
-    "topkc_zero": ("topkc:ratio=0.25,chunk=8", {}, False, "average"),
-    "topkc_bpps2": ("topkc:ratio=0.25,chunk=8", {"backward_passes_per_step": 2}, True, "average"),
-    "topkc_groups": ("topkc:ratio=0.25,chunk=8", {"num_groups": 2}, True, "average"),
-    "topkc_sum": ("topkc:ratio=0.25,chunk=8", {}, True, "sum"),
-    "topkc_prev": ("topkc:ratio=0.25,chunk=8,selection=previous", {}, True, "average"),
-    "topkc_fp32_noef": ("topkc:ratio=0.3,chunk=4,payload_dtype=float32,error_feedback=false", {}, True, "average"),
+    "topkc_none": (TOPKC, {}, True, "average"),
+    "topkc_zero": (TOPKC, {}, False, "average"),
+    "topkc_bpps2": (TOPKC, {"backward_passes_per_step": 2}, True, "average"),
+    "topkc_groups": (TOPKC, {"num_groups": 2}, True, "average"),
+    "topkc_sum": (TOPKC, {}, True, "sum"),
+    "topkc_predivide": (TOPKC, {"gradient_predivide_factor": 4.0}, True, "average"),
+    "topkc_current": ("topkc:ratio=0.25,chunk=8,min_numel=1,selection=current", {}, True, "average"),
+    "topkc_min100": ("topkc:ratio=0.25,chunk=8,min_numel=100", {}, True, "average"),
+    "topkc_fp32_noef": ("topkc:ratio=0.3,chunk=4,payload_dtype=float32,error_feedback=false,min_numel=1",
+                        {}, True, "average"),
     "topk": ("topk:ratio=0.1", {}, True, "average"),
     "fp16": ("fp16", {}, True, "average"),
     "bf16": ("bf16", {}, True, "sum"),
     "none": ("none", {}, True, "average"),
 }
+# Scenarios in which w takes part in every step's loss (with a zero gradient on odd steps), so
+# Horovod never fills its gradient in: the blocking "current" selection refuses fill-ins,
+# whose order differs between ranks in general.
+DENSE = {"topkc_current"}
 
 
 def grad_of(name, rank, step, pas):
@@ -43,7 +52,7 @@ def init_of(name):
 
 
 def _train(hvd, torch, Compression, spec, opt_kwargs, set_to_none, op, steps=STEPS, start=0,
-           params=None, state=None):
+           params=None, state=None, dense=False):
     """Run ``steps`` steps from ``start``; returns (params dict, compressor)."""
     module = torch.nn.Module()
     for name in sorted(SHAPES):
@@ -68,6 +77,8 @@ def _train(hvd, torch, Compression, spec, opt_kwargs, set_to_none, op, steps=STE
                 g = grad_of(name, hvd.rank(), step, pas)
                 if g is not None:
                     loss = loss + (getattr(module, name) * torch.tensor(g)).sum()
+                elif dense:
+                    loss = loss + (getattr(module, name) * 0.0).sum()
             loss.backward()
         opt.step()
     return {k: v.detach().numpy().copy() for k, v in module.named_parameters()}, compressor
@@ -83,12 +94,12 @@ def worker():
 
     # 1. Every scenario trains STEPS steps.
     for label, (spec, kw, set_to_none, op) in SCENARIOS.items():
-        params, comp = _train(hvd, torch, Compression, spec, kw, set_to_none, op)
+        params, comp = _train(hvd, torch, Compression, spec, kw, set_to_none, op, dense=label in DENSE)
         out[label] = {"params": params, "wire": {k: tuple(v) for k, v in comp.wire_bytes().items()},
                       "state_keys": sorted(comp.state_dict()["tensors"])}
 
     # 2. Checkpoint: 3 steps, save, fresh objects, load, 3 more == 6 uninterrupted.
-    spec = "topkc:ratio=0.25,chunk=8,selection=previous"
+    spec = TOPKC
     full, _ = _train(hvd, torch, Compression, spec, {}, True, "average", steps=6)
     half, comp = _train(hvd, torch, Compression, spec, {}, True, "average", steps=3)
     saved = comp.state_dict()
@@ -112,7 +123,7 @@ def worker():
         out["bad_spec"] = str(e)
 
     # 4. NaN on rank 0 reaches every rank's output and never enters rank 0's residual.
-    comp = Compression.topkc(ratio=0.5, chunk=4)
+    comp = Compression.topkc(ratio=0.5, chunk=4, min_numel=1)
     x = torch.arange(32, dtype=torch.float32) * (hvd.rank() + 1) / 7.0
     hvd.allreduce(x, name="nan_t", compression=comp)
     before = comp.state_dict()["tensors"]["nan_t"]["residual"].clone()
@@ -125,35 +136,81 @@ def worker():
                   "residual_kept": bool(torch.equal(before, after)),
                   "residual_finite": bool(torch.isfinite(after).all())}
     # Infinity in a chunk that is not selected still reaches the output.
-    comp = Compression.topkc(ratio=0.1, chunk=4)
+    comp = Compression.topkc(ratio=0.1, chunk=4, min_numel=1)
     z = torch.ones(64)
     z[60] = float("inf") if hvd.rank() == 1 else 0.0
     out["inf_output_finite"] = bool(torch.isfinite(hvd.allreduce(z, name="inf_t", compression=comp)).all())
 
     # 5. Tensors passed through untouched: integers, empty; 0-d and non-contiguous kept.
-    comp = Compression.topkc(ratio=0.5, chunk=4)
+    comp = Compression.topkc(ratio=0.5, chunk=4, min_numel=1)
     ints = torch.arange(6, dtype=torch.int32)
     payload, ctx = comp.compress(ints)
     out["int_passthrough"] = payload is ints and ctx is None
     empty = torch.zeros(0)
     out["empty_passthrough"] = comp.compress(empty)[0] is empty
     nc = (torch.arange(12, dtype=torch.float32).reshape(3, 4) * (hvd.rank() + 1)).t()
-    r = hvd.allreduce(nc, name="nc_t", compression=Compression.topkc(ratio=1.0, chunk=5), op=hvd.Sum)
+    r = hvd.allreduce(nc, name="nc_t", compression=Compression.topkc(ratio=1.0, chunk=5, min_numel=1), op=hvd.Sum)
     out["noncontig"] = (tuple(r.shape), r.numpy().copy())
     s = hvd.allreduce(torch.tensor(2.5 * (hvd.rank() + 1)), name="scalar_t",
                       compression=Compression.topk(ratio=1.0), op=hvd.Sum)
     out["scalar"] = (tuple(s.shape), float(s))
     h = hvd.allreduce(torch.full((10,), 1.5, dtype=torch.float16), name="half_t",
-                      compression=Compression.topkc(ratio=1.0, chunk=4), op=hvd.Sum)
+                      compression=Compression.topkc(ratio=1.0, chunk=4, min_numel=1), op=hvd.Sum)
     out["half"] = (str(h.dtype), h.float().numpy().copy())
 
     # 6. Without a name or an optimizer frame the tensor cannot be identified: a clear error.
     try:
-        Compression.topkc().compress(torch.ones(8))
+        Compression.topkc(min_numel=1).compress(torch.ones(8))
         out["no_key"] = None
     except ValueError as e:
         out["no_key"] = str(e)
+
+    # 7. A skipped step (inf on rank 0 at step 1) leaves EVERY rank's state as it was.
+    comp = Compression.topkc(ratio=0.5, chunk=2, min_numel=1)
+    states, outs = [], []
+    for step in range(3):
+        g = SKIP_GRADS[step](hvd.rank())
+        outs.append(hvd.allreduce(torch.tensor(g, dtype=torch.float32), name="skip_t", compression=comp).numpy().copy())
+        states.append({f: v.numpy().copy() for f, v in comp.state_dict()["tensors"]["skip_t"].items()})
+    out["skip"] = {"outs": outs, "states": states}
+
+    # 8. Ops whose meaning a selected payload loses are refused on every rank before any
+    # collective (the next collective still pairs up); the fp16 cast takes them.
+    refused = {}
+    for label, hop in (("adasum", hvd.Adasum), ("min", hvd.Min), ("max", hvd.Max)):
+        try:
+            hvd.allreduce(torch.ones(64), name=f"op_{label}", op=hop,
+                          compression=Compression.topkc(min_numel=1))
+            refused[label] = None
+        except ValueError as e:
+            refused[label] = str(e)
+    out["refused"] = refused
+    out["after_refusal"] = float(hvd.allreduce(torch.tensor(float(hvd.rank() + 1)), name="after_refusal", op=hvd.Sum))
+    v = torch.tensor([1.0, -1.0, 0.5, 3.0]) * (hvd.rank() + 1)
+    out["fp16_max"] = hvd.allreduce(v, name="fp16_max", op=hvd.Max, compression=Compression.fp16()).numpy().copy()
+    out["fp16_min"] = hvd.allreduce(v, name="fp16_min", op=hvd.Min, compression=Compression.fp16()).numpy().copy()
+
+    # 9. No name: a stateless compressor needs none.
+    out["fp16_no_name"] = hvd.allreduce(v, compression=Compression.fp16()).numpy().copy()
+    out["fp16_no_name_sum"] = hvd.allreduce(v, op=hvd.Sum, compression=Compression.fp16()).numpy().copy()
+
+    # 10. A gradient that requires grad leaves no autograd graph in the state.
+    comp = Compression.topkc(ratio=0.5, chunk=4, min_numel=1)
+    leaf = torch.arange(16, dtype=torch.float32).requires_grad_()
+    for tensor in (leaf * (hvd.rank() + 1), leaf):
+        hvd.allreduce(tensor, name="grad_t", compression=comp)
+    kept = comp._read_state("grad_t")
+    out["autograd"] = [(f, bool(t.requires_grad), t.grad_fn is None) for f, t in zip(kept._fields, kept)]
     return out
+
+
+# Step s of the skipped-step check, on rank r: (r + 1) * [1, 2, 3, 4]; then an inf on rank 0
+# and zeros on rank 1; then a normal step again.
+SKIP_GRADS = [
+    lambda r: [(r + 1) * v for v in (1.0, 2.0, 3.0, 4.0)],
+    lambda r: [float("inf"), 0.0, 0.0, 0.0] if r == 0 else [0.0, 0.0, 0.0, 0.0],
+    lambda r: [0.5, -0.25, 2.0, 1.0],
+]
 
 
 @pytest.fixture(scope="module")
@@ -204,19 +261,33 @@ def test_scenario_matches_float64_reference(results, label):
 
 
 def test_one_residual_per_parameter(results):
-    for label in ("topkc_none", "topkc_groups", "topkc_bpps2", "topk"):
+    for label in ("topkc_none", "topkc_groups", "topkc_bpps2", "topkc_current", "topk"):
         assert results[0][label]["state_keys"] == ["a", "b", "s", "w"], label
     assert results[0]["fp16"]["state_keys"] == []
+    assert results[0]["topkc_min100"]["state_keys"] == ["w"]  # a, b, s go as fp16
+
+
+def test_predivide_factor_changes_nothing(results):
+    """gradient_predivide_factor=4: Horovod scales the float payload by 1/4 before the sum and
+    by 4 after it; values and scores alike come back as without it."""
+    for r in results:
+        for k in SHAPES:
+            np.testing.assert_allclose(r["topkc_predivide"]["params"][k], r["topkc_none"]["params"][k],
+                                       rtol=1e-6, atol=1e-6, err_msg=k)
 
 
 def test_wire_bytes(results):
     wire = results[0]["topkc_none"]["wire"]
-    # a: 64 coords -> 8 chunks of 8, k = 2: payload 16 fp16 = 32 bytes; scores 8 float32.
-    assert wire["a"] == (32, 32, 1)
-    # w: 128 coords -> 16 chunks, k = 4: 32 coords; s: 1 chunk.
-    assert wire["w"] == (64, 64, 1) and wire["s"] == (16, 4, 1)
-    prev = results[0]["topkc_prev"]["wire"]
-    assert prev["a"] == ((16 + 8) * 2, 0, 0)
+    # a: 64 coords -> 8 chunks of 8, k = 2: 16 values + 8 scores in fp16, one collective.
+    assert wire["a"] == ((16 + 8) * 2, 0, 0)
+    # w: 128 coords -> 16 chunks, k = 4: 32 values + 16 scores; s: 1 chunk of 8 + 1 score.
+    assert wire["w"] == ((32 + 16) * 2, 0, 0) and wire["s"] == ((8 + 1) * 2, 0, 0)
+    current = results[0]["topkc_current"]["wire"]
+    # The blocking variant: values only; the chunk scores (float32) in a side all-reduce.
+    assert current["a"] == (32, 32, 1)
+    assert current["w"] == (64, 64, 1) and current["s"] == (16, 4, 1)
+    small = results[0]["topkc_min100"]["wire"]
+    assert small["a"] == (128, 0, 0) and small["s"] == (2, 0, 0) and small["w"] == ((32 + 16) * 2, 0, 0)
     assert results[0]["topk"]["wire"]["w"] == (128 * 4, 0, 0)
     assert results[0]["fp16"]["wire"]["w"] == (256, 0, 0)
     assert results[0]["none"]["wire"]["w"] == (512, 0, 0)
@@ -237,7 +308,7 @@ def test_nonfinite_reaches_every_rank_not_residual(results):
         assert r["nan"]["output_finite"] is False
         assert r["nan"]["residual_finite"] is True
         assert r["inf_output_finite"] is False
-    assert results[0]["nan"]["residual_kept"] is True
+        assert r["nan"]["residual_kept"] is True  # on every rank, not only the one with the NaN
 
 
 def test_bad_input_shapes_and_dtypes(results):
@@ -251,3 +322,48 @@ def test_bad_input_shapes_and_dtypes(results):
         assert r["half"][0] == "torch.float16"
         np.testing.assert_array_equal(r["half"][1], np.full(10, 3.0))
         assert "cannot tell which parameter" in r["no_key"]
+
+
+def test_skipped_step_leaves_every_rank_state_unchanged(results):
+    """Step 1 has an inf on rank 0 and zeros on rank 1: every rank's output is non-finite and
+    every rank's residual and agreed scores after step 1 are exactly those after step 0; step 2
+    goes on from there, as the float64 reference does."""
+    ref = reference_for_spec("topkc:ratio=0.5,chunk=2,min_numel=1", 4, 2)
+    expected = [ref.step([np.array(SKIP_GRADS[s](r)) for r in range(2)], "average") for s in range(3)]
+    for r in results:
+        outs, states = r["skip"]["outs"], r["skip"]["states"]
+        assert not np.isfinite(outs[1]).all(), outs[1]
+        assert set(states[1]) == {"residual", "scores"}
+        for field in ("residual", "scores"):
+            np.testing.assert_array_equal(states[1][field], states[0][field], err_msg=f"rank {r['rank']} {field}")
+            assert np.isfinite(states[1][field]).all()
+        for s in (0, 2):
+            np.testing.assert_allclose(outs[s], expected[s], rtol=1e-3, atol=1e-3, err_msg=f"step {s}")
+        np.testing.assert_allclose(states[2]["residual"], ref.residual[r["rank"]], rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(states[2]["scores"], ref.prev, rtol=1e-3, atol=1e-3)
+    assert not np.array_equal(results[0]["skip"]["states"][0]["residual"], results[1]["skip"]["states"][0]["residual"])
+
+
+def test_ops_refused_on_every_rank_before_any_collective(results):
+    for r in results:
+        for label in ("adasum", "min", "max"):
+            message = r["refused"][label]
+            assert message is not None and "topkc" in message and f"op={label.capitalize()}" in message, message
+        assert r["after_refusal"] == 3.0  # the ranks' collectives still pair up
+        v = np.array([1.0, -1.0, 0.5, 3.0])  # rank r sent (r + 1) * v
+        np.testing.assert_array_equal(r["fp16_max"], np.maximum(v, 2 * v))
+        np.testing.assert_array_equal(r["fp16_min"], np.minimum(v, 2 * v))
+
+
+def test_fp16_without_a_name(results):
+    v = np.array([1.0, -1.0, 0.5, 3.0])
+    for r in results:
+        np.testing.assert_array_equal(r["fp16_no_name"], 1.5 * v)
+        np.testing.assert_array_equal(r["fp16_no_name_sum"], 3.0 * v)
+
+
+def test_no_autograd_graph_in_state(results):
+    for r in results:
+        assert [f for f, _, _ in r["autograd"]] == ["residual", "scores"]
+        for field, requires_grad, no_grad_fn in r["autograd"]:
+            assert not requires_grad and no_grad_fn, field

@@ -16,8 +16,9 @@ from tests.conftest import BACKENDS, one_rank_ops, scheme_steps
 pytestmark = pytest.mark.skipif(len(BACKENDS) < 2, reason="parity needs both backends")
 
 VARIANTS = [(name, {}) for name in sorted(SCHEMES)] + [
-    ("topkc", {"selection": "previous"}),
+    ("topkc", {"selection": "current"}),
     ("topkc", {"payload_dtype": "float32", "chunk": 7, "ratio": 0.3}),
+    ("topkc", {"min_numel": 4000}),  # 96 x 40 = 3840 coordinates: the fp16 path
     ("topk", {"ratio": 0.05}),
 ]
 
