@@ -234,10 +234,13 @@ class PowerSGDConfig:
 
 
 class PowerSGDState(NamedTuple):
-    residual: object  # float32, the tensor's plain 2-D reshape ([n, m]; TF ndim>=3: [m, n]): E; [0] without EF
-    p: object  # float32 [r, n]: P^ transposed, orthonormal rows (alternating; 0 after a realignment); [0] two-round
+    # float32 E in the tensor's plain 2-D reshape ([n, m]; TF ndim >= 3: [m, n]); [0] without EF
+    residual: object
+    # float32 [r, n]: P^ transposed, orthonormal rows (alternating; 0 after a realignment); [0] two-round
+    p: object
     q: object  # float32 [r, m]: Q^ transposed (alternating: orthonormal rows; two-round: unit rows)
-    step: object  # int64 []: steps completed since the start or the last realignment; parity = the factor that travels
+    # int64 []: steps since the start or the last realignment; its parity says which factor travels
+    step: object
     fill: object  # float32 [r, K]: U (step 3), the same on every rank (alternating; [0] two-round)
     realigned: object  # int64 []: steps whose ranks disagreed (step 8), output 0 (diagnostic)
     version: object  # int64 []: STATE_VERSION

@@ -68,7 +68,12 @@ Steps of ``decompress`` / ``finish``:
 
 A stale range clips what this step's gradient has beyond it; saturation counts those
 coordinates and error feedback carries them into the next steps (the ranges follow within a
-step, since the statistics are of ``y``, residual included).
+step, since the statistics are of ``y``, residual included). A block that had no data on any
+rank last step has range 0 and sends nothing this step: its content waits one step in error
+feedback. Measured (tests/test_thc.py): blocks 1000x apart in scale all get relative errors
+of 0.14-0.26 (one global range: about 100 for the small blocks); an embedding gradient with
+20 of 20000 rows touched has one-step NMSE 0.02-0.07 when the same rows recur, 0.42-0.55
+when every step touches new rows (they arrive a step later).
 
 ``range="current"`` is the paper's blocking form: step 2's per-block range is all-reduced
 (Max) by a synchronous side collective inside ``compress`` and used in this same step (no
@@ -138,7 +143,7 @@ def saturation_threshold(rate: float) -> float:
 
 
 class LaneLayout(NamedTuple):
-    """How levels sit in an int32 word (step 7): ``lanes`` lanes of ``width`` bits above ``guard``."""
+    """How levels sit in an int32 word (step 5): ``lanes`` lanes of ``width`` bits above ``guard``."""
 
     lanes: int
     width: int
@@ -163,7 +168,8 @@ def lane_layout(bits: int, world_size: int) -> LaneLayout:
 
 
 def wire_bits(bits: int, world_size: int) -> float:
-    """Payload bits per (padded) coordinate: ``32 / lanes`` (marker and padding not counted)."""
+    """Payload bits per (padded) coordinate: ``32 / lanes`` (statistics, control words and
+    padding not counted)."""
     return 32.0 / lane_layout(bits, world_size).lanes
 
 
@@ -178,7 +184,7 @@ def exact_words(ops, words, summed, world_size: int, guard: int):
 
     Returns:
         int64 [m]: ``words`` under Sum; under Average the smallest multiple of ``2**g`` that is
-        ``>= n * words`` (see the module docstring, step 11, for why that is exact).
+        ``>= n * words`` (see the module docstring, step 6, for why that is exact).
     """
     scaled = words * world_size + ((1 << guard) - 1)
     recovered = ops.left_shift(ops.right_shift(scaled, guard), guard)
@@ -195,6 +201,7 @@ class THCConfig:
         bits: bits per level, ``L = 2**bits - 1`` levels above 0; integer in [1, 16], default
             4 (THC's). Fewer compresses harder; the wire cost is in the module docstring's table.
             Tuning: keep 4 with saturation; try 2 only with error feedback and watch the loss.
+            1 bit diverges with error feedback (its rounding noise exceeds the signal).
         rotation: "partial" (default; blocks of ``2**rotation_stages``) or "full" (one block of
             ``next_pow2(d)``, up to 2x padding on the wire).
         rotation_stages: ``k`` butterfly stages of the partial rotation, integer in [1, 30];
@@ -346,7 +353,8 @@ class THCScheme(Scheme):
         if slots > n:
             values = ops.concat([values, ops.zeros((slots - n,), "int32", like)], 0)
         shifts = ops.constant([lay.guard + j * lay.width for j in range(lay.lanes)], "int32", like)
-        return ops.sum(ops.left_shift(ops.reshape(values, (words, lay.lanes)), shifts), 1)
+        # PyTorch sums int32 into int64: cast back, the words fit int32 by construction.
+        return ops.cast(ops.sum(ops.left_shift(ops.reshape(values, (words, lay.lanes)), shifts), 1), "int32")
 
     @staticmethod
     def _unpack(ops, words, lay: LaneLayout, count: int, like):
@@ -398,7 +406,9 @@ class THCScheme(Scheme):
         top = ops.reshape(ranges, (nb, 1))
         delta = top * (2.0 * (1.0 + 2.0 ** -20) / levels_max)
         clipped = ops.minimum(ops.maximum(yb, top * -1.0), top)
-        saturated = ops.sum(ops.cast(ops.abs(yb) > top, "int64"), None)
+        # Clipped coordinates of blocks that had a range (a block without one sends nothing
+        # this step by design: it waits in error feedback, and is not counted).
+        saturated = ops.sum(ops.cast(ops.logical_and(ops.abs(yb) > top, top > 0.0), "int64"), None)
         u = (clipped + top) / ops.maximum(delta, _TINY_RANGE)
         low = ops.floor(u)
         uniform = ops.reshape(self._uniform(ops, info, state.step, P, x), (nb, B))

@@ -34,9 +34,11 @@ least two steps.
 Training: the workload of tests/parallel/test_training.py (a 64-32-10 MLP on scikit-learn's
 digits, each rank holding half the data, full-batch gradient descent, lr 0.5, 200 steps from
 the same initial weights; the 32x64 weight goes through THC, the rest is below ``min_numel``
-and goes as fp16). THC's default and the simple adaptation with this step's ranges
-(``thc:rotation=full,saturation=false,range=current``, the blocking variant) must end within
-2 % + 0.005 of the fp16 run's full-data cross-entropy.
+and goes as fp16). The simple adaptation with this step's ranges
+(``thc:rotation=full,saturation=false,range=current``, the blocking variant, whose side
+all-reduce runs inside Horovod's backward hooks here) must end within 2 % + 0.005 of the fp16
+run's full-data cross-entropy, as THC's default must in test_training.py (measured here:
+0.122464 against fp16's 0.122461).
 """
 import math
 
