@@ -71,7 +71,7 @@ class HorovodCompressor:
     ops = None  # the backend's Primitives (class attribute of the subclass)
 
     def __init__(self, scheme):
-        self.scheme = scheme
+        self.scheme = scheme.bind(self.ops)
         self._infos = {}
         self._wire = {}
         self._pending = {}
@@ -295,6 +295,7 @@ class HorovodCompressor:
                              for v, f in zip(loaded, fresh)])
 
     def _check_loaded(self, key, loaded, fresh):
+        self.scheme.check_loaded(key, loaded)
         check_state(loaded, fresh, key)
         for field, a, b in zip(fresh._fields, loaded, fresh):
             if tuple(self.ops.shape(a)) != tuple(self.ops.shape(b)):
@@ -336,6 +337,7 @@ class HorovodCompressor:
         for key, fields in state_dict["tensors"].items():
             info = self._infos.get(key)
             if info is not None and self._has_state(key):
+                self.scheme.check_loaded(key, _FieldBag(fields))
                 current = self._read_state(key)
                 loaded = type(current)(**{f: fields.get(f) for f in current._fields}) \
                     if set(fields) == set(current._fields) else None

@@ -161,6 +161,16 @@ class Scheme:
     def wire(self, info: TensorInfo) -> WireBytes:
         raise NotImplementedError(f"{type(self).__name__}.wire")
 
+    def bind(self, ops):
+        """Called once by the adapter with its backend's primitives, before any other method
+        (for facts ``wire`` needs and gets no ``ops`` for, e.g. a kernel layout); returns self."""
+        return self
+
+    def check_loaded(self, key: str, loaded):
+        """Raise ValueError, naming the reason, if ``loaded`` (a tensor's saved state: a
+        NamedTuple-like with ``_fields``) was written in a format this scheme no longer reads;
+        default: accept (the adapters check fields and shapes)."""
+
     def blocks(self, info: TensorInfo) -> bool:
         """True if compress posts a blocking side collective for this tensor (``blocking``
         variants, except on the tensors they send uncompressed)."""
@@ -203,15 +213,28 @@ def poison(ops, payload, finite):
     return payload + ops.cast(ops.where(finite, 0.0, float("nan")), ops.dtype(payload))
 
 
-def saturating_cast(ops, x, dtype: str):
-    """``x`` (float32) cast to a float payload dtype, finite values clamped to its range.
+def fp16_floor(value: float) -> float:
+    """The largest float16 value <= ``value`` (host side; ``value`` in (0, 65504])."""
+    import struct
+    bits = struct.unpack("<H", struct.pack("<e", value))[0]
+    while struct.unpack("<e", struct.pack("<H", bits))[0] > value:
+        bits -= 1
+    return struct.unpack("<e", struct.pack("<H", bits))[0]
 
-    A finite gradient above float16's 65504 must not become inf on the wire: the payload
-    carries +-65504 and the rest stays in the sender's error feedback (its residual is
-    ``x - decoded(payload)``). NaN stays NaN (a failed step must still be seen as one).
+
+def saturating_cast(ops, x, dtype: str, ranks: int = 1):
+    """``x`` (float32) cast to a float payload dtype, finite values clamped so that the sum of
+    ``ranks`` such payloads stays finite.
+
+    A finite gradient above float16's range must not become inf on the wire: each rank's
+    value is clamped at the largest float16 <= 65504 / ranks (a sum of ``ranks`` of them,
+    rounded to float16 at each addition, stays <= 65504), and the rest stays in the sender's
+    error feedback (its residual is ``x - decoded(payload)``). NaN stays NaN (a failed step
+    must still be seen as one).
     """
     if dtype == "float16":
-        x = ops.minimum(ops.maximum(x, -FP16_MAX), FP16_MAX)
+        limit = fp16_floor(FP16_MAX / ranks)
+        x = ops.minimum(ops.maximum(x, -limit), limit)
     return ops.cast(x, dtype) if dtype != "float32" else x
 
 

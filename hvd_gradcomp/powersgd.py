@@ -18,7 +18,7 @@ Policy and matrix view (static: shape, options and the framework's kernel layout
        A tensor is compressed iff it has >= 2 dimensions, is not empty and
        ``r (n + m) min_compression_rate <= n m``. Every other tensor (vectors, scalars, small or
        square-ish matrices) is sent uncompressed: float16 pre-scaled by ``1/W`` (as the
-       ``fp16`` scheme, but saturating at +-65504 instead of overflowing to inf), or float32.
+       ``fp16`` scheme), or float32.
 
 ``variant="alternating"`` (the default; ACP-SGD, Zhang, Shi, Li et al., "Evaluation and
 Optimization of Gradient Compression for Distributed Deep Learning", ICDCS 2023). State per
@@ -116,7 +116,7 @@ random matrix ``U`` (``r x K``), and a count of realignments. Steps:
        becomes the aggregate with unit columns (a zero or non-finite column keeps the old
        one). Finish keeps the whole state when the payload is not finite.
     Warm-up (``start_step > 0``, this variant only): while ``t < start_step`` the full ``M_i``
-    goes through a side all-reduce (float16 pre-scaled by ``1/W``, saturating), named
+    goes through a side all-reduce (float16 pre-scaled by ``1/W``), named
     ``hvd_gradcomp.powersgd.full.<key>``, and the ``r m`` payload carries ``1/W`` in every
     coordinate (after Sum it reads 1, after Average ``1/W``; decompress multiplies the summed
     matrix by it). The residual becomes 0, ``Q`` is untouched. The branch is
@@ -142,7 +142,7 @@ Distributed Optimization", NeurIPS 2019 (https://github.com/epfml/powersgd).
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit, payload_finite, poison, saturating_cast
+from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit, payload_finite, poison
 from .orthogonalize import basis, orthogonalize
 from .rng import normal, step_key, stream_key, uniform
 
@@ -184,7 +184,7 @@ class PowerSGDConfig:
             each step) only with ``variant="two_round"``.
         seed: key of the shared generator for the random start (any integer; default 0).
             All ranks must use the same seed.
-        uncompressed_dtype: "float16" (default; pre-scaled by 1/world_size, saturating) or
+        uncompressed_dtype: "float16" (default; pre-scaled by 1/world_size) or
             "float32", for the tensors step 1 leaves uncompressed.
         variant: "alternating" (default: one all-reduce per tensor, P and Q travel on
             alternate steps, compress waits on no other rank) or "two_round" (the original
@@ -407,8 +407,9 @@ class PowerSGDScheme(Scheme):
     def _uncompressed(self, ops, x, info, finite):
         if not self._fp16:
             return x  # float32 carries a NaN/inf by itself
-        half = saturating_cast(ops, x * (1.0 / info.world_size), "float16")
-        return poison(ops, half, finite)  # saturation would turn an inf into 65504
+        # No error feedback here: a value beyond float16's range becomes inf (as in the fp16
+        # baseline), every rank's payload is then non-finite and no state moves.
+        return ops.cast(x * (1.0 / info.world_size), "float16")
 
     # Steps 2-6 (alternating).
     def _alternating_compress(self, ops, matrix, state, info, finite, v):
@@ -537,7 +538,7 @@ class PowerSGDScheme(Scheme):
     def _warmup_step(self, ops, matrix, state, info, finite, v):
         """Two-round warm-up: (marker payload, [1, 1] placeholder, summed matrix, zero residual)."""
         r, size = self.config.rank, info.world_size
-        half = saturating_cast(ops, matrix * (1.0 / size), "float16")
+        half = ops.cast(matrix * (1.0 / size), "float16")  # nothing is fed back: inf, not clipped
         half = ops.allreduce(half, "sum", self._side_name("full", info), info.group)
         summed = ops.cast(half, "float32") * float(size)
         # 1/size in every coordinate; Horovod's Sum makes it 1, Average 1/size.

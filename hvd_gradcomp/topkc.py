@@ -11,7 +11,8 @@ Steps of ``compress`` (``selection="previous"``, the default; ``d`` coordinates,
        the first step all scores are 0 and the first ``k`` chunks go.
     3. Payload values: the selected chunks packed densely, ``k * chunk`` values pre-scaled by
        1/n (so n ranks' float16 sum stays in range, as in ``fp16``) and cast to
-       ``payload_dtype`` with saturation (a finite value never becomes inf on the wire).
+       ``payload_dtype`` with saturation at the largest float16 <= 65504 / n, so that no
+       finite gradient makes the n-rank sum inf (the excess stays in error feedback).
     4. Residual: ``e' = c`` with the sent values (as decoded) subtracted from the selected
        chunks: unsent chunks, fp16 rounding and anything the saturation cut.
     5. Scores for the next step: the squared L2 norm of each chunk of ``g + e'``, the best
@@ -165,7 +166,7 @@ class TopKCScheme(Scheme):
             ranking = state.scores
         idx = ops.argsort(ranking)[:k]
         # Step 3.
-        wire = saturating_cast(ops, ops.gather(chunks, idx) * (1.0 / n), cfg.payload_dtype)
+        wire = saturating_cast(ops, ops.gather(chunks, idx) * (1.0 / n), cfg.payload_dtype, n)
         payload = ops.reshape(wire, (k * cfg.chunk,))
         residual = None
         if cfg.error_feedback:

@@ -202,9 +202,6 @@ def test_overflow_saturates_and_the_excess_arrives_later(backend):
     assert np.sum(outs, axis=0)[0] == pytest.approx(70000.0 + 9e-3, rel=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="topkc.py saturates each rank's x/n at +-65504, so the "
-                   "n-rank fp16 sum can still overflow; the clamp should be 65504/n (rounded "
-                   "down to an fp16 value) so the excess stays in error feedback (reported)")
 @pytest.mark.parametrize("backend", BACKENDS[:1])
 def test_overflow_on_every_rank_does_not_skip_the_step(backend):
     """Two ranks both at 70000: each sends 35000 > 65504 / 2, whose fp16 sum is inf."""

@@ -36,7 +36,7 @@ def _allreduce(x, op, name, group=None):
     import horovod.torch as hvd
     hop = {"sum": hvd.Sum, "max": hvd.Max}[op]
     kwargs = {} if group is None else {"process_set": group}
-    handle = hvd.allreduce_async(x, op=hop, name=name, **kwargs)
+    handle = hvd.allreduce_async(x.contiguous(), op=hop, name=name, **kwargs)
     limit = float(os.environ.get("HVD_GRADCOMP_SIDE_TIMEOUT", "60"))
     deadline, pause = time.monotonic() + limit, 1e-5
     while not hvd.poll(handle):

@@ -25,9 +25,9 @@ Observed Horovod 0.28.1 fact (scenario (f)): without a compressor, ``Distributed
 inside ``tf.function`` names each all-reduce after the gradient's op name
 (``HorovodAllreduce_gradient_tape_dense_1_BiasAdd_...``), which carries the layer name, so when
 layer names differ between ranks Horovod itself waits forever for names that never match
-(unless ``tape.gradient(..., use_generic_names=True)``). So (f) has no ``BASELINE``; a
-compressor's payload is a new tensor named inside Horovod's ``cond`` branch, and its
-collectives must not depend on the variables' names either.
+(unless ``tape.gradient(..., use_generic_names=True)``). So (f) has no ``BASELINE``. With a
+compressor, Horovod all-reduces the compressor's payload instead, and neither its name nor
+the compressor's own keys and collectives may depend on the variables' names.
 """
 import os
 import pickle

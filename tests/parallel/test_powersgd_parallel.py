@@ -415,7 +415,8 @@ def test_nan_reaches_every_rank_and_no_state(torch_results, variant):
         v = res[variant]
         assert np.isnan(v["nan_out"][1]).all()
         assert np.isfinite(v["nan_out"][0]).all() and np.isfinite(v["nan_out"][2]).all()
-        assert v["nan_state_kept"] == {f: True for f in ("residual", "p", "q", "step", "fill", "realigned", "version")}
+        fields = ("residual", "p", "q", "step", "fill", "realigned", "version")
+        assert v["nan_state_kept"] == {f: True for f in fields}
         assert v["nan_state_finite"]
     _same_on_all_ranks([res[variant]["nan_out"] for res in torch_results])
 
@@ -451,7 +452,8 @@ def test_checkpoint_on_one_rank_realigns(torch_results):
     a, b = torch_results
     assert (a["split_out"][0] == 0).all() and (b["split_out"][0] == 0).all()
     for res in (a, b):
-        np.testing.assert_allclose(res["split_states"][0]["residual"], res["split_corrected0"], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(res["split_states"][0]["residual"], res["split_corrected0"],
+                                   rtol=1e-6, atol=1e-6)
         assert [int(s["step"]) for s in res["split_states"]] == [0, 1, 2, 3]
         assert [int(s["realigned"]) for s in res["split_states"]] == [1, 1, 1, 1]
         assert res["split_metrics"] == {"split": {"realigned": 1}}

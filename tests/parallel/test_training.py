@@ -15,7 +15,7 @@ Also an 8-rank launch checks that fp16 sums of large values do not overflow.
 import numpy as np
 import pytest
 
-from tests.hvdrun import run
+from tests.hvdrun import default_timeout, run
 
 SPECS = {"fp16": "fp16", "topkc_ef": "topkc:ratio=0.05,chunk=16,min_numel=1",
          "topkc_no_ef": "topkc:ratio=0.05,chunk=16,error_feedback=false,min_numel=1",
@@ -73,7 +73,9 @@ def worker_fp16_large_and_tiny():
 
 @pytest.fixture(scope="module")
 def trained():
-    return run(worker, np=2)
+    # 9 runs of 200 steps: 2.3 minutes measured alone on 2 cores, over 3 minutes (beyond the
+    # default 180 s) while other launches share them.
+    return run(worker, np=2, timeout=max(600.0, default_timeout()))
 
 
 @pytest.fixture(scope="module")
