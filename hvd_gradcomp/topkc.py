@@ -24,7 +24,17 @@ Steps of ``compress`` (``selection="previous"``, the default; ``d`` coordinates,
        scores of ``c`` taken before sending, as the first version did, 205 (+58 %): they
        re-select the chunks the step has just flushed. Normalised by their maximum (non-finite as 0), cast to
        ``payload_dtype``, appended to the payload: ``m`` values.
-    6. Horovod all-reduces ``[values..., scores...]`` (Sum or Average).
+    6. A vote: 16 values, 1 in the slot of a hash of this rank's selected chunks, 0 elsewhere.
+       Horovod all-reduces ``[values..., scores..., votes...]`` (Sum or Average; a rank in
+       ``hvd.join()`` contributes zeros, so no vote).
+
+If more than one slot holds votes, the ranks selected different chunks (a rank whose state is
+not the others': a checkpoint loaded on one rank only, a rank back from ``hvd.join()``):
+``decompress`` returns 0 for the tensor (never a wrong sum), ``finish`` gives every rank back
+what it sent (its residual becomes all of ``c``), the scores realign to the all-reduced ones
+on every rank, and ``metrics()["realigned"]`` counts the step. Two different selections go
+unseen only when their hashes share a slot (1 in 16); the next step realigns them anyway,
+since every rank then holds the same scores.
 
 ``decompress``: cast, undo the pre-scale, scatter the chunks into zeros, drop the padding.
 ``finish``: if the all-reduced payload is finite, the residual becomes ``e'`` and the agreed
@@ -32,7 +42,7 @@ scores become the payload's score part; otherwise (some rank's gradient held a N
 :func:`~hvd_gradcomp.base.poison` spread to every rank's payload) both stay as they were, on
 every rank.
 
-Wire: one all-reduce of ``(k * chunk + m) * itemsize(payload_dtype)`` bytes; nothing else.
+Wire: one all-reduce of ``(k * chunk + m + 16) * itemsize(payload_dtype)`` bytes; nothing else.
 
 ``selection="current"`` is the paper's two-round form (blocking): step 2 ranks chunks by this
 step's scores of ``c``, summed across ranks by a synchronous side all-reduce inside
@@ -53,6 +63,7 @@ from typing import NamedTuple
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, payload_finite, poison, saturating_cast
 from .cast import Fp16Scheme
+from . import rng
 from .primitives import itemsize
 from .topk import check_ratio, num_selected
 
@@ -60,6 +71,8 @@ __all__ = ["TopKCConfig", "TopKCState", "TopKCScheme"]
 
 # Smallest score norm used as a divisor: an all-zero tensor's max score is 0 (0/0 is NaN).
 _TINY = 1e-30
+# Vote slots (step 6): a split vote goes unseen only if two selections hash to one slot.
+_SLOTS = 16
 _FP16 = Fp16Scheme()
 
 
@@ -111,11 +124,13 @@ class TopKCConfig:
 class TopKCState(NamedTuple):
     residual: object  # float32 [d]: error feedback ([0] when error_feedback=False)
     scores: object  # float32 [m]: agreed chunk scores from the last step ("previous"; else [0])
+    realigned: object  # int64 []: steps whose output was 0 because ranks selected differently
 
 
 class _Ctx(NamedTuple):
     idx: object  # int64 [k]: the selected chunks
-    residual: object  # float32 [d]: e' (None without error feedback)
+    left: object  # float32 [m * chunk]: e' padded (None without error feedback)
+    sent: object  # float32 [k, chunk]: what this rank sent, decoded (None without error feedback)
 
 
 class TopKCScheme(Scheme):
@@ -142,7 +157,8 @@ class TopKCScheme(Scheme):
             return EmptyState()
         m, _, _ = self._sizes(info)
         return TopKCState(ops.zeros((info.numel if cfg.error_feedback else 0,), "float32", like),
-                          ops.zeros((0 if self.blocking else m,), "float32", like))
+                          ops.zeros((0 if self.blocking else m,), "float32", like),
+                          ops.zeros((), "int64", like))
 
     def _side_name(self, info):
         return f"hvd_gradcomp.topkc.scores.{info.key}"
@@ -168,7 +184,7 @@ class TopKCScheme(Scheme):
         # Step 3.
         wire = saturating_cast(ops, ops.gather(chunks, idx) * (1.0 / n), cfg.payload_dtype, n)
         payload = ops.reshape(wire, (k * cfg.chunk,))
-        residual = None
+        residual = left = sent = None
         if cfg.error_feedback:
             # Step 4: subtract what was sent (as decoded) from the selected chunks only; the
             # chunks are a temporary here (c = g + e is a new tensor), updated in place.
@@ -183,8 +199,26 @@ class TopKCScheme(Scheme):
             scores = ops.sum(guess * guess, 1)
             scores = ops.where(ops.isfinite(scores), scores, 0.0)
             top = ops.maximum(ops.max(scores, None), _TINY)
-            payload = ops.concat([payload, ops.cast(scores / top, cfg.payload_dtype)], 0)
-        return poison(ops, payload, finite), _Ctx(idx, residual if cfg.error_feedback else None)
+            # Step 6: this rank's vote for the selection it made.
+            payload = ops.concat([payload, ops.cast(scores / top, cfg.payload_dtype),
+                                  self._vote(ops, idx, info, x)], 0)
+        return poison(ops, payload, finite), _Ctx(idx, left, sent)
+
+    def _vote(self, ops, idx, info, like):
+        """float [SLOTS]: 1 in the slot of a hash of the selected chunks, 0 elsewhere."""
+        mixed = rng.bits32(ops, rng.stream_key("topkc.selection", info.key), 1, like)[0]
+        h = ops.bitwise_and(rng.step_key(ops, 0, ops.sum(ops.cast(idx, "int64") * 2654435761 + mixed, None)),
+                            _SLOTS - 1)
+        return ops.cast(ops.cast(ops.arange(_SLOTS, "int64", like) == h, "float32"), self.config.payload_dtype)
+
+    def _disagree(self, ops, payload, info):
+        """bool 0-d: the ranks that contributed voted for more than one selection."""
+        voted = ops.cast(payload[self._votes_at(info):], "float32") != 0.0
+        return ops.sum(ops.cast(voted, "int64"), None) > 1
+
+    def _votes_at(self, info):
+        m, k, _ = self._sizes(info)
+        return k * self.config.chunk + m
 
     def decompress(self, ops, payload, ctx, info):
         if self._tiny(info):
@@ -192,22 +226,39 @@ class TopKCScheme(Scheme):
         cfg = self.config
         m, k, _ = self._sizes(info)
         rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
+        if not self.blocking:  # ranks that selected different chunks: 0, never a wrong sum
+            # (times 0, not a plain 0: a NaN from a failed rank must still reach the output)
+            rows = ops.where(self._disagree(ops, payload, info), rows * 0.0, rows)
         dense = ops.scatter(ctx.idx, rows * float(info.world_size), (m, cfg.chunk))
         return ops.reshape(dense, (m * cfg.chunk,))[:info.numel]
 
     def finish(self, ops, payload, ctx, state, info):
-        """Residual and agreed scores move on iff the all-reduced payload is finite."""
+        """Residual and agreed scores move on iff the all-reduced payload is finite; after a
+        split vote each rank keeps all of ``c`` (nothing was applied) and the scores realign."""
         if not len(state):
             return state
-        m, k, _ = self._sizes(info)
+        cfg = self.config
+        m, k, pad = self._sizes(info)
         ok = payload_finite(ops, payload)
         new = state
-        if ctx.residual is not None:
-            new = new._replace(residual=ops.where(ok, ctx.residual, state.residual))
-        if not self.blocking:
-            agreed = ops.cast(payload[k * self.config.chunk:], "float32")
-            new = new._replace(scores=ops.where(ok, agreed, state.scores))
+        split = self._disagree(ops, payload, info) if not self.blocking else None
+        if ctx.left is not None:
+            left = ctx.left
+            if split is not None:  # give back what was sent: an O(k chunk) update
+                chunks = ops.reshape(left, (m, cfg.chunk))
+                left = ops.reshape(ops.index_add(chunks, ctx.idx, ctx.sent * ops.cast(split, "float32")),
+                                   (m * cfg.chunk,))
+            new = new._replace(residual=ops.where(ok, left[:info.numel] if pad else left, state.residual))
+        if split is not None:
+            agreed = ops.cast(payload[k * cfg.chunk:self._votes_at(info)], "float32")
+            new = new._replace(scores=ops.where(ok, agreed, state.scores),
+                               realigned=ops.where(ok, state.realigned + ops.cast(split, "int64"),
+                                                   state.realigned))
         return new
+
+    def metrics(self, state) -> dict:
+        """``{"realigned": int64 []}``: steps whose output was 0 because ranks disagreed."""
+        return {"realigned": state.realigned} if len(state) else {}
 
     def wire(self, info: TensorInfo) -> WireBytes:
         if self._tiny(info):
@@ -216,4 +267,4 @@ class TopKCScheme(Scheme):
         size = itemsize(self.config.payload_dtype)
         if self.blocking:
             return WireBytes(k * self.config.chunk * size, 4 * m, 1)
-        return WireBytes((k * self.config.chunk + m) * size)
+        return WireBytes((k * self.config.chunk + m + _SLOTS) * size)

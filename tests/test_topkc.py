@@ -151,7 +151,8 @@ def test_previous_payload_layout_and_scores(backend):
     g0 = np.arange(40, dtype=np.float64) / 8.0
     sim.step([g0])
     payload = _np(sim.payloads[0])
-    assert sim.ops.dtype(sim.payloads[0]) == "float16" and payload.shape == (3 * 4 + 10,)
+    assert sim.ops.dtype(sim.payloads[0]) == "float16" and payload.shape == (3 * 4 + 10 + 16,)
+    assert payload[22:].sum() == 1 and set(payload[22:]) == {0, 1}  # one vote
     # Before the first step every score is 0: the first k chunks go, in order.
     np.testing.assert_array_equal(_np(sim.ctxs[0].idx), [0, 1, 2])
     np.testing.assert_array_equal(payload[:12], g0[:12].astype(np.float16))
@@ -160,9 +161,9 @@ def test_previous_payload_layout_and_scores(backend):
     np.testing.assert_array_equal(_np(sim.states[0].residual), residual)
     guess = (g0 + residual).reshape(10, 4)
     scores = (guess ** 2).sum(1)
-    np.testing.assert_allclose(payload[12:], scores / scores.max(), rtol=1e-3)
-    assert payload[12:].max() == 1.0
-    np.testing.assert_array_equal(_np(sim.states[0].scores), payload[12:])
+    np.testing.assert_allclose(payload[12:22], scores / scores.max(), rtol=1e-3)
+    assert payload[12:22].max() == 1.0
+    np.testing.assert_array_equal(_np(sim.states[0].scores), payload[12:22])
     # Next step: the chunks of highest agreed score (the last three), highest first.
     sim.step([np.zeros(40)])
     np.testing.assert_array_equal(_np(sim.ctxs[0].idx), [9, 8, 7])
@@ -247,11 +248,11 @@ def test_min_numel_sends_small_tensors_as_fp16(backend):
             np.testing.assert_allclose(_np(out), np.linspace(-3.0, 3.0, numel), rtol=1e-3, atol=1e-3)
         else:
             m, k = 4, 1
-            assert _np(payload).shape == (k * 256 + m,) and scheme.wire(info).payload == 2 * (k * 256 + m)
+            assert _np(payload).shape == (k * 256 + m + 16,) and scheme.wire(info).payload == 2 * (k * 256 + m + 16)
             assert _np(after.residual).shape == (numel,) and _np(after.scores).shape == (m,)
     small = make_scheme("topkc", min_numel=1, chunk=2)
     info = TensorInfo("t", (7,), "float32", 1, 0)
-    assert small.wire(info).payload == 2 * (2 + 4)  # k = 1 chunk of 2 values + 4 scores
+    assert small.wire(info).payload == 2 * (2 + 4 + 16)  # k = 1 chunk of 2 values + 4 scores + 16 votes
 
 
 class _Recorder:
