@@ -14,13 +14,14 @@ formed from two 32x16-bit products (:func:`_mul32`).
 Functions:
     stream_key(*parts) -> Python int: a 32-bit key from ints/strings (host side, crc32-based).
     step_key(ops, key, step) -> int64 0-d tensor mixing a static key with a step tensor.
+    hash32(ops, x) -> int64 elementwise hash of int64 values.
     bits32(ops, key, n, like) -> int64 [n] uniformly distributed in [0, 2**32).
     uniform(ops, key, n, like) -> float32 [n] uniform in [0, 1), multiples of 2**-24.
     signs(ops, key, n, like) -> float32 [n] of +-1 with probability 1/2 each.
 """
 import zlib
 
-__all__ = ["stream_key", "step_key", "bits32", "uniform", "signs", "normal"]
+__all__ = ["stream_key", "step_key", "hash32", "bits32", "uniform", "signs", "normal"]
 
 _M32 = 0xFFFFFFFF
 
@@ -47,6 +48,11 @@ def _lowbias32(ops, x):
     x = ops.bitwise_xor(x, ops.right_shift(x, 15))
     x = _mul32(ops, x, 0x846CA68B)
     return ops.bitwise_xor(x, ops.right_shift(x, 16))
+
+
+def hash32(ops, x):
+    """Elementwise 32-bit hash of int64 ``x`` in [0, 2**32) (lowbias32), int64 in [0, 2**32)."""
+    return _lowbias32(ops, ops.bitwise_and(x, _M32))
 
 
 def step_key(ops, key: int, step):

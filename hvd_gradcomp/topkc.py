@@ -24,7 +24,8 @@ Steps of ``compress`` (``selection="previous"``, the default; ``d`` coordinates,
        scores of ``c`` taken before sending, as the first version did, 205 (+58 %): they
        re-select the chunks the step has just flushed. Normalised by their maximum (non-finite as 0), cast to
        ``payload_dtype``, appended to the payload: ``m`` values.
-    6. A vote: 16 values, 1 in the slot of a hash of this rank's selected chunks, 0 elsewhere.
+    6. A vote: 16 values, 1 in the slot of a hash of this rank's selected chunks (in their
+       packing order), 0 elsewhere.
        Horovod all-reduces ``[values..., scores..., votes...]`` (Sum or Average; a rank in
        ``hvd.join()`` contributes zeros, so no vote).
 
@@ -206,9 +207,11 @@ class TopKCScheme(Scheme):
 
     def _vote(self, ops, idx, info, like):
         """float [SLOTS]: 1 in the slot of a hash of the selected chunks, 0 elsewhere."""
-        mixed = rng.bits32(ops, rng.stream_key("topkc.selection", info.key), 1, like)[0]
-        h = ops.bitwise_and(rng.step_key(ops, 0, ops.sum(ops.cast(idx, "int64") * 2654435761 + mixed, None)),
-                            _SLOTS - 1)
+        # Position-dependent: the payload packs chunks in selection order, so the same set of
+        # chunks in another order is another selection.
+        m, k, _ = self._sizes(info)
+        where = ops.cast(idx, "int64") + ops.arange(k, "int64", like) * m
+        h = ops.bitwise_and(rng.hash32(ops, ops.sum(rng.hash32(ops, where), None)), _SLOTS - 1)
         return ops.cast(ops.cast(ops.arange(_SLOTS, "int64", like) == h, "float32"), self.config.payload_dtype)
 
     def _disagree(self, ops, payload, info):
