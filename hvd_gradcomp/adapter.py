@@ -15,7 +15,19 @@ from .registry import SCHEMES, make_scheme, parse_spec
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, check_state, compress_tensor, finish_tensor, passes_through
 from .primitives import FLOAT_DTYPES
 
-__all__ = ["HorovodCompressor", "Namespace", "Factory", "Call"]
+__all__ = ["HorovodCompressor", "Namespace", "Factory", "Call", "op_name"]
+
+
+def op_name(hvd, op, average=None) -> str:
+    """Horovod's op constant ``op`` (or the deprecated ``average`` flag when ``op`` is None) as
+    a lower-case name: ``"average" "sum" "adasum" "min" "max" "product"``; ``hvd`` is the
+    framework's Horovod module."""
+    if op is None:
+        return "average" if average is None or average else "sum"
+    for name in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
+        if getattr(hvd, name, object()) == op:
+            return name.lower()
+    return str(op)
 
 
 class Call(NamedTuple):

@@ -21,7 +21,7 @@ import sys
 import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
-from hvd_gradcomp.adapter import Call, HorovodCompressor, Namespace
+from hvd_gradcomp.adapter import Call, HorovodCompressor, Namespace, op_name
 
 from .ops import OPS
 
@@ -30,17 +30,6 @@ __all__ = ["Compressor", "Compression"]
 _NO_KEY = ("{scheme}: cannot tell which variable this gradient belongs to; use the compressor "
            "through hvd.DistributedGradientTape / hvd.DistributedOptimizer, pass name= to "
            "hvd.allreduce, or call compress(tensor, name=...)")
-
-
-def op_name(op, average=None):
-    """Horovod's op constant (or the deprecated ``average`` flag) as a lower-case name."""
-    import horovod.tensorflow as hvd
-    if op is None:
-        return "average" if average is None or average else "sum"
-    for name in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
-        if getattr(hvd, name, object()) == op:
-            return name.lower()
-    return str(op)
 
 
 def _find_call(tensor) -> Call:
@@ -55,6 +44,7 @@ def _find_call(tensor) -> Call:
     differ. The owner is the ``DistributedGradientTape`` / ``DistributedOptimizer`` above.
     ``hvd.allreduce(t, name=...)`` called directly gives ``name``.
     """
+    import horovod.tensorflow as hvd
     frame = sys._getframe(2)
     call = None
     while frame is not None:
@@ -62,11 +52,11 @@ def _find_call(tensor) -> Call:
         code = frame.f_code.co_name.removeprefix("tf__")
         if code == "allreduce" and call is None and "compression" in loc:
             name = loc.get("name")
-            call = Call(name if isinstance(name, str) else None, op_name(loc.get("op"), loc.get("average")),
+            call = Call(name if isinstance(name, str) else None, op_name(hvd, loc.get("op"), loc.get("average")),
                         float(loc.get("prescale_factor", 1.0) or 1.0),
                         float(loc.get("postscale_factor", 1.0) or 1.0), loc.get("process_set"))
         elif code == "grouped_allreduce" and call is None and "compression" in loc:
-            call = Call(None, op_name(loc.get("op"), loc.get("average")),
+            call = Call(None, op_name(hvd, loc.get("op"), loc.get("average")),
                         float(loc.get("prescale_factor", 1.0) or 1.0),
                         float(loc.get("postscale_factor", 1.0) or 1.0), loc.get("process_set"))
         elif code == "allreduce_grads" and isinstance(loc.get("grads"), (list, tuple)):

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from hvd_gradcomp.adapter import Call, HorovodCompressor, Namespace
+from hvd_gradcomp.adapter import Call, HorovodCompressor, Namespace, op_name
 
 from .ops import OPS
 
@@ -27,17 +27,6 @@ __all__ = ["Compressor", "Compression"]
 _NO_KEY = ("{scheme}: cannot tell which parameter this gradient belongs to; use the compressor "
            "through hvd.DistributedOptimizer, pass name= to hvd.allreduce, or call "
            "compress(tensor, name=...)")
-
-
-def op_name(op, average=None):
-    """Horovod's op constant (or the deprecated ``average`` flag) as a lower-case name."""
-    import horovod.torch as hvd
-    if op is None:
-        return "average" if average is None or average else "sum"
-    for name in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
-        if getattr(hvd, name, object()) == op:
-            return name.lower()
-    return str(op)
 
 
 def _find_call(tensor) -> Call:
@@ -49,6 +38,7 @@ def _find_call(tensor) -> Call:
     is a fill-in. ``hvd.allreduce(t, name=..., compression=c, op=..., process_set=...)`` gives
     its arguments.
     """
+    import horovod.torch as hvd
     frame = sys._getframe(2)
     param = None
     for _ in range(8):
@@ -66,7 +56,7 @@ def _find_call(tensor) -> Call:
         names = getattr(owner, "_parameter_names", None)
         if param is not None and isinstance(names, dict) and param in names:
             grouped = frame.f_code.co_name.startswith("_grouped")
-            op = op_name(getattr(owner, "op", None))
+            op = op_name(hvd, getattr(owner, "op", None))
             factor = 1.0 if grouped else float(getattr(owner, "gradient_predivide_factor", 1.0))
             pre, post = (1.0 / factor, factor) if op == "average" and factor != 1.0 else (1.0, 1.0)
             caller = frame.f_back
@@ -79,7 +69,7 @@ def _find_call(tensor) -> Call:
         if param is None and frame.f_code.co_name == "allreduce" and "compression" in loc:
             name = loc.get("name")
             return Call(name if isinstance(name, str) else None,
-                        op_name(loc.get("op"), loc.get("average")),
+                        op_name(hvd, loc.get("op"), loc.get("average")),
                         float(loc.get("prescale_factor", 1.0)), float(loc.get("postscale_factor", 1.0)),
                         loc.get("process_set"))
         frame = frame.f_back
