@@ -38,7 +38,9 @@ class Call(NamedTuple):
     prescale, postscale: the factors Horovod will multiply the payload by before and after the
         reduction (``gradient_predivide_factor`` f gives 1/f and f under Average); 1.0 when none.
     process_set: the framework's process set of the all-reduce, or None for the global one.
-    owner: the optimizer or tape that issued the call (its state is kept apart), or None.
+    owner: what the key belongs to, stable across steps: the PyTorch optimizer, or the
+        TensorFlow variable; a second owner under the same key gets its own state
+        (``key@1``, ``key@2``, ... in order of first use), or None.
     filled_in: True when Horovod's ``synchronize()`` is filling in a gradient this rank never
         computed (an unused parameter): its collectives run in an order that differs between
         ranks.
@@ -74,7 +76,7 @@ class HorovodCompressor:
         "_infos", "_wire",
         # states loaded by load_state_dict() before the tensor was first seen
         "_pending",
-        # optimizers/tapes seen, in order of first use (their keys are kept apart)
+        # per key, the owners seen (optimizers, variables), in order of first use
         "_owners",
         # loss scale source (GradScaler / LossScaleOptimizer), see set_loss_scale()
         "_scale_source",
@@ -87,7 +89,7 @@ class HorovodCompressor:
         self._infos = {}
         self._wire = {}
         self._pending = {}
-        self._owners = []
+        self._owners = {}
         self._scale_source = None
 
     # ---- backend hooks ----
@@ -173,12 +175,13 @@ class HorovodCompressor:
                 return "<unnamed>"
             raise ValueError(self.no_key_message.format(scheme=self.scheme.name))
         if call.owner is not None:
-            for i, owner in enumerate(self._owners):
+            owners = self._owners.setdefault(key, [])
+            for i, owner in enumerate(owners):
                 if owner is call.owner:
                     break
             else:
-                i = len(self._owners)
-                self._owners.append(call.owner)
+                i = len(owners)
+                owners.append(call.owner)
             if i:
                 key = f"{key}@{i}"
         return key

@@ -41,7 +41,8 @@ def _find_call(tensor) -> Call:
     each element of ``grads`` itself to ``compress``, in the grouped and the non-grouped path
     alike; the key is the gradient's position ``grad_<j>`` in that call, as Horovod names its
     own collectives, so it is identical on every rank even when auto-generated variable names
-    differ. The owner is the ``DistributedGradientTape`` / ``DistributedOptimizer`` above.
+    differ. The owner is the variable: another variable at the same position (a second tape
+    or optimizer using this compressor) gets its own state under ``grad_<j>@1``.
     ``hvd.allreduce(t, name=...)`` called directly gives ``name``.
     """
     import horovod.tensorflow as hvd
@@ -63,17 +64,10 @@ def _find_call(tensor) -> Call:
             for j, grad in enumerate(loc["grads"]):
                 if grad is tensor:
                     variables = loc.get("vars")
-                    shape = None
-                    if variables is not None and j < len(variables):
-                        shape = getattr(variables[j], "shape", None)
-                    call = (call or Call())._replace(key=f"grad_{j}", shape=shape)
-                    break
-            else:
-                return call or Call()
-        elif call is not None and call.key is not None and call.key.startswith("grad_"):
-            owner = loc.get("self")
-            if owner is not None and "Distributed" in type(owner).__name__:
-                return call._replace(owner=owner)
+                    var = variables[j] if variables is not None and j < len(variables) else None
+                    return (call or Call())._replace(key=f"grad_{j}", owner=var,
+                                                     shape=getattr(var, "shape", None))
+            return call or Call()
         frame = frame.f_back
     return call or Call()
 
