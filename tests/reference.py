@@ -32,9 +32,18 @@ FP16_MAX = 65504.0
 F32_MAX = float(np.finfo(np.float32).max)
 
 
-def saturate_fp16(x):
-    """fp16 payload cast of finite values: clamped to +-65504 first (never inf on the wire)."""
-    return fp16(np.clip(np.asarray(x, np.float64), -FP16_MAX, FP16_MAX))
+def fp16_limit(n):
+    """The largest float16 <= 65504 / n: n values of at most this sum to <= 65504 in fp16."""
+    v = FP16_MAX / n
+    r = float(np.float16(v))
+    return r if r <= v else float(np.nextafter(np.float16(r), np.float16(0)))
+
+
+def saturate_fp16(x, n=1):
+    """fp16 payload cast of finite values, each clamped to +-fp16_limit(n) first, so the fp16
+    sum of n ranks' payloads never overflows (what the clamp cuts stays in error feedback)."""
+    limit = fp16_limit(n)
+    return fp16(np.clip(np.asarray(x, np.float64), -limit, limit))
 
 
 def fp32(x):
@@ -50,12 +59,13 @@ class RefTopKC:
     norms of ``g + e'`` (its gradient plus its new residual), normalised by that rank's own
     maximum (non-finite scores as 0), cast to the payload dtype; they are all-reduced with the
     values (fp16: summed as Horovod sums fp16, under Average divided by n) and become the
-    agreed scores of the NEXT step. "current": chunks ranked by this step's float32 scores of
-    ``c = g + e`` summed over the ranks (the blocking side all-reduce); the payload is the
-    values only. Either way each rank's residual is ``c`` minus the decoded values it sent, on
-    the selected chunks (what fp16 rounding and the saturation at +-65504 cut stays there);
-    when the all-reduced payload is not finite, every rank's residual and the agreed scores
-    stay as they were.
+    agreed scores of the NEXT step (each rank's vote for its selection rides there too; the
+    ranks simulated here always agree, so the votes change nothing). "current": chunks ranked
+    by this step's float32 scores of ``c = g + e`` summed over the ranks (the blocking side
+    all-reduce); the payload is the values only. Either way each rank's residual is ``c`` minus
+    the decoded values it sent, on the selected chunks (what fp16 rounding and the saturation
+    at the largest float16 <= 65504 / n cut stays there); when the all-reduced payload is not
+    finite, every rank's residual and the agreed scores stay as they were.
     """
 
     def __init__(self, numel, n, ratio, chunk, error_feedback=True, payload="float16",
@@ -70,8 +80,8 @@ class RefTopKC:
         self.last_payload = None  # the all-reduced payload of the last step (float64 values)
         self.last_idx = None  # the chunks selected in the last step
 
-    def _cast(self, v):
-        return saturate_fp16(v) if self.payload == "float16" else fp32(v)
+    def _cast(self, v, n=1):
+        return saturate_fp16(v, n) if self.payload == "float16" else fp32(v)
 
     def _allreduce(self, parts, op):
         if self.payload == "float16":
@@ -103,7 +113,7 @@ class RefTopKC:
             ranking = self.prev
         idx = self.last_idx = chunk_selection(list(ranking), k)
         with np.errstate(over="ignore", invalid="ignore"):
-            sent = [self._cast(p[idx] / n) for p in padded]
+            sent = [self._cast(p[idx] / n, n) for p in padded]
         # Residual e' = c - (decoded values sent), on the selected chunks only.
         new_residual = []
         for r in range(n):

@@ -79,13 +79,13 @@ def test_floor_bytes_hand_cases(backend):
     # residual state 4d read + written, dense float32 payload 4d written + read: 2*4d * 3 = 24 d.
     assert overhead.floor_bytes(topk, info, ops, topk.init(ops, info, like)) == 24 * d
     topkc = make_scheme("topkc", chunk=256, ratio=0.01)
-    # m = 4 chunks, k = 1: payload 256 values + 4 scores in fp16 = 520 B, no side collective;
-    # state: residual 4d + agreed scores 4 float32 = 16 B.
-    expected = 2 * 4 * d + 2 * (4 * d + 16) + 2 * 520
+    # m = 4 chunks, k = 1: payload 256 values + 4 scores + 16 vote slots in fp16 = 552 B, no
+    # side collective; state: residual 4d + agreed scores 4 float32 = 16 B + realigned int64.
+    expected = 2 * 4 * d + 2 * (4 * d + 16 + 8) + 2 * 552
     assert overhead.floor_bytes(topkc, info, ops, topkc.init(ops, info, like)) == expected
     current = make_scheme("topkc", chunk=256, ratio=0.01, selection="current")
     # The blocking variant: payload 512 B; side 4 float32 = 16 B; residual 4d, no scores.
-    expected = 2 * 4 * d + 2 * 4 * d + 2 * 512 + 2 * 16
+    expected = 2 * 4 * d + 2 * (4 * d + 8) + 2 * 512 + 2 * 16
     assert overhead.floor_bytes(current, info, ops, current.init(ops, info, like)) == expected
     small = TensorInfo("b", (1000,), "float32", 8, 0)  # below min_numel: fp16, no state
     assert overhead.floor_bytes(topkc, small, ops, topkc.init(ops, small, like)) == 2 * 4000 + 2 * 2000
@@ -111,9 +111,9 @@ def test_model_inputs_for_a_tiny_reference(monkeypatch):
     info = TensorInfo("t", (64, 32), "float32", 8, 0)
     wire = make_scheme("topkc").wire(info)
     bias = make_scheme("topkc").wire(TensorInfo("b", (64,), "float32", 8, 0))
-    # 2048 coordinates: 8 chunks of 256, k = 1, scores ride in the payload; the 64-bias is
-    # below min_numel and goes as fp16.
-    assert wire == (2 * (256 + 8), 0, 0) and bias == (2 * 64, 0, 0)
+    # 2048 coordinates: 8 chunks of 256, k = 1, scores and 16 vote slots ride in the payload;
+    # the 64-bias is below min_numel and goes as fp16.
+    assert wire == (2 * (256 + 8 + 16), 0, 0) and bias == (2 * 64, 0, 0)
     assert topkc["payload_bytes"] == 2 * wire.payload + bias.payload
     assert topkc["side_bytes"] == 0 and topkc["side_collectives"] == 0
     # The blocking variant: one side all-reduce (8 float32 scores) per compressed matrix.

@@ -203,14 +203,35 @@ def test_overflow_saturates_and_the_excess_arrives_later(backend):
     assert np.sum(outs, axis=0)[0] == pytest.approx(70000.0 + 9e-3, rel=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS[:1])
-def test_overflow_on_every_rank_does_not_skip_the_step(backend):
-    """Two ranks both at 70000: each sends 35000 > 65504 / 2, whose fp16 sum is inf."""
-    sim = Ranks(backend, 2, (4,), "average", ratio=0.5, chunk=2, min_numel=1)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n,op", [(2, "average"), (3, "sum")])
+def test_overflow_on_every_rank_does_not_skip_the_step(backend, n, op):
+    """Every rank at 70000: each sends the largest float16 <= 65504 / n (32752 for n = 2,
+    21824 for n = 3), so the fp16 sum stays finite, the step is not skipped, and the excess
+    arrives in later steps (float64 reference)."""
+    options = dict(ratio=0.5, chunk=2, min_numel=1)
+    sim = Ranks(backend, n, (4,), op, **options)
+    ref = _reference(n, 4, options)
     big = np.array([70000.0, 1.0, 0.5, 0.25])
-    outs = sim.step([big, big])
-    assert np.isfinite(_np(sim.reduced)).all()
-    assert all(np.isfinite(o).all() for o in outs)
+    grads = [big] + [np.full(4, 1e-3)] * 6
+    outs = []
+    for step, g in enumerate(grads):
+        got = sim.step([g] * n)
+        expected = ref.step([g] * n, op)
+        assert np.isfinite(_np(sim.reduced)).all(), step
+        for r in range(n):
+            np.testing.assert_allclose(got[r], expected, rtol=1e-3, atol=1e-3, err_msg=f"step {step} rank {r}")
+            np.testing.assert_allclose(_np(sim.states[r].residual), ref.residual[r], rtol=1e-3, atol=1e-3,
+                                       err_msg=f"step {step} rank {r} residual")
+        outs.append(got[0])
+    limit = {2: 32752.0, 3: 21824.0}[n]
+    per_rank = 1 if op == "average" else n  # the output is the mean, or the sum over ranks
+    assert outs[0][0] == limit * n * per_rank
+    # All of it arrives: what was sent plus what the ranks still owe is what came in, up to
+    # the fp16 rounding of the all-reduced sums (no rank's residual holds that).
+    owed = sum(_np(st.residual) for st in sim.states) / (n if op == "average" else 1)
+    np.testing.assert_allclose(np.sum(outs, axis=0) + owed, np.sum(grads, axis=0) * per_rank, rtol=1e-4, atol=5e-2)
+    assert np.abs(owed).max() < 0.1  # the excess of coordinate 0 has been delivered
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -54,9 +54,10 @@ def test_runs_csv_values(sweep):
     assert int(rows["fp16"]["bytes_per_step"]) == 2 * params
     assert int(rows["topkc:ratio=0.1"]["bytes_per_step"]) < int(rows["fp16"]["bytes_per_step"]) / 4
     assert float(rows["topkc:ratio=0.1"]["fp16_bytes_ratio"]) > 4
-    # The weights go as TopKC (chunk 256, k = ceil(0.1 m) chunks of values + m scores, fp16),
-    # the biases below min_numel as fp16; one all-reduce per tensor, no side collective.
-    topkc_bytes = sum(2 * (256 * math.ceil(0.1 * m) + m) for m in (64 * HIDDEN // 256, HIDDEN * HIDDEN // 256,
+    # The weights go as TopKC (chunk 256, k = ceil(0.1 m) chunks of values + m scores + 16
+    # vote slots, fp16), the biases below min_numel as fp16; one all-reduce per tensor, no side
+    # collective.
+    topkc_bytes = sum(2 * (256 * math.ceil(0.1 * m) + m + 16) for m in (64 * HIDDEN // 256, HIDDEN * HIDDEN // 256,
                                                                      -(-HIDDEN * 10 // 256)))
     assert int(rows["topkc:ratio=0.1"]["bytes_per_step"]) == topkc_bytes + 2 * (HIDDEN + HIDDEN + 10)
     assert int(rows["topkc:ratio=0.1"]["side_collectives"]) == 0

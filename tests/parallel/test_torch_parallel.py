@@ -278,16 +278,17 @@ def test_predivide_factor_changes_nothing(results):
 
 def test_wire_bytes(results):
     wire = results[0]["topkc_none"]["wire"]
-    # a: 64 coords -> 8 chunks of 8, k = 2: 16 values + 8 scores in fp16, one collective.
-    assert wire["a"] == ((16 + 8) * 2, 0, 0)
+    # a: 64 coords -> 8 chunks of 8, k = 2: 16 values + 8 scores + 16 vote slots in fp16, one
+    # collective.
+    assert wire["a"] == ((16 + 8 + 16) * 2, 0, 0)
     # w: 128 coords -> 16 chunks, k = 4: 32 values + 16 scores; s: 1 chunk of 8 + 1 score.
-    assert wire["w"] == ((32 + 16) * 2, 0, 0) and wire["s"] == ((8 + 1) * 2, 0, 0)
+    assert wire["w"] == ((32 + 16 + 16) * 2, 0, 0) and wire["s"] == ((8 + 1 + 16) * 2, 0, 0)
     current = results[0]["topkc_current"]["wire"]
     # The blocking variant: values only; the chunk scores (float32) in a side all-reduce.
     assert current["a"] == (32, 32, 1)
     assert current["w"] == (64, 64, 1) and current["s"] == (16, 4, 1)
     small = results[0]["topkc_min100"]["wire"]
-    assert small["a"] == (128, 0, 0) and small["s"] == (2, 0, 0) and small["w"] == ((32 + 16) * 2, 0, 0)
+    assert small["a"] == (128, 0, 0) and small["s"] == (2, 0, 0) and small["w"] == ((32 + 16 + 16) * 2, 0, 0)
     assert results[0]["topk"]["wire"]["w"] == (128 * 4, 0, 0)
     assert results[0]["fp16"]["wire"]["w"] == (256, 0, 0)
     assert results[0]["none"]["wire"]["w"] == (512, 0, 0)
@@ -333,8 +334,8 @@ def test_skipped_step_leaves_every_rank_state_unchanged(results):
     for r in results:
         outs, states = r["skip"]["outs"], r["skip"]["states"]
         assert not np.isfinite(outs[1]).all(), outs[1]
-        assert set(states[1]) == {"residual", "scores"}
-        for field in ("residual", "scores"):
+        assert set(states[1]) == {"residual", "scores", "realigned"}
+        for field in ("residual", "scores", "realigned"):
             np.testing.assert_array_equal(states[1][field], states[0][field], err_msg=f"rank {r['rank']} {field}")
             assert np.isfinite(states[1][field]).all()
         for s in (0, 2):
@@ -364,6 +365,6 @@ def test_fp16_without_a_name(results):
 
 def test_no_autograd_graph_in_state(results):
     for r in results:
-        assert [f for f, _, _ in r["autograd"]] == ["residual", "scores"]
+        assert [f for f, _, _ in r["autograd"]] == ["residual", "scores", "realigned"]
         for field, requires_grad, no_grad_fn in r["autograd"]:
             assert not requires_grad and no_grad_fn, field
