@@ -97,5 +97,6 @@ OPS = Primitives(
     left_shift=torch.bitwise_left_shift,
     right_shift=torch.bitwise_right_shift,
     cond=_cond,
-    allreduce=_allreduce,
+    # Looked up at call time, so a harness can time it by patching ops._allreduce.
+    allreduce=lambda x, op, name, group=None: _allreduce(x, op, name, group),
 )
