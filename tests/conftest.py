@@ -29,6 +29,27 @@ def backend_ops(name):
     return OPS
 
 
+def backend_tensor(backend, values, dtype="float32"):
+    """A tensor of ``backend`` ("torch"/"tensorflow") holding ``values`` (via float64) as ``dtype``."""
+    import numpy as np
+    if backend == "torch":
+        import torch
+        from torch_backend.ops import to_torch_dtype
+        return torch.as_tensor(np.asarray(values, dtype=np.float64)).to(to_torch_dtype(dtype))
+    import tensorflow as tf
+    return tf.cast(tf.constant(np.asarray(values, dtype=np.float64)), dtype)
+
+
+def as_float64(x):
+    """A PyTorch or TensorFlow tensor as a float64 NumPy array (detached)."""
+    import numpy as np
+    if hasattr(x, "detach"):
+        import torch
+        return x.detach().to(torch.float64).numpy()
+    import tensorflow as tf
+    return np.asarray(tf.cast(x, tf.float64))
+
+
 def requires_backend(name):
     return pytest.mark.skipif(name not in BACKENDS, reason=f"backend {name} not under test")
 

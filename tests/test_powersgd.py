@@ -17,26 +17,12 @@ from hvd_gradcomp.orthogonalize import basis, orthogonalize
 from hvd_gradcomp.powersgd import (CONTROL, STATE_VERSION, PowerSGDConfig, PowerSGDScheme, PowerSGDState,
                                    matrix_view)
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
-from tests.conftest import BACKENDS, backend_ops, one_rank_ops, scheme_steps
+from tests.conftest import BACKENDS, backend_ops, one_rank_ops, scheme_steps, backend_tensor, as_float64
 
 TWO = dict(variant="two_round")
 
 
-def _tensor(backend, values, dtype="float32"):
-    if backend == "torch":
-        import torch
-        from torch_backend.ops import to_torch_dtype
-        return torch.as_tensor(np.asarray(values, dtype=np.float64)).to(to_torch_dtype(dtype))
-    import tensorflow as tf
-    return tf.cast(tf.constant(np.asarray(values, dtype=np.float64)), dtype)
-
-
-def _np(x):
-    if hasattr(x, "detach"):
-        import torch
-        return x.detach().to(torch.float64).numpy()
-    import tensorflow as tf
-    return np.asarray(tf.cast(x, tf.float64))
+_tensor, _np = backend_tensor, as_float64  # the shared helpers of tests/conftest.py
 
 
 def _low_rank(n, m, k, seed):

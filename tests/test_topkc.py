@@ -15,25 +15,11 @@ import pytest
 from hvd_gradcomp.base import FP16_MAX, EmptyState, TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.cast import Fp16Scheme
 from hvd_gradcomp.registry import make_scheme
-from tests.conftest import BACKENDS, one_rank_ops
+from tests.conftest import BACKENDS, one_rank_ops, backend_tensor, as_float64
 from tests.reference import RefTopKC
 
 
-def _tensor(backend, values, dtype="float32"):
-    if backend == "torch":
-        import torch
-        from torch_backend.ops import to_torch_dtype
-        return torch.as_tensor(np.asarray(values, dtype=np.float64)).to(to_torch_dtype(dtype))
-    import tensorflow as tf
-    return tf.cast(tf.constant(np.asarray(values, dtype=np.float64)), dtype)
-
-
-def _np(x):
-    if hasattr(x, "detach"):
-        import torch
-        return x.detach().to(torch.float64).numpy()
-    import tensorflow as tf
-    return np.asarray(tf.cast(x, tf.float64))
+_tensor, _np = backend_tensor, as_float64  # the shared helpers of tests/conftest.py
 
 
 class Ranks:
