@@ -3,10 +3,13 @@
 Horovod calls ``compress(tensor) -> (payload, ctx)`` and ``decompress(payload, ctx)`` and
 passes no name, step or op. This class keeps, per tensor key, the scheme's state and the
 static facts (shape, dtype, bytes on the wire); the backend subclasses supply the primitives,
-the tensor's identity (:meth:`_identify`), world size and rank, and state storage (plain
-tensors in PyTorch, ``tf.Variable``s in TensorFlow).
+what Horovod's calling frame says about the call (:class:`Call`: the tensor's key, op, scale
+factors, process set, owner), and state storage (plain tensors in PyTorch, ``tf.Variable``s
+in TensorFlow). Before anything is computed it refuses, on every rank, what the scheme
+cannot take (an op, a scale factor, a blocking variant on a gradient Horovod fills in).
 
-Each instance belongs to one training run: give every ``DistributedOptimizer`` its own.
+Each instance belongs to one training run. A second optimizer (or, in TensorFlow, another
+variable at the same gradient position) using the same instance gets its own state.
 """
 import dataclasses
 from typing import Any, NamedTuple
