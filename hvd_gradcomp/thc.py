@@ -434,28 +434,32 @@ class THCScheme(Scheme):
         return payload, _Ctx(ranges, residual, y, saturated, state.diag)
 
     # ---- decompress / finish ----
-    def _read(self, ops, payload, info, lay):
-        """Step 6-7 bookkeeping: (exact int64 words, contributors c, bad, mismatch, summed)."""
+    def _read(self, ops, payload, info, lay, start, stop):
+        """Steps 6-7 bookkeeping: (exact int64 words [start:stop], contributors c, bad, mismatch,
+        summed). Only those words and the control words are read: decompress needs the
+        levels, finish the statistics, and neither pays a pass over the other's part."""
         n, g = info.world_size, lay.levels.guard
-        whole = ops.cast(payload, "int64")  # Horovod may hand back another dtype under Average
+        at = lay.words + lay.stats_words
+        # int64: Horovod may hand back another dtype under Average.
+        tail = ops.cast(payload[at:], "int64")
         if info.op is not None:
             summed = info.op == "sum"
         else:  # full participation assumed: the count word is n << g under Sum, 1 << g under Average
-            summed = whole[lay.words + lay.stats_words] > (1 << g)
-        exact = exact_words(ops, whole, summed, n, g)
-        control = ops.right_shift(exact[lay.words + lay.stats_words:], g)
+            summed = tail[0] > (1 << g)
+        control = ops.right_shift(exact_words(ops, tail, summed, n, g), g)
         count, bad, s1, s2 = control[0], control[1], control[2], control[3]
         mismatch = s2 * count != s1 * s1
-        return exact, count, bad, mismatch, summed
+        words = exact_words(ops, ops.cast(payload[start:stop], "int64"), summed, n, g)
+        return words, count, bad, mismatch, summed
 
     def decompress(self, ops, payload, ctx, info):
         if self._tiny(info):
             return self._fp16.decompress(ops, payload, ctx, info)
         lay = self.layout(info)
         n, P, nb, B = info.world_size, lay.padded, lay.blocks, lay.block
-        exact, count, bad, mismatch, summed = self._read(ops, payload, info, lay)
+        exact, count, bad, mismatch, summed = self._read(ops, payload, info, lay, 0, lay.words)
         # Step 7.
-        levels = self._unpack(ops, ops.cast(exact[:lay.words], "int32"), lay.levels, P, payload)
+        levels = self._unpack(ops, ops.cast(exact, "int32"), lay.levels, P, payload)
         total = ops.reshape(ops.cast(levels, "float32"), (nb, B))
         top = ops.reshape(ctx.ranges, (nb, 1))
         delta = top * (2.0 * (1.0 + 2.0 ** -20) / ((1 << self.config.bits) - 1))
@@ -475,12 +479,13 @@ class THCScheme(Scheme):
             return state
         lay = self.layout(info)
         nb = lay.blocks
-        exact, count, bad, mismatch, _ = self._read(ops, payload, info, lay)
+        exact, count, bad, mismatch, _ = self._read(ops, payload, info, lay, lay.words,
+                                                     lay.words + lay.stats_words)
         ok = bad == 0
         if self.blocking:
             ranges = state.ranges
         else:
-            stats = self._unpack(ops, ops.cast(exact[lay.words:lay.words + lay.stats_words], "int32"),
+            stats = self._unpack(ops, ops.cast(exact, "int32"),
                                  lay.stats, 2 * nb, payload)
             stats = ops.cast(ops.reshape(stats, (nb, 2)), "float32")
             code_sum, have = stats[:, 0], stats[:, 1]

@@ -190,3 +190,20 @@ def reference_for_spec(spec, numel, n):
     if name == "topk":
         return RefTopK(numel, n, float(opts["ratio"]))
     return None
+
+
+def gram_schmidt64(p, tol=1e-4):
+    """orthogonalize() in float64: columns in order, twice projected, max-abs pre-scaled;
+    zero or dependent columns (norm below ``tol`` of the pre-projection norm) become 0."""
+    cols = []
+    for j in range(p.shape[1]):
+        v = p[:, j].copy()
+        top = np.abs(v).max()
+        v = v / top if top > 0 else v
+        norm0 = np.linalg.norm(v)
+        for _ in range(2):
+            for c in cols:
+                v = v - c * (c @ v)
+        norm = np.linalg.norm(v)
+        cols.append(v / norm if norm > norm0 * tol else v * 0.0)
+    return np.stack(cols, 1)

@@ -18,6 +18,7 @@ from hvd_gradcomp.powersgd import (CONTROL, STATE_VERSION, PowerSGDConfig, Power
                                    matrix_view)
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
 from tests.conftest import BACKENDS, backend_ops, one_rank_ops, scheme_steps, backend_tensor, as_float64
+from tests.reference import gram_schmidt64
 
 TWO = dict(variant="two_round")
 
@@ -245,20 +246,7 @@ def test_basis_fills_zero_columns_only(backend):
 
 
 # ---------------------------------------------------------------- the alternating variant
-def _orth64(a):
-    """orthogonalize() in float64 (Gram-Schmidt in order; zero/dependent columns -> 0)."""
-    cols = []
-    for j in range(a.shape[1]):
-        v = a[:, j].copy()
-        top = np.abs(v).max()
-        v = v / top if top > 0 else v
-        norm0 = np.linalg.norm(v)
-        for _ in range(2):
-            for c in cols:
-                v = v - c * (c @ v)
-        norm = np.linalg.norm(v)
-        cols.append(v / norm if norm > norm0 * 1e-4 else v * 0.0)
-    return np.stack(cols, 1)
+_orth64 = gram_schmidt64  # tests/reference.py
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -12,6 +12,7 @@ from hvd_gradcomp.base import WireBytes
 from hvd_gradcomp.powersgd import CONTROL
 from tests.conftest import BACKENDS
 from tests.hvdrun import run
+from tests.reference import gram_schmidt64
 
 SIZE = 2
 SHAPE = (24, 20)  # compressed for rank <= 2: r (n + m) * 2 <= n m
@@ -25,20 +26,7 @@ def _grad(tag, rank, step, shape=SHAPE):
 
 
 # ------------------------------------------------------------------ float64 references
-def _gram_schmidt64(p, tol=1e-4):
-    """orthogonalize() in float64: columns in order, twice projected, zero/dependent -> 0."""
-    cols = []
-    for j in range(p.shape[1]):
-        v = p[:, j].copy()
-        top = np.abs(v).max()
-        v = v / top if top > 0 else v
-        norm0 = np.linalg.norm(v)
-        for _ in range(2):
-            for c in cols:
-                v = v - c * (c @ v)
-        norm = np.linalg.norm(v)
-        cols.append(v / norm if norm > norm0 * tol else v * 0.0)
-    return np.stack(cols, 1)
+_gram_schmidt64 = gram_schmidt64  # tests/reference.py
 
 
 def _basis64(a, fill):
