@@ -4,8 +4,10 @@ Spec and hook parsing, run planning, the rolling mean and time-to-target, the st
 the compressor timing proxy, the CSV/JSON schema, the table, the plots and the doc update.
 """
 import csv
+import importlib.util
 import json
 import os
+import sys
 import time
 import types
 
@@ -62,6 +64,27 @@ def test_plan_runs_orders_and_labels():
     assert plan[4].framework == "tensorflow"
     with pytest.raises(ValueError, match="unknown workload 'mnist'"):
         tta.plan_runs(["mnist"], ["fp16"], [])
+
+
+def test_workers_are_launched_as_modules_of_the_package(tmp_path):
+    args = tta.build_parser().parse_args(["--worker-args", "--max-steps 3", "--max-seconds", "9"])
+    out = str(tmp_path / "r.json")
+    plan = tta.plan_runs(["digits", "lm", "digits-tf"], ["fp16"], ["powersgd:rank=4"])
+    commands = {r.run_id: tta._command(r, args, out) for r in plan}
+    expect = {"digits-horovod-fp16": "digits_torch", "digits-ddp-powersgd-rank-4": "ddp_torch",
+              "lm-horovod-fp16": "lm_torch", "lm-ddp-powersgd-rank-4": "ddp_torch",
+              "digits-tf-horovod-fp16": "digits_tf"}
+    assert set(commands) == set(expect)
+    for run_id, cmd in commands.items():
+        module = "hvd_gradcomp.bench.workers." + expect[run_id]
+        assert cmd[:3] == [sys.executable, "-m", module], run_id
+        assert importlib.util.find_spec(module) is not None
+        assert not any(a.endswith(".py") for a in cmd), cmd  # never a file path
+        assert cmd[-9:] == ["--seed", "0", "--out", out, "--progress", "--max-seconds", "9.0",
+                            "--max-steps", "3"], cmd
+    ddp = commands["lm-ddp-powersgd-rank-4"]
+    assert ddp[3:7] == ["--workload", "lm", "--hook", "powersgd:rank=4"]
+    assert commands["digits-horovod-fp16"][3:5] == ["--compression", "fp16"]
 
 
 # ---- rolling mean, time-to-target, stop rule ----

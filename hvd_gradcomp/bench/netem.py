@@ -53,9 +53,10 @@ from dataclasses import dataclass, field
 __all__ = ["LinkConfig", "EmulatedNetwork", "LoopbackNetwork", "LinkError", "emulation_available",
            "netem_available",
            "make_network", "launch", "Launch", "ring_allreduce_seconds", "verify_link",
-           "cleanup_stale", "REPO_ROOT"]
+           "cleanup_stale", "IMPORT_ROOT"]
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The folder holding the ``hvd_gradcomp`` package: a source checkout's root, or site-packages.
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PREFIX = "hgc"  # names of everything we create: hgc<pid>br, hgc<pid>w<i>, hgc<pid>v<i>
 _NAME_RE = re.compile(rf"^{_PREFIX}(\d+)(?:br|w\d+|v\d+)$")
 _SUBNET = "10.231"  # 10.231.S.0/24, S chosen free on this machine
@@ -418,9 +419,23 @@ def _free_port():
     return port
 
 
+def _site_dirs():
+    import site
+    dirs = list(getattr(site, "getsitepackages", lambda: [])())
+    user = getattr(site, "getusersitepackages", lambda: None)()
+    return {os.path.realpath(d) for d in dirs + ([user] if user else [])}
+
+
 def _base_env(world_size):
+    """The ranks' environment: ours, plus what makes ``python -m hvd_gradcomp...`` import.
+
+    A source checkout that is not installed goes first on PYTHONPATH, so the ranks import the
+    same code as this process; an installed package is found by the interpreter anyway (and a
+    site-packages folder on PYTHONPATH would shadow the standard library, so it is not added).
+    """
     env = dict(os.environ)
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if os.path.realpath(IMPORT_ROOT) not in _site_dirs():
+        env["PYTHONPATH"] = IMPORT_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONUNBUFFERED"] = "1"
     # One process per core: the ranks share this machine's cores.
@@ -503,6 +518,9 @@ def launch(net, argv, *, kind="horovod", env=None, log_dir=None, pipe_rank0=Fals
         log_dir: where each rank's stdout/stderr go (``rank<i>.log``); default: inherited.
         pipe_rank0: make rank 0's stdout a text pipe (``launch.procs[0].stdout``) for progress.
 
+    The ranks run in this process's working directory (relative paths in ``argv`` mean the
+    same to them as here).
+
     Returns:
         a :class:`Launch`.
     """
@@ -554,7 +572,7 @@ def launch(net, argv, *, kind="horovod", env=None, log_dir=None, pipe_rank0=Fals
             if r == 0 and pipe_rank0:
                 out = subprocess.PIPE
             procs.append(subprocess.Popen(net.wrap(r, argv), env=renv, stdout=out, stderr=err,
-                                          cwd=REPO_ROOT, start_new_session=True,
+                                          start_new_session=True,
                                           text=True if out is subprocess.PIPE else None,
                                           bufsize=1 if out is subprocess.PIPE else -1))
     except BaseException:

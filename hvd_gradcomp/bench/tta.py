@@ -11,10 +11,11 @@ What it does, in order:
    ``--bandwidth`` Mbit/s (optional ``--latency``) to a bridge; without root it falls back to
    loopback and says so in every output. The link is verified with a timed all-reduce
    against the ring model (``--link-factor``); a link that misses stops the sweep.
-3. Runs each worker script of ``examples/`` on the ranks (Horovod's rendezvous server, or
+3. Runs the workload's worker module (:mod:`.workers`, as ``python -m
+   hvd_gradcomp.bench.workers.<name>``) on the ranks (Horovod's rendezvous server, or
    torch.distributed variables for DDP), with a progress bar fed by rank 0's ``@tta`` lines.
    Each run trains to its target and a fixed number of epochs past it, or until its caps.
-4. Writes to ``--out`` (default ``runs/tta-<time>``): ``results.json`` (everything: sweep
+4. Writes to ``--out`` (default ``runs/tta-<time>`` under the current directory): ``results.json`` (everything: sweep
    metadata with versions, git commit, network and link check; every run's records),
    ``runs.csv``/``steps.csv``/``evals.csv``, ``tta_<workload>.png`` plots and ``summary.md``;
    prints the summary table (:mod:`.report` defines its columns). ``--update-doc FILE``
@@ -46,15 +47,13 @@ from .worker import PROGRESS_PREFIX
 
 __all__ = ["main", "default_specs", "parse_compressors", "plan_runs", "RunSpec", "WORKLOADS"]
 
-REPO = netem.REPO_ROOT
-EXAMPLES = os.path.join(REPO, "examples")
-
-# workload key -> (framework, script, workload name inside the script, DDP-capable)
+# workload key -> (framework, worker module, workload name inside the worker, DDP-capable)
 WORKLOADS = {
-    "digits": ("torch", "train_digits_torch.py", "digits", True),
-    "lm": ("torch", "train_lm_torch.py", "lm", True),
-    "digits-tf": ("tensorflow", "train_digits_tf.py", "digits", False),
+    "digits": ("torch", "hvd_gradcomp.bench.workers.digits_torch", "digits", True),
+    "lm": ("torch", "hvd_gradcomp.bench.workers.lm_torch", "lm", True),
+    "digits-tf": ("tensorflow", "hvd_gradcomp.bench.workers.digits_tf", "digits", False),
 }
+DDP_WORKER = "hvd_gradcomp.bench.workers.ddp_torch"  # every DDP run, whatever the workload
 # Candidate defaults, in table order; those naming an unregistered scheme or option are skipped.
 DEFAULT_CANDIDATES = (
     "none", "fp16", "topk:ratio=0.1",
@@ -151,10 +150,15 @@ def plan_runs(workloads, specs, ddp_hooks):
 
 
 def _git_commit():
+    """The commit of the source checkout this package runs from (``-dirty`` when modified);
+    None for an installed package (no ``.git`` beside it) or without git."""
+    root = netem.IMPORT_ROOT
+    if not os.path.exists(os.path.join(root, ".git")):
+        return None
     try:
-        head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -175,8 +179,9 @@ def _versions():
 
 
 def _command(run, args, out_json):
-    framework, script, wname, _ = WORKLOADS[run.workload]
-    cmd = [sys.executable, os.path.join(EXAMPLES, "train_ddp_torch.py" if run.system == "ddp" else script)]
+    """The command every rank runs: ``python -m <worker module> <flags>`` (never a file path)."""
+    framework, module, wname, _ = WORKLOADS[run.workload]
+    cmd = [sys.executable, "-m", DDP_WORKER if run.system == "ddp" else module]
     if run.system == "ddp":
         cmd += ["--workload", wname, "--hook", run.spec]
     else:
@@ -331,7 +336,8 @@ def main(argv=None) -> int:
         return 2
     for spec, why in skipped:
         print(f"tta: skipping default compressor {spec!r} ({why})", file=sys.stderr)
-    out_dir = args.out or os.path.join(REPO, "runs", "tta-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out_dir = os.path.abspath(args.out or os.path.join(
+        "runs", "tta-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
     os.makedirs(out_dir, exist_ok=True)
 
     net = netem.make_network(args.workers, link, loopback=args.loopback)

@@ -1,7 +1,8 @@
-"""What every time-to-accuracy worker script shares (framework-free; used by ``examples/``).
+"""What every time-to-accuracy worker shares (framework-free; used by :mod:`.workers`).
 
-A worker (``examples/train_*.py``) trains one model with one compressor and writes one JSON
-file (rank 0) that the harness (:mod:`hvd_gradcomp.bench.tta`) collects:
+A worker (``python -m hvd_gradcomp.bench.workers.<name>``) trains one model with one
+compressor and writes one JSON file (rank 0) that the harness (:mod:`hvd_gradcomp.bench.tta`)
+collects:
 
 1. :func:`add_common_args`: the flags every worker takes (``--compression SPEC``, ``--seed``,
    ``--target``, ``--max-epochs``, ``--max-seconds``, ``--out`` ...).

@@ -1,4 +1,4 @@
-"""PyTorch models, data shards and the training loop shared by the PyTorch example workers.
+"""PyTorch models, data shards and the training loop shared by the PyTorch TTA workers.
 
 Workloads (data: :mod:`hvd_gradcomp.bench.data`):
 
@@ -14,18 +14,14 @@ The loop (:func:`train`) is the same under Horovod and under ``torch.distributed
 of a few host numbers for evaluation.
 """
 import math
-import os
-import sys
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hvd_gradcomp.bench import data  # noqa: E402
-from hvd_gradcomp.bench.worker import Recorder  # noqa: E402
+from .. import data
+from ..worker import Recorder
 
 __all__ = ["DigitsWorkload", "LMWorkload", "WORKLOADS", "train", "versions"]
 

@@ -2,7 +2,7 @@
 
 Run under Horovod, e.g.::
 
-    horovodrun -np 2 --gloo python examples/train_digits_torch.py --compression topkc:ratio=0.01
+    horovodrun -np 2 --gloo python -m hvd_gradcomp.bench.workers.digits_torch --compression topkc:ratio=0.01
 
 The model is an MLP 64-2048-2048-10 (4,349,962 parameters, see ``torch_workloads``); data
 shards by rank, seeds are fixed (``--seed``). Each step is timed and split into:
@@ -14,22 +14,21 @@ shards by rank, seeds are fixed (``--seed``). Each step is timed and split into:
   backward started) plus any synchronous side collective issued inside ``compress``.
 
 With ``--out PATH`` rank 0 writes the records as JSON (the harness
-``python -m hvd_gradcomp.bench tta`` runs this script and collects them).
+``python -m hvd_gradcomp.bench tta`` runs this module and collects them).
 """
 import argparse
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import horovod.torch as hvd
 
-import torch  # noqa: E402
-import horovod.torch as hvd  # noqa: E402
+import torch_backend.ops
+from torch_backend import Compression
 
-import torch_workloads  # noqa: E402
-from hvd_gradcomp.bench.worker import TimedCompressor, add_common_args  # noqa: E402
-import torch_backend.ops  # noqa: E402
-from torch_backend import Compression  # noqa: E402
+from ..worker import TimedCompressor, add_common_args
+from . import torch_workloads
 
 
 class HorovodTrainer:

@@ -1,8 +1,8 @@
 """Digits classifier in TensorFlow (Keras 2 + ``hvd.DistributedGradientTape``), compressor as a spec.
 
-    horovodrun -np 2 --gloo python examples/train_digits_tf.py --compression topkc:ratio=0.1
+    horovodrun -np 2 --gloo python -m hvd_gradcomp.bench.workers.digits_tf --compression topkc:ratio=0.1
 
-The same workload as ``train_digits_torch.py``: a Keras MLP 64-2048-2048-10 (4,349,962
+The same workload as :mod:`.digits_torch`: a Keras MLP 64-2048-2048-10 (4,349,962
 parameters) on scikit-learn's digits, SGD with momentum 0.9, data sharded by rank, fixed
 seeds (``--seed``; Keras' own initialisers, so not the PyTorch run's initial weights).
 
@@ -25,7 +25,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
@@ -33,9 +32,10 @@ import tensorflow as tf  # noqa: E402
 import horovod  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 
-from hvd_gradcomp.bench import data  # noqa: E402
-from hvd_gradcomp.bench.worker import Recorder, add_common_args  # noqa: E402
 from tf_backend import Compression  # noqa: E402
+
+from .. import data  # noqa: E402
+from ..worker import Recorder, add_common_args  # noqa: E402
 
 DEFAULTS = dict(target=0.96, lr=0.05, batch_size=32, eval_every=5, max_epochs=20)
 

@@ -4,7 +4,7 @@ What a PyTorch user would pick instead of Horovod + hvd-gradcomp: DDP's own comm
 hooks. Launch with torchrun-style variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``; the harness sets them), e.g.::
 
-    torchrun --nproc_per_node 2 examples/train_ddp_torch.py --workload digits --hook fp16
+    torchrun --nproc_per_node 2 -m hvd_gradcomp.bench.workers.ddp_torch --workload digits --hook fp16
 
 ``--hook``: ``none`` (DDP's plain fp32 all-reduce), ``fp16`` (``fp16_compress_hook``) or
 ``powersgd:rank=R`` (``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=R,
@@ -30,15 +30,13 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-
-import torch_workloads  # noqa: E402
-from hvd_gradcomp.bench.worker import add_common_args  # noqa: E402
+from ..worker import add_common_args
+from . import torch_workloads
 
 
 def parse_hook(spec):
