@@ -53,13 +53,18 @@ Flags a scheme may set (class attributes, all declared on :class:`Scheme`):
   any factor other than 1.
 - ``blocking`` (default False): compress posts a synchronous side collective (``ops.allreduce``);
   only the papers' two-round variants do.
+- ``rank_local_fields`` (default ``("residual",)``): the state fields that differ between
+  ranks; the adapters reset them when a checkpoint is loaded on another number of ranks.
+
+Which tensors a scheme gets is decided once per tensor by the adapters' routing
+(:mod:`~hvd_gradcomp.routing`), not by the scheme.
 """
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .primitives import FLOAT_DTYPES
 
-__all__ = ["EmptyState", "TensorInfo", "WireBytes", "Scheme", "compress_tensor", "finish_tensor",
+__all__ = ["EmptyState", "TensorInfo", "WireBytes", "StepBytes", "Scheme", "compress_tensor", "finish_tensor",
            "poison", "saturating_cast", "payload_finite", "commit", "passes_through", "check_state",
            "FP16_MAX"]
 
@@ -124,6 +129,28 @@ class WireBytes(NamedTuple):
         return self.payload + self.side
 
 
+class StepBytes(NamedTuple):
+    """Bytes one rank hands to Horovod per step, over all tensors a compressor has seen.
+
+    payload, side, side_collectives: :class:`WireBytes` summed over the compressed tensors.
+    sparse: bytes of the sparse gradients Horovod allgathers around the compressor (PyTorch
+        ``sparse=True`` embeddings, TensorFlow ``IndexedSlices``): this rank's indices and
+        values, as of the last step each was seen (their size varies with the batch).
+    sparse_collectives: allgathers of those gradients per step (2 each: indices, values).
+    """
+
+    payload: int
+    side: int = 0
+    side_collectives: int = 0
+    sparse: int = 0
+    sparse_collectives: int = 0
+
+    @property
+    def total(self) -> int:
+        """All bytes: payload + side + sparse."""
+        return self.payload + self.side + self.sparse
+
+
 class Scheme:
     """Base class of the framework-neutral schemes (see the module docstring).
 
@@ -139,6 +166,10 @@ class Scheme:
     linear = False
     scalable = True
     blocking = False
+    # State fields that differ between ranks (this rank's error feedback); every other field
+    # is equal on all ranks (agreed ranges, scores, bases, counters). A checkpoint loaded on a
+    # different number of ranks keeps the others and resets these to zero.
+    rank_local_fields = ("residual",)
 
     def spec(self) -> str:
         """The text spec that rebuilds this scheme, e.g. ``"topkc:ratio=0.01,chunk=256"``."""

@@ -1,12 +1,32 @@
 """The catalogue of schemes, and text specs such as ``"topkc:ratio=0.01,chunk=256"``.
 
-A spec is ``name`` or ``name:key=value,key=value``. Values are parsed by the type of the
-config field they set (bool accepts true/false/1/0/yes/no). Each backend's ``Compression``
+A *scheme spec* is ``name`` or ``name:key=value,key=value``. Values are parsed by the type of
+the config field they set (bool accepts true/false/1/0/yes/no). Each backend's ``Compression``
 namespace builds its compressors from this table, so both frontends offer the same names and
 options.
+
+A *compressor spec* (``Compression.from_spec``) adds routing (:mod:`hvd_gradcomp.routing`):
+which scheme sends which tensor. Grammar::
+
+    compressor := [rule ";"]... default [";" rule]...     (exactly one default)
+    rule       := selector "->" scheme-spec
+    selector   := term [whitespace term]...
+    term       := glob                                     (at most one; fnmatch, case-sensitive)
+                | "numel" (">=" | ">" | "<" | "<=") integer  (coordinates of the tensor)
+    default    := scheme-spec, which may also hold min_numel=N
+
+Example: ``"*.bias -> fp16; *embed* -> topkc:0.01; numel>=1000000 -> powersgd:4;
+thc:min_numel=4096"``. Rules are tried in order, the first whose every term matches wins;
+a tensor no rule matches goes as fp16 if it has fewer than ``min_numel`` coordinates, else
+with the default scheme. ``min_numel`` is a routing option every default accepts (``topk:0.1,
+min_numel=1024``); its default is :data:`SMALL_DEFAULTS` (1024 for ``thc`` and ``topkc``, 1,
+i.e. none, for the others). A rule's scheme-spec takes no ``min_numel`` (use ``numel>=N``).
+Whitespace around items is ignored; a spec without ``->`` is a plain scheme spec, as before.
 """
 import dataclasses
+import re
 import typing
+from typing import NamedTuple, Optional
 
 from .cast import Bf16Config, Bf16Scheme, Fp16Config, Fp16Scheme, NoneConfig, NoneScheme
 from .powersgd import PowerSGDConfig, PowerSGDScheme
@@ -14,7 +34,9 @@ from .thc import THCConfig, THCScheme
 from .topk import TopKConfig, TopKScheme
 from .topkc import TopKCConfig, TopKCScheme
 
-__all__ = ["SCHEMES", "make_scheme", "parse_spec", "to_spec", "register"]
+__all__ = ["SCHEMES", "make_scheme", "parse_spec", "to_spec", "register", "SMALL_DEFAULTS", "SMALL_SCHEME",
+           "small_default", "Selector", "parse_selector", "format_selector", "split_min_numel",
+           "RoutingSpec", "parse_routing", "with_min_numel", "has_option"]
 
 # name -> (config class, scheme class); register() adds to it.
 SCHEMES = {
@@ -121,10 +143,172 @@ def parse_spec(spec: str):
     return name, options
 
 
-def to_spec(scheme, full: bool = False) -> str:
+def to_spec(scheme, full: bool = False, skip=()) -> str:
     """The canonical spec of a scheme: options that differ from their defaults (every option
-    with ``full=True``), values normalised, so equal configs give one string."""
+    with ``full=True``), values normalised, so equal configs give one string; options named in
+    ``skip`` are left out."""
     cfg = scheme.config
     parts = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-             if full or getattr(cfg, f.name) != f.default]
+             if f.name not in skip and (full or getattr(cfg, f.name) != f.default)]
     return scheme.name + (":" + ",".join(parts) if parts else "")
+
+
+# ---------------------------------------------------------------- routing grammar
+
+# The scheme of tensors below min_numel that no rule names (pre-scaled fp16, see cast.py).
+SMALL_SCHEME = "fp16"
+# min_numel when none is given, by the default scheme's name: tensors with fewer coordinates
+# go as fp16. 1024 where the scheme's fixed costs (THC's 4 control words and ranges, TopKC's
+# 16 vote slots and chunk padding) outweigh its saving on a small tensor; 1 (no size routing)
+# for the others: topk is the accuracy reference, powersgd decides from the matrix shape
+# itself (min_compression_rate), the casts have nothing to gain.
+SMALL_DEFAULTS = {"thc": 1024, "topkc": 1024}
+ROUTING_OPTION = "min_numel"
+RULE_ARROW = "->"
+_SIZE_TERM = re.compile(r"numel\s*(>=|<=|>|<)\s*([0-9]+)")
+_TERMS = re.compile(r"numel\s*(?:>=|<=|>|<)\s*[0-9]+|\S+")
+
+
+def small_default(name: str) -> int:
+    """The ``min_numel`` of a compressor whose default scheme is ``name``, when none is given."""
+    return SMALL_DEFAULTS.get(_canonical_name(name), 1)
+
+
+def has_option(name: str, option: str) -> bool:
+    """True if scheme ``name``'s config has a field ``option``."""
+    return option in {f.name for f in dataclasses.fields(SCHEMES[_canonical_name(name)][0])}
+
+
+class Selector(NamedTuple):
+    """Which tensors a rule names: a glob on the name and a range of sizes.
+
+    pattern: fnmatch glob (case-sensitive), "*" names every tensor (no name needed).
+    min_numel: the tensor has at least this many coordinates (>= 0).
+    max_numel: the tensor has fewer than this many coordinates (None: no bound).
+    """
+
+    pattern: str = "*"
+    min_numel: int = 0
+    max_numel: Optional[int] = None
+
+    def matches(self, name, numel: int) -> bool:
+        """True if a tensor called ``name`` with ``numel`` coordinates is selected."""
+        import fnmatch
+        if numel < self.min_numel or (self.max_numel is not None and numel >= self.max_numel):
+            return False
+        return self.pattern == "*" or fnmatch.fnmatchcase(name, self.pattern)
+
+
+def parse_selector(text: str) -> Selector:
+    """``"*embed* numel>=4096"`` -> ``Selector("*embed*", 4096, None)``.
+
+    Raises:
+        ValueError: two globs, an empty selector, or bounds that select nothing.
+    """
+    pattern, low, high = None, 0, None
+    terms = _TERMS.findall(text)
+    if not terms:
+        raise ValueError(f"routing: empty selector in {text!r}; expected a glob and/or numel bounds")
+    for term in terms:
+        size = _SIZE_TERM.fullmatch(term)
+        if size is None:
+            if pattern is not None:
+                raise ValueError(f"routing: selector {text!r} has two globs ({pattern!r}, {term!r}); "
+                                 f"expected at most one")
+            pattern = term
+            continue
+        op, value = size.group(1), int(size.group(2))
+        if op in (">=", ">"):
+            low = max(low, value + (op == ">"))
+        else:
+            bound = value + (op == "<=")
+            high = bound if high is None else min(high, bound)
+    if high is not None and high <= low:
+        raise ValueError(f"routing: selector {text!r} selects no size (numel >= {low} and < {high})")
+    return Selector(pattern or "*", low, high)
+
+
+def format_selector(selector: Selector) -> str:
+    """The canonical text of a selector (inverse of :func:`parse_selector`)."""
+    terms = [selector.pattern] if selector.pattern != "*" or (
+        not selector.min_numel and selector.max_numel is None) else []
+    if selector.min_numel:
+        terms.append(f"numel>={selector.min_numel}")
+    if selector.max_numel is not None:
+        terms.append(f"numel<{selector.max_numel}")
+    return " ".join(terms)
+
+
+def split_min_numel(spec: str):
+    """``"topk:0.1,min_numel=512"`` -> ``("topk:0.1", 512)``; ``(spec, None)`` without it.
+
+    Raises:
+        ValueError: min_numel is not an integer >= 1, or given twice.
+    """
+    name, colon, rest = spec.strip().partition(":")
+    kept, value = [], None
+    for item in rest.split(","):
+        key, eq, text = item.partition("=")
+        if eq and key.strip().lower() == ROUTING_OPTION:
+            if value is not None:
+                raise ValueError(f"{name.strip()}: min_numel given twice in {spec!r}")
+            try:
+                value = int(text.strip())
+            except ValueError:
+                raise ValueError(f"{name.strip()}: option min_numel must be int, got {text.strip()!r}") from None
+            if value < 1:
+                raise ValueError(f"{name.strip()}: min_numel must be an integer >= 1, got {value}")
+        elif item.strip():
+            kept.append(item.strip())
+    return name.strip() + (":" + ",".join(kept) if kept else ""), value
+
+
+def with_min_numel(spec: str, min_numel: int) -> str:
+    """``spec`` with ``min_numel=N`` appended as its last option."""
+    return spec + ("," if ":" in spec else ":") + f"min_numel={min_numel}"
+
+
+class RoutingSpec(NamedTuple):
+    """A parsed compressor spec: ``rules`` ((Selector, scheme spec text), ...) in order,
+    ``default`` (scheme spec text, without min_numel) and ``min_numel`` (None: the default's)."""
+
+    rules: tuple
+    default: str
+    min_numel: Optional[int]
+
+
+def parse_routing(spec: str) -> RoutingSpec:
+    """Split a compressor spec (module docstring) into rules, default and min_numel.
+
+    The scheme specs are checked (names, options, values) by :func:`parse_spec`.
+
+    Raises:
+        ValueError: no default or two of them, a malformed selector or scheme spec, or
+            ``min_numel`` inside a rule, each naming the item.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"expected a compressor spec string, got {type(spec).__name__}")
+    rules, default, min_numel = [], None, None
+    items = [item.strip() for item in spec.split(";") if item.strip()]
+    if not items:
+        raise ValueError(f"empty compressor spec {spec!r}")
+    for item in items:
+        selector, arrow, scheme = item.partition(RULE_ARROW)
+        if not arrow:
+            if default is not None:
+                raise ValueError(f"routing: two defaults in {spec!r} ({default!r}, {item!r}); every "
+                                 f"other item needs a selector: 'glob -> scheme'")
+            default, min_numel = split_min_numel(item)
+            parse_spec(default)
+            continue
+        scheme = scheme.strip()
+        text, inner = split_min_numel(scheme)
+        if inner is not None:
+            raise ValueError(f"routing: rule {item!r}: min_numel is the default's threshold; in a "
+                             f"rule use a size term, e.g. '{selector.strip()} numel>={inner} -> {text}'")
+        parse_spec(text)
+        rules.append((parse_selector(selector.strip()), text))
+    if default is None:
+        raise ValueError(f"routing: no default scheme in {spec!r}; add one item without '->', e.g. "
+                         f"'{spec.strip().rstrip(';')}; thc'")
+    return RoutingSpec(tuple(rules), default, min_numel)

@@ -15,6 +15,17 @@ Horovod's calling frames (``allreduce_grads(grads, vars)`` and the index of the 
 being reduced, also for ``groups``); the key is the variable's name, identical on every rank
 and stable across steps and retraces. ``hvd.allreduce(t, name=..., compression=c)`` uses
 ``name``. Anything else must call ``compress(tensor, name=...)``.
+
+Routing rules (``Compression.rules``) match the variable's name (``var.name``), which
+TensorFlow does not keep equal across ranks: rules with a glob need
+``compressor.route(model.trainable_variables)`` on every rank before the first step (see
+:mod:`hvd_gradcomp.routing`). ``num_groups``/``groups``: a group's payloads get one dtype (see
+:mod:`hvd_gradcomp.adapter`). ``IndexedSlices`` gradients (an Embedding without
+``sparse_as_dense``) bypass ``compress``; the adapter counts their bytes in graph
+(``bytes_per_step().sparse``).
+
+``jit_compile=True`` on the training step does not work with Horovod 0.28.1, compressed or
+not: Horovod's collectives have no XLA kernels.
 """
 import sys
 
@@ -57,16 +68,22 @@ def _find_call(tensor) -> Call:
                         float(loc.get("prescale_factor", 1.0) or 1.0),
                         float(loc.get("postscale_factor", 1.0) or 1.0), loc.get("process_set"))
         elif code == "grouped_allreduce" and call is None and "compression" in loc:
+            group = loc.get("tensor_list")
             call = Call(None, op_name(hvd, loc.get("op"), loc.get("average")),
                         float(loc.get("prescale_factor", 1.0) or 1.0),
-                        float(loc.get("postscale_factor", 1.0) or 1.0), loc.get("process_set"))
+                        float(loc.get("postscale_factor", 1.0) or 1.0), loc.get("process_set"),
+                        group=group if isinstance(group, list) else None)
         elif code == "allreduce_grads" and isinstance(loc.get("grads"), (list, tuple)):
+            variables = loc.get("vars")
             for j, grad in enumerate(loc["grads"]):
                 if grad is tensor:
-                    variables = loc.get("vars")
                     var = variables[j] if variables is not None and j < len(variables) else None
+                    is_var = isinstance(var, tf.Variable)
                     return (call or Call())._replace(key=f"grad_{j}", owner=var,
-                                                     shape=getattr(var, "shape", None))
+                                                     shape=getattr(var, "shape", None),
+                                                     label=var.name if is_var else None,
+                                                     pin=var.ref() if is_var else None,
+                                                     batch=(loc["grads"], variables))
             return call or Call()
         frame = frame.f_back
     return call or Call()
@@ -79,12 +96,13 @@ class Compressor(HorovodCompressor):
     their values as tensors.
     """
 
-    __slots__ = ("_vars",)
+    __slots__ = ("_vars", "_last_batch")
     ops = OPS
 
-    def __init__(self, scheme):
-        super().__init__(scheme)
+    def __init__(self, routing):
+        super().__init__(routing)
         self._vars = {}
+        self._last_batch = None
 
     # Horovod's functions run under autograph inside tf.function; ours must not be converted
     # (their Python branches are on static facts, and autograph would rewrite them).
@@ -111,9 +129,9 @@ class Compressor(HorovodCompressor):
         cls, variables = self._vars[key]
         return cls(*[tf.identity(v) for v in variables])
 
-    def _initial_state(self, info, like, loaded):
+    def _initial_state(self, scheme, info, like, loaded):
         with tf.init_scope():  # initial values must not live in the calling tf.function's graph
-            return super()._initial_state(info, None, loaded)
+            return super()._initial_state(scheme, info, None, loaded)
 
     def _create_state(self, key, state):
         # A gradient may first appear in a later trace of the user's tf.function (a variable
@@ -150,8 +168,46 @@ class Compressor(HorovodCompressor):
                              f"compressors need a static shape (pass a tensor of known shape)")
         return tf.reshape(tensor, tf.TensorShape(known).as_list())
 
-    def _export(self, tensor):
-        return tf.identity(tensor)
+    def _export(self, tensor, portable=False):
+        return tensor.numpy() if portable else tf.identity(tensor)
+
+    def _zeros_like(self, value):
+        return tf.zeros_like(tf.convert_to_tensor(value))
+
+    def _route_items(self, params):
+        for item in params:
+            name, var = (item.name, item) if isinstance(item, tf.Variable) else item
+            pin = var.ref() if isinstance(var, tf.Variable) else None
+            yield name, tuple(var.shape.as_list()), var.dtype.name, pin
+
+    def _watch_sparse(self, call):
+        """``IndexedSlices`` among the gradients of Horovod's ``allreduce_grads`` call: Horovod
+        allgathers them without compress. Once per traced call (the first dense gradient's
+        compress), an in-graph assign records this rank's bytes of each (values + indices)
+        and counts the step, in an int64 [2] variable read by bytes_per_step()."""
+        grads, variables = call.batch
+        if grads is self._last_batch:
+            return
+        self._last_batch = grads
+        for j, grad in enumerate(grads):
+            if not isinstance(grad, tf.IndexedSlices):
+                continue
+            var = variables[j] if variables is not None and j < len(variables) else None
+            key = f"grad_{j}"
+
+            def make(key=key):
+                with tf.init_scope():
+                    return ResourceVariable(tf.zeros([2], tf.int64), trainable=False,
+                                            name=f"hvd_gradcomp_sparse_{key}")
+
+            entry = self._note_sparse(key, make, key if var is None else f"{key} ({var.name})")
+            nbytes = (tf.size(grad.values, out_type=tf.int64) * grad.values.dtype.size
+                      + tf.size(grad.indices, out_type=tf.int64) * grad.indices.dtype.size)
+            entry.assign(tf.stack([nbytes, entry[1] + 1]))
+
+    def _read_sparse(self, entry):
+        value = entry.numpy()
+        return int(value[0]), int(value[1])
 
     def _to_device(self, value, like):
         return tf.convert_to_tensor(value)

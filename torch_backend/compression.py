@@ -13,6 +13,11 @@ its grouped variant hold ``p`` with ``p.grad is tensor``), and its key is Horovo
 for it (``named_parameters``, or ``allreduce.noname.<i>``), identical on every rank and
 stable across steps whatever ``zero_grad`` does. ``hvd.allreduce(t, name=..., compression=c)``
 uses ``name``. Anything else must call ``compress(tensor, name=...)``.
+
+Routing rules (``Compression.rules``) match the same names: Horovod's own collective names,
+equal on every rank. Sparse gradients (``nn.Embedding(sparse=True)`` without
+``sparse_as_dense``) go through Horovod's allgather, never through ``compress``; ``decompress``
+sees their gathered result and counts this rank's bytes (``bytes_per_step().sparse``).
 """
 import sys
 
@@ -107,8 +112,41 @@ class Compressor(HorovodCompressor):
     def _write_state(self, key, state):
         self._states[key] = state
 
-    def _export(self, tensor):
+    def _export(self, tensor, portable=False):
         return tensor.detach().cpu().clone()
+
+    def _zeros_like(self, value):
+        return torch.zeros_like(torch.as_tensor(value))
+
+    def _route_items(self, params):
+        for name, p in params:
+            yield name, tuple(p.shape), str(p.dtype).removeprefix("torch."), None
+
+    def _is_sparse(self, tensor):
+        return isinstance(tensor, torch.Tensor) and tensor.is_sparse
+
+    def _uncompressed(self, payload):
+        """A sparse result in decompress: Horovod's ``synchronize()`` hands over the allgathered
+        gradient of parameter ``p`` (its frame); this rank's part is still ``p.grad``."""
+        if not (isinstance(payload, torch.Tensor) and payload.is_sparse):
+            return
+        frame = sys._getframe(2)
+        for _ in range(4):
+            if frame is None:
+                return
+            loc = frame.f_locals
+            names = getattr(loc.get("self"), "_parameter_names", None)
+            p = loc.get("p")
+            if frame.f_code.co_name == "synchronize" and isinstance(names, dict) and p in names:
+                grad = p.grad
+                nbytes = 0
+                if grad is not None and grad.is_sparse:
+                    nbytes = (grad._values().numel() * grad._values().element_size()
+                              + grad._indices().numel() * grad._indices().element_size())
+                entry = self._note_sparse(names[p], lambda: [0, 0])
+                entry[0], entry[1] = nbytes, entry[1] + 1
+                return
+            frame = frame.f_back
 
     @staticmethod
     def _scale_of(source):
