@@ -461,6 +461,8 @@ class HorovodCompressor:
         if self._group is not None and self._group[0] is group:
             done = self._group[1].pop(id(tensor), None)
             if done is not None:
+                if not self._group[1]:
+                    self._group = None
                 return done
         results, keys = {}, {}
         for member in group:
@@ -490,14 +492,15 @@ class HorovodCompressor:
             members = tuple(sorted((str(keys[i]), dtypes[i]) for i in results))
             if members not in self._warned:
                 self._warned.add(members)
+                hint = ("route the group's small tensors to thc as well ('thc:min_numel=1')"
+                        if "int32" in dtypes.values() else "route a group's tensors to schemes of one "
+                        "payload dtype")
                 log.warning("hvd_gradcomp: TensorFlow grouped all-reduce of %s: Horovod's grouped "
                             "all-reduce takes one dtype, so these payloads travel as %s (exact; %d more "
-                            "bytes per step). To avoid it, route every tensor of a group to schemes with "
-                            "one payload dtype (e.g. 'thc:min_numel=1' sends small tensors as thc too), "
-                            "or use groups lists that keep them apart.",
-                            ", ".join(f"{k} ({d})" for k, d in members), common, extra)
+                            "bytes per step). To avoid it, %s, or use groups lists that keep them apart.",
+                            ", ".join(f"{k} ({d})" for k, d in members), common, extra, hint)
         mine = results.pop(id(tensor))
-        self._group = (group, results)
+        self._group = (group, results) if results else None
         return mine
 
     def decompress(self, payload, ctx):

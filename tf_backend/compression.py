@@ -58,21 +58,23 @@ def _find_call(tensor) -> Call:
     """
     import horovod.tensorflow as hvd
     frame = sys._getframe(2)
-    call = None
+    call = group = None
     while frame is not None:
         loc = frame.f_locals
         code = frame.f_code.co_name.removeprefix("tf__")
+        if group is None and call is None and "compression" in loc and isinstance(loc.get("tensor_list"), list):
+            # grouped_allreduce's dense tensors; under autograph, in the frame of its if-branch.
+            group = loc["tensor_list"]
         if code == "allreduce" and call is None and "compression" in loc:
             name = loc.get("name")
             call = Call(name if isinstance(name, str) else None, op_name(hvd, loc.get("op"), loc.get("average")),
                         float(loc.get("prescale_factor", 1.0) or 1.0),
                         float(loc.get("postscale_factor", 1.0) or 1.0), loc.get("process_set"))
         elif code == "grouped_allreduce" and call is None and "compression" in loc:
-            group = loc.get("tensor_list")
             call = Call(None, op_name(hvd, loc.get("op"), loc.get("average")),
                         float(loc.get("prescale_factor", 1.0) or 1.0),
                         float(loc.get("postscale_factor", 1.0) or 1.0), loc.get("process_set"),
-                        group=group if isinstance(group, list) else None)
+                        group=group)
         elif code == "allreduce_grads" and isinstance(loc.get("grads"), (list, tuple)):
             variables = loc.get("vars")
             for j, grad in enumerate(loc["grads"]):
