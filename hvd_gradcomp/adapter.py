@@ -256,6 +256,11 @@ class HorovodCompressor:
         """Zeros of a saved state value's shape and dtype (a reset residual)."""
         raise NotImplementedError
 
+    def _import(self, value):
+        """A saved state value (a tensor, or a NumPy array from a gathered state) as a host
+        tensor of the framework."""
+        raise NotImplementedError
+
     def _route_items(self, params):
         """``(name, shape tuple, dtype string, pin)`` per parameter given to :meth:`route`."""
         raise NotImplementedError
@@ -729,6 +734,7 @@ class HorovodCompressor:
         for scheme in self.routing.schemes():
             local.update(scheme.rank_local_fields)
         for key, fields in part["tensors"].items():
+            fields = {f: self._import(v) for f, v in fields.items()}
             if reset:
                 fields = {f: self._zeros_like(v) if f in local else v for f, v in fields.items()}
             route = self._routes.get(key)

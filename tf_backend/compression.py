@@ -174,7 +174,10 @@ class Compressor(HorovodCompressor):
         return tensor.numpy() if portable else tf.identity(tensor)
 
     def _zeros_like(self, value):
-        return tf.zeros_like(tf.convert_to_tensor(value))
+        return tf.zeros_like(value)
+
+    def _import(self, value):
+        return tf.convert_to_tensor(value)
 
     def _route_items(self, params):
         for item in params:

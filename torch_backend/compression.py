@@ -116,7 +116,10 @@ class Compressor(HorovodCompressor):
         return tensor.detach().cpu().clone()
 
     def _zeros_like(self, value):
-        return torch.zeros_like(torch.as_tensor(value))
+        return torch.zeros_like(value)
+
+    def _import(self, value):
+        return torch.as_tensor(value)
 
     def _route_items(self, params):
         for name, p in params:
