@@ -13,6 +13,9 @@ error message), then every process of the launch is killed: the child's whole pr
 misses them), anything that escaped it carrying the launch's marker in its environment, and
 the child's session. Then :class:`TimeoutError` ("... hung for N s; ranks killed") is raised.
 
+:func:`run_command` launches a command the way a user does (``horovodrun -np N --gloo
+...``, for the example scripts and the smoke test), under the same timeout and kill-all.
+
 An exception raised by the worker function on any rank surfaces in the caller: a built-in
 exception (ValueError, AssertionError, ...) is re-raised as the same type with the same
 message; any other as :class:`WorkerError` with ``"<type>: <message>"``, so
@@ -107,6 +110,60 @@ def run(fn, np=2, args=(), kwargs=None, env=None, timeout=None):
             raise
         _kill_all(proc, run_id)  # stragglers of a finished launch (normally none)
         return _collect(tmp, what, np, proc.returncode)
+
+
+def run_command(argv, np=2, env=None, timeout=None, transport="gloo"):
+    """``horovodrun -np N --gloo <argv>`` from the repository root, as a user launches a script.
+
+    Args:
+        argv: the command every rank runs, e.g. ``[sys.executable, "examples/x.py", "--epochs", "2"]``.
+        np: ranks.
+        env: extra environment variables (the caller's are passed too, with the repository
+            root first on PYTHONPATH and ``OMP_NUM_THREADS=1`` unless set).
+        timeout: seconds before every process of the launch is killed (horovodrun, its ranks
+            and anything they started) and TimeoutError raised, with the output so far;
+            None: ``$HVD_GRADCOMP_TEST_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`.
+        transport: ``"gloo"`` or ``"mpi"`` (horovodrun's ``--gloo`` / ``--mpi``).
+
+    Returns:
+        ``subprocess.CompletedProcess`` with ``returncode``, ``stdout`` and ``stderr`` (text;
+        horovodrun prefixes each rank's lines with ``[<rank>]<stdout>:`` / ``<stderr>:``).
+    """
+    timeout = default_timeout() if timeout is None else float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if transport not in ("gloo", "mpi"):
+        raise ValueError(f"transport must be 'gloo' or 'mpi', got {transport!r}")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(np), f"--{transport}"]
+    if transport == "mpi":
+        cmd += ["--mpi-args=--allow-run-as-root --oversubscribe"]
+    cmd += [str(a) for a in argv]
+    run_id = uuid.uuid4().hex
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    child_env.update(env or {})
+    child_env[MARKER_ENV] = run_id
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=out, stderr=err, text=True,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            killed = _kill_all(proc, run_id)
+            out.seek(0)
+            err.seek(0)
+            raise TimeoutError(f"hvdrun: `{' '.join(cmd)}` hung for {timeout:g} s; ranks killed ({killed} "
+                               f"processes)\n--- stdout (end) ---\n{out.read()[-3000:]}\n"
+                               f"--- stderr (end) ---\n{err.read()[-3000:]}") from None
+        except BaseException:
+            _kill_all(proc, run_id)
+            raise
+        _kill_all(proc, run_id)  # stragglers (normally none)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
 
 
 # ---------------------------------------------------------------- parent side helpers

@@ -121,3 +121,22 @@ def test_default_timeout_from_env(monkeypatch):
     monkeypatch.setenv(hvdrun.TIMEOUT_ENV, "0")
     with pytest.raises(ValueError, match=hvdrun.TIMEOUT_ENV):
         hvdrun.default_timeout()
+
+
+_HANGING_RANK = ("import os, sys, time\n"
+                 "open(os.path.join(sys.argv[1], 'rank-' + os.environ['HOROVOD_RANK']), 'w').write(str(os.getpid()))\n"
+                 "print('rank', os.environ['HOROVOD_RANK'], 'up', flush=True)\n"
+                 "time.sleep(1000)\n")
+
+
+def test_run_command_hang_is_killed(tmp_path):
+    """``run_command`` (horovodrun): a hanging launch is killed with every rank and says what
+    the ranks printed (finished launches: tests/test_examples.py, tests/smoke)."""
+    with pytest.raises(TimeoutError, match=rf"hung for {HANG_TIMEOUT} s; ranks killed") as err:
+        hvdrun.run_command([sys.executable, "-c", _HANGING_RANK, str(tmp_path)], np=2, timeout=HANG_TIMEOUT)
+    pids = [int((tmp_path / f"rank-{r}").read_text()) for r in (0, 1)]  # both ranks had started
+    assert "rank 1 up" in str(err.value)
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)

@@ -4,26 +4,22 @@ with identical parameters equal to a single-process run on the concatenated batc
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, requires_backend
+from tests.conftest import requires_backend
+from tests.hvdrun import run_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 
 
 def _launch(script, transport, tmp_path):
     out = str(tmp_path / f"{script}-{transport}")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
-    cmd = [HOROVODRUN, "-np", "2", f"--{transport}"]
-    if transport == "mpi":
-        cmd += ["--mpi-args=--allow-run-as-root --oversubscribe"]
-    cmd += [sys.executable, os.path.join(HERE, script), out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    # horovodrun and its ranks are all killed if the launch hangs (tests/hvdrun.py).
+    proc = run_command([sys.executable, os.path.join(HERE, script), out], np=2, transport=transport,
+                       timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.load(open(f"{out}.{r}.json")) for r in range(2)]
 

@@ -1,0 +1,94 @@
+"""The package as installed, not as checked out: what the wheel holds, and that the harness
+runs from it.
+
+1. The wheel built from ``setup.py`` holds the harness's TTA workers
+   (``hvd_gradcomp/bench/workers/*.py``) and its data file (the scale model's inputs), the two
+   backends' stats helpers, and nothing of ``examples/`` or ``tests/``.
+2. Unpacked into a folder outside the checkout and run from another working directory, the
+   harness's commands and a worker import from that folder (``python -m``, no file paths):
+   ``python -m hvd_gradcomp.bench tta --help`` and ``python -m
+   hvd_gradcomp.bench.workers.digits_torch --help``.
+3. The core (``hvd_gradcomp/*.py`` outside ``bench/``) never imports the harness.
+"""
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    # A copy of what setup.py packages, so the build's build/ and egg-info stay out of the
+    # checkout; --no-build-isolation: offline, with the setuptools already installed.
+    src = out / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("hvd_gradcomp", "torch_backend", "tf_backend", "examples", "tests"):
+        shutil.copytree(os.path.join(ROOT, name), src / name, ignore=ignore)
+    for name in ("setup.py", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                          "--disable-pip-version-check", "-q", "-w", str(out), str(src)],
+                         capture_output=True, text=True, timeout=300, cwd=str(out))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (path,) = [p for p in out.iterdir() if p.suffix == ".whl"]
+    return path
+
+
+def test_wheel_holds_workers_and_data(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("__init__", "digits_torch", "digits_tf", "lm_torch", "ddp_torch", "torch_workloads"):
+        assert f"hvd_gradcomp/bench/workers/{module}.py" in names, module
+    for path in ("hvd_gradcomp/bench/model_inputs_resnet50.json", "hvd_gradcomp/bench/linkcheck.py",
+                 "hvd_gradcomp/stats.py", "torch_backend/stats.py", "tf_backend/stats.py"):
+        assert path in names, path
+    assert not any(n.startswith(("examples/", "tests/")) for n in names)
+
+
+def test_installed_package_runs_the_harness_as_modules(wheel, tmp_path):
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site), TF_CPP_MIN_LOG_LEVEL="2")
+    where = subprocess.run([sys.executable, "-c", "import hvd_gradcomp.bench.workers as w, torch_backend as t; "
+                            "print(w.__file__); print(t.__file__)"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
+    assert where.returncode == 0, where.stderr
+    assert all(line.startswith(str(site)) for line in where.stdout.split()), where.stdout
+    res = subprocess.run([sys.executable, "-m", "hvd_gradcomp.bench", "tta", "--help"],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--workloads" in res.stdout, res.stderr[-2000:]
+    res = subprocess.run([sys.executable, "-m", "hvd_gradcomp.bench.workers.digits_torch", "--help"],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--compression" in res.stdout and "--hidden" in res.stdout, res.stderr[-2000:]
+
+
+def test_core_never_imports_the_harness():
+    code = ("import sys, pkgutil, importlib, hvd_gradcomp;"
+            "[importlib.import_module('hvd_gradcomp.' + m.name) for m in pkgutil.iter_modules(hvd_gradcomp.__path__)"
+            " if m.name != 'bench'];"
+            "print(sorted(m for m in sys.modules if m.startswith('hvd_gradcomp.bench')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    # Also imports inside functions, which the import above does not run.
+    for name in sorted(os.listdir(os.path.join(ROOT, "hvd_gradcomp"))):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(ROOT, "hvd_gradcomp", name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = "hvd_gradcomp." * (node.level > 0) + (node.module or "")
+                targets = [base] + [f"{base}.{a.name}".replace("..", ".") for a in node.names]
+            else:
+                continue
+            assert not any(t.startswith("hvd_gradcomp.bench") for t in targets), (name, node.lineno)
