@@ -34,7 +34,7 @@ hvd.init()
 logging.basicConfig(level=logging.INFO if hvd.rank() == 0 else logging.WARNING,
                     format="%(message)s")
 tf.keras.utils.set_random_seed(0)
-tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)  # the workers share this machine's cores
 
 # Data: a fixed split; each worker trains on every size-th example, tests on all of them.
 x, y = load_digits(return_X_y=True)
@@ -61,6 +61,5 @@ history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.ep
                     validation_data=(x_test, y_test), callbacks=callbacks,
                     verbose=2 if hvd.rank() == 0 else 0)
 
-if hvd.rank() == 0:
-    print(f"final test accuracy {100 * history.history['val_accuracy'][-1]:.2f}%, "
-          f"{callbacks[-1].reports[-1].line()}")
+logging.getLogger("example").info("done: final test accuracy %.2f%%",
+                                  100 * history.history["val_accuracy"][-1])

@@ -4,8 +4,8 @@
 
 Data: scikit-learn's bundled 8x8 digits (no download), each worker a disjoint shard.
 ``hvd.DistributedGradientTape`` compresses and all-reduces every gradient inside the
-``tf.function`` step. Rank 0 prints the test accuracy every epoch, and the bytes each worker
-sends per step against FP16 at the end.
+``tf.function`` step. Rank 0 prints the test accuracy every epoch, and at the end the bytes
+each worker sent per step against FP16.
 """
 import argparse
 import logging
@@ -35,7 +35,7 @@ logging.basicConfig(level=logging.INFO if hvd.rank() == 0 else logging.WARNING,
                     format="%(message)s")
 log = logging.getLogger("example")
 tf.keras.utils.set_random_seed(0)
-tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)  # the workers share this machine's cores
 
 # Data: a fixed split; each worker trains on every size-th example, tests on all of them.
 x, y = load_digits(return_X_y=True)
@@ -78,6 +78,6 @@ for epoch in range(1, args.epochs + 1):
     accuracy = float(hvd.allreduce(accuracy, name="accuracy"))  # the same on every worker
     log.info("epoch %d, step %d: loss %.4f, test accuracy %.2f%%", epoch, step, float(loss), 100 * accuracy)
 
-report = stats.log()  # the closing line: bytes per step against FP16
+log.info("done: final test accuracy %.2f%%", 100 * accuracy)
+stats.log()  # "step 220: powersgd:rank=4: 13,404 B/step sent, FP16 170,004 B/step (FP16/ours 12.68x); ..."
 stats.close()
-log.info("done: final test accuracy %.2f%%, %s", 100 * accuracy, report.line())
