@@ -9,8 +9,9 @@ Checked from what rank 0 prints (rank 1 prints nothing of its own):
   parameter), their ratio (> 1) and the collectives per step;
 - PyTorch and Keras with ``--log-dir``: the TensorBoard scalars hold the same numbers.
 
-Launches: one PyTorch, two TensorFlow (TensorFlow's import costs ~10 s a rank); about 2
-minutes together on an idle 2-core machine.
+Launches: one PyTorch, two TensorFlow (TensorFlow's import costs ~10 s a rank); measured
+3-4 minutes together on the 2-core machine shared with other test runs (load 5), the
+PyTorch one 85 s of it.
 """
 import glob
 import math
