@@ -19,7 +19,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Primitives", "FLOAT_DTYPES", "INT_DTYPES", "itemsize", "one_rank"]
+__all__ = ["Primitives", "FLOAT_DTYPES", "INT_DTYPES", "itemsize", "one_rank", "compile_requested",
+           "COMPILE_ENV"]
+
+# Environment switch for the backends' kernel compiler (see ``Primitives.fuse``).
+COMPILE_ENV = "HVD_GRADCOMP_COMPILE"
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 INT_DTYPES = ("int8", "uint8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64")
@@ -95,6 +99,34 @@ class Primitives:
     # up with a RuntimeError after HVD_GRADCOMP_SIDE_TIMEOUT seconds (default 60) instead of
     # hanging.
     allreduce: Callable[[Any, str, str, Any], Any]
+    # --- kernels ---
+    # fuse(fn, plan) -> run(*tensors) == fn(ops, plan, *tensors). ``fn`` is a module-level
+    # function of tensors only (no collectives, no host reads, no Python branches on tensor
+    # values); ``plan`` is a hashable tuple of Python scalars, the same for every tensor a
+    # scheme instance compresses with one world size (never a size: sizes come from the
+    # tensors' shapes). With compile_requested() the backend compiles ``run`` once per
+    # (fn, plan) for all shapes (torch.compile with dynamic shapes; XLA in TensorFlow), which
+    # fuses the elementwise passes into a few loops; otherwise ``run`` calls ``fn`` directly.
+    fuse: Callable[[Callable, tuple], Callable]
+
+
+def compile_requested() -> bool:
+    """True when ``HVD_GRADCOMP_COMPILE`` is ``1``/``true``/``on`` (read at each kernel's first
+    use): the backends then compile ``fuse``d kernels (``torch.compile``, TensorFlow XLA).
+
+    Off by default: compiling costs seconds per kernel when a job starts (measured and reported
+    by ``python -m hvd_gradcomp.bench overhead --compile``), which pays only in long runs.
+
+    Raises:
+        ValueError: any other value than 0/1/true/false/on/off (empty = off).
+    """
+    import os
+    value = os.environ.get(COMPILE_ENV, "").strip().lower()
+    if value in ("", "0", "false", "off"):
+        return False
+    if value in ("1", "true", "on"):
+        return True
+    raise ValueError(f"{COMPILE_ENV} must be 0/1 (or true/false, on/off), got {value!r}")
 
 
 def one_rank(ops: Primitives) -> Primitives:

@@ -37,7 +37,10 @@ Steps of ``compress`` (no collective):
     4. Residual candidate ``e' = y - (q delta - R)``: clipping and rounding, in the rotated basis.
     5. Pack into int32 words, every field above ``g = bit_length(n)`` guard bits that are
        always 0 (so ``2**g > n``); the sign bit is never used:
-       levels ``0..L`` in lanes of ``w = bit_length(n L)`` bits (``(31 - g) // w`` per word);
+       levels ``0..L`` in lanes of ``w = bit_length(n L)`` bits (``(31 - g) // w`` per word),
+       each block on its own ``m = ceil(B / lanes)`` words, planar: lane ``j`` of the block's
+       word ``i`` holds its coordinate ``j m + i`` (so every index is a shift or a static
+       multiple, and a compiler emits straight vector loops);
        the block statistics (code, flag) in lanes of ``bit_length(255 n)`` bits; and four
        control words: ``1`` (a contributing rank), ``1`` if this rank's gradient was not
        finite, and a fingerprint ``s, s**2`` of this rank's step counter (``s`` a hash of it
@@ -125,6 +128,7 @@ _TINY_RANGE = 1e-30
 _CODE_SCALE, _CODE_OFFSET, _CODE_MAX = 4.0, 160.0, 255
 # Control words (step 5): contributing, not finite, fingerprint s, s**2.
 _CONTROL = 4
+_FINGERPRINT_KEY = rng.stream_key("thc.fingerprint")
 
 
 def saturation_threshold(rate: float) -> float:
@@ -272,7 +276,7 @@ class Layout(NamedTuple):
     padded: int  # P
     blocks: int  # nb
     levels: LaneLayout  # lanes of the levels
-    words: int  # int32 words of levels
+    words: int  # int32 words of levels: nb * ceil(B / lanes)
     stats: LaneLayout  # lanes of the block statistics (code, flag)
     stats_words: int  # int32 words of statistics (0 with range="current")
     fingerprint_bits: int  # h: s < 2**h
@@ -288,8 +292,197 @@ class _Ctx(NamedTuple):
     diag: object  # float32 [P]
 
 
+class _Plan(NamedTuple):
+    """What the kernels need beyond tensors: Python scalars shared by every tensor of a scheme
+    instance at one world size and op (sizes come from the tensors' shapes), so a compiling
+    backend builds one kernel for all of them (``Primitives.fuse``)."""
+
+    bits: int
+    block: int  # B
+    levels: LaneLayout
+    stats: object  # LaneLayout of the statistics, None with range="current"
+    threshold: float  # T (0.0 without saturation: ranges from the block peaks)
+    error_feedback: bool
+    fingerprint_bits: int  # h
+    world_size: int  # n
+    op: object  # "sum", "average" or None (unknown: inferred from the count word)
+
+
+# ---- kernels: tensors in, tensors out, no collective (see Primitives.fuse) ----
+def _pad(ops, v, padded: int, dtype: str, like):
+    n = ops.shape(v)[0]
+    return ops.concat([v, ops.zeros((padded - n,), dtype, like)], 0) if padded > n else v
+
+
+def _pack(ops, values, lay: LaneLayout):
+    """int32 [w = ceil(m / lanes)]: int32 ``values`` [m] in lanes of ``lay`` above its guard
+    bits, planar: value ``j * w + i`` in lane ``j`` of word ``i`` (contiguous reads per lane)."""
+    m = ops.shape(values)[0]
+    words = -(-m // lay.lanes)
+    values = _pad(ops, values, words * lay.lanes, "int32", values)
+    shifts = ops.constant([[lay.guard + j * lay.width] for j in range(lay.lanes)], "int32", values)
+    # PyTorch sums int32 into int64: cast back, the words fit int32 by construction.
+    return ops.cast(ops.sum(ops.left_shift(ops.reshape(values, (lay.lanes, words)), shifts), 0), "int32")
+
+
+def _unpack(ops, words, lay: LaneLayout):
+    """int32 [lanes * w]: the lane sums of exact int32 ``words`` [w], in :func:`_pack`'s order."""
+    n = ops.shape(words)[0]
+    shifts = ops.constant([[lay.guard + j * lay.width] for j in range(lay.lanes)], "int32", words)
+    lanes = ops.bitwise_and(ops.right_shift(ops.reshape(words, (1, n)), shifts), (1 << lay.width) - 1)
+    return ops.reshape(lanes, (n * lay.lanes,))
+
+
+def _pack_blocks(ops, values, lay: LaneLayout):
+    """int32 [nb * m]: int32 ``values`` [nb, B] packed block by block, ``m = ceil(B / lanes)``
+    words per block, planar within it (see :func:`_pack`)."""
+    nb, B = ops.shape(values)
+    m = -(-B // lay.lanes)
+    if m * lay.lanes > B:
+        values = ops.concat([values, ops.zeros((nb, m * lay.lanes - B), "int32", values)], 1)
+    shifts = ops.constant([[[lay.guard + j * lay.width] for j in range(lay.lanes)]], "int32", values)
+    words = ops.sum(ops.left_shift(ops.reshape(values, (nb, lay.lanes, m)), shifts), 1)
+    return ops.cast(ops.reshape(words, (nb * m,)), "int32")
+
+
+def _unpack_blocks(ops, words, lay: LaneLayout, nb: int, B: int):
+    """int32 [nb, B]: the lane sums of exact int32 ``words`` [nb * m] (:func:`_pack_blocks`)."""
+    m = -(-B // lay.lanes)
+    shifts = ops.constant([[[lay.guard + j * lay.width] for j in range(lay.lanes)]], "int32", words)
+    lanes = ops.bitwise_and(ops.right_shift(ops.reshape(words, (nb, 1, m)), shifts), (1 << lay.width) - 1)
+    lanes = ops.reshape(lanes, (nb, lay.lanes * m))
+    return lanes[:, :B] if lay.lanes * m > B else lanes
+
+
+def _control(ops, plan: _Plan, payload):
+    """Step 6 for the control words: (count, bad, mismatch, summed), int64/bool 0-d."""
+    n, g = plan.world_size, plan.levels.guard
+    tail = ops.cast(payload[ops.shape(payload)[0] - _CONTROL:], "int64")
+    if plan.op is not None:
+        summed = plan.op == "sum"
+    else:  # full participation assumed: the count word is n << g under Sum, 1 << g under Average
+        summed = tail[0] > (1 << g)
+    control = ops.right_shift(exact_words(ops, tail, summed, n, g), g)
+    count, bad, s1, s2 = control[0], control[1], control[2], control[3]
+    return count, bad, s2 * count != s1 * s1, summed
+
+
+def _rotate_kernel(ops, plan: _Plan, x, residual, diag, finite):
+    """Steps 1-2: y = H D pad(x) + e (float32 [P]), the wanted ranges (float32 [nb]) and the
+    packed statistics (int32 words; empty with range="current")."""
+    padded, B = ops.shape(diag)[0], plan.block
+    y = hadamard.rht(ops, _pad(ops, x, padded, "float32", x), diag, hadamard.hadamard_factors(ops, B, x))
+    if plan.error_feedback:
+        y = y + residual
+    yb = ops.reshape(y, (padded // B, B))
+    if plan.threshold:
+        wanted = ops.sqrt(ops.sum(yb * yb, 1) * (1.0 / B)) * plan.threshold
+    else:
+        wanted = ops.max(ops.abs(yb), 1)
+    if plan.stats is None:
+        return y, wanted, ops.zeros((0,), "int32", x)
+    usable = ops.logical_and(wanted > _TINY_RANGE, finite)
+    code = ops.round(ops.log2(ops.where(usable, wanted, 1.0)) * _CODE_SCALE) + _CODE_OFFSET
+    code = ops.minimum(ops.maximum(code, 1.0), float(_CODE_MAX))
+    nb = padded // B
+    stats = ops.concat([ops.reshape(ops.where(usable, code, 0.0), (nb, 1)),
+                        ops.reshape(ops.cast(usable, "float32"), (nb, 1))], 1)
+    return y, wanted, _pack(ops, ops.cast(ops.reshape(stats, (2 * nb,)), "int32"), plan.stats)
+
+
+def _lattice(ops, key, step, blocks: int, block: int, like):
+    """Step 3's random numbers: float32 [blocks + B] on a ``2**-23`` lattice in [0, 1), from
+    ``blocks + B`` hashed counters of ``(key, step)`` (computed apart from the quantise kernel,
+    so that a compiler never re-hashes them per coordinate)."""
+    return ops.cast(ops.right_shift(rng.bits32(ops, rng.step_key(ops, key, step), blocks + block, like), 9),
+                    "float32") * (2.0 ** -23)
+
+
+def _quantize_kernel(ops, plan: _Plan, y, ranges, lattice, step, finite, stats_words):
+    """Steps 3-5: (payload int32, residual float32 [P] or [0], saturated int64 0-d)."""
+    B = plan.block
+    nb = ops.shape(ranges)[0]
+    yb = ops.reshape(y, (nb, B))
+    top = ops.reshape(ranges, (nb, 1))
+    delta = top * (2.0 * (1.0 + 2.0 ** -20) / ((1 << plan.bits) - 1))
+    inv_delta = 1.0 / ops.maximum(delta, _TINY_RANGE)
+    clipped = ops.minimum(ops.maximum(yb, top * -1.0), top)
+    # Clipped coordinates of blocks that had a range (a block without one sends nothing this
+    # step by design: it waits in error feedback, and is not counted).
+    saturated = ops.sum(ops.cast(ops.logical_and(ops.abs(yb) > top, top > 0.0), "int64"), None)
+    u = (clipped + top) * inv_delta
+    low = ops.floor(u)
+    # Uniforms frac(a_b + c_j) per block b and column j: pairwise independent, exact on a
+    # 2**-23 lattice (sums < 2), from nb + B hashed values instead of nb * B.
+    uniform = ops.reshape(lattice[:nb], (nb, 1)) + ops.reshape(lattice[nb:], (1, B))
+    uniform = uniform - ops.floor(uniform)
+    q = low + ops.cast(uniform < u - low, "float32")
+    q = ops.where(finite, q, 0.0)  # NaN levels would be undefined integers
+    residual = ops.zeros((0,), "float32", y)
+    if plan.error_feedback:
+        residual = ops.reshape(yb - (q * delta - top), (nb * B,))
+    levels = _pack_blocks(ops, ops.cast(q, "int32"), plan.levels)
+    s = ops.bitwise_and(rng.step_key(ops, _FINGERPRINT_KEY, step),
+                        (1 << plan.fingerprint_bits) - 1)
+    bad = ops.cast(ops.where(finite, 0.0, 1.0), "int64")
+    control = ops.concat([ops.reshape(v, (1,)) for v in (s * 0 + 1, bad, s, s * s)], 0)
+    payload = ops.concat([levels, stats_words, ops.cast(ops.left_shift(control, plan.levels.guard), "int32")], 0)
+    return payload, residual, saturated
+
+
+def _decode_kernel(ops, plan: _Plan, payload, ranges, diag):
+    """Steps 6-7: float32 [P], the rotated-back sum (or average) of the contributors."""
+    n, B, lay = plan.world_size, plan.block, plan.levels
+    nb, padded = ops.shape(ranges)[0], ops.shape(diag)[0]
+    count, bad, mismatch, summed = _control(ops, plan, payload)
+    words = nb * -(-B // lay.lanes)
+    exact = exact_words(ops, ops.cast(payload[:words], "int64"), summed, n, lay.guard)
+    total = ops.cast(_unpack_blocks(ops, ops.cast(exact, "int32"), lay, nb, B), "float32")
+    # One scale and one offset per block: the decoded sum S delta - c R, times 1/n under
+    # Average, times 0 after a fingerprint mismatch, plus NaN when a rank failed.
+    scale = ops.where(mismatch, 0.0, 1.0)
+    if isinstance(summed, bool):
+        scale = scale if summed else scale * (1.0 / n)
+    else:
+        scale = scale * ops.where(summed, 1.0, 1.0 / n)
+    top = ops.reshape(ranges, (nb, 1))
+    a = top * (2.0 * (1.0 + 2.0 ** -20) / ((1 << plan.bits) - 1)) * scale
+    b = top * (ops.cast(count, "float32") * scale) - ops.where(bad > 0, float("nan"), 0.0)
+    values = ops.reshape(total * a - b, (padded,))
+    return hadamard.irht(ops, values, diag, hadamard.hadamard_factors(ops, B, payload))
+
+
+def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated, residual,
+                   corrected, new_residual, new_saturated):
+    """Step 8: (ranges, step, realigned, saturated, residual) after the step; all unchanged
+    when some rank's gradient was not finite."""
+    count, bad, mismatch, summed = _control(ops, plan, payload)
+    ok = bad == 0
+    new_ranges = ranges
+    if plan.stats is not None:
+        nb, lay = ops.shape(ranges)[0], plan.stats
+        stop = ops.shape(payload)[0] - _CONTROL
+        words = ops.cast(payload[stop - (-(-2 * nb // lay.lanes)):stop], "int64")
+        exact = exact_words(ops, words, summed, plan.world_size, lay.guard)
+        stats = ops.cast(ops.reshape(_unpack(ops, ops.cast(exact, "int32"), lay)[:2 * nb], (nb, 2)), "float32")
+        code_sum, have = stats[:, 0], stats[:, 1]
+        mean = code_sum / ops.maximum(have, 1.0)
+        new_ranges = ops.where(have > 0.5, ops.exp2((mean - _CODE_OFFSET) * (1.0 / _CODE_SCALE)), 0.0)
+    if plan.error_feedback:
+        residual = ops.where(ok, ops.where(mismatch, corrected, new_residual), residual)
+    return (ops.where(ok, new_ranges, ranges),
+            ops.where(ok, ops.where(mismatch, step * 0, step + 1), step),
+            ops.where(ok, realigned + ops.cast(mismatch, "int64"), realigned),
+            ops.where(ok, new_saturated, saturated), residual)
+
+
 class THCScheme(Scheme):
-    """THC with exact int32 lanes on a Sum/Average all-reduce (module docstring, steps 1-8)."""
+    """THC with exact int32 lanes on a Sum/Average all-reduce (module docstring, steps 1-8).
+
+    The arithmetic is in four kernels (``_rotate_kernel``, ``_quantize_kernel``,
+    ``_decode_kernel``, ``_finish_kernel``) that the backends may compile
+    (``Primitives.fuse``); the methods here hold the Python-side sizes and keys.
+    """
 
     name = "thc"
     scalable = False  # integer payload: Horovod's scale factors would corrupt it
@@ -299,6 +492,7 @@ class THCScheme(Scheme):
         self.blocking = config.range == "current"
         self._fp16 = Fp16Scheme()
         self._threshold = saturation_threshold(config.saturation_rate)
+        self._round_keys = {}
 
     # ---- static sizes ----
     def _tiny(self, info: TensorInfo) -> bool:
@@ -313,8 +507,14 @@ class THCScheme(Scheme):
         stats = lane_layout(8, n)  # codes 0..255
         stats_words = 0 if self.blocking else -(-2 * (padded // block) // stats.lanes)
         h = min(13, (31 - levels.guard - n.bit_length()) // 2)
-        return Layout(block, padded, padded // block, levels, -(-padded // levels.lanes), stats,
-                      stats_words, h)
+        return Layout(block, padded, padded // block, levels, (padded // block) * -(-block // levels.lanes),
+                      stats, stats_words, h)
+
+    def _plan(self, info: TensorInfo, lay: Layout) -> _Plan:
+        cfg = self.config
+        return _Plan(cfg.bits, lay.block, lay.levels, None if self.blocking else lay.stats,
+                     self._threshold if cfg.saturation else 0.0, cfg.error_feedback,
+                     lay.fingerprint_bits, info.world_size, info.op)
 
     def init(self, ops, info: TensorInfo, like):
         if self._tiny(info):
@@ -331,172 +531,50 @@ class THCScheme(Scheme):
         key = rng.stream_key("thc.rotation", self.config.seed, info.key)
         return hadamard.rademacher(ops, key, lay.padded, like, 1.0 / math.sqrt(lay.block))
 
-    def _uniform(self, ops, info, step, padded, like):
-        """float32 [P] pairwise-independent uniforms on a 2**-23 lattice (step 3), per rank."""
-        cols = hadamard.next_pow2(math.isqrt(padded))
-        rows = -(-padded // cols)
-        key = rng.step_key(ops, rng.stream_key("thc.round", self.config.seed, info.key, info.rank), step)
-        lattice = ops.cast(ops.right_shift(rng.bits32(ops, key, rows + cols, like), 9), "float32") * (2.0 ** -23)
-        u = ops.reshape(lattice[:rows], (rows, 1)) + ops.reshape(lattice[rows:], (1, cols))
-        u = ops.reshape(u - ops.floor(u), (rows * cols,))  # sums < 2 on a 2**-23 lattice: exact
-        return u[:padded] if rows * cols > padded else u
-
-    def _fingerprint(self, ops, step, bits):
-        """int64 0-d hash of the step counter below ``2**bits`` (step 5)."""
-        return ops.bitwise_and(rng.step_key(ops, rng.stream_key("thc.fingerprint"), step), (1 << bits) - 1)
-
-    @staticmethod
-    def _pack(ops, values, lay: LaneLayout, words: int, like):
-        """int32 [words]: int32 ``values`` in lanes of ``lay`` above its guard bits."""
-        slots = words * lay.lanes
-        n = ops.shape(values)[0]
-        if slots > n:
-            values = ops.concat([values, ops.zeros((slots - n,), "int32", like)], 0)
-        shifts = ops.constant([lay.guard + j * lay.width for j in range(lay.lanes)], "int32", like)
-        # PyTorch sums int32 into int64: cast back, the words fit int32 by construction.
-        return ops.cast(ops.sum(ops.left_shift(ops.reshape(values, (words, lay.lanes)), shifts), 1), "int32")
-
-    @staticmethod
-    def _unpack(ops, words, lay: LaneLayout, count: int, like):
-        """int32 [count]: the lane sums of exact int32 ``words``."""
-        n = ops.shape(words)[0]
-        shifts = ops.constant([lay.guard + j * lay.width for j in range(lay.lanes)], "int32", like)
-        lanes = ops.bitwise_and(ops.right_shift(ops.reshape(words, (n, 1)), shifts), (1 << lay.width) - 1)
-        lanes = ops.reshape(lanes, (n * lay.lanes,))
-        return lanes[:count] if n * lay.lanes > count else lanes
-
-    def _codes(self, ops, yb, finite):
-        """Step 2: (wanted range float32 [nb], int32 [nb] log codes, int32 [nb] non-zero flags)."""
-        if self.config.saturation:
-            wanted = ops.sqrt(ops.sum(yb * yb, 1) * (1.0 / ops.shape(yb)[1])) * self._threshold
-        else:
-            wanted = ops.max(ops.abs(yb), 1)
-        usable = wanted > _TINY_RANGE
-        if finite is not None:
-            usable = ops.logical_and(usable, finite)
-        safe = ops.where(usable, wanted, 1.0)
-        code = ops.round(ops.log2(safe) * _CODE_SCALE) + _CODE_OFFSET
-        code = ops.minimum(ops.maximum(code, 1.0), float(_CODE_MAX))
-        return wanted, ops.cast(ops.where(usable, code, 0.0), "int32"), ops.cast(usable, "int32")
+    def _round_key(self, info: TensorInfo) -> int:
+        """Step 3's per-rank rounding key (host side, computed once per tensor and rank)."""
+        k = (info.key, info.rank)
+        if k not in self._round_keys:
+            self._round_keys[k] = rng.stream_key("thc.round", self.config.seed, info.key, info.rank)
+        return self._round_keys[k]
 
     # ---- compress ----
     def compress(self, ops, x, state, info, finite):
         if self._tiny(info):
             return self._fp16.compress(ops, x, state, info, finite)
-        cfg = self.config
         lay = self.layout(info)
-        levels_max = (1 << cfg.bits) - 1
-        d, P, nb, B = info.numel, lay.padded, lay.blocks, lay.block
-        # Step 1.
-        flat = ops.reshape(x, (d,))
-        c = ops.concat([flat, ops.zeros((P - d,), "float32", x)], 0) if P > d else flat
-        factors = hadamard.hadamard_factors(ops, B, x)
-        y = hadamard.rht(ops, c, state.diag, factors)
-        if cfg.error_feedback:
-            y = y + state.residual
-        yb = ops.reshape(y, (nb, B))
-        # Step 2.
-        wanted, codes, nonzero = self._codes(ops, yb, finite)
+        plan = self._plan(info, lay)
+        y, wanted, stats_words = ops.fuse(_rotate_kernel, plan)(
+            ops.reshape(x, (info.numel,)), state.residual, state.diag, finite)
         if self.blocking:
             ranges = ops.allreduce(ops.where(ops.isfinite(wanted), wanted, 0.0), "max",
                                    f"hvd_gradcomp.thc.range.{info.key}", info.group)
         else:
             ranges = state.ranges
-        # Step 3.
-        top = ops.reshape(ranges, (nb, 1))
-        delta = top * (2.0 * (1.0 + 2.0 ** -20) / levels_max)
-        clipped = ops.minimum(ops.maximum(yb, top * -1.0), top)
-        # Clipped coordinates of blocks that had a range (a block without one sends nothing
-        # this step by design: it waits in error feedback, and is not counted).
-        saturated = ops.sum(ops.cast(ops.logical_and(ops.abs(yb) > top, top > 0.0), "int64"), None)
-        u = (clipped + top) / ops.maximum(delta, _TINY_RANGE)
-        low = ops.floor(u)
-        uniform = ops.reshape(self._uniform(ops, info, state.step, P, x), (nb, B))
-        q = low + ops.cast(uniform < u - low, "float32")
-        if finite is not None:
-            q = ops.where(finite, q, 0.0)  # NaN levels would be undefined integers
-        # Step 4.
-        residual = None
-        if cfg.error_feedback:
-            residual = ops.reshape(yb - (q * delta - top), (P,))
-        # Step 5.
-        g = lay.levels.guard
-        parts = [self._pack(ops, ops.cast(ops.reshape(q, (P,)), "int32"), lay.levels, lay.words, x)]
-        if lay.stats_words:
-            stats = ops.reshape(ops.concat([ops.reshape(codes, (nb, 1)), ops.reshape(nonzero, (nb, 1))], 1),
-                                (2 * nb,))
-            parts.append(self._pack(ops, stats, lay.stats, lay.stats_words, x))
-        s = self._fingerprint(ops, state.step, lay.fingerprint_bits)
-        bad = ops.zeros((), "int64", x) if finite is None else ops.cast(ops.where(finite, 0.0, 1.0), "int64")
-        control = ops.concat([ops.reshape(v, (1,)) for v in (ops.zeros((), "int64", x) + 1, bad, s, s * s)], 0)
-        parts.append(ops.cast(ops.left_shift(control, g), "int32"))
-        payload = ops.concat(parts, 0)
-        return payload, _Ctx(ranges, residual, y, saturated, state.diag)
+        lattice = _lattice(ops, self._round_key(info), state.step, lay.blocks, lay.block, x)
+        payload, residual, saturated = ops.fuse(_quantize_kernel, plan)(
+            y, ranges, lattice, state.step, finite, stats_words)
+        return payload, _Ctx(ranges, residual if self.config.error_feedback else None, y, saturated,
+                             state.diag)
 
     # ---- decompress / finish ----
-    def _read(self, ops, payload, info, lay, start, stop):
-        """Steps 6-7 bookkeeping: (exact int64 words [start:stop], contributors c, bad, mismatch,
-        summed). Only those words and the control words are read: decompress needs the
-        levels, finish the statistics, and neither pays a pass over the other's part."""
-        n, g = info.world_size, lay.levels.guard
-        at = lay.words + lay.stats_words
-        # int64: Horovod may hand back another dtype under Average.
-        tail = ops.cast(payload[at:], "int64")
-        if info.op is not None:
-            summed = info.op == "sum"
-        else:  # full participation assumed: the count word is n << g under Sum, 1 << g under Average
-            summed = tail[0] > (1 << g)
-        control = ops.right_shift(exact_words(ops, tail, summed, n, g), g)
-        count, bad, s1, s2 = control[0], control[1], control[2], control[3]
-        mismatch = s2 * count != s1 * s1
-        words = exact_words(ops, ops.cast(payload[start:stop], "int64"), summed, n, g)
-        return words, count, bad, mismatch, summed
-
     def decompress(self, ops, payload, ctx, info):
         if self._tiny(info):
             return self._fp16.decompress(ops, payload, ctx, info)
-        lay = self.layout(info)
-        n, P, nb, B = info.world_size, lay.padded, lay.blocks, lay.block
-        exact, count, bad, mismatch, summed = self._read(ops, payload, info, lay, 0, lay.words)
-        # Step 7.
-        levels = self._unpack(ops, ops.cast(exact, "int32"), lay.levels, P, payload)
-        total = ops.reshape(ops.cast(levels, "float32"), (nb, B))
-        top = ops.reshape(ctx.ranges, (nb, 1))
-        delta = top * (2.0 * (1.0 + 2.0 ** -20) / ((1 << self.config.bits) - 1))
-        values = total * delta - top * ops.cast(count, "float32")
-        if isinstance(summed, bool):
-            values = values if summed else values * (1.0 / n)
-        else:
-            values = values * ops.where(summed, 1.0, 1.0 / n)
-        values = ops.where(mismatch, 0.0, values) + ops.where(bad > 0, float("nan"), 0.0)
-        out = hadamard.irht(ops, ops.reshape(values, (P,)), ctx.diag,
-                            hadamard.hadamard_factors(ops, B, payload))
-        return out[:info.numel] if P > info.numel else out
+        plan = self._plan(info, self.layout(info))
+        out = ops.fuse(_decode_kernel, plan)(payload, ctx.ranges, ctx.diag)
+        return out[:info.numel] if ops.shape(out)[0] > info.numel else out
 
     def finish(self, ops, payload, ctx, state, info):
         """Step 8: ranges, residual and counters from the all-reduced payload."""
         if not len(state):
             return state
-        lay = self.layout(info)
-        nb = lay.blocks
-        exact, count, bad, mismatch, _ = self._read(ops, payload, info, lay, lay.words,
-                                                     lay.words + lay.stats_words)
-        ok = bad == 0
-        if self.blocking:
-            ranges = state.ranges
-        else:
-            stats = self._unpack(ops, ops.cast(exact, "int32"),
-                                 lay.stats, 2 * nb, payload)
-            stats = ops.cast(ops.reshape(stats, (nb, 2)), "float32")
-            code_sum, have = stats[:, 0], stats[:, 1]
-            mean = code_sum / ops.maximum(have, 1.0)
-            ranges = ops.where(have > 0.5, ops.exp2((mean - _CODE_OFFSET) * (1.0 / _CODE_SCALE)), 0.0)
-        step = ops.where(mismatch, state.step * 0, state.step + 1)
-        new = state._replace(ranges=ranges, step=step, saturated=ctx.saturated,
-                             realigned=state.realigned + ops.cast(mismatch, "int64"))
-        if self.config.error_feedback:
-            new = new._replace(residual=ops.where(mismatch, ctx.corrected, ctx.residual))
-        return type(state)(*[ops.where(ok, a, b) for a, b in zip(new, state)])
+        plan = self._plan(info, self.layout(info))
+        new_residual = ctx.residual if self.config.error_feedback else state.residual
+        ranges, step, realigned, saturated, residual = ops.fuse(_finish_kernel, plan)(
+            payload, state.ranges, state.step, state.realigned, state.saturated, state.residual,
+            ctx.corrected, new_residual, ctx.saturated)
+        return THCState(residual, ranges, state.diag, step, saturated, realigned)
 
     def wire(self, info: TensorInfo) -> WireBytes:
         if self._tiny(info):

@@ -125,7 +125,7 @@ def np_layout(bits, n, d, block, blocking=False):
     lanes = (31 - guard) // width
     width_s = (255 * n).bit_length()
     lanes_s = (31 - guard) // width_s
-    words = -(-padded // lanes)
+    words = blocks * -(-block // lanes)  # each block packed on its own (planar within the block)
     stats_words = 0 if blocking else -(-2 * blocks // lanes_s)
     return dict(bits=bits, L=levels_max, n=n, d=d, block=block, padded=padded, blocks=blocks,
                 guard=guard, width=width, lanes=lanes, words=words, width_s=width_s, lanes_s=lanes_s,
@@ -140,16 +140,19 @@ def layout_of(scheme, info):
 
 
 def np_unpack(words, lanes, width, guard, count):
-    """Lane values [count] of int words, by NumPy shifts and masks."""
+    """Lane values [count] of int words, by NumPy shifts and masks: value ``j * len(words) + w``
+    sits in lane ``j`` of word ``w`` (planar lanes)."""
     shifts = guard + width * np.arange(lanes)
-    return ((np.asarray(words, np.int64)[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)[:count]
+    return ((np.asarray(words, np.int64)[None, :] >> shifts[:, None]) & ((1 << width) - 1)).reshape(-1)[:count]
 
 
 def split_payload(payload, lay):
     """(levels [P], codes [nb], flags [nb], control [4]) of one rank's own (int) payload."""
     p = np.asarray(payload).astype(np.int64)
     assert p.size == lay["total"], (p.size, lay)
-    levels = np_unpack(p[:lay["words"]], lay["lanes"], lay["width"], lay["guard"], lay["padded"])
+    per_block = lay["words"] // lay["blocks"]
+    levels = np.concatenate([np_unpack(p[b * per_block:(b + 1) * per_block], lay["lanes"], lay["width"],
+                                       lay["guard"], lay["block"]) for b in range(lay["blocks"])])
     stats = np_unpack(p[lay["words"]:lay["words"] + lay["stats_words"]], lay["lanes_s"], lay["width_s"],
                       lay["guard"], 2 * lay["blocks"]).reshape(-1, 2) if lay["stats_words"] else \
         np.zeros((lay["blocks"], 2), np.int64)

@@ -4,11 +4,13 @@ Every function traces inside ``tf.function``; shapes must be static (gradients o
 are). Python int/float operands of bit operations and min/max are converted to the other
 operand's dtype, as PyTorch does implicitly.
 """
+import dataclasses
+
 import tensorflow as tf
 
-from hvd_gradcomp.primitives import Primitives
+from hvd_gradcomp.primitives import Primitives, compile_requested
 
-__all__ = ["OPS"]
+__all__ = ["OPS", "COMPILED_OPS"]
 
 _DTYPES = {"float16": tf.float16, "bfloat16": tf.bfloat16, "float32": tf.float32,
            "float64": tf.float64, "int32": tf.int32, "int64": tf.int64, "int8": tf.int8,
@@ -39,6 +41,31 @@ def _allreduce(x, op, name, group=None):
     safe = "".join(c if c.isalnum() or c in "_." else "_" for c in name)
     kwargs = {} if group is None else {"process_set": group}
     return hvd.allreduce(x, op=hop, name=safe, ignore_name_scope=True, **kwargs)
+
+
+_KERNELS = {}
+
+
+def _fuse_eager(fn, plan):
+    """``Primitives.fuse`` without a compiler: ``fn(OPS, plan, *tensors)`` op by op (inside
+    the caller's ``tf.function`` graph when there is one)."""
+    return lambda *tensors: fn(OPS, plan, *tensors)
+
+
+def _fuse_compiled(fn, plan):
+    """``Primitives.fuse`` through XLA: one ``tf.function(jit_compile=True)`` per (fn, plan),
+    retraced per input signature (``reduce_retracing`` relaxes shapes after the first)."""
+    key = (fn, plan)
+    run = _KERNELS.get(key)
+    if run is None:
+        run = _KERNELS[key] = tf.function(lambda *tensors: fn(OPS, plan, *tensors),
+                                          jit_compile=True, reduce_retracing=True)
+    return run
+
+
+def _fuse(fn, plan):
+    """``Primitives.fuse``: XLA when ``HVD_GRADCOMP_COMPILE`` asks for it, else op by op."""
+    return (_fuse_compiled if compile_requested() else _fuse_eager)(fn, plan)
 
 
 OPS = Primitives(
@@ -79,4 +106,8 @@ OPS = Primitives(
     right_shift=_like(tf.bitwise.right_shift),
     cond=lambda pred, true_fn, false_fn: tf.cond(pred, true_fn, false_fn),
     allreduce=_allreduce,
+    fuse=_fuse,
 )
+
+# The same primitives with every fused kernel compiled by XLA, whatever the environment says.
+COMPILED_OPS = dataclasses.replace(OPS, fuse=_fuse_compiled)

@@ -1,9 +1,11 @@
 """PyTorch implementation of :class:`hvd_gradcomp.primitives.Primitives`."""
+import dataclasses
+
 import torch
 
-from hvd_gradcomp.primitives import Primitives
+from hvd_gradcomp.primitives import Primitives, compile_requested
 
-__all__ = ["OPS", "to_torch_dtype"]
+__all__ = ["OPS", "COMPILED_OPS", "to_torch_dtype"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -50,6 +52,65 @@ def _allreduce(x, op, name, group=None):
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
     return hvd.synchronize(handle)
+
+
+_KERNELS = {}
+
+
+def _fuse_eager(fn, plan):
+    """``Primitives.fuse`` without a compiler: ``fn(OPS, plan, *tensors)`` op by op."""
+    return lambda *tensors: fn(OPS, plan, *tensors)
+
+
+def _fuse_compiled(fn, plan):
+    """``Primitives.fuse`` through Inductor (C++/OpenMP loops on CPU, Triton on GPU).
+
+    One ``torch.compile`` per (fn, plan), every tensor dimension dynamic from the first call,
+    so all tensor sizes share one compiled kernel (Dynamo still specialises sizes 0 and 1); the
+    plan's ints stay constants. Dynamo caches compiled code per code object and caps the entries
+    of each, so each (fn, plan) gets its own copy of the wrapper's code object: kernels never
+    evict one another. If the first compiled call fails (no C++ compiler, an unsupported build)
+    the kernel runs uncompiled from then on and one warning says why.
+    """
+    key = (fn, plan)
+    run = _KERNELS.get(key)
+    if run is not None:
+        return run
+    import types
+    import warnings
+
+    def call(*tensors):
+        return fn(OPS, plan, *tensors)
+
+    code = call.__code__.replace(co_name=f"hvd_gradcomp_{fn.__name__}_{len(_KERNELS)}")
+    compiled_fn = torch.compile(types.FunctionType(code, call.__globals__, code.co_name, None,
+                                                   call.__closure__), fullgraph=True)
+
+    def compiled(*tensors):
+        for t in tensors:
+            for dim in range(t.dim()):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+        return compiled_fn(*tensors)
+
+    def first(*tensors):
+        try:
+            out = compiled(*tensors)
+            _KERNELS[key] = compiled
+        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back, once
+            warnings.warn(f"hvd_gradcomp: torch.compile of kernel {fn.__name__} failed "
+                          f"({type(exc).__name__}: {exc}); running it uncompiled", RuntimeWarning)
+            _KERNELS[key] = call
+            out = call(*tensors)
+        return out
+
+    _KERNELS[key] = first
+    return first
+
+
+def _fuse(fn, plan):
+    """``Primitives.fuse``: compiled when ``HVD_GRADCOMP_COMPILE`` asks for it
+    (:func:`hvd_gradcomp.primitives.compile_requested`), else op by op."""
+    return (_fuse_compiled if compile_requested() else _fuse_eager)(fn, plan)
 
 
 def _cond(pred, true_fn, false_fn):
@@ -99,4 +160,9 @@ OPS = Primitives(
     cond=_cond,
     # Looked up at call time, so a harness can time it by patching ops._allreduce.
     allreduce=lambda x, op, name, group=None: _allreduce(x, op, name, group),
+    fuse=_fuse,
 )
+
+# The same primitives with every fused kernel compiled, whatever the environment says (the
+# overhead benchmark times both side by side).
+COMPILED_OPS = dataclasses.replace(OPS, fuse=_fuse_compiled)

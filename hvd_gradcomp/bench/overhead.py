@@ -81,9 +81,11 @@ DEFAULT_LAYERS = {
 COLUMNS = ["framework", "device", "threads", "timer", "case", "shape", "numel", "scheme", "spec",
            "world_size", "reps", "median_ms", "p10_ms", "p90_ms", "grad_gbps", "payload_bytes",
            "side_bytes", "side_collectives", "floor_bytes", "floor_ms", "copy_gbps", "vs_fp16",
-           "x_floor", "wire_vs_fp16", "error"]
+           "x_floor", "wire_vs_fp16", "first_call_s", "error"]
 
 _REFERENCE = "fp16"
+# A spec ending in this is timed with the backend's compiled kernels (``COMPILED_OPS``).
+COMPILED = " +compile"
 
 
 no_collective = one_rank  # ``ops`` with ``allreduce`` replaced by the identity (collective excluded)
@@ -152,11 +154,12 @@ class _TorchRunner:
 
     def __init__(self, device, threads):
         import torch
-        from torch_backend.ops import OPS
+        from torch_backend.ops import COMPILED_OPS, OPS
         self.torch = torch
         self.device = device  # "cpu" or "gpu"
         self.torch_device = "cuda" if device == "gpu" else "cpu"
         self.ops = no_collective(OPS)
+        self.compiled_ops = no_collective(COMPILED_OPS)
         if threads and device == "cpu":
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads() if device == "cpu" else 0
@@ -165,9 +168,9 @@ class _TorchRunner:
     def tensor(self, array):
         return self.torch.from_numpy(array).to(self.torch_device)
 
-    def prepare(self, scheme, info, grad):
+    def prepare(self, scheme, info, grad, compiled=False):
         """A callable running one compress + finish call; returns (call, state0)."""
-        ops, torch = self.ops, self.torch
+        ops, torch = self.compiled_ops if compiled else self.ops, self.torch
         holder = [scheme.init(ops, info, grad)]
 
         def call():
@@ -216,10 +219,11 @@ class _TFRunner:
 
     def __init__(self, device, threads, inner):
         import tensorflow as tf
-        from tf_backend.ops import OPS
+        from tf_backend.ops import COMPILED_OPS, OPS
         self.tf = tf
         self.device = device
         self.ops = no_collective(OPS)
+        self.compiled_ops = no_collective(COMPILED_OPS)
         if threads and device == "cpu":
             try:
                 tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -235,8 +239,8 @@ class _TFRunner:
         with self.tf.device(self.tf_device):
             return self.tf.identity(self.tf.constant(array))
 
-    def prepare(self, scheme, info, grad):
-        tf, ops, inner = self.tf, self.ops, self.inner
+    def prepare(self, scheme, info, grad, compiled=False):
+        tf, ops, inner = self.tf, self.compiled_ops if compiled else self.ops, self.inner
         with tf.device(self.tf_device):
             state0 = scheme.init(ops, info, grad)
         cls = type(state0)
@@ -349,10 +353,14 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
         rows.append(row)
         try:
             wire = scheme.wire(info)
-            call, state0 = runner.prepare(scheme, info, grad)
+            call, state0 = runner.prepare(scheme, info, grad, spec.endswith(COMPILED))
             row.update(payload_bytes=wire.payload, side_bytes=wire.side,
                        side_collectives=wire.side_collectives,
                        floor_bytes=floor_bytes(scheme, info, runner.ops, state0))
+            t0 = time.perf_counter()
+            call()  # the first call traces, and compiles the kernels of a compiled spec
+            runner.sync()
+            row["first_call_s"] = time.perf_counter() - t0
             for _ in range(warmup):
                 call()
             runner.sync()
@@ -394,10 +402,12 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
     return rows
 
 
-def _build_schemes(text):
+def _build_schemes(text, compile_mode="off"):
     """[(spec, Scheme)] from specs separated by spaces or ';' ("all" = every registered name).
 
-    FP16 (the reference of the ratios) is always first.
+    FP16 (the reference of the ratios) is always first and never compiled. ``compile_mode``
+    "both" adds a compiled row (spec + :data:`COMPILED`) after each other spec; "on" compiles
+    every other spec; "off" none.
     """
     specs = []
     for token in text.replace(";", " ").split():
@@ -408,7 +418,11 @@ def _build_schemes(text):
             continue
         seen.add(spec)
         name, options = parse_spec(spec)
-        out.append((spec, make_scheme(name, **options)))
+        scheme = make_scheme(name, **options)
+        if spec == _REFERENCE or compile_mode != "on":
+            out.append((spec, scheme))
+        if spec != _REFERENCE and compile_mode in ("on", "both"):
+            out.append((spec + COMPILED, scheme))
     return out
 
 
@@ -447,14 +461,15 @@ def format_table(rows, header_lines=()):
               "  wire MB: payload + side bytes per call; floor MB: bytes the scheme must at least\n"
               "  read+write (grad in, result out, state in+out, payload out+in, side out+in);\n"
               "  vs fp16 = FP16 median / ours (>1 = cheaper than the FP16 cast of the same tensor);\n"
-              "  x floor = median / (floor MB / copy bandwidth) (1.00x = memory speed).\n")
+              "  x floor = median / (floor MB / copy bandwidth) (1.00x = memory speed);\n"
+              "  1st call s: the first call (tracing, and compiling for '+compile' rows).\n")
     for line in header_lines:
         out.write(line + "\n")
     groups = {}
     for r in rows:
         groups.setdefault((r["framework"], r["device"], r["threads"], r["timer"], r.get("copy_gbps")), []).append(r)
     cols = [("case", 20), ("numel", 10), ("spec", 22), ("median", 9), ("p10-p90", 17), ("GB/s", 7),
-            ("wire MB", 9), ("floor MB", 9), ("vs fp16", 8), ("x floor", 8)]
+            ("wire MB", 9), ("floor MB", 9), ("vs fp16", 8), ("x floor", 8), ("1st call s", 10)]
     for (fw, dev, threads, timer, copy), group in groups.items():
         copy_txt = f"{copy:.1f} GB/s" if copy else "-"
         out.write(f"\n== {fw} on {dev} (threads={threads or 'default'}, timer={timer}, "
@@ -468,7 +483,8 @@ def format_table(rows, header_lines=()):
             wire = r["payload_bytes"] + r["side_bytes"]
             vals = [r["case"], str(r["numel"]), r["spec"], _fmt(r.get("median_ms"), "ms"), spread,
                     _fmt(r.get("grad_gbps"), "f"), _fmt(wire, "mb"), _fmt(r.get("floor_bytes"), "mb"),
-                    _fmt(r.get("vs_fp16"), "x"), _fmt(r.get("x_floor"), "x")]
+                    _fmt(r.get("vs_fp16"), "x"), _fmt(r.get("x_floor"), "x"),
+                    _fmt(r.get("first_call_s"), "f")]
             out.write(" ".join(v.ljust(w) if i < 3 else v.rjust(w)
                                for i, (v, (_, w)) in enumerate(zip(vals, cols))) + "\n")
     return out.getvalue()
@@ -583,6 +599,9 @@ def _parser():
     p.add_argument("--tf-inner", type=int, default=10, help="TF on GPU: calls per synced sample")
     p.add_argument("--malloc", choices=("keep", "system"), default="keep")
     p.add_argument("--copy-mib", type=int, default=64, help="buffer size for the copy bandwidth")
+    p.add_argument("--compile", choices=["off", "both", "on"], default="off",
+                   help="time the schemes' kernels compiled (torch.compile / XLA): 'both' adds a "
+                        "'+compile' row after each spec, 'on' compiles all but FP16")
     p.add_argument("--quick", action="store_true",
                    help="sizes 2^12..2^18, conv layer only, 5 reps, 0.5 s budget")
     p.add_argument("--out", default="runs/overhead", help="folder for overhead.csv / overhead.txt")
@@ -604,7 +623,7 @@ def main(argv=None) -> int:
         args.layers = "conv" if args.layers == _parser().get_default("layers") else args.layers
         args.reps, args.budget = min(args.reps, 5), min(args.budget, 0.5)
     malloc = apply_malloc_policy(args.malloc)
-    schemes = _build_schemes(args.schemes)
+    schemes = _build_schemes(args.schemes, args.compile)
     cases = _cases(args)
     frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
     devices = _devices(args.devices)
