@@ -36,7 +36,7 @@ import logging
 from typing import Any, NamedTuple
 
 from .registry import SCHEMES, has_option, make_scheme
-from .base import (EmptyState, Scheme, StepBytes, TensorInfo, WireBytes, check_state, compress_tensor,
+from .base import (EmptyState, Scheme, StepBytes, TensorInfo, check_state, compress_tensor,
                    finish_tensor, passes_through)
 from .primitives import FLOAT_DTYPES, itemsize
 from .routing import Route, Routing
