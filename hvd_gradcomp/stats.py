@@ -80,8 +80,9 @@ class WireReport:
 
     @property
     def fp16_ratio(self) -> Optional[float]:
-        """``fp16_bytes / bytes_sent`` (> 1: fewer bytes than FP16); None before any step."""
-        return self.fp16_bytes / self.bytes_sent if self.bytes_sent else None
+        """``fp16_bytes / bytes_sent`` (> 1: fewer bytes than FP16); None before any step or
+        without the FP16 baseline (no parameters counted)."""
+        return self.fp16_bytes / self.bytes_sent if self.bytes_sent and self.fp16_bytes else None
 
     def line(self) -> str:
         """One line of text, e.g. ``topkc:ratio=0.1: 19,208 B/step sent, FP16 170,004 B/step
@@ -90,9 +91,10 @@ class WireReport:
             return f"{self.spec}: no gradient compressed yet"
         sparse = (f" + {self.sparse_collectives} sparse allgathers of {self.sparse_bytes:,} B"
                   if self.sparse_collectives else "")
-        text = (f"{self.spec}: {self.bytes_sent:,} B/step sent, FP16 {self.fp16_bytes:,} B/step "
-                f"(FP16/ours {self.fp16_ratio:.2f}x); {self.collectives} collectives/step "
-                f"({self.tensors} payloads + {self.side_collectives} side{sparse})")
+        fp16 = (f"FP16 {self.fp16_bytes:,} B/step (FP16/ours {self.fp16_ratio:.2f}x)" if self.fp16_bytes
+                else "FP16 unknown (no parameters counted)")
+        text = (f"{self.spec}: {self.bytes_sent:,} B/step sent, {fp16}; {self.collectives} "
+                f"collectives/step ({self.tensors} payloads + {self.side_collectives} side{sparse})")
         return text + "".join(f"; {name} {value}" for name, value in sorted(self.metrics.items()))
 
     def scalars(self) -> dict:

@@ -43,6 +43,11 @@ def test_report_before_any_step_and_bad_input():
     # fp32 payloads: twice FP16's bytes, a ratio below 1
     rep = WireReport("none", 2, 400, 0, 0, 200)
     assert rep.fp16_ratio == 0.5 and "(FP16/ours 0.50x); 2 collectives/step (2 payloads + 0 side)" in rep.line()
+    # no parameters given: no baseline, no ratio (rather than 0.00x)
+    rep = summarize("fp16", {"w": WireBytes(200)}, coordinates=0)
+    assert rep.fp16_ratio is None and "compression/fp16_ratio" not in rep.scalars()
+    assert rep.line() == ("fp16: 200 B/step sent, FP16 unknown (no parameters counted); 1 collectives/step "
+                          "(1 payloads + 0 side)")
     for bad in (-1, 1.5):
         with pytest.raises(ValueError, match=r"stats: coordinates must be an int >= 0, got"):
             summarize("fp16", {}, bad)

@@ -39,7 +39,9 @@ class CompressionStats(StatsLogger):
     Args:
         compression: the compressor passed as ``compression=`` (``tf_backend.Compression``).
         variables: the trainable variables whose gradients it compresses
-            (``model.trainable_variables``); FP16 baseline: 2 bytes a coordinate.
+            (``model.trainable_variables`` of a built model); FP16 baseline: 2 bytes a
+            coordinate. Empty (a model not built yet): the lines say the baseline is unknown;
+            set ``stats.coordinates`` later.
         every: :meth:`step` logs after every ``every``-th call (0: only :meth:`log`).
         logger: a :class:`logging.Logger` (default ``hvd_gradcomp.stats``); lines are INFO.
         log_dir: a folder for TensorBoard scalars (``tf.summary``), written by rank 0 at
