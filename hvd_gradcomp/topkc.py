@@ -134,6 +134,26 @@ class _Ctx(NamedTuple):
     sent: object  # float32 [k, chunk]: what this rank sent, decoded (None without error feedback)
 
 
+def _correct_kernel(ops, plan, flat, residual):
+    """Steps 1 and 5 in one pass: ``c = g + e`` zero-padded and viewed as chunks (float32
+    [m, chunk]), and per-chunk scores (float32 [m]): ``||g + c||**2`` (step 5's ``g + e'`` for
+    every chunk not sent this step) or, ``blocking``, ``||c||**2`` with non-finite scores as 0.
+    ``plan`` = (chunk, error_feedback, blocking); without error feedback ``residual`` is unused."""
+    chunk, error_feedback, blocking = plan
+    d = ops.shape(flat)[0]
+    m = -(-d // chunk)
+    c = flat + residual if error_feedback else flat
+    guess = c if blocking else c + flat
+    if m * chunk > d:
+        tail = ops.zeros((m * chunk - d,), "float32", flat)
+        c, guess = ops.concat([c, tail], 0), ops.concat([guess, tail], 0)
+    chunks, guess = ops.reshape(c, (m, chunk)), ops.reshape(guess, (m, chunk))
+    scores = ops.sum(guess * guess, 1)
+    if blocking:
+        scores = ops.where(ops.isfinite(scores), scores, 0.0)
+    return chunks, scores
+
+
 class TopKCScheme(Scheme):
     """Chunked TopK with rank-agreed chunks (module docstring)."""
 
@@ -169,35 +189,37 @@ class TopKCScheme(Scheme):
             return _FP16.compress(ops, x, state, info, finite)
         cfg, n = self.config, info.world_size
         m, k, pad = self._sizes(info)
-        # Step 1.
         flat = ops.reshape(x, (info.numel,))
-        corrected = flat + state.residual if cfg.error_feedback else flat
-        padded = ops.concat([corrected, ops.zeros((pad,), "float32", x)], 0) if pad else corrected
-        chunks = ops.reshape(padded, (m, cfg.chunk))
-        # Step 2.
+        plan = (cfg.chunk, cfg.error_feedback, self.blocking)
+        if not self.blocking:  # step 2 first: the selection is known before the pass over c
+            idx = ops.argsort(state.scores)[:k]
+        # Step 1 (and the scores, step 5 or the blocking step 2) in one fused kernel.
+        chunks, scores = ops.fuse(_correct_kernel, plan)(flat, state.residual if cfg.error_feedback else flat)
         if self.blocking:
-            scores = ops.sum(chunks * chunks, 1)
-            scores = ops.where(ops.isfinite(scores), scores, 0.0)
             ranking = ops.allreduce(scores, "sum", self._side_name(info), info.group)
-        else:
-            ranking = state.scores
-        idx = ops.argsort(ranking)[:k]
+            idx = ops.argsort(ranking)[:k]
         # Step 3.
-        wire = saturating_cast(ops, ops.gather(chunks, idx) * (1.0 / n), cfg.payload_dtype, n)
+        picked = ops.gather(chunks, idx)
+        wire = saturating_cast(ops, picked * (1.0 / n), cfg.payload_dtype, n)
         payload = ops.reshape(wire, (k * cfg.chunk,))
-        residual = left = sent = None
+        left = sent = None
         if cfg.error_feedback:
             # Step 4: subtract what was sent (as decoded) from the selected chunks only; the
             # chunks are a temporary here (c = g + e is a new tensor), updated in place.
             sent = ops.cast(wire, "float32") * float(n)
             left = ops.reshape(ops.index_add(chunks, idx, sent * -1.0), (m * cfg.chunk,))
-            residual = left[:info.numel] if pad else left
         if not self.blocking:
-            # Step 5: scores of g + e', normalised by their maximum.
-            guess = flat + residual if cfg.error_feedback else flat
-            guess = ops.concat([guess, ops.zeros((pad,), "float32", x)], 0) if pad else guess
-            guess = ops.reshape(guess, (m, cfg.chunk))
-            scores = ops.sum(guess * guess, 1)
+            # Step 5: the kernel scored g + c, which is g + e' for every chunk not sent; the k
+            # sent chunks are scored again from g + c - sent (an O(k chunk) fix-up).
+            pos = ops.reshape(ops.cast(idx, "int64"), (k, 1)) * cfg.chunk + \
+                ops.reshape(ops.arange(cfg.chunk, "int64", x), (1, cfg.chunk))
+            inside = pos < info.numel
+            g = ops.gather(flat, ops.reshape(ops.minimum(pos, info.numel - 1), (k * cfg.chunk,)))
+            guess = ops.where(inside, ops.reshape(g, (k, cfg.chunk)), 0.0) + picked
+            if cfg.error_feedback:
+                guess = guess - sent
+            fixed = ops.sum(guess * guess, 1)
+            scores = ops.index_add(scores, idx, fixed - ops.gather(scores, idx))
             scores = ops.where(ops.isfinite(scores), scores, 0.0)
             top = ops.maximum(ops.max(scores, None), _TINY)
             # Step 6: this rank's vote for the selection it made.
