@@ -54,12 +54,14 @@ def _fuse_eager(fn, plan):
 
 def _fuse_compiled(fn, plan):
     """``Primitives.fuse`` through XLA: one ``tf.function(jit_compile=True)`` per (fn, plan),
-    retraced per input signature (``reduce_retracing`` relaxes shapes after the first)."""
+    traced and compiled once per distinct input shape (the scheme code needs static shapes, so
+    shapes are not relaxed; XLA specialises on shapes anyway). No autograph: kernels have no
+    Python branches on tensor values to convert."""
     key = (fn, plan)
     run = _KERNELS.get(key)
     if run is None:
         run = _KERNELS[key] = tf.function(lambda *tensors: fn(OPS, plan, *tensors),
-                                          jit_compile=True, reduce_retracing=True)
+                                          jit_compile=True, autograph=False)
     return run
 
 

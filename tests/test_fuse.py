@@ -1,0 +1,101 @@
+"""Compiled kernels (``Primitives.fuse`` through torch.compile / XLA) give the values of the
+uncompiled ones, share one compilation across tensor sizes, and are switched by
+``HVD_GRADCOMP_COMPILE``.
+
+Each check runs a scheme for three steps (state fed back) with the backend's ``OPS`` and with
+its ``COMPILED_OPS`` on the same gradients, one rank (the payload is its own all-reduce), and
+compares outputs, payloads and states. Compilers may reorder float arithmetic (fused
+multiply-adds, reduction order), so floats agree to rounding, not bitwise; THC's stochastic
+rounding compares a uniform with a float, so a coordinate sitting on the edge may round the
+other way: levels agree on all but a handful of coordinates. Compiling costs seconds per
+kernel (more on a loaded machine), which is why only two sizes per scheme are used.
+"""
+import warnings
+
+import numpy as np
+import pytest
+
+from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
+from hvd_gradcomp.primitives import COMPILE_ENV, compile_requested, one_rank
+from hvd_gradcomp.registry import make_scheme, parse_spec
+from tests.conftest import BACKENDS, as_float64, backend_tensor
+
+SIZES = (3000, 70000)  # padded and unpadded blocks / chunks; two sizes, one compilation
+SPECS = ("thc", "topkc:ratio=0.1", "thc:range=current,saturation=false")
+
+
+def _scheme(spec):
+    name, options = parse_spec(spec)
+    return make_scheme(name, **options)
+
+
+def _ops(backend):
+    if backend == "torch":
+        from torch_backend.ops import COMPILED_OPS, OPS
+    else:
+        from tf_backend.ops import COMPILED_OPS, OPS
+    return one_rank(OPS), one_rank(COMPILED_OPS)
+
+
+def _run(scheme, ops, backend, d, steps=3):
+    info = TensorInfo(f"fuse.{d}", (d,), "float32", 4, 0, "sum")
+    rng = np.random.default_rng(d)
+    grads = [backend_tensor(backend, rng.standard_normal(d) * (1 + 10 * (np.arange(d) % 97 == 0)))
+             for _ in range(steps)]
+    state = scheme.init(ops, info, grads[0])
+    outs = []
+    for g in grads:
+        payload, ctx = compress_tensor(scheme, ops, g, state, info)
+        out, state = finish_tensor(scheme, ops, payload, ctx, state, info)
+        outs.append((as_float64(payload), as_float64(out)))
+    return outs, [as_float64(t) for t in state]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", SPECS)
+def test_compiled_kernels_match_uncompiled(backend, spec):
+    eager, compiled = _ops(backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for d in SIZES:
+            scheme = _scheme(spec)
+            want, want_state = _run(scheme, eager, backend, d)
+            got, got_state = _run(_scheme(spec), compiled, backend, d)
+            for step, ((wp, wo), (gp, go)) in enumerate(zip(want, got)):
+                if spec.startswith("thc"):
+                    # int32 words: a level that rounded the other way changes one word.
+                    assert np.mean(wp != gp) < 2e-3, (spec, d, step)
+                else:
+                    np.testing.assert_allclose(gp, wp, rtol=1e-3, atol=1e-3 * np.abs(wp).max())
+                err = np.linalg.norm(go - wo) / max(np.linalg.norm(wo), 1e-30)
+                assert err < 2e-3, (spec, d, step, err)
+            for w, g in zip(want_state, got_state):
+                assert w.shape == g.shape
+                scale = max(np.abs(w).max(), 1e-30)
+                assert np.abs(g - w).max() <= 5e-3 * scale, (spec, d)
+    failed = [str(w.message) for w in caught if "uncompiled" in str(w.message)]
+    assert not failed, failed  # the compiler ran; nothing fell back
+
+
+@pytest.mark.skipif("torch" not in BACKENDS, reason="torch backend not under test")
+def test_torch_one_compilation_for_all_sizes():
+    """A second and third tensor size reuse the first size's compiled THC kernels."""
+    from torch._dynamo.utils import counters
+    _, compiled = _ops("torch")
+    scheme = _scheme("thc:bits=2")  # its own plan: kernels not compiled by another test
+    _run(scheme, compiled, "torch", 5000, steps=1)
+    _run(scheme, compiled, "torch", 9000, steps=1)  # dynamic dims marked from the first call
+    before = counters["stats"]["unique_graphs"]
+    _run(scheme, compiled, "torch", 40000, steps=1)
+    _run(scheme, compiled, "torch", 123456, steps=1)
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_compile_switch(monkeypatch):
+    for value, want in (("", False), ("0", False), ("off", False), ("1", True), ("true", True),
+                        ("ON", True)):
+        monkeypatch.setenv(COMPILE_ENV, value)
+        assert compile_requested() is want
+    monkeypatch.setenv(COMPILE_ENV, "yes please")
+    with pytest.raises(ValueError, match=COMPILE_ENV):
+        compile_requested()
