@@ -35,7 +35,7 @@ import dataclasses
 import logging
 from typing import Any, NamedTuple
 
-from .registry import SCHEMES, has_option, make_scheme
+from .registry import SCHEMES, make_scheme
 from .base import (EmptyState, Scheme, StepBytes, TensorInfo, check_state, compress_tensor,
                    finish_tensor, passes_through)
 from .primitives import FLOAT_DTYPES, itemsize
@@ -190,7 +190,8 @@ class HorovodCompressor:
 
     def __init__(self, routing):
         """Args: routing: a :class:`~hvd_gradcomp.routing.Routing`, or one scheme (all tensors
-        to it, the small ones as fp16 per its ``min_numel``)."""
+        to it, those below :func:`~hvd_gradcomp.registry.small_default` of its name as fp16,
+        as :meth:`Routing.single`)."""
         if isinstance(routing, Scheme):
             routing = Routing.single(routing)
         self.routing = routing.bind(self.ops)
@@ -792,8 +793,9 @@ class HorovodCompressor:
         return entry
 
     def __repr__(self):
-        from .registry import to_spec
-        text = to_spec(self.scheme, full=True) if self.routing.plain else self.spec
+        from .registry import to_spec, with_min_numel
+        text = (with_min_numel(to_spec(self.scheme, full=True), self.routing.min_numel)
+                if self.routing.plain else self.spec)
         return f"{type(self).__name__}({text!r})"
 
 
@@ -819,11 +821,11 @@ class Factory:
         self.__doc__ = f"A new {name} compressor; options: see {SCHEMES[name][0].__name__}."
 
     def __call__(self, *args, **options):
-        """A new compressor; ``min_numel`` (tensors with fewer coordinates go as fp16) is
-        accepted by every scheme (module :mod:`~hvd_gradcomp.routing`)."""
-        min_numel = None
-        if "min_numel" in options and not has_option(self.name, "min_numel"):
-            min_numel = options.pop("min_numel")
+        """A new compressor; ``min_numel`` (tensors with fewer coordinates go as fp16; an
+        integer >= 1, default :func:`~hvd_gradcomp.registry.small_default`) is a routing
+        option accepted by every scheme (module :mod:`~hvd_gradcomp.routing`); the other
+        options go to the scheme's config. Raises ValueError for an unknown or bad option."""
+        min_numel = options.pop("min_numel", None)
         return self._cls(Routing.single(make_scheme(self.name, *args, **options), min_numel))
 
     def compress(self, tensor, *args, **kwargs):

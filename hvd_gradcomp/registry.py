@@ -20,7 +20,9 @@ thc:min_numel=4096"``. Rules are tried in order, the first whose every term matc
 a tensor no rule matches goes as fp16 if it has fewer than ``min_numel`` coordinates, else
 with the default scheme. ``min_numel`` is a routing option every default accepts (``topk:0.1,
 min_numel=1024``); its default is :data:`SMALL_DEFAULTS` (1024 for ``thc`` and ``topkc``, 1,
-i.e. none, for the others). A rule's scheme-spec takes no ``min_numel`` (use ``numel>=N``).
+i.e. none, for the others). A rule's scheme-spec takes no ``min_numel`` (use ``numel>=N``),
+and no scheme config has it: :func:`parse_spec` and :func:`make_scheme` refuse it as an
+unknown option; :func:`parse_routing` takes it off the default (:func:`split_min_numel`).
 Whitespace around items is ignored; a spec without ``->`` is a plain scheme spec, as before.
 """
 import dataclasses
@@ -36,7 +38,7 @@ from .topkc import TopKCConfig, TopKCScheme
 
 __all__ = ["SCHEMES", "make_scheme", "parse_spec", "to_spec", "register", "SMALL_DEFAULTS", "SMALL_SCHEME",
            "small_default", "Selector", "parse_selector", "format_selector", "split_min_numel",
-           "RoutingSpec", "parse_routing", "with_min_numel", "has_option"]
+           "RoutingSpec", "parse_routing", "with_min_numel"]
 
 # name -> (config class, scheme class); register() adds to it.
 SCHEMES = {
@@ -172,11 +174,6 @@ _TERMS = re.compile(r"numel\s*(?:>=|<=|>|<)\s*[0-9]+|\S+")
 def small_default(name: str) -> int:
     """The ``min_numel`` of a compressor whose default scheme is ``name``, when none is given."""
     return SMALL_DEFAULTS.get(_canonical_name(name), 1)
-
-
-def has_option(name: str, option: str) -> bool:
-    """True if scheme ``name``'s config has a field ``option``."""
-    return option in {f.name for f in dataclasses.fields(SCHEMES[_canonical_name(name)][0])}
 
 
 class Selector(NamedTuple):

@@ -13,12 +13,13 @@ checkpoint records it. Decision, for a tensor with name ``name`` and ``d`` coord
        size routing) otherwise (:data:`~hvd_gradcomp.registry.SMALL_DEFAULTS`).
     3. Else the default scheme.
 
-This is the only place that decides by size. The schemes ``thc`` and ``topkc`` still have a
-``min_numel`` option of their own (to be removed): a plain compressor (``Compression.thc(
-min_numel=512)``, no rules) takes its threshold from it, so both agree; inside rules the
-schemes are built with ``min_numel=1`` and compress whatever the routing sends them.
-PowerSGD's matrix-shape policy (vectors and matrices it cannot shrink go as float16) stays in
-the scheme: it depends on the kernel layout and rank, not only on the size.
+This is the only place that decides by size: no scheme has a size threshold of its own, each
+compresses whatever the routing sends it. ``min_numel`` is a routing option that every
+compressor spec and Python factory accepts (``"thc:min_numel=512"``,
+``Compression.thc(min_numel=512)``, ``Compression.rules(..., min_numel=512)``); it is never
+passed to a scheme's config. PowerSGD's matrix-shape policy (vectors and matrices it cannot
+shrink go as float16) stays in the scheme: it depends on the kernel layout and rank, not only
+on the size.
 
 Names the rules see (what makes a decision identical on every rank):
 
@@ -44,8 +45,8 @@ Names the rules see (what makes a decision identical on every rank):
 from typing import NamedTuple
 
 from .base import Scheme
-from .registry import (RULE_ARROW, SMALL_SCHEME, Selector, format_selector, has_option, make_scheme,
-                       parse_routing, parse_spec, small_default, split_min_numel, to_spec, with_min_numel)
+from .registry import (RULE_ARROW, SMALL_SCHEME, Selector, format_selector, make_scheme, parse_routing,
+                       parse_spec, small_default, split_min_numel, to_spec, with_min_numel)
 
 __all__ = ["Route", "Routing", "scheme_text", "NEEDS_NAME"]
 
@@ -55,9 +56,10 @@ NEEDS_NAME = ("{routing!r}: rules match tensor names, and this tensor has none; 
 
 
 def scheme_text(scheme: Scheme) -> str:
-    """A scheme's canonical spec without ``min_numel`` (which the routing owns), e.g.
-    ``"topkc:ratio=0.01"``: what a route and a checkpoint record."""
-    return to_spec(scheme, skip=("min_numel",))
+    """A scheme's canonical spec (:func:`~hvd_gradcomp.registry.to_spec`; never a
+    ``min_numel``, which the routing owns), e.g. ``"topkc:ratio=0.01"``: what a route and a
+    checkpoint record."""
+    return to_spec(scheme)
 
 
 class Route(NamedTuple):
@@ -83,12 +85,10 @@ class _Rule(NamedTuple):
     text: str
 
 
-def _build(spec: str, in_rules: bool) -> Scheme:
-    """A scheme from its spec text; inside rules, ``min_numel=1`` where the config has it, so
-    the scheme compresses whatever the routing sends it."""
+def _build(spec: str) -> Scheme:
+    """A scheme from its spec text (without ``min_numel``). Raises ValueError as
+    :func:`~hvd_gradcomp.registry.parse_spec`."""
     name, options = parse_spec(spec)
-    if in_rules and has_option(name, "min_numel"):
-        options["min_numel"] = 1
     return make_scheme(name, **options)
 
 
@@ -102,13 +102,14 @@ class Routing:
     __slots__ = (
         # configuration
         "rules", "default", "min_numel", "small",
-        # True for a single scheme as the user built it (no rules): spec() is its spec
+        # True for a single scheme as the user built it (no rules): the compressor's repr
+        # shows every option of it
         "plain",
     )
 
     def __init__(self, rules, default: Scheme, min_numel: int, plain: bool = False):
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
-            raise ValueError(f"routing: min_numel must be an integer >= 1, got {min_numel!r}")
+            raise ValueError(f"{default.name}: min_numel must be an integer >= 1, got {min_numel!r}")
         self.rules = tuple(rules)
         self.default = default
         self.min_numel = min_numel
@@ -117,15 +118,19 @@ class Routing:
 
     @classmethod
     def single(cls, scheme: Scheme, min_numel=None) -> "Routing":
-        """All tensors to ``scheme`` except those below ``min_numel`` (fp16). ``min_numel``
-        defaults to the scheme's own option where it has one (thc, topkc), else
-        :func:`~hvd_gradcomp.registry.small_default`."""
-        own = getattr(scheme.config, "min_numel", None)
+        """All tensors to ``scheme`` except those below ``min_numel`` (fp16).
+
+        Args:
+            scheme: the scheme of every tensor with at least ``min_numel`` coordinates.
+            min_numel: an integer >= 1; None (default):
+                :func:`~hvd_gradcomp.registry.small_default` of the scheme's name (1024 for
+                thc/topkc, else 1).
+
+        Raises:
+            ValueError: ``min_numel`` is not an integer >= 1.
+        """
         if min_numel is None:
-            min_numel = own if own is not None else small_default(scheme.name)
-        elif own is not None and own != min_numel:
-            raise ValueError(f"{scheme.name}: min_numel={min_numel} for the routing but "
-                             f"min_numel={own} in the scheme's options; give it once")
+            min_numel = small_default(scheme.name)
         return cls((), scheme, min_numel, plain=True)
 
     @classmethod
@@ -165,15 +170,12 @@ class Routing:
         """Routing from a compressor spec (grammar: :mod:`hvd_gradcomp.registry`)."""
         parsed = parse_routing(spec)
         if not parsed.rules:
-            name, options = parse_spec(parsed.default)
-            if parsed.min_numel is not None and has_option(name, "min_numel"):
-                options["min_numel"] = parsed.min_numel
-            return cls.single(make_scheme(name, **options), parsed.min_numel)
+            return cls.single(_build(parsed.default), parsed.min_numel)
         rules = []
         for selector, text in parsed.rules:
-            scheme = _build(text, True)
+            scheme = _build(text)
             rules.append(_Rule(selector, scheme, scheme_text(scheme)))
-        default = _build(parsed.default, True)
+        default = _build(parsed.default)
         min_numel = parsed.min_numel if parsed.min_numel is not None else small_default(default.name)
         return cls(rules, default, min_numel)
 
@@ -194,15 +196,12 @@ class Routing:
         return any(r.selector.pattern != "*" for r in self.rules)
 
     def spec(self) -> str:
-        """The canonical compressor spec; :meth:`from_spec` of it gives an equal routing."""
-        default_name = self.default.name
-        if self.plain:
-            text = to_spec(self.default)
-            if not has_option(default_name, "min_numel") and self.min_numel != small_default(default_name):
-                text = with_min_numel(text, self.min_numel)
-            return text
+        """The canonical compressor spec; :meth:`from_spec` of it gives an equal routing.
+        ``min_numel`` is the default's last option, written only where it differs from
+        :func:`~hvd_gradcomp.registry.small_default` (``"thc"``, ``"thc:bits=2,min_numel=512"``,
+        ``"topk:ratio=0.1,min_numel=1024"``)."""
         text = scheme_text(self.default)
-        if self.min_numel != small_default(default_name):
+        if self.min_numel != small_default(self.default.name):
             text = with_min_numel(text, self.min_numel)
         rules = [f"{format_selector(r.selector)} {RULE_ARROW} {r.text}" for r in self.rules]
         return "; ".join(rules + [text])

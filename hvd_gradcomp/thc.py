@@ -99,7 +99,9 @@ levels: ``32 / lanes`` with ``lanes = (31 - bit_length(n)) // bit_length(n (2**b
 
 The statistics add ``2 / (B lanes_s)`` words per coordinate (under 0.03 bits at ``B = 1024``).
 
-Tensors with fewer than ``min_numel`` coordinates are sent as FP16 (:class:`Fp16Scheme`).
+The scheme compresses every tensor it is given, whatever its size: which tensors reach it is
+the routing's decision (:mod:`hvd_gradcomp.routing`; a plain ``thc`` compressor sends tensors
+below ``min_numel``, default 1024, as FP16 instead).
 
 Limits: world size at most 1024; ``ValueError`` at the first ``compress`` (before any
 collective) if no lane fits (``bits = 16`` from 129 ranks on; ``bits <= 10`` always fits).
@@ -115,8 +117,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from . import hadamard, rng
-from .base import EmptyState, Scheme, TensorInfo, WireBytes
-from .cast import Fp16Scheme
+from .base import Scheme, TensorInfo, WireBytes
 
 __all__ = ["THCConfig", "THCState", "THCScheme", "saturation_threshold", "lane_layout",
            "wire_bits", "exact_words", "MAX_WORLD_SIZE"]
@@ -220,7 +221,9 @@ class THCConfig:
             synchronous Max side all-reduce inside compress).
         seed: seeds the shared rotation and the per-rank rounding (integer >= 0); default 0.
         error_feedback: keep ``y - own decoded`` for the next step; default True.
-        min_numel: tensors with fewer coordinates go as FP16; integer >= 1, default 1024.
+
+    The size threshold below which tensors go as FP16 (``min_numel``) is a routing option,
+    not one of these (:mod:`hvd_gradcomp.routing`).
 
     Raises:
         ValueError: an option outside its range, naming it.
@@ -234,7 +237,6 @@ class THCConfig:
     range: str = "previous"
     seed: int = 0
     error_feedback: bool = True
-    min_numel: int = 1024
 
     def __post_init__(self):
         def is_int(v):
@@ -253,8 +255,6 @@ class THCConfig:
             raise ValueError(f"thc: saturation_rate must be in (0, 0.5], got {self.saturation_rate!r}")
         if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"thc: seed must be an integer >= 0, got {self.seed!r}")
-        if not is_int(self.min_numel) or self.min_numel < 1:
-            raise ValueError(f"thc: min_numel must be an integer >= 1, got {self.min_numel!r}")
         if not isinstance(self.saturation, bool) or not isinstance(self.error_feedback, bool):
             raise ValueError(f"thc: saturation and error_feedback must be True or False, got "
                              f"{self.saturation!r} and {self.error_feedback!r}")
@@ -490,14 +490,10 @@ class THCScheme(Scheme):
     def __init__(self, config: THCConfig = THCConfig()):
         self.config = config
         self.blocking = config.range == "current"
-        self._fp16 = Fp16Scheme()
         self._threshold = saturation_threshold(config.saturation_rate)
         self._round_keys = {}
 
     # ---- static sizes ----
-    def _tiny(self, info: TensorInfo) -> bool:
-        return info.numel < self.config.min_numel
-
     def layout(self, info: TensorInfo) -> Layout:
         """The payload layout of a tensor; ValueError if no lane fits (module docstring)."""
         cfg, n = self.config, info.world_size
@@ -517,8 +513,6 @@ class THCScheme(Scheme):
                      lay.fingerprint_bits, info.world_size, info.op)
 
     def init(self, ops, info: TensorInfo, like):
-        if self._tiny(info):
-            return EmptyState()
         lay = self.layout(info)  # ValueError now if no lane fits
         zero = ops.zeros((), "int64", like)
         return THCState(ops.zeros((lay.padded if self.config.error_feedback else 0,), "float32", like),
@@ -540,8 +534,6 @@ class THCScheme(Scheme):
 
     # ---- compress ----
     def compress(self, ops, x, state, info, finite):
-        if self._tiny(info):
-            return self._fp16.compress(ops, x, state, info, finite)
         lay = self.layout(info)
         plan = self._plan(info, lay)
         y, wanted, stats_words = ops.fuse(_rotate_kernel, plan)(
@@ -559,16 +551,12 @@ class THCScheme(Scheme):
 
     # ---- decompress / finish ----
     def decompress(self, ops, payload, ctx, info):
-        if self._tiny(info):
-            return self._fp16.decompress(ops, payload, ctx, info)
         plan = self._plan(info, self.layout(info))
         out = ops.fuse(_decode_kernel, plan)(payload, ctx.ranges, ctx.diag)
         return out[:info.numel] if ops.shape(out)[0] > info.numel else out
 
     def finish(self, ops, payload, ctx, state, info):
         """Step 8: ranges, residual and counters from the all-reduced payload."""
-        if not len(state):
-            return state
         plan = self._plan(info, self.layout(info))
         new_residual = ctx.residual if self.config.error_feedback else state.residual
         ranges, step, realigned, saturated, residual = ops.fuse(_finish_kernel, plan)(
@@ -577,8 +565,6 @@ class THCScheme(Scheme):
         return THCState(residual, ranges, state.diag, step, saturated, realigned)
 
     def wire(self, info: TensorInfo) -> WireBytes:
-        if self._tiny(info):
-            return self._fp16.wire(info)
         lay = self.layout(info)
         payload = 4 * (lay.words + lay.stats_words + _CONTROL)
         return WireBytes(payload, 4 * lay.blocks, 1) if self.blocking else WireBytes(payload)
@@ -586,6 +572,4 @@ class THCScheme(Scheme):
     def metrics(self, state) -> dict:
         """``{"saturated": int64 [], "realigned": int64 []}``: rotated coordinates clipped in the
         last step (this rank); steps whose output was 0 because the ranks' states disagreed."""
-        if not len(state):
-            return {}
         return {"saturated": state.saturated, "realigned": state.realigned}

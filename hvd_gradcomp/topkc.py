@@ -53,7 +53,10 @@ rank-dependent graph or ``hvd.join()`` makes it fail (PyTorch: after
 ``HVD_GRADCOMP_SIDE_TIMEOUT`` seconds on every rank; immediately on a rank whose gradient
 Horovod fills in), where the default completes.
 
-Tensors with fewer than ``min_numel`` coordinates travel as FP16 (:class:`Fp16Scheme`).
+The scheme compresses every tensor it is given, whatever its size: which tensors reach it is
+the routing's decision (:mod:`hvd_gradcomp.routing`; a plain ``topkc`` compressor sends
+tensors below ``min_numel``, default 1024, as FP16 instead: their chunk scores and selection
+would cost more than they save).
 
 Reference: the TopKC scheme of Han et al., "Beyond Throughput and Compression Ratios: Towards
 High End-to-end Utility of Gradient Compression", HotNets 2024 (reconstructed; see
@@ -63,7 +66,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, payload_finite, poison, saturating_cast
-from .cast import Fp16Scheme
 from . import rng
 from .primitives import itemsize
 from .topk import check_ratio, num_selected
@@ -74,7 +76,6 @@ __all__ = ["TopKCConfig", "TopKCState", "TopKCScheme"]
 _TINY = 1e-30
 # Vote slots (step 6): a split vote goes unseen only if two selections hash to one slot.
 _SLOTS = 16
-_FP16 = Fp16Scheme()
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,9 @@ class TopKCConfig:
         selection: "previous" (default: one all-reduce, selection by the previous step's
             agreed scores) or "current" (the paper's blocking two-round form; see the module
             docstring).
-        min_numel: tensors with fewer coordinates travel as FP16, integer >= 1; default 1024
-            (their chunk scores and selection would cost more than they save).
+
+    The size threshold below which tensors go as FP16 (``min_numel``) is a routing option,
+    not one of these (:mod:`hvd_gradcomp.routing`).
 
     Raises:
         ValueError: an option outside its range, naming it.
@@ -104,14 +106,11 @@ class TopKCConfig:
     error_feedback: bool = True
     payload_dtype: str = "float16"
     selection: str = "previous"
-    min_numel: int = 1024
 
     def __post_init__(self):
         check_ratio("topkc", self.ratio)
-        for name in ("chunk", "min_numel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"topkc: {name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"topkc: chunk must be an integer >= 1, got {self.chunk!r}")
         if self.payload_dtype not in ("float16", "float32"):
             raise ValueError(f"topkc: payload_dtype must be 'float16' or 'float32', "
                              f"got {self.payload_dtype!r}")
@@ -163,9 +162,6 @@ class TopKCScheme(Scheme):
         self.config = config
         self.blocking = config.selection == "current"
 
-    def _tiny(self, info: TensorInfo) -> bool:
-        return info.numel < self.config.min_numel
-
     # Static sizes: m chunks, k selected, padding.
     def _sizes(self, info: TensorInfo):
         c = self.config.chunk
@@ -174,7 +170,7 @@ class TopKCScheme(Scheme):
 
     def init(self, ops, info: TensorInfo, like):
         cfg = self.config
-        if self._tiny(info) or (not cfg.error_feedback and self.blocking):
+        if not cfg.error_feedback and self.blocking:
             return EmptyState()
         m, _, _ = self._sizes(info)
         return TopKCState(ops.zeros((info.numel if cfg.error_feedback else 0,), "float32", like),
@@ -185,8 +181,6 @@ class TopKCScheme(Scheme):
         return f"hvd_gradcomp.topkc.scores.{info.key}"
 
     def compress(self, ops, x, state, info, finite):
-        if self._tiny(info):
-            return _FP16.compress(ops, x, state, info, finite)
         cfg, n = self.config, info.world_size
         m, k, pad = self._sizes(info)
         flat = ops.reshape(x, (info.numel,))
@@ -246,8 +240,6 @@ class TopKCScheme(Scheme):
         return k * self.config.chunk + m
 
     def decompress(self, ops, payload, ctx, info):
-        if self._tiny(info):
-            return _FP16.decompress(ops, payload, ctx, info)
         cfg = self.config
         m, k, _ = self._sizes(info)
         rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
@@ -286,8 +278,6 @@ class TopKCScheme(Scheme):
         return {"realigned": state.realigned} if len(state) else {}
 
     def wire(self, info: TensorInfo) -> WireBytes:
-        if self._tiny(info):
-            return _FP16.wire(info)
         m, k, _ = self._sizes(info)
         size = itemsize(self.config.payload_dtype)
         if self.blocking:

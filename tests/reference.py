@@ -52,7 +52,8 @@ def fp32(x):
 
 class RefTopKC:
     """TopKC, every rank of one tensor: ``selection="previous"`` (default) or ``"current"``,
-    error feedback optional, fp16 or fp32 payload, tensors below ``min_numel`` as fp16.
+    error feedback optional, fp16 or fp32 payload; the scheme alone, on a tensor of any size
+    (which tensors a compressor sends as fp16 instead is the routing's: :func:`reference_for_spec`).
 
     "previous": the k chunks of highest agreed score are sent (ties: lower index; all zero
     before the first step); the scores each rank appends to its payload are the squared chunk
@@ -69,12 +70,11 @@ class RefTopKC:
     """
 
     def __init__(self, numel, n, ratio, chunk, error_feedback=True, payload="float16",
-                 selection="previous", min_numel=1024):
+                 selection="previous"):
         self.d, self.n, self.c = numel, n, chunk
         self.m = -(-numel // chunk)
         self.k = min(self.m, max(1, math.ceil(ratio * self.m - 1e-9)))
         self.ef, self.payload, self.selection = error_feedback, payload, selection
-        self.tiny = numel < min_numel
         self.residual = [np.zeros(numel) for _ in range(n)]
         self.prev = np.zeros(self.m)
         self.last_payload = None  # the all-reduced payload of the last step (float64 values)
@@ -100,11 +100,6 @@ class RefTopKC:
     def step(self, grads, op="average"):
         n, m, k = self.n, self.m, self.k
         grads = [np.asarray(g, np.float64).reshape(-1) for g in grads]
-        if self.tiny:  # plain fp16 (Fp16Scheme): no saturation, no state
-            with np.errstate(over="ignore", invalid="ignore"):
-                agg = allreduce_fp16([fp16(g / n) for g in grads], op) * n
-            self.last_payload = agg
-            return agg
         corrected = [g + (self.residual[r] if self.ef else 0) for r, g in enumerate(grads)]
         padded = [self._padded(x) for x in corrected]
         if self.selection == "current":
@@ -140,6 +135,22 @@ class RefTopKC:
             if self.selection == "previous":
                 self.prev = agg[k * self.c:]
         return out.reshape(-1)[:self.d]
+
+
+class RefFp16:
+    """The fp16 route of tensors below a compressor's ``min_numel`` (Fp16Scheme), every rank:
+    each rank's gradient pre-scaled by 1/n and cast to float16 (no saturation), summed as
+    Horovod sums fp16 (Average: divided by n), times n; no state."""
+
+    def __init__(self, n):
+        self.n = n
+        self.last_payload = None  # the all-reduced payload of the last step (float64 values)
+
+    def step(self, grads, op="average"):
+        grads = [np.asarray(g, np.float64).reshape(-1) for g in grads]
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.last_payload = allreduce_fp16([fp16(g / self.n) for g in grads], op)
+            return self.last_payload * self.n
 
 
 class RefTopK:
@@ -178,15 +189,19 @@ def fwht64(v, block):
 
 
 def reference_for_spec(spec, numel, n):
-    """A reference simulator (RefTopKC / RefTopK) for a ``topkc``/``topk`` spec, else None."""
+    """A reference simulator of a plain ``topkc``/``topk`` compressor spec (``key=value``
+    options, ``min_numel`` included) on a tensor of ``numel`` coordinates and ``n`` ranks, as
+    the routing sends it: :class:`RefFp16` below ``min_numel`` (default 1024 for topkc, 1 for
+    topk), else RefTopKC / RefTopK; None for other specs."""
     name, _, rest = spec.partition(":")
     opts = dict(p.split("=") for p in rest.split(",") if p)
+    if name in ("topkc", "topk") and numel < int(opts.get("min_numel", 1024 if name == "topkc" else 1)):
+        return RefFp16(n)
     if name == "topkc":
         return RefTopKC(numel, n, float(opts.get("ratio", 0.01)), int(opts.get("chunk", 256)),
                         error_feedback=opts.get("error_feedback", "true") == "true",
                         payload=opts.get("payload_dtype", "float16"),
-                        selection=opts.get("selection", "previous"),
-                        min_numel=int(opts.get("min_numel", 1024)))
+                        selection=opts.get("selection", "previous"))
     if name == "topk":
         return RefTopK(numel, n, float(opts["ratio"]))
     return None

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from hvd_gradcomp.registry import SCHEMES, make_scheme, parse_spec, to_spec
+from hvd_gradcomp.routing import Routing
 from tests.conftest import BACKENDS, ROOT
 
 
@@ -29,14 +30,19 @@ def test_spec_round_trip():
         assert to_spec(scheme) == name
         n, opts = parse_spec(to_spec(scheme))
         assert make_scheme(n, **opts).config == scheme.config
-    s = make_scheme("topkc", ratio=0.1, chunk=64, selection="current", min_numel=1)
-    assert to_spec(s) == "topkc:ratio=0.1,chunk=64,selection=current,min_numel=1"
+    s = make_scheme("topkc", ratio=0.1, chunk=64, selection="current")
+    assert to_spec(s) == "topkc:ratio=0.1,chunk=64,selection=current"
     assert make_scheme(*[parse_spec(to_spec(s))[0]], **parse_spec(to_spec(s))[1]).config == s.config
-    # The defaults: single-collective selection, fp16 below 1024 coordinates; not in the spec.
+    # The defaults: single-collective selection, not in the spec.
     default = make_scheme("topkc")
-    assert (default.config.selection, default.config.min_numel) == ("previous", 1024)
-    assert to_spec(make_scheme("topkc", selection="previous", min_numel=1024)) == "topkc"
+    assert default.config.selection == "previous"
+    assert to_spec(make_scheme("topkc", selection="previous")) == "topkc"
     assert not default.blocking and s.blocking
+    # fp16 below 1024 coordinates is the routing's default for topkc and thc, not a scheme
+    # option: no config has min_numel.
+    assert not any(f.name == "min_numel" for config, _ in SCHEMES.values() for f in dataclasses.fields(config))
+    assert Routing.from_spec("topkc").min_numel == Routing.single(default).min_numel == 1024
+    assert Routing.from_spec("topkc:ratio=0.1,min_numel=1").spec() == "topkc:ratio=0.1,min_numel=1"
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -46,8 +52,7 @@ def test_spec_round_trip():
     ("topkc:chunk=0", "topkc: chunk must be an integer >= 1, got 0"),
     ("topkc:payload_dtype=int8", "topkc: payload_dtype must be 'float16' or 'float32'"),
     ("topkc:selection=lagged", "topkc: selection must be 'previous' or 'current', got 'lagged'"),
-    ("topkc:min_numel=0", "topkc: min_numel must be an integer >= 1, got 0"),
-    ("topkc:min_numel=1.5", "topkc: option min_numel must be int"),
+    ("topkc:min_numel=1024", "topkc: unknown option 'min_numel'"),  # a routing option (below)
     ("topkc:rank=2", "topkc: unknown option 'rank'"),
     ("topkc:chunk=8,ratio", "topkc: expected key=value in spec 'topkc:chunk=8,ratio', got 'ratio'"),
     ("topkc:ratio", "topkc: option ratio must be float, got 'ratio'"),  # a bare first value is the ratio
@@ -59,6 +64,18 @@ def test_bad_specs_raise_value_error(spec, message):
     with pytest.raises(ValueError) as err:
         name, opts = parse_spec(spec)
         make_scheme(name, **opts)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("topkc:min_numel=0", "topkc: min_numel must be an integer >= 1, got 0"),
+    ("topkc:min_numel=1.5", "topkc: option min_numel must be int"),
+    ("topkc:chunk=0,min_numel=4", "topkc: chunk must be an integer >= 1, got 0"),
+])
+def test_bad_compressor_specs_raise_value_error(spec, message):
+    """min_numel is checked where a compressor spec is read (the routing)."""
+    with pytest.raises(ValueError) as err:
+        Routing.from_spec(spec)
     assert message in str(err.value)
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from hvd_gradcomp.base import TensorInfo
 from hvd_gradcomp.bench import model, overhead
-from hvd_gradcomp.registry import SCHEMES, make_scheme
+from hvd_gradcomp.registry import SCHEMES, make_scheme, parse_spec
+from hvd_gradcomp.routing import Routing
 from tests.conftest import BACKENDS, backend_ops
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -87,8 +88,11 @@ def test_floor_bytes_hand_cases(backend):
     # The blocking variant: payload 512 B; side 4 float32 = 16 B; residual 4d, no scores.
     expected = 2 * 4 * d + 2 * (4 * d + 8) + 2 * 512 + 2 * 16
     assert overhead.floor_bytes(current, info, ops, current.init(ops, info, like)) == expected
-    small = TensorInfo("b", (1000,), "float32", 8, 0)  # below min_numel: fp16, no state
-    assert overhead.floor_bytes(topkc, small, ops, topkc.init(ops, small, like)) == 2 * 4000 + 2 * 2000
+    # Below min_numel (1024 for topkc) the routing sends the tensor as fp16 (no state): 12 d.
+    small = TensorInfo("b", (1000,), "float32", 8, 0)
+    fp16 = Routing.single(topkc).decide(None, 1000).scheme
+    assert fp16.name == "fp16"
+    assert overhead.floor_bytes(fp16, small, ops, fp16.init(ops, small, like)) == 2 * 4000 + 2 * 2000
 
 
 def test_no_collective_is_identity():
@@ -110,10 +114,12 @@ def test_model_inputs_for_a_tiny_reference(monkeypatch):
     topkc = data["compressors"]["topkc"]
     info = TensorInfo("t", (64, 32), "float32", 8, 0)
     wire = make_scheme("topkc").wire(info)
-    bias = make_scheme("topkc").wire(TensorInfo("b", (64,), "float32", 8, 0))
+    bias = make_scheme("fp16").wire(TensorInfo("b", (64,), "float32", 8, 0))
     # 2048 coordinates: 8 chunks of 256, k = 1, scores and 16 vote slots ride in the payload;
-    # the 64-bias is below min_numel and goes as fp16.
+    # the 64-bias is below min_numel: the routing sends it as fp16, as in training (topkc
+    # itself would send 2 * (256 + 1 + 16) bytes).
     assert wire == (2 * (256 + 8 + 16), 0, 0) and bias == (2 * 64, 0, 0)
+    assert make_scheme("topkc").wire(TensorInfo("b", (64,), "float32", 8, 0)).payload == 2 * (256 + 1 + 16)
     assert topkc["payload_bytes"] == 2 * wire.payload + bias.payload
     assert topkc["side_bytes"] == 0 and topkc["side_collectives"] == 0
     # The blocking variant: one side all-reduce (8 float32 scores) per compressed matrix.
@@ -127,6 +133,24 @@ def test_model_inputs_for_a_tiny_reference(monkeypatch):
     assert m.payload_at(8) == topkc["payload_bytes"] and not math.isinf(m.payload_at(16))
 
 
+def test_specs_are_compressors_routed_per_tensor():
+    """A spec is a compressor spec (min_numel accepted); each tensor is timed with the scheme
+    its routing picks: a 64-coordinate bias under thc as fp16, as in training."""
+    schemes = overhead._build_schemes("thc thc:min_numel=32")
+    assert [(spec, r.min_numel) for spec, r in schemes] == [("fp16", 1), ("thc", 1024), ("thc:min_numel=32", 32)]
+    runner = overhead._runner(BACKENDS[0], "cpu", type("A", (), {"threads": 0, "tf_inner": 1})())
+    rows = overhead.measure(runner, schemes, "bias 64", (64,), world_size=8, warmup=0, reps=1, min_reps=1,
+                            budget=0)
+    by = {r["spec"]: r for r in rows}
+    assert all(r["error"] == "" and r["reps"] == 1 for r in rows), rows
+    # thc's routing: fp16, 2 bytes per coordinate, no state (floor 12 d, as the fp16 row).
+    assert by["thc"]["scheme"] == "thc" and by["thc"]["payload_bytes"] == 2 * 64
+    assert by["thc"]["floor_bytes"] == by["fp16"]["floor_bytes"] == 12 * 64
+    # With min_numel=32 the bias goes through THC: its int32 words.
+    thc_wire = make_scheme("thc").wire(TensorInfo("b", (64,), "float32", 8, 0))
+    assert by["thc:min_numel=32"]["payload_bytes"] == thc_wire.payload != 2 * 64
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_timed_call_is_one_training_step(backend):
     """Each timed call is compress + finish on the state the previous call left (error feedback
@@ -138,7 +162,8 @@ def test_timed_call_is_one_training_step(backend):
     array = (gen.standard_normal(4096) * np.repeat(gen.uniform(0.1, 2.0, 16), 256)).astype(np.float32)
     grad = runner.tensor(array)
     for spec in ("topkc:ratio=0.1", "topkc:ratio=0.1,selection=current", "topk:ratio=0.05"):
-        scheme = make_scheme(*overhead.parse_spec(spec)[:1], **overhead.parse_spec(spec)[1])
+        name, options = parse_spec(spec)
+        scheme = make_scheme(name, **options)
         info = TensorInfo("bench.t", (4096,), "float32", 8, 0)
         call, _ = runner.prepare(scheme, info, grad)
         got = [np.asarray(call()) for _ in range(4)]

@@ -4,7 +4,9 @@ These run one process with the side collective replaced by the identity (world s
 an all-reduce of one rank *is* the identity); everything multi-rank is in tests/parallel/.
 
 Checked for every entry of ``SCHEMES`` with default options, and for the variants of
-``EXTRA`` (TopKC on small tensors, below its default ``min_numel``, and its blocking form):
+``EXTRA`` (TopKC's blocking form and an fp32 payload with odd chunks); every scheme is
+checked on small tensors too (a scheme has no size threshold: the routing decides which
+tensors go as fp16, see hvd_gradcomp/routing.py):
 - dtype and shape survive compress + finish (0-d, 1-d, 2-d, 4-d, fp16/bf16/fp32/fp64),
 - zeros give exact zeros,
 - error feedback: (grad + old residual) == locally decoded payload + new residual (float64),
@@ -22,10 +24,10 @@ from tests.conftest import BACKENDS, one_rank_ops, scheme_steps
 
 SHAPES = [(), (7,), (64, 48), (8, 4, 3, 3), (5000,)]
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
-# (name, options): every scheme with its defaults, plus TopKC's path on tensors of every size
-# (min_numel=1) in its default and its blocking ("current") form.
-EXTRA = [("topkc", {"min_numel": 1}), ("topkc", {"min_numel": 1, "selection": "current"}),
-         ("topkc", {"min_numel": 1, "chunk": 7, "ratio": 0.3, "payload_dtype": "float32"})]
+# (name, options): every scheme with its defaults, plus TopKC's blocking ("current") form and
+# an fp32 payload with chunks that do not divide the tensors.
+EXTRA = [("topkc", {"selection": "current"}),
+         ("topkc", {"chunk": 7, "ratio": 0.3, "payload_dtype": "float32"})]
 VARIANTS = [(name, {}) for name in sorted(SCHEMES)] + EXTRA
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 
@@ -98,8 +100,7 @@ def test_error_feedback_identity(backend, name, options):
     """(grad + old residual) == locally decoded + new residual, checked in float64."""
     import numpy as np
     scheme = make_scheme(name, **options)
-    shapes = [(64, 48), (5000,)] + ([(7,), (8, 4, 3, 3)] if options.get("min_numel") == 1 else [])
-    for shape in shapes:
+    for shape in [(7,), (64, 48), (8, 4, 3, 3), (5000,)]:
         x = _tensor(backend, _values(shape, 2), "float32")
         out, _, old, new, _ = _roundtrip(backend, scheme, x, steps=3)
         if "residual" not in getattr(new, "_fields", ()) or _to_numpy(new.residual).size == 0:

@@ -5,8 +5,10 @@ import pytest
 
 from hvd_gradcomp.adapter import group_dtype
 from hvd_gradcomp.base import StepBytes
-from hvd_gradcomp.registry import Selector, format_selector, parse_routing, parse_selector
+from hvd_gradcomp.registry import Selector, format_selector, make_scheme, parse_routing, parse_selector
 from hvd_gradcomp.routing import Routing
+from hvd_gradcomp.thc import THCConfig
+from hvd_gradcomp.topkc import TopKCConfig
 from tests.conftest import BACKENDS
 
 RULES = [("*.bias", "fp16"), ("*embed*", "topkc:ratio=0.05"), ("numel>=1000000", "powersgd:4")]
@@ -28,9 +30,9 @@ def test_decisions_follow_rules_then_min_numel_then_default():
         route = r.decide(name, numel)
         assert (route.text, route.why) == (text, why), (name, numel)
         assert route.scheme.spec().split(":")[0] == text.split(":")[0]
-    # Inside rules the schemes compress whatever they get (their own min_numel is 1).
-    assert r.decide("embedding.weight", 100).scheme.config.min_numel == 1
-    assert r.decide("fc.weight", 4096).scheme.config.min_numel == 1
+    # The schemes compress whatever they get: no size threshold in their configs.
+    assert r.decide("embedding.weight", 100).scheme.config == TopKCConfig(ratio=0.05)
+    assert r.decide("fc.weight", 4096).scheme.config == THCConfig()
     assert r.needs_names()
     assert not Routing.from_rules([("numel<64", "none")], "thc").needs_names()
 
@@ -45,16 +47,17 @@ def test_size_terms_and_selector_text():
 
 
 def test_default_min_numel_per_scheme():
-    """1024 for thc and topkc (their own default), 1 for the others: plain compressors route
-    exactly as before the routing existed."""
+    """1024 for thc and topkc (registry.SMALL_DEFAULTS), 1 for the others: plain compressors
+    route exactly as before the routing existed."""
     for spec, threshold in (("thc", 1024), ("topkc", 1024), ("topk", 1), ("powersgd", 1), ("fp16", 1),
                             ("thc:min_numel=7", 7), ("topk:0.1,min_numel=512", 512)):
         assert Routing.from_spec(spec).min_numel == threshold, spec
     assert Routing.from_rules(RULES, default="topk").min_numel == 1
     assert Routing.from_rules(RULES).min_numel == 1024  # default thc
-    # A plain thc keeps its own config (and spec): the routing takes the threshold from it.
+    # A plain thc: the threshold is the routing's, the scheme's config the default one.
     plain = Routing.from_spec("thc:min_numel=7")
-    assert plain.default.config.min_numel == 7 and plain.spec() == "thc:min_numel=7"
+    assert plain.default.config == THCConfig() and plain.spec() == "thc:min_numel=7"
+    assert Routing.single(make_scheme("thc", bits=2), 512).spec() == "thc:bits=2,min_numel=512"
     assert plain.decide("x", 6).text == "fp16" and plain.decide("x", 7).text == "thc"
 
 
@@ -128,5 +131,12 @@ def test_compression_rules_factory(backend):
     assert comp.spec == SPEC and Compression.from_spec(SPEC).spec == SPEC
     assert comp.scheme.name == "thc" and comp.routing.min_numel == 4096
     assert Compression.topk(0.1, min_numel=100).spec == "topk:ratio=0.1,min_numel=100"
-    assert Compression.thc(min_numel=100).scheme.config.min_numel == 100
+    thc = Compression.thc(min_numel=100)
+    assert (thc.routing.min_numel, thc.spec, thc.scheme.config) == (100, "thc:min_numel=100", THCConfig())
+    assert Compression.thc().routing.min_numel == Compression.topkc().routing.min_numel == 1024
+    assert Compression.thc(2, min_numel=512).spec == "thc:bits=2,min_numel=512"
+    assert repr(Compression.topkc(min_numel=5)).endswith(
+        "('topkc:ratio=0.01,chunk=256,error_feedback=True,payload_dtype=float16,selection=previous,min_numel=5')")
+    with pytest.raises(ValueError, match="^thc: min_numel must be an integer >= 1, got 0$"):
+        Compression.thc(min_numel=0)
     assert "rules" in dir(Compression)

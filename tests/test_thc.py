@@ -61,6 +61,7 @@ import pytest
 from hvd_gradcomp import hadamard, thc
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.registry import make_scheme, parse_spec
+from hvd_gradcomp.routing import Routing
 from hvd_gradcomp.thc import THCConfig, THCScheme, lane_layout, saturation_threshold
 from tests.conftest import BACKENDS, backend_ops, one_rank_ops, requires_backend
 from tests.reference import fwht64
@@ -343,7 +344,7 @@ def carried(state, block, d):
 @pytest.mark.parametrize("options", [
     {"bits": 0}, {"bits": 17}, {"bits": 2.0}, {"rotation": "half"}, {"rotation_stages": 0},
     {"rotation_stages": 31}, {"saturation_rate": 0.0}, {"saturation_rate": 0.7},
-    {"seed": -1}, {"min_numel": 0}, {"saturation": 1}, {"error_feedback": "yes"},
+    {"seed": -1}, {"saturation": 1}, {"error_feedback": "yes"},
     {"range": "both"}, {"range": None},
 ])
 def test_config_rejects(options):
@@ -360,6 +361,11 @@ def test_spec_and_registry():
     name2, options2 = parse_spec(scheme.spec())
     assert make_scheme(name2, **options2).config == scheme.config
     assert THCScheme().spec() == "thc"
+    # The size threshold is the routing's, not an option of the scheme.
+    with pytest.raises(ValueError, match=r"^thc: unknown option\(s\) \['min_numel'\]"):
+        make_scheme("thc", min_numel=1024)
+    with pytest.raises(ValueError, match=r"^thc: unknown option 'min_numel'"):
+        parse_spec("thc:min_numel=1024")
 
 
 def test_saturation_threshold():
@@ -582,8 +588,7 @@ def test_unbiased(bits, rotation, d):
     """
     import torch
     ops = one_rank_ops("torch")
-    scheme = THCScheme(THCConfig(bits=bits, rotation=rotation, saturation=False, error_feedback=False,
-                                 min_numel=1))
+    scheme = THCScheme(THCConfig(bits=bits, rotation=rotation, saturation=False, error_feedback=False))
     x = torch.as_tensor(_student_t(np.random.default_rng(1), d))
     info = TensorInfo("w", (d,), "float32", 1, 0, "sum")
     lay = layout_of(scheme, info)
@@ -625,7 +630,7 @@ def test_levels_unbiased_and_independent_per_rank():
     import torch
     ops = one_rank_ops("torch")
     d, ranks, world = 3000, 800, 1024
-    scheme = THCScheme(THCConfig(saturation=False, min_numel=1))
+    scheme = THCScheme(THCConfig(saturation=False))
     x = torch.as_tensor(_student_t(np.random.default_rng(2), d))
     infos = [TensorInfo("w", (d,), "float32", world, r, "sum") for r in range(ranks)]
     lay = layout_of(scheme, infos[0])
@@ -1064,22 +1069,37 @@ def test_joined_rank_contributes_nothing(op):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tiny_tensors_go_fp16(backend):
-    scheme = THCScheme(THCConfig(min_numel=1024))
+    """The size threshold is the routing's: a plain thc compressor sends tensors below
+    min_numel (default 1024) as pre-scaled fp16 (no state); the scheme itself compresses
+    whatever it is given, down to one coordinate (int32 words, its state)."""
+    routing = Routing.from_spec("thc")
+    small, big = routing.decide(None, 1023), routing.decide(None, 1024)
+    assert (small.text, small.why, big.text) == ("fp16", "numel < min_numel=1024", "thc")
+    assert Routing.from_spec("thc:min_numel=1").decide(None, 1).text == "thc"
     ops = one_rank_ops(backend)
     x = _tensor(backend, np.linspace(-1, 1, 1023).astype(np.float32))
     info = TensorInfo("b", (1023,), "float32", 4, 0, "sum")
-    state = scheme.init(ops, info, x)
-    payload, ctx = compress_tensor(scheme, ops, x, state, info)
-    assert ops.dtype(payload) == "float16" and len(state) == 0 and scheme.metrics(state) == {}
+    state = small.scheme.init(ops, info, x)
+    payload, ctx = compress_tensor(small.scheme, ops, x, state, info)
+    assert ops.dtype(payload) == "float16" and len(state) == 0
     np.testing.assert_array_equal(_np(payload), (np.linspace(-1, 1, 1023).astype(np.float32) * 0.25).astype(np.float16))
-    wire = scheme.wire(info)
+    wire = small.scheme.wire(info)
     assert wire.payload == 2 * 1023 == _np(payload).nbytes and wire.side_collectives == 0
-    out, after = finish_tensor(scheme, ops, payload, ctx, state, info)
+    out, after = finish_tensor(small.scheme, ops, payload, ctx, state, info)
     np.testing.assert_allclose(_np(out), np.linspace(-1, 1, 1023), atol=1e-3)
     assert len(after) == 0
-    big = TensorInfo("w", (1024,), "float32", 4, 0, "sum")
-    like = _tensor(backend, np.zeros(1024, np.float32))
-    assert ops.dtype(compress_tensor(scheme, ops, like, scheme.init(ops, big, like), big)[0]) == "int32"
+    scheme = big.scheme
+    for d in (1023, 1):
+        info = TensorInfo("w", (d,), "float32", 4, 0, "sum")
+        x = _tensor(backend, np.linspace(-1, 1, d).astype(np.float32))
+        state = scheme.init(ops, info, x)
+        payload, ctx = compress_tensor(scheme, ops, x, state, info)
+        lay = layout_of(scheme, info)  # from the docstring's formulas
+        assert lay["block"] == (1024 if d == 1023 else 1)
+        assert ops.dtype(payload) == "int32" and _np(payload).size == lay["total"], d
+        assert scheme.wire(info).payload == 4 * lay["total"]
+        _, after = finish_tensor(scheme, ops, payload, ctx, state, info)
+        assert int(after.step) == 1 and set(scheme.metrics(after)) == {"saturated", "realigned"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -15,6 +15,7 @@ import pytest
 from hvd_gradcomp.base import FP16_MAX, EmptyState, TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.cast import Fp16Scheme
 from hvd_gradcomp.registry import make_scheme
+from hvd_gradcomp.routing import Routing
 from tests.conftest import BACKENDS, one_rank_ops, backend_tensor, as_float64
 from tests.reference import RefTopKC
 
@@ -67,12 +68,11 @@ class Ranks:
 
 
 VARIANTS = {
-    "previous": dict(ratio=0.25, chunk=8, min_numel=1),
-    "previous_fp32": dict(ratio=0.3, chunk=7, payload_dtype="float32", min_numel=1),
-    "previous_no_ef": dict(ratio=0.25, chunk=8, error_feedback=False, min_numel=1),
-    "current": dict(ratio=0.25, chunk=8, selection="current", min_numel=1),
-    "current_no_ef": dict(ratio=0.25, chunk=8, selection="current", error_feedback=False, min_numel=1),
-    "below_min_numel": dict(ratio=0.25, chunk=8, min_numel=1000),
+    "previous": dict(ratio=0.25, chunk=8),
+    "previous_fp32": dict(ratio=0.3, chunk=7, payload_dtype="float32"),
+    "previous_no_ef": dict(ratio=0.25, chunk=8, error_feedback=False),
+    "current": dict(ratio=0.25, chunk=8, selection="current"),
+    "current_no_ef": dict(ratio=0.25, chunk=8, selection="current", error_feedback=False),
 }
 
 
@@ -80,8 +80,7 @@ def _reference(n, numel, options):
     return RefTopKC(numel, n, options["ratio"], options["chunk"],
                     error_feedback=options.get("error_feedback", True),
                     payload=options.get("payload_dtype", "float16"),
-                    selection=options.get("selection", "previous"),
-                    min_numel=options.get("min_numel", 1024))
+                    selection=options.get("selection", "previous"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -104,9 +103,6 @@ def test_ranks_match_float64_reference(backend, variant, n, op):
         for r in range(n):
             np.testing.assert_allclose(outs[r].reshape(-1), expected, rtol=0, atol=2e-3 * scale,
                                        err_msg=f"{variant} n={n} {op} step {step} rank {r} output")
-        if variant == "below_min_numel":
-            assert all(isinstance(s, EmptyState) for s in sim.states)
-            continue
         for r in range(n):
             np.testing.assert_array_equal(_np(sim.ctxs[r].idx), ref.last_idx,
                                           err_msg=f"{variant} step {step} rank {r} selection")
@@ -133,7 +129,7 @@ def test_ranks_match_float64_reference(backend, variant, n, op):
 def test_previous_payload_layout_and_scores(backend):
     """[k*chunk values / n, m scores of g + e' normalised by this rank's max]; finish keeps the
     all-reduced score part as the next step's agreed scores."""
-    sim = Ranks(backend, 1, (40,), "average", ratio=0.25, chunk=4, min_numel=1)  # m = 10, k = 3
+    sim = Ranks(backend, 1, (40,), "average", ratio=0.25, chunk=4)  # m = 10, k = 3
     g0 = np.arange(40, dtype=np.float64) / 8.0
     sim.step([g0])
     payload = _np(sim.payloads[0])
@@ -159,7 +155,7 @@ def test_previous_payload_layout_and_scores(backend):
 def test_overflow_saturates_and_the_excess_arrives_later(backend):
     """One rank, [70000, 1, 0.5, 0.25] then gradients of 1e-3: the fp16 payload carries 65504,
     never inf; the residual keeps the finite excess, which arrives in later steps."""
-    options = dict(ratio=0.5, chunk=2, min_numel=1)
+    options = dict(ratio=0.5, chunk=2)
     sim = Ranks(backend, 1, (4,), "average", **options)
     ref = _reference(1, 4, options)
     grads = [np.array([70000.0, 1.0, 0.5, 0.25])] + [np.full(4, 1e-3)] * 9
@@ -195,7 +191,7 @@ def test_overflow_on_every_rank_does_not_skip_the_step(backend, n, op):
     """Every rank at 70000: each sends the largest float16 <= 65504 / n (32752 for n = 2,
     21824 for n = 3), so the fp16 sum stays finite, the step is not skipped, and the excess
     arrives in later steps (float64 reference)."""
-    options = dict(ratio=0.5, chunk=2, min_numel=1)
+    options = dict(ratio=0.5, chunk=2)
     sim = Ranks(backend, n, (4,), op, **options)
     ref = _reference(n, 4, options)
     big = np.array([70000.0, 1.0, 0.5, 0.25])
@@ -224,7 +220,7 @@ def test_overflow_on_every_rank_does_not_skip_the_step(backend, n, op):
 def test_failed_step_keeps_residual_and_scores(backend):
     """Rank 1's gradient holds an inf: both ranks' outputs are NaN on the sent chunks and both
     ranks' residual and agreed scores stay exactly as they were after the previous step."""
-    sim = Ranks(backend, 2, (4,), "sum", ratio=0.5, chunk=2, min_numel=1)
+    sim = Ranks(backend, 2, (4,), "sum", ratio=0.5, chunk=2)
     sim.step([(r + 1) * np.array([1.0, 2.0, 3.0, 4.0]) for r in range(2)])
     before = [[_np(v).copy() for v in s] for s in sim.states]
     bad = np.zeros(4)
@@ -238,28 +234,40 @@ def test_failed_step_keeps_residual_and_scores(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_min_numel_sends_small_tensors_as_fp16(backend):
+    """The size threshold is the routing's: a plain topkc compressor sends tensors below
+    min_numel (default 1024) as pre-scaled fp16 (no state); the scheme itself compresses
+    whatever it is given, down to one coordinate."""
     ops = one_rank_ops(backend)
-    scheme = make_scheme("topkc")  # min_numel 1024
+    routing = Routing.from_spec("topkc")
     fp16 = Fp16Scheme()
     for numel, tiny in [(1, True), (1023, True), (1024, False)]:
         x = _tensor(backend, np.linspace(-3.0, 3.0, numel))
         info = TensorInfo("t", (numel,), "float32", 4, 0)
-        state = scheme.init(ops, info, x)
-        payload, ctx = compress_tensor(scheme, ops, x, state, info)
-        out, after = finish_tensor(scheme, ops, payload, ctx, state, info)
+        route = routing.decide(None, numel)
+        assert route.text == ("fp16" if tiny else "topkc"), numel
+        state = route.scheme.init(ops, info, x)
+        payload, ctx = compress_tensor(route.scheme, ops, x, state, info)
+        out, after = finish_tensor(route.scheme, ops, payload, ctx, state, info)
         if tiny:
             assert isinstance(state, EmptyState) and after is state
-            assert scheme.wire(info) == fp16.wire(info)
+            assert route.scheme.wire(info) == fp16.wire(info)
             expected, _ = compress_tensor(fp16, ops, x, EmptyState(), info)
             np.testing.assert_array_equal(_np(payload), _np(expected))
             np.testing.assert_allclose(_np(out), np.linspace(-3.0, 3.0, numel), rtol=1e-3, atol=1e-3)
-        else:
-            m, k = 4, 1
-            assert _np(payload).shape == (k * 256 + m + 16,) and scheme.wire(info).payload == 2 * (k * 256 + m + 16)
-            assert _np(after.residual).shape == (numel,) and _np(after.scores).shape == (m,)
-    small = make_scheme("topkc", min_numel=1, chunk=2)
+        # The scheme on the same tensor: chunks of 256, k = 1, m scores and 16 votes.
+        scheme = routing.default
+        m = -(-numel // 256)
+        state = scheme.init(ops, info, x)
+        payload, ctx = compress_tensor(scheme, ops, x, state, info)
+        _, after = finish_tensor(scheme, ops, payload, ctx, state, info)
+        assert _np(payload).shape == (256 + m + 16,) and scheme.wire(info).payload == 2 * (256 + m + 16)
+        assert _np(after.residual).shape == (numel,) and _np(after.scores).shape == (m,)
+    assert Routing.from_spec("topkc:min_numel=1").decide(None, 1).text == "topkc"
+    small = make_scheme("topkc", chunk=2)
     info = TensorInfo("t", (7,), "float32", 1, 0)
     assert small.wire(info).payload == 2 * (2 + 4 + 16)  # k = 1 chunk of 2 values + 4 scores + 16 votes
+    with pytest.raises(ValueError, match=r"^topkc: unknown option\(s\) \['min_numel'\]"):
+        make_scheme("topkc", min_numel=1024)
 
 
 class _Recorder:
@@ -281,7 +289,7 @@ def test_only_current_selection_posts_a_side_collective(backend):
     for selection, expected in [("previous", 0), ("current", 1)]:
         record = _Recorder()
         rec_ops = dataclasses.replace(ops, allreduce=record)
-        scheme = make_scheme("topkc", ratio=0.25, chunk=8, min_numel=1, selection=selection)
+        scheme = make_scheme("topkc", ratio=0.25, chunk=8, selection=selection)
         info = TensorInfo("layer.w", (64,), "float32", 1, 0, "sum", group)
         assert scheme.blocking == (expected == 1)
         assert scheme.wire(info).side_collectives == expected

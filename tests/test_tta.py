@@ -22,6 +22,10 @@ from hvd_gradcomp.bench.worker import Recorder, TimedCompressor, rolling_mean
 def test_parse_compressors_accepts_specs_with_commas_and_fp32_alias():
     specs = tta.parse_compressors(" fp32; fp16 ;topkc:ratio=0.01,chunk=256;")
     assert specs == ["none", "fp16", "topkc:ratio=0.01,chunk=256"]
+    # Compressor specs, as the workers' Compression.from_spec reads them: min_numel is the
+    # routing's option, accepted for every scheme.
+    assert tta.parse_compressors("thc:min_numel=512; topk:ratio=0.1,min_numel=8") == [
+        "thc:min_numel=512", "topk:ratio=0.1,min_numel=8"]
 
 
 @pytest.mark.parametrize("text, words", [
@@ -29,6 +33,7 @@ def test_parse_compressors_accepts_specs_with_commas_and_fp32_alias():
     ("topkc:ratio=2", "topkc: ratio must be in (0, 1]"),
     ("topkc:colour=1", "unknown option 'colour'"),
     ("topkc:chunk=8,ratio", "expected key=value"),
+    ("thc:min_numel=0", "thc: min_numel must be an integer >= 1, got 0"),
     (" ; ", "expected at least one compressor spec"),
 ])
 def test_parse_compressors_rejects_bad_specs(text, words):

@@ -14,6 +14,9 @@ What one timed *call* is:
        by the identity (:func:`hvd_gradcomp.primitives.one_rank`). The time is the
        compressor's own compute on this device, nothing else.
     4. The state returned is fed to the next call, so error feedback accumulates as in training.
+    Each spec is a compressor: the scheme timed on a tensor is the one its routing picks for
+    that tensor, as the adapters' (:class:`hvd_gradcomp.routing.Routing`; e.g. ``thc`` times a
+    tensor below its ``min_numel``, 1024 by default, as fp16).
 
 How it is timed:
     - Every compressor of one tensor is timed round-robin (one call each per round), so all of
@@ -66,7 +69,8 @@ import time
 
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import itemsize, one_rank
-from hvd_gradcomp.registry import SCHEMES, make_scheme, parse_spec
+from hvd_gradcomp.registry import SCHEMES
+from hvd_gradcomp.routing import Routing
 
 __all__ = ["main", "COLUMNS", "DEFAULT_LAYERS", "no_collective", "floor_bytes", "measure",
            "apply_malloc_policy", "write_csv", "format_table"]
@@ -332,7 +336,8 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
 
     Args:
         runner: a framework runner (_TorchRunner / _TFRunner).
-        schemes: [(spec text, Scheme)], FP16 among them for the ratios.
+        schemes: [(spec text, Routing)], FP16 among them for the ratios; each tensor is timed
+            with the scheme its routing decides (``Routing.decide``).
         case: label of the tensor ("flat 2^20", "conv 256x256x3x3").
         shape: tuple of ints.
         world_size: used for TensorInfo (payload sizes of some schemes depend on it).
@@ -345,10 +350,11 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
     grad = runner.tensor(rng.standard_normal(numel, dtype=np.float32).reshape(shape))
     info = TensorInfo(f"bench.{case}", tuple(shape), "float32", world_size, 0)
     live, rows = [], []
-    for spec, scheme in schemes:
+    for spec, routing in schemes:
+        scheme = routing.decide(None, numel).scheme
         row = {"framework": runner.framework, "device": runner.device, "threads": runner.threads,
                "timer": runner.timer, "case": case, "shape": "x".join(map(str, shape)) or "()",
-               "numel": numel, "scheme": scheme.name, "spec": spec, "world_size": world_size,
+               "numel": numel, "scheme": routing.default.name, "spec": spec, "world_size": world_size,
                "reps": 0, "error": ""}
         rows.append(row)
         try:
@@ -403,7 +409,8 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
 
 
 def _build_schemes(text, compile_mode="off"):
-    """[(spec, Scheme)] from specs separated by spaces or ';' ("all" = every registered name).
+    """[(spec, Routing)] from compressor specs separated by spaces or ';' ("all" = every
+    registered name); ``Routing.from_spec`` of each (so ``thc:min_numel=512`` is accepted).
 
     FP16 (the reference of the ratios) is always first and never compiled. ``compile_mode``
     "both" adds a compiled row (spec + :data:`COMPILED`) after each other spec; "on" compiles
@@ -417,12 +424,11 @@ def _build_schemes(text, compile_mode="off"):
         if spec in seen:
             continue
         seen.add(spec)
-        name, options = parse_spec(spec)
-        scheme = make_scheme(name, **options)
+        routing = Routing.from_spec(spec)
         if spec == _REFERENCE or compile_mode != "on":
-            out.append((spec, scheme))
+            out.append((spec, routing))
         if spec != _REFERENCE and compile_mode in ("on", "both"):
-            out.append((spec + COMPILED, scheme))
+            out.append((spec + COMPILED, routing))
     return out
 
 
@@ -534,7 +540,8 @@ def model_inputs(runner, schemes, reference, *, world_size, warmup, reps, min_re
     errors = {}
     for shape, count in counts.items():
         rows = measure(runner, schemes, "x".join(map(str, shape)), shape, **timing)
-        for (spec, scheme), row in zip(schemes, rows):
+        for (spec, routing), row in zip(schemes, rows):
+            scheme = routing.decide(None, _numel(shape)).scheme
             if row["error"] or small[spec] is None:
                 errors[spec] = row["error"] or "failed on the 64x64 tensor"
                 continue

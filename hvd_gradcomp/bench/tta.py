@@ -83,10 +83,11 @@ class RunSpec:
 
 
 def _check_spec(spec):
-    """Parse ``spec`` and build its scheme (framework-free), so bad values fail here, not in a worker."""
-    from hvd_gradcomp.registry import make_scheme, parse_spec
-    name, options = parse_spec(spec)
-    make_scheme(name, **options)
+    """Parse ``spec`` as the workers' ``Compression.from_spec`` does (a compressor spec, so
+    the routing option ``min_numel`` is accepted) and build its schemes (framework-free), so
+    bad values fail here, not in a worker. Raises ValueError naming the problem."""
+    from hvd_gradcomp.routing import Routing
+    Routing.from_spec(spec)
 
 
 def default_specs():

@@ -21,7 +21,7 @@ least two steps.
   coordinate at the top level; zeros -> zeros; NaN/inf on one rank -> NaN on every rank and
   every rank's whole state unchanged; a state with another step loaded on one rank -> output
   exactly 0 on both ranks, ``metrics()["realigned"] == 1``, then correct; tiny tensors as
-  fp16; Sum == n * Average; ``hvd.allreduce(..., compression=c)`` with the op known;
+  fp16 (routed there by a plain ``Compression.thc()``); Sum == n * Average; ``hvd.allreduce(..., compression=c)`` with the op known;
   ``hvd.DistributedOptimizer`` with Average and with Sum gives the mean and the sum of the
   ranks' decoded gradients; and the 200-step training below.
 - 3 ranks: Average with a world size that is not a power of two (``1/3`` is inexact in double).
@@ -160,9 +160,12 @@ def worker_torch():
         recs[-1]["realigned"] = int(comp.metrics()["fp"]["realigned"])
     out["mismatch"] = recs
 
-    # 6. Tiny tensors travel as fp16, pre-scaled by 1/n.
-    out["tiny"] = _hand_step(Compression.thc(), torch.linspace(-1, 1, 100) * (r + 1), "tiny", hvd.Sum, hvd)
-    out["tiny_wire"] = Compression.thc().scheme.wire(TensorInfo("tiny", (100,), "float32", n, r)).payload
+    # 6. Tiny tensors travel as fp16, pre-scaled by 1/n: the routing of a plain thc
+    # compressor (min_numel 1024) sends them to the fp16 scheme.
+    tiny = Compression.thc()
+    out["tiny"] = _hand_step(tiny, torch.linspace(-1, 1, 100) * (r + 1), "tiny", hvd.Sum, hvd)
+    out["tiny_wire"] = tiny.wire_bytes()["tiny"].payload
+    out["tiny_routes"] = tiny.routes()
 
     # 7. Sum == n * Average from identical states (same seed, same steps, same levels).
     for op in ("sum", "average"):
@@ -497,6 +500,7 @@ def test_fingerprint_mismatch_gives_zero_then_recovers(torch2):
 
 def test_tiny_tensor_goes_fp16(torch2):
     for res in torch2:
+        assert res["tiny_routes"] == {"tiny": "fp16"}
         assert res["tiny"]["dtype"] == "float16" and res["tiny"]["own"].nbytes == res["tiny_wire"] == 200
         np.testing.assert_allclose(res["tiny"]["out"], np.linspace(-1, 1, 100) * 3, atol=3e-3)
 
