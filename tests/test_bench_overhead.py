@@ -24,7 +24,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("overhead")
     argv = ["--frameworks", ",".join(BACKENDS), "--devices", "cpu", "--min-log2", "10",
             "--max-log2", "10", "--layers", "none", "--warmup", "1", "--reps", "2", "--min-reps", "2", "--budget", "0", "--threads", "0", "--malloc", "system",
-            "--copy-mib", "8", "--out", str(out)]
+            "--copy-mib", "8", "--ddp-hooks", "off", "--out", str(out)]
     assert overhead.main(argv) == 0
     with open(out / "overhead.csv", newline="") as f:
         reader = csv.DictReader(f)
@@ -172,3 +172,43 @@ def test_timed_call_is_one_training_step(backend):
             # TensorFlow runs the call as one graph, which may round differently from eager ops.
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max(), err_msg=f"{spec} step {step}")
         assert not all(np.array_equal(got[0], g) for g in got[1:]), spec  # the state moved on
+
+
+@pytest.mark.skipif("torch" not in BACKENDS, reason="torch backend not under test")
+def test_ddp_hook_rows_time_pytorchs_own_hooks():
+    """DDP's fp16 and PowerSGD hooks run inside a one-rank DDP backward on the same tensor as
+    the schemes, in the same rounds; their rows carry the hook's wire bytes and a time."""
+    import torch.distributed as dist
+    runner = overhead._runner("torch", "cpu", type("A", (), {"threads": 0, "tf_inner": 1})())
+    try:
+        rows = overhead.measure(runner, overhead._build_schemes("powersgd:rank=2"), "m", (64, 48),
+                                world_size=8, warmup=1, reps=3, min_reps=3, budget=0,
+                                ddp_hooks=("fp16", "powersgd:rank=2"))
+        flat = overhead.measure(runner, overhead._build_schemes(""), "v", (300,), world_size=8,
+                                warmup=1, reps=2, min_reps=2, budget=0, ddp_hooks=("powersgd:rank=2",))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    by_spec = {r["spec"]: r for r in rows}
+    assert set(by_spec) == {"fp16", "powersgd:rank=2", "ddp fp16", "ddp powersgd:rank=2"}
+    assert all(not r["error"] and r["reps"] == 3 and r["median_ms"] > 0 for r in rows), rows
+    assert by_spec["ddp fp16"]["payload_bytes"] == 2 * 64 * 48
+    assert by_spec["ddp powersgd:rank=2"]["payload_bytes"] == 4 * 2 * (64 + 48)
+    assert by_spec["ddp fp16"]["vs_fp16"] == pytest.approx(by_spec["fp16"]["median_ms"]
+                                                           / by_spec["ddp fp16"]["median_ms"])
+    # A vector: PowerSGD's hook all-reduces it uncompressed, 4 bytes a coordinate.
+    assert {r["spec"]: r["payload_bytes"] for r in flat} == {"fp16": 600, "ddp powersgd:rank=2": 1200}
+    with pytest.raises(ValueError, match="fp16 or powersgd"):
+        overhead.DDPHook("topk", runner.tensor(__import__("numpy").zeros(4, "float32")), 8)
+
+
+def test_whole_model_table_sums_a_step():
+    data = {"meta": {"reference": "r", "tensors": 2, "parameters": 1000, "codec_measured_on": "x"},
+            "compressors": {"fp16": {"codec_s": 0.002, "payload_bytes": 2000, "side_bytes": 0,
+                                     "side_collectives": 0},
+                            "thc": {"codec_s": 0.010, "payload_bytes": 700, "side_bytes": 8,
+                                    "side_collectives": 1}}}
+    lines = overhead.whole_model_table(data).splitlines()
+    assert "2 tensors" in lines[0] and "1,000 parameters" in lines[0]
+    assert lines[1].split()[:3] == ["fp16", "2.0", "ms"] and "1.00x" in lines[1]
+    assert lines[2].split()[:4] == ["thc", "10.0", "ms", "5.00x"] and "708 B" in lines[2]

@@ -69,10 +69,10 @@ import time
 
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import itemsize, one_rank
-from hvd_gradcomp.registry import SCHEMES
+from hvd_gradcomp.registry import SCHEMES, parse_spec
 from hvd_gradcomp.routing import Routing
 
-__all__ = ["main", "COLUMNS", "DEFAULT_LAYERS", "no_collective", "floor_bytes", "measure",
+__all__ = ["main", "whole_model_table", "DDPHook", "COLUMNS", "DEFAULT_LAYERS", "no_collective", "floor_bytes", "measure",
            "apply_malloc_policy", "write_csv", "format_table"]
 
 # Real layer shapes (PyTorch layout): a 3x3 conv kernel, a BERT-size linear and embedding.
@@ -297,6 +297,79 @@ class _TFRunner:
         return 2 * 4 * n / sorted(samples)[len(samples) // 2] / 1e9
 
 
+class DDPHook:
+    """One of PyTorch DDP's own communication hooks, timed on one gradient (rows ``ddp ...``).
+
+    ``spec``: ``"fp16"`` (``default_hooks.fp16_compress_hook``) or ``"powersgd:rank=R"``
+    (``powerSGD_hook`` with error feedback and warm start, as PyTorch's defaults; its first two
+    steps are plain all-reduces, run as warm-up). DDP has no way to call a hook outside a
+    backward pass, so a one-parameter module whose gradient is ``grad`` runs under DDP in a
+    world of one Gloo rank (created once per process in a temporary file store), and the hook's
+    own wall time is taken inside DDP (the hook call until its future's value is ready; it
+    includes the one-rank Gloo all-reduce, a local copy). PyTorch on CPU only.
+
+    Attributes:
+        payload_bytes: bytes the hook would all-reduce per step (int): 2 per coordinate for
+            fp16; ``4 R (rows + cols)`` for PowerSGD on a matrix view (rows = first dimension),
+            4 per coordinate for 1-D tensors, which it sends uncompressed.
+    """
+
+    def __init__(self, spec: str, grad, world_size: int):
+        import tempfile
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel
+        if grad.device.type != "cpu":
+            raise ValueError("DDP hook rows run on CPU only (one-rank Gloo group)")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(prefix="hvd-gradcomp-ddp-"),
+                                    rank=0, world_size=1)
+        name, options = parse_spec(spec)
+        shape, numel = tuple(grad.shape), grad.numel()
+        if name == "fp16":
+            state, hook, self.payload_bytes = None, default_hooks.fp16_compress_hook, 2 * numel
+        elif name == "powersgd":
+            rank = int(options.get("rank", 1))
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                                start_powerSGD_iter=2)
+            hook = powerSGD_hook.powerSGD_hook
+            rows = shape[0] if len(shape) > 1 else 0
+            self.payload_bytes = 4 * rank * (rows + numel // rows) if rows else 4 * numel
+        else:
+            raise ValueError(f"DDP hook must be fp16 or powersgd:rank=R, got {spec!r}")
+
+        class _One(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.p = torch.nn.Parameter(torch.zeros(shape))
+
+            def forward(self, g):
+                return (self.p * g).sum()
+
+        self._module = _One()
+        self._ddp = DistributedDataParallel(self._module, bucket_cap_mb=numel * 4 / 2 ** 20 + 1)
+        self._last = [0.0]
+
+        def timed_hook(st, bucket):
+            t0 = time.perf_counter()
+            value = hook(st, bucket).wait()
+            self._last[0] = time.perf_counter() - t0
+            done = torch.futures.Future()
+            done.set_result(value)
+            return done
+
+        self._ddp.register_comm_hook(state, timed_hook)
+        self._grad = grad
+
+    def timed(self):
+        """Run one backward; returns a function giving the hook's time in seconds."""
+        self._ddp(self._grad).backward()
+        self._module.p.grad = None
+        value = self._last[0]
+        return lambda: value
+
+
 def _devices(requested: str):
     """Devices to try, from 'cpu', 'gpu' or 'auto' (= cpu and gpu; a framework without a GPU
     skips the gpu runs)."""
@@ -331,7 +404,7 @@ def _runner(framework, device, args):
 # Measurement
 # ---------------------------------------------------------------------------------------
 def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps, budget, seed=0,
-            copy_gbps=None):
+            copy_gbps=None, ddp_hooks=()):
     """Time every scheme on one tensor, round-robin. Returns a list of row dicts (COLUMNS).
 
     Args:
@@ -343,6 +416,8 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
         world_size: used for TensorInfo (payload sizes of some schemes depend on it).
         warmup, reps, min_reps, budget: see the module docstring (budget in seconds).
         copy_gbps: this device's copy bandwidth (GB/s) for the floor; None leaves floors empty.
+        ddp_hooks: DDP hook specs (:class:`DDPHook`, PyTorch on CPU only) timed in the same
+            rounds, as rows ``"ddp <spec>"``.
     """
     import numpy as np
     rng = np.random.default_rng(seed)
@@ -370,18 +445,35 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
             for _ in range(warmup):
                 call()
             runner.sync()
-            live.append((row, call, []))
+            live.append((row, lambda call=call: runner.timed(call), []))
         except Exception as exc:  # a scheme that fails is reported, the others still run
+            row["error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:200]
+    for spec in ddp_hooks:
+        row = {"framework": runner.framework, "device": runner.device, "threads": runner.threads,
+               "timer": runner.timer, "case": case, "shape": "x".join(map(str, shape)) or "()",
+               "numel": numel, "scheme": "ddp", "spec": f"ddp {spec}", "world_size": world_size,
+               "reps": 0, "error": "", "side_bytes": 0, "side_collectives": 0}
+        rows.append(row)
+        try:
+            hook = DDPHook(spec, grad, world_size)
+            row["payload_bytes"] = hook.payload_bytes
+            t0 = time.perf_counter()
+            hook.timed()
+            row["first_call_s"] = time.perf_counter() - t0
+            for _ in range(max(warmup, 2)):  # PowerSGD's first steps are plain all-reduces
+                hook.timed()
+            live.append((row, hook.timed, []))
+        except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:200]
     start = time.perf_counter()
     rounds = 0
     while live and rounds < reps and (rounds < min_reps or time.perf_counter() - start < budget):
         pending = []
-        for row, call, samples in live:
+        for row, timed, samples in live:
             if row["error"]:
                 continue
             try:
-                pending.append((samples, runner.timed(call)))
+                pending.append((samples, timed()))
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:200]
         runner.sync()
@@ -397,8 +489,9 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
                    p90_ms=_percentile(s, 90) * 1e3, grad_gbps=numel * 4 / med / 1e9)
         if copy_gbps:
             row["copy_gbps"] = copy_gbps
-            row["floor_ms"] = row["floor_bytes"] / (copy_gbps * 1e9) * 1e3
-            row["x_floor"] = med * 1e3 / row["floor_ms"] if row["floor_bytes"] else None
+            if row.get("floor_bytes") is not None:
+                row["floor_ms"] = row["floor_bytes"] / (copy_gbps * 1e9) * 1e3
+                row["x_floor"] = med * 1e3 / row["floor_ms"] if row["floor_bytes"] else None
     ref = next((r for r in rows if r["scheme"] == _REFERENCE and r.get("median_ms")), None)
     for row in rows:
         if ref is not None and row.get("median_ms"):
@@ -580,6 +673,23 @@ def model_inputs(runner, schemes, reference, *, world_size, warmup, reps, min_re
     return {"meta": meta, "compressors": compressors}
 
 
+def whole_model_table(data) -> str:
+    """One line per compressor: the codec time of one whole step of the reference model (every
+    gradient tensor once, routed as the adapters route it), as measured on this device
+    (``codec_s``, not rescaled), and its ratio to FP16's. ``data``: :func:`model_inputs`'s
+    result."""
+    meta, comps = data["meta"], data["compressors"]
+    ref = comps.get(_REFERENCE, {}).get("codec_s")
+    out = [f"whole model ({meta['reference']}, {meta['tensors']} tensors, {meta['parameters']:,} "
+           f"parameters; {meta['codec_measured_on']}): codec time per step, x FP16's"]
+    for spec, c in comps.items():
+        ratio = f"{c['codec_s'] / ref:.2f}x" if ref else "-"
+        out.append(f"  {spec:<36} {c['codec_s'] * 1e3:9.1f} ms  {ratio:>7}  "
+                   f"wire {c['payload_bytes'] + c['side_bytes']:>12,} B, "
+                   f"{c['side_collectives']} side collectives")
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------
@@ -609,6 +719,10 @@ def _parser():
     p.add_argument("--compile", choices=["off", "both", "on"], default="off",
                    help="time the schemes' kernels compiled (torch.compile / XLA): 'both' adds a "
                         "'+compile' row after each spec, 'on' compiles all but FP16")
+    p.add_argument("--ddp-hooks", default="fp16;powersgd:rank=4",
+                   type=lambda t: tuple(x.strip() for x in t.split(";") if x.strip() and x.strip() != "off"),
+                   help="';'-separated DDP hooks timed as extra PyTorch CPU rows on the same tensors "
+                        "(fp16, powersgd:rank=R; 'off' for none)")
     p.add_argument("--quick", action="store_true",
                    help="sizes 2^12..2^18, conv layer only, 5 reps, 0.5 s budget")
     p.add_argument("--out", default="runs/overhead", help="folder for overhead.csv / overhead.txt")
@@ -644,7 +758,9 @@ def main(argv=None) -> int:
     if not args.model_only:
         for r in runners:
             for case, shape in cases:
-                rows.extend(measure(r, schemes, case, shape, copy_gbps=copy[r.device], **timing))
+                hooks = args.ddp_hooks if (r.framework, r.device) == ("torch", "cpu") else ()
+                rows.extend(measure(r, schemes, case, shape, copy_gbps=copy[r.device], ddp_hooks=hooks,
+                                    **timing))
                 print(f"  {r.framework}/{r.device} {case}: done", file=sys.stderr, flush=True)
     header = [f"malloc: {malloc}; world_size={args.world_size}; warmup={args.warmup}, "
               f"reps<={args.reps} (>= {timing['min_reps']}, budget {args.budget} s per tensor); "
@@ -664,6 +780,7 @@ def main(argv=None) -> int:
                             worker_counts=WORKERS, target_copy_gbps=args.target_copy_gbps or None,
                             **timing)
         data["meta"]["malloc"] = malloc
+        print(whole_model_table(data))
         with open(args.model_inputs, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
             f.write("\n")
