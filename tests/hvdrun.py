@@ -25,6 +25,7 @@ traceback; ``rank``, ``worker_traceback`` and ``errors`` (every rank that raised
 it too. When several ranks raise, the first to do so is reported.
 """
 import builtins
+import logging
 import os
 import pickle
 import signal
@@ -39,6 +40,27 @@ DEFAULT_TIMEOUT = 180.0
 TIMEOUT_ENV = "HVD_GRADCOMP_TEST_TIMEOUT"
 MARKER_ENV = "HVD_GRADCOMP_HVDRUN_ID"  # set in every process of one launch, to find them all
 STACK_LINES = 40  # lines of each rank's stack dump kept in a TimeoutError's message
+
+
+class LogRecords(logging.Handler):
+    """A logging handler that keeps each record's message, for workers to return and tests
+    to assert on (``logging.getLogger("hvd_gradcomp").addHandler(LogRecords())``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def value_error(fn):
+    """The message of the ValueError ``fn()`` raises (None when it raises nothing)."""
+    try:
+        fn()
+        return None
+    except ValueError as e:
+        return str(e)
 
 
 class WorkerError(RuntimeError):

@@ -13,7 +13,7 @@ from hvd_gradcomp.base import TensorInfo, WireBytes
 from hvd_gradcomp.registry import make_scheme
 from hvd_gradcomp.stats import StatsLogger, WireReport, summarize
 from tests.conftest import requires_backend
-from tests.hvdrun import run
+from tests.hvdrun import LogRecords, run
 
 
 # ---- framework-free: summarize, the line, the scalars ----
@@ -63,15 +63,6 @@ SPECS = ("fp16", "none", "topkc:ratio=0.1", "thc", "thc:range=current")
 SHAPES = [(32, 64), (32,), (10, 32), (10,)]  # Linear(64, 32), Linear(32, 10): 2,410 parameters
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def worker_torch_stats(log_dir):
     import horovod.torch as hvd
     import torch
@@ -90,7 +81,7 @@ def worker_torch_stats(log_dir):
         logger = logging.getLogger(f"test.stats.{spec}")
         logger.setLevel(logging.INFO)
         logger.propagate = False
-        handler = _Lines()
+        handler = LogRecords()
         logger.addHandler(handler)
         stats = CompressionStats(comp, net.parameters(), every=2, logger=logger,
                                  log_dir=f"{log_dir}/{spec}" if spec == "thc" else None)
@@ -105,7 +96,7 @@ def worker_torch_stats(log_dir):
             reports.append(stats.report())
         final = stats.log()
         stats.close()
-        out[spec] = {"before": before, "reports": reports, "final": final, "lines": handler.lines,
+        out[spec] = {"before": before, "reports": reports, "final": final, "lines": handler.messages,
                      "wire": comp.bytes_per_step()}
     return out
 

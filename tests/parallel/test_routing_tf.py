@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import requires_backend
-from tests.hvdrun import run
+from tests.hvdrun import LogRecords, run, value_error
 
 # Sorted names -> keys grad_0..grad_5.
 SHAPES = {"dense_bias": (48,), "dense_kernel": (48, 32), "emb_table": (40, 32), "head_kernel": (4, 48),
@@ -66,34 +66,17 @@ def _train(hvd, tf, comp, steps, start=0, values=None, groups=None, route=False)
     return {n: v.numpy().copy() for n, v in zip(NAMES, variables)}
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-def _error(fn):
-    try:
-        fn()
-        return None
-    except ValueError as e:
-        return str(e)
-
-
 def worker(path):
     import horovod.tensorflow as hvd
     import tensorflow as tf
     from tf_backend import Compression
     hvd.init()
     out = {"rank": hvd.rank()}
-    records = _Records()
+    records = LogRecords()
     logging.getLogger("hvd_gradcomp").addHandler(records)
 
     # 1. Names need route(); then each variable goes as its rule says.
-    out["unrouted"] = _error(lambda: _train(hvd, tf, Compression.rules(RULES, default="thc", min_numel=256), 1))
+    out["unrouted"] = value_error(lambda: _train(hvd, tf, Compression.rules(RULES, default="thc", min_numel=256), 1))
     comp = Compression.rules(RULES, default="thc", min_numel=256)
     out["routed"] = _train(hvd, tf, comp, 3, route=True)
     out["routes"] = comp.routes()
@@ -125,7 +108,7 @@ def worker(path):
 
     # 3. Names that differ between ranks, routed differently.
     odd = tf.Variable(tf.zeros((48,)), name="x_bias" if hvd.rank() == 0 else "emb_x")
-    out["route_differs"] = _error(lambda: Compression.rules(RULES).route([odd]))
+    out["route_differs"] = value_error(lambda: Compression.rules(RULES).route([odd]))
 
     # 4. IndexedSlices.
     table = tf.Variable(tf.ones((50, 8)), name="table")

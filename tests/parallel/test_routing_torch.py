@@ -23,7 +23,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.hvdrun import run
+from tests.hvdrun import LogRecords, run, value_error
 
 # name -> shape; routes under RULES: embed -> topkc (rule 1), fc.weight -> powersgd (rule 2,
 # numel >= 1500), fc.bias -> fp16 (rule 0), mid.weight -> thc (default, 512 >= 256),
@@ -71,30 +71,13 @@ def _train(hvd, torch, comp, steps, start=0, params=None, **opt_kwargs):
     return {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-def _error(fn):
-    try:
-        fn()
-        return None
-    except ValueError as e:
-        return str(e)
-
-
 def worker(path):
     import horovod.torch as hvd
     import torch
     from torch_backend import Compression
     hvd.init()
     out = {"rank": hvd.rank()}
-    records = _Records()
+    records = LogRecords()
     logging.getLogger("hvd_gradcomp").addHandler(records)
 
     # 1. Routed training against plain compressors per route, via hvd.allreduce.
@@ -139,8 +122,8 @@ def worker(path):
                               sorted(gathered["ranks"][0]["routes"].items()))
     # The usual habit with a per-rank dict: rank 0's, loaded everywhere.
     rank0 = hvd.broadcast_object(per_rank, root_rank=0, name="rank0_state")
-    out["naive"] = _error(lambda: Compression.from_spec(ROUTED).load_state_dict(rank0))
-    out["naive_forced"] = _error(lambda: Compression.from_spec(ROUTED).load_state_dict(rank0, rank=0))
+    out["naive"] = value_error(lambda: Compression.from_spec(ROUTED).load_state_dict(rank0))
+    out["naive_forced"] = value_error(lambda: Compression.from_spec(ROUTED).load_state_dict(rank0, rank=0))
     # Elastic: a gathered state of 3 ranks loaded on 2.
     three = dict(gathered, world_size=3, ranks=gathered["ranks"] + [gathered["ranks"][1]])
     elastic = Compression.from_spec(ROUTED)
@@ -151,15 +134,15 @@ def worker(path):
     # A route that differs from the checkpoint's: head.weight was fp16 (192 < 256), now 512.
     moved = Compression.from_spec(ROUTED)
     moved.load_state_dict(gathered)
-    out["route_mismatch"] = _error(lambda: moved.compress(torch.zeros(16, 32), name="head.weight"))
-    out["spec_mismatch"] = _error(lambda: Compression.thc().load_state_dict(gathered))
+    out["route_mismatch"] = value_error(lambda: moved.compress(torch.zeros(16, 32), name="head.weight"))
+    out["spec_mismatch"] = value_error(lambda: Compression.thc().load_state_dict(gathered))
 
     # 4. route(): the same table on every rank, or a ValueError on every rank.
     comp = Compression.rules(RULES, default="thc", min_numel=256)
     out["route_table"] = comp.route(_module(torch).named_parameters())
     name = "fc.bias" if hvd.rank() == 0 else "embed.bias2"  # rule 0 on rank 0, rule 1 on rank 1
-    out["route_differs"] = _error(lambda: comp.route([(name, torch.zeros(48))]))
-    out["no_name"] = _error(lambda: Compression.rules(RULES).compress(torch.ones(8)))
+    out["route_differs"] = value_error(lambda: comp.route([(name, torch.zeros(48))]))
+    out["no_name"] = value_error(lambda: Compression.rules(RULES).compress(torch.ones(8)))
     small = Compression.topk(0.5, min_numel=100)
     for numel in (64, 128):
         hvd.allreduce(torch.ones(numel), name=f"t{numel}", compression=small)
@@ -187,7 +170,7 @@ def worker(path):
     named = [("emb.weight", model[0].weight), ("lin.weight", model[1].weight), ("lin.bias", model[1].bias)]
     grouped = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named,
                                        compression=Compression.thc(), groups=1)  # kept: it owns the hooks
-    out["sparse_groups"] = _error(lambda: model(torch.tensor([[1, 2]])).sum().backward())
+    out["sparse_groups"] = value_error(lambda: model(torch.tensor([[1, 2]])).sum().backward())
     del grouped
     return out
 
