@@ -250,7 +250,7 @@ _orth64 = gram_schmidt64  # tests/reference.py
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_alternating_parity_payload_and_control(backend):
+def test_alternating_even_and_odd_steps_payload_and_control(backend):
     """Even steps send M Q^, odd steps M^T P^, in one fixed-size payload with its controls."""
     rng = np.random.default_rng(20)
     n, m, r = 12, 30, 2

@@ -1,6 +1,7 @@
-"""Single-process tests of THC (hvd_gradcomp/thc.py) and its rotation (hvd_gradcomp/hadamard.py).
+"""Single-process tests of THC (hvd_gradcomp/thc.py).
 
-Everything that needs real ranks is in tests/parallel/test_thc_parallel.py. Most tests here
+Everything that needs real ranks is in tests/parallel/test_thc_parallel.py; the rotation itself
+(hvd_gradcomp/hadamard.py) is tested in tests/test_hadamard.py. Most tests here
 run several *simulated* ranks of one tensor in one process (:class:`Ranks`, pure math): each
 rank compresses with its own state; the one all-reduce is an int64 sum of the int32 payloads
 (``op="sum"``) or Horovod's Average on int32, emulated as ``trunc(W * (1.0 / n))`` in float64
@@ -489,56 +490,6 @@ def test_wire_matches_payload(backend, rotation, range_):
 
 
 # ---------------------------------------------------------------- rotation
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_hadamard_matches_sylvester(backend):
-    import scipy.linalg
-    ops = backend_ops(backend)
-    for size in [1, 2, 4, 8, 16, 32, 64]:
-        np.testing.assert_array_equal(_np(hadamard.sylvester(ops, size, None)), scipy.linalg.hadamard(size))
-    rng = np.random.default_rng(0)
-    for block in [1, 2, 8, 64, 128, 2048, 2 ** 13]:
-        assert math.prod(hadamard.factor_sizes(block)) == block
-        assert max(hadamard.factor_sizes(block)) <= hadamard.MAX_FACTOR
-        x = rng.standard_normal(3 * block).astype(np.float32)
-        got = _np(hadamard.wht(ops, _tensor(backend, x), hadamard.hadamard_factors(ops, block, None)))
-        np.testing.assert_allclose(got, fwht64(x, block), rtol=0, atol=1e-4 * math.sqrt(block))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("d", [1000, 1024, 3000, 4097])
-def test_rotation_orthonormal_and_invertible(backend, d):
-    """inverse(forward(x)) == x to float32 precision and ||forward(x)|| == ||x||, every k."""
-    ops = backend_ops(backend)
-    rng = np.random.default_rng(d)
-    x = rng.standard_normal(d).astype(np.float32)
-    for stages in list(range(1, (d - 1).bit_length() + 1)) + [None]:
-        block = hadamard.block_size(d, stages)
-        padded = hadamard.padded_size(d, block)
-        assert padded % block == 0 and padded - d < block
-        xp = _tensor(backend, np.concatenate([x, np.zeros(padded - d, np.float32)]))
-        diag = hadamard.rademacher(ops, 1234 + d, padded, xp, 1.0 / math.sqrt(block))
-        factors = hadamard.hadamard_factors(ops, block, xp)
-        y = hadamard.rht(ops, xp, diag, factors)
-        back = _np(hadamard.irht(ops, y, diag, factors))[:d]
-        assert abs(np.linalg.norm(_np(y).astype(np.float64)) / np.linalg.norm(x) - 1) < 1e-5, stages
-        np.testing.assert_allclose(back, x, rtol=0, atol=2e-6 * np.abs(x).max() * max(1, math.log2(block)))
-        # The +-1 diagonal: exactly +-1/sqrt(B), about half of each sign.
-        signs = _np(diag) * math.sqrt(block)
-        assert np.allclose(np.abs(signs), 1, atol=1e-6) and abs((signs > 0).mean() - 0.5) < 0.1
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rotation_exact_on_integers(backend):
-    """With even log2(B) (1/sqrt(B) a power of two) and small integers every step is exact."""
-    ops = backend_ops(backend)
-    x = np.random.default_rng(5).integers(-8, 9, 4096).astype(np.float32)
-    for block in [4, 16, 1024, 4096]:
-        xt = _tensor(backend, x)
-        diag = hadamard.rademacher(ops, 99, 4096, xt, 1.0 / math.sqrt(block))
-        factors = hadamard.hadamard_factors(ops, block, xt)
-        np.testing.assert_array_equal(_np(hadamard.irht(ops, hadamard.rht(ops, xt, diag, factors), diag, factors)), x)
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rotation_diagonal_is_fixed_per_tensor(backend):
