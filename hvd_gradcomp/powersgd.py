@@ -143,6 +143,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit, payload_finite, poison
+from .options import WIRE_DTYPES, check_bool, check_choice, check_float, check_int, check_seed
 from .orthogonalize import basis, orthogonalize
 from .rng import normal, step_key, stream_key, uniform
 
@@ -159,11 +160,6 @@ _TINY = 1e-30
 _VARIANTS = ("alternating", "two_round")
 
 
-def _check_int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"powersgd: {name} must be an integer >= {low}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class PowerSGDConfig:
     """Options of :class:`PowerSGDScheme`.
@@ -178,21 +174,23 @@ class PowerSGDConfig:
             number >= 1, default 2.0. Larger sends more matrices uncompressed.
         start_step: number of initial steps sent uncompressed (warm-up), an integer >= 0;
             default 0. Only with ``variant="two_round"`` (module docstring).
-        error_feedback: keep what the approximation misses and add it next step; default True.
-            Without it PowerSGD is biased and usually trains worse.
-        warm_start: reuse last step's factor (True, default). ``False`` (a fresh random Q
+        error_feedback: keep what the approximation misses and add it next step (True or
+            False); default True. Without it PowerSGD is biased and usually trains worse.
+        warm_start: reuse last step's factor (True, default) or not (False). ``False`` (a fresh random Q
             each step) only with ``variant="two_round"``.
-        seed: key of the shared generator for the random start (any integer; default 0).
-            All ranks must use the same seed.
+        seed: key of the shared generator for the random start, an integer >= 0 (the rule of
+            every scheme's seed); default 0. All ranks must use the same seed.
         uncompressed_dtype: "float16" (default; pre-scaled by 1/world_size) or
-            "float32", for the tensors step 1 leaves uncompressed.
+            "float32", for the tensors step 1 leaves uncompressed (not TopKC's
+            ``payload_dtype``, which is the dtype of its compressed payload).
         variant: "alternating" (default: one all-reduce per tensor, P and Q travel on
             alternate steps, compress waits on no other rank) or "two_round" (the original
             PowerSGD: a blocking side all-reduce of P inside compress, then Q as the payload).
 
     Raises:
-        ValueError: an option outside its range or a combination the variant cannot do, e.g.
-            "powersgd: rank must be an integer >= 1, got 0".
+        ValueError: an option of the wrong kind or outside its range (one wording for every
+            scheme: :mod:`hvd_gradcomp.options`), e.g. "powersgd: rank must be an integer >= 1,
+            got 0", or a combination the variant cannot do.
     """
 
     rank: int = 1
@@ -205,21 +203,14 @@ class PowerSGDConfig:
     variant: str = "alternating"
 
     def __post_init__(self):
-        _check_int("rank", self.rank, 1)
-        rate = self.min_compression_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 1.0:
-            raise ValueError(f"powersgd: min_compression_rate must be a number >= 1, got {rate!r}")
-        _check_int("start_step", self.start_step, 0)
-        for name in ("error_feedback", "warm_start"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"powersgd: {name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"powersgd: seed must be an integer, got {self.seed!r}")
-        if self.uncompressed_dtype not in ("float16", "float32"):
-            raise ValueError(f"powersgd: uncompressed_dtype must be 'float16' or 'float32', "
-                             f"got {self.uncompressed_dtype!r}")
-        if self.variant not in _VARIANTS:
-            raise ValueError(f"powersgd: variant must be 'alternating' or 'two_round', got {self.variant!r}")
+        check_int("powersgd", "rank", self.rank, lo=1)
+        check_float("powersgd", "min_compression_rate", self.min_compression_rate, lo=1.0)
+        check_int("powersgd", "start_step", self.start_step, lo=0)
+        check_bool("powersgd", "error_feedback", self.error_feedback)
+        check_bool("powersgd", "warm_start", self.warm_start)
+        check_seed("powersgd", "seed", self.seed)
+        check_choice("powersgd", "uncompressed_dtype", self.uncompressed_dtype, WIRE_DTYPES)
+        check_choice("powersgd", "variant", self.variant, _VARIANTS)
         if self.variant == "alternating":
             if self.start_step:
                 raise ValueError(

@@ -31,6 +31,7 @@ import typing
 from typing import NamedTuple, Optional
 
 from .cast import Bf16Config, Bf16Scheme, Fp16Config, Fp16Scheme, NoneConfig, NoneScheme
+from .options import check_int
 from .powersgd import PowerSGDConfig, PowerSGDScheme
 from .thc import THCConfig, THCScheme
 from .topk import TopKConfig, TopKScheme
@@ -253,8 +254,7 @@ def split_min_numel(spec: str):
                 value = int(text.strip())
             except ValueError:
                 raise ValueError(f"{name.strip()}: option min_numel must be int, got {text.strip()!r}") from None
-            if value < 1:
-                raise ValueError(f"{name.strip()}: min_numel must be an integer >= 1, got {value}")
+            check_int(name.strip(), ROUTING_OPTION, value, lo=1)
         elif item.strip():
             kept.append(item.strip())
     return name.strip() + (":" + ",".join(kept) if kept else ""), value

@@ -45,8 +45,9 @@ Names the rules see (what makes a decision identical on every rank):
 from typing import NamedTuple
 
 from .base import Scheme
-from .registry import (RULE_ARROW, SMALL_SCHEME, Selector, format_selector, make_scheme, parse_routing,
-                       parse_spec, small_default, split_min_numel, to_spec, with_min_numel)
+from .options import check_int
+from .registry import (ROUTING_OPTION, RULE_ARROW, SMALL_SCHEME, Selector, format_selector, make_scheme,
+                       parse_routing, parse_spec, small_default, split_min_numel, to_spec, with_min_numel)
 
 __all__ = ["Route", "Routing", "scheme_text", "NEEDS_NAME"]
 
@@ -108,8 +109,7 @@ class Routing:
     )
 
     def __init__(self, rules, default: Scheme, min_numel: int, plain: bool = False):
-        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
-            raise ValueError(f"{default.name}: min_numel must be an integer >= 1, got {min_numel!r}")
+        check_int(default.name, ROUTING_OPTION, min_numel, lo=1)
         self.rules = tuple(rules)
         self.default = default
         self.min_numel = min_numel

@@ -118,6 +118,7 @@ from typing import NamedTuple
 
 from . import hadamard, rng
 from .base import Scheme, TensorInfo, WireBytes
+from .options import check_bool, check_choice, check_float, check_int, check_seed
 
 __all__ = ["THCConfig", "THCState", "THCScheme", "saturation_threshold", "lane_layout",
            "wire_bits", "exact_words", "MAX_WORLD_SIZE"]
@@ -219,14 +220,17 @@ class THCConfig:
         range: "previous" (default: ranges from the statistics of the previous step, one
             all-reduce) or "current" (the paper's blocking form: this step's ranges through a
             synchronous Max side all-reduce inside compress).
-        seed: seeds the shared rotation and the per-rank rounding (integer >= 0); default 0.
-        error_feedback: keep ``y - own decoded`` for the next step; default True.
+        seed: seeds the shared rotation and the per-rank rounding, an integer >= 0 (the
+            rule of every scheme's seed); default 0. All ranks must use the same seed.
+        error_feedback: keep ``y - own decoded`` for the next step (True or False); default True.
 
     The size threshold below which tensors go as FP16 (``min_numel``) is a routing option,
     not one of these (:mod:`hvd_gradcomp.routing`).
 
     Raises:
-        ValueError: an option outside its range, naming it.
+        ValueError: an option of the wrong kind or outside its range, naming the scheme and the
+            option (one wording for every scheme: :mod:`hvd_gradcomp.options`), e.g.
+            ``"thc: bits must be an integer in [1, 16], got 17"``.
     """
 
     bits: int = 4
@@ -239,25 +243,14 @@ class THCConfig:
     error_feedback: bool = True
 
     def __post_init__(self):
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-        if not is_int(self.bits) or not 1 <= self.bits <= 16:
-            raise ValueError(f"thc: bits must be an integer in [1, 16], got {self.bits!r}")
-        if self.rotation not in ("partial", "full"):
-            raise ValueError(f"thc: rotation must be 'partial' or 'full', got {self.rotation!r}")
-        if self.range not in ("previous", "current"):
-            raise ValueError(f"thc: range must be 'previous' or 'current', got {self.range!r}")
-        if not is_int(self.rotation_stages) or not 1 <= self.rotation_stages <= 30:
-            raise ValueError(f"thc: rotation_stages must be an integer in [1, 30], "
-                             f"got {self.rotation_stages!r}")
-        if isinstance(self.saturation_rate, bool) or not isinstance(self.saturation_rate, (int, float)) \
-                or not 0.0 < self.saturation_rate <= 0.5:
-            raise ValueError(f"thc: saturation_rate must be in (0, 0.5], got {self.saturation_rate!r}")
-        if not is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"thc: seed must be an integer >= 0, got {self.seed!r}")
-        if not isinstance(self.saturation, bool) or not isinstance(self.error_feedback, bool):
-            raise ValueError(f"thc: saturation and error_feedback must be True or False, got "
-                             f"{self.saturation!r} and {self.error_feedback!r}")
+        check_int("thc", "bits", self.bits, 1, 16)
+        check_choice("thc", "rotation", self.rotation, ("partial", "full"))
+        check_int("thc", "rotation_stages", self.rotation_stages, 1, 30)
+        check_bool("thc", "saturation", self.saturation)
+        check_float("thc", "saturation_rate", self.saturation_rate, 0.0, 0.5, lo_open=True)
+        check_choice("thc", "range", self.range, ("previous", "current"))
+        check_seed("thc", "seed", self.seed)
+        check_bool("thc", "error_feedback", self.error_feedback)
 
 
 class THCState(NamedTuple):

@@ -23,14 +23,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, payload_finite, poison
+from .options import check_bool, check_ratio
 
-__all__ = ["TopKConfig", "TopKState", "TopKScheme", "check_ratio", "num_selected"]
-
-
-def check_ratio(scheme: str, ratio: float):
-    """Raise ValueError unless ``ratio`` is a number in (0, 1]."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
-        raise ValueError(f"{scheme}: ratio must be in (0, 1], got {ratio!r}")
+__all__ = ["TopKConfig", "TopKState", "TopKScheme", "num_selected"]
 
 
 def num_selected(ratio: float, n: int) -> int:
@@ -44,16 +39,24 @@ class TopKConfig:
     """Options of :class:`TopKScheme`.
 
     Attributes:
-        ratio: fraction of coordinates kept per tensor, in (0, 1]; default 0.01. Smaller
-            keeps fewer (compresses harder in principle; on the wire TopK is always dense).
-        error_feedback: keep what is not sent and add it to the next gradient; default True.
+        ratio: fraction of coordinates kept per tensor, a number in (0, 1]; default 0.01.
+            Smaller keeps fewer (compresses harder in principle; on the wire TopK is always
+            dense).
+        error_feedback: keep what is not sent and add it to the next gradient (True or
+            False); default True.
+
+    Raises:
+        ValueError: an option of the wrong kind or outside its range, naming the scheme and the
+            option (one wording for every scheme: :mod:`hvd_gradcomp.options`), e.g.
+            ``"topk: ratio must be a number in (0, 1], got -0.1"``.
     """
 
     ratio: float = 0.01
     error_feedback: bool = True
 
     def __post_init__(self):
-        check_ratio("topk", self.ratio)
+        check_ratio("topk", "ratio", self.ratio)
+        check_bool("topk", "error_feedback", self.error_feedback)
 
 
 class TopKState(NamedTuple):

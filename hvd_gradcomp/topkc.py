@@ -68,7 +68,8 @@ from typing import NamedTuple
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, payload_finite, poison, saturating_cast
 from . import rng
 from .primitives import itemsize
-from .topk import check_ratio, num_selected
+from .options import WIRE_DTYPES, check_bool, check_choice, check_int, check_ratio
+from .topk import num_selected
 
 __all__ = ["TopKCConfig", "TopKCState", "TopKCScheme"]
 
@@ -83,13 +84,15 @@ class TopKCConfig:
     """Options of :class:`TopKCScheme`.
 
     Attributes:
-        ratio: fraction of chunks sent, in (0, 1]; default 0.01. Smaller compresses harder.
-            Tuning: start at 0.1 with error feedback; lower it while the loss keeps up with
+        ratio: fraction of chunks sent, a number in (0, 1]; default 0.01. Smaller compresses
+            harder. Tuning: start at 0.1 with error feedback; lower it while the loss keeps up with
             the FP16 run.
-        chunk: coordinates per chunk, >= 1; default 256. Larger chunks cost fewer score
-            values on the wire (one per chunk) and select less precisely.
-        error_feedback: keep what is not sent for the next step; default True.
-        payload_dtype: "float16" (default) or "float32" for the packed chunks and scores.
+        chunk: coordinates per chunk, an integer >= 1; default 256. Larger chunks cost fewer
+            score values on the wire (one per chunk) and select less precisely.
+        error_feedback: keep what is not sent for the next step (True or False); default True.
+        payload_dtype: "float16" (default) or "float32" for the packed chunks and scores: the
+            dtype of the compressed payload (not PowerSGD's ``uncompressed_dtype``, which is
+            the dtype of the tensors it leaves uncompressed).
         selection: "previous" (default: one all-reduce, selection by the previous step's
             agreed scores) or "current" (the paper's blocking two-round form; see the module
             docstring).
@@ -98,7 +101,9 @@ class TopKCConfig:
     not one of these (:mod:`hvd_gradcomp.routing`).
 
     Raises:
-        ValueError: an option outside its range, naming it.
+        ValueError: an option of the wrong kind or outside its range, naming the scheme and the
+            option (one wording for every scheme: :mod:`hvd_gradcomp.options`), e.g.
+            ``"topkc: chunk must be an integer >= 1, got 0"``.
     """
 
     ratio: float = 0.01
@@ -108,17 +113,11 @@ class TopKCConfig:
     selection: str = "previous"
 
     def __post_init__(self):
-        check_ratio("topkc", self.ratio)
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
-            raise ValueError(f"topkc: chunk must be an integer >= 1, got {self.chunk!r}")
-        if self.payload_dtype not in ("float16", "float32"):
-            raise ValueError(f"topkc: payload_dtype must be 'float16' or 'float32', "
-                             f"got {self.payload_dtype!r}")
-        if self.selection not in ("current", "previous"):
-            raise ValueError(f"topkc: selection must be 'previous' or 'current', "
-                             f"got {self.selection!r}")
-        if not isinstance(self.error_feedback, bool):
-            raise ValueError(f"topkc: error_feedback must be True or False, got {self.error_feedback!r}")
+        check_ratio("topkc", "ratio", self.ratio)
+        check_int("topkc", "chunk", self.chunk, lo=1)
+        check_bool("topkc", "error_feedback", self.error_feedback)
+        check_choice("topkc", "payload_dtype", self.payload_dtype, WIRE_DTYPES)
+        check_choice("topkc", "selection", self.selection, ("previous", "current"))
 
 
 class TopKCState(NamedTuple):

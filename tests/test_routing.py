@@ -84,7 +84,7 @@ def test_canonical_specs_round_trip():
     ("a b -> fp16; thc", "routing: selector 'a b' has two globs ('a', 'b'); expected at most one"),
     ("numel<5 numel>=9 -> fp16; thc", "routing: selector 'numel<5 numel>=9' selects no size"),
     ("*.bias -> zip; thc", "unknown compressor 'zip'"),
-    ("*.bias -> topkc:ratio=2; thc", "topkc: ratio must be in (0, 1], got 2.0"),
+    ("*.bias -> topkc:ratio=2; thc", "topkc: ratio must be a number in (0, 1], got 2.0"),
     ("topk:min_numel=0", "topk: min_numel must be an integer >= 1, got 0"),
     ("topk:min_numel=x", "topk: option min_numel must be int, got 'x'"),
     ("thc:min_numel=5,min_numel=6", "thc: min_numel given twice"),

@@ -30,7 +30,7 @@ def test_parse_compressors_accepts_specs_with_commas_and_fp32_alias():
 
 @pytest.mark.parametrize("text, words", [
     ("nosuch", "unknown compressor 'nosuch'"),
-    ("topkc:ratio=2", "topkc: ratio must be in (0, 1]"),
+    ("topkc:ratio=2", "topkc: ratio must be a number in (0, 1]"),
     ("topkc:colour=1", "unknown option 'colour'"),
     ("topkc:chunk=8,ratio", "expected key=value"),
     ("thc:min_numel=0", "thc: min_numel must be an integer >= 1, got 0"),
