@@ -115,6 +115,22 @@ def test_resnet50_reference_shapes():
     shapes = model.REFERENCE_MODELS["resnet50"]["shapes"]
     assert len(shapes) == 161
     assert sum(math.prod(s) for s in shapes) == 25_557_032  # torchvision resnet50
+    # From package data, in torchvision's parameter order: conv1, bn1, then layer1's first block.
+    assert shapes[:6] == [(64, 3, 7, 7), (64,), (64,), (64, 64, 1, 1), (64,), (64,)]
+    assert shapes[-2:] == [(1000, 2048), (1000,)]
+
+
+def test_load_shapes_checks_its_own_counts(tmp_path):
+    good = tmp_path / "m.json"
+    good.write_text(json.dumps({"model": "m", "tensors": 2, "parameters": 13, "shapes": [[3, 4], [1]]}))
+    assert model.load_shapes(str(good)) == [(3, 4), (1,)]
+    bad = tmp_path / "b.json"
+    bad.write_text(json.dumps({"model": "m", "tensors": 2, "parameters": 14, "shapes": [[3, 4], [1]]}))
+    with pytest.raises(ValueError, match="2 shapes with 13 parameters, but the file states 2 and 14"):
+        model.load_shapes(str(bad))
+    bad.write_text(json.dumps({"model": "m", "tensors": 1, "parameters": 0, "shapes": [[0]]}))
+    with pytest.raises(ValueError, match="every dimension must be an integer >= 1"):
+        model.load_shapes(str(bad))
 
 
 def _entry(**kw):

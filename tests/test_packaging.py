@@ -45,7 +45,8 @@ def test_wheel_holds_workers_and_data(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("__init__", "digits_torch", "digits_tf", "lm_torch", "ddp_torch", "torch_workloads"):
         assert f"hvd_gradcomp/bench/workers/{module}.py" in names, module
-    for path in ("hvd_gradcomp/bench/model_inputs_resnet50.json", "hvd_gradcomp/bench/linkcheck.py",
+    for path in ("hvd_gradcomp/bench/model_inputs_resnet50.json", "hvd_gradcomp/bench/model_shapes_resnet50.json",
+                 "hvd_gradcomp/bench/linkcheck.py", "hvd_gradcomp/bench/launch.py", "hvd_gradcomp/bench/publish.py",
                  "hvd_gradcomp/stats.py", "torch_backend/stats.py", "tf_backend/stats.py"):
         assert path in names, path
     assert not any(n.startswith(("examples/", "tests/")) for n in names)

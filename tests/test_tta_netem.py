@@ -10,22 +10,22 @@ import time
 
 import pytest
 
-from hvd_gradcomp.bench import netem
+from hvd_gradcomp.bench import launch as launcher, linkcheck, netem
 
 _OK, _WHY = netem.emulation_available()
 needs_netns = pytest.mark.skipif(not _OK, reason=f"network emulation unavailable: {_WHY}")
 
 
-def test_link_config_and_ring_model():
+def test_link_config_and_link_model():
     assert netem.LinkConfig(100).bytes_per_second == 12.5e6
     with pytest.raises(ValueError, match="bandwidth_mbit must be > 0, got 0"):
         netem.LinkConfig(0)
     with pytest.raises(ValueError, match="latency_ms must be >= 0"):
         netem.LinkConfig(100, -1)
-    # 2 ranks: each sends the whole buffer once; 100 MB over 1 Gbit/s = 0.8 s (network-emulation.md)
-    assert netem.ring_allreduce_seconds(100e6, 2, 1000) == pytest.approx(0.8)
-    assert netem.ring_allreduce_seconds(100e6, 4, 1000, latency_ms=1) == pytest.approx(1.2 + 0.006)
-    assert netem.ring_allreduce_seconds(100e6, 1, 1000) == 0.0
+    # 2 ranks: each sends the whole buffer once; 100 MB over 1 Gbit/s = 0.8 s (more in test_bench_ring.py)
+    assert linkcheck.link_model_seconds(100e6, 2, netem.LinkConfig(1000)) == pytest.approx(0.8)
+    assert linkcheck.link_model_seconds(100e6, 4, netem.LinkConfig(1000, 1)) == pytest.approx(1.2 + 0.006)
+    assert linkcheck.link_model_seconds(100e6, 1, netem.LinkConfig(1000)) == 0.0
 
 
 def _read_logs(folder, n):
@@ -46,7 +46,7 @@ def test_fallback_without_root_is_loopback_and_says_so(monkeypatch, tmp_path):
     assert d["mode"] == "loopback" and d["bandwidth_mbit"] is None
     assert d["note"].startswith("LOOPBACK") and "not running as root (test)" in d["note"]
     with net:  # set-up and teardown are no-ops
-        run = netem.launch(net, [sys.executable, "-c", _PRINT_ENV], log_dir=str(tmp_path))
+        run = launcher.launch(net, [sys.executable, "-c", _PRINT_ENV], log_dir=str(tmp_path))
         assert run.wait(timeout=60) == 0
     logs = _read_logs(tmp_path, 2)
     assert logs[0].split()[:5] == ["0", "2", "lo", "127.0.0.1", "localhost"]
@@ -56,18 +56,18 @@ def test_fallback_without_root_is_loopback_and_says_so(monkeypatch, tmp_path):
 
 def test_launch_ddp_variables_and_failure_stops_the_others(tmp_path):
     net = netem.LoopbackNetwork(2)
-    run = netem.launch(net, [sys.executable, "-c", _PRINT_ENV], kind="ddp", log_dir=str(tmp_path))
+    run = launcher.launch(net, [sys.executable, "-c", _PRINT_ENV], kind="ddp", log_dir=str(tmp_path))
     assert run.wait(timeout=60) == 0
     fields = _read_logs(tmp_path, 2)[1].split()
     assert fields[5:8] == ["1", "127.0.0.1", "lo"]
     # rank 0 fails at once, rank 1 would sleep for a minute: wait() stops it and reports rank 0's code
     script = "import os, sys, time; sys.exit(3) if os.environ['RANK'] == '0' else time.sleep(60)"
     t0 = time.monotonic()
-    run = netem.launch(net, [sys.executable, "-c", script], kind="ddp", log_dir=str(tmp_path))
+    run = launcher.launch(net, [sys.executable, "-c", script], kind="ddp", log_dir=str(tmp_path))
     assert run.wait(timeout=60) == 3
     assert time.monotonic() - t0 < 30 and all(p.poll() is not None for p in run.procs)
     with pytest.raises(ValueError, match="kind must be 'horovod' or 'ddp'"):
-        netem.launch(net, ["true"], kind="mpi")
+        launcher.launch(net, ["true"], kind="mpi")
 
 
 def _qdiscs(net, i):
@@ -97,7 +97,7 @@ def test_namespaces_are_built_verified_and_removed(tmp_path):
             assert "tbf" in outer and "200Mbit" in outer and "netem" not in outer
         # The launcher's variables, and the hosts file: the hostname resolves to the
         # namespace's own address (what Horovod's process-set contexts bind to).
-        run = netem.launch(net, [sys.executable, "-c", _PRINT_ENV], log_dir=str(tmp_path))
+        run = launcher.launch(net, [sys.executable, "-c", _PRINT_ENV], log_dir=str(tmp_path))
         assert run.wait(timeout=60) == 0
         for r, line in enumerate(_read_logs(tmp_path, 2)):
             f = line.split()

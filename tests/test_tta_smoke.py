@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -21,8 +22,10 @@ HIDDEN, STEPS = 128, 6
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("tta")
+    (out / "doc.md").write_text("intro\n<!-- smoke:start -->\n<!-- smoke:end -->\n")
     cmd = [sys.executable, "-m", "hvd_gradcomp.bench", "tta", "--compressors", "fp16;topkc:ratio=0.1",
            "--ddp-hooks", "off", "--workers", "2", "--bandwidth", "200", "--out", str(out), "--no-progress",
+           "--update-doc", str(out / "doc.md"), "--doc-block", "smoke",
            "--worker-args", f"--max-steps {STEPS} --hidden {HIDDEN} --eval-every 3 --target 0.5"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
@@ -86,6 +89,23 @@ def test_records_json_and_plot(sweep):
         assert f.read(4) == b"\x89PNG"
     with open(out / "steps.csv") as f:
         assert next(csv.reader(f)) == report.STEP_COLUMNS
+
+
+def test_update_doc_block_is_what_publish_renders(sweep):
+    """tta --update-doc and ``publish`` on the saved results.json write the same block (the
+    duration aside: tta counts the writing of its outputs too)."""
+    out, _ = sweep
+    live = (out / "doc.md").read_text()
+    assert "| digits | fp16 |" in live and "![tta_digits.png](tta_digits.png)" in live
+    again = out / "again.md"
+    again.write_text("intro\n<!-- smoke:start -->\n<!-- smoke:end -->\n")
+    res = subprocess.run([sys.executable, "-m", "hvd_gradcomp.bench", "publish", "--results",
+                          str(out / "results.json"), "--update-doc", str(again), "--doc-block", "smoke"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert res.returncode == 0, res.stderr
+    minutes = re.compile(r"runs in [0-9.]+ min")
+    assert minutes.sub("", again.read_text()) == minutes.sub("", live)
 
 
 def test_nothing_left_behind(sweep):

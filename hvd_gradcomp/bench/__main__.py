@@ -4,6 +4,7 @@ Commands:
     tta       time-to-accuracy sweep over a bandwidth-limited emulated network (the main job)
     overhead  compress + decompress cost per compressor and tensor size, against FP16
     model     scale model: projected step time and TTA ratio vs FP16 for N workers and links
+    publish   a finished sweep's table and plots into a README/docs block, from its results.json
 
 Each command's ``--help`` lists its options.
 """
@@ -11,7 +12,7 @@ import importlib
 import sys
 
 COMMANDS = {"tta": "hvd_gradcomp.bench.tta", "overhead": "hvd_gradcomp.bench.overhead",
-            "model": "hvd_gradcomp.bench.model"}
+            "model": "hvd_gradcomp.bench.model", "publish": "hvd_gradcomp.bench.publish"}
 
 
 def main(argv=None):

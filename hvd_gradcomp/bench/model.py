@@ -22,7 +22,8 @@ Inputs (per compressor, one step of one worker; JSON or CSV, see :func:`load_inp
 
 The model (one step, per worker):
     1. Ring all-reduce of ``b`` bytes over ``N`` workers on links of ``B`` bytes/s
-       (bandwidth-optimal: each worker sends and receives ``2 (N-1)/N * b``):
+       (bandwidth-optimal: each worker sends and receives ``2 (N-1)/N * b``; :mod:`.ring`,
+       the formula the TTA link check uses too):
            t_ar(b) = lat(N) + 2 (N-1)/N * b / B
        ``lat(N) = alpha + hop * hops(N)``: ``alpha`` is the fixed cost of one collective
        (Horovod queues a request and serves it on its next cycle, 1 ms by default in 0.28.1,
@@ -61,9 +62,11 @@ import os
 import sys
 from typing import NamedTuple, Optional
 
+from .ring import ring_allreduce_seconds, ring_rounds
+
 __all__ = ["Measurement", "Network", "StepTime", "latency", "allreduce_time",
            "predict_step_time", "tta_ratio", "winning_ranges", "load_inputs",
-           "measurement_from_run", "check_against_runs",
+           "measurement_from_run", "check_against_runs", "load_shapes",
            "REFERENCE_MODELS", "WORKERS", "BANDWIDTHS_GBPS", "DEFAULT_INPUTS", "main"]
 
 WORKERS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -148,7 +151,7 @@ def latency(workers: int, net: Network = Network()) -> float:
     """lat(N) = alpha + hop * hops(N), seconds; 0 for a single worker (no collective)."""
     if workers <= 1:
         return 0.0
-    hops = {"tree": 2 * math.ceil(math.log2(workers)), "ring": 2 * (workers - 1), "none": 0}[net.hops]
+    hops = {"tree": 2 * math.ceil(math.log2(workers)), "ring": ring_rounds(workers), "none": 0}[net.hops]
     return net.alpha_s + net.hop_s * hops
 
 
@@ -156,14 +159,18 @@ def allreduce_time(nbytes: float, workers: int, gbps: float, net: Network = Netw
                    collectives: int = 1) -> float:
     """Seconds for ``collectives`` ring all-reduces moving ``nbytes`` in total.
 
-    ``collectives * lat(N) + 2 (N-1)/N * nbytes / (gbps * 1e9 / 8)``; 0 for one worker.
-    ``gbps`` is the link bandwidth in Gbit/s.
+    ``collectives * lat(N) + 2 (N-1)/N * nbytes / (gbps * 1e9 / 8)``
+    (:func:`.ring.ring_allreduce_seconds` with ``lat(N)`` from :func:`latency`); 0 for one
+    worker. ``gbps`` is the link bandwidth in Gbit/s.
+
+    Raises:
+        ValueError: ``gbps`` <= 0.
     """
     if workers <= 1 or (collectives == 0 and nbytes == 0):
         return 0.0
     if gbps <= 0:
         raise ValueError(f"model: bandwidth must be > 0 Gbit/s, got {gbps}")
-    return collectives * latency(workers, net) + 2.0 * (workers - 1) / workers * nbytes / (gbps * 1e9 / 8)
+    return ring_allreduce_seconds(nbytes, workers, gbps * 1e9 / 8, latency(workers, net), collectives)
 
 
 def predict_step_time(m: Measurement, workers: int, gbps: float, net: Network = Network(),
@@ -309,25 +316,38 @@ def check_against_runs(rows, net: Network = Network(hops="ring")):
 # ---------------------------------------------------------------------------------------
 # Reference model (used by ``overhead --model-inputs`` to build the default inputs)
 # ---------------------------------------------------------------------------------------
-def _resnet50_shapes():
-    """Parameter shapes of torchvision's ResNet-50 (25,557,032 parameters, 161 tensors)."""
-    shapes = [(64, 3, 7, 7), (64,), (64,)]
-    inplanes = 64
-    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        for b in range(blocks):
-            out = 4 * width
-            shapes += [(width, inplanes, 1, 1), (width,), (width,),
-                       (width, width, 3, 3), (width,), (width,),
-                       (out, width, 1, 1), (out,), (out,)]
-            if b == 0:
-                shapes += [(out, inplanes, 1, 1), (out,), (out,)]
-            inplanes = out
-    return shapes + [(1000, 2048), (1000,)]
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load_shapes(path: str):
+    """Gradient tensor shapes of a reference model, from a package-data JSON file.
+
+    The file holds ``{"model", "source", "tensors", "parameters", "shapes": [[d0, d1, ...], ...]}``
+    (see ``model_shapes_resnet50.json``).
+
+    Returns:
+        list of shape tuples (ints), in the model's parameter order.
+
+    Raises:
+        ValueError: the count of shapes or of parameters differs from the file's own
+            ``tensors`` / ``parameters``, or a dimension is not a positive integer.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    shapes = [tuple(int(d) for d in s) for s in data["shapes"]]
+    if any(d < 1 for s in shapes for d in s):
+        raise ValueError(f"model: {path}: every dimension must be an integer >= 1")
+    params = sum(math.prod(s) for s in shapes)
+    if len(shapes) != data["tensors"] or params != data["parameters"]:
+        raise ValueError(f"model: {path}: {len(shapes)} shapes with {params} parameters, but the file "
+                         f"states {data['tensors']} and {data['parameters']}")
+    return shapes
 
 
 REFERENCE_MODELS = {
     "resnet50": {
-        "shapes": _resnet50_shapes(),
+        # torchvision's ResNet-50 parameter shapes, in its parameter order (package data).
+        "shapes": load_shapes(os.path.join(_HERE, "model_shapes_resnet50.json")),
         # An assumption, not a measurement: ResNet-50 v1.5 training with mixed precision at
         # batch 256 per GPU runs at roughly 2,500 images/s on one A100, i.e. ~0.1 s per step.
         "compute_s": 0.1,

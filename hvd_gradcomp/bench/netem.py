@@ -1,4 +1,4 @@
-"""An emulated bandwidth-limited cluster on one machine, and launching ranks into it.
+"""An emulated bandwidth-limited cluster on one machine: namespaces, veths and ``tc`` (only).
 
 On one machine loopback makes communication free, which hides everything compression is for.
 :class:`EmulatedNetwork` gives each worker its own Linux network namespace and a link of a
@@ -25,38 +25,20 @@ contacted. Everything here needs root (``CAP_NET_ADMIN``) and iproute2. Without 
 :class:`LoopbackNetwork` runs the same ranks on 127.0.0.1 with no rate limit, and every
 output of the harness says so (``network.mode == "loopback"``).
 
-Ranks are launched without ``horovodrun`` (whose rendezvous sits on 127.0.0.1, unreachable
-from a namespace): :func:`launch` starts Horovod's own ``RendezvousServer`` in this process
-(it listens on all addresses of the root namespace, so the bridge address reaches it), builds
-the host plan with ``get_host_assignments`` (one host per namespace), and starts each rank
-with ``ip netns exec`` and the variables ``horovodrun`` would set. For ``torch.distributed``
-(kind ``"ddp"``) it sets ``MASTER_ADDR`` (rank 0's namespace address), ``MASTER_PORT``,
-``RANK``, ``WORLD_SIZE`` and ``GLOO_SOCKET_IFNAME`` instead.
-
-:func:`verify_link` times an all-reduce of a known size on the ranks and compares it with
-the ring model (:func:`ring_allreduce_seconds`); :class:`LinkError` stops a run whose link is
-off by more than the stated factor.
+Ranks are started on these networks by :mod:`.launch`; :mod:`.linkcheck` verifies that a
+network carries the rate it was asked for.
 """
-import json
 import os
-import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 
 __all__ = ["LinkConfig", "EmulatedNetwork", "LoopbackNetwork", "LinkError", "emulation_available",
-           "netem_available",
-           "make_network", "launch", "Launch", "ring_allreduce_seconds", "verify_link",
-           "cleanup_stale", "IMPORT_ROOT"]
+           "netem_available", "make_network", "cleanup_stale"]
 
-# The folder holding the ``hvd_gradcomp`` package: a source checkout's root, or site-packages.
-IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PREFIX = "hgc"  # names of everything we create: hgc<pid>br, hgc<pid>w<i>, hgc<pid>v<i>
 _NAME_RE = re.compile(rf"^{_PREFIX}(\d+)(?:br|w\d+|v\d+)$")
 _SUBNET = "10.231"  # 10.231.S.0/24, S chosen free on this machine
@@ -88,20 +70,6 @@ class LinkConfig:
     @property
     def bytes_per_second(self) -> float:
         return self.bandwidth_mbit * 1e6 / 8
-
-
-def ring_allreduce_seconds(nbytes: int, world_size: int, bandwidth_mbit: float,
-                           latency_ms: float = 0.0) -> float:
-    """Ring all-reduce time model: ``2(N-1)/N * nbytes / rate + 2(N-1) * latency``.
-
-    Each rank sends (and receives) ``2(N-1)/N`` of the buffer over its own link (reduce-scatter
-    then all-gather), in ``2(N-1)`` rounds that each pay the one-way latency once.
-    """
-    n = world_size
-    if n <= 1:
-        return 0.0
-    rate = bandwidth_mbit * 1e6 / 8
-    return 2 * (n - 1) / n * nbytes / rate + 2 * (n - 1) * latency_ms / 1e3
 
 
 def _run(cmd, check=True):
@@ -255,6 +223,7 @@ class EmulatedNetwork(_Network):
 
     Use as a context manager (set up on enter, always torn down on exit)::
 
+        from hvd_gradcomp.bench.launch import launch
         with EmulatedNetwork(2, LinkConfig(200, 0)) as net:
             launch(net, [sys.executable, "train.py"]).wait()
 
@@ -407,240 +376,3 @@ def make_network(world_size: int, link: LinkConfig, loopback: bool = False):
         return LoopbackNetwork(world_size, reason)
     cleanup_stale()
     return EmulatedNetwork(world_size, link)
-
-
-# ---- launching ranks ----
-
-def _free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def _site_dirs():
-    import site
-    dirs = list(getattr(site, "getsitepackages", lambda: [])())
-    user = getattr(site, "getusersitepackages", lambda: None)()
-    return {os.path.realpath(d) for d in dirs + ([user] if user else [])}
-
-
-def _base_env(world_size):
-    """The ranks' environment: ours, plus what makes ``python -m hvd_gradcomp...`` import.
-
-    A source checkout that is not installed goes first on PYTHONPATH, so the ranks import the
-    same code as this process; an installed package is found by the interpreter anyway (and a
-    site-packages folder on PYTHONPATH would shadow the standard library, so it is not added).
-    """
-    env = dict(os.environ)
-    if os.path.realpath(IMPORT_ROOT) not in _site_dirs():
-        env["PYTHONPATH"] = IMPORT_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env["PYTHONUNBUFFERED"] = "1"
-    # One process per core: the ranks share this machine's cores.
-    threads = max(1, (os.cpu_count() or 1) // max(1, world_size))
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    return env
-
-
-class Launch:
-    """The rank processes of one launch (and Horovod's rendezvous server, if any).
-
-    Attributes:
-        procs: one ``subprocess.Popen`` per rank; rank 0's stdout is a pipe when requested.
-    """
-
-    def __init__(self, procs, server=None, logs=()):
-        self.procs, self._server, self._logs = procs, server, list(logs)
-
-    def poll(self):
-        """None while any rank runs; else the first non-zero exit code (or 0)."""
-        codes = [p.poll() for p in self.procs]
-        if any(c not in (None, 0) for c in codes):
-            return next(c for c in codes if c not in (None, 0))
-        return None if any(c is None for c in codes) else 0
-
-    def wait(self, timeout=None):
-        """Wait for every rank; a failing rank stops the others. Returns the first non-zero code or 0."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while True:
-                code = self.poll()
-                if code is not None:
-                    if code != 0:
-                        self.kill()
-                    return code
-                if deadline is not None and time.monotonic() > deadline:
-                    self.kill()
-                    return 124
-                time.sleep(0.1)
-        finally:
-            self.close()
-
-    def kill(self):
-        """Stop every rank still running (its whole process group: SIGTERM, then SIGKILL)."""
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        deadline = time.monotonic() + 5
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                p.wait()
-
-    def close(self):
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
-        for f in self._logs:
-            f.close()
-        self._logs = []
-
-
-def launch(net, argv, *, kind="horovod", env=None, log_dir=None, pipe_rank0=False):
-    """Start ``argv`` once per rank of ``net``.
-
-    Args:
-        net: an :class:`EmulatedNetwork` (set up) or :class:`LoopbackNetwork`.
-        argv: the command each rank runs (list of str; the same for every rank).
-        kind: ``"horovod"`` (rendezvous server + HOROVOD_* variables) or ``"ddp"``
-            (torch.distributed env:// variables).
-        env: extra environment variables for every rank.
-        log_dir: where each rank's stdout/stderr go (``rank<i>.log``); default: inherited.
-        pipe_rank0: make rank 0's stdout a text pipe (``launch.procs[0].stdout``) for progress.
-
-    The ranks run in this process's working directory (relative paths in ``argv`` mean the
-    same to them as here).
-
-    Returns:
-        a :class:`Launch`.
-    """
-    n = net.world_size
-    base = _base_env(n)
-    base.update(env or {})
-    server = None
-    per_rank = [{} for _ in range(n)]
-    if kind == "horovod":
-        from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-        from horovod.runner.http.http_server import RendezvousServer
-        names = net.hostnames()
-        slots = {}
-        for h in names:
-            slots[h] = slots.get(h, 0) + 1
-        plan = get_host_assignments(parse_hosts(",".join(f"{h}:{c}" for h, c in slots.items())), n)
-        server = RendezvousServer(verbose=0)
-        port = server.start()
-        server.init(plan)
-        for slot in plan:
-            per_rank[slot.rank] = {
-                "HOROVOD_GLOO_RENDEZVOUS_ADDR": net.rendezvous_addr,
-                "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-                "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-                "HOROVOD_GLOO_IFACE": net.iface,
-                "HOROVOD_HOSTNAME": slot.hostname, "HOROVOD_RANK": str(slot.rank),
-                "HOROVOD_SIZE": str(slot.size), "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-                "HOROVOD_LOCAL_SIZE": str(slot.local_size), "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-                "HOROVOD_CROSS_SIZE": str(slot.cross_size)}
-    elif kind == "ddp":
-        # A fresh namespace has every port free; loopback asks the OS for one.
-        port = _free_port() if net.mode == "loopback" else random.randrange(20000, 60000)
-        for r in range(n):
-            per_rank[r] = {"MASTER_ADDR": net.addresses()[0], "MASTER_PORT": str(port),
-                           "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
-                           "GLOO_SOCKET_IFNAME": net.iface}
-    else:
-        raise ValueError(f"netem: kind must be 'horovod' or 'ddp', got {kind!r}")
-    procs, logs = [], []
-    try:
-        for r in range(n):
-            renv = dict(base)
-            renv.update(per_rank[r])
-            out = err = None
-            if log_dir is not None:
-                f = open(os.path.join(log_dir, f"rank{r}.log"), "w")
-                logs.append(f)
-                out = err = f
-            if r == 0 and pipe_rank0:
-                out = subprocess.PIPE
-            procs.append(subprocess.Popen(net.wrap(r, argv), env=renv, stdout=out, stderr=err,
-                                          start_new_session=True,
-                                          text=True if out is subprocess.PIPE else None,
-                                          bufsize=1 if out is subprocess.PIPE else -1))
-    except BaseException:
-        Launch(procs, server, logs).kill()
-        if server is not None:
-            server.stop()
-        for f in logs:
-            f.close()
-        raise
-    return Launch(procs, server, logs)
-
-
-def verify_link(net, mbytes=None, repeats=3, factor=2.0, timeout=120):
-    """Time a float32 all-reduce of known size on ``net``'s ranks and check it against the model.
-
-    Args:
-        net: the network (set up). On loopback nothing is checked; the rate is only reported.
-        mbytes: buffer size in MiB; default: what the model says takes about 0.5 s (1..64 MiB).
-        repeats: timed all-reduces (the median is used), after one warm-up.
-        factor: the measured time must lie in ``[model / 1.25, model * factor]``: slower means
-            the link or the stack is not what was asked for; faster means no rate limit acts.
-
-    Returns:
-        dict with ``nbytes``, ``seconds`` (median), ``model_seconds``, ``ratio`` (measured /
-        model), ``effective_mbit`` (2(N-1)/N * bytes * 8 / seconds / 1e6), ``ok``, ``factor``.
-
-    Raises:
-        LinkError: the ranks failed, or (emulated networks) the ratio is out of range; the
-            message says what was measured and what was expected.
-    """
-    n = net.world_size
-    link = net.link
-    if mbytes is None:
-        if link is None:
-            mbytes = 16
-        else:
-            target = 0.5 * link.bytes_per_second * n / (2 * max(1, n - 1))
-            mbytes = min(64, max(1, round(target / 2 ** 20)))
-    nbytes = int(mbytes * 2 ** 20) // 4 * 4
-    with tempfile.TemporaryDirectory(prefix="hgc-link-") as tmp:
-        out = os.path.join(tmp, "link.json")
-        run = launch(net, [sys.executable, "-m", "hvd_gradcomp.bench.linkcheck", "--nbytes",
-                           str(nbytes), "--repeats", str(repeats), "--out", out], log_dir=tmp)
-        code = run.wait(timeout=timeout)
-        if code != 0 or not os.path.exists(out):
-            logs = "".join(open(os.path.join(tmp, f)).read()[-2000:] for f in sorted(os.listdir(tmp))
-                           if f.endswith(".log"))
-            raise LinkError(f"link check: the all-reduce ranks failed (exit {code}) on the "
-                            f"{net.mode} network.\n{logs}")
-        with open(out) as f:
-            result = json.load(f)
-    seconds = result["seconds"]
-    effective = 2 * (n - 1) / n * nbytes * 8 / seconds / 1e6 if n > 1 else float("inf")
-    result.update(nbytes=nbytes, effective_mbit=effective, factor=factor, mode=net.mode)
-    if link is None or net.mode == "loopback":
-        result.update(model_seconds=None, ratio=None, ok=True)
-        return result
-    model = ring_allreduce_seconds(nbytes, n, link.bandwidth_mbit, link.latency_ms)
-    ratio = seconds / model
-    ok = 1 / 1.25 <= ratio <= factor
-    result.update(model_seconds=model, ratio=ratio, ok=ok)
-    if not ok:
-        why = ("slower than the link allows: the emulation or the CPU cannot keep up with this rate; "
-               "try a lower --bandwidth" if ratio > factor else
-               "faster than the link allows: the rate limit is not acting")
-        raise LinkError(
-            f"link check failed: a {nbytes / 2**20:.1f} MiB float32 all-reduce over {n} ranks took "
-            f"{seconds:.3f} s; the ring model at {link.bandwidth_mbit:g} Mbit/s"
-            f"{f', {link.latency_ms:g} ms' if link.latency_ms else ''} says {model:.3f} s "
-            f"(ratio {ratio:.2f}, allowed {1/1.25:.2f}..{factor:g}): {why}.")
-    return result

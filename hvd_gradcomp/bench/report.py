@@ -24,7 +24,7 @@ from .worker import rolling_mean
 
 __all__ = ["time_to_target", "summarize", "add_baseline_ratios", "RUN_COLUMNS", "STEP_COLUMNS",
            "EVAL_COLUMNS", "write_csvs", "write_json", "format_table", "markdown_table", "plot",
-           "update_doc"]
+           "plot_rows", "plot_path", "update_doc"]
 
 RUN_COLUMNS = [
     "run_id", "workload", "framework", "system", "label", "spec", "status", "stop_reason",
@@ -250,6 +250,17 @@ def markdown_table(rows, network):
            "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     return "\n".join(out)
+
+
+def plot_rows(rows, results, workload):
+    """The summary rows drawn in ``workload``'s plot: runs whose id starts with ``<workload>-``
+    and whose result has evaluations (``results``: run id -> result dict). Empty: no plot."""
+    return [r for r in rows if r["run_id"].startswith(workload + "-") and results[r["run_id"]].get("evals")]
+
+
+def plot_path(out_dir, workload):
+    """Where a sweep writes ``workload``'s plot: ``<out_dir>/tta_<workload>.png``."""
+    return os.path.join(out_dir, f"tta_{workload}.png")
 
 
 def plot(path, rows, results, title, network):

@@ -1,34 +1,41 @@
 """``python -m hvd_gradcomp.bench tta``: time-to-accuracy sweep over an emulated slow network.
 
-What it does, in order:
+What it does, in three steps (``main`` only wires them):
 
-1. Plans the runs: for each workload (``--workloads``; default ``digits``), one Horovod run per
-   compressor spec (``--compressors``; default: FP32, FP16, TopK, TopKC, the THC variants and
-   PowerSGD at two ranks, whichever are registered in :data:`hvd_gradcomp.registry.SCHEMES`),
-   plus, for PyTorch workloads, ``torch.distributed`` DDP runs with its built-in hooks
-   (``--ddp-hooks``; default ``fp16_compress_hook`` and ``powerSGD_hook``), labelled as such.
-2. Sets up the network (:mod:`.netem`): one namespace per worker, veth links rate-limited to
-   ``--bandwidth`` Mbit/s (optional ``--latency``) to a bridge; without root it falls back to
-   loopback and says so in every output. The link is verified with a timed all-reduce
-   against the ring model (``--link-factor``); a link that misses stops the sweep.
-3. Runs the workload's worker module (:mod:`.workers`, as ``python -m
-   hvd_gradcomp.bench.workers.<name>``) on the ranks (Horovod's rendezvous server, or
-   torch.distributed variables for DDP), with a progress bar fed by rank 0's ``@tta`` lines.
-   Each run trains to its target and a fixed number of epochs past it, or until its caps.
-4. Writes to ``--out`` (default ``runs/tta-<time>`` under the current directory): ``results.json`` (everything: sweep
-   metadata with versions, git commit, network and link check; every run's records),
-   ``runs.csv``/``steps.csv``/``evals.csv``, ``tta_<workload>.png`` plots and ``summary.md``;
-   prints the summary table (:mod:`.report` defines its columns). ``--update-doc FILE``
-   rewrites the table and plot block between ``<!-- tta-demo:start/end -->`` in FILE.
-5. Tears the network down (always: ``finally``, Ctrl-C and SIGTERM included).
+1. Plan (:func:`plan_sweep`): for each workload (``--workloads``; default ``digits``), one
+   Horovod run per compressor spec (``--compressors``; default: FP32, FP16, TopK, TopKC, the
+   THC variants and the PowerSGD variants, whichever are registered in
+   :data:`hvd_gradcomp.registry.SCHEMES`), plus, for PyTorch workloads, ``torch.distributed``
+   DDP runs with its built-in hooks (``--ddp-hooks``; default ``fp16_compress_hook`` and
+   ``powerSGD_hook``), labelled as such; the link and the output folder. Nothing runs yet.
+2. Run (:func:`run_sweep`): sets up the network (:mod:`.netem`): one namespace per worker,
+   veth links rate-limited to ``--bandwidth`` Mbit/s (optional ``--latency``) to a bridge;
+   without root it falls back to loopback and says so in every output. The link is verified
+   with a timed all-reduce against the ring model (:mod:`.linkcheck`, ``--link-factor``); a
+   link that misses stops the sweep. Then starts the workload's worker module
+   (:mod:`.workers`, as ``python -m hvd_gradcomp.bench.workers.<name>``) on the ranks
+   (:mod:`.launch`: Horovod's rendezvous server, or torch.distributed variables for DDP),
+   with a progress bar fed by rank 0's ``@tta`` lines. Each run trains to its target and a
+   fixed number of epochs past it, or until its caps. Tears the network down (always:
+   ``finally``, Ctrl-C and SIGTERM included).
+3. Report (:func:`report_sweep`): writes to ``--out`` (default ``runs/tta-<time>`` under the
+   current directory): ``results.json`` (everything: sweep metadata with versions, git
+   commit, network and link check; every run's records), ``runs.csv``/``steps.csv``/
+   ``evals.csv``, ``tta_<workload>.png`` plots and ``summary.md``; prints the summary table
+   (:mod:`.report` defines its columns).
+
+``--update-doc FILE`` then rewrites the table and plot block between
+``<!-- tta-demo:start/end -->`` in FILE, with the same code as ``python -m hvd_gradcomp.bench
+publish --results <out>/results.json --update-doc FILE`` (:mod:`.publish`), which re-renders
+the block later from the saved results without a new sweep.
 
 Default bandwidth, 500 Mbit/s per worker link: the digits model's FP32 gradient is 17.4 MB,
 so at 500 Mbit/s FP32 communication takes about 0.35 s a step and FP16 about 0.17 s, against
 roughly 0.05 s of compute on one core per worker: communication dominates, as on a GPU
-cluster with a fast network and a large model, while the whole default sweep still fits in
-about 15 minutes. Measured on our 2-core machines, the namespaces carry 500 Mbit/s within
-1.2x of the ring model; at 1 Gbit/s the kernel path on 2 busy cores no longer keeps up (about
-2.4x), which the link check would report.
+cluster with a fast network and a large model, while the whole default sweep stays under 20
+minutes (17 on 2 cores shared with a test-suite run). Measured on our 2-core machines, the
+namespaces carry 500 Mbit/s within 1.2x (idle) to 1.9x (busy) of the ring model, and 1 Gbit/s
+within 1.2x on a quiet machine but about 2.4x on 2 busy cores.
 """
 import argparse
 import datetime
@@ -42,10 +49,13 @@ import sys
 import threading
 import time
 
-from . import netem, report
+from typing import NamedTuple, Optional
+
+from . import launch, linkcheck, netem, publish, report
 from .worker import PROGRESS_PREFIX
 
-__all__ = ["main", "default_specs", "parse_compressors", "plan_runs", "RunSpec", "WORKLOADS"]
+__all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "SweepOutcome",
+           "default_specs", "parse_compressors", "plan_runs", "RunSpec", "WORKLOADS"]
 
 # workload key -> (framework, worker module, workload name inside the worker, DDP-capable)
 WORKLOADS = {
@@ -153,7 +163,7 @@ def plan_runs(workloads, specs, ddp_hooks):
 def _git_commit():
     """The commit of the source checkout this package runs from (``-dirty`` when modified);
     None for an installed package (no ``.git`` beside it) or without git."""
-    root = netem.IMPORT_ROOT
+    root = launch.IMPORT_ROOT
     if not os.path.exists(os.path.join(root, ".git")):
         return None
     try:
@@ -212,8 +222,8 @@ def execute(net, run, args, out_dir, progress=True):
     cmd = _command(run, args, out_json)
     with open(os.path.join(log_dir, "command.txt"), "w") as f:
         f.write(" ".join(cmd) + "\n")
-    handle = netem.launch(net, cmd, kind="ddp" if run.system == "ddp" else "horovod",
-                          log_dir=log_dir, pipe_rank0=True)
+    handle = launch.launch(net, cmd, kind="ddp" if run.system == "ddp" else "horovod",
+                           log_dir=log_dir, pipe_rank0=True)
     lines = queue.Queue()
     stdout = handle.procs[0].stdout
 
@@ -320,54 +330,103 @@ def _install_sigterm():
         return None
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    t_start = time.time()
-    try:
-        workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-        if args.compressors:
-            specs, skipped = parse_compressors(args.compressors), []
-        else:
-            specs, skipped = default_specs()
-        hooks = parse_ddp_hooks(args.ddp_hooks)
-        plan = plan_runs(workloads, specs, hooks)
-        link = netem.LinkConfig(args.bandwidth, args.latency)
-    except ValueError as e:
-        print(f"tta: {e}", file=sys.stderr)
-        return 2
-    for spec, why in skipped:
-        print(f"tta: skipping default compressor {spec!r} ({why})", file=sys.stderr)
+class SweepPlan(NamedTuple):
+    """What a sweep will do, decided before anything runs (:func:`plan_sweep`).
+
+    workloads: workload keys, in order. runs: the :class:`RunSpec` list (table order).
+    skipped: ``(spec, why)`` for default specs the registry cannot build. link: the
+    :class:`.netem.LinkConfig` asked for. out_dir: absolute output folder (not yet created).
+    """
+
+    workloads: list
+    runs: list
+    skipped: list
+    link: netem.LinkConfig
+    out_dir: str
+
+
+class SweepOutcome(NamedTuple):
+    """What running a plan produced (:func:`run_sweep`).
+
+    results: run id -> result dict (runs not reached are absent). network: the network's
+    ``describe()``. link_check: :func:`.linkcheck.verify_link`'s dict, or None when skipped.
+    link_failed: the link check stopped the sweep (no run was started). interrupted: Ctrl-C or
+    SIGTERM ended it early.
+    """
+
+    results: dict
+    network: dict
+    link_check: Optional[dict]
+    link_failed: bool
+    interrupted: bool
+
+
+def plan_sweep(args) -> SweepPlan:
+    """Step 1: the runs, specs, link and output folder from parsed options; nothing runs.
+
+    Raises:
+        ValueError: an unknown workload, a bad compressor spec or DDP hook, or a link setting
+            out of range (the message says which).
+    """
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if args.compressors:
+        specs, skipped = parse_compressors(args.compressors), []
+    else:
+        specs, skipped = default_specs()
+    hooks = parse_ddp_hooks(args.ddp_hooks)
+    runs = plan_runs(workloads, specs, hooks)
+    link = netem.LinkConfig(args.bandwidth, args.latency)
     out_dir = os.path.abspath(args.out or os.path.join(
         "runs", "tta-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
-    os.makedirs(out_dir, exist_ok=True)
+    return SweepPlan(workloads, runs, skipped, link, out_dir)
 
-    net = netem.make_network(args.workers, link, loopback=args.loopback)
+
+def _print_link_check(link_check, factor):
+    """One stderr line: the link check's measured time against the ring model (or, on
+    loopback, the effective rate only)."""
+    if link_check.get("model_seconds"):
+        print(f"tta: link check: {link_check['nbytes'] / 2**20:.1f} MiB all-reduce in "
+              f"{link_check['seconds']:.3f} s (ring model {link_check['model_seconds']:.3f} s, "
+              f"ratio {link_check['ratio']:.2f}, allowed <= {factor:g}); "
+              f"effective {link_check['effective_mbit']:.0f} Mbit/s", file=sys.stderr)
+    else:
+        print(f"tta: link check (loopback, not checked): effective "
+              f"{link_check['effective_mbit']:.0f} Mbit/s", file=sys.stderr)
+
+
+def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
+    """Step 2: build the network, check the link, run every planned run, tear the network down.
+
+    Creates ``plan.out_dir`` (each run writes its records and logs there). The network is
+    torn down in every case (``finally``: a failed link check, Ctrl-C and SIGTERM included).
+    Progress and warnings go to stderr.
+    """
+    for spec, why in plan.skipped:
+        print(f"tta: skipping default compressor {spec!r} ({why})", file=sys.stderr)
+    os.makedirs(plan.out_dir, exist_ok=True)
+    net = netem.make_network(args.workers, plan.link, loopback=args.loopback)
     if net.mode == "loopback":
         print(f"tta: WARNING: running on LOOPBACK ({net.reason}); no rate limit, communication is "
               "nearly free, and every output says so.", file=sys.stderr)
     previous = _install_sigterm()
     results, link_check = {}, None
-    interrupted = False
+    interrupted = link_failed = False
     try:
         net.setup()
         desc = net.describe()
-        print(f"tta: {desc['note']}; {len(plan)} runs: {', '.join(r.run_id for r in plan)}", file=sys.stderr)
+        print(f"tta: {desc['note']}; {len(plan.runs)} runs: {', '.join(r.run_id for r in plan.runs)}",
+              file=sys.stderr)
         if not args.skip_link_check:
             try:
-                link_check = netem.verify_link(net, factor=args.link_factor)
+                link_check = linkcheck.verify_link(net, factor=args.link_factor)
             except netem.LinkError as e:
                 print(f"tta: {e}", file=sys.stderr)
-                return 3
-            if link_check.get("model_seconds"):
-                print(f"tta: link check: {link_check['nbytes'] / 2**20:.1f} MiB all-reduce in "
-                      f"{link_check['seconds']:.3f} s (ring model {link_check['model_seconds']:.3f} s, "
-                      f"ratio {link_check['ratio']:.2f}, allowed <= {args.link_factor:g}); "
-                      f"effective {link_check['effective_mbit']:.0f} Mbit/s", file=sys.stderr)
+                link_failed = True
             else:
-                print(f"tta: link check (loopback, not checked): effective "
-                      f"{link_check['effective_mbit']:.0f} Mbit/s", file=sys.stderr)
-        for run in plan:
-            results[run.run_id] = execute(net, run, args, out_dir, progress=not args.no_progress)
+                _print_link_check(link_check, args.link_factor)
+        if not link_failed:
+            for run in plan.runs:
+                results[run.run_id] = execute(net, run, args, plan.out_dir, progress=not args.no_progress)
     except KeyboardInterrupt:
         interrupted = True
         print("tta: interrupted; tearing down and writing what finished", file=sys.stderr)
@@ -375,43 +434,69 @@ def main(argv=None) -> int:
         net.teardown()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    desc = net.describe()
+    return SweepOutcome(results, net.describe(), link_check, link_failed, interrupted)
+
+
+def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
+    """Step 3: write ``results.json``, the CSVs, the plots and ``summary.md``; print the table.
+
+    Args:
+        plan, args, outcome: the sweep's plan, options and outcome.
+        argv: the command-line arguments (recorded in ``results.json``; None: ``sys.argv[1:]``).
+        t_start: ``time.time()`` when the sweep started.
+
+    Returns:
+        (sweep, rows, elapsed_s): the sweep metadata written to ``results.json``, the summary
+        rows (:data:`.report.RUN_COLUMNS`) in table order, and the sweep's duration in seconds
+        once everything is written.
+    """
+    desc, results, link_check = outcome.network, outcome.results, outcome.link_check
     commit = _git_commit()
     sweep = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "argv": list(argv or sys.argv[1:]),
              "git_commit": commit, "versions": _versions(), "cpu_count": os.cpu_count(),
-             "network": desc, "link_check": link_check, "workloads": workloads,
-             "skipped_defaults": skipped, "elapsed_s": time.time() - t_start,
-             "interrupted": interrupted}
+             "network": desc, "link_check": link_check, "workloads": plan.workloads,
+             "skipped_defaults": plan.skipped, "elapsed_s": time.time() - t_start,
+             "interrupted": outcome.interrupted}
     rows = [report.summarize(rid, res, desc, commit) for rid, res in results.items()]
     report.add_baseline_ratios(rows)
-    report.write_csvs(out_dir, rows, results)
-    report.write_json(os.path.join(out_dir, "results.json"), sweep, rows, results)
-    plots = []
-    for w in workloads:
-        sel = [r for r in rows if r["run_id"].startswith(w + "-") and results[r["run_id"]].get("evals")]
+    report.write_csvs(plan.out_dir, rows, results)
+    report.write_json(os.path.join(plan.out_dir, "results.json"), sweep, rows, results)
+    for w in plan.workloads:
+        sel = report.plot_rows(rows, results, w)
         if sel:
             title = f"{w} ({WORKLOADS[w][0]}), {args.workers} workers: time to accuracy"
-            plots.append(report.plot(os.path.join(out_dir, f"tta_{w}.png"), sel, results, title, desc))
+            report.plot(report.plot_path(plan.out_dir, w), sel, results, title, desc)
     table = report.format_table(rows, desc)
     md = report.markdown_table(rows, desc)
     elapsed = time.time() - t_start
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+    with open(os.path.join(plan.out_dir, "summary.md"), "w") as f:
         f.write(md + "\n")
     print()
     print(table)
-    print(f"\nSweep took {elapsed / 60:.1f} min; outputs in {out_dir}")
-    lc = ""
-    if link_check and link_check.get("model_seconds"):
-        lc = (f" Link check: a {link_check['nbytes'] / 2**20:.0f} MiB all-reduce took "
-              f"{link_check['seconds']:.3f} s against {link_check['model_seconds']:.3f} s for the ring "
-              f"model (ratio {link_check['ratio']:.2f}).")
+    print(f"\nSweep took {elapsed / 60:.1f} min; outputs in {plan.out_dir}")
+    return sweep, rows, elapsed
+
+
+def main(argv=None) -> int:
+    """``python -m hvd_gradcomp.bench tta``: plan, run, report, then publish to ``--update-doc``.
+
+    Returns the exit status: 0 every run ok, 1 some run failed, 2 bad options, 3 the link
+    check failed (nothing written but the runs' folder), 130 interrupted.
+    """
+    args = build_parser().parse_args(argv)
+    t_start = time.time()
+    try:
+        plan = plan_sweep(args)
+    except ValueError as e:
+        print(f"tta: {e}", file=sys.stderr)
+        return 2
+    outcome = run_sweep(plan, args)
+    if outcome.link_failed:
+        return 3
+    sweep, rows, elapsed = report_sweep(plan, args, outcome, argv, t_start)
     for doc in args.update_doc:
-        rel = [os.path.relpath(p, os.path.dirname(os.path.abspath(doc))) for p in plots]
-        block = md + "\n\n" + "\n".join(f"![{os.path.basename(p)}]({p})" for p in rel) + (
-            f"\n\nRun of {sweep['date']} at commit `{commit}`: {len(rows)} runs in "
-            f"{elapsed / 60:.1f} min, {args.workers} workers, {os.cpu_count()} cores; "
-            f"command `python -m hvd_gradcomp.bench tta {' '.join(sweep['argv'])}`.{lc}")
+        block = publish.render_block(sweep, rows, outcome.results, plan.out_dir, doc, elapsed_s=elapsed)
         report.update_doc(doc, block, args.doc_block)
-    if interrupted:
+    if outcome.interrupted:
         return 130
-    return 0 if all(r.get("status") == "ok" for r in results.values()) else 1
+    return 0 if all(r.get("status") == "ok" for r in outcome.results.values()) else 1

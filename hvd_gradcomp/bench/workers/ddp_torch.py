@@ -78,8 +78,9 @@ def wire_bytes(model, hook, rank, min_compression_rate=2):
 class DDPTrainer:
     def __init__(self, workload, model, lr, hook, rank, seed, calib_every):
         self.workload = workload
-        # One bucket of up to 64 MiB (an explicit cap also sizes DDP's first bucket), like
-        # Horovod's default 64 MiB fusion buffer. With DDP's default small first bucket,
+        # One bucket of up to 64 MiB (an explicit cap also sizes DDP's first bucket): the whole
+        # gradient of every workload (17.4 MB at most) in one all-reduce, as Horovod's default
+        # fusion buffer (128 MiB in 0.28.1) holds it. With DDP's default small first bucket,
         # powerSGD_hook on Gloo hung here: each bucket's future callback issues a nested
         # all-reduce from a Gloo thread and waits for it, and with two buckets the ranks
         # could post those in different orders.
