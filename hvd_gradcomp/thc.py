@@ -288,7 +288,10 @@ class _Ctx(NamedTuple):
 class _Plan(NamedTuple):
     """What the kernels need beyond tensors: Python scalars shared by every tensor of a scheme
     instance at one world size and op (sizes come from the tensors' shapes), so a compiling
-    backend builds one kernel for all of them (``Primitives.fuse``)."""
+    backend builds one kernel for all of them (``Primitives.fuse``). The one size in it is the
+    rotation block ``B``: 1024 for every tensor of at least 1024 coordinates with the default
+    partial rotation, but ``next_pow2(d)`` with ``rotation="full"``, which therefore compiles
+    once per distinct padded size."""
 
     bits: int
     block: int  # B
