@@ -291,3 +291,121 @@ def test_update_doc_is_repeatable():
     args = tta.build_parser().parse_args(["--update-doc", "docs/tta.md", "--update-doc", "README.md"])
     assert args.update_doc == ["docs/tta.md", "README.md"]
     assert tta.build_parser().parse_args([]).update_doc == []
+
+
+# ---- start-up split, repeats ----
+
+def test_recorder_records_startup(tmp_path):
+    out = tmp_path / "r.json"
+    rec = Recorder(_args(out=str(out)), 0, 2, 4, True, {})
+    assert rec.process_start <= time.time()
+    before = time.time()
+    rec.step(0.1, 0.0, 0.0, 1.0)
+    rec.step(0.1, 0.0, 0.0, 1.0)  # only the first step's end counts
+    rec.write()
+    meta = json.loads(out.read_text())["meta"]
+    assert before <= meta["first_step_end"] <= time.time()
+    assert meta["startup_s"] == pytest.approx(meta["first_step_end"] - meta["process_start"])
+    assert meta["startup_s"] > 0
+
+
+def test_summarize_splits_startup_from_steady_clock():
+    res = _fake_result("fp16", step_s=0.2)
+    res["steps"]["t"][0] = 5.0  # a slow first step (negotiation, tracing)
+    res["steps"]["t"] = [5.0 + 0.2 * i for i in range(10)]
+    res["evals"]["t"] = [0.0] + [5.0 + 0.2 * i for i in range(9)]
+    res["meta"]["startup_s"] = 7.5
+    row = report.summarize("a", res, NET)
+    # target 0.62 first met at evaluation 3 (t = 5.4): steady = 5.4 - 5.0
+    assert row["tta_s"] == pytest.approx(5.4) and row["first_step_s"] == pytest.approx(5.0)
+    assert row["tta_steady_s"] == pytest.approx(0.4) and row["startup_s"] == 7.5
+    assert row["repeat"] == 1
+    cols = report.RUN_COLUMNS
+    assert cols.index("tta_steady_s") == cols.index("tta_s") + 1 and cols.index("startup_s") == cols.index("tta_s") + 2
+    text = report.format_table([row], NET)
+    header = text.splitlines()[3]
+    assert "TTA s  steady TTA s  start s" in header and "steady TTA = clock from the end" in text
+    assert " 5.4           0.4      7.5" in text.splitlines()[5]
+    old = dict(row, startup_s=None)  # a sweep before start-up was recorded: the old columns
+    assert "steady TTA" not in report.format_table([old], NET)
+
+
+def test_interleave_orders_rounds_and_names_repeats():
+    plan = tta.plan_runs(["digits"], ["none", "fp16"], ["fp16"])
+    runs = tta.interleave(plan, 2)
+    assert [r.run_id for r in runs] == [
+        "digits-horovod-none-r1", "digits-horovod-fp16-r1", "digits-ddp-fp16-r1",
+        "digits-horovod-none-r2", "digits-horovod-fp16-r2", "digits-ddp-fp16-r2"]
+    assert [r.repeat for r in runs] == [1, 1, 1, 2, 2, 2] and runs[2].label == "DDP fp16_compress_hook"
+    assert [r.run_id for r in tta.interleave(plan, 1)] == [r.run_id for r in plan]  # no suffix
+    with pytest.raises(ValueError, match="--repeats must be an integer >= 1, got 0"):
+        tta.interleave(plan, 0)
+    args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--repeats", "3"])
+    assert [r.run_id for r in tta.plan_sweep(args).runs] == [f"digits-horovod-fp16-r{k}" for k in (1, 2, 3)]
+    assert tta.build_parser().parse_args([]).repeats == 1
+
+
+def _repeated_rows():
+    """fp16 at 0.2/0.3/0.1 s per step and topkc at 0.1/0.1/0.25, 3 rounds, interleaved; topkc's
+    third repeat never reaches the target."""
+    results = {}
+    for k, (a, b) in enumerate([(0.2, 0.1), (0.3, 0.1), (0.1, 0.25)], start=1):
+        for name, spec, step_s in (("fp16", "fp16", a), ("topkc", "topkc:ratio=0.1", b)):
+            res = _fake_result(spec, step_s=step_s, payload=8000 if spec == "fp16" else 800)
+            res["meta"].update(repeat=k, startup_s=4.0 + k)
+            if name == "topkc" and k == 3:
+                res["evals"]["metric"] = [0.5] * 10
+            results[f"a-horovod-{name}-r{k}"] = res
+    rows = report.add_baseline_ratios([report.summarize(k, v, NET) for k, v in results.items()])
+    return rows, results
+
+
+def test_aggregate_medians_spread_and_ratios_from_medians():
+    rows, _ = _repeated_rows()
+    assert [r["repeat"] for r in rows] == [1, 1, 2, 2, 3, 3] and report.repeated(rows)
+    fp16, topkc = report.aggregate(rows)
+    assert fp16["run_id"] == "a-horovod-fp16" and fp16["repeats"] == 3 and fp16["repeat"] is None
+    # fp16 TTA = 3 steps' clock: 0.6, 0.9, 0.3 -> median 0.6, min 0.3, max 0.9
+    assert fp16["tta_s"] == pytest.approx(0.6)
+    assert (fp16["tta_s_min"], fp16["tta_s_max"]) == (pytest.approx(0.3), pytest.approx(0.9))
+    assert fp16["startup_s"] == 6.0 and (fp16["startup_s_min"], fp16["startup_s_max"]) == (5.0, 7.0)
+    assert fp16["step_ms_median"] == pytest.approx(200) and fp16["tta_reached"] == 3
+    # topkc: 0.3, 0.3, not reached (inf) -> median 0.3, max None ("nr")
+    assert topkc["tta_s"] == pytest.approx(0.3) and topkc["tta_s_max"] is None and topkc["tta_reached"] == 2
+    assert topkc["tta_steady_s"] == pytest.approx(0.2)  # 0.3 - the first step's 0.1
+    assert topkc["tta_vs_fp16"] == pytest.approx(2.0)  # medians: 0.6 / 0.3
+    assert topkc["fp16_bytes_ratio"] == pytest.approx(8040 / 840) and topkc["status"] == "ok"
+    # half or more missing: not reached
+    two = [r for r in rows if r["spec"] != "fp16" and r["repeat"] >= 2]
+    assert report.aggregate(two)[0]["tta_s"] is None
+    failed = dict(rows[0], status="failed (exit 1)")
+    assert report.aggregate([failed, rows[2]])[0]["status"] == "1 of 2 failed"
+
+
+def test_table_and_files_with_repeats(tmp_path):
+    rows, results = _repeated_rows()
+    text = report.format_table(rows, NET)
+    lines = text.splitlines()
+    assert "Each row: 3 repeats" in lines[1] and "min-max" in lines[1]
+    assert "TTA s median (min-max)" in lines[3] and len(lines) == 7  # 2 rows, not 6
+    assert "0.6 (0.3-0.9)" in lines[5] and "0.3 (0.3-nr)" in lines[6] and "6.0 (5.0-7.0)" in lines[5]
+    assert "2.00x" in lines[6]
+    md = report.markdown_table(rows, NET)
+    assert md.count("\n| ") == 3
+    summary = report.aggregate(rows)
+    report.write_csvs(str(tmp_path), rows, results)
+    report.write_summary_csv(str(tmp_path / "summary.csv"), summary)
+    report.write_json(str(tmp_path / "results.json"), {"network": NET}, rows, results, summary)
+    with open(tmp_path / "runs.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert [r["repeat"] for r in runs] == ["1", "1", "2", "2", "3", "3"]
+    with open(tmp_path / "summary.csv") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == report.SUMMARY_COLUMNS
+        summ = list(reader)
+    assert [s["run_id"] for s in summ] == ["a-horovod-fp16", "a-horovod-topkc"]
+    assert float(summ[0]["tta_s_max"]) == pytest.approx(0.9) and summ[1]["tta_s_max"] == ""
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["runs"]) == 6 and len(data["summary"]) == 2
+    path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
+    assert os.path.getsize(path) > 10_000

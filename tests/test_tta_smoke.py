@@ -1,5 +1,6 @@
 """One tiny sweep end to end: ``python -m hvd_gradcomp.bench tta`` with 2 workers, FP16 and
-TopKC, a few steps of a narrow digits MLP, on the emulated network (loopback without root).
+TopKC, each twice (``--repeats 2``), a few steps of a narrow digits MLP, on the emulated
+network (loopback without root).
 
 Checks that every output exists and holds sane values, and that no namespace is left behind.
 """
@@ -24,7 +25,7 @@ def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("tta")
     (out / "doc.md").write_text("intro\n<!-- smoke:start -->\n<!-- smoke:end -->\n")
     cmd = [sys.executable, "-m", "hvd_gradcomp.bench", "tta", "--compressors", "fp16;topkc:ratio=0.1",
-           "--ddp-hooks", "off", "--workers", "2", "--bandwidth", "200", "--out", str(out), "--no-progress",
+           "--ddp-hooks", "off", "--repeats", "2", "--workers", "2", "--bandwidth", "200", "--out", str(out), "--no-progress",
            "--update-doc", str(out / "doc.md"), "--doc-block", "smoke",
            "--worker-args", f"--max-steps {STEPS} --hidden {HIDDEN} --eval-every 3 --target 0.5"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
@@ -43,8 +44,21 @@ def test_exit_status_and_table(sweep):
 def test_runs_csv_values(sweep):
     out, _ = sweep
     with open(out / "runs.csv") as f:
-        rows = {r["spec"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"fp16", "topkc:ratio=0.1"}
+        runs = list(csv.DictReader(f))
+    # interleaved: round 1 of both rows, then round 2
+    assert [(r["spec"], r["repeat"]) for r in runs] == [("fp16", "1"), ("topkc:ratio=0.1", "1"),
+                                                       ("fp16", "2"), ("topkc:ratio=0.1", "2")]
+    for r in runs:  # start-up (process start to the first step's end) apart from the clock
+        assert 0 < float(r["startup_s"]) < 300 and 0 < float(r["first_step_s"]) <= float(r["clock_s"])
+        if r["tta_s"]:
+            assert float(r["tta_steady_s"]) == pytest.approx(max(0.0, float(r["tta_s"]) - float(r["first_step_s"])))
+    with open(out / "summary.csv") as f:
+        summary = list(csv.DictReader(f))
+    assert [(s["spec"], s["repeats"], s["runs_ok"]) for s in summary] == [("fp16", "2", "2"),
+                                                                          ("topkc:ratio=0.1", "2", "2")]
+    for s in summary:
+        assert float(s["startup_s_min"]) <= float(s["startup_s"]) <= float(s["startup_s_max"])
+    rows = {r["spec"]: r for r in runs if r["repeat"] == "2"}
     params = 64 * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN * 10 + 10
     for spec, r in rows.items():
         assert r["status"] == "ok" and int(r["steps"]) == STEPS and int(r["world_size"]) == 2

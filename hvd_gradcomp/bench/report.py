@@ -6,6 +6,16 @@ excluded, in seconds):
 - rolling metric: the trailing mean of the last ``window`` evaluations;
 - time-to-target (TTA): the clock at the first evaluation whose rolling metric reaches the
   target (>= for accuracy, <= for perplexity); empty when never reached;
+- steady TTA: TTA minus the first step's clock (the clock from the end of the first step to
+  the target), which leaves out the first step's one-off costs (Horovod's first negotiation,
+  tracing, allocation);
+- start-up: wall-clock seconds from the worker process's start to the end of its first step
+  (interpreter, imports, Horovod init, model build, tracing and the first step), rank 0;
+- repeats (``tta --repeats N``): every row is run N times; its summary
+  (:func:`aggregate`) holds the median of each number over the repeats that ran, with the
+  min and max of TTA, steady TTA and start-up (``*_min``/``*_max``); a repeat that never
+  reached the target counts as an infinite TTA, so the median is "not reached" once half
+  the repeats miss; the ratios are computed from the medians;
 - TTA vs FP16: FP16's TTA / this run's TTA, against the FP16 run of the same workload and
   system (Horovod-PyTorch, Horovod-TensorFlow, DDP), so > 1 means sooner than FP16;
 - final metric: the rolling metric at the last evaluation;
@@ -22,18 +32,23 @@ import statistics
 
 from .worker import rolling_mean
 
-__all__ = ["time_to_target", "summarize", "add_baseline_ratios", "RUN_COLUMNS", "STEP_COLUMNS",
-           "EVAL_COLUMNS", "write_csvs", "write_json", "format_table", "markdown_table", "plot",
+__all__ = ["time_to_target", "summarize", "add_baseline_ratios", "aggregate", "RUN_COLUMNS",
+           "SUMMARY_COLUMNS", "STEP_COLUMNS", "EVAL_COLUMNS", "write_summary_csv", "write_csvs", "write_json", "format_table", "markdown_table", "plot",
            "plot_rows", "plot_path", "update_doc"]
 
 RUN_COLUMNS = [
-    "run_id", "workload", "framework", "system", "label", "spec", "status", "stop_reason",
+    "run_id", "repeat", "workload", "framework", "system", "label", "spec", "status", "stop_reason",
     "network_mode", "bandwidth_mbit", "latency_ms", "world_size", "seed", "params", "target",
-    "higher_is_better", "steps", "epochs", "clock_s", "wall_s", "tta_s", "tta_vs_fp16", "tta_vs_best_ddp",
+    "higher_is_better", "steps", "epochs", "clock_s", "wall_s", "tta_s", "tta_steady_s", "startup_s", "first_step_s", "tta_vs_fp16", "tta_vs_best_ddp",
     "final_metric", "best_metric", "bytes_payload", "bytes_side", "side_collectives",
     "bytes_per_step", "fp16_bytes_ratio", "step_ms_median", "compute_share", "codec_share",
     "comm_share", "git_commit", "versions",
 ]
+# A table row over the repeats of one (workload, framework, system, spec): the run columns
+# (medians; run_id without the repeat suffix, repeat empty) plus how many ran and the spread.
+SPREAD_KEYS = ("tta_s", "tta_steady_s", "startup_s")
+SUMMARY_COLUMNS = RUN_COLUMNS[:2] + ["repeats", "runs_ok", "tta_reached"] + RUN_COLUMNS[2:] + [
+    f"{k}_{e}" for k in SPREAD_KEYS for e in ("min", "max")]
 STEP_COLUMNS = ["run_id", "step", "epoch", "t", "compute_s", "codec_s", "comm_s", "loss"]
 EVAL_COLUMNS = ["run_id", "step", "epoch", "t", "metric", "rolling"]
 
@@ -72,7 +87,7 @@ def summarize(run_id, result, network, git_commit=None):
     window = int(meta.get("window", 5))
     higher = bool(meta.get("higher_is_better", True))
     row = {c: None for c in RUN_COLUMNS}
-    row.update(run_id=run_id, workload=meta.get("workload"), framework=meta.get("framework"),
+    row.update(run_id=run_id, repeat=int(meta.get("repeat", 1)), workload=meta.get("workload"), framework=meta.get("framework"),
                system=meta.get("system"), label=meta.get("label"), spec=meta.get("compression"),
                status=result.get("status", "ok"), stop_reason=meta.get("stop_reason"),
                network_mode=network.get("mode"), bandwidth_mbit=network.get("bandwidth_mbit"),
@@ -83,7 +98,8 @@ def summarize(run_id, result, network, git_commit=None):
     if steps.get("step"):
         clock = steps["t"][-1]
         row.update(steps=len(steps["step"]), epochs=round(steps["epoch"][-1], 3), clock_s=clock,
-                   wall_s=meta.get("wall_seconds"),
+                   wall_s=meta.get("wall_seconds"), first_step_s=steps["t"][0],
+                   startup_s=meta.get("startup_s"),
                    step_ms_median=1e3 * statistics.median(
                        c + k + m for c, k, m in zip(steps["compute_s"], steps["codec_s"], steps["comm_s"])))
         if clock > 0:
@@ -94,6 +110,8 @@ def summarize(run_id, result, network, git_commit=None):
         row.update(final_metric=roll[-1], best_metric=(max if higher else min)(roll),
                    tta_s=time_to_target(evals["t"], evals["metric"], meta.get("target"), higher, window)
                    if meta.get("target") is not None else None)
+        if row["tta_s"] is not None and row["first_step_s"] is not None:
+            row["tta_steady_s"] = max(0.0, row["tta_s"] - row["first_step_s"])
     if wire:
         row.update(bytes_payload=wire.get("payload"), bytes_side=wire.get("side"),
                    side_collectives=wire.get("side_collectives"),
@@ -136,6 +154,83 @@ def add_baseline_ratios(rows):
     return rows
 
 
+def _median_or_none(values):
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def aggregate(rows):
+    """One summary row per (workload, framework, system, spec) over its repeats, in the order
+    the rows first appear (so round 1's order, the table order).
+
+    Each summary holds the run columns as medians over the repeats whose status is "ok"
+    (text columns from the first repeat; ``run_id`` without its ``-r<k>`` suffix, ``repeat``
+    None), ``repeats`` (runs), ``runs_ok`` and ``tta_reached`` (repeats that reached the
+    target), and ``<key>_min``/``<key>_max`` for TTA, steady TTA and start-up (seconds). A
+    repeat that never reached the target counts as an infinite TTA: the median is None ("not
+    reached") once half of them miss, and the max is None when any missed. ``status`` is
+    "ok" when every repeat is, else "<n> of <N> failed" (medians over the rest). The ratio
+    columns are recomputed from the medians (:func:`add_baseline_ratios`).
+    """
+    groups = {}
+    for r in rows:
+        groups.setdefault((r.get("workload"), r.get("framework"), r.get("system"), r.get("spec")), []).append(r)
+    out = []
+    for members in groups.values():
+        ok = [r for r in members if r.get("status") == "ok"]
+        first = (ok or members)[0]
+        s = {c: first.get(c) for c in SUMMARY_COLUMNS}
+        s.update(run_id=_base_id(first.get("run_id")), repeat=None, repeats=len(members), runs_ok=len(ok),
+                 tta_reached=sum(1 for r in ok if r.get("tta_s") is not None))
+        bad = len(members) - len(ok)
+        s["status"] = "ok" if not bad else f"{bad} of {len(members)} failed"
+        for c in RUN_COLUMNS:
+            if c in ("run_id", "repeat", "tta_vs_fp16", "tta_vs_best_ddp", "fp16_bytes_ratio") or c in SPREAD_KEYS:
+                continue
+            vals = [r.get(c) for r in ok]
+            if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals if v is not None) \
+                    and any(v is not None for v in vals):
+                s[c] = _median_or_none(vals)
+        for k in SPREAD_KEYS:
+            present = [r.get(k) for r in ok]
+            if k in ("tta_s", "tta_steady_s"):  # not reached: +inf
+                inf = [math.inf if v is None else v for v in present]
+                med = statistics.median(inf) if inf else math.inf
+                s[k] = None if math.isinf(med) else med
+                s[k + "_min"] = None if not inf or math.isinf(min(inf)) else min(inf)
+                s[k + "_max"] = None if not inf or math.isinf(max(inf)) else max(inf)
+            else:
+                vals = [v for v in present if v is not None]
+                s[k] = statistics.median(vals) if vals else None
+                s[k + "_min"] = min(vals) if vals else None
+                s[k + "_max"] = max(vals) if vals else None
+        out.append(s)
+    return add_baseline_ratios(out)
+
+
+def _base_id(run_id):
+    """``digits-horovod-fp16-r2`` -> ``digits-horovod-fp16`` (run ids of repeats end in ``-r<k>``)."""
+    if run_id is None:
+        return None
+    head, sep, tail = run_id.rpartition("-r")
+    return head if sep and tail.isdigit() else run_id
+
+
+def repeated(rows):
+    """True when some row is a repeat beyond the first (``repeat`` > 1): the table then shows
+    one line per :func:`aggregate` summary instead of one per run."""
+    return any((r.get("repeat") or 1) > 1 for r in rows)
+
+
+def write_summary_csv(path, summary):
+    """``summary.csv``: one row per table row (:data:`SUMMARY_COLUMNS`, :func:`aggregate`)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, SUMMARY_COLUMNS)
+        w.writeheader()
+        for r in summary:
+            w.writerow({k: r.get(k) for k in SUMMARY_COLUMNS})
+
+
 def write_csvs(out_dir, rows, results):
     """``runs.csv`` (one row per run), ``steps.csv`` and ``evals.csv`` (every record)."""
     with open(os.path.join(out_dir, "runs.csv"), "w", newline="") as f:
@@ -161,9 +256,15 @@ def write_csvs(out_dir, rows, results):
                 w.writerow([run_id, e["step"][i], e["epoch"][i], e["t"][i], e["metric"][i], roll[i]])
 
 
-def write_json(path, sweep_meta, rows, results):
+def write_json(path, sweep_meta, rows, results, summary=None):
+    """``results.json``: ``sweep`` (metadata), ``runs`` (one row per run, :data:`RUN_COLUMNS`),
+    ``results`` (run id -> the worker's records) and, when given, ``summary`` (one row per
+    table row over the repeats, :data:`SUMMARY_COLUMNS`)."""
+    data = {"sweep": sweep_meta, "runs": rows, "results": results}
+    if summary is not None:
+        data["summary"] = summary
     with open(path, "w") as f:
-        json.dump({"sweep": sweep_meta, "runs": rows, "results": results}, f, indent=1)
+        json.dump(data, f, indent=1)
 
 
 def _fmt(v, kind):
@@ -199,15 +300,45 @@ _TABLE = [  # header, key, format
 ]
 
 
-def _cells(row):
+# Shown after "TTA s" when some row has a start-up time (sweeps before it have none, and
+# their published blocks stay as they were).
+_STARTUP_COLUMNS = [("steady TTA s", "tta_steady_s", "s"), ("start s", "startup_s", "s")]
+
+
+def _columns(rows):
+    """The table's (header, key, format) list for these rows (see :data:`_STARTUP_COLUMNS`)."""
+    cols = list(_TABLE)
+    if any(r.get("startup_s") is not None for r in rows):
+        cols[3:3] = _STARTUP_COLUMNS
+    if repeated(rows):
+        cols = [("TTA s median (min-max)" if k == "tta_s" else h, k, f) for h, k, f in cols]
+    return cols
+
+
+def _spread(row, key, kind):
+    """``median (min-max)`` of a summary over repeats (:func:`aggregate`); for TTA columns
+    "nr" as the max when some repeat did not reach the target, "not reached" as the median
+    when half of them did not."""
+    med, lo, hi = row.get(key), row.get(key + "_min"), row.get(key + "_max")
+    if key == "startup_s":
+        return "-" if med is None else f"{_fmt(med, kind)} ({_fmt(lo, kind)}-{_fmt(hi, kind)})"
+    text = "not reached" if med is None else _fmt(med, kind)
+    if lo is None:  # no repeat reached the target
+        return text
+    return f"{text} ({_fmt(lo, kind)}-{'nr' if hi is None else _fmt(hi, kind)})"
+
+
+def _cells(row, columns=_TABLE):
     out = []
-    for _, key, kind in _TABLE:
+    for _, key, kind in columns:
         if kind == "metric":
             out.append(_metric_text(row))
         elif key == "workload":
             out.append(f"{row.get('workload')}" + ("-tf" if row.get("framework") == "tensorflow" else ""))
         elif key == "label" and row.get("status") != "ok":
             out.append(f"{row.get('label')} [{row.get('status')}]")
+        elif key in SPREAD_KEYS and (row.get("repeats") or 1) > 1 and row.get("runs_ok"):
+            out.append(_spread(row, key, kind))
         elif key == "tta_s" and row.get("status") == "ok" and row.get("tta_s") is None:
             out.append("not reached")
         else:
@@ -225,16 +356,29 @@ def table_header(network, rows):
     targets = sorted({(r.get("workload"), r.get("target")) for r in rows if r.get("target") is not None},
                      key=str)
     tt = ", ".join(f"{w} {t}" for w, t in targets)
-    return [net, f"Targets (rolling metric): {tt}. TTA = training clock to target; ratios are "
-                 "FP16 / ours (> 1 better), against the FP16 run of the same workload and system, "
-                 "and best DDP / ours against the fastest DDP row of the same workload. "
-                 "codec = compress+decompress share of the clock (the overhead)."]
+    lines = [net, f"Targets (rolling metric): {tt}. TTA = training clock to target; ratios are "
+                  "FP16 / ours (> 1 better), against the FP16 run of the same workload and system, "
+                  "and best DDP / ours against the fastest DDP row of the same workload. "
+                  "codec = compress+decompress share of the clock (the overhead)."]
+    if any(r.get("startup_s") is not None for r in rows):
+        lines[1] += (" steady TTA = clock from the end of the first step to target; start = wall "
+                     "seconds from the worker's process start to the end of its first step "
+                     "(imports, Horovod init, tracing, first step), rank 0.")
+    if repeated(rows):
+        n = max(r.get("repeat") or 1 for r in rows)
+        lines[1] += (f" Each row: {n} repeats, run interleaved (round 1 of every row, then round "
+                     "2, ...); numbers are medians over the repeats, the TTA and start columns "
+                     "with their min-max in parentheses (nr: a repeat did not reach the "
+                     "target); ratios from the medians.")
+    return lines
 
 
 def format_table(rows, network):
-    """The summary as fixed-width text (printed at the end of a sweep)."""
-    header = [h for h, _, _ in _TABLE]
-    body = [_cells(r) for r in rows]
+    """The summary as fixed-width text (printed at the end of a sweep): one line per run, or
+    per row over its repeats (:func:`aggregate`) when the sweep repeated its runs."""
+    columns = _columns(rows)
+    header = [h for h, _, _ in columns]
+    body = [_cells(r, columns) for r in (aggregate(rows) if repeated(rows) else rows)]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.rjust(w) if i > 1 else c.ljust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))
@@ -244,11 +388,12 @@ def format_table(rows, network):
 
 
 def markdown_table(rows, network):
-    """The summary as a Markdown table with the same columns (for docs)."""
-    header = [h for h, _, _ in _TABLE]
+    """The summary as a Markdown table with the same columns and rows (for docs)."""
+    columns = _columns(rows)
+    header = [h for h, _, _ in columns]
     out = ["\n\n".join(table_header(network, rows)), "",
            "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    out += ["| " + " | ".join(_cells(r, columns)) + " |" for r in (aggregate(rows) if repeated(rows) else rows)]
     return "\n".join(out)
 
 
@@ -264,30 +409,52 @@ def plot_path(out_dir, workload):
 
 
 def plot(path, rows, results, title, network):
-    """Metric (rolling mean) against training clock, one line per run; FP16/FP32 levels dashed.
+    """Metric (rolling mean) against training clock, one line per row; FP16/FP32 levels dashed.
 
     ``rows``/``results`` are those of one workload and framework (Horovod and DDP runs alike).
-    The FP16 and FP32 levels are the final rolling metrics of the Horovod runs ``fp16`` and
-    ``none`` (FP32); the target is dotted. Writes a PNG with matplotlib's Agg backend.
+    A row run once is drawn as its curve. A row with repeats (several runs of one spec, see
+    :func:`aggregate`) is drawn as the median of its repeats' curves, each linearly
+    interpolated onto a common grid of 200 clock points from 0 to the longest repeat's last
+    evaluation (a repeat counts only up to its own last evaluation), with the band between
+    their min and max shaded. The FP16 and FP32 levels are the final rolling metrics (median
+    over repeats) of the Horovod runs ``fp16`` and ``none`` (FP32); the target is dotted.
+    Writes a PNG with matplotlib's Agg backend.
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    import numpy as np
     higher = True
     levels = {}
+    groups = {}
     for r in rows:
-        res = results.get(r["run_id"]) or {}
-        e = res.get("evals") or {}
-        if not e.get("t"):
+        groups.setdefault((r.get("workload"), r.get("framework"), r.get("system"), r.get("spec")), []).append(r)
+    for members in groups.values():
+        curves = []
+        for r in members:
+            res = results.get(r["run_id"]) or {}
+            e = res.get("evals") or {}
+            if e.get("t"):
+                window = int(res.get("meta", {}).get("window", 5))
+                curves.append((e["t"], rolling_mean(e["metric"], window)))
+        if not curves:
             continue
+        r = members[0]
         higher = bool(r.get("higher_is_better", True))
-        window = int(res.get("meta", {}).get("window", 5))
-        roll = rolling_mean(e["metric"], window)
         style = "--" if r.get("system") == "ddp" else "-"
-        ax.plot(e["t"], roll, style, label=r["label"], linewidth=1.6)
+        if len(curves) == 1:
+            ax.plot(curves[0][0], curves[0][1], style, label=r["label"], linewidth=1.6)
+        else:
+            grid = np.linspace(0.0, max(t[-1] for t, _ in curves), 200)
+            ys = np.array([np.where(grid <= t[-1], np.interp(grid, t, y), np.nan) for t, y in curves])
+            line, = ax.plot(grid, np.nanmedian(ys, axis=0), style, linewidth=1.6,
+                            label=f"{r['label']} (median of {len(curves)})")
+            ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=line.get_color(),
+                            alpha=0.2, linewidth=0)
         if r.get("system") != "ddp" and r.get("spec") in ("fp16", "none"):
-            levels["FP16" if r["spec"] == "fp16" else "FP32"] = r.get("final_metric")
+            finals = [m.get("final_metric") for m in members if m.get("final_metric") is not None]
+            levels["FP16" if r["spec"] == "fp16" else "FP32"] = statistics.median(finals) if finals else None
     colors = {"FP16": "black", "FP32": "grey"}
     for name, level in levels.items():
         if level is not None:

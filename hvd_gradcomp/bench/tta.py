@@ -7,7 +7,10 @@ What it does, in three steps (``main`` only wires them):
    THC variants and the PowerSGD variants, whichever are registered in
    :data:`hvd_gradcomp.registry.SCHEMES`), plus, for PyTorch workloads, ``torch.distributed``
    DDP runs with its built-in hooks (``--ddp-hooks``; default ``fp16_compress_hook`` and
-   ``powerSGD_hook``), labelled as such; the link and the output folder. Nothing runs yet.
+   ``powerSGD_hook``), labelled as such; the link and the output folder. With ``--repeats N`` every run is
+   planned N times, interleaved: round 1 of every row, then round 2, ..., so that all rows
+   see the same background load over the sweep (the same seed in every round: the repeats
+   measure the timing noise). Nothing runs yet.
 2. Run (:func:`run_sweep`): sets up the network (:mod:`.netem`): one namespace per worker,
    veth links rate-limited to ``--bandwidth`` Mbit/s (optional ``--latency``) to a bridge;
    without root it falls back to loopback and says so in every output. The link is verified
@@ -20,9 +23,11 @@ What it does, in three steps (``main`` only wires them):
    ``finally``, Ctrl-C and SIGTERM included).
 3. Report (:func:`report_sweep`): writes to ``--out`` (default ``runs/tta-<time>`` under the
    current directory): ``results.json`` (everything: sweep metadata with versions, git
-   commit, network and link check; every run's records), ``runs.csv``/``steps.csv``/
-   ``evals.csv``, ``tta_<workload>.png`` plots and ``summary.md``; prints the summary table
-   (:mod:`.report` defines its columns).
+   commit, network and link check; every run's records), ``runs.csv`` (one row per run, with
+   its ``repeat``), ``summary.csv`` (one row per table row: medians and spread over the
+   repeats), ``steps.csv``/``evals.csv``, ``tta_<workload>.png`` plots (repeats: median curve
+   and min-max band) and ``summary.md``; prints the summary table (:mod:`.report` defines its
+   columns).
 
 ``--update-doc FILE`` then rewrites the table and plot block between
 ``<!-- tta-demo:start/end -->`` in FILE, with the same code as ``python -m hvd_gradcomp.bench
@@ -55,7 +60,7 @@ from . import launch, linkcheck, netem, publish, report
 from .worker import PROGRESS_PREFIX
 
 __all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "SweepOutcome",
-           "default_specs", "parse_compressors", "plan_runs", "RunSpec", "WORKLOADS"]
+           "default_specs", "parse_compressors", "plan_runs", "interleave", "RunSpec", "WORKLOADS"]
 
 # workload key -> (framework, worker module, workload name inside the worker, DDP-capable)
 WORKLOADS = {
@@ -79,14 +84,18 @@ DEFAULT_BANDWIDTH_MBIT = 500.0
 
 
 class RunSpec:
-    """One planned run: workload key, system ("horovod"/"ddp"), spec, label, run id."""
+    """One planned run: workload key, system ("horovod"/"ddp"), spec, label, run id, and its
+    round ``repeat`` (1-based) of ``repeats``; the run id ends in ``-r<repeat>`` only when
+    ``repeats`` > 1 (``row_id``: the id without it, shared by the row's repeats)."""
 
-    def __init__(self, workload, system, spec, label=None):
+    def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1):
         self.workload, self.system, self.spec = workload, system, spec
         self.framework = WORKLOADS[workload][0]
         self.label = label or ({"none": "fp32 (none)"}.get(spec, spec) if system == "horovod" else f"DDP {spec}")
         slug = re.sub(r"[^A-Za-z0-9]+", "-", spec).strip("-")
-        self.run_id = f"{workload}-{system}-{slug}"
+        self.row_id = f"{workload}-{system}-{slug}"
+        self.repeat, self.repeats = repeat, repeats
+        self.run_id = self.row_id if repeats == 1 else f"{self.row_id}-r{repeat}"
 
     def __repr__(self):
         return f"RunSpec({self.run_id})"
@@ -160,6 +169,19 @@ def plan_runs(workloads, specs, ddp_hooks):
     return plan
 
 
+def interleave(plan, repeats):
+    """``plan`` (table order) run ``repeats`` times, interleaved: every run of round 1, then
+    of round 2, ... (new :class:`RunSpec` objects with ``repeat``/``repeats`` set).
+
+    Raises:
+        ValueError: repeats < 1.
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"--repeats must be an integer >= 1, got {repeats!r}")
+    return [RunSpec(r.workload, r.system, r.spec, r.label, k, repeats)
+            for k in range(1, repeats + 1) for r in plan]
+
+
 def _git_commit():
     """The commit of the source checkout this package runs from (``-dirty`` when modified);
     None for an installed package (no ``.git`` beside it) or without git."""
@@ -207,7 +229,8 @@ def _command(run, args, out_json):
 def _stub_result(run, status, error=""):
     return {"status": status, "error": error,
             "meta": {"workload": WORKLOADS[run.workload][2], "framework": WORKLOADS[run.workload][0],
-                     "system": run.system, "label": run.label, "compression": run.spec}}
+                     "system": run.system, "label": run.label, "compression": run.spec,
+                     "repeat": run.repeat}}
 
 
 def execute(net, run, args, out_dir, progress=True):
@@ -233,7 +256,8 @@ def execute(net, run, args, out_dir, progress=True):
         lines.put(None)
 
     threading.Thread(target=reader, daemon=True).start()
-    bar = tqdm(total=None, desc=f"{run.workload} {run.label}"[:48], unit="step", leave=True,
+    rnd = f" r{run.repeat}/{run.repeats}" if run.repeats > 1 else ""
+    bar = tqdm(total=None, desc=f"{run.workload} {run.label}"[:48 - len(rnd)] + rnd, unit="step", leave=True,
                disable=not progress, file=sys.stderr, dynamic_ncols=True)
     timeout = args.run_timeout or (3 * args.max_seconds + 300 if args.max_seconds else 1800)
     deadline = time.monotonic() + timeout
@@ -272,6 +296,7 @@ def execute(net, run, args, out_dir, progress=True):
             result = json.load(f)
         result["status"] = "ok"
         result["meta"]["label"] = run.label
+        result["meta"]["repeat"] = run.repeat
         return result
     tail = ""
     for name in sorted(os.listdir(log_dir)):
@@ -306,6 +331,9 @@ def build_parser():
                    help="the link check allows measured/model time up to this factor")
     p.add_argument("--skip-link-check", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every row this many times, interleaved (round 1 of every row, then "
+                        "round 2, ...); the table shows median TTA with its min-max")
     p.add_argument("--max-seconds", type=float, default=120.0,
                    help="cap on each run's training clock (s); 0 = none")
     p.add_argument("--run-timeout", type=float, default=0.0,
@@ -333,7 +361,8 @@ def _install_sigterm():
 class SweepPlan(NamedTuple):
     """What a sweep will do, decided before anything runs (:func:`plan_sweep`).
 
-    workloads: workload keys, in order. runs: the :class:`RunSpec` list (table order).
+    workloads: workload keys, in order. runs: the :class:`RunSpec` list in the order they run
+    (table order; with repeats, round after round, :func:`interleave`).
     skipped: ``(spec, why)`` for default specs the registry cannot build. link: the
     :class:`.netem.LinkConfig` asked for. out_dir: absolute output folder (not yet created).
     """
@@ -374,7 +403,7 @@ def plan_sweep(args) -> SweepPlan:
     else:
         specs, skipped = default_specs()
     hooks = parse_ddp_hooks(args.ddp_hooks)
-    runs = plan_runs(workloads, specs, hooks)
+    runs = interleave(plan_runs(workloads, specs, hooks), args.repeats)
     link = netem.LinkConfig(args.bandwidth, args.latency)
     out_dir = os.path.abspath(args.out or os.path.join(
         "runs", "tta-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
@@ -459,8 +488,10 @@ def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
              "interrupted": outcome.interrupted}
     rows = [report.summarize(rid, res, desc, commit) for rid, res in results.items()]
     report.add_baseline_ratios(rows)
+    summary = report.aggregate(rows)
     report.write_csvs(plan.out_dir, rows, results)
-    report.write_json(os.path.join(plan.out_dir, "results.json"), sweep, rows, results)
+    report.write_summary_csv(os.path.join(plan.out_dir, "summary.csv"), summary)
+    report.write_json(os.path.join(plan.out_dir, "results.json"), sweep, rows, results, summary)
     for w in plan.workloads:
         sel = report.plot_rows(rows, results, w)
         if sel:

@@ -14,7 +14,12 @@ collects:
    communication, the loss, the metric on a schedule, and the stop rule. Rank 0 prints one
    progress line per evaluation (``@tta {json}``) that the harness turns into a progress bar.
 
-The clock: ``t`` is the sum of the step times (evaluation excluded), in seconds. Evaluation
+The clock: ``t`` is the sum of the step times (evaluation excluded), in seconds. Start-up is
+recorded apart from it, in wall-clock seconds (``time.time()``): ``meta["process_start"]``
+(when this process started, from ``/proc``; where that is unreadable, when this module was
+imported), ``meta["first_step_end"]`` (when the first step was recorded) and their difference
+``meta["startup_s"]`` (process start, imports, Horovod init, model build, tracing and the
+first step). Evaluation
 happens every ``--eval-every`` steps on every rank (each on its shard of the held-out set,
 summed by one small all-reduce), so the stop decision is identical on all ranks.
 
@@ -30,9 +35,29 @@ import sys
 import threading
 import time
 
-__all__ = ["add_common_args", "TimedCompressor", "Recorder", "rolling_mean", "PROGRESS_PREFIX"]
+__all__ = ["add_common_args", "TimedCompressor", "Recorder", "rolling_mean", "PROGRESS_PREFIX",
+           "process_start_time"]
 
 PROGRESS_PREFIX = "@tta "
+_IMPORTED_AT = time.time()
+
+
+def process_start_time():
+    """When this process started, as ``time.time()`` seconds (about 10 ms resolution).
+
+    Read from Linux's ``/proc/self/stat`` (start time in clock ticks after boot) and
+    ``/proc/uptime``; where those are unreadable, the time this module was imported (later
+    than the true start by the interpreter's and the imports' start-up)."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, counted after "comm"
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED_AT
 
 
 def add_common_args(parser, *, target, higher_is_better, lr, batch_size, eval_every,
@@ -166,6 +191,8 @@ class Recorder:
         self.reached_epoch = None
         self.stop_reason = None
         self.wall_start = time.time()
+        self.process_start = process_start_time()
+        self.first_step_end = None
 
     @property
     def max_steps(self) -> int:
@@ -175,6 +202,8 @@ class Recorder:
     def step(self, compute_s, codec_s, comm_s, loss):
         """Record one optimizer step (seconds; ``comm_s`` is clamped at 0)."""
         comm_s = max(0.0, comm_s)
+        if self.first_step_end is None:
+            self.first_step_end = time.time()
         self.step_count += 1
         self.clock += compute_s + codec_s + comm_s
         s = self.steps
@@ -230,7 +259,9 @@ class Recorder:
         meta = dict(self.meta)
         meta.update(extra or {})
         meta.update(stop_reason=self.stop_reason or "max_epochs", steps_run=self.step_count,
-                    wall_seconds=time.time() - self.wall_start)
+                    wall_seconds=time.time() - self.wall_start, process_start=self.process_start,
+                    first_step_end=self.first_step_end,
+                    startup_s=None if self.first_step_end is None else self.first_step_end - self.process_start)
         result = {"meta": meta, "bytes_per_step": bytes_per_step, "steps": self.steps,
                   "evals": self.evals}
         tmp = self.args.out + ".tmp"
