@@ -66,7 +66,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, payload_finite, poison, saturating_cast
-from . import rng
 from .primitives import itemsize
 from .options import WIRE_DTYPES, check_bool, check_choice, check_int, check_ratio
 from .topk import num_selected
@@ -221,13 +220,20 @@ class TopKCScheme(Scheme):
         return poison(ops, payload, finite), _Ctx(idx, left, sent)
 
     def _vote(self, ops, idx, info, like):
-        """float [SLOTS]: 1 in the slot of a hash of the selected chunks, 0 elsewhere."""
-        # Position-dependent: the payload packs chunks in selection order, so the same set of
-        # chunks in another order is another selection.
-        m, k, _ = self._sizes(info)
-        where = ops.cast(idx, "int64") + ops.arange(k, "int64", like) * m
-        h = ops.bitwise_and(rng.hash32(ops, ops.sum(rng.hash32(ops, where), None)), _SLOTS - 1)
-        return ops.cast(ops.cast(ops.arange(_SLOTS, "int64", like) == h, "float32"), self.config.payload_dtype)
+        """float [SLOTS]: 1 in the slot of a fingerprint of the selected chunks, 0 elsewhere.
+
+        Fingerprint ``s = sum_j ((idx_j + 1) w_j mod 2**32)`` with odd weights
+        ``w_j = (j * 0x9E3779B1 mod 2**31) | 1`` per position ``j`` (position-dependent: the
+        payload packs chunks in selection order, so the same set in another order is another
+        selection); slot = the top 4 of the low 32 bits of ``s * 0x9E37``. About 15 tensor ops;
+        every intermediate stays below 2**63 (products of values below 2**31 and 2**32).
+        """
+        _, k, _ = self._sizes(info)
+        weights = ops.bitwise_or(ops.bitwise_and(ops.arange(k, "int64", like) * 0x9E3779B1, 0x7FFFFFFF), 1)
+        terms = ops.bitwise_and((ops.cast(idx, "int64") + 1) * weights, 0xFFFFFFFF)
+        mixed = ops.bitwise_and(ops.bitwise_and(ops.sum(terms, None), 0xFFFFFFFF) * 0x9E37, 0xFFFFFFFF)
+        slot = ops.right_shift(mixed, 32 - 4)  # _SLOTS = 16 slots: 4 bits
+        return ops.cast(ops.cast(ops.arange(_SLOTS, "int64", like) == slot, "float32"), self.config.payload_dtype)
 
     def _disagree(self, ops, payload, info):
         """bool 0-d: the ranks that contributed voted for more than one selection."""
