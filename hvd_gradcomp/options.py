@@ -50,6 +50,17 @@ def _number(value) -> str:
     return str(value)
 
 
+def _rule(kind: str, lo, hi, lo_open=False, hi_open=False) -> str:
+    """The rule as a message states it: ``"an integer in [1, 16]"``, ``"a number > 0"``."""
+    if lo is not None and hi is not None:
+        return f"{kind} in {'(' if lo_open else '['}{_number(lo)}, {_number(hi)}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{kind} {'>' if lo_open else '>='} {_number(lo)}"
+    if hi is not None:
+        return f"{kind} {'<' if hi_open else '<='} {_number(hi)}"
+    return kind
+
+
 def check_int(scheme: str, name: str, value, lo=None, hi=None):
     """Check that an option is an integer within the closed bounds ``[lo, hi]``.
 
@@ -64,16 +75,8 @@ def check_int(scheme: str, name: str, value, lo=None, hi=None):
             outside the bounds, e.g. ``"thc: bits must be an integer in [1, 16], got 17"``,
             ``"topkc: chunk must be an integer >= 1, got 0"``.
     """
-    if lo is not None and hi is not None:
-        rule = f"an integer in [{lo}, {hi}]"
-    elif lo is not None:
-        rule = f"an integer >= {lo}"
-    elif hi is not None:
-        rule = f"an integer <= {hi}"
-    else:
-        rule = "an integer"
     if not _is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
-        _fail(scheme, name, rule, value)
+        _fail(scheme, name, _rule("an integer", lo, hi), value)
 
 
 def check_float(scheme: str, name: str, value, lo=None, hi=None, lo_open=False, hi_open=False):
@@ -98,17 +101,8 @@ def check_float(scheme: str, name: str, value, lo=None, hi=None, lo_open=False, 
         ok = value > lo if lo_open else value >= lo
     if ok and hi is not None:
         ok = value < hi if hi_open else value <= hi
-    if ok:
-        return
-    if lo is not None and hi is not None:
-        rule = f"a number in {'(' if lo_open else '['}{_number(lo)}, {_number(hi)}{')' if hi_open else ']'}"
-    elif lo is not None:
-        rule = f"a number {'>' if lo_open else '>='} {_number(lo)}"
-    elif hi is not None:
-        rule = f"a number {'<' if hi_open else '<='} {_number(hi)}"
-    else:
-        rule = "a number"
-    _fail(scheme, name, rule, value)
+    if not ok:
+        _fail(scheme, name, _rule("a number", lo, hi, lo_open, hi_open), value)
 
 
 def check_bool(scheme: str, name: str, value):
