@@ -16,8 +16,8 @@ def _block(text, name):
     return text[text.index(start) + len(start):text.index(end)]
 
 
-def _sweep(workloads=("a",)):
-    """A two-run sweep as ``results.json`` holds it (fp16 and topkc of workload ``a``)."""
+def _sweep(workloads=("digits",)):
+    """A two-run sweep as ``results.json`` holds it (fp16 and topkc of workload ``digits``)."""
     net = {"mode": "netns", "bandwidth_mbit": 500.0, "latency_ms": 0.0, "world_size": 2,
            "note": "emulated: 500 Mbit/s per worker link", "qdisc": "tbf rate 500mbit"}
 
@@ -33,7 +33,7 @@ def _sweep(workloads=("a",)):
                 "evals": {"step": list(range(n)), "epoch": [0.5 * i for i in range(n)],
                           "t": [step_s * i for i in range(n)], "metric": [0.5 + 0.05 * i for i in range(n)]}}
 
-    results = {"a-horovod-fp16": result("fp16", 0.2, 8000), "a-horovod-topkc": result("topkc:ratio=0.1", 0.1, 800)}
+    results = {"digits-horovod-fp16": result("fp16", 0.2, 8000), "digits-horovod-topkc": result("topkc:ratio=0.1", 0.1, 800)}
     rows = report.add_baseline_ratios([report.summarize(k, v, net, "abc123") for k, v in results.items()])
     sweep = {"date": "2026-12-01T10:00:00", "argv": ["--out", "x"], "git_commit": "abc123", "cpu_count": 4,
              "network": net, "workloads": list(workloads), "elapsed_s": 180.0,
@@ -62,7 +62,7 @@ def test_block_from_saved_results(tmp_path):
     # Both reach 0.6 at their fourth evaluation (the third one's rolling mean is 0.5999...):
     # topkc at t = 0.3 s, fp16 at 0.6 s: 2.00x; bytes 8000 / 800: 10.00x.
     assert "| digits | topkc:ratio=0.1 | 0.3 | 2.00x | - | 75.0% | 6 | 100 | 0.001 | 10.00x |" in block
-    assert "![tta_a.png](runs/r1/tta_a.png)" in block  # relative to the doc
+    assert "![tta_digits.png](runs/r1/tta_digits.png)" in block  # relative to the doc
     assert block.endswith(
         "Run of 2026-12-01T10:00:00 at commit `abc123`: 2 runs in 3.0 min, 2 workers, 4 cores; "
         "command `python -m hvd_gradcomp.bench tta --out x`. Link check: a 30 MiB all-reduce took "
@@ -83,10 +83,10 @@ def test_block_is_what_tta_writes(tmp_path):
 
 
 def test_no_plot_without_evaluations_and_loopback_without_link_line(tmp_path):
-    sweep, rows, results = _sweep(workloads=("a", "b"))  # no run of workload b
+    sweep, rows, results = _sweep(workloads=("digits", "b"))  # no run of workload b
     sweep["link_check"] = {"nbytes": 1, "seconds": 0.1, "model_seconds": None}
     block = publish.render_block(sweep, rows, results, str(tmp_path), str(tmp_path / "d.md"))
-    assert "![tta_a.png](tta_a.png)" in block and "tta_b.png" not in block
+    assert "![tta_digits.png](tta_digits.png)" in block and "tta_b.png" not in block
     assert block.endswith("command `python -m hvd_gradcomp.bench tta --out x`.")
 
 
@@ -108,7 +108,7 @@ def test_without_doc_prints_the_block(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert publish.main(["--results", "r/results.json"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("Network: emulated") and "![tta_a.png](r/tta_a.png)" in out
+    assert out.startswith("Network: emulated") and "![tta_digits.png](r/tta_digits.png)" in out
 
 
 def test_committed_demo_block_is_reproduced_from_its_results(tmp_path):

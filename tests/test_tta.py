@@ -409,3 +409,16 @@ def test_table_and_files_with_repeats(tmp_path):
     assert len(data["runs"]) == 6 and len(data["summary"]) == 2
     path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
     assert os.path.getsize(path) > 10_000
+
+
+def test_plot_rows_by_workload_not_by_id_prefix():
+    """``digits``'s plot never takes the ``digits-tf`` runs of the same sweep."""
+    rows = [{"run_id": "digits-horovod-fp16", "workload": "digits"},
+            {"run_id": "digits-tf-horovod-fp16", "workload": "digits-tf"},
+            {"run_id": "digits-horovod-thc"},  # an old record without the field: by its id
+            {"run_id": "digits-horovod-none", "workload": "digits"}]
+    results = {"digits-horovod-fp16": {"evals": [1]}, "digits-tf-horovod-fp16": {"evals": [1]},
+               "digits-horovod-thc": {"evals": [1]}, "digits-horovod-none": {"evals": []}}
+    assert [r["run_id"] for r in report.plot_rows(rows, results, "digits")] == \
+        ["digits-horovod-fp16", "digits-horovod-thc"]
+    assert [r["run_id"] for r in report.plot_rows(rows, results, "digits-tf")] == ["digits-tf-horovod-fp16"]

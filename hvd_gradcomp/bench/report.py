@@ -398,9 +398,13 @@ def markdown_table(rows, network):
 
 
 def plot_rows(rows, results, workload):
-    """The summary rows drawn in ``workload``'s plot: runs whose id starts with ``<workload>-``
-    and whose result has evaluations (``results``: run id -> result dict). Empty: no plot."""
-    return [r for r in rows if r["run_id"].startswith(workload + "-") and results[r["run_id"]].get("evals")]
+    """The summary rows drawn in ``workload``'s plot: runs of that workload (their ``workload``
+    field; run id prefix ``<workload>-`` for records without one, so ``digits`` never takes
+    ``digits-tf`` runs that have it) whose result has evaluations (``results``: run id ->
+    result dict). Empty: no plot."""
+    def ours(r):
+        return r["workload"] == workload if r.get("workload") else r["run_id"].startswith(workload + "-")
+    return [r for r in rows if ours(r) and results[r["run_id"]].get("evals")]
 
 
 def plot_path(out_dir, workload):
