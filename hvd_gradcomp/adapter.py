@@ -26,7 +26,7 @@ the same numbers as without groups, more bytes (``wire_bytes()`` counts them, a 
 the tensors once). PyTorch's grouped all-reduce takes mixed dtypes as they are.
 
 Sparse gradients (PyTorch ``sparse=True`` embeddings without ``sparse_as_dense``, TensorFlow
-``IndexedSlices``) never reach ``compress``: Horovod allgathers their indices and values. The
+``IndexedSlices``) never reach ``compress``: Horovod's sparse path gathers their indices and values. The
 adapter notices them (PyTorch: in ``decompress``; TensorFlow: in the same ``allreduce_grads``
 call), logs a warning naming the tensor once, and counts their bytes in
 ``bytes_per_step().sparse`` and ``metrics()``.
@@ -53,7 +53,7 @@ _ROUTE_MISMATCH = ("{spec!r}: tensor {key!r} was routed to {saved!r} in the chec
                    "compressor routes it to {now!r} ({why}); load the checkpoint into a compressor "
                    "whose rules route it alike")
 _SPARSE_WARNING = ("hvd_gradcomp: {name} has a sparse gradient (PyTorch sparse=True / TensorFlow "
-                   "IndexedSlices): Horovod allgathers its indices and values uncompressed, around "
+                   "IndexedSlices): Horovod's sparse path sends its indices and values uncompressed, around "
                    "the compressor {spec!r}; bytes_per_step().sparse counts them. Pass "
                    "sparse_as_dense=True to Horovod's optimizer to compress it (as a dense gradient "
                    "of the full table)")
@@ -401,7 +401,7 @@ class HorovodCompressor:
             call = self._find_call(tensor)
             raise ValueError(f"{self.spec}: tensor {name or call.key!r} has a sparse gradient, which "
                              f"Horovod's groups= path hands to compress (without groups it would "
-                             f"allgather it uncompressed); pass sparse_as_dense=True to "
+                             f"send it uncompressed on its sparse path); pass sparse_as_dense=True to "
                              f"hvd.DistributedOptimizer")
         if self.ops.dtype(tensor) not in FLOAT_DTYPES:
             return tensor, None
@@ -580,8 +580,9 @@ class HorovodCompressor:
             params: PyTorch: ``model.named_parameters()`` (``(name, tensor)`` pairs, the names
                 given to ``hvd.DistributedOptimizer``); TensorFlow: ``model.trainable_variables``
                 (or ``(name, variable)`` pairs).
-            check: compare the ranks' decisions with one ``hvd.allgather_object`` (every rank
-                must call ``route()`` then); False decides locally, without a collective.
+            check: compare the ranks' decisions (:meth:`_from_every_rank`: one Horovod
+                broadcast per rank; every rank must call ``route()`` then); False decides
+                locally, without a collective.
 
         Returns:
             ``[(name, scheme spec or None), ...]`` in the order given; None for tensors that
@@ -602,12 +603,19 @@ class HorovodCompressor:
             table.append((name, None if route is None else route.text,
                           "passes through" if route is None else route.why))
         if check:
-            tables = self._horovod().allgather_object(table, name="hvd_gradcomp.route")
+            tables = self._from_every_rank(table, "hvd_gradcomp.route")
             self._check_same_routes(tables)
         for (_, _, _, pin), route in zip(items, routes):
             if pin is not None and route is not None:
                 self._pins[pin] = route
         return [(name, text) for name, text, _ in table]
+
+    def _from_every_rank(self, obj, name: str) -> list:
+        """``[obj of rank 0, obj of rank 1, ...]`` on every rank (global set), by one
+        ``hvd.broadcast_object`` per rank in rank order. Outside compress (route checks and
+        checkpoints only); gradient payloads never travel this way."""
+        hvd = self._horovod()
+        return [hvd.broadcast_object(obj, root_rank=r, name=f"{name}.{r}") for r in range(hvd.size())]
 
     def _check_same_routes(self, tables):
         """Raise ValueError (the same on every rank: each holds every table) if they differ."""
@@ -635,10 +643,10 @@ class HorovodCompressor:
 
         Args:
             gather: False (default): this rank's state, to be saved per rank and loaded on
-                the same rank. True: every rank's, gathered with Horovod's
-                ``hvd.allgather_object`` (a collective: every rank must call it; each receives
-                every rank's state, so memory is world size x residuals), for the usual
-                "save on rank 0, load everywhere" habit.
+                the same rank. True: every rank's, collected by :meth:`_from_every_rank` (one
+                Horovod broadcast per rank: every rank must call it; each receives every
+                rank's state, so memory is world size x residuals), for the usual "save on
+                rank 0, load everywhere" habit.
 
         Returns:
             Per rank: ``{"spec", "tensors": {key: {field: tensor}}, "routes": {key: scheme
@@ -649,7 +657,7 @@ class HorovodCompressor:
         local = self._local_state(portable=gather)
         if not gather:
             return local
-        parts = self._horovod().allgather_object(local, name="hvd_gradcomp.state_dict")
+        parts = self._from_every_rank(local, "hvd_gradcomp.state_dict")
         return {"spec": self.spec, "world_size": len(parts), "ranks": list(parts)}
 
     def _local_state(self, portable: bool) -> dict:
@@ -762,11 +770,11 @@ class HorovodCompressor:
 
     def sparse_bytes(self) -> dict:
         """``{key: bytes}`` of each sparse gradient seen (indices and values this rank handed
-        to Horovod's allgathers, as of the last step it was seen); they bypass compression."""
+        to Horovod's sparse path, as of the last step it was seen); they bypass compression."""
         return {key: self._read_sparse(entry)[0] for key, entry in self._sparse.items()}
 
     def bytes_per_step(self) -> StepBytes:
-        """:meth:`wire_bytes` summed over tensors, plus the sparse gradients' allgathers
+        """:meth:`wire_bytes` summed over tensors, plus the sparse gradients' own collectives
         (:class:`~hvd_gradcomp.base.StepBytes`; ``total`` counts everything)."""
         payload = side = collectives = 0
         for w in self._wire.values():

@@ -133,10 +133,10 @@ class StepBytes(NamedTuple):
     """Bytes one rank hands to Horovod per step, over all tensors a compressor has seen.
 
     payload, side, side_collectives: :class:`WireBytes` summed over the compressed tensors.
-    sparse: bytes of the sparse gradients Horovod allgathers around the compressor (PyTorch
+    sparse: bytes of the sparse gradients Horovod gathers on its sparse path (PyTorch
         ``sparse=True`` embeddings, TensorFlow ``IndexedSlices``): this rank's indices and
         values, as of the last step each was seen (their size varies with the batch).
-    sparse_collectives: allgathers of those gradients per step (2 each: indices, values).
+    sparse_collectives: gathers of those gradients per step (2 each: indices, values).
     """
 
     payload: int

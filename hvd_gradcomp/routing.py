@@ -37,7 +37,7 @@ Names the rules see (what makes a decision identical on every rank):
   ``"dense_1/kernel:0"`` where the others have ``"dense/kernel:0"``), eager variables may share
   names. Rules with a glob therefore need ``compressor.route(variables)`` on every rank before
   the first step: it decides the route of each variable and compares the decisions of all
-  ranks with one ``hvd.allgather_object`` (a rank-dependent routing raises ``ValueError`` on
+  ranks with one ``hvd.broadcast_object`` per rank (a rank-dependent routing raises ``ValueError`` on
   every rank, naming the position, each rank's name and rule). A gradient of a variable not
   given to ``route()`` raises ``ValueError`` at its first ``compress``, before any
   collective. Rules with size terms only (``numel>=N``) and ``min_numel`` need no names.

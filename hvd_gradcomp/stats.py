@@ -9,14 +9,14 @@ Definitions, per rank and per optimizer step, as handed to Horovod (the same cou
 
 1. ``bytes_sent`` (bytes): the payloads of the per-tensor all-reduces, plus the side
    collectives that the papers' two-round variants post inside ``compress``, plus the sparse
-   gradients Horovod allgathers around the compressor (embeddings without
+   gradients Horovod gathers on its sparse path, around the compressor (embeddings without
    ``sparse_as_dense``; this rank's indices and values at their last step).
 2. ``fp16_bytes`` (bytes): what Horovod's own ``Compression.fp16`` sends for the same dense
    gradients: 2 bytes per trainable coordinate.
 3. ``fp16_ratio``: ``fp16_bytes / bytes_sent``; above 1 the compressor sends fewer bytes than
    FP16 (printed ``FP16/ours 8.80x``, as in the harness's tables).
 4. ``collectives`` (per step): one payload all-reduce per tensor, plus the side collectives,
-   plus the sparse allgathers (2 per sparse gradient). Horovod's tensor fusion may pack
+   plus the sparse gathers (2 per sparse gradient: indices, values). Horovod's tensor fusion may pack
    several payloads into one ring all-reduce; each side collective is waited for inside
    ``compress`` and costs at least one network latency of its own.
 5. ``metrics`` (counts): the schemes' diagnostics (``Compressor.metrics()``) summed over
@@ -54,8 +54,8 @@ class WireReport:
         side_collectives: number of those side collectives, per step.
         fp16_bytes: bytes the same gradients take as FP16 (2 per coordinate).
         metrics: ``{name: count}`` of the scheme's diagnostics summed over tensors.
-        sparse_bytes: bytes of the sparse gradients' allgathers (this rank), per step.
-        sparse_collectives: those allgathers, per step.
+        sparse_bytes: bytes of the sparse gradients' gathers (this rank), per step.
+        sparse_collectives: those gathers, per step.
     """
 
     spec: str
@@ -75,7 +75,7 @@ class WireReport:
 
     @property
     def collectives(self) -> int:
-        """Collectives handed to Horovod per step: payloads, side collectives, sparse allgathers."""
+        """Collectives handed to Horovod per step: payloads, side collectives, sparse gathers."""
         return self.tensors + self.side_collectives + self.sparse_collectives
 
     @property
@@ -89,7 +89,7 @@ class WireReport:
         (FP16/ours 8.85x); 6 collectives/step (6 payloads + 0 side); realigned 0``."""
         if not self.bytes_sent:
             return f"{self.spec}: no gradient compressed yet"
-        sparse = (f" + {self.sparse_collectives} sparse allgathers of {self.sparse_bytes:,} B"
+        sparse = (f" + {self.sparse_collectives} sparse gathers of {self.sparse_bytes:,} B"
                   if self.sparse_collectives else "")
         fp16 = (f"FP16 {self.fp16_bytes:,} B/step (FP16/ours {self.fp16_ratio:.2f}x)" if self.fp16_bytes
                 else "FP16 unknown (no parameters counted)")
@@ -110,7 +110,7 @@ class WireReport:
         return out
 
 
-# Diagnostics that are bytes and steps of the sparse allgathers, reported as bytes instead.
+# Diagnostics that are bytes and steps of the sparse gathers, reported as bytes instead.
 _SPARSE_METRICS = ("sparse_bytes", "sparse_steps")
 
 
@@ -129,7 +129,7 @@ def summarize(spec: str, wire_bytes: Mapping, coordinates: int,
             already turned into a Python int (the backends do that); None: none. The sparse
             gradients' ``sparse_bytes``/``sparse_steps`` are left out (counted as bytes).
         sparse_bytes, sparse_collectives: ``compressor.bytes_per_step().sparse`` and
-            ``.sparse_collectives`` (bytes and allgathers per step; 0 without sparse gradients).
+            ``.sparse_collectives`` (bytes and gathers per step; 0 without sparse gradients).
 
     Raises:
         ValueError: ``coordinates`` is negative or not an int.

@@ -28,7 +28,7 @@ def test_summarize_adds_up_bytes_collectives_and_metrics():
     assert rep.collectives == 3 + 1 + 2 and rep.fp16_ratio == pytest.approx(4000 / 1564)
     assert rep.metrics == {"saturated": 7, "realigned": 2}
     assert rep.line() == ("thc: 1,564 B/step sent, FP16 4,000 B/step (FP16/ours 2.56x); 6 collectives/step "
-                          "(3 payloads + 1 side + 2 sparse allgathers of 160 B); realigned 2; saturated 7")
+                          "(3 payloads + 1 side + 2 sparse gathers of 160 B); realigned 2; saturated 7")
     assert rep.scalars() == {"compression/bytes_per_step": 1564.0, "compression/fp16_bytes_per_step": 4000.0,
                              "compression/collectives_per_step": 6.0,
                              "compression/fp16_ratio": pytest.approx(4000 / 1564),

@@ -187,7 +187,7 @@ class Compressor(HorovodCompressor):
 
     def _watch_sparse(self, call):
         """``IndexedSlices`` among the gradients of Horovod's ``allreduce_grads`` call: Horovod
-        allgathers them without compress. Once per traced call (the first dense gradient's
+        gathers them on its sparse path, without compress. Once per traced call (the first dense gradient's
         compress), an in-graph assign records this rank's bytes of each (values + indices)
         and counts the step, in an int64 [2] variable read by bytes_per_step()."""
         grads, variables = call.batch

@@ -16,7 +16,7 @@ uses ``name``. Anything else must call ``compress(tensor, name=...)``.
 
 Routing rules (``Compression.rules``) match the same names: Horovod's own collective names,
 equal on every rank. Sparse gradients (``nn.Embedding(sparse=True)`` without
-``sparse_as_dense``) go through Horovod's allgather, never through ``compress``; ``decompress``
+``sparse_as_dense``) go through Horovod's sparse path, never through ``compress``; ``decompress``
 sees their gathered result and counts this rank's bytes (``bytes_per_step().sparse``).
 """
 import sys
@@ -129,7 +129,7 @@ class Compressor(HorovodCompressor):
         return isinstance(tensor, torch.Tensor) and tensor.is_sparse
 
     def _uncompressed(self, payload):
-        """A sparse result in decompress: Horovod's ``synchronize()`` hands over the allgathered
+        """A sparse result in decompress: Horovod's ``synchronize()`` hands over the gathered
         gradient of parameter ``p`` (its frame); this rank's part is still ``p.grad``."""
         if not (isinstance(payload, torch.Tensor) and payload.is_sparse):
             return

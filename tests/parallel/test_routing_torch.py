@@ -253,6 +253,6 @@ def test_sparse_gradient_counted_and_warned_once(results):
         assert (sparse, sparse_collectives) == (nbytes, 2) and payload > 0 and side == collectives == 0
         assert s["per_tensor"] == {"emb.weight": nbytes}
         assert s["metrics"] == {"sparse_bytes": nbytes, "sparse_steps": 2}
-        assert len(s["warnings"]) == 1 and "Horovod allgathers its indices and values uncompressed" in s["warnings"][0]
+        assert len(s["warnings"]) == 1 and "Horovod's sparse path sends its indices and values uncompressed" in s["warnings"][0]
         assert "sparse_as_dense=True" in r["sparse_groups"] and "'emb.weight'" in r["sparse_groups"]
     assert results[0]["sparse"]["weights_equal"] == results[1]["sparse"]["weights_equal"]
