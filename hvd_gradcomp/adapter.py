@@ -443,8 +443,9 @@ class HorovodCompressor:
         if known is not None and (known.shape, known.dtype) != (shape, dtype):
             raise ValueError(f"{scheme.name}: tensor {key!r} was {known.dtype}{list(known.shape)} "
                              f"in earlier steps, got {dtype}{list(shape)}; one key, one shape")
+        if known != info:  # wire bytes are static per tensor: computed when its info changes
+            self._wire[key] = scheme.wire(info)
         self._infos[key] = info
-        self._wire[key] = scheme.wire(info)
         if scheme.identity:
             return tensor, None, key
         tensor = self._detach(tensor)
