@@ -6,9 +6,9 @@ all-gather) has every worker send, and receive, ``2 (N-1)/N * b`` bytes over its
 
     t = collectives * lat + 2 (N-1)/N * b / B
 
-Callers choose ``lat``: the link check (:func:`.linkcheck.link_model_seconds`) pays the
+Used by the core (``auto``'s decisions) and the harness. Callers choose ``lat``: the link check (:func:`hvd_gradcomp.bench.linkcheck.link_model_seconds`) pays the
 emulated one-way link latency once per round, ``2 (N-1) * latency``; the scale model
-(:func:`.model.latency`) uses ``alpha + hop * hops(N)``, whose ``ring`` hops are
+(:func:`hvd_gradcomp.bench.model.latency`) uses ``alpha + hop * hops(N)``, whose ``ring`` hops are
 :func:`ring_rounds`.
 """
 

@@ -2,7 +2,7 @@
 import pytest
 
 from hvd_gradcomp.bench import linkcheck, model, netem
-from hvd_gradcomp.bench.ring import ring_allreduce_seconds, ring_rounds, ring_wire_bytes
+from hvd_gradcomp.ring import ring_allreduce_seconds, ring_rounds, ring_wire_bytes
 
 
 def test_ring_wire_bytes_and_rounds():

@@ -20,7 +20,7 @@ import time
 
 from .launch import launch
 from .netem import LinkConfig, LinkError
-from .ring import ring_allreduce_seconds, ring_rounds, ring_wire_bytes
+from ..ring import ring_allreduce_seconds, ring_rounds, ring_wire_bytes
 
 __all__ = ["verify_link", "link_model_seconds", "main"]
 

@@ -62,7 +62,7 @@ import os
 import sys
 from typing import NamedTuple, Optional
 
-from .ring import ring_allreduce_seconds, ring_rounds
+from ..ring import ring_allreduce_seconds, ring_rounds
 
 __all__ = ["Measurement", "Network", "StepTime", "latency", "allreduce_time",
            "predict_step_time", "tta_ratio", "winning_ranges", "load_inputs",
