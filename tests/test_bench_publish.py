@@ -126,3 +126,37 @@ def test_committed_demo_block_is_reproduced_from_its_results(tmp_path):
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "README.md").read_text() == open(readme).read()
+
+
+def test_block_with_the_no_comm_reference(tmp_path):
+    """A sweep with the no-communication reference: its row, its own link in runs, the
+    sentence saying it is a reference; FP16 stays the baseline of the other rows."""
+    sweep, rows, results = _sweep()
+    ref = json.loads(json.dumps(results["digits-horovod-fp16"]))
+    ref["meta"].update(compression="none", label="no communication (reference: fp32, unthrottled)",
+                       reference=True)
+    ref["bytes_per_step"]["payload"] = 16000
+    ref["steps"]["t"] = [0.04 * i for i in range(1, 7)]
+    ref["steps"]["compute_s"] = ref["steps"]["comm_s"] = [0.02] * 6
+    ref["evals"]["t"] = [0.04 * i for i in range(6)]
+    ref["network"] = {"mode": "loopback", "bandwidth_mbit": None, "latency_ms": None, "world_size": 2,
+                      "note": "LOOPBACK: no rate limit, communication nearly free (no-communication reference)"}
+    results["digits-horovod-none-nocomm"] = ref
+    rows.append(report.summarize("digits-horovod-none-nocomm", ref, sweep["network"], "abc123"))
+    report.add_baseline_ratios(rows)
+    run = tmp_path / "r"
+    os.makedirs(run)
+    report.write_json(str(run / "results.json"), sweep, rows, results)
+    doc = tmp_path / "d.md"
+    doc.write_text("<!-- tta-demo:start -->\n<!-- tta-demo:end -->\n")
+    assert publish.main(["--results", str(run), "--update-doc", str(doc)]) == 0
+    block = _block(doc.read_text(), "tta-demo")
+    assert block.startswith("Network: emulated: 500 Mbit/s")  # the sweep's link, not the reference's
+    assert "The no-communication row is a reference, not a competitor" in block
+    # fp16 0.6 s, topkc 0.3 s (2.00x) as before; the reference 0.12 s: 5.00x, 16 kB (0.50x).
+    assert "| digits | topkc:ratio=0.1 | 0.3 | 2.00x | - | 75.0% | 6 | 100 | 0.001 | 10.00x |" in block
+    assert "| digits | no communication (reference: fp32, unthrottled) | 0.1 | 5.00x | - | 75.0% | 6 | 40 | 0.016 | 0.50x | 50% | 0% | 50% |" in block
+    assert "3 runs in 3.0 min" in block
+    data, _ = publish.load_results(str(run))
+    assert [(r["reference"], r["network_mode"]) for r in data["runs"]] == [
+        (False, "netns"), (False, "netns"), (True, "loopback")]

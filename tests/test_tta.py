@@ -341,7 +341,8 @@ def test_interleave_orders_rounds_and_names_repeats():
     with pytest.raises(ValueError, match="--repeats must be an integer >= 1, got 0"):
         tta.interleave(plan, 0)
     args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--repeats", "3"])
-    assert [r.run_id for r in tta.plan_sweep(args).runs] == [f"digits-horovod-fp16-r{k}" for k in (1, 2, 3)]
+    assert [r.run_id for r in tta.plan_sweep(args).runs] == [
+        f"digits-horovod-{row}-r{k}" for k in (1, 2, 3) for row in ("fp16", "none-nocomm")]
     assert tta.build_parser().parse_args([]).repeats == 1
 
 
@@ -422,3 +423,110 @@ def test_plot_rows_by_workload_not_by_id_prefix():
     assert [r["run_id"] for r in report.plot_rows(rows, results, "digits")] == \
         ["digits-horovod-fp16", "digits-horovod-thc"]
     assert [r["run_id"] for r in report.plot_rows(rows, results, "digits-tf")] == ["digits-tf-horovod-fp16"]
+
+
+# ---- the no-communication reference ----
+
+def test_plan_adds_one_no_comm_reference_per_workload():
+    plan = tta.plan_runs(["digits", "digits-tf"], ["none", "fp16"], ["fp16"], reference=True)
+    assert [r.run_id for r in plan] == [
+        "digits-horovod-none", "digits-horovod-fp16", "digits-ddp-fp16", "digits-horovod-none-nocomm",
+        "digits-tf-horovod-none", "digits-tf-horovod-fp16", "digits-tf-horovod-none-nocomm"]
+    ref = plan[3]
+    assert ref.reference and ref.system == "horovod" and ref.spec == tta.NOCOMM_SPEC == "none"
+    assert ref.label == tta.NOCOMM_LABEL == "no communication (reference: fp32, unthrottled)"
+    assert not any(r.reference for r in plan if not r.run_id.endswith("-nocomm"))
+    assert plan[0].label == "fp32 (none)"  # the FP32 competitor row keeps its own label
+    # The same training as the FP32 row: the same worker command.
+    args = tta.build_parser().parse_args([])
+    assert tta._command(ref, args, "o.json") == tta._command(plan[0], args, "o.json")
+    # Repeats keep the flag and name the rounds as for every row.
+    runs = tta.interleave(plan[:4], 2)
+    assert [r.run_id for r in runs if r.reference] == ["digits-horovod-none-nocomm-r1", "digits-horovod-none-nocomm-r2"]
+    assert all(r.label == tta.NOCOMM_LABEL for r in runs if r.reference)
+    # In the sweep by default, after every other row of its workload; off on request.
+    args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off"])
+    assert args.no_comm_reference == "on"
+    assert [r.run_id for r in tta.plan_sweep(args).runs] == ["digits-horovod-fp16", "digits-horovod-none-nocomm"]
+    args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--no-comm-reference", "off"])
+    assert [r.run_id for r in tta.plan_sweep(args).runs] == ["digits-horovod-fp16"]
+
+
+def test_reference_runs_on_an_unthrottled_loopback_link():
+    from hvd_gradcomp.bench import netem
+    net = netem.EmulatedNetwork(2, netem.LinkConfig(500))  # not set up: only its identity counts
+    plan = tta.plan_runs(["digits"], ["none"], ["fp16"], reference=True)
+    assert tta.network_for(net, plan[0]) is net and tta.network_for(net, plan[1]) is net
+    own = tta.network_for(net, plan[2])
+    assert isinstance(own, netem.LoopbackNetwork) and own.world_size == 2
+    d = own.describe()
+    assert d["mode"] == "loopback" and d["bandwidth_mbit"] is None and "no-communication reference" in d["note"]
+    stub = tta._stub_result(plan[2], "timeout", "", d)
+    assert stub["meta"]["reference"] is True and stub["network"]["mode"] == "loopback"
+    assert "network" not in tta._stub_result(plan[0], "timeout") and \
+        tta._stub_result(plan[0], "timeout")["meta"]["reference"] is False
+
+
+def _reference_result(step_s=0.05, final=None):
+    res = _fake_result("none", step_s=step_s, payload=16000)
+    res["bytes_per_step"]["side"] = res["bytes_per_step"]["side_collectives"] = 0
+    res["meta"].update(reference=True, label=tta.NOCOMM_LABEL)
+    res["network"] = {"mode": "loopback", "bandwidth_mbit": None, "latency_ms": None,
+                      "note": "LOOPBACK: no rate limit, communication nearly free (no-communication reference)"}
+    if final is not None:
+        res["evals"]["metric"][-1] = final
+    return res
+
+
+def test_reference_row_is_never_a_baseline_or_best():
+    results = {"a-fp16": _fake_result("fp16", step_s=0.2), "a-none": _fake_result("none", step_s=0.4, payload=16000),
+               "a-ddp": _fake_result("ddp:fp16", system="ddp", step_s=0.3),
+               "a-nocomm": _reference_result(step_s=0.05, final=0.99)}
+    rows = report.add_baseline_ratios([report.summarize(k, v, NET, "abc") for k, v in results.items()])
+    fp16, fp32, ddp, ref = rows
+    assert [r["reference"] for r in rows] == [False, False, False, True]
+    # Network columns: the reference's own link, the others the sweep's.
+    assert ref["network_mode"] == "loopback" and ref["bandwidth_mbit"] is None
+    assert fp32["network_mode"] == "netns" and fp32["bandwidth_mbit"] == 500.0
+    # TTA: 3 evaluations' clock: fp16 0.6, fp32 1.2, ddp 0.9, reference 0.15 (the fastest).
+    assert ref["tta_s"] == pytest.approx(0.15)
+    # Its own ratios (the most any compressor could gain) ...
+    assert ref["tta_vs_fp16"] == pytest.approx(4.0) and ref["tta_vs_best_ddp"] == pytest.approx(6.0)
+    # ... but the best DDP row is still DDP's, and FP16 still the FP16 run.
+    assert fp32["tta_vs_best_ddp"] == pytest.approx(0.9 / 1.2) and fp32["tta_vs_fp16"] == pytest.approx(0.5)
+    assert fp16["tta_vs_fp16"] == pytest.approx(1.0)
+    # Neither a fake "fp16" reference nor a "ddp" reference would be taken as a baseline.
+    odd = [dict(ref, spec="fp16", system="horovod", tta_s=0.01, bytes_per_step=1),
+           dict(ref, system="ddp", tta_s=0.01), dict(fp16), dict(ddp)]
+    report.add_baseline_ratios(odd)
+    assert odd[2]["tta_vs_fp16"] == pytest.approx(1.0) and odd[3]["tta_vs_best_ddp"] == pytest.approx(1.0)
+    # The plots' FP32 level is the FP32 row's, not the reference's (also spec "none").
+    assert fp32["final_metric"] != ref["final_metric"] == pytest.approx(0.99)
+    assert report.converged_levels(rows) == {"FP16": fp16["final_metric"], "FP32": fp32["final_metric"]}
+    assert report.converged_levels([ref]) == {}
+
+
+def test_reference_in_table_aggregate_and_plot(tmp_path):
+    results = {}
+    for k in (1, 2):
+        for name, res in (("none", _fake_result("none", step_s=0.4, payload=16000)), ("nocomm", _reference_result(0.1))):
+            res["meta"]["repeat"] = k
+            results[f"a-horovod-{name}-r{k}"] = res
+    rows = report.add_baseline_ratios([report.summarize(k, v, NET) for k, v in results.items()])
+    summary = report.aggregate(rows)  # FP32 and the reference share spec "none" but not a row
+    assert [(s["run_id"], s["reference"], s["repeats"]) for s in summary] == [
+        ("a-horovod-none", False, 2), ("a-horovod-nocomm", True, 2)]
+    assert summary[1]["tta_s"] == pytest.approx(0.3) and summary[1]["network_mode"] == "loopback"
+    text = report.format_table(rows, NET)
+    assert text.splitlines()[0].startswith("Network: emulated: 500 Mbit/s")  # the sweep's
+    assert "The no-communication row is a reference, not a competitor" in text.splitlines()[1]
+    assert tta.NOCOMM_LABEL in text.splitlines()[-1] and "0.3 (0.3-0.3)" in text.splitlines()[-1]
+    single = [r for r in rows if r["repeat"] == 1]
+    md = report.markdown_table(single, NET)
+    assert f"| digits | {tta.NOCOMM_LABEL} | 0.3 |" in md and md.count("\n| ") == 3
+    assert "reference, not a competitor" not in report.format_table(single[:1], NET)
+    report.write_csvs(str(tmp_path), rows, results)
+    with open(tmp_path / "runs.csv") as f:
+        assert [r["reference"] for r in csv.DictReader(f)] == ["False", "True", "False", "True"]
+    path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
+    assert os.path.getsize(path) > 10_000

@@ -1,6 +1,7 @@
 """One tiny sweep end to end: ``python -m hvd_gradcomp.bench tta`` with 2 workers, FP16 and
-TopKC, each twice (``--repeats 2``), a few steps of a narrow digits MLP, on the emulated
-network (loopback without root).
+TopKC and the no-communication reference (FP32 on loopback, on by default), each twice
+(``--repeats 2``), a few steps of a narrow digits MLP, on the emulated network (loopback
+without root).
 
 Checks that every output exists and holds sane values, and that no namespace is left behind.
 """
@@ -28,7 +29,7 @@ def sweep(tmp_path_factory):
            "--ddp-hooks", "off", "--repeats", "2", "--workers", "2", "--bandwidth", "200", "--out", str(out), "--no-progress",
            "--update-doc", str(out / "doc.md"), "--doc-block", "smoke",
            "--worker-args", f"--max-steps {STEPS} --hidden {HIDDEN} --eval-every 3 --target 0.5"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     return out, res
 
@@ -37,6 +38,8 @@ def test_exit_status_and_table(sweep):
     out, res = sweep
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "fp16" in res.stdout and "topkc:ratio=0.1" in res.stdout and "Network:" in res.stdout
+    assert "no communication (reference: fp32, unthrottled)" in res.stdout
+    assert "The no-communication row is a reference, not a competitor" in res.stdout
     ok, _ = netem.emulation_available()
     assert ("emulated: 200 Mbit/s" in res.stdout) if ok else ("LOOPBACK" in res.stdout)
 
@@ -46,8 +49,9 @@ def test_runs_csv_values(sweep):
     with open(out / "runs.csv") as f:
         runs = list(csv.DictReader(f))
     # interleaved: round 1 of both rows, then round 2
-    assert [(r["spec"], r["repeat"]) for r in runs] == [("fp16", "1"), ("topkc:ratio=0.1", "1"),
-                                                       ("fp16", "2"), ("topkc:ratio=0.1", "2")]
+    assert [(r["spec"], r["reference"], r["repeat"]) for r in runs] == [
+        (spec, ref, k) for k in ("1", "2") for spec, ref in (("fp16", "False"), ("topkc:ratio=0.1", "False"),
+                                                             ("none", "True"))]
     for r in runs:  # start-up (process start to the first step's end) apart from the clock
         assert 0 < float(r["startup_s"]) < 300 and 0 < float(r["first_step_s"]) <= float(r["clock_s"])
         if r["tta_s"]:
@@ -55,10 +59,17 @@ def test_runs_csv_values(sweep):
     with open(out / "summary.csv") as f:
         summary = list(csv.DictReader(f))
     assert [(s["spec"], s["repeats"], s["runs_ok"]) for s in summary] == [("fp16", "2", "2"),
-                                                                          ("topkc:ratio=0.1", "2", "2")]
+                                                                          ("topkc:ratio=0.1", "2", "2"),
+                                                                          ("none", "2", "2")]
     for s in summary:
         assert float(s["startup_s_min"]) <= float(s["startup_s"]) <= float(s["startup_s_max"])
     rows = {r["spec"]: r for r in runs if r["repeat"] == "2"}
+    # The reference: FP32 (4 bytes a coordinate) on the unthrottled loopback, the sweep's
+    # network aside; never the FP16 baseline (its own ratio against FP16's bytes: 0.5).
+    ref = rows["none"]
+    assert ref["label"] == "no communication (reference: fp32, unthrottled)" and ref["system"] == "horovod"
+    assert ref["network_mode"] == "loopback" and ref["bandwidth_mbit"] == ""
+    assert float(ref["fp16_bytes_ratio"]) == pytest.approx(0.5)
     params = 64 * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN * 10 + 10
     for spec, r in rows.items():
         assert r["status"] == "ok" and int(r["steps"]) == STEPS and int(r["world_size"]) == 2
@@ -69,6 +80,7 @@ def test_runs_csv_values(sweep):
         assert 0.0 <= float(r["final_metric"]) <= 1.0
         assert json.loads(r["versions"])["torch"]
     assert int(rows["fp16"]["bytes_per_step"]) == 2 * params
+    assert int(rows["none"]["bytes_per_step"]) == 4 * params
     assert int(rows["topkc:ratio=0.1"]["bytes_per_step"]) < int(rows["fp16"]["bytes_per_step"]) / 4
     assert float(rows["topkc:ratio=0.1"]["fp16_bytes_ratio"]) > 4
     # The weights go as TopKC (chunk 256, k = ceil(0.1 m) chunks of values + m scores + 16
@@ -79,6 +91,9 @@ def test_runs_csv_values(sweep):
     assert int(rows["topkc:ratio=0.1"]["bytes_per_step"]) == topkc_bytes + 2 * (HIDDEN + HIDDEN + 10)
     assert int(rows["topkc:ratio=0.1"]["side_collectives"]) == 0
     assert rows["fp16"]["network_mode"] in ("netns", "loopback")
+    ok, _ = netem.emulation_available()
+    assert rows["fp16"]["network_mode"] == ("netns" if ok else "loopback")
+    assert float(rows["fp16"]["fp16_bytes_ratio"]) == 1.0
 
 
 def test_records_json_and_plot(sweep):

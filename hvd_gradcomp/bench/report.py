@@ -22,7 +22,13 @@ excluded, in seconds):
 - bytes/step: bytes each rank hands to all-reduces per step (payload + side collectives);
   FP16 bytes / ours is the compression against FP16;
 - shares: compute, compress+decompress ("codec") and communication time as fractions of the
-  training clock; "overhead share" is the codec share.
+  training clock; "overhead share" is the codec share;
+- the no-communication reference (``reference`` column True; ``tta --no-comm-reference``):
+  the same FP32 training with the network left out (an unthrottled loopback link), the limit
+  any compressor can approach. It is a reference, not a competitor: it gets its own ratios
+  against FP16 (how much any compressor could gain at most) but is never a baseline (FP16,
+  best DDP) nor a row that "best" picks, has its own line in the plots, and its network
+  columns are its own link's (``loopback``), not the sweep's.
 """
 import csv
 import json
@@ -32,12 +38,12 @@ import statistics
 
 from .worker import rolling_mean
 
-__all__ = ["time_to_target", "summarize", "add_baseline_ratios", "aggregate", "RUN_COLUMNS",
+__all__ = ["time_to_target", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
            "SUMMARY_COLUMNS", "STEP_COLUMNS", "EVAL_COLUMNS", "write_summary_csv", "write_csvs", "write_json", "format_table", "markdown_table", "plot",
            "plot_rows", "plot_path", "update_doc"]
 
 RUN_COLUMNS = [
-    "run_id", "repeat", "workload", "framework", "system", "label", "spec", "status", "stop_reason",
+    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "status", "stop_reason",
     "network_mode", "bandwidth_mbit", "latency_ms", "world_size", "seed", "params", "target",
     "higher_is_better", "steps", "epochs", "clock_s", "wall_s", "tta_s", "tta_steady_s", "startup_s", "first_step_s", "tta_vs_fp16", "tta_vs_best_ddp",
     "final_metric", "best_metric", "bytes_payload", "bytes_side", "side_collectives",
@@ -79,8 +85,12 @@ def summarize(run_id, result, network, git_commit=None):
     """One summary row (dict with :data:`RUN_COLUMNS`) from a worker's JSON result.
 
     ``result`` may be a failed run: ``{"meta": {...}, "status": "failed: ..."}`` with no records.
+    ``network`` is the sweep's ``describe()``; a result that holds its own (``"network"``:
+    the no-communication reference's loopback) is summarised with that one instead.
+    ``reference`` is ``meta["reference"]`` (False for records without it).
     """
     meta = result.get("meta", {})
+    network = result.get("network") or network
     steps = result.get("steps") or {}
     evals = result.get("evals") or {}
     wire = result.get("bytes_per_step") or {}
@@ -88,7 +98,8 @@ def summarize(run_id, result, network, git_commit=None):
     higher = bool(meta.get("higher_is_better", True))
     row = {c: None for c in RUN_COLUMNS}
     row.update(run_id=run_id, repeat=int(meta.get("repeat", 1)), workload=meta.get("workload"), framework=meta.get("framework"),
-               system=meta.get("system"), label=meta.get("label"), spec=meta.get("compression"),
+               system=meta.get("system"), reference=bool(meta.get("reference", False)),
+               label=meta.get("label"), spec=meta.get("compression"),
                status=result.get("status", "ok"), stop_reason=meta.get("stop_reason"),
                network_mode=network.get("mode"), bandwidth_mbit=network.get("bandwidth_mbit"),
                latency_ms=network.get("latency_ms"), world_size=meta.get("world_size"),
@@ -124,14 +135,20 @@ def _is_fp16(row):
     return spec in ("fp16", "ddp:fp16") or spec.startswith("fp16:")
 
 
+def is_reference(row):
+    """True for the no-communication reference row (never a baseline nor a "best" row)."""
+    return bool(row.get("reference"))
+
+
 def add_baseline_ratios(rows):
     """Fill ``tta_vs_fp16`` and ``fp16_bytes_ratio`` against the FP16 run of the same workload
     and system, and ``tta_vs_best_ddp`` against the fastest DDP run of the same workload (the
     strongest baseline a user could move to: a ratio against Horovod's FP16 alone is never
-    shown as a speed-up without it)."""
+    shown as a speed-up without it). The no-communication reference (:func:`is_reference`)
+    gets these ratios too but is never the FP16 baseline nor the best DDP row."""
     best_ddp = {}
     for r in rows:
-        if r.get("system") == "ddp" and r.get("status") == "ok" and r.get("tta_s"):
+        if r.get("system") == "ddp" and not is_reference(r) and r.get("status") == "ok" and r.get("tta_s"):
             key = (r["workload"], r["framework"])
             if key not in best_ddp or r["tta_s"] < best_ddp[key]:
                 best_ddp[key] = r["tta_s"]
@@ -141,7 +158,7 @@ def add_baseline_ratios(rows):
             r["tta_vs_best_ddp"] = b / r["tta_s"]
     base = {}
     for r in rows:
-        if _is_fp16(r) and r.get("status") == "ok":
+        if _is_fp16(r) and not is_reference(r) and r.get("status") == "ok":
             base.setdefault((r["workload"], r["framework"], r["system"]), r)
     for r in rows:
         b = base.get((r["workload"], r["framework"], r["system"]))
@@ -159,8 +176,15 @@ def _median_or_none(values):
     return statistics.median(vals) if vals else None
 
 
+def _row_key(r):
+    """What makes runs repeats of one table row: (workload, framework, system, spec,
+    reference), so the FP32 row and the no-communication reference (also spec ``none``)
+    stay apart."""
+    return (r.get("workload"), r.get("framework"), r.get("system"), r.get("spec"), is_reference(r))
+
+
 def aggregate(rows):
-    """One summary row per (workload, framework, system, spec) over its repeats, in the order
+    """One summary row per (workload, framework, system, spec, reference) over its repeats, in the order
     the rows first appear (so round 1's order, the table order).
 
     Each summary holds the run columns as medians over the repeats whose status is "ok"
@@ -174,7 +198,7 @@ def aggregate(rows):
     """
     groups = {}
     for r in rows:
-        groups.setdefault((r.get("workload"), r.get("framework"), r.get("system"), r.get("spec")), []).append(r)
+        groups.setdefault(_row_key(r), []).append(r)
     out = []
     for members in groups.values():
         ok = [r for r in members if r.get("status") == "ok"]
@@ -364,6 +388,11 @@ def table_header(network, rows):
         lines[1] += (" steady TTA = clock from the end of the first step to target; start = wall "
                      "seconds from the worker's process start to the end of its first step "
                      "(imports, Horovod init, tracing, first step), rank 0.")
+    if any(is_reference(r) for r in rows):
+        lines[1] += (" The no-communication row is a reference, not a competitor: the same FP32 "
+                     "training on an unthrottled loopback link (the network left out), the limit "
+                     "any compressor can approach; its comm share is the loopback all-reduce's "
+                     "own CPU cost, and it is never a baseline.")
     if repeated(rows):
         n = max(r.get("repeat") or 1 for r in rows)
         lines[1] += (f" Each row: {n} repeats, run interleaved (round 1 of every row, then round "
@@ -412,6 +441,21 @@ def plot_path(out_dir, workload):
     return os.path.join(out_dir, f"tta_{workload}.png")
 
 
+def converged_levels(rows):
+    """``{"FP16": level, "FP32": level}``: the median final rolling metric of the Horovod rows
+    ``fp16`` and ``none`` (FP32) among ``rows``, for those present (None where no repeat has a
+    final metric). DDP rows and the no-communication reference (also spec ``none``) are not
+    levels."""
+    finals = {}
+    for r in rows:
+        if r.get("system") != "ddp" and not is_reference(r) and r.get("spec") in ("fp16", "none"):
+            name = "FP16" if r["spec"] == "fp16" else "FP32"
+            finals.setdefault(name, [])
+            if r.get("final_metric") is not None:
+                finals[name].append(r["final_metric"])
+    return {k: statistics.median(v) if v else None for k, v in finals.items()}
+
+
 def plot(path, rows, results, title, network):
     """Metric (rolling mean) against training clock, one line per row; FP16/FP32 levels dashed.
 
@@ -422,6 +466,8 @@ def plot(path, rows, results, title, network):
     evaluation (a repeat counts only up to its own last evaluation), with the band between
     their min and max shaded. The FP16 and FP32 levels are the final rolling metrics (median
     over repeats) of the Horovod runs ``fp16`` and ``none`` (FP32); the target is dotted.
+    The no-communication reference (:func:`is_reference`) is drawn as a grey dash-dot line
+    of its own and is not the FP32 level.
     Writes a PNG with matplotlib's Agg backend.
     """
     import matplotlib
@@ -430,10 +476,9 @@ def plot(path, rows, results, title, network):
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     import numpy as np
     higher = True
-    levels = {}
     groups = {}
     for r in rows:
-        groups.setdefault((r.get("workload"), r.get("framework"), r.get("system"), r.get("spec")), []).append(r)
+        groups.setdefault(_row_key(r), []).append(r)
     for members in groups.values():
         curves = []
         for r in members:
@@ -447,18 +492,19 @@ def plot(path, rows, results, title, network):
         r = members[0]
         higher = bool(r.get("higher_is_better", True))
         style = "--" if r.get("system") == "ddp" else "-"
+        extra = {}
+        if is_reference(r):
+            style, extra = "-.", {"color": "dimgrey"}
         if len(curves) == 1:
-            ax.plot(curves[0][0], curves[0][1], style, label=r["label"], linewidth=1.6)
+            ax.plot(curves[0][0], curves[0][1], style, label=r["label"], linewidth=1.6, **extra)
         else:
             grid = np.linspace(0.0, max(t[-1] for t, _ in curves), 200)
             ys = np.array([np.where(grid <= t[-1], np.interp(grid, t, y), np.nan) for t, y in curves])
             line, = ax.plot(grid, np.nanmedian(ys, axis=0), style, linewidth=1.6,
-                            label=f"{r['label']} (median of {len(curves)})")
+                            label=f"{r['label']} (median of {len(curves)})", **extra)
             ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=line.get_color(),
                             alpha=0.2, linewidth=0)
-        if r.get("system") != "ddp" and r.get("spec") in ("fp16", "none"):
-            finals = [m.get("final_metric") for m in members if m.get("final_metric") is not None]
-            levels["FP16" if r["spec"] == "fp16" else "FP32"] = statistics.median(finals) if finals else None
+    levels = converged_levels(rows)
     colors = {"FP16": "black", "FP32": "grey"}
     for name, level in levels.items():
         if level is not None:

@@ -7,7 +7,11 @@ What it does, in three steps (``main`` only wires them):
    THC variants and the PowerSGD variants, whichever are registered in
    :data:`hvd_gradcomp.registry.SCHEMES`), plus, for PyTorch workloads, ``torch.distributed``
    DDP runs with its built-in hooks (``--ddp-hooks``; default ``fp16_compress_hook`` and
-   ``powerSGD_hook``), labelled as such; the link and the output folder. With ``--repeats N`` every run is
+   ``powerSGD_hook``), labelled as such; then one *no-communication reference* per workload
+   (``--no-comm-reference``, default on): the same FP32 Horovod training with the network
+   left out, i.e. on an unthrottled loopback link instead of the rate-limited one, the limit
+   any compressor can approach (labelled as a reference, never a baseline or a "best" row);
+   the link and the output folder. With ``--repeats N`` every run is
    planned N times, interleaved: round 1 of every row, then round 2, ..., so that all rows
    see the same background load over the sweep (the same seed in every round: the repeats
    measure the timing noise). Nothing runs yet.
@@ -60,7 +64,8 @@ from . import launch, linkcheck, netem, publish, report
 from .worker import PROGRESS_PREFIX
 
 __all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "SweepOutcome",
-           "default_specs", "parse_compressors", "plan_runs", "interleave", "RunSpec", "WORKLOADS"]
+           "default_specs", "parse_compressors", "plan_runs", "interleave", "RunSpec", "WORKLOADS",
+           "NOCOMM_SPEC", "NOCOMM_LABEL", "network_for"]
 
 # workload key -> (framework, worker module, workload name inside the worker, DDP-capable)
 WORKLOADS = {
@@ -80,20 +85,30 @@ DEFAULT_CANDIDATES = (
     "powersgd:rank=4,variant=two_round",  # Vogels et al.'s two rounds (blocking P all-reduce)
 )
 DEFAULT_DDP_HOOKS = "fp16;powersgd:rank=4"
+# The no-communication reference: FP32 (Horovod's own path) on an unthrottled loopback link.
+NOCOMM_SPEC = "none"
+NOCOMM_LABEL = "no communication (reference: fp32, unthrottled)"
 DEFAULT_BANDWIDTH_MBIT = 500.0
 
 
 class RunSpec:
     """One planned run: workload key, system ("horovod"/"ddp"), spec, label, run id, and its
     round ``repeat`` (1-based) of ``repeats``; the run id ends in ``-r<repeat>`` only when
-    ``repeats`` > 1 (``row_id``: the id without it, shared by the row's repeats)."""
+    ``repeats`` > 1 (``row_id``: the id without it, shared by the row's repeats).
 
-    def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1):
+    ``reference=True`` marks the no-communication reference: a Horovod FP32 run (spec
+    :data:`NOCOMM_SPEC`) on an unthrottled loopback link (:func:`network_for`), label
+    :data:`NOCOMM_LABEL`, row id ``<workload>-horovod-none-nocomm``.
+    """
+
+    def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1, reference=False):
         self.workload, self.system, self.spec = workload, system, spec
+        self.reference = bool(reference)
         self.framework = WORKLOADS[workload][0]
-        self.label = label or ({"none": "fp32 (none)"}.get(spec, spec) if system == "horovod" else f"DDP {spec}")
+        self.label = label or (NOCOMM_LABEL if self.reference else
+                               {"none": "fp32 (none)"}.get(spec, spec) if system == "horovod" else f"DDP {spec}")
         slug = re.sub(r"[^A-Za-z0-9]+", "-", spec).strip("-")
-        self.row_id = f"{workload}-{system}-{slug}"
+        self.row_id = f"{workload}-{system}-{slug}" + ("-nocomm" if self.reference else "")
         self.repeat, self.repeats = repeat, repeats
         self.run_id = self.row_id if repeats == 1 else f"{self.row_id}-r{repeat}"
 
@@ -153,8 +168,14 @@ def parse_ddp_hooks(text):
     return hooks
 
 
-def plan_runs(workloads, specs, ddp_hooks):
-    """The runs in table order: per workload, the Horovod specs then the DDP hooks."""
+def plan_runs(workloads, specs, ddp_hooks, reference=False):
+    """The runs in table order: per workload, the Horovod specs, the DDP hooks (PyTorch
+    workloads), then, with ``reference``, the no-communication reference (FP32 on an
+    unthrottled link, :class:`RunSpec` ``reference=True``).
+
+    Raises:
+        ValueError: an unknown workload.
+    """
     plan = []
     for w in workloads:
         if w not in WORKLOADS:
@@ -166,6 +187,8 @@ def plan_runs(workloads, specs, ddp_hooks):
                 label = {"none": "DDP fp32", "fp32": "DDP fp32", "fp16": "DDP fp16_compress_hook"}.get(
                     name, f"DDP powerSGD_hook {h.partition(':')[2]}".strip())
                 plan.append(RunSpec(w, "ddp", h, label))
+        if reference:
+            plan.append(RunSpec(w, "horovod", NOCOMM_SPEC, reference=True))
     return plan
 
 
@@ -178,7 +201,7 @@ def interleave(plan, repeats):
     """
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"--repeats must be an integer >= 1, got {repeats!r}")
-    return [RunSpec(r.workload, r.system, r.spec, r.label, k, repeats)
+    return [RunSpec(r.workload, r.system, r.spec, r.label, k, repeats, r.reference)
             for k in range(1, repeats + 1) for r in plan]
 
 
@@ -226,15 +249,30 @@ def _command(run, args, out_json):
     return cmd
 
 
-def _stub_result(run, status, error=""):
-    return {"status": status, "error": error,
-            "meta": {"workload": WORKLOADS[run.workload][2], "framework": WORKLOADS[run.workload][0],
-                     "system": run.system, "label": run.label, "compression": run.spec,
-                     "repeat": run.repeat}}
+def _stub_result(run, status, error="", network=None):
+    out = {"status": status, "error": error,
+           "meta": {"workload": WORKLOADS[run.workload][2], "framework": WORKLOADS[run.workload][0],
+                    "system": run.system, "label": run.label, "compression": run.spec,
+                    "repeat": run.repeat, "reference": run.reference}}
+    if network is not None:
+        out["network"] = network
+    return out
+
+
+def network_for(net, run):
+    """The network ``run`` goes on: the sweep's ``net``, or for the no-communication
+    reference (``run.reference``) a :class:`.netem.LoopbackNetwork` of the same size, which
+    needs no set-up: the network left out (no rate limit, no namespaces; the ranks still
+    all-reduce, over 127.0.0.1)."""
+    if not run.reference:
+        return net
+    return netem.LoopbackNetwork(net.world_size, "no-communication reference")
 
 
 def execute(net, run, args, out_dir, progress=True):
-    """Run one planned run on ``net``; returns its result dict (``status`` "ok" or why not)."""
+    """Run one planned run on ``net`` (the reference on :func:`network_for`'s loopback);
+    returns its result dict (``status`` "ok" or why not). A reference run's result holds
+    its own network's ``describe()`` under ``"network"`` and ``meta["reference"] = True``."""
     from tqdm import tqdm
     log_dir = os.path.join(out_dir, "logs", run.run_id)
     os.makedirs(log_dir, exist_ok=True)
@@ -245,7 +283,8 @@ def execute(net, run, args, out_dir, progress=True):
     cmd = _command(run, args, out_json)
     with open(os.path.join(log_dir, "command.txt"), "w") as f:
         f.write(" ".join(cmd) + "\n")
-    handle = launch.launch(net, cmd, kind="ddp" if run.system == "ddp" else "horovod",
+    own = network_for(net, run)
+    handle = launch.launch(own, cmd, kind="ddp" if run.system == "ddp" else "horovod",
                            log_dir=log_dir, pipe_rank0=True)
     lines = queue.Queue()
     stdout = handle.procs[0].stdout
@@ -297,6 +336,9 @@ def execute(net, run, args, out_dir, progress=True):
         result["status"] = "ok"
         result["meta"]["label"] = run.label
         result["meta"]["repeat"] = run.repeat
+        result["meta"]["reference"] = run.reference
+        if run.reference:
+            result["network"] = own.describe()
         return result
     tail = ""
     for name in sorted(os.listdir(log_dir)):
@@ -306,7 +348,7 @@ def execute(net, run, args, out_dir, progress=True):
             tail += f"--- {name} ---\n" + "\n".join(text.strip().splitlines()[-15:]) + "\n"
     status = "timeout" if code == 124 else f"failed (exit {code})"
     print(f"tta: run {run.run_id} {status}; logs in {log_dir}\n{tail}", file=sys.stderr)
-    return _stub_result(run, status, tail)
+    return _stub_result(run, status, tail, own.describe() if run.reference else None)
 
 
 def build_parser():
@@ -321,6 +363,10 @@ def build_parser():
     p.add_argument("--ddp-hooks", default=DEFAULT_DDP_HOOKS,
                    help="';'-separated DDP hooks for PyTorch workloads (none, fp16, powersgd:rank=R); "
                         "'off' for none")
+    p.add_argument("--no-comm-reference", choices=("on", "off"), default="on",
+                   help="per workload, one more run as a reference, not a competitor: FP32 on an "
+                        "unthrottled loopback link (the network left out), the limit any "
+                        "compressor can approach")
     p.add_argument("--workers", type=int, default=2, help="ranks (one namespace each)")
     p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_MBIT,
                    help="Mbit/s per worker link, each direction")
@@ -403,7 +449,8 @@ def plan_sweep(args) -> SweepPlan:
     else:
         specs, skipped = default_specs()
     hooks = parse_ddp_hooks(args.ddp_hooks)
-    runs = interleave(plan_runs(workloads, specs, hooks), args.repeats)
+    runs = interleave(plan_runs(workloads, specs, hooks, reference=args.no_comm_reference == "on"),
+                      args.repeats)
     link = netem.LinkConfig(args.bandwidth, args.latency)
     out_dir = os.path.abspath(args.out or os.path.join(
         "runs", "tta-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
