@@ -39,7 +39,7 @@ from .registry import SCHEMES, make_scheme
 from .base import (EmptyState, Scheme, StepBytes, TensorInfo, check_state, compress_tensor,
                    finish_tensor, passes_through)
 from .primitives import FLOAT_DTYPES, itemsize
-from .routing import Route, Routing
+from .routing import Route, Routing, canonical_text
 
 __all__ = ["HorovodCompressor", "Namespace", "Factory", "Call", "op_name", "group_dtype"]
 
@@ -734,6 +734,7 @@ class HorovodCompressor:
     def _load_part(self, part: dict, reset: bool):
         """Load one rank's state (``reset``: zero the rank-local fields)."""
         for key, text in part.get("routes", {}).items():
+            text = canonical_text(text)
             route = self._routes.get(key)
             if route is not None and route.text != text:
                 raise ValueError(_ROUTE_MISMATCH.format(spec=self.spec, key=key, saved=text,

@@ -1,14 +1,33 @@
-"""Checks for scheme options: one rule per kind of option, one wording for every error.
+"""Scheme options: declared once per field, checked one way, one wording for every error.
 
-Every config's ``__post_init__`` (and the routing's ``min_numel``) checks its fields with these
-functions, so the same kind of option is accepted and refused alike in every scheme, and every
-refusal reads::
+Each scheme's config is a frozen dataclass whose fields are declared with :func:`option`: the
+option's kind, its range or choices, its default, which way compresses harder and a one-line
+doc, all in one place::
+
+    @dataclass(frozen=True)
+    class THCConfig:
+        SCHEME: ClassVar[str] = "thc"
+        bits: int = option(4, kind="integer", lo=1, hi=16, harder="down",
+                           doc="bits per level: 2^bits - 1 levels above 0")
+
+        def __post_init__(self):
+            validate(self)
+
+Everything else is derived from that declaration (:class:`Option`): validation
+(:func:`validate`), spec-string parsing (:meth:`Option.parse`, used by
+:func:`hvd_gradcomp.registry.parse_spec`), canonical spec strings (:meth:`Option.format`, used
+by :func:`hvd_gradcomp.registry.to_spec`), the listing ``python -m hvd_gradcomp --list`` and
+the README's option table (:func:`hvd_gradcomp.registry.describe_options`).
+
+Every refusal reads::
 
     ValueError: <scheme>: <option> must be <rule>, got <value!r>
 
 e.g. ``"thc: bits must be an integer in [1, 16], got 17"``, ``"topkc: ratio must be a number
 in (0, 1], got 1.5"``, ``"powersgd: error_feedback must be True or False, got 1"``,
-``"topkc: selection must be 'previous' or 'current', got 'lagged'"``.
+``"topkc: selection must be 'previous' or 'current', got 'lagged'"``; a spec string's value
+that does not parse reads the same with the text as given (``"thc: bits must be an integer in
+[1, 16], got 'four'"``).
 
 Kinds:
     integer: a Python ``int`` that is not a ``bool`` (``2.0``, ``True`` and NumPy integers are
@@ -16,23 +35,54 @@ Kinds:
     number: an ``int`` or ``float`` that is not a ``bool`` (strings are refused), bounded by
         ``lo``/``hi``, each closed or open; NaN fails every bound. Without an upper bound
         ``inf`` is accepted (e.g. PowerSGD's ``min_compression_rate=inf``: never compress).
-    boolean: ``True`` or ``False`` only (not ``1``, ``"yes"``; spec strings are converted by
-        :func:`hvd_gradcomp.registry.parse_spec` before they get here).
-    choice: one of a tuple of values, compared with ``==``.
+        A config keeps it as a ``float`` (``ratio=1`` is stored as ``1.0``), so equal configs
+        print the same spec.
+    boolean: ``True`` or ``False`` only (not ``1``, ``"yes"``); in a spec string ``true``/
+        ``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``), canonically ``true``/``false``.
+    choice: one of a tuple of strings, compared with ``==``.
+    text: a non-empty string without commas (a spec string's option separator), e.g.
+        ``auto``'s ``candidates`` (``"fp16|topkc:0.1|thc:4"``); the scheme checks its content.
 
-Options shared by several schemes have one rule, given here once:
-    ``seed``: :func:`check_seed`, an integer >= 0 (THC, PowerSGD).
-    ``error_feedback`` and other switches: :func:`check_bool`.
-    ``ratio``: :func:`check_ratio`, a number in (0, 1] (TopK, TopKC).
-    a float dtype on the wire: :func:`check_choice` with :data:`WIRE_DTYPES`
-    (TopKC's ``payload_dtype``, PowerSGD's ``uncompressed_dtype``).
+Any kind may be declared ``optional=True``: None is then accepted too (``none`` in a spec
+string, canonically ``none``), e.g. a value measured when not given.
+
+A config field without a declaration (a scheme registered from outside that has not declared
+its options yet) still parses and prints: :func:`options_of` infers its kind from the field's
+type (``bool``, ``int``, ``float``, ``str``, ``Optional[...]``), without bounds, and leaves its
+checks to the config's own ``__post_init__``.
+
+Which way compresses harder (``harder``): ``"down"`` (a lower value sends fewer bytes),
+``"up"`` (a higher value does), one of the choices (that choice does), or None (the option
+does not move the bytes one way: it trades them against something else, or leaves them
+alone). Stated for tensors large enough that fixed costs do not matter; a test checks it
+against each scheme's ``wire()``.
+
+Options shared by several schemes have one declaration, given here once: ``seed``
+(:func:`seed_option`, an integer >= 0), ``error_feedback`` (:func:`error_feedback_option`),
+``ratio`` (:func:`ratio_option`, a number in (0, 1]) and a float dtype on the wire
+(:func:`wire_dtype_option`, one of :data:`WIRE_DTYPES`). The ``check_*`` functions are the
+rules themselves, usable alone.
 """
-__all__ = ["WIRE_DTYPES", "check_int", "check_float", "check_bool", "check_choice", "check_seed",
-           "check_ratio"]
+import dataclasses
+import math
+import typing
+from typing import NamedTuple, Optional
+
+__all__ = ["WIRE_DTYPES", "KINDS", "Option", "option", "option_of", "declared_options",
+           "options_of", "validate", "seed_option", "ratio_option", "error_feedback_option",
+           "wire_dtype_option", "check_int", "check_float", "check_bool", "check_choice",
+           "check_seed", "check_ratio"]
 
 # Float dtypes an option may put on the wire: Horovod all-reduces both in every framework
 # (it has no bfloat16, see cast.py).
 WIRE_DTYPES = ("float16", "float32")
+# The kinds an option may be (module docstring).
+KINDS = ("integer", "number", "boolean", "choice", "text")
+# Spec-string words for booleans.
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+# The field-metadata key an option's declaration is kept under.
+_KEY = "hvd_gradcomp.option"
 
 
 def _fail(scheme: str, name: str, rule: str, value):
@@ -59,6 +109,12 @@ def _rule(kind: str, lo, hi, lo_open=False, hi_open=False) -> str:
     if hi is not None:
         return f"{kind} {'<' if hi_open else '<='} {_number(hi)}"
     return kind
+
+
+def _choice_rule(choices) -> str:
+    """Choices as a message lists them: ``"'a', 'b' or 'c'"``."""
+    names = [repr(c) for c in choices]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def check_int(scheme: str, name: str, value, lo=None, hi=None):
@@ -125,9 +181,7 @@ def check_choice(scheme: str, name: str, value, choices):
             ``"x: mode must be 'a', 'b' or 'c', got 'd'"``.
     """
     if value not in choices:
-        names = [repr(c) for c in choices]
-        rule = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
-        _fail(scheme, name, rule, value)
+        _fail(scheme, name, _choice_rule(choices), value)
 
 
 def check_seed(scheme: str, name: str, value):
@@ -152,3 +206,272 @@ def check_ratio(scheme: str, name: str, value):
     """
     check_float(scheme, name, value, lo=0.0, hi=1.0, lo_open=True)
 
+
+class Option(NamedTuple):
+    """One option's declaration: everything the library says about it comes from here.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        default: the value when none is given (also the dataclass field's default).
+        doc: one line saying what the option does, for listings and the README table.
+        lo, hi: bounds of an integer (closed) or number (see ``lo_open``/``hi_open``); None
+            for no bound.
+        lo_open, hi_open: a number's bound itself is refused.
+        choices: the values a choice may take, in the order messages list them.
+        harder: which way compresses harder: ``"down"``, ``"up"``, one of ``choices``, or None
+            (module docstring).
+        optional: None is accepted too (``none`` in a spec string).
+        declared: False for an option :func:`options_of` inferred from a field's type.
+    """
+
+    kind: str
+    default: object
+    doc: str
+    lo: object = None
+    hi: object = None
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple = ()
+    harder: Optional[str] = None
+    optional: bool = False
+    declared: bool = True
+
+    def rule(self) -> str:
+        """The rule as an error message states it: ``"an integer in [1, 16]"``, ``"True or
+        False"``, ``"'previous' or 'current'"`` (``" or None"`` added when optional)."""
+        if self.kind == "integer":
+            rule = _rule("an integer", self.lo, self.hi)
+        elif self.kind == "number":
+            rule = _rule("a number", self.lo, self.hi, self.lo_open, self.hi_open)
+        elif self.kind == "boolean":
+            rule = "True or False"
+        elif self.kind == "text":
+            rule = "a non-empty string without commas"
+        else:
+            rule = _choice_rule(self.choices)
+        return rule + (" or None" if self.optional else "")
+
+    def values(self) -> str:
+        """What a spec string may give, for listings: ``"integer in [1, 16]"``, ``"true or
+        false"``, ``"previous or current"`` (``", or none"`` added when optional)."""
+        if self.kind == "integer":
+            text = _rule("integer", self.lo, self.hi)
+        elif self.kind == "number":
+            text = _rule("number", self.lo, self.hi, self.lo_open, self.hi_open)
+        elif self.kind == "boolean":
+            text = "true or false"
+        elif self.kind == "text":
+            text = "text without commas"
+        else:
+            text = " or ".join(self.choices) if len(self.choices) < 3 else (
+                ", ".join(self.choices[:-1]) + " or " + self.choices[-1])
+        return text + (", or none" if self.optional else "")
+
+    def harder_text(self) -> str:
+        """Which way compresses harder, in words: ``"lower"``, ``"higher"``, a choice, or
+        ``"-"`` (none)."""
+        return {"down": "lower", "up": "higher", None: "-"}.get(self.harder, self.harder)
+
+    def check(self, scheme: str, name: str, value):
+        """Check a value given for this option.
+
+        Args:
+            scheme: the scheme's name, first word of the message (``"thc"``).
+            name: the option's name (``"bits"``).
+            value: what the user gave (a Python value, not spec text).
+
+        Raises:
+            ValueError: ``"<scheme>: <name> must be <rule>, got <value!r>"``.
+        """
+        if self.optional:
+            if value is not None:
+                try:
+                    self._replace(optional=False).check(scheme, name, value)
+                except ValueError:
+                    _fail(scheme, name, self.rule(), value)
+            return
+        if self.kind == "integer":
+            check_int(scheme, name, value, self.lo, self.hi)
+        elif self.kind == "number":
+            check_float(scheme, name, value, self.lo, self.hi, self.lo_open, self.hi_open)
+        elif self.kind == "boolean":
+            check_bool(scheme, name, value)
+        elif self.kind == "text":
+            if not isinstance(value, str) or not value.strip() or "," in value:
+                _fail(scheme, name, self.rule(), value)
+        else:
+            check_choice(scheme, name, value, self.choices)
+
+    def normalise(self, value):
+        """The value a config keeps: a number's ``int`` becomes a ``float`` (``1`` -> ``1.0``);
+        anything else as it is. Call after :meth:`check`."""
+        if self.kind == "number" and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
+
+    def parse(self, scheme: str, name: str, text: str):
+        """The value a spec string's ``text`` gives (``"0.1"`` -> ``0.1``, ``"false"`` ->
+        ``False``, case-insensitive words), unchecked against the range (:meth:`check` does).
+
+        Raises:
+            ValueError: the text is not of the option's kind, e.g. ``"topkc: ratio must be a
+                number in (0, 1], got 'abc'"``, ``"topkc: error_feedback must be true or
+                false, got 'maybe'"``.
+        """
+        word = text.strip()
+        if self.optional:
+            if word.lower() in ("none", ""):
+                return None
+            try:
+                return self._replace(optional=False).parse(scheme, name, word)
+            except ValueError:
+                _fail(scheme, name, self.rule(), word)
+        if self.kind == "boolean":
+            if word.lower() in _TRUE:
+                return True
+            if word.lower() in _FALSE:
+                return False
+            _fail(scheme, name, "true or false", word)
+        if self.kind == "integer":
+            try:
+                return int(word)
+            except ValueError:
+                _fail(scheme, name, self.rule(), word)
+        if self.kind == "number":
+            try:
+                value = float(word)
+            except ValueError:
+                _fail(scheme, name, self.rule(), word)
+            return value
+        return word
+
+    def format(self, value) -> str:
+        """The canonical spec text of a value: ``true``/``false``, ``0.1``, ``inf``, ``256``,
+        ``float16``, ``none``; :meth:`parse` of it gives the value back."""
+        if value is None:
+            return "none"
+        if self.kind == "boolean":
+            return "true" if value else "false"
+        if self.kind == "number":
+            return repr(float(value)) if math.isfinite(value) else str(float(value))
+        return str(value)
+
+
+def option(default, *, kind: str, doc: str, lo=None, hi=None, lo_open: bool = False,
+           hi_open: bool = False, choices=(), harder=None, optional: bool = False):
+    """Declare a config field: ``bits: int = option(4, kind="integer", lo=1, hi=16, ...)``.
+
+    Returns a :func:`dataclasses.field` with ``default`` and the :class:`Option` in its
+    metadata, where :func:`validate`, the spec parser and the listings find it.
+
+    Raises:
+        TypeError: a declaration that contradicts itself (unknown kind or ``harder``, bounds on
+            a boolean or choice, no choices for a choice, a default that breaks its own rule),
+            so a mistake shows when the module is imported.
+    """
+    decl = Option(kind, default, doc, lo, hi, lo_open, hi_open, tuple(choices), harder, optional)
+    if kind not in KINDS:
+        raise TypeError(f"option: kind must be one of {KINDS}, got {kind!r}")
+    if (kind == "choice") != bool(decl.choices):
+        raise TypeError(f"option: choices are for kind 'choice' only, and it needs them; got "
+                        f"kind {kind!r} with choices {decl.choices!r}")
+    if kind in ("boolean", "choice", "text") and (lo is not None or hi is not None):
+        raise TypeError(f"option: a {kind} has no bounds")
+    allowed = ("down", "up") if kind in ("integer", "number") else decl.choices
+    if harder is not None and harder not in allowed:
+        raise TypeError(f"option: harder must be None or one of {allowed}, got {harder!r}")
+    if not doc or "\n" in doc:
+        raise TypeError("option: doc must be one line")
+    try:
+        decl.check("option", "default", default)
+    except ValueError as err:
+        raise TypeError(str(err)) from None
+    return dataclasses.field(default=default, metadata={_KEY: decl})
+
+
+def option_of(field: dataclasses.Field) -> Optional[Option]:
+    """The :class:`Option` declared for a dataclass field, or None if it has none."""
+    return field.metadata.get(_KEY)
+
+
+# Inferred kinds of undeclared fields, by type.
+_KIND_OF_TYPE = {bool: "boolean", int: "integer", float: "number", str: "text",
+                 "bool": "boolean", "int": "integer", "float": "number", "str": "text"}
+
+
+def _inferred(field: dataclasses.Field) -> Option:
+    """An undeclared field's option, from its type (module docstring)."""
+    typ, optional = field.type, False
+    if isinstance(typ, str) and typ.startswith("Optional[") and typ.endswith("]"):
+        typ, optional = typ[len("Optional["):-1], True
+    elif typing.get_origin(typ) is typing.Union and type(None) in typing.get_args(typ):
+        rest = [t for t in typing.get_args(typ) if t is not type(None)]
+        typ, optional = (rest[0] if len(rest) == 1 else str), True
+    default = field.default if field.default is not dataclasses.MISSING else None
+    return Option(_KIND_OF_TYPE.get(typ, "text"), default, "", optional=optional, declared=False)
+
+
+def options_of(config) -> dict:
+    """``{name: Option}`` of a config class or instance, in field order: each field's
+    declaration, or for a field without one an option inferred from its type
+    (``declared=False``; module docstring)."""
+    return {f.name: option_of(f) or _inferred(f) for f in dataclasses.fields(config)}
+
+
+def declared_options(config) -> dict:
+    """``{name: Option}`` of a config class or instance, in field order.
+
+    Raises:
+        TypeError: a field without an :func:`option` declaration (every option of a scheme
+            must be declared, so it is checked, parsed and listed like the others).
+    """
+    out = {}
+    for f in dataclasses.fields(config):
+        decl = option_of(f)
+        if decl is None:
+            cls = config if isinstance(config, type) else type(config)
+            raise TypeError(f"{cls.__name__}.{f.name} is not declared with "
+                            f"hvd_gradcomp.options.option(...)")
+        out[f.name] = decl
+    return out
+
+
+def validate(config):
+    """Check every declared option of a config (call it from ``__post_init__``).
+
+    The scheme's name in messages is the config's ``SCHEME`` class attribute. Numbers given
+    as ``int`` are stored as ``float`` (:meth:`Option.normalise`), also in frozen dataclasses.
+
+    Raises:
+        ValueError: the first option, in field order, that breaks its rule:
+            ``"<scheme>: <option> must be <rule>, got <value!r>"``.
+    """
+    scheme = type(config).SCHEME
+    for name, decl in declared_options(config).items():
+        value = getattr(config, name)
+        decl.check(scheme, name, value)
+        normal = decl.normalise(value)
+        if normal is not value:
+            object.__setattr__(config, name, normal)
+
+
+def seed_option(doc: str):
+    """The ``seed`` of every scheme that has one: an integer >= 0, default 0 (:func:`check_seed`);
+    ``doc`` says what it seeds."""
+    return option(0, kind="integer", lo=0, doc=doc)
+
+
+def ratio_option(default: float, doc: str):
+    """A fraction of things kept (TopK's and TopKC's ``ratio``): a number in (0, 1]
+    (:func:`check_ratio`); lower compresses harder."""
+    return option(default, kind="number", lo=0.0, hi=1.0, lo_open=True, harder="down", doc=doc)
+
+
+def error_feedback_option(doc: str = "keep what is not sent and add it to the next step's gradient"):
+    """The ``error_feedback`` switch of every scheme that has one: True or False, default True."""
+    return option(True, kind="boolean", doc=doc)
+
+
+def wire_dtype_option(doc: str, default: str = "float16"):
+    """A float dtype on the wire, one of :data:`WIRE_DTYPES`; float16 compresses harder."""
+    return option(default, kind="choice", choices=WIRE_DTYPES, harder="float16", doc=doc)

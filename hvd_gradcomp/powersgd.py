@@ -140,10 +140,10 @@ Reference: Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Co
 Distributed Optimization", NeurIPS 2019 (https://github.com/epfml/powersgd).
 """
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit, payload_finite, poison
-from .options import WIRE_DTYPES, check_bool, check_choice, check_float, check_int, check_seed
+from .options import error_feedback_option, option, seed_option, validate, wire_dtype_option
 from .orthogonalize import basis, orthogonalize
 from .rng import normal, step_key, stream_key, uniform
 
@@ -162,55 +162,48 @@ _VARIANTS = ("alternating", "two_round")
 
 @dataclass(frozen=True)
 class PowerSGDConfig:
-    """Options of :class:`PowerSGDScheme`.
+    """Options of :class:`PowerSGDScheme`, each declared once below (kind, range, default,
+    which way compresses harder, doc: :mod:`hvd_gradcomp.options`; ``python -m hvd_gradcomp
+    --list`` lists them).
 
-    Attributes:
-        rank: r, the rank of the approximation, an integer >= 1; default 1. Smaller
-            compresses harder (bytes per matrix: module docstring). Tuning (Vogels et al.):
-            start at rank 1 with error feedback and warm start; double it while the loss
-            trails the FP16 run's; 1 to 4 suits most vision models, language models may need
-            up to 32.
-        min_compression_rate: a matrix is compressed only if ``n m >= rate * r (n + m)``; a
-            number >= 1, default 2.0. Larger sends more matrices uncompressed.
-        start_step: number of initial steps sent uncompressed (warm-up), an integer >= 0;
-            default 0. Only with ``variant="two_round"`` (module docstring).
-        error_feedback: keep what the approximation misses and add it next step (True or
-            False); default True. Without it PowerSGD is biased and usually trains worse.
-        warm_start: reuse last step's factor (True, default) or not (False). ``False`` (a fresh random Q
-            each step) only with ``variant="two_round"``.
-        seed: key of the shared generator for the random start, an integer >= 0 (the rule of
-            every scheme's seed); default 0. All ranks must use the same seed.
-        uncompressed_dtype: "float16" (default; pre-scaled by 1/world_size) or
-            "float32", for the tensors step 1 leaves uncompressed (not TopKC's
-            ``payload_dtype``, which is the dtype of its compressed payload).
-        variant: "alternating" (default: one all-reduce per tensor, P and Q travel on
-            alternate steps, compress waits on no other rank) or "two_round" (the original
-            PowerSGD: a blocking side all-reduce of P inside compress, then Q as the payload).
+    Tuning ``rank`` (Vogels et al.): start at rank 1 with error feedback and warm start; double
+    it while the loss trails the FP16 run's; 1 to 4 suits most vision models, language models
+    may need up to 32 (bytes per matrix: module docstring). Without ``error_feedback``
+    PowerSGD is biased and usually trains worse. ``start_step > 0`` and ``warm_start=False``
+    need ``variant="two_round"`` (module docstring). ``uncompressed_dtype`` is the dtype of
+    the tensors step 1 leaves uncompressed (TopKC's ``payload_dtype`` is the dtype of its
+    compressed payload); float16 is pre-scaled by 1/world_size. All ranks must use the same
+    ``seed``.
 
     Raises:
         ValueError: an option of the wrong kind or outside its range (one wording for every
-            scheme: :mod:`hvd_gradcomp.options`), e.g. "powersgd: rank must be an integer >= 1,
-            got 0", or a combination the variant cannot do.
+            scheme), e.g. "powersgd: rank must be an integer >= 1, got 0", or a combination
+            the variant cannot do.
     """
 
-    rank: int = 1
-    min_compression_rate: float = 2.0
-    start_step: int = 0
-    error_feedback: bool = True
-    warm_start: bool = True
-    seed: int = 0
-    uncompressed_dtype: str = "float16"
-    variant: str = "alternating"
+    SCHEME: ClassVar[str] = "powersgd"
+    rank: int = option(1, kind="integer", lo=1, harder="down",
+                       doc="rank r of the low-rank approximation")
+    min_compression_rate: float = option(2.0, kind="number", lo=1.0, harder="down",
+                                         doc="a matrix is compressed only if n m >= rate * r (n + m); "
+                                             "larger sends more matrices uncompressed")
+    start_step: int = option(0, kind="integer", lo=0, harder="down",
+                             doc="initial steps sent uncompressed (warm-up; two_round only)")
+    error_feedback: bool = error_feedback_option(
+        "keep what the approximation misses and add it next step")
+    warm_start: bool = option(True, kind="boolean",
+                              doc="reuse last step's factor (false: a fresh random Q each step; "
+                                  "two_round only)")
+    seed: int = seed_option("key of the shared generator for the random start; equal on all "
+                            "ranks")
+    uncompressed_dtype: str = wire_dtype_option("dtype of the vectors and matrices sent "
+                                                "uncompressed")
+    variant: str = option("alternating", kind="choice", choices=_VARIANTS, harder="alternating",
+                          doc="P and Q on alternate steps, one all-reduce (alternating) or the "
+                              "original: a blocking P side all-reduce, then Q (two_round)")
 
     def __post_init__(self):
-        check_int("powersgd", "rank", self.rank, lo=1)
-        check_float("powersgd", "min_compression_rate", self.min_compression_rate, lo=1.0)
-        check_int("powersgd", "start_step", self.start_step, lo=0)
-        check_bool("powersgd", "error_feedback", self.error_feedback)
-        check_bool("powersgd", "warm_start", self.warm_start)
-        check_seed("powersgd", "seed", self.seed)
-        check_choice("powersgd", "uncompressed_dtype", self.uncompressed_dtype, WIRE_DTYPES)
-        check_choice("powersgd", "variant", self.variant, _VARIANTS)
+        validate(self)
         if self.variant == "alternating":
             if self.start_step:
                 raise ValueError(

@@ -1,9 +1,11 @@
 """The catalogue of schemes, and text specs such as ``"topkc:ratio=0.01,chunk=256"``.
 
-A *scheme spec* is ``name`` or ``name:key=value,key=value``. Values are parsed by the type of
-the config field they set (bool accepts true/false/1/0/yes/no). Each backend's ``Compression``
-namespace builds its compressors from this table, so both frontends offer the same names and
-options.
+A *scheme spec* is ``name`` or ``name:key=value,key=value``. Values are parsed by the option
+each config field declares (:mod:`hvd_gradcomp.options`: a boolean accepts true/false/1/0/
+yes/no/on/off), and :func:`to_spec` writes them back canonically from the same declaration.
+Each backend's ``Compression`` namespace builds its compressors from this table, so both
+frontends offer the same names and options. :func:`describe_options` lists every scheme's
+options (``python -m hvd_gradcomp --list``; the README's option table is its Markdown form).
 
 A *compressor spec* (``Compression.from_spec``) adds routing (:mod:`hvd_gradcomp.routing`):
 which scheme sends which tensor. Grammar::
@@ -27,11 +29,10 @@ Whitespace around items is ignored; a spec without ``->`` is a plain scheme spec
 """
 import dataclasses
 import re
-import typing
 from typing import NamedTuple, Optional
 
 from .cast import Bf16Config, Bf16Scheme, Fp16Config, Fp16Scheme, NoneConfig, NoneScheme
-from .options import check_int
+from .options import Option, options_of
 from .powersgd import PowerSGDConfig, PowerSGDScheme
 from .thc import THCConfig, THCScheme
 from .topk import TopKConfig, TopKScheme
@@ -39,7 +40,8 @@ from .topkc import TopKCConfig, TopKCScheme
 
 __all__ = ["SCHEMES", "make_scheme", "parse_spec", "to_spec", "register", "SMALL_DEFAULTS", "SMALL_SCHEME",
            "small_default", "Selector", "parse_selector", "format_selector", "split_min_numel",
-           "RoutingSpec", "parse_routing", "with_min_numel"]
+           "RoutingSpec", "parse_routing", "with_min_numel", "MIN_NUMEL", "describe_options",
+           "OPTIONS_BLOCK"]
 
 # name -> (config class, scheme class); register() adds to it.
 SCHEMES = {
@@ -62,21 +64,20 @@ def _canonical_name(name: str) -> str:
     return ALIASES.get(name, name)
 
 
-def _normalise(config_cls, options: dict) -> dict:
-    """Options with ints given for float fields made floats, so equal configs compare equal
-    and print the same spec (``ratio=1`` and ``ratio=1.0``)."""
-    fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    out = {}
-    for key, value in options.items():
-        typ = fields[key].type if key in fields else None
-        if typ in (float, "float") and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        out[key] = value
-    return out
-
-
 def register(name: str, config_cls, scheme_cls):
-    """Add a scheme to the catalogue (used by the scheme modules that live outside this file)."""
+    """Add a scheme to the catalogue (used by the scheme modules that live outside this file).
+
+    Declare the config's options with :func:`hvd_gradcomp.options.option` (fields without a
+    declaration still parse and print, by their type: :func:`hvd_gradcomp.options.options_of`).
+
+    Raises:
+        TypeError: the config declares options and its ``SCHEME`` (the name its messages use)
+            is not ``name``.
+    """
+    declares = any(o.declared for o in options_of(config_cls).values())
+    if declares and getattr(config_cls, "SCHEME", None) != name:
+        raise TypeError(f"register: {config_cls.__name__}.SCHEME must be {name!r} (its name in "
+                        f"messages), got {getattr(config_cls, 'SCHEME', None)!r}")
     SCHEMES[name] = (config_cls, scheme_cls)
 
 
@@ -98,27 +99,7 @@ def make_scheme(name: str, *args, **options):
     unknown = sorted(set(options) - fields)
     if unknown:
         raise ValueError(f"{name}: unknown option(s) {unknown}; expected some of {sorted(fields)}")
-    return scheme_cls(config_cls(**_normalise(config_cls, options)))
-
-
-def _convert(name: str, field, text: str):
-    typ = field.type if not isinstance(field.type, str) else {
-        "float": float, "int": int, "bool": bool, "str": str}.get(field.type, str)
-    if typ is bool:
-        low = text.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name}: option {field.name} must be true or false, got {text!r}")
-    if typing.get_origin(typ) is typing.Union:  # Optional[int] etc.
-        if text.strip().lower() in ("none", ""):
-            return None
-        typ = [t for t in typing.get_args(typ) if t is not type(None)][0]
-    try:
-        return typ(text)
-    except ValueError:
-        raise ValueError(f"{name}: option {field.name} must be {typ.__name__}, got {text!r}") from None
+    return scheme_cls(config_cls(**options))
 
 
 def parse_spec(spec: str):
@@ -131,7 +112,7 @@ def parse_spec(spec: str):
     name = _canonical_name(name)
     if name not in SCHEMES:
         raise ValueError(f"unknown compressor {name!r} in spec {spec!r}; expected one of {sorted(SCHEMES)}")
-    fields = {f.name: f for f in dataclasses.fields(SCHEMES[name][0])}
+    fields = options_of(SCHEMES[name][0])
     options = {}
     for i, item in enumerate(filter(None, (p.strip() for p in rest.split(",")))):
         key, eq, value = item.partition("=")
@@ -142,18 +123,108 @@ def parse_spec(spec: str):
             raise ValueError(f"{name}: expected key=value in spec {spec!r}, got {item!r}")
         if key not in fields:
             raise ValueError(f"{name}: unknown option {key!r}; expected some of {sorted(fields)}")
-        options[key] = _convert(name, fields[key], value)
+        options[key] = fields[key].parse(name, key, value)
     return name, options
 
 
 def to_spec(scheme, full: bool = False, skip=()) -> str:
     """The canonical spec of a scheme: options that differ from their defaults (every option
-    with ``full=True``), values normalised, so equal configs give one string; options named in
-    ``skip`` are left out."""
+    with ``full=True``) in declaration order, each value as its option formats it
+    (:meth:`~hvd_gradcomp.options.Option.format`: ``true``/``false``, ``0.1``), so equal
+    configs give one string and :func:`parse_spec` of it gives the config back; options named
+    in ``skip`` are left out."""
     cfg = scheme.config
-    parts = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-             if f.name not in skip and (full or getattr(cfg, f.name) != f.default)]
+    parts = [f"{name}={decl.format(getattr(cfg, name))}"
+             for name, decl in options_of(cfg).items()
+             if name not in skip and (full or getattr(cfg, name) != decl.default)]
     return scheme.name + (":" + ",".join(parts) if parts else "")
+
+
+# ---------------------------------------------------------------- option listings
+
+# README block the Markdown listing fills: <!-- options:start --> ... <!-- options:end -->.
+OPTIONS_BLOCK = "options"
+
+
+def _names(names):
+    if names is None:
+        return list(SCHEMES)
+    out = []
+    for name in names:
+        canonical = _canonical_name(name)
+        if canonical not in SCHEMES:
+            raise ValueError(f"unknown compressor {name!r}; expected one of {sorted(SCHEMES)}")
+        out.append(canonical)
+    return out
+
+
+def _default_min_numel() -> str:
+    by_value = {}
+    for name, value in SMALL_DEFAULTS.items():
+        by_value.setdefault(value, []).append(name)
+    parts = [f"{value} for {', '.join(names)}" for value, names in by_value.items()]
+    return "; ".join(parts + [f"{MIN_NUMEL.default} otherwise"])
+
+
+def describe_options(names=None, markdown: bool = False) -> str:
+    """Every scheme's options as their declarations state them (kind and range, default,
+    which way compresses harder, doc), then the routing's ``min_numel``.
+
+    Args:
+        names: schemes to list (case-insensitive, aliases allowed); None: all, in catalogue
+            order.
+        markdown: a Markdown table (the README's option table, between ``<!-- options:start
+            -->`` and ``<!-- options:end -->``) instead of plain text (``python -m
+            hvd_gradcomp --list``).
+
+    Raises:
+        ValueError: an unknown scheme name.
+    """
+    names = _names(names)
+    plain = [n for n in names if not options_of(SCHEMES[n][0])]
+    aliases = {n: [a for a, target in ALIASES.items() if target == n] for n in names}
+
+    def title(name, code):
+        quote = "`" if code else ""
+        extra = f" ({', '.join(quote + a + quote for a in aliases[name])})" if aliases[name] else ""
+        return quote + name + quote + extra
+
+    if markdown:
+        def cell(text):  # a "|" inside a cell would end it
+            return text.replace("|", "\\|")
+
+        lines = ["| scheme | option | values | default | compresses harder | what it does |",
+                 "|---|---|---|---|---|---|"]
+        for name in names:
+            for key, decl in options_of(SCHEMES[name][0]).items():
+                first = " (first)" if PRIMARY.get(name) == key else ""
+                lines.append(f"| {title(name, True)} | `{key}`{first} | {cell(decl.values())} | "
+                             f"`{cell(decl.format(decl.default))}` | {cell(decl.harder_text())} | "
+                             f"{cell(decl.doc or '-')} |")
+        lines.append(f"| every compressor | `{ROUTING_OPTION}` | {MIN_NUMEL.values()} | "
+                     f"{_default_min_numel()} | - | {MIN_NUMEL.doc} (routing) |")
+        if plain:
+            lines += ["", ", ".join(title(n, True) for n in plain) + " take no options."]
+        lines += ["", "The first option may be given without its name (`topkc:0.1`, "
+                      "`Compression.topkc(0.1)`); \"compresses harder\" is the way that sends "
+                      "fewer bytes per step on large tensors (`-`: neither way)."]
+        return "\n".join(lines)
+    lines = []
+    for name in names:
+        options = options_of(SCHEMES[name][0])
+        if not options:
+            lines.append(f"{title(name, False)}: no options")
+            continue
+        first = f" (first option positional: {name}:VALUE sets {PRIMARY[name]})" if name in PRIMARY else ""
+        lines.append(f"{title(name, False)}{first}")
+        for key, decl in options.items():
+            lines.append(f"  {key}={decl.format(decl.default)}  [{decl.values()}; harder: "
+                         f"{decl.harder_text()}]")
+            lines.append(f"      {decl.doc}")
+    lines.append("every compressor (routing)")
+    lines.append(f"  {ROUTING_OPTION}  [{MIN_NUMEL.values()}; default {_default_min_numel()}]")
+    lines.append(f"      {MIN_NUMEL.doc}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- routing grammar
@@ -167,6 +238,10 @@ SMALL_SCHEME = "fp16"
 # itself (min_compression_rate), the casts have nothing to gain.
 SMALL_DEFAULTS = {"thc": 1024, "topkc": 1024}
 ROUTING_OPTION = "min_numel"
+# The routing's one option, declared like a scheme's (its default depends on the default
+# scheme: SMALL_DEFAULTS, else 1).
+MIN_NUMEL = Option("integer", 1, "tensors no rule names with fewer coordinates go as fp16",
+                   lo=1)
 RULE_ARROW = "->"
 _SIZE_TERM = re.compile(r"numel\s*(>=|<=|>|<)\s*([0-9]+)")
 _TERMS = re.compile(r"numel\s*(?:>=|<=|>|<)\s*[0-9]+|\S+")
@@ -250,11 +325,8 @@ def split_min_numel(spec: str):
         if eq and key.strip().lower() == ROUTING_OPTION:
             if value is not None:
                 raise ValueError(f"{name.strip()}: min_numel given twice in {spec!r}")
-            try:
-                value = int(text.strip())
-            except ValueError:
-                raise ValueError(f"{name.strip()}: option min_numel must be int, got {text.strip()!r}") from None
-            check_int(name.strip(), ROUTING_OPTION, value, lo=1)
+            value = MIN_NUMEL.parse(name.strip(), ROUTING_OPTION, text)
+            MIN_NUMEL.check(name.strip(), ROUTING_OPTION, value)
         elif item.strip():
             kept.append(item.strip())
     return name.strip() + (":" + ",".join(kept) if kept else ""), value

@@ -45,11 +45,11 @@ Names the rules see (what makes a decision identical on every rank):
 from typing import NamedTuple
 
 from .base import Scheme
-from .options import check_int
-from .registry import (ROUTING_OPTION, RULE_ARROW, SMALL_SCHEME, Selector, format_selector, make_scheme,
-                       parse_routing, parse_spec, small_default, split_min_numel, to_spec, with_min_numel)
+from .registry import (MIN_NUMEL, ROUTING_OPTION, RULE_ARROW, SMALL_SCHEME, Selector, format_selector,
+                       make_scheme, parse_routing, parse_spec, small_default, split_min_numel, to_spec,
+                       with_min_numel)
 
-__all__ = ["Route", "Routing", "scheme_text", "NEEDS_NAME"]
+__all__ = ["Route", "Routing", "scheme_text", "canonical_text", "NEEDS_NAME"]
 
 NEEDS_NAME = ("{routing!r}: rules match tensor names, and this tensor has none; use the compressor "
               "through Horovod's optimizers, pass name= to hvd.allreduce, or call compress(tensor, "
@@ -61,6 +61,16 @@ def scheme_text(scheme: Scheme) -> str:
     ``min_numel``, which the routing owns), e.g. ``"topkc:ratio=0.01"``: what a route and a
     checkpoint record."""
     return to_spec(scheme)
+
+
+def canonical_text(text: str) -> str:
+    """A recorded scheme text (a checkpoint's route) as :func:`scheme_text` writes it today,
+    so texts written before booleans were spelled ``true``/``false`` (``"thc:saturation=False"``)
+    still compare equal; a text that no longer parses is returned as it is (and then differs)."""
+    try:
+        return scheme_text(_build(text))
+    except (ValueError, TypeError):
+        return text
 
 
 class Route(NamedTuple):
@@ -109,7 +119,7 @@ class Routing:
     )
 
     def __init__(self, rules, default: Scheme, min_numel: int, plain: bool = False):
-        check_int(default.name, ROUTING_OPTION, min_numel, lo=1)
+        MIN_NUMEL.check(default.name, ROUTING_OPTION, min_numel)
         self.rules = tuple(rules)
         self.default = default
         self.min_numel = min_numel

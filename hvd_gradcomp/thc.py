@@ -114,11 +114,11 @@ Mean Estimation with Limited Communication", ICML 2017, for the randomized Hadam
 """
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from . import hadamard, rng
 from .base import Scheme, TensorInfo, WireBytes
-from .options import check_bool, check_choice, check_float, check_int, check_seed
+from .options import error_feedback_option, option, seed_option, validate
 
 __all__ = ["THCConfig", "THCState", "THCScheme", "saturation_threshold", "lane_layout",
            "wire_bits", "exact_words", "MAX_WORLD_SIZE"]
@@ -201,56 +201,52 @@ def exact_words(ops, words, summed, world_size: int, guard: int):
 
 @dataclass(frozen=True)
 class THCConfig:
-    """Options of :class:`THCScheme`.
+    """Options of :class:`THCScheme`, each declared once below (kind, range, default, which
+    way compresses harder, doc: :mod:`hvd_gradcomp.options`; ``python -m hvd_gradcomp --list``
+    lists them).
 
-    Attributes:
-        bits: bits per level, ``L = 2**bits - 1`` levels above 0; integer in [1, 16], default
-            4 (THC's). Fewer compresses harder; the wire cost is in the module docstring's table.
-            Tuning: keep 4 with saturation; try 2 only with error feedback and watch the loss.
-            1 bit diverges with error feedback (its rounding noise exceeds the signal).
-        rotation: "partial" (default; blocks of ``2**rotation_stages``) or "full" (one block of
-            ``next_pow2(d)``, up to 2x padding on the wire).
-        rotation_stages: ``k`` butterfly stages of the partial rotation, integer in [1, 30];
-            default 10 (THC's code). Larger mixes more coordinates, costs more time and pads
-            to a multiple of ``2**k``. Each block has its own range.
-        saturation: clamp at ``T sigma`` (True, default) or aim the range at the block's peak
-            (False). The clamp buys a finer grid with the same bits.
-        saturation_rate: fraction of a standard normal clipped, in (0, 0.5]; default 1/1024
-            (THC's, ``T = 3.297``). Larger clips more and refines the grid.
-        range: "previous" (default: ranges from the statistics of the previous step, one
-            all-reduce) or "current" (the paper's blocking form: this step's ranges through a
-            synchronous Max side all-reduce inside compress).
-        seed: seeds the shared rotation and the per-rank rounding, an integer >= 0 (the
-            rule of every scheme's seed); default 0. All ranks must use the same seed.
-        error_feedback: keep ``y - own decoded`` for the next step (True or False); default True.
+    Tuning ``bits``: the wire cost is in the module docstring's table; keep 4 with saturation;
+    try 2 only with error feedback and watch the loss. 1 bit diverges with error feedback (its
+    rounding noise exceeds the signal). ``rotation_stages`` (THC's code has 10): more stages
+    mix more coordinates, cost more time and pad to a multiple of ``2**k``. ``saturation``
+    buys a finer grid with the same bits; ``saturation_rate`` 1/1024 is THC's
+    (``T = 3.297``). ``rotation`` and ``rotation_stages`` move the bytes both ways (padding
+    against per-block ranges). All ranks must use the same ``seed``.
 
     The size threshold below which tensors go as FP16 (``min_numel``) is a routing option,
     not one of these (:mod:`hvd_gradcomp.routing`).
 
     Raises:
         ValueError: an option of the wrong kind or outside its range, naming the scheme and the
-            option (one wording for every scheme: :mod:`hvd_gradcomp.options`), e.g.
-            ``"thc: bits must be an integer in [1, 16], got 17"``.
+            option (one wording for every scheme), e.g. ``"thc: bits must be an integer in
+            [1, 16], got 17"``.
     """
 
-    bits: int = 4
-    rotation: str = "partial"
-    rotation_stages: int = 10
-    saturation: bool = True
-    saturation_rate: float = 1.0 / 1024
-    range: str = "previous"
-    seed: int = 0
-    error_feedback: bool = True
+    SCHEME: ClassVar[str] = "thc"
+    bits: int = option(4, kind="integer", lo=1, hi=16, harder="down",
+                       doc="bits per level: 2^bits - 1 levels above 0 (THC's 4)")
+    rotation: str = option("partial", kind="choice", choices=("partial", "full"),
+                           doc="Hadamard rotation in blocks of 2^rotation_stages (partial) or in "
+                               "one block of next_pow2(d), up to 2x padding (full)")
+    rotation_stages: int = option(10, kind="integer", lo=1, hi=30,
+                                  doc="butterfly stages k of the partial rotation: blocks of 2^k "
+                                      "coordinates, each with its own range")
+    saturation: bool = option(True, kind="boolean",
+                              doc="clamp at T sigma for a finer grid (true) or aim the range at "
+                                  "the block's peak (false)")
+    saturation_rate: float = option(1.0 / 1024, kind="number", lo=0.0, hi=0.5, lo_open=True,
+                                    doc="fraction of a standard normal clipped (T = 3.297 for "
+                                        "1/1024); larger clips more and refines the grid")
+    range: str = option("previous", kind="choice", choices=("previous", "current"),
+                        harder="previous",
+                        doc="ranges from the previous step's statistics (one all-reduce) or this "
+                            "step's (blocking Max side all-reduce)")
+    seed: int = seed_option("seeds the shared rotation and the per-rank rounding; equal on all "
+                            "ranks")
+    error_feedback: bool = error_feedback_option("keep y - own decoded for the next step")
 
     def __post_init__(self):
-        check_int("thc", "bits", self.bits, 1, 16)
-        check_choice("thc", "rotation", self.rotation, ("partial", "full"))
-        check_int("thc", "rotation_stages", self.rotation_stages, 1, 30)
-        check_bool("thc", "saturation", self.saturation)
-        check_float("thc", "saturation_rate", self.saturation_rate, 0.0, 0.5, lo_open=True)
-        check_choice("thc", "range", self.range, ("previous", "current"))
-        check_seed("thc", "seed", self.seed)
-        check_bool("thc", "error_feedback", self.error_feedback)
+        validate(self)
 
 
 class THCState(NamedTuple):
@@ -564,6 +560,16 @@ class THCScheme(Scheme):
         lay = self.layout(info)
         payload = 4 * (lay.words + lay.stats_words + _CONTROL)
         return WireBytes(payload, 4 * lay.blocks, 1) if self.blocking else WireBytes(payload)
+
+    def residual_of(self, ops, state, info):
+        """The error feedback in the gradient's coordinates: the rotated residual rotated back
+        (``irht``) and unpadded, float32 [numel]; None without error feedback."""
+        if not self.config.error_feedback:
+            return None
+        block = self.layout(info).block
+        back = hadamard.irht(ops, state.residual, state.diag,
+                             hadamard.hadamard_factors(ops, block, state.residual))
+        return back[:info.numel] if ops.shape(back)[0] > info.numel else back
 
     def metrics(self, state) -> dict:
         """``{"saturated": int64 [], "realigned": int64 []}``: rotated coordinates clipped in the

@@ -20,10 +20,10 @@ Reference: Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018;
 """
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, payload_finite, poison
-from .options import check_bool, check_ratio
+from .options import error_feedback_option, ratio_option, validate
 
 __all__ = ["TopKConfig", "TopKState", "TopKScheme", "num_selected"]
 
@@ -36,27 +36,23 @@ def num_selected(ratio: float, n: int) -> int:
 
 @dataclass(frozen=True)
 class TopKConfig:
-    """Options of :class:`TopKScheme`.
-
-    Attributes:
-        ratio: fraction of coordinates kept per tensor, a number in (0, 1]; default 0.01.
-            Smaller keeps fewer (compresses harder in principle; on the wire TopK is always
-            dense).
-        error_feedback: keep what is not sent and add it to the next gradient (True or
-            False); default True.
+    """Options of :class:`TopKScheme`, each declared once below (kind, range, default, which
+    way compresses harder, doc: :mod:`hvd_gradcomp.options`; ``python -m hvd_gradcomp --list``
+    lists them).
 
     Raises:
         ValueError: an option of the wrong kind or outside its range, naming the scheme and the
-            option (one wording for every scheme: :mod:`hvd_gradcomp.options`), e.g.
-            ``"topk: ratio must be a number in (0, 1], got -0.1"``.
+            option (one wording for every scheme), e.g. ``"topk: ratio must be a number in
+            (0, 1], got -0.1"``.
     """
 
-    ratio: float = 0.01
-    error_feedback: bool = True
+    SCHEME: ClassVar[str] = "topk"
+    ratio: float = ratio_option(0.01, doc="fraction of coordinates kept per tensor (on the wire "
+                                          "TopK stays dense: it saves no bytes)")
+    error_feedback: bool = error_feedback_option()
 
     def __post_init__(self):
-        check_ratio("topk", "ratio", self.ratio)
-        check_bool("topk", "error_feedback", self.error_feedback)
+        validate(self)
 
 
 class TopKState(NamedTuple):

@@ -63,11 +63,11 @@ High End-to-end Utility of Gradient Compression", HotNets 2024 (reconstructed; s
 ``shared/reference/algorithms.md``); error feedback after Stich et al., NeurIPS 2018.
 """
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, payload_finite, poison, saturating_cast
 from .primitives import itemsize
-from .options import WIRE_DTYPES, check_bool, check_choice, check_int, check_ratio
+from .options import error_feedback_option, option, ratio_option, validate, wire_dtype_option
 from .topk import num_selected
 
 __all__ = ["TopKCConfig", "TopKCState", "TopKCScheme"]
@@ -80,43 +80,39 @@ _SLOTS = 16
 
 @dataclass(frozen=True)
 class TopKCConfig:
-    """Options of :class:`TopKCScheme`.
+    """Options of :class:`TopKCScheme`, each declared once below (kind, range, default, which
+    way compresses harder, doc: :mod:`hvd_gradcomp.options`; ``python -m hvd_gradcomp --list``
+    lists them).
 
-    Attributes:
-        ratio: fraction of chunks sent, a number in (0, 1]; default 0.01. Smaller compresses
-            harder. Tuning: start at 0.1 with error feedback; lower it while the loss keeps up with
-            the FP16 run.
-        chunk: coordinates per chunk, an integer >= 1; default 256. Larger chunks cost fewer
-            score values on the wire (one per chunk) and select less precisely.
-        error_feedback: keep what is not sent for the next step (True or False); default True.
-        payload_dtype: "float16" (default) or "float32" for the packed chunks and scores: the
-            dtype of the compressed payload (not PowerSGD's ``uncompressed_dtype``, which is
-            the dtype of the tensors it leaves uncompressed).
-        selection: "previous" (default: one all-reduce, selection by the previous step's
-            agreed scores) or "current" (the paper's blocking two-round form; see the module
-            docstring).
+    Tuning ``ratio``: start at 0.1 with error feedback; lower it while the loss keeps up with
+    the FP16 run. ``chunk``: larger chunks cost fewer score values on the wire (one per chunk)
+    and select less precisely, so it moves the bytes both ways. ``payload_dtype`` is the dtype
+    of the compressed payload (PowerSGD's ``uncompressed_dtype`` is the dtype of the tensors
+    it leaves uncompressed). ``selection="current"`` is the paper's blocking two-round form
+    (module docstring).
 
     The size threshold below which tensors go as FP16 (``min_numel``) is a routing option,
     not one of these (:mod:`hvd_gradcomp.routing`).
 
     Raises:
         ValueError: an option of the wrong kind or outside its range, naming the scheme and the
-            option (one wording for every scheme: :mod:`hvd_gradcomp.options`), e.g.
-            ``"topkc: chunk must be an integer >= 1, got 0"``.
+            option (one wording for every scheme), e.g. ``"topkc: chunk must be an integer
+            >= 1, got 0"``.
     """
 
-    ratio: float = 0.01
-    chunk: int = 256
-    error_feedback: bool = True
-    payload_dtype: str = "float16"
-    selection: str = "previous"
+    SCHEME: ClassVar[str] = "topkc"
+    ratio: float = ratio_option(0.01, doc="fraction of chunks sent per tensor and step")
+    chunk: int = option(256, kind="integer", lo=1,
+                        doc="coordinates per chunk (larger: fewer scores, coarser selection)")
+    error_feedback: bool = error_feedback_option()
+    payload_dtype: str = wire_dtype_option("dtype of the packed chunks and scores on the wire")
+    selection: str = option("previous", kind="choice", choices=("previous", "current"),
+                            harder="previous",
+                            doc="chunks chosen by the previous step's agreed scores (one "
+                                "all-reduce) or this step's (blocking side all-reduce)")
 
     def __post_init__(self):
-        check_ratio("topkc", "ratio", self.ratio)
-        check_int("topkc", "chunk", self.chunk, lo=1)
-        check_bool("topkc", "error_feedback", self.error_feedback)
-        check_choice("topkc", "payload_dtype", self.payload_dtype, WIRE_DTYPES)
-        check_choice("topkc", "selection", self.selection, ("previous", "current"))
+        validate(self)
 
 
 class TopKCState(NamedTuple):

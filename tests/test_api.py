@@ -55,9 +55,9 @@ def test_spec_round_trip():
     ("topkc:min_numel=1024", "topkc: unknown option 'min_numel'"),  # a routing option (below)
     ("topkc:rank=2", "topkc: unknown option 'rank'"),
     ("topkc:chunk=8,ratio", "topkc: expected key=value in spec 'topkc:chunk=8,ratio', got 'ratio'"),
-    ("topkc:ratio", "topkc: option ratio must be float, got 'ratio'"),  # a bare first value is the ratio
-    ("topkc:ratio=abc", "topkc: option ratio must be float"),
-    ("topkc:error_feedback=maybe", "must be true or false"),
+    ("topkc:ratio", "topkc: ratio must be a number in (0, 1], got 'ratio'"),  # a bare first value is the ratio
+    ("topkc:ratio=abc", "topkc: ratio must be a number in (0, 1], got 'abc'"),
+    ("topkc:error_feedback=maybe", "topkc: error_feedback must be true or false, got 'maybe'"),
     ("zip", "unknown compressor 'zip'"),
 ])
 def test_bad_specs_raise_value_error(spec, message):
@@ -69,7 +69,7 @@ def test_bad_specs_raise_value_error(spec, message):
 
 @pytest.mark.parametrize("spec,message", [
     ("topkc:min_numel=0", "topkc: min_numel must be an integer >= 1, got 0"),
-    ("topkc:min_numel=1.5", "topkc: option min_numel must be int"),
+    ("topkc:min_numel=1.5", "topkc: min_numel must be an integer >= 1, got '1.5'"),
     ("topkc:chunk=0,min_numel=4", "topkc: chunk must be an integer >= 1, got 0"),
 ])
 def test_bad_compressor_specs_raise_value_error(spec, message):

@@ -1,14 +1,26 @@
-"""hvd_gradcomp.options: one rule per kind of option, one wording, in every scheme."""
+"""hvd_gradcomp.options: one rule per kind of option, one wording, in every scheme; each option
+declared once, and its checks, spec text, listing, README table and "harder" direction derived
+from that declaration."""
+import dataclasses
 import math
+import os
+import re
+import subprocess
+import sys
+from typing import ClassVar, Optional
 
 import pytest
 
+from hvd_gradcomp.base import TensorInfo
 from hvd_gradcomp.options import (WIRE_DTYPES, check_bool, check_choice, check_float, check_int,
-                                  check_ratio, check_seed)
+                                  check_ratio, check_seed, option, option_of, options_of, validate)
 from hvd_gradcomp.powersgd import PowerSGDConfig
+from hvd_gradcomp.registry import (OPTIONS_BLOCK, PRIMARY, SCHEMES, describe_options, make_scheme,
+                                   parse_spec, to_spec)
 from hvd_gradcomp.thc import THCConfig
 from hvd_gradcomp.topk import TopKConfig
 from hvd_gradcomp.topkc import TopKCConfig
+from tests.conftest import ROOT
 
 
 def message(check, *args, **kwargs):
@@ -84,3 +96,158 @@ def test_each_option_named():
         "powersgd: uncompressed_dtype must be 'float16' or 'float32', got 'bfloat16'")
     assert message(TopKCConfig, payload_dtype="int8") == (
         "topkc: payload_dtype must be 'float16' or 'float32', got 'int8'")
+
+
+# ---------------------------------------------------------------- declarations
+
+# For every option declared with ``harder``: (harder spec, softer spec), differing in that
+# option only (plus what the option needs to matter), checked against the scheme's wire().
+HARDER_PAIRS = {
+    ("topk", "ratio"): ("topk:ratio=0.01", "topk:ratio=0.1"),
+    ("topkc", "ratio"): ("topkc:ratio=0.01", "topkc:ratio=0.1"),
+    ("topkc", "payload_dtype"): ("topkc:ratio=0.1", "topkc:ratio=0.1,payload_dtype=float32"),
+    ("topkc", "selection"): ("topkc:ratio=0.1", "topkc:ratio=0.1,selection=current"),
+    ("powersgd", "rank"): ("powersgd:rank=1", "powersgd:rank=8"),
+    ("powersgd", "min_compression_rate"): ("powersgd:rank=4,min_compression_rate=2",
+                                           "powersgd:rank=4,min_compression_rate=1000"),
+    ("powersgd", "start_step"): ("powersgd:variant=two_round",
+                                 "powersgd:variant=two_round,start_step=10"),
+    ("powersgd", "uncompressed_dtype"): ("powersgd:rank=4", "powersgd:rank=4,uncompressed_dtype=float32"),
+    ("powersgd", "variant"): ("powersgd:rank=4", "powersgd:rank=4,variant=two_round"),
+    ("thc", "bits"): ("thc:bits=2", "thc:bits=8"),
+    ("thc", "range"): ("thc", "thc:range=current"),
+}
+# Large enough that fixed costs do not decide (the options' "harder" is stated for these).
+LARGE_SHAPES = [(65536,), (100000,), (1 << 20,), (512, 1024), (3000, 700), (256, 128, 3, 3)]
+
+
+def _declared():
+    for name, (config, _) in SCHEMES.items():
+        for key, decl in options_of(config).items():
+            yield name, key, decl
+
+
+def test_every_option_declared_once():
+    """Every field of every catalogue config is declared with option(), with a one-line doc,
+    under the scheme's own name."""
+    for name, (config, _) in SCHEMES.items():
+        fields = dataclasses.fields(config)
+        for f in fields:
+            decl = option_of(f)
+            assert decl is not None and decl.declared, f"{name}.{f.name} is not declared with option()"
+            assert f.default == decl.default and decl.doc and "\n" not in decl.doc
+        if fields:
+            assert config.SCHEME == name
+        if name in PRIMARY:
+            assert PRIMARY[name] in {f.name for f in fields}
+
+
+def test_declaration_drives_parse_check_and_spec():
+    """Each option's default formats to spec text that parses back to it; each bound refuses
+    the value just past it with the declared rule; full specs round-trip."""
+    for name, key, decl in _declared():
+        decl.check(name, key, decl.default)
+        assert decl.parse(name, key, decl.format(decl.default)) == decl.default, (name, key)
+        for bound, step, is_open in ((decl.lo, -1, decl.lo_open), (decl.hi, 1, decl.hi_open)):
+            if bound is None:
+                continue
+            bad = bound if is_open else bound + step * (1 if decl.kind == "integer" else 1e-6)
+            with pytest.raises(ValueError, match=re.escape(f"{name}: {key} must be {decl.rule()}, got ")):
+                decl.check(name, key, bad)
+        if decl.kind == "choice":
+            with pytest.raises(ValueError, match=re.escape(f"{name}: {key} must be {decl.rule()}, got 'x'")):
+                decl.check(name, key, "x")
+    for name in SCHEMES:
+        scheme = make_scheme(name)
+        n, opts = parse_spec(to_spec(scheme, full=True))
+        assert make_scheme(n, **opts).config == scheme.config
+    spec = "thc:bits=2,saturation=false,saturation_rate=0.25"
+    assert to_spec(make_scheme(*parse_spec(spec)[:1], **parse_spec(spec)[1])) == spec
+    assert make_scheme("topkc", ratio=1).config.ratio == 1.0 and to_spec(make_scheme("topkc", 1)) == "topkc:ratio=1.0"
+
+
+def test_harder_matches_the_wire():
+    """An option's declared ``harder`` is the way that sends no more bytes on large tensors."""
+    declared = {(name, key) for name, key, decl in _declared() if decl.harder is not None}
+    assert declared == set(HARDER_PAIRS), "add a (harder, softer) spec pair for each option with harder"
+    for (name, key), (hard_spec, soft_spec) in HARDER_PAIRS.items():
+        decl = options_of(SCHEMES[name][0])[key]
+        hard, soft = (make_scheme(*parse_spec(s)[:1], **parse_spec(s)[1]) for s in (hard_spec, soft_spec))
+        a, b = getattr(hard.config, key), getattr(soft.config, key)
+        assert {"down": a < b, "up": a > b}.get(decl.harder, a == decl.harder != b), (name, key)
+        for shape in LARGE_SHAPES:
+            for world in (2, 8):
+                info = TensorInfo("k", shape, "float32", world, 0, "sum")
+                sizes = [sum(s.wire(info)[:2]) for s in (hard, soft)]
+                assert sizes[0] <= sizes[1], (name, key, shape, world, sizes)
+
+
+def test_option_declarations_and_inferred_fields():
+    with pytest.raises(TypeError, match="kind must be one of"):
+        option(1, kind="int", doc="x")
+    with pytest.raises(TypeError, match="harder must be None or one of"):
+        option(1, kind="integer", harder="more", doc="x")
+    with pytest.raises(TypeError, match="option: default must be an integer >= 1, got 0"):
+        option(0, kind="integer", lo=1, doc="x")
+    with pytest.raises(TypeError, match="one line"):
+        option(True, kind="boolean", doc="")
+
+    @dataclasses.dataclass(frozen=True)
+    class Declared:
+        SCHEME: ClassVar[str] = "demo"
+        rate: Optional[float] = option(None, kind="number", lo=0.0, lo_open=True, optional=True,
+                                       doc="a rate; none: measured")
+
+        def __post_init__(self):
+            validate(self)
+
+    assert Declared(rate=2).rate == 2.0 and Declared().rate is None
+    assert message(Declared, rate=0) == "demo: rate must be a number > 0 or None, got 0"
+    decl = options_of(Declared)["rate"]
+    assert decl.parse("demo", "rate", "none") is None and decl.format(None) == "none"
+    assert message(decl.parse, "demo", "rate", "fast") == "demo: rate must be a number > 0 or None, got 'fast'"
+
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared:
+        flag: bool = True
+        names: str = "a|b"
+        limit: Optional[int] = None
+
+    inferred = options_of(Undeclared)
+    assert [(o.kind, o.optional, o.declared) for o in inferred.values()] == [
+        ("boolean", False, False), ("text", False, False), ("integer", True, False)]
+    assert inferred["limit"].parse("demo", "limit", "7") == 7
+    assert inferred["flag"].parse("demo", "flag", "off") is False
+
+
+def _options_block(text):
+    match = re.search(rf"<!-- {OPTIONS_BLOCK}:start -->\n(.*?)\n<!-- {OPTIONS_BLOCK}:end -->", text, re.S)
+    assert match, "README.md lacks the options block"
+    return match.group(1)
+
+
+def test_readme_option_table_is_generated():
+    """README.md's option table is exactly describe_options(markdown=True)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = _options_block(f.read())
+    assert readme == describe_options(markdown=True), (
+        "README.md's option table differs from the declarations; rewrite it with "
+        "'python -m hvd_gradcomp --update-doc README.md'")
+
+
+def test_option_listing_command(tmp_path):
+    """``python -m hvd_gradcomp --list`` lists every option; ``--update-doc`` writes the table."""
+    out = subprocess.run([sys.executable, "-m", "hvd_gradcomp", "--list"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == describe_options()
+    for name, key, decl in _declared():
+        assert f"  {key}={decl.format(decl.default)}  [{decl.values()}" in out
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n<!-- options:start -->\nold\n<!-- options:end -->\nend\n")
+    subprocess.run([sys.executable, "-m", "hvd_gradcomp", "--update-doc", str(doc)], cwd=ROOT,
+                   capture_output=True, text=True, check=True)
+    assert _options_block(doc.read_text()) == describe_options(markdown=True)
+    assert doc.read_text().startswith("intro\n") and doc.read_text().endswith("end\n")
+    bad = subprocess.run([sys.executable, "-m", "hvd_gradcomp", "zstd"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown compressor 'zstd'" in bad.stderr

@@ -6,7 +6,7 @@ import pytest
 from hvd_gradcomp.adapter import group_dtype
 from hvd_gradcomp.base import StepBytes
 from hvd_gradcomp.registry import Selector, format_selector, make_scheme, parse_routing, parse_selector
-from hvd_gradcomp.routing import Routing
+from hvd_gradcomp.routing import Routing, canonical_text
 from hvd_gradcomp.thc import THCConfig
 from hvd_gradcomp.topkc import TopKCConfig
 from tests.conftest import BACKENDS
@@ -74,6 +74,9 @@ def test_canonical_specs_round_trip():
         assert Routing.from_spec(spec).spec() == spec
     assert Routing.from_rules([], "thc").spec() == "thc"
     assert parse_routing("thc").rules == ()
+    # Routes recorded in checkpoints before booleans were written true/false still match.
+    assert canonical_text("thc:saturation=False,bits=2") == "thc:bits=2,saturation=false"
+    assert canonical_text("zip:1") == "zip:1"
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -86,7 +89,7 @@ def test_canonical_specs_round_trip():
     ("*.bias -> zip; thc", "unknown compressor 'zip'"),
     ("*.bias -> topkc:ratio=2; thc", "topkc: ratio must be a number in (0, 1], got 2.0"),
     ("topk:min_numel=0", "topk: min_numel must be an integer >= 1, got 0"),
-    ("topk:min_numel=x", "topk: option min_numel must be int, got 'x'"),
+    ("topk:min_numel=x", "topk: min_numel must be an integer >= 1, got 'x'"),
     ("thc:min_numel=5,min_numel=6", "thc: min_numel given twice"),
     ("", "empty compressor spec"),
 ])
@@ -136,7 +139,7 @@ def test_compression_rules_factory(backend):
     assert Compression.thc().routing.min_numel == Compression.topkc().routing.min_numel == 1024
     assert Compression.thc(2, min_numel=512).spec == "thc:bits=2,min_numel=512"
     assert repr(Compression.topkc(min_numel=5)).endswith(
-        "('topkc:ratio=0.01,chunk=256,error_feedback=True,payload_dtype=float16,selection=previous,min_numel=5')")
+        "('topkc:ratio=0.01,chunk=256,error_feedback=true,payload_dtype=float16,selection=previous,min_numel=5')")
     with pytest.raises(ValueError, match="^thc: min_numel must be an integer >= 1, got 0$"):
         Compression.thc(min_numel=0)
     assert "rules" in dir(Compression)
