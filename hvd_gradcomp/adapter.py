@@ -207,6 +207,9 @@ class HorovodCompressor:
         self._group = None
         self._warned = set()
         self._scale_source = None
+        if any(s.adaptive and s.link is None for s in self.routing.schemes()) and \
+                self._global_world()[0] is not None:
+            self.calibrate()  # auto without a given link: measure it now, on every rank
 
     # ---- backend hooks ----
     no_key_message = "{scheme}: cannot tell which tensor this is; call compress(tensor, name=...)"
@@ -443,7 +446,7 @@ class HorovodCompressor:
         if known is not None and (known.shape, known.dtype) != (shape, dtype):
             raise ValueError(f"{scheme.name}: tensor {key!r} was {known.dtype}{list(known.shape)} "
                              f"in earlier steps, got {dtype}{list(shape)}; one key, one shape")
-        if known != info:  # wire bytes are static per tensor: computed when its info changes
+        if known != info or scheme.adaptive:  # static per tensor, except for adaptive schemes
             self._wire[key] = scheme.wire(info)
         self._infos[key] = info
         if scheme.identity:
@@ -552,9 +555,10 @@ class HorovodCompressor:
 
         TensorFlow overrides this to build it outside any graph (it becomes tf.Variables).
         """
-        fresh = scheme.init(self.ops, info, like)
         if loaded is None:
-            return fresh
+            return scheme.init(self.ops, info, like)
+        fresh = scheme.init_like(self.ops, info, like, loaded)
+        scheme.forget(info.key)
         self._check_loaded(scheme, info.key, loaded, fresh)
         return type(fresh)(*[self.ops.cast(self._to_device(v, like), self.ops.dtype(f))
                              for v, f in zip(loaded, fresh)])
@@ -567,6 +571,62 @@ class HorovodCompressor:
                 raise ValueError(f"{scheme.name}: loaded state for tensor {key!r} has "
                                  f"{field} of shape {list(self.ops.shape(a))}, expected "
                                  f"{list(self.ops.shape(b))}")
+
+    # ---- the link, for auto ----
+    def calibrate(self, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3, like=None):
+        """Measure the link for this compressor's ``auto`` schemes (:mod:`hvd_gradcomp.auto`).
+
+        A collective outside compress: every rank of ``process_set`` calls it at the same
+        point (the compressor's constructor does when ``auto`` has no ``bandwidth_gbit`` and
+        Horovod is initialised; call it again to refresh the figures).
+
+        Each size (float32 coordinates) is all-reduced ``repeats + 1`` times (the first is not
+        timed); from the median seconds ``t1, t2`` of the two sizes and the ring's bytes per
+        rank ``w1, w2`` (:func:`hvd_gradcomp.ring.ring_wire_bytes`): rate ``(w2 - w1) / (t2 -
+        t1)`` bytes/s and latency ``t1 - w1 / rate`` s (>= 0), then averaged over the ranks by
+        one more all-reduce, so every rank holds the same :class:`~hvd_gradcomp.auto.Link`.
+
+        Args:
+            process_set: the framework's process set of the gradients' all-reduces (None: global).
+            sizes: two sizes, coordinates, small then large (default 4 KiB and 8 MiB).
+            repeats: timed all-reduces per size (>= 1).
+            like: a tensor on the device the gradients live on (default: the framework's
+                default device; a CUDA tensor measures NCCL's path).
+
+        Returns:
+            The :class:`~hvd_gradcomp.auto.Link`, also given to every ``auto`` scheme.
+        """
+        import math
+        import time
+        from .auto import Link
+        from .ring import ring_wire_bytes
+        hvd = self._horovod()
+        size, _ = self._world(process_set)
+        kwargs = {} if process_set is None else {"process_set": process_set}
+        if size <= 1:
+            link = Link(math.inf, 0.0)  # one rank: nothing crosses a link
+        else:
+            seconds = []
+            for n in sizes:
+                x = self.ops.zeros((n,), "float32", like)
+                runs = []
+                for i in range(repeats + 1):
+                    start = time.perf_counter()
+                    y = hvd.allreduce(x, op=hvd.Sum, name=f"hvd_gradcomp.calibrate.{n}", **kwargs)
+                    self.ops.to_host(self.ops.sum(y[:1], None))
+                    if i:
+                        runs.append(time.perf_counter() - start)
+                seconds.append(sorted(runs)[len(runs) // 2])
+            w1, w2 = (ring_wire_bytes(4 * n, size) for n in sizes)
+            rate = (w2 - w1) / max(seconds[1] - seconds[0], 1e-9)
+            latency = max(seconds[0] - w1 / rate, 0.0)
+            agreed = hvd.allreduce(self.ops.constant([rate, latency], "float64", like), op=hvd.Average,
+                                   name="hvd_gradcomp.calibrate.link", **kwargs)
+            link = Link(*self.ops.to_host(agreed))
+        for scheme in self.routing.schemes():
+            if scheme.adaptive:
+                scheme.set_link(link)
+        return link
 
     # ---- routing ----
     def route(self, params, check: bool = True) -> list:
@@ -753,6 +813,9 @@ class HorovodCompressor:
                 scheme = route.scheme
                 scheme.check_loaded(key, _FieldBag(fields))
                 current = self._read_state(key)
+                if scheme.adaptive:  # the loaded state's fields follow its own choice
+                    current = scheme.init_like(self.ops, self._infos[key], current[0], _FieldBag(fields))
+                    scheme.forget(key)
                 loaded = type(current)(**{f: fields.get(f) for f in current._fields}) \
                     if set(fields) == set(current._fields) else None
                 if loaded is None:
@@ -786,8 +849,16 @@ class HorovodCompressor:
     def metrics(self) -> dict:
         """``{key: {name: value}}``: the schemes' per-tensor diagnostics (tensors, no host
         sync), and for sparse gradients ``sparse_bytes`` / ``sparse_steps`` (ints)."""
-        out = {k: self._routes[k].scheme.metrics(self._read_state(k))
-               for k in self._infos if self._has_state(k) and k in self._routes}
+        out = {}
+        for k in self._infos:
+            if not (self._has_state(k) and k in self._routes):
+                continue
+            scheme = self._routes[k].scheme
+            out[k] = dict(scheme.metrics(self._read_state(k)))
+            if scheme.adaptive:  # auto: its choice, why, and the bytes it saves against fp16
+                out[k].update(scheme.explain(k))
+                info = self._infos[k]
+                out[k]["bytes_saved"] = 2 * info.numel - self._wire[k].payload
         for key, entry in self._sparse.items():
             nbytes, steps = self._read_sparse(entry)
             out.setdefault(key, {}).update(sparse_bytes=nbytes, sparse_steps=steps)

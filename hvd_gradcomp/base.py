@@ -29,7 +29,8 @@ The scheme's methods:
   all-reduced payload and ``ctx``; it always returns a state (``state`` itself when nothing
   changes). The rule every scheme keeps: if the all-reduced payload says the step failed (some
   rank's gradient was not finite, which every rank sees in the same payload), the state stays
-  exactly as it was, on every rank.
+  exactly as it was, on every rank (``adaptive`` schemes' call counter ``step`` aside: auto's
+  schedule counts calls, the same on every rank).
 - ``wire(info) -> WireBytes``: bytes this tensor puts on the wire per step; a function of
   (shape, dtype, config, world size) only, never of values.
 
@@ -55,6 +56,10 @@ Flags a scheme may set (class attributes, all declared on :class:`Scheme`):
   only the papers' two-round variants do.
 - ``rank_local_fields`` (default ``("residual",)``): the state fields that differ between
   ranks; the adapters reset them when a checkpoint is loaded on another number of ranks.
+- ``adaptive`` (default False): ``wire(info)`` may change between steps (``auto``: it follows
+  the tensor's current choice), so the adapters ask for it at every compress; with it the
+  state's fields may change too (the adapters store whatever ``finish`` returns, and check a
+  loaded state against ``init_like``).
 
 Which tensors a scheme gets is decided once per tensor by the adapters' routing
 (:mod:`~hvd_gradcomp.routing`), not by the scheme.
@@ -170,6 +175,7 @@ class Scheme:
     # is equal on all ranks (agreed ranges, scores, bases, counters). A checkpoint loaded on a
     # different number of ranks keeps the others and resets these to zero.
     rank_local_fields = ("residual",)
+    adaptive = False
 
     def spec(self) -> str:
         """The text spec that rebuilds this scheme, e.g. ``"topkc:ratio=0.01,chunk=256"``."""
@@ -197,6 +203,16 @@ class Scheme:
         (for facts ``wire`` needs and gets no ``ops`` for, e.g. a kernel layout); returns self."""
         return self
 
+    def init_like(self, ops, info: TensorInfo, like, loaded):
+        """The fresh state a loaded state (``loaded``: a NamedTuple-like with ``_fields``) must
+        match in fields and shapes; default :meth:`init` (``adaptive`` schemes: the fields of
+        the loaded state's choice)."""
+        return self.init(ops, info, like)
+
+    def forget(self, key: str):
+        """Called by the adapters when the state under ``key`` is replaced by a loaded one;
+        default: nothing (schemes that mirror state on the host drop the mirror)."""
+
     def check_loaded(self, key: str, loaded):
         """Raise ValueError, naming the reason, if ``loaded`` (a tensor's saved state: a
         NamedTuple-like with ``_fields``) was written in a format this scheme no longer reads;
@@ -210,6 +226,28 @@ class Scheme:
     def metrics(self, state) -> dict:
         """Per-tensor diagnostics read from the state (tensors, no host sync); default none."""
         return {}
+
+    def residual_of(self, ops, state, info: TensorInfo):
+        """This rank's pending error feedback in the gradient's own coordinates: float32
+        ``[numel]`` (what the next steps will still send), or None when the state keeps none.
+
+        Default: the state's ``residual`` field when it holds ``numel`` values in the tensor's
+        flat order (TopK, TopKC, PowerSGD's plain 2-D reshape); schemes that keep it in another
+        basis override this (THC: rotated and padded). Used by ``auto`` to flush the residual
+        into an exact step before it changes scheme.
+        """
+        residual = getattr(state, "residual", None)
+        if residual is None:
+            return None
+        n = 1
+        for s in ops.shape(residual):
+            n *= s
+        if n == 0:
+            return None
+        if n != info.numel:
+            raise NotImplementedError(f"{self.name}: residual of {n} values for a tensor of "
+                                      f"{info.numel}; override residual_of")
+        return ops.reshape(residual, (info.numel,))
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.spec()}>"

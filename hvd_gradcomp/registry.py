@@ -235,8 +235,9 @@ SMALL_SCHEME = "fp16"
 # go as fp16. 1024 where the scheme's fixed costs (THC's 4 control words and ranges, TopKC's
 # 16 vote slots and chunk padding) outweigh its saving on a small tensor; 1 (no size routing)
 # for the others: topk is the accuracy reference, powersgd decides from the matrix shape
-# itself (min_compression_rate), the casts have nothing to gain.
-SMALL_DEFAULTS = {"thc": 1024, "topkc": 1024}
+# itself (min_compression_rate), the casts have nothing to gain. auto: 1024 too, so small
+# tensors skip its measurement windows (they would end on fp16 anyway).
+SMALL_DEFAULTS = {"thc": 1024, "topkc": 1024, "auto": 1024}
 ROUTING_OPTION = "min_numel"
 # The routing's one option, declared like a scheme's (its default depends on the default
 # scheme: SMALL_DEFAULTS, else 1).

@@ -85,6 +85,21 @@ def test_tta_ratio_and_crossover_hand_case():
     assert winning_ranges(fp16, fp16, 2, 1.0, 100.0, NO_LATENCY) == []
 
 
+def test_auto_choice_takes_the_best_candidate_past_the_hysteresis():
+    # Payload term only: 2 (N-1)/N * b / B; N = 2, 10 Gbit/s = 1.25e9 B/s, compute 0.1 s.
+    fp16 = Measurement(0.1, 0.0, 1e8)  # 0.1 + 0.08 = 0.18 s
+    inputs = {"fp16": fp16,
+              "thc": Measurement(0.1, 0.01, 2.5e7),  # 0.1 + 0.01 + 0.02 = 0.13 s: ratio 1.385
+              "topkc": Measurement(0.1, 0.0, 1e7, side_collectives=161),  # blocking: never a candidate
+              "topk": Measurement(0.1, 0.0, 1e6)}  # not among auto's candidates
+    choice, ratio = model.auto_choice(inputs, 2, 10, NO_LATENCY)
+    assert choice == "thc" and ratio == pytest.approx(0.18 / 0.13)
+    # A gain below the hysteresis (10 %: ratio < 1.111) keeps fp16.
+    inputs["thc"] = Measurement(0.1, 0.05, 2.5e7)  # 0.17 s: ratio 1.059
+    assert model.auto_choice(inputs, 2, 10, NO_LATENCY) == ("fp16", 1.0)
+    assert model.auto_choice(inputs, 2, 10, NO_LATENCY, hysteresis=0.0)[0] == "thc"
+
+
 def test_side_collective_latency_can_lose_at_scale():
     # Same bytes, but 100 synchronous side collectives with ring latency 1 us per hop:
     # at N=8: 100 * 14 us = 1.4 ms; at N=4096: 100 * 8190 us = 0.819 s.
@@ -185,7 +200,8 @@ def test_command_writes_table_csv_and_heatmap(tmp_path, capsys):
     assert "small: TTA ratio vs FP16" in text and "beats FP16" in text
     with open(out / "model.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 * 2 * 2
+    assert len(rows) == 2 * 2 * 2 + 2 * 2  # each compressor's cells, then auto's
+    assert [r["choice"] for r in rows if r["compressor"] == "auto"] == ["fp16"] * 4  # "small" is not a candidate
     assert {"compressor", "workers", "gbps", "step_s", "tta_vs_fp16"} <= set(rows[0])
     assert os.path.getsize(out / "model_heatmap.png") > 1000
 

@@ -71,6 +71,15 @@ def test_plan_runs_orders_and_labels():
         tta.plan_runs(["mnist"], ["fp16"], [])
 
 
+def test_plan_leaves_auto_out_of_tensorflow_workloads(capsys):
+    plan = tta.plan_runs(["digits", "digits-tf"], ["fp16", "auto", "*.bias -> fp16; auto"], [])
+    assert [r.run_id for r in plan] == ["digits-horovod-fp16", "digits-horovod-auto",
+                                        "digits-horovod-bias-fp16-auto", "digits-tf-horovod-fp16"]
+    err = capsys.readouterr().err
+    assert "tta: auto skipped on digits-tf: auto runs eagerly only" in err
+    assert err.count("skipped on digits-tf") == 2
+
+
 def test_workers_are_launched_as_modules_of_the_package(tmp_path):
     args = tta.build_parser().parse_args(["--worker-args", "--max-steps 3", "--max-seconds", "9"])
     out = str(tmp_path / "r.json")
@@ -530,3 +539,15 @@ def test_reference_in_table_aggregate_and_plot(tmp_path):
         assert [r["reference"] for r in csv.DictReader(f)] == ["False", "True", "False", "True"]
     path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
     assert os.path.getsize(path) > 10_000
+
+
+def test_auto_rows_show_what_each_tensor_ended_on():
+    res = _fake_result("auto")
+    res["bytes_per_step"]["choices"] = {"fc2.weight": "powersgd:rank=4", "fc1.weight": "fp16"}
+    row = report.summarize("a", res, NET)
+    assert row["choices"] == "fc1.weight: fp16; fc2.weight: powersgd:rank=4"
+    assert "auto (digits) ended on: fc1.weight: fp16; fc2.weight: powersgd:rank=4" in \
+        report.format_table([row], NET).splitlines()[-1]
+    assert report.markdown_table([row], NET).endswith("fc2.weight: powersgd:rank=4")
+    plain = report.summarize("b", _fake_result("fp16"), NET)
+    assert plain["choices"] is None and "ended on" not in report.format_table([plain], NET)

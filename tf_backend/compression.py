@@ -148,7 +148,11 @@ class Compressor(HorovodCompressor):
         self._vars[key] = (type(state), variables)
 
     def _write_state(self, key, state):
-        _, variables = self._vars[key]
+        cls, variables = self._vars[key]
+        if cls._fields != state._fields or any(v.shape != value.shape for v, value in zip(variables, state)):
+            # An adaptive scheme (auto) changed its fields: new variables (it runs eagerly).
+            self._create_state(key, state)
+            return
         for var, value in zip(variables, state):
             var.assign(value)
 

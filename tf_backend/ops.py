@@ -109,6 +109,8 @@ OPS = Primitives(
     cond=lambda pred, true_fn, false_fn: tf.cond(pred, true_fn, false_fn),
     allreduce=_allreduce,
     fuse=_fuse,
+    to_host=lambda x: x.numpy().tolist(),
+    eager=tf.executing_eagerly,
 )
 
 # The same primitives with every fused kernel compiled by XLA, whatever the environment says.

@@ -437,8 +437,39 @@ def _ratio_cell(r):
     return f"{'n/a':>7}" if r == 0.0 else f"{r:>6.2f}x"
 
 
+AUTO = "auto"
+
+
+def auto_choice(inputs, workers: int, gbps: float, net: Network = Network(), codec_scale: float = 1.0,
+                hysteresis: Optional[float] = None):
+    """What ``auto`` (:mod:`hvd_gradcomp.auto`) would choose in one cell: ``(name, ratio)``.
+
+    Its candidates among the inputs: the schemes of its default candidate list
+    (:data:`hvd_gradcomp.auto.DEFAULT_CANDIDATES`) measured without side collectives (auto
+    never uses a blocking variant). The one with the highest TTA ratio against FP16 wins if it
+    beats FP16 by the hysteresis (ratio >= 1 / (1 - h), h = auto's default), else FP16 stays
+    (ratio 1). The model's inputs are whole-model sums, so this is one choice for the whole
+    model, where auto decides per tensor (and keeps small tensors on FP16): a lower bound on
+    what it gains.
+    """
+    from hvd_gradcomp.auto import DEFAULT_CANDIDATES, AutoConfig
+    families = {spec.split(":")[0] for spec in DEFAULT_CANDIDATES.split("|")}
+    h = AutoConfig().hysteresis if hysteresis is None else hysteresis
+    fp16 = inputs[BASELINE]
+    best, best_ratio = BASELINE, 1.0
+    for name, m in inputs.items():
+        if name == BASELINE or m.side_collectives > 0 or name.split(":")[0] not in families:
+            continue
+        ratio = tta_ratio(m, fp16, workers, gbps, net, codec_scale)
+        if ratio > best_ratio:
+            best, best_ratio = name, ratio
+    return (best, best_ratio) if best_ratio >= 1.0 / (1.0 - h) else (BASELINE, 1.0)
+
+
 def project(inputs, workers, gbps, net, codec_scale):
-    """All projections: list of row dicts (compressor, workers, gbps, step parts, ratio)."""
+    """All projections: list of row dicts (compressor, workers, gbps, step parts, ratio,
+    choice), with ``auto``'s rows (:func:`auto_choice`) last; ``choice`` is the compressor
+    itself, or for ``auto`` the one it picks."""
     fp16 = inputs[BASELINE]
     rows = []
     for name, m in inputs.items():
@@ -448,7 +479,14 @@ def project(inputs, workers, gbps, net, codec_scale):
                 rows.append({"compressor": name, "workers": n, "gbps": b,
                              "compute_s": st.compute, "codec_s": st.codec, "side_s": st.side,
                              "payload_s": st.payload, "step_s": st.total,
-                             "tta_vs_fp16": tta_ratio(m, fp16, n, b, net, codec_scale)})
+                             "tta_vs_fp16": tta_ratio(m, fp16, n, b, net, codec_scale), "choice": name})
+    for n in workers:
+        for b in gbps:
+            choice, ratio = auto_choice(inputs, n, b, net, codec_scale)
+            st = predict_step_time(inputs[choice], n, b, net, codec_scale)
+            rows.append({"compressor": AUTO, "workers": n, "gbps": b, "compute_s": st.compute,
+                         "codec_s": st.codec, "side_s": st.side, "payload_s": st.payload,
+                         "step_s": st.total, "tta_vs_fp16": ratio, "choice": choice})
     return rows
 
 
@@ -493,6 +531,15 @@ def format_report(inputs, meta, rows, workers, gbps, net, codec_scale):
             else:
                 txt = f"at N = {', '.join(map(str, won))}"
             lines.append(f"  at {b:g} Gbit/s it beats FP16 {txt}")
+    auto = {(r["workers"], r["gbps"]): r for r in rows if r["compressor"] == AUTO}
+    if auto:
+        width = max(7, max(len(r["choice"]) for r in auto.values()))
+        lines.append("")
+        lines.append("auto: its predicted choice (rows N, columns Gbit/s; one choice for the whole model, "
+                     "see model.auto_choice)")
+        lines.append("  " + f"{'N':>6} " + " ".join(f"{b:>{width}g}" for b in gbps))
+        for n in workers:
+            lines.append(f"  {n:>6} " + " ".join(f"{auto[(n, b)]['choice']:>{width}}" for b in gbps))
     return "\n".join(lines) + "\n"
 
 

@@ -48,7 +48,7 @@ RUN_COLUMNS = [
     "higher_is_better", "steps", "epochs", "clock_s", "wall_s", "tta_s", "tta_steady_s", "startup_s", "first_step_s", "tta_vs_fp16", "tta_vs_best_ddp",
     "final_metric", "best_metric", "bytes_payload", "bytes_side", "side_collectives",
     "bytes_per_step", "fp16_bytes_ratio", "step_ms_median", "compute_share", "codec_share",
-    "comm_share", "git_commit", "versions",
+    "comm_share", "choices", "git_commit", "versions",
 ]
 # A table row over the repeats of one (workload, framework, system, spec): the run columns
 # (medians; run_id without the repeat suffix, repeat empty) plus how many ran and the spread.
@@ -127,7 +127,15 @@ def summarize(run_id, result, network, git_commit=None):
         row.update(bytes_payload=wire.get("payload"), bytes_side=wire.get("side"),
                    side_collectives=wire.get("side_collectives"),
                    bytes_per_step=(wire.get("payload") or 0) + (wire.get("side") or 0))
+        if wire.get("choices"):  # auto: the scheme each tensor ended on
+            row["choices"] = "; ".join(f"{k}: {v}" for k, v in sorted(wire["choices"].items()))
     return row
+
+
+def _choice_notes(rows):
+    """Lines under a table: what each ``auto`` row's tensors ended on (its ``choices``)."""
+    return [f"{r.get('label') or r.get('spec')} ({r.get('workload')}) ended on: {r['choices']}"
+            for r in rows if r.get("choices")]
 
 
 def _is_fp16(row):
@@ -413,7 +421,8 @@ def format_table(rows, network):
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     out = table_header(network, rows) + ["", line(header), line(["-" * w for w in widths])]
     out += [line(b) for b in body]
-    return "\n".join(out)
+    notes = _choice_notes(aggregate(rows) if repeated(rows) else rows)
+    return "\n".join(out + ([""] + notes if notes else []))
 
 
 def markdown_table(rows, network):
@@ -423,7 +432,8 @@ def markdown_table(rows, network):
     out = ["\n\n".join(table_header(network, rows)), "",
            "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(_cells(r, columns)) + " |" for r in (aggregate(rows) if repeated(rows) else rows)]
-    return "\n".join(out)
+    notes = _choice_notes(aggregate(rows) if repeated(rows) else rows)
+    return "\n".join(out + ([""] + notes if notes else []))
 
 
 def plot_rows(rows, results, workload):

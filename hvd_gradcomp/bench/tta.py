@@ -168,10 +168,17 @@ def parse_ddp_hooks(text):
     return hooks
 
 
+def _eager_only(spec: str) -> bool:
+    """True if ``spec`` routes some tensor to an adaptive scheme (``auto``: eager only)."""
+    from hvd_gradcomp.routing import Routing
+    return any(scheme.adaptive for scheme in Routing.from_spec(spec).schemes())
+
+
 def plan_runs(workloads, specs, ddp_hooks, reference=False):
     """The runs in table order: per workload, the Horovod specs, the DDP hooks (PyTorch
     workloads), then, with ``reference``, the no-communication reference (FP32 on an
-    unthrottled link, :class:`RunSpec` ``reference=True``).
+    unthrottled link, :class:`RunSpec` ``reference=True``). Specs with ``auto`` are left out
+    of TensorFlow workloads (their step is a ``tf.function``; auto runs eagerly), with a note.
 
     Raises:
         ValueError: an unknown workload.
@@ -180,7 +187,12 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False):
     for w in workloads:
         if w not in WORKLOADS:
             raise ValueError(f"unknown workload {w!r}; expected some of {sorted(WORKLOADS)}")
-        plan += [RunSpec(w, "horovod", s) for s in specs]
+        for s in specs:
+            if WORKLOADS[w][0] == "tensorflow" and _eager_only(s):
+                print(f"tta: {s} skipped on {w}: auto runs eagerly only, and this worker's step "
+                      f"is a tf.function", file=sys.stderr)
+                continue
+            plan.append(RunSpec(w, "horovod", s))
         if WORKLOADS[w][3]:
             for h in ddp_hooks:
                 name = h.split(":")[0]

@@ -22,7 +22,7 @@ from tests.conftest import BACKENDS, one_rank_ops, scheme_steps
 
 pytestmark = pytest.mark.skipif(len(BACKENDS) < 2, reason="parity needs both backends")
 
-VARIANTS = [(name, {}) for name in sorted(SCHEMES)] + [
+VARIANTS = [(name, {"bandwidth_gbit": 1.0} if name == "auto" else {}) for name in sorted(SCHEMES)] + [
     ("topkc", {"selection": "current"}),
     ("topkc", {"payload_dtype": "float32", "chunk": 7, "ratio": 0.3}),
     ("topk", {"ratio": 0.05}),
@@ -64,6 +64,8 @@ def test_backends_agree(name, options):
     a, b = _run("torch", scheme, inputs), _run("tensorflow", scheme, inputs)
     for step, ((pa, sa, oa), (pb, sb, ob)) in enumerate(zip(a, b)):
         assert pa.dtype == pb.dtype and pa.shape == pb.shape, (name, step)
+        if scheme.adaptive:  # auto's probe payload ends in codec times measured on the host
+            pa, pb = pa.reshape(-1)[:inputs[0].size], pb.reshape(-1)[:inputs[0].size]
         assert len(sa) == len(sb)
         for x, y in zip(sa, sb):
             np.testing.assert_array_equal(x, y, err_msg=f"{name} selection, step {step}")

@@ -65,8 +65,13 @@ class HorovodTrainer:
         return out.tolist()
 
     def bytes_per_step(self):
+        """Bytes per step as of now; for ``auto``, also ``choices``: {tensor: scheme spec}."""
         w = self.compressor.bytes_per_step()
-        return {"payload": w.payload, "side": w.side, "side_collectives": w.side_collectives}
+        out = {"payload": w.payload, "side": w.side, "side_collectives": w.side_collectives}
+        chosen = {k: m["scheme"] for k, m in self.compressor.inner.metrics().items() if "scheme" in m}
+        if chosen:
+            out["choices"] = chosen
+        return out
 
 
 def main(argv=None, workload="digits"):

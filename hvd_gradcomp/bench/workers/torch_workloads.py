@@ -182,7 +182,8 @@ def train(workload, model, trainer, args, rank, world_size, meta, bytes_fn):
             ``trainer.allreduce_sum(list of float) -> list of float`` (identical on all ranks).
         args: flags of :func:`hvd_gradcomp.bench.worker.add_common_args`.
         meta: recorded with the run.
-        bytes_fn: ``() -> dict`` of bytes on the wire per step (called after the first step).
+        bytes_fn: ``() -> dict`` of bytes on the wire per step (called at the end: ``auto``'s
+            bytes follow its choices).
     """
     meta = dict(meta, **workload.describe(), versions=versions(),
                 params=sum(p.numel() for p in model.parameters()))
@@ -195,18 +196,15 @@ def train(workload, model, trainer, args, rank, world_size, meta, bytes_fn):
         total, count, clock = trainer.allreduce_sum([total, count, rec.clock])
         return rec.evaluate(workload.metric(total, count), clock / world_size)
 
-    wire = None
     stop = evaluate()  # the metric at t = 0
     epoch = 0
     while not stop and rec.step_count < rec.max_steps:
         for x, y in workload.batches(epoch):
             loss, compute_s, codec_s, comm_s = trainer.step(x, y)
             rec.step(compute_s, codec_s, comm_s, loss.item())
-            if wire is None:
-                wire = bytes_fn()
             if rec.due() and evaluate():
                 stop = True
                 break
         epoch += 1
-    rec.write(wire, {"finished": time.time()})
+    rec.write(bytes_fn(), {"finished": time.time()})
     return rec

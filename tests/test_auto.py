@@ -1,0 +1,189 @@
+"""``auto`` without Horovod: options, the decision function, the schedule, and two ranks
+simulated in one process (each rank its own scheme object; payloads summed by hand, as Sum
+would) in both backends. Real multi-rank runs: tests/parallel/test_auto_parallel.py."""
+import math
+
+import numpy as np
+import pytest
+
+from hvd_gradcomp.auto import AutoConfig, AutoScheme, Link, decide
+from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
+from hvd_gradcomp.primitives import one_rank
+from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
+from tests.conftest import BACKENDS, backend_ops, backend_tensor
+from tests.reference import allreduce_fp16, fp16, fp32
+
+SHAPE = (64, 48)
+# THC sums exactly (integers), so a flush leaves no error at all; TopKC's float16 sum rounds.
+SLOW = dict(candidates="fp16|thc:4|thc:8", bandwidth_gbit=0.0001, latency_ms=0.1, warmup=3, every=4)
+
+
+# ---------------------------------------------------------------- options
+@pytest.mark.parametrize("options, message", [
+    (dict(warmup=1), "auto: warmup must be an integer >= 2, got 1"),
+    (dict(every=3, warmup=4), "auto: every must be an integer >= warmup (4), got 3"),
+    (dict(hysteresis=1.0), "auto: hysteresis must be a number in [0, 1), got 1.0"),
+    (dict(error_budget=0), "auto: error_budget must be a number > 0, got 0"),
+    (dict(bandwidth_gbit=-1.0), "auto: bandwidth_gbit must be a number >= 0, got -1.0"),
+    (dict(candidates="fp16,topkc:0.1"), "auto: candidates must be a non-empty string without commas"),
+])
+def test_bad_options_are_refused(options, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[")):
+        make_scheme("auto", **options)
+
+
+@pytest.mark.parametrize("candidates, message", [
+    ("topkc:0.1|thc:4", "must include fp16"),
+    ("fp16|auto", "must not include auto"),
+    ("fp16|topkc:selection=current", "blocking variant"),
+    ("fp16|thc:4|thc:bits=4", "must differ"),
+    ("fp16|nope", "unknown compressor 'nope'"),
+])
+def test_bad_candidates_are_refused(candidates, message):
+    with pytest.raises(ValueError, match=message):
+        make_scheme("auto", candidates=candidates)
+
+
+def test_spec_round_trip_and_tuple_candidates():
+    scheme = make_scheme("auto", candidates=("fp16", "topkc:0.1", "thc:4"), every=100)
+    spec = to_spec(scheme)
+    assert spec == "auto:candidates=fp16|topkc:0.1|thc:4,every=100"
+    name, options = parse_spec(spec)
+    assert make_scheme(name, **options).config == scheme.config
+    assert scheme.specs == ("fp16", "topkc:ratio=0.1", "thc")
+    assert scheme.fallback == 0
+    assert not scheme.scalable  # THC's integer payload is among the candidates
+    assert set(scheme.rank_local_fields) == {"a_residual"}
+
+
+# ---------------------------------------------------------------- decide()
+LINK = Link(125e6, 1e-4)  # 1 Gbit/s
+
+
+def test_decide_takes_least_predicted_time_within_budget():
+    # fp16: 1 ms codec, 2 MB; A: 3 ms, 0.2 MB, error 0.5; B: 0.5 ms, 0.1 MB, error 0.95.
+    choice, predicted, reason = decide([1.0, 3.0, 0.5], [0.0, 0.5, 0.95], [2e6, 2e5, 1e5], 2, LINK,
+                                       current=0, fallback=0, budget=0.9, hysteresis=0.1)
+    assert predicted == pytest.approx([1.0 + 16.0 + 0.1, 3.0 + 1.6 + 0.1, 0.5 + 0.8 + 0.1])
+    assert (choice, reason) == (1, "least predicted time")  # B is faster but over the budget
+
+
+def test_decide_hysteresis_keeps_current_choice():
+    # A saves 5 % against fp16: below a 10 % hysteresis.
+    args = ([1.0, 0.95], [0.0, 0.1], [0, 0], 2, LINK)
+    assert decide(*args, current=0, fallback=0, budget=0.9, hysteresis=0.1)[0] == 0
+    assert decide(*args, current=0, fallback=0, budget=0.9, hysteresis=0.01)[0] == 1
+    # Leaving a choice that went over the budget needs no hysteresis.
+    choice, _, reason = decide([1.0, 0.95], [0.0, 2.0], [0, 0], 2, LINK, current=1, fallback=0,
+                               budget=0.9, hysteresis=0.5)
+    assert (choice, reason) == (0, "current choice over the error budget")
+
+
+def test_decide_falls_back_to_fp16_on_fast_links_and_unknown_errors():
+    fast = Link(math.inf, 0.0)
+    assert decide([0.1, 2.0], [0.0, 0.1], [2e6, 1e5], 2, fast, 0, 0, 0.9, 0.1)[0] == 0
+    assert decide([0.1, 0.0], [0.0, math.nan], [2e6, 0], 2, LINK, 0, 0, 0.9, 0.0)[0] == 0
+    # One rank: nothing crosses a link, so only codec time counts.
+    assert decide([0.1, 0.05], [0.0, 0.1], [2e6, 1e5], 1, LINK, 0, 0, 0.9, 0.0)[0] == 1
+
+
+def test_schedule_windows_and_probes():
+    scheme = make_scheme("auto", warmup=3, every=5)
+    phases = [scheme._phase(t) for t in range(14)]
+    assert [t for t, (_, probe) in enumerate(phases) if probe] == [2, 7, 12]
+    assert [t for t, (window, _) in enumerate(phases) if window] == [0, 1, 2, 5, 6, 7, 10, 11, 12]
+
+
+# ---------------------------------------------------------------- two simulated ranks
+def _grad(rank, step):
+    common = np.random.default_rng([3, step]).standard_normal(SHAPE)
+    return common + 0.3 * np.random.default_rng([rank, step]).standard_normal(SHAPE)
+
+
+def _simulate(backend, steps, poison_step=None, **options):
+    """Two ranks' auto schemes driven step by step, payloads summed (op Sum)."""
+    ops = one_rank(backend_ops(backend))
+    schemes = [make_scheme("auto", **{**SLOW, **options}).bind(ops) for _ in range(2)]
+    infos = [TensorInfo("w", SHAPE, "float32", 2, r, "sum") for r in range(2)]
+    states = [s.init(ops, i, backend_tensor(backend, [0.0])) for s, i in zip(schemes, infos)]
+    outs, choices = [], []
+    for t in range(steps):
+        pcs = []
+        for r in range(2):
+            g = _grad(r, t)
+            if t == poison_step and r == 1:
+                g = g.copy()
+                g[0, 0] = np.nan
+            pcs.append(compress_tensor(schemes[r], ops, backend_tensor(backend, g), states[r], infos[r]))
+        summed = pcs[0][0] + pcs[1][0]
+        step_outs = []
+        for r in range(2):
+            out, states[r] = finish_tensor(schemes[r], ops, summed, pcs[r][1], states[r], infos[r])
+            step_outs.append(np.asarray(ops.to_host(out), dtype=np.float64))
+        np.testing.assert_array_equal(step_outs[0], step_outs[1])
+        assert schemes[0]._at == schemes[1]._at
+        outs.append(step_outs[0])
+        choices.append(schemes[0].specs[schemes[0]._at["w"][1]])
+    return schemes, states, outs, choices
+
+
+def _fp16_sum(t):
+    """fp16's step (no error feedback): each rank's x / 2 in float16, summed in float16, x 2."""
+    return allreduce_fp16([fp16(fp32(_grad(r, t)) * 0.5) for r in (0, 1)], "sum") * 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_simulated_switch_flushes_error_feedback_exactly(backend):
+    schemes, states, outs, choices = _simulate(backend, 11)
+    assert choices[:2] == ["fp16", "fp16"] and choices[2] != "fp16"
+    total_out, total_in = np.zeros(SHAPE), np.zeros(SHAPE)
+    for t, out in enumerate(outs):
+        total_out += out
+        total_in += _fp16_sum(t) if t < 2 else _grad(0, t) + _grad(1, t)
+        rel = np.linalg.norm(total_out - total_in) / np.linalg.norm(total_in)
+        if t < 2:
+            assert rel < 1e-12, (t, rel)  # fp16 steps: exactly fp16's sum
+        if t in (6, 10):  # probes after the switch: every residual flushed
+            assert rel < 1e-6, (t, rel)
+        if t in (3, 7):  # a compressed step: error feedback pending
+            assert rel > 1e-3, (t, rel)
+    d = schemes[0].decisions["w"]
+    assert d.spec == choices[-1] and d.step == 10 and len(d.predicted_ms) == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_probe_decides_nothing_and_keeps_the_residual(backend):
+    # A NaN on rank 1 at the first probe: no decision, state kept, the schedule goes on.
+    schemes, states, outs, choices = _simulate(backend, 7, poison_step=2)
+    assert np.isnan(outs[2]).all()
+    assert choices[:6] == ["fp16"] * 6 and "w" not in {k for k, d in schemes[0].decisions.items()
+                                                       if d.step == 2}
+    assert choices[6] != "fp16"  # the next window decides
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wire_follows_the_choice(backend):
+    schemes, states, _, choices = _simulate(backend, 3)
+    info = TensorInfo("w", SHAPE, "float32", 2, 0, "sum")
+    chosen = schemes[0].candidates[schemes[0].specs.index(choices[-1])]
+    assert schemes[0].wire(info) == chosen.wire(info) != schemes[0].candidates[0].wire(info)
+
+
+def test_thc_residual_in_gradient_coordinates():
+    """THC keeps its residual rotated and padded; residual_of rotates it back: the step's
+    output plus the residual is the corrected gradient."""
+    backend = BACKENDS[0]
+    ops = one_rank(backend_ops(backend))
+    thc = make_scheme("thc", bits=2).bind(ops)
+    info = TensorInfo("t", (1000,), "float32", 1, 0, "sum")
+    state = thc.init(ops, info, backend_tensor(backend, [0.0]))
+    x = np.random.default_rng(0).standard_normal(1000)
+    for _ in range(3):  # ranges agreed after the first step
+        before = thc.residual_of(ops, state, info)
+        payload, ctx = compress_tensor(thc, ops, backend_tensor(backend, x), state, info)
+        out, state = finish_tensor(thc, ops, payload, ctx, state, info)
+    after = np.asarray(ops.to_host(thc.residual_of(ops, state, info)))
+    corrected = x + np.asarray(ops.to_host(before))
+    np.testing.assert_allclose(np.asarray(ops.to_host(out)) + after, corrected, atol=1e-4)
+    assert np.abs(after).max() > 1e-2  # 2 bits leave a real residual
