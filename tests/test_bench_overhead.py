@@ -101,6 +101,12 @@ def test_no_collective_is_identity():
     assert ops.allreduce(x, "sum", "name") is x
 
 
+def test_all_means_every_fixed_scheme():
+    specs = [spec for spec, _ in overhead._build_schemes("all")]
+    assert specs[0] == "fp16" and "auto" not in specs
+    assert set(specs) == {"none", "fp16", "bf16", "topk", "topkc", "powersgd", "thc"}
+
+
 def test_model_inputs_for_a_tiny_reference(monkeypatch):
     monkeypatch.setitem(model.REFERENCE_MODELS, "tiny", {
         "shapes": [(64, 32), (64,), (64, 32)], "compute_s": 0.05, "note": "two matrices and a bias"})
