@@ -623,6 +623,9 @@ class HorovodCompressor:
             agreed = hvd.allreduce(self.ops.constant([rate, latency], "float64", like), op=hvd.Average,
                                    name="hvd_gradcomp.calibrate.link", **kwargs)
             link = Link(*self.ops.to_host(agreed))
+            if self._world(None)[1] == 0:
+                log.info("hvd_gradcomp auto: link measured over %d ranks: %.1f MB/s, %.3f ms per "
+                         "all-reduce", size, link.bytes_per_second / 1e6, link.latency_s * 1e3)
         for scheme in self.routing.schemes():
             if scheme.adaptive:
                 scheme.set_link(link)

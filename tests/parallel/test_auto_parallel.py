@@ -79,6 +79,7 @@ def _torch_worker():
     res["link"] = tuple(comp.scheme.link)
     _, choices = steps(comp, 0, 4, name="fast")
     res["fast_choices"] = choices
+    res["link_logs"] = [m for m in logs.messages if "link measured" in m]
     return res
 
 
@@ -187,6 +188,8 @@ def test_torch_unthrottled_link_stays_fp16(torch_results):
     assert r0["link"] == r1["link"]  # averaged over the ranks
     assert r0["link"][0] > 1e7  # loopback: far above 10 MB/s
     assert r0["fast_choices"] == r1["fast_choices"] == ["fp16"] * 4
+    assert len(r0["link_logs"]) == 1 and "link measured over 2 ranks" in r0["link_logs"][0]
+    assert not r1["link_logs"]
 
 
 def test_tf_eager_same_decisions_and_exact_flush(tf_results):
