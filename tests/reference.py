@@ -66,15 +66,18 @@ class RefTopKC:
     all-reduce); the payload is the values only. Either way each rank's residual is ``c`` minus
     the decoded values it sent, on the selected chunks (what fp16 rounding and the saturation
     at the largest float16 <= 65504 / n cut stays there); when the all-reduced payload is not
-    finite, every rank's residual and the agreed scores stay as they were.
+    finite, every rank's residual and the agreed scores stay as they were. ``residual_decay``
+    (beta): the carried residual enters as ``c = g + beta e`` and the scores guess
+    ``g + beta e'``.
     """
 
     def __init__(self, numel, n, ratio, chunk, error_feedback=True, payload="float16",
-                 selection="previous"):
+                 selection="previous", residual_decay=1.0):
         self.d, self.n, self.c = numel, n, chunk
         self.m = -(-numel // chunk)
         self.k = min(self.m, max(1, math.ceil(ratio * self.m - 1e-9)))
         self.ef, self.payload, self.selection = error_feedback, payload, selection
+        self.beta = residual_decay
         self.residual = [np.zeros(numel) for _ in range(n)]
         self.prev = np.zeros(self.m)
         self.last_payload = None  # the all-reduced payload of the last step (float64 values)
@@ -100,7 +103,7 @@ class RefTopKC:
     def step(self, grads, op="average"):
         n, m, k = self.n, self.m, self.k
         grads = [np.asarray(g, np.float64).reshape(-1) for g in grads]
-        corrected = [g + (self.residual[r] if self.ef else 0) for r, g in enumerate(grads)]
+        corrected = [g + (self.beta * self.residual[r] if self.ef else 0) for r, g in enumerate(grads)]
         padded = [self._padded(x) for x in corrected]
         if self.selection == "current":
             ranking = sum(fp32(self._scores(p)) for p in padded)
@@ -118,7 +121,7 @@ class RefTopKC:
         parts = [s.reshape(-1) for s in sent]
         if self.selection == "previous":
             for r in range(n):
-                guess = grads[r] + new_residual[r] if self.ef else grads[r]
+                guess = grads[r] + self.beta * new_residual[r] if self.ef else grads[r]
                 scores = self._scores(self._padded(guess))
                 parts[r] = np.concatenate([parts[r], self._cast(scores / max(scores.max(), 1e-30))])
         finite = [np.isfinite(g).all() for g in grads]
@@ -201,7 +204,8 @@ def reference_for_spec(spec, numel, n):
         return RefTopKC(numel, n, float(opts.get("ratio", 0.01)), int(opts.get("chunk", 256)),
                         error_feedback=opts.get("error_feedback", "true") == "true",
                         payload=opts.get("payload_dtype", "float16"),
-                        selection=opts.get("selection", "previous"))
+                        selection=opts.get("selection", "previous"),
+                        residual_decay=float(opts.get("residual_decay", 1.0)))
     if name == "topk":
         return RefTopK(numel, n, float(opts["ratio"]))
     return None

@@ -21,7 +21,7 @@ from hvd_gradcomp.registry import make_scheme, parse_spec
 from tests.conftest import BACKENDS, as_float64, backend_tensor
 
 SIZES = (3000, 70000)  # padded and unpadded blocks / chunks; two sizes, one compilation
-SPECS = ("thc", "topkc:ratio=0.1", "thc:range=current,saturation=false")
+SPECS = ("thc", "topkc:ratio=0.1", "topkc:ratio=0.1,residual_decay=0.9", "thc:range=current,saturation=false")
 
 
 def _scheme(spec):

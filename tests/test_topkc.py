@@ -73,6 +73,8 @@ VARIANTS = {
     "previous_no_ef": dict(ratio=0.25, chunk=8, error_feedback=False),
     "current": dict(ratio=0.25, chunk=8, selection="current"),
     "current_no_ef": dict(ratio=0.25, chunk=8, selection="current", error_feedback=False),
+    "previous_decay": dict(ratio=0.25, chunk=8, residual_decay=0.9),
+    "current_decay": dict(ratio=0.25, chunk=8, selection="current", residual_decay=0.5),
 }
 
 
@@ -80,7 +82,8 @@ def _reference(n, numel, options):
     return RefTopKC(numel, n, options["ratio"], options["chunk"],
                     error_feedback=options.get("error_feedback", True),
                     payload=options.get("payload_dtype", "float16"),
-                    selection=options.get("selection", "previous"))
+                    selection=options.get("selection", "previous"),
+                    residual_decay=options.get("residual_decay", 1.0))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -300,3 +303,64 @@ def test_only_current_selection_posts_a_side_collective(backend):
         if expected:
             op, name, got_group = record.calls[0]
             assert op == "sum" and "layer.w" in name and got_group is group
+
+
+# ---- residual_decay ----
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_residual_decay_forgets_geometrically(backend):
+    """One rank, 4 chunks of 2, k = 1, the same gradient every step: chunk 0 (by far the
+    largest) goes every step; chunk 3 is never sent, so it owes g + beta g + beta**2 g + ... =
+    g (1 - beta**t) / (1 - beta) after t steps (plain error feedback: t g, without bound)."""
+    g = np.array([100.0, 100.0, 1.0, 1.0, 2.0, 2.0, 0.5, 0.5])
+    for beta in (1.0, 0.5, 0.9):
+        sim = Ranks(backend, 1, (8,), "average", ratio=0.25, chunk=2, residual_decay=beta)
+        for t in range(1, 7):
+            out = sim.step([g])[0]
+            owed = _np(sim.states[0].residual)
+            total = t if beta == 1.0 else (1 - beta ** t) / (1 - beta)
+            np.testing.assert_allclose(owed[6:], 0.5 * total, rtol=1e-6, err_msg=f"beta {beta} step {t}")
+            # chunk 0 goes (first by index before any score, then by its agreed score)
+            np.testing.assert_array_equal(_np(sim.ctxs[0].idx), [0])
+            np.testing.assert_array_equal(out[:2], 100.0)
+            np.testing.assert_array_equal(owed[:2], 0.0)
+        # The agreed scores guess the next step's c = g + beta e' per chunk (normalised).
+        guess = (g + beta * owed).reshape(4, 2)
+        scores = (guess ** 2).sum(1)
+        np.testing.assert_allclose(_np(sim.states[0].scores), scores / scores.max(), rtol=2e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_residual_decay_one_is_plain_error_feedback(backend):
+    """residual_decay=1.0 (the default) is bit for bit the scheme without the option: same
+    payloads, outputs and states, two ranks, six steps."""
+    plain = Ranks(backend, 2, (7, 13), "average", ratio=0.25, chunk=8)
+    same = Ranks(backend, 2, (7, 13), "average", ratio=0.25, chunk=8, residual_decay=1.0)
+    assert plain.scheme.config == same.scheme.config and plain.scheme.spec() == same.scheme.spec()
+    gen = np.random.default_rng(3)
+    for _ in range(6):
+        grads = [gen.standard_normal((7, 13)) for _ in range(2)]
+        a, b = plain.step(grads), same.step(grads)
+        for r in range(2):
+            np.testing.assert_array_equal(a[r], b[r])
+            np.testing.assert_array_equal(_np(plain.payloads[r]), _np(same.payloads[r]))
+            for x, y in zip(plain.states[r], same.states[r]):
+                np.testing.assert_array_equal(_np(x), _np(y))
+
+
+def test_residual_decay_option():
+    """Declared like the others: a number in (0, 1], default 1.0; needs error feedback; in the
+    spec and its repr when set; the payload and wire bytes do not change."""
+    assert make_scheme("topkc").config.residual_decay == 1.0
+    scheme = make_scheme("topkc", ratio=0.01, residual_decay=0.95)
+    assert scheme.config.residual_decay == 0.95 and "residual_decay=0.95" in scheme.spec()
+    assert Routing.from_spec(scheme.spec()).default.config == scheme.config
+    assert Routing.from_spec("topkc:0.01,residual_decay=0.95").default.config == scheme.config
+    info = TensorInfo("t", (100000,), "float32", 2, 0)
+    assert scheme.wire(info) == make_scheme("topkc", ratio=0.01).wire(info)
+    for bad in (0, 0.0, 1.5, -0.5, float("nan"), "0.9", True):
+        with pytest.raises(ValueError, match=r"^topkc: residual_decay must be a number in \(0, 1\], got "):
+            make_scheme("topkc", residual_decay=bad)
+    with pytest.raises(ValueError, match=r"^topkc: residual_decay=0.9 needs error_feedback=True"):
+        make_scheme("topkc", residual_decay=0.9, error_feedback=False)
+    make_scheme("topkc", residual_decay=1.0, error_feedback=False)  # 1.0 is no decay: accepted

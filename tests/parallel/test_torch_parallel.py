@@ -25,6 +25,7 @@ SCENARIOS = {
     "topkc_sum": (TOPKC, {}, True, "sum"),
     "topkc_predivide": (TOPKC, {"gradient_predivide_factor": 4.0}, True, "average"),
     "topkc_current": ("topkc:ratio=0.25,chunk=8,min_numel=1,selection=current", {}, True, "average"),
+    "topkc_decay": ("topkc:ratio=0.25,chunk=8,min_numel=1,residual_decay=0.8", {}, True, "average"),
     "topkc_min100": ("topkc:ratio=0.25,chunk=8,min_numel=100", {}, True, "average"),
     "topkc_fp32_noef": ("topkc:ratio=0.3,chunk=4,payload_dtype=float32,error_feedback=false,min_numel=1",
                         {}, True, "average"),
@@ -290,6 +291,7 @@ def test_wire_bytes(results):
     small = results[0]["topkc_min100"]["wire"]
     assert small["a"] == (128, 0, 0) and small["s"] == (2, 0, 0) and small["w"] == ((32 + 16 + 16) * 2, 0, 0)
     assert results[0]["topk"]["wire"]["w"] == (128 * 4, 0, 0)
+    assert results[0]["topkc_decay"]["wire"] == wire  # residual_decay changes no byte
     assert results[0]["fp16"]["wire"]["w"] == (256, 0, 0)
     assert results[0]["none"]["wire"]["w"] == (512, 0, 0)
 
