@@ -73,7 +73,7 @@ A stale range clips what this step's gradient has beyond it; saturation counts t
 coordinates and error feedback carries them into the next steps (the ranges follow within a
 step, since the statistics are of ``y``, residual included). A block that had no data on any
 rank last step has range 0 and sends nothing this step: its content waits one step in error
-feedback. Measured (tests/test_thc.py): blocks 1000x apart in scale all get relative errors
+feedback. Measured (tests/core/test_thc.py): blocks 1000x apart in scale all get relative errors
 of 0.14-0.26 (one global range: about 100 for the small blocks); an embedding gradient with
 20 of 20000 rows touched has one-step NMSE 0.02-0.07 when the same rows recur, 0.42-0.55
 when every step touches new rows (they arrive a step later).

@@ -23,7 +23,8 @@ import pytest
 
 from hvd_gradcomp.base import TensorInfo
 from hvd_gradcomp.registry import make_scheme, parse_spec
-from tests.conftest import ROOT, requires_backend
+from tests.backends import requires_backend
+from tests.conftest import ROOT
 from tests.hvdrun import run_command
 
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -8,7 +8,8 @@ runs from it.
    harness's commands and a worker import from that folder (``python -m``, no file paths):
    ``python -m hvd_gradcomp.bench tta --help`` and ``python -m
    hvd_gradcomp.bench.workers.digits_torch --help``.
-3. The core (``hvd_gradcomp/*.py`` outside ``bench/``) never imports the harness.
+3. The core (``hvd_gradcomp/*.py`` outside ``bench/``) never imports the harness, nor a
+   framework or NumPy, and every public module lists ``__all__``.
 """
 import ast
 import os
@@ -93,3 +94,25 @@ def test_core_never_imports_the_harness():
             else:
                 continue
             assert not any(t.startswith("hvd_gradcomp.bench") for t in targets), (name, node.lineno)
+
+
+def test_core_imports_no_framework():
+    code = ("import sys, hvd_gradcomp, hvd_gradcomp.registry, hvd_gradcomp.adapter, hvd_gradcomp.rng;"
+            "import pkgutil, importlib;"
+            "[importlib.import_module('hvd_gradcomp.' + m.name) for m in pkgutil.iter_modules(hvd_gradcomp.__path__)"
+            " if m.name != 'bench'];"
+            "print(sorted(m for m in ('torch', 'tensorflow', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_every_public_module_lists_all():
+    import importlib
+    import pkgutil
+
+    import hvd_gradcomp
+    for m in pkgutil.iter_modules(hvd_gradcomp.__path__):
+        if m.name in ("bench",):
+            continue
+        mod = importlib.import_module(f"hvd_gradcomp.{m.name}")
+        assert hasattr(mod, "__all__"), m.name

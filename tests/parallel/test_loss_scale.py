@@ -16,7 +16,7 @@
 """
 import numpy as np
 
-from tests.conftest import requires_backend
+from tests.backends import requires_backend
 from tests.hvdrun import run
 
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import requires_backend
+from tests.backends import requires_backend
 from tests.hvdrun import run_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))

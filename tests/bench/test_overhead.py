@@ -14,7 +14,7 @@ from hvd_gradcomp.base import TensorInfo
 from hvd_gradcomp.bench import model, overhead
 from hvd_gradcomp.registry import SCHEMES, make_scheme, parse_spec
 from hvd_gradcomp.routing import Routing
-from tests.conftest import BACKENDS, backend_ops
+from tests.backends import BACKENDS, backend_ops
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -162,7 +162,7 @@ def test_timed_call_is_one_training_step(backend):
     """Each timed call is compress + finish on the state the previous call left (error feedback
     and TopKC's agreed scores move on): the outputs equal scheme_steps' over the same steps."""
     import numpy as np
-    from tests.conftest import scheme_steps
+    from tests.backends import scheme_steps
     runner = overhead._runner(backend, "cpu", type("A", (), {"threads": 0, "tf_inner": 1})())
     gen = np.random.default_rng(5)
     array = (gen.standard_normal(4096) * np.repeat(gen.uniform(0.1, 2.0, 16), 256)).astype(np.float32)

@@ -22,7 +22,7 @@ def test_link_config_and_link_model():
         netem.LinkConfig(0)
     with pytest.raises(ValueError, match="latency_ms must be >= 0"):
         netem.LinkConfig(100, -1)
-    # 2 ranks: each sends the whole buffer once; 100 MB over 1 Gbit/s = 0.8 s (more in test_bench_ring.py)
+    # 2 ranks: each sends the whole buffer once; 100 MB over 1 Gbit/s = 0.8 s (more in tests/core/test_ring.py)
     assert linkcheck.link_model_seconds(100e6, 2, netem.LinkConfig(1000)) == pytest.approx(0.8)
     assert linkcheck.link_model_seconds(100e6, 4, netem.LinkConfig(1000, 1)) == pytest.approx(1.2 + 0.006)
     assert linkcheck.link_model_seconds(100e6, 1, netem.LinkConfig(1000)) == 0.0

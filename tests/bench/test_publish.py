@@ -8,7 +8,7 @@ import sys
 
 from hvd_gradcomp.bench import publish, report
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _block(text, name):

@@ -12,6 +12,7 @@ import pytest
 from hvd_gradcomp.bench import model
 from hvd_gradcomp.bench.model import (Measurement, Network, allreduce_time, latency, load_inputs,
                                       predict_step_time, tta_ratio, winning_ranges)
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # matplotlib's pyparsing use
 
@@ -235,7 +236,7 @@ def test_model_against_the_committed_bandwidth_limited_runs():
     two-round variants: the committed run timed their side all-reduce as codec (fixed in the
     harness after that run), which the model then counts twice.
     """
-    path = os.path.join(os.path.dirname(__file__), "..", "docs", "tta-demo", "runs.csv")
+    path = os.path.join(ROOT, "docs", "tta-demo", "runs.csv")
     if not os.path.exists(path):
         pytest.skip("no committed TTA demo run")
     with open(path) as f:

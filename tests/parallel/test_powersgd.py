@@ -10,7 +10,7 @@ import pytest
 
 from hvd_gradcomp.base import WireBytes
 from hvd_gradcomp.powersgd import CONTROL
-from tests.conftest import BACKENDS
+from tests.backends import BACKENDS
 from tests.hvdrun import run
 from tests.reference import gram_schmidt64
 

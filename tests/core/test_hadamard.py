@@ -3,7 +3,7 @@
 Checked in each backend against float64 references: the Sylvester matrices against SciPy's,
 the factored transform against the float64 Walsh-Hadamard transform of tests/reference.py, and
 the rotation (full and every partial block size) for orthonormality, invertibility and the +-1
-diagonal. How THC keeps its diagonal per tensor is in tests/test_thc.py; both frameworks giving
+diagonal. How THC keeps its diagonal per tensor is in tests/core/test_thc.py; both frameworks giving
 the same results is in tests/parity/.
 """
 import math
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from hvd_gradcomp import hadamard
-from tests.conftest import BACKENDS, as_float64, backend_ops, backend_tensor
+from tests.backends import BACKENDS, as_float64, backend_ops, backend_tensor
 from tests.reference import fwht64
 
-_tensor, _np = backend_tensor, as_float64  # the shared helpers of tests/conftest.py
+_tensor, _np = backend_tensor, as_float64  # the shared helpers of tests/backends.py
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

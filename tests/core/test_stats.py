@@ -12,7 +12,7 @@ import pytest
 from hvd_gradcomp.base import TensorInfo, WireBytes
 from hvd_gradcomp.registry import make_scheme
 from hvd_gradcomp.stats import StatsLogger, WireReport, summarize
-from tests.conftest import requires_backend
+from tests.backends import requires_backend
 from tests.hvdrun import LogRecords, run
 
 

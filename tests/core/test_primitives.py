@@ -18,7 +18,7 @@ import pytest
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import COMPILE_ENV, compile_requested, one_rank
 from hvd_gradcomp.registry import make_scheme, parse_spec
-from tests.conftest import BACKENDS, as_float64, backend_tensor
+from tests.backends import BACKENDS, as_float64, backend_tensor
 
 SIZES = (3000, 70000)  # padded and unpadded blocks / chunks; two sizes, one compilation
 SPECS = ("thc", "topkc:ratio=0.1", "topkc:ratio=0.1,residual_decay=0.9", "thc:range=current,saturation=false")

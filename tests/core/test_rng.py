@@ -7,15 +7,15 @@ TensorFlow draw the same bits is a parity test: tests/parity/test_parity.py.
 import numpy as np
 
 from hvd_gradcomp import rng
-from tests.conftest import as_float64, requires_backend
+from tests.backends import as_float64, requires_backend
 
-_np = as_float64  # the shared helper of tests/conftest.py
+_np = as_float64  # the shared helper of tests/backends.py
 
 
 @requires_backend("torch")
 def test_rng_statistics_and_global_rng_untouched():
     import torch
-    from tests.conftest import backend_ops
+    from tests.backends import backend_ops
     pt = backend_ops("torch")
     torch.manual_seed(3)
     before = torch.random.get_rng_state().clone()

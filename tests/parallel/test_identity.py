@@ -1,4 +1,7 @@
-"""TensorFlow tensor identity and unknown shapes, 2 real Horovod ranks (Gloo), one launch.
+"""Tensor identity and unknown shapes, 2 real Horovod ranks (Gloo), one TensorFlow launch.
+
+TensorFlow only: PyTorch keys state by parameter name, checked in tests/parallel/test_topkc.py
+(``test_one_residual_per_parameter``).
 
 1. Two variables both named "w" (different shapes and values) through one
    ``DistributedGradientTape``: each keeps its own state (keys are positions ``grad_<j>``,
@@ -14,7 +17,7 @@
 import numpy as np
 import pytest
 
-from tests.conftest import requires_backend
+from tests.backends import requires_backend
 from tests.hvdrun import run
 
 SPECS = ["fp16", "topkc:ratio=0.25,chunk=8,min_numel=1", "thc:min_numel=1", "powersgd:rank=2", "topk:ratio=0.5"]

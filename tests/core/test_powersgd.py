@@ -5,7 +5,7 @@ compression at size 1), so these tests call the scheme directly with
 ``one_rank_ops(backend)``: the backend's primitives with the side all-reduce replaced by the
 identity, which is exactly what an all-reduce over one rank does. Several ranks of the
 (collective-free) alternating variant are simulated in one process by summing their payloads
-(:func:`_simulate`); real Horovod with 2 ranks is in tests/parallel/test_powersgd_parallel.py.
+(:func:`_simulate`); real Horovod with 2 ranks is in tests/parallel/test_powersgd.py.
 """
 
 import numpy as np
@@ -13,17 +13,16 @@ import pytest
 
 from hvd_gradcomp.base import TensorInfo, WireBytes, compress_tensor, finish_tensor
 from hvd_gradcomp.cast import Fp16Scheme
-from hvd_gradcomp.orthogonalize import basis, orthogonalize
 from hvd_gradcomp.powersgd import (CONTROL, STATE_VERSION, PowerSGDConfig, PowerSGDScheme, PowerSGDState,
                                    matrix_view)
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
-from tests.conftest import BACKENDS, backend_ops, one_rank_ops, scheme_steps, backend_tensor, as_float64
+from tests.backends import BACKENDS, as_float64, backend_tensor, one_rank_ops, scheme_steps
 from tests.reference import gram_schmidt64
 
 TWO = dict(variant="two_round")
 
 
-_tensor, _np = backend_tensor, as_float64  # the shared helpers of tests/conftest.py
+_tensor, _np = backend_tensor, as_float64  # the shared helpers of tests/backends.py
 
 
 def _low_rank(n, m, k, seed):
@@ -167,82 +166,6 @@ def test_min_compression_rate_moves_the_boundary():
     info = TensorInfo("t", (16, 16), "float32", 2, 0)
     assert PowerSGDScheme(PowerSGDConfig(rank=2, min_compression_rate=4.0)).matrix_shape(info) == (16, 16)
     assert PowerSGDScheme(PowerSGDConfig(rank=2, min_compression_rate=4.1)).matrix_shape(info) is None
-
-
-# ---------------------------------------------------------------- orthogonalize
-def _orth(backend, a):
-    return _np(orthogonalize(backend_ops(backend), _tensor(backend, a)))
-
-
-def _assert_orthonormal_or_zero(out, nonzero):
-    assert np.isfinite(out).all()
-    norms = np.linalg.norm(out, axis=0)
-    for j, keep in enumerate(nonzero):
-        if keep:
-            assert abs(norms[j] - 1.0) < 1e-5, (j, norms)
-        else:
-            assert (out[:, j] == 0).all(), j
-    kept = out[:, list(np.flatnonzero(nonzero))]
-    np.testing.assert_allclose(kept.T @ kept, np.eye(kept.shape[1]), atol=1e-5)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_orthogonalize_random_keeps_span(backend):
-    a = np.random.default_rng(0).standard_normal((50, 4))
-    out = _orth(backend, a)
-    _assert_orthonormal_or_zero(out, [True] * 4)
-    np.testing.assert_allclose(out @ (out.T @ a), a, atol=1e-5)  # same column space
-    # Gram-Schmidt order: the first output column is the first input column, normalised.
-    np.testing.assert_allclose(out[:, 0], a[:, 0] / np.linalg.norm(a[:, 0]), atol=1e-6)
-    one = _orth(backend, a[:, :1])  # r = 1
-    np.testing.assert_allclose(one[:, 0], out[:, 0], atol=1e-7)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_orthogonalize_zero_and_dependent_columns(backend):
-    rng = np.random.default_rng(1)
-    a = rng.standard_normal((40, 6))
-    a[:, 1] = 0.0  # zero column
-    a[:, 2] = 3.0 * a[:, 0]  # dependent
-    a[:, 4] = a[:, 0] - 2.0 * a[:, 3]  # dependent on two earlier columns
-    _assert_orthonormal_or_zero(_orth(backend, a), [True, False, False, True, False, True])
-    zeros = _orth(backend, np.zeros((40, 3)))
-    assert (zeros == 0).all()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_orthogonalize_scale_and_nonfinite(backend):
-    a = np.random.default_rng(2).standard_normal((30, 2))
-    for scale in (1e-25, 1e25):  # squares would underflow / overflow without the max-abs scaling
-        out = _orth(backend, a * scale)
-        _assert_orthonormal_or_zero(out, [True, True])
-        np.testing.assert_allclose(out, _orth(backend, a), atol=1e-6)
-    bad = a.copy()
-    bad[3, 0] = np.nan
-    assert np.isnan(_orth(backend, bad)).all()  # NaN is never masked into zeros
-    bad = a.copy()
-    bad[5, 1] = np.inf
-    out = _orth(backend, bad)
-    assert np.isfinite(out[:, 0]).all() and not np.isfinite(out[:, 1]).all()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_basis_fills_zero_columns_only(backend):
-    ops = backend_ops(backend)
-    rng = np.random.default_rng(3)
-    a, fill = rng.standard_normal((20, 3)), rng.standard_normal((20, 3))
-    a[:, 1] = 0.0
-    out = _np(basis(ops, _tensor(backend, a), _tensor(backend, fill)))
-    _assert_orthonormal_or_zero(out, [True, True, True])
-    want = a.copy()
-    want[:, 1] = fill[:, 1]
-    np.testing.assert_allclose(out, _orth(backend, want), atol=1e-6)
-    np.testing.assert_allclose(out[:, 0], a[:, 0] / np.linalg.norm(a[:, 0]), atol=1e-6)
-    # No zero column: exactly orthogonalize(a); a NaN column is not filled.
-    b = rng.standard_normal((20, 3))
-    np.testing.assert_array_equal(_np(basis(ops, _tensor(backend, b), _tensor(backend, fill))), _orth(backend, b))
-    b[4, 2] = np.nan
-    assert np.isnan(_np(basis(ops, _tensor(backend, b), _tensor(backend, fill)))[:, 2]).all()
 
 
 # ---------------------------------------------------------------- the alternating variant
@@ -676,52 +599,3 @@ def test_state_resume_equals_uninterrupted(backend):
     for a, b in zip(full[3:], rest):
         for x, y in zip(a["outs"], b["outs"]):
             np.testing.assert_array_equal(_np(x), _np(y))
-
-
-# ---------------------------------------------------------------- frameworks agree
-def _tf_graph_steps(scheme, grads, key="w"):
-    """The TensorFlow run of _steps, each step one tf.function call (state passed through)."""
-    import tensorflow as tf
-    ops = one_rank_ops("tensorflow")
-    info = TensorInfo(key, tuple(np.shape(grads[0])), "float32", 1, 0)
-    state = scheme.init(ops, info, None)
-
-    @tf.function
-    def step(x, *fields):
-        payload, ctx = compress_tensor(scheme, ops, x, PowerSGDState(*fields), info)
-        out, new = finish_tensor(scheme, ops, payload, ctx, PowerSGDState(*fields), info)
-        return out, tuple(new)
-
-    outs = []
-    for g in grads:
-        out, fields = step(tf.constant(g, tf.float32), *state)
-        state = PowerSGDState(*fields)
-        outs.append(out.numpy().astype(np.float64))
-    return outs, state
-
-
-@pytest.mark.skipif(set(BACKENDS) != {"torch", "tensorflow"}, reason="needs both backends")
-def test_torch_tensorflow_parity_eager_and_tf_function():
-    rng = np.random.default_rng(11)
-    grads = [rng.standard_normal((40, 12)) for _ in range(5)]
-    kernels = [rng.standard_normal((2, 2, 3, 40)) for _ in range(5)]  # TensorFlow conv: 40 x 12
-    for cfg in (PowerSGDConfig(rank=2), PowerSGDConfig(rank=3, start_step=2, warm_start=False, **TWO),
-                PowerSGDConfig(rank=2, **TWO)):
-        scheme = PowerSGDScheme(cfg)
-        # The first Q comes from the counter-based generator: bit-identical in both frameworks.
-        np.testing.assert_array_equal(
-            _np(scheme.init(one_rank_ops("torch"), TensorInfo("w", (40, 12), "float32", 1, 0), None).q),
-            _np(scheme.init(one_rank_ops("tensorflow"), TensorInfo("w", (40, 12), "float32", 1, 0), None).q))
-        torch_log = _steps("torch", scheme, grads)
-        tf_log = _steps("tensorflow", scheme, grads)
-        graph_outs, graph_state = _tf_graph_steps(scheme, grads)
-        for a, b, c in zip(torch_log, tf_log, graph_outs):
-            np.testing.assert_allclose(_np(a["out"]), _np(b["out"]), rtol=1e-4, atol=1e-4)
-            np.testing.assert_allclose(_np(b["out"]), c, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(_np(torch_log[-1]["after"].residual), _np(graph_state.residual), atol=1e-4)
-        assert int(_np(graph_state.step)) == len(grads)
-        # A 4-D TensorFlow kernel: eager and tf.function agree (transposed view in both).
-        eager = _steps("tensorflow", scheme, kernels)
-        graph_outs, _ = _tf_graph_steps(scheme, kernels)
-        for a, c in zip(eager, graph_outs):
-            np.testing.assert_allclose(_np(a["out"]), c, rtol=1e-4, atol=1e-4)

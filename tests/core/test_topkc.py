@@ -16,11 +16,11 @@ from hvd_gradcomp.base import FP16_MAX, EmptyState, TensorInfo, compress_tensor,
 from hvd_gradcomp.cast import Fp16Scheme
 from hvd_gradcomp.registry import make_scheme
 from hvd_gradcomp.routing import Routing
-from tests.conftest import BACKENDS, one_rank_ops, backend_tensor, as_float64
+from tests.backends import BACKENDS, one_rank_ops, backend_tensor, as_float64
 from tests.reference import RefTopKC
 
 
-_tensor, _np = backend_tensor, as_float64  # the shared helpers of tests/conftest.py
+_tensor, _np = backend_tensor, as_float64  # the shared helpers of tests/backends.py
 
 
 class Ranks:

@@ -1,6 +1,6 @@
 """Routing (hvd_gradcomp/routing.py) and its spec grammar (hvd_gradcomp/registry.py): decisions,
 canonical specs, errors; no Horovod launch (the multi-rank checks are in
-tests/parallel/test_routing_torch.py and test_routing_tf.py)."""
+tests/parallel/test_routing.py, both frameworks)."""
 import pytest
 
 from hvd_gradcomp.adapter import group_dtype
@@ -9,7 +9,7 @@ from hvd_gradcomp.registry import Selector, format_selector, make_scheme, parse_
 from hvd_gradcomp.routing import Routing, canonical_text
 from hvd_gradcomp.thc import THCConfig
 from hvd_gradcomp.topkc import TopKCConfig
-from tests.conftest import BACKENDS
+from tests.backends import BACKENDS
 
 RULES = [("*.bias", "fp16"), ("*embed*", "topkc:ratio=0.05"), ("numel>=1000000", "powersgd:4")]
 SPEC = "*.bias -> fp16; *embed* -> topkc:ratio=0.05; numel>=1000000 -> powersgd:rank=4; thc:min_numel=4096"

@@ -1,7 +1,7 @@
 """Single-process tests of THC (hvd_gradcomp/thc.py).
 
-Everything that needs real ranks is in tests/parallel/test_thc_parallel.py; the rotation itself
-(hvd_gradcomp/hadamard.py) is tested in tests/test_hadamard.py. Most tests here
+Everything that needs real ranks is in tests/parallel/test_thc.py; the rotation itself
+(hvd_gradcomp/hadamard.py) is tested in tests/core/test_hadamard.py. Most tests here
 run several *simulated* ranks of one tensor in one process (:class:`Ranks`, pure math): each
 rank compresses with its own state; the one all-reduce is an int64 sum of the int32 payloads
 (``op="sum"``) or Horovod's Average on int32, emulated as ``trunc(W * (1.0 / n))`` in float64
@@ -18,7 +18,7 @@ formulas (:func:`np_layout`), independently of ``THCScheme.layout``, and so are 
 step's ranges (:func:`reference_ranges`, from the statistics of every rank's own payload).
 
 Measured numbers (PyTorch, one thread; reproduce with ``HVD_GRADCOMP_MEASURE=1 python -m
-pytest tests/test_thc.py -k measure -s``): see :data:`ERROR_BOUNDS` (errors per variant),
+pytest tests/core/test_thc.py -k measure -s``): see :data:`ERROR_BOUNDS` (errors per variant),
 :func:`test_row_sparse_embedding` (NMSE) and :func:`test_measure_rotation_stages`.
 
 Choice of the default ``rotation_stages`` (k). ``d = 2**22``, 4-bit THC with saturation, world
@@ -64,7 +64,7 @@ from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.registry import make_scheme, parse_spec
 from hvd_gradcomp.routing import Routing
 from hvd_gradcomp.thc import THCConfig, THCScheme, lane_layout, saturation_threshold
-from tests.conftest import BACKENDS, backend_ops, one_rank_ops, requires_backend
+from tests.backends import BACKENDS, as_numpy, backend_ops, native_tensor, one_rank_ops
 from tests.reference import fwht64
 
 T_1024 = 3.2971933456919635  # THC's saturation threshold for rate 1/1024
@@ -88,22 +88,7 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-def _np(x):
-    """A NumPy copy of a torch/TF tensor (its own dtype)."""
-    if hasattr(x, "detach"):
-        return x.detach().cpu().numpy().copy()
-    return np.array(x, copy=True)
-
-
-def _tensor(backend, values, dtype=None):
-    values = np.asarray(values)
-    dtype = dtype or str(values.dtype)
-    if backend == "torch":
-        import torch
-        from torch_backend.ops import to_torch_dtype
-        return torch.as_tensor(values).to(to_torch_dtype(dtype))
-    import tensorflow as tf
-    return tf.constant(values, dtype=dtype)
+_np, _tensor = as_numpy, native_tensor  # the shared helpers of tests/backends.py (own dtype)
 
 
 def _student_t(rng, size, df=3.0):
@@ -1076,61 +1061,7 @@ def test_saturated_and_realigned_metrics(backend):
 
 
 # ---------------------------------------------------------------- frameworks
-
-@requires_backend("torch")
-@requires_backend("tensorflow")
-@pytest.mark.parametrize("config", [
-    THCConfig(), THCConfig(bits=2, rotation="full", saturation=False),
-    THCConfig(bits=8, rotation="full"), THCConfig(bits=4, rotation_stages=4, error_feedback=False),
-    THCConfig(rotation="full", saturation=False, range="current"),
-])
-def test_torch_tensorflow_payload_parity(config):
-    """The int32 payload is bit-for-bit the same in PyTorch and TensorFlow.
-
-    Inputs are chosen so that every floating-point step is exact or correctly rounded, hence
-    independent of the order in which either framework sums: values in {-1, 0, 1}, d = 4096,
-    rotation blocks of 1024, 4096 or 16 (even log2, so 1/sqrt(B) is a power of two and the
-    rotated coordinates are small multiples of it), a residual of small multiples of 2**-8,
-    agreed ranges that are powers of two, sums of squares below 2**24 units of the last
-    place. The rest (divisions, sqrt, casts, the RNG's integer hashing) is IEEE-exact in both;
-    the statistics' log2 may differ in its last bits, which moves a code only at a rounding
-    tie (none here). Outputs and residuals, which go through inverse rotations of
-    non-integers, agree to float32 rounding; so do the next ranges (exp2).
-    """
-    import tensorflow as tf
-    gen = np.random.default_rng(3)
-    x = gen.integers(-1, 2, 4096).astype(np.float32)
-    results = {}
-    for backend in ("torch", "tensorflow"):
-        ops = one_rank_ops(backend)
-        scheme = THCScheme(config)
-        for n in (2, 8):
-            info = TensorInfo("layer/w", (64, 64), "float32", n, 1, "sum")
-            xt = _tensor(backend, x.reshape(64, 64))
-            state = scheme.init(ops, info, xt)
-            lay = layout_of(scheme, info)
-            ranges = (2.0 ** (np.arange(lay["blocks"]) % 5 - 2)).astype(np.float32)
-            residual = np.random.default_rng(4).integers(-8, 9, _np(state.residual).size).astype(np.float32) / 256
-            state = state._replace(ranges=_tensor(backend, ranges), step=_tensor(backend, np.int64(3)),
-                                   residual=_tensor(backend, residual))
-            side = (lambda v, *a, **k: v)
-            if backend == "tensorflow":
-                ops_tf = dataclasses.replace(ops, allreduce=side)
-                payload, ctx = tf.function(lambda v, s: compress_tensor(scheme, ops_tf, v, s, info))(xt, state)
-            else:
-                payload, ctx = compress_tensor(scheme, ops, xt, state, info)
-            out, new = finish_tensor(scheme, ops, payload, ctx, state, info)
-            results[backend, n] = (_np(payload), _np(out), _np(new.residual), int(_np(new.saturated)),
-                                   _np(new.ranges), int(_np(new.step)))
-    for n in (2, 8):
-        (p1, o1, r1, s1, g1, t1), (p2, o2, r2, s2, g2, t2) = results["torch", n], results["tensorflow", n]
-        assert p1.dtype == p2.dtype == np.int32
-        np.testing.assert_array_equal(p1, p2)
-        assert s1 == s2 and t1 == t2 == 4
-        np.testing.assert_allclose(o1, o2, rtol=0, atol=1e-5)
-        np.testing.assert_allclose(r1, r2, rtol=0, atol=1e-5)
-        np.testing.assert_allclose(g1, g2, rtol=1e-6)
-
+# (THC's payload bit for bit in PyTorch and TensorFlow: tests/parity/test_parity.py)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compression_namespace(backend):

@@ -20,7 +20,7 @@ import pytest
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import itemsize
 from hvd_gradcomp.registry import SCHEMES, make_scheme
-from tests.conftest import BACKENDS, one_rank_ops, scheme_steps
+from tests.backends import BACKENDS, as_float64, backend_tensor, one_rank_ops, scheme_steps
 
 SHAPES = [(), (7,), (64, 48), (8, 4, 3, 3), (5000,)]
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
@@ -34,28 +34,13 @@ VARIANTS = [(name, DEFAULTS.get(name, {})) for name in sorted(SCHEMES)] + EXTRA
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 
 
-def _tensor(backend, values, dtype):
-    if backend == "torch":
-        import torch
-        from torch_backend.ops import to_torch_dtype
-        return torch.as_tensor(values, dtype=torch.float64).to(to_torch_dtype(dtype))
-    import tensorflow as tf
-    return tf.cast(tf.constant(values, dtype=tf.float64), dtype)
+_tensor, _to_numpy = backend_tensor, as_float64  # the shared helpers of tests/backends.py
 
 
 def _values(shape, seed):
     import numpy as np
     rng = np.random.default_rng(seed)
     return rng.standard_normal(shape)
-
-
-def _to_numpy(x):
-    import numpy as np
-    if hasattr(x, "detach"):
-        import torch
-        return x.detach().to(torch.float64).numpy()
-    import tensorflow as tf
-    return np.asarray(tf.cast(x, tf.float64))
 
 
 def _roundtrip(backend, scheme, x, key="t", steps=1):
@@ -178,3 +163,15 @@ def test_failed_step_leaves_every_rank_state_as_it_was(backend, name, options):
                 assert a == b + 1
                 continue
             np.testing.assert_array_equal(a, b, err_msg=f"{name} rank {r} state field {field}")
+
+
+def test_scheme_flags():
+    """Which schemes Horovod may Min/Max/Adasum/scale (linear casts) and which it may not."""
+    for name in ("fp16", "bf16"):
+        s = make_scheme(name)
+        assert s.linear and s.scalable and not s.identity and not s.blocking, name
+    assert make_scheme("none").identity
+    for name in ("topk", "topkc"):
+        s = make_scheme(name)
+        assert not s.linear and not s.identity and s.scalable and not s.blocking, name
+    assert make_scheme("topkc", selection="current").blocking

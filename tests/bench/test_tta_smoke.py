@@ -17,7 +17,7 @@ import pytest
 
 from hvd_gradcomp.bench import netem, report
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, STEPS = 128, 6
 
 

@@ -1,0 +1,93 @@
+"""Backend tensors for the tests, in one place: which frameworks are under test, their
+primitives, tensors to and from NumPy, and the one-process step loop.
+
+HVD_GRADCOMP_BACKENDS (comma-separated, default "torch,tensorflow") names the backends under
+test; an unknown name is an error. Frameworks are imported only when a helper needs them.
+"""
+import os
+
+import pytest
+
+KNOWN_BACKENDS = ("torch", "tensorflow")
+BACKENDS = tuple(b.strip() for b in os.environ.get("HVD_GRADCOMP_BACKENDS", ",".join(KNOWN_BACKENDS)).split(",") if b.strip())
+_unknown = [b for b in BACKENDS if b not in KNOWN_BACKENDS]
+if _unknown:
+    raise pytest.UsageError(f"HVD_GRADCOMP_BACKENDS names unknown backend(s) {_unknown}; known: {KNOWN_BACKENDS}")
+
+
+def requires_backend(name):
+    """Skip a test unless backend ``name`` is under test."""
+    return pytest.mark.skipif(name not in BACKENDS, reason=f"backend {name} not under test")
+
+
+def backend_ops(name):
+    """The Primitives instance of a backend by name."""
+    if name == "torch":
+        from torch_backend import OPS
+    else:
+        from tf_backend import OPS
+    return OPS
+
+
+def one_rank_ops(name):
+    """A backend's primitives with the side all-reduce of a one-rank world (the identity)."""
+    from hvd_gradcomp.primitives import one_rank
+    return one_rank(backend_ops(name))
+
+
+def backend_tensor(backend, values, dtype="float32"):
+    """A tensor of ``backend`` ("torch"/"tensorflow") holding ``values`` (via float64) as ``dtype``."""
+    import numpy as np
+    if backend == "torch":
+        import torch
+        from torch_backend.ops import to_torch_dtype
+        return torch.as_tensor(np.asarray(values, dtype=np.float64)).to(to_torch_dtype(dtype))
+    import tensorflow as tf
+    return tf.cast(tf.constant(np.asarray(values, dtype=np.float64)), dtype)
+
+
+def native_tensor(backend, values):
+    """A tensor of ``backend`` holding a copy of ``values`` in their own NumPy dtype (float32
+    stays float32, int64 stays int64)."""
+    import numpy as np
+    values = np.asarray(values)
+    if backend == "torch":
+        import torch
+        return torch.tensor(values)
+    import tensorflow as tf
+    return tf.constant(values, dtype=str(values.dtype))
+
+
+def as_float64(x):
+    """A PyTorch or TensorFlow tensor as a float64 NumPy array (detached)."""
+    import numpy as np
+    if hasattr(x, "detach"):
+        import torch
+        return x.detach().to(torch.float64).numpy()
+    import tensorflow as tf
+    return np.asarray(tf.cast(x, tf.float64))
+
+
+def as_numpy(x):
+    """A NumPy copy of a PyTorch or TensorFlow tensor, in its own dtype (detached)."""
+    import numpy as np
+    if hasattr(x, "detach"):
+        return x.detach().cpu().numpy().copy()
+    return np.array(x, copy=True)
+
+
+def scheme_steps(ops, scheme, tensors, info):
+    """Run compress -> (one-rank all-reduce) -> decompress + finish over ``tensors``.
+
+    Returns one dict per step: payload, ctx, out (decompressed), old (state before) and after
+    (state after finish, i.e. the next step's).
+    """
+    from hvd_gradcomp.base import compress_tensor, finish_tensor
+    state = scheme.init(ops, info, tensors[0])
+    log = []
+    for x in tensors:
+        payload, ctx = compress_tensor(scheme, ops, x, state, info)
+        out, after = finish_tensor(scheme, ops, payload, ctx, state, info)
+        log.append({"payload": payload, "ctx": ctx, "out": out, "old": state, "after": after})
+        state = after
+    return log
