@@ -10,7 +10,7 @@ schedule and choice; metrics and the log say what was chosen and why; TensorFlow
 import numpy as np
 import pytest
 
-from tests.conftest import BACKENDS
+from tests.backends import BACKENDS
 from tests.hvdrun import run
 from tests.reference import allreduce_fp16, fp16, fp32
 

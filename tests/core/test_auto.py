@@ -10,7 +10,7 @@ from hvd_gradcomp.auto import AutoConfig, AutoScheme, Link, decide
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import one_rank
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
-from tests.conftest import BACKENDS, backend_ops, backend_tensor
+from tests.backends import BACKENDS, backend_ops, backend_tensor
 from tests.reference import allreduce_fp16, fp16, fp32
 
 SHAPE = (64, 48)
