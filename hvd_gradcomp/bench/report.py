@@ -545,17 +545,11 @@ def plot(path, rows, results, title, network):
 
 
 def update_doc(doc_path, block, name="tta-demo"):
-    """Replace the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in a file.
+    """Replace the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in a file
+    (the core's :func:`hvd_gradcomp.__main__.update_block`, which writes the option table).
 
     Raises:
         ValueError: the markers are missing (nothing is written).
     """
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    with open(doc_path) as f:
-        text = f.read()
-    i, j = text.find(start), text.find(end)
-    if i < 0 or j < i:
-        raise ValueError(f"{doc_path}: expected the markers {start} and {end}")
-    text = text[:i + len(start)] + "\n" + block.strip() + "\n" + text[j:]
-    with open(doc_path, "w") as f:
-        f.write(text)
+    from hvd_gradcomp.__main__ import update_block
+    update_block(doc_path, block, name)
