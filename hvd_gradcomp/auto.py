@@ -332,7 +332,8 @@ class AutoScheme(Scheme):
         if not ctx.probe:
             new = self.candidates[ctx.choice].finish(ops, payload, ctx.inner, inner, info)
             self._at[info.key] = (ctx.step + 1, ctx.choice)
-            return self._state(ops, payload, ctx.step + 1, ctx.choice, new)
+            # Same fields as before: the counters move on the device (no new host tensors).
+            return type(state)(state.step + 1, state.choice, *new)
         lanes = ops.to_host(payload[info.numel:])
         self._shadows.pop(info.key, None)
         self._samples.pop(info.key, None)
