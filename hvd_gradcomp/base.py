@@ -313,8 +313,9 @@ def payload_finite(ops, payload):
 
 
 def commit(ops, ok, new, old):
-    """``new`` (a state NamedTuple) where the bool 0-d ``ok`` holds, else ``old``, field by field."""
-    return type(old)(*[ops.where(ok, a, b) for a, b in zip(new, old)])
+    """``new`` (a state NamedTuple) if the bool 0-d ``ok`` holds, else ``old`` (``ops.select``:
+    no pass over the fields where the backend can read ``ok`` for free)."""
+    return ops.select(ok, lambda: new, lambda: old)
 
 
 def compress_tensor(scheme: Scheme, ops, tensor, state, info: TensorInfo):

@@ -35,9 +35,11 @@ random matrix ``U`` (``r x K``), and a count of realignments. Steps:
        draw costs ~30 small operations.)
     4. The travelling factor, not orthonormalised (it carries the gradient's scale):
        even ``t``: ``P_i = M_i Q^`` (``n x r``); odd ``t``: ``Q_i = M_i^T P^`` (``m x r``).
-       The parity is a tensor, so both products are formed and one is kept with ``where``
-       (a branch would read the parity on the host: a device sync per tensor in PyTorch).
-       Cost ``2 n m r`` multiply-adds, the same as the two-round variant's two products.
+       The parity is a tensor; ``Primitives.select`` forms only the product it names where
+       reading it costs no device sync (PyTorch CPU, TensorFlow's ``tf.cond``): ``n m r``
+       multiply-adds, half the two-round variant's two products. On a PyTorch GPU both are
+       formed and one is kept with ``where`` (``2 n m r``), since reading the parity there would
+       sync the device once per tensor.
     5. Control values (float32): ``[1 if t even else 0, 1 if t odd else 0, f1, f1^2, f2, f2^2]``
        with fingerprints of the basis of step 3: ``f1 = <U, B>``, ``f2 = <U*U - 1/3, B>``
        (``B`` the basis as ``r x K``, zero-padded; the two weightings are uncorrelated).
@@ -399,11 +401,12 @@ class PowerSGDScheme(Scheme):
     def _alternating_compress(self, ops, matrix, state, info, finite, v):
         r, width = self.config.rank, max(v.n, v.m)
         even = ops.bitwise_and(state.step, 1) < 1
-        # Step 4: P_i^T = (M Q^)^T and Q_i^T = P^^T M; the parity keeps one.
-        local = ops.where(even, _pad(ops, _times_right(ops, matrix, state.q, v), width),
-                          _pad(ops, _times_left(ops, matrix, state.p, v), width))
+        # Step 4: P_i^T = (M Q^)^T or Q_i^T = P^^T M, as the parity says (ops.select: only the
+        # one needed is formed where the backend reads the parity for free).
+        local = ops.select(even, lambda: _pad(ops, _times_right(ops, matrix, state.q, v), width),
+                           lambda: _pad(ops, _times_left(ops, matrix, state.p, v), width))
         # Step 5: fingerprints of this step's basis.
-        shared = ops.where(even, _pad(ops, state.q, width), _pad(ops, state.p, width))
+        shared = ops.select(even, lambda: _pad(ops, state.q, width), lambda: _pad(ops, state.p, width))
         weights = ops.reshape(ops.concat([state.fill, state.fill * state.fill - 1.0 / 3.0], 0), (2, r * width))
         f = ops.matmul(weights, ops.reshape(shared, (r * width, 1)))  # [f1, f2]
         e = ops.reshape(ops.cast(even, "float32"), (1,))

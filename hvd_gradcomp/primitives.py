@@ -93,6 +93,14 @@ class Primitives:
     # Both return the same structure and dtypes; shapes may differ (TensorFlow relaxes the
     # static shape of such an output). PyTorch reads pred on the host: a device sync on GPU.
     cond: Callable[[Any, Callable, Callable], Any]
+    # select(pred bool 0-d, true_fn, false_fn) -> true_fn() if pred else false_fn(): the
+    # values of where(pred, a, b) without where's pass over a and b, for whole tensors (or
+    # tuples / NamedTuples of them, None allowed) of equal shapes and dtypes. Never a device
+    # sync: PyTorch branches in Python on a CPU pred (free: the value is already in host
+    # memory) and on a GPU runs both functions and blends them with where; TensorFlow uses
+    # tf.cond. So the functions must be pure (no collectives, no state updates), and select
+    # is not for fused kernels (a Python branch inside torch.compile breaks the graph).
+    select: Callable[[Any, Callable, Callable], Any]
     # --- side collective (synchronous, all ranks in the same order with the same name) ---
     # allreduce(x, op "sum"|"max", name, group) -> reduced x over the process set ``group``
     # (None: the global set). Only the blocking variants use it (see base.py); PyTorch gives

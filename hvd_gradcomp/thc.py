@@ -444,10 +444,10 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag):
     return hadamard.irht(ops, values, diag, hadamard.hadamard_factors(ops, B, payload))
 
 
-def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated, residual,
-                   corrected, new_residual, new_saturated):
-    """Step 8: (ranges, step, realigned, saturated, residual) after the step; all unchanged
-    when some rank's gradient was not finite."""
+def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated, new_saturated):
+    """Step 8 for the small fields: (ranges, step, realigned, saturated, ok, mismatch) after
+    the step, all unchanged when some rank's gradient was not finite (``ok`` false); the
+    residual is chosen by ``finish`` from ``ok`` and ``mismatch`` (bool 0-d)."""
     count, bad, mismatch, summed = _control(ops, plan, payload)
     ok = bad == 0
     new_ranges = ranges
@@ -460,12 +460,10 @@ def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated
         code_sum, have = stats[:, 0], stats[:, 1]
         mean = code_sum / ops.maximum(have, 1.0)
         new_ranges = ops.where(have > 0.5, ops.exp2((mean - _CODE_OFFSET) * (1.0 / _CODE_SCALE)), 0.0)
-    if plan.error_feedback:
-        residual = ops.where(ok, ops.where(mismatch, corrected, new_residual), residual)
     return (ops.where(ok, new_ranges, ranges),
             ops.where(ok, ops.where(mismatch, step * 0, step + 1), step),
             ops.where(ok, realigned + ops.cast(mismatch, "int64"), realigned),
-            ops.where(ok, new_saturated, saturated), residual)
+            ops.where(ok, new_saturated, saturated), ok, mismatch)
 
 
 class THCScheme(Scheme):
@@ -550,10 +548,13 @@ class THCScheme(Scheme):
     def finish(self, ops, payload, ctx, state, info):
         """Step 8: ranges, residual and counters from the all-reduced payload."""
         plan = self._plan(info, self.layout(info))
-        new_residual = ctx.residual if self.config.error_feedback else state.residual
-        ranges, step, realigned, saturated, residual = ops.fuse(_finish_kernel, plan)(
-            payload, state.ranges, state.step, state.realigned, state.saturated, state.residual,
-            ctx.corrected, new_residual, ctx.saturated)
+        ranges, step, realigned, saturated, ok, mismatch = ops.fuse(_finish_kernel, plan)(
+            payload, state.ranges, state.step, state.realigned, state.saturated, ctx.saturated)
+        residual = state.residual
+        if self.config.error_feedback:  # whole tensors chosen, no pass (ops.select)
+            residual = ops.select(ok, lambda: ops.select(mismatch, lambda: ctx.corrected,
+                                                         lambda: ctx.residual),
+                                  lambda: state.residual)
         return THCState(residual, ranges, state.diag, step, saturated, realigned)
 
     def wire(self, info: TensorInfo) -> WireBytes:

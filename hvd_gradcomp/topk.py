@@ -92,7 +92,7 @@ class TopKScheme(Scheme):
         """Step 6: the residual moves on iff the all-reduced payload is finite."""
         if ctx is None:
             return state
-        return TopKState(ops.where(payload_finite(ops, payload), ctx, state.residual))
+        return TopKState(ops.select(payload_finite(ops, payload), lambda: ctx, lambda: state.residual))
 
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(4 * info.numel)

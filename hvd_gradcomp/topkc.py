@@ -303,7 +303,8 @@ class TopKCScheme(Scheme):
                 chunks = ops.reshape(left, (m, cfg.chunk))
                 left = ops.reshape(ops.index_add(chunks, ctx.idx, ctx.sent * ops.cast(split, "float32")),
                                    (m * cfg.chunk,))
-            new = new._replace(residual=ops.where(ok, left[:info.numel] if pad else left, state.residual))
+            left = left[:info.numel] if pad else left
+            new = new._replace(residual=ops.select(ok, lambda: left, lambda: state.residual))
         if split is not None:
             agreed = ops.cast(payload[k * cfg.chunk:self._votes_at(info)], "float32")
             new = new._replace(scores=ops.where(ok, agreed, state.scores),

@@ -107,6 +107,7 @@ OPS = Primitives(
     left_shift=_like(tf.bitwise.left_shift),
     right_shift=_like(tf.bitwise.right_shift),
     cond=lambda pred, true_fn, false_fn: tf.cond(pred, true_fn, false_fn),
+    select=lambda pred, true_fn, false_fn: tf.cond(pred, true_fn, false_fn),
     allreduce=_allreduce,
     fuse=_fuse,
     to_host=lambda x: x.numpy().tolist(),

@@ -118,6 +118,22 @@ def _cond(pred, true_fn, false_fn):
     return true_fn() if bool(pred) else false_fn()
 
 
+def _where_tree(pred, a, b):
+    if a is None:
+        return None
+    if isinstance(a, tuple):
+        parts = [_where_tree(pred, x, y) for x, y in zip(a, b)]
+        return type(a)(*parts) if hasattr(a, "_fields") else type(a)(parts)
+    return torch.where(pred, a, b)
+
+
+def _select(pred, true_fn, false_fn):
+    # A CPU pred is read for free; on a GPU reading it would sync, so both run and are blended.
+    if pred.device.type == "cpu":
+        return true_fn() if bool(pred) else false_fn()
+    return _where_tree(pred, true_fn(), false_fn())
+
+
 OPS = Primitives(
     name="torch",
     shape=lambda x: tuple(x.shape),
@@ -158,6 +174,7 @@ OPS = Primitives(
     left_shift=torch.bitwise_left_shift,
     right_shift=torch.bitwise_right_shift,
     cond=_cond,
+    select=_select,
     # Looked up at call time, so a harness can time it by patching ops._allreduce.
     allreduce=lambda x, op, name, group=None: _allreduce(x, op, name, group),
     fuse=_fuse,

@@ -17,10 +17,43 @@ import socket
 import subprocess
 import time
 
-__all__ = ["launch", "Launch", "IMPORT_ROOT"]
+__all__ = ["launch", "Launch", "IMPORT_ROOT", "MALLOC_POLICIES", "MALLOC_KEEP_TUNABLES", "MALLOC_TRIM_THRESHOLD", "malloc_env"]
 
 # The folder holding the ``hvd_gradcomp`` package: a source checkout's root, or site-packages.
 IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# The "keep" malloc policy, shared by the TTA sweep's ranks (:func:`malloc_env`) and the
+# overhead benchmark's own process (``overhead.apply_malloc_policy``): glibc keeps freed memory
+# for reuse, with no mmap'd blocks and no trimming of the heap. glibc's default maps every
+# block over its dynamic mmap threshold (128 KiB at first, at most 32 MiB) and unmaps it on
+# free, so each new gradient-sized tensor is page-faulted in again, every step: on the 2-core
+# VM the digits model's FP16 codec took 46 ms a step against 10 ms kept (5 elementwise
+# passes over 17 MB), and Horovod FP16's 1 Gbit/s TTA 28.0 s against 21.1 s (docs/bench.md,
+# section 000). GPU tensors are unaffected (CUDA's caching allocator keeps its blocks);
+# PyTorch's CPU tuning guide gives the same advice (jemalloc or tcmalloc). The resident
+# memory stays at its peak.
+MALLOC_POLICIES = ("keep", "system")
+MALLOC_TRIM_THRESHOLD = 2 ** 31 - 1  # bytes of free heap top glibc may keep
+MALLOC_KEEP_TUNABLES = f"glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold={MALLOC_TRIM_THRESHOLD}"
+
+
+def malloc_env(policy, environ=None):
+    """The variables that give child processes malloc ``policy`` (one of :data:`MALLOC_POLICIES`):
+    ``{"GLIBC_TUNABLES": ...}`` for ``"keep"``, nothing for ``"system"``.
+
+    A ``GLIBC_TUNABLES`` already set in ``environ`` (default ``os.environ``) is kept, with ours
+    appended (glibc applies the tunables in order, so ours win where they repeat one).
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+    if policy not in MALLOC_POLICIES:
+        raise ValueError(f"malloc policy must be one of {list(MALLOC_POLICIES)}, got {policy!r}")
+    if policy == "system":
+        return {}
+    old = (os.environ if environ is None else environ).get("GLIBC_TUNABLES")
+    return {"GLIBC_TUNABLES": f"{old}:{MALLOC_KEEP_TUNABLES}" if old else MALLOC_KEEP_TUNABLES}
 
 
 def _free_port():

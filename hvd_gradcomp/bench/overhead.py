@@ -69,6 +69,7 @@ import time
 
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import itemsize, one_rank
+from hvd_gradcomp.bench.launch import MALLOC_TRIM_THRESHOLD
 from hvd_gradcomp.registry import SCHEMES, parse_spec
 from hvd_gradcomp.routing import Routing
 
@@ -133,8 +134,9 @@ def apply_malloc_policy(policy: str) -> str:
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
-        # mallopt parameters from <malloc.h>: M_TRIM_THRESHOLD = -1, M_MMAP_MAX = -4.
-        ok = libc.mallopt(-1, 2 ** 31 - 1) == 1 and libc.mallopt(-4, 0) == 1
+        # mallopt parameters from <malloc.h>: M_TRIM_THRESHOLD = -1, M_MMAP_MAX = -4; the
+        # values of launch.MALLOC_KEEP_TUNABLES, which the TTA sweep gives its ranks.
+        ok = libc.mallopt(-1, MALLOC_TRIM_THRESHOLD) == 1 and libc.mallopt(-4, 0) == 1
     except (OSError, AttributeError):
         return "system (no glibc mallopt)"
     return "keep (glibc: mmap off, trim off)" if ok else "system (mallopt refused)"

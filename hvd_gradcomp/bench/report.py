@@ -385,6 +385,11 @@ def table_header(network, rows):
         net = f"Network: {network.get('note')}"
     else:
         net = f"Network: {network.get('note')} ({network.get('qdisc')})"
+    if network.get("malloc") == "keep":
+        net += (". glibc malloc, every row: freed memory kept (no mmap, no trim), so large "
+                "tensors are not page-faulted in again each step")
+    elif network.get("malloc"):
+        net += f". glibc malloc: {network['malloc']}"
     targets = sorted({(r.get("workload"), r.get("target")) for r in rows if r.get("target") is not None},
                      key=str)
     tt = ", ".join(f"{w} {t}" for w, t in targets)

@@ -297,7 +297,7 @@ def execute(net, run, args, out_dir, progress=True):
         f.write(" ".join(cmd) + "\n")
     own = network_for(net, run)
     handle = launch.launch(own, cmd, kind="ddp" if run.system == "ddp" else "horovod",
-                           log_dir=log_dir, pipe_rank0=True)
+                           env=launch.malloc_env(args.malloc), log_dir=log_dir, pipe_rank0=True)
     lines = queue.Queue()
     stdout = handle.procs[0].stdout
 
@@ -388,6 +388,11 @@ def build_parser():
     p.add_argument("--link-factor", type=float, default=2.5,
                    help="the link check allows measured/model time up to this factor")
     p.add_argument("--skip-link-check", action="store_true")
+    p.add_argument("--malloc", choices=launch.MALLOC_POLICIES, default="keep",
+                   help="glibc malloc policy of every run's ranks, Horovod, DDP and reference "
+                        "alike: 'keep' (freed memory is kept, not unmapped, so large tensors are "
+                        "not page-faulted in again each step: hvd_gradcomp/bench/launch.py) or "
+                        "'system' (the environment as it is)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
                    help="run every row this many times, interleaved (round 1 of every row, then "
@@ -502,7 +507,7 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
     try:
         net.setup()
         desc = net.describe()
-        print(f"tta: {desc['note']}; {len(plan.runs)} runs: {', '.join(r.run_id for r in plan.runs)}",
+        print(f"tta: {desc['note']}; malloc {args.malloc}; {len(plan.runs)} runs: {', '.join(r.run_id for r in plan.runs)}",
               file=sys.stderr)
         if not args.skip_link_check:
             try:
@@ -522,7 +527,8 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
         net.teardown()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    return SweepOutcome(results, net.describe(), link_check, link_failed, interrupted)
+    desc = dict(net.describe(), malloc=args.malloc)
+    return SweepOutcome(results, desc, link_check, link_failed, interrupted)
 
 
 def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):

@@ -70,6 +70,40 @@ def test_launch_ddp_variables_and_failure_stops_the_others(tmp_path):
         launcher.launch(net, ["true"], kind="mpi")
 
 
+# Frees a 64 MiB block and prints how many free bytes glibc's heap then holds.
+_FREED_KEPT = """
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+class Info(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+p = libc.malloc(64 << 20)
+ctypes.memset(p, 1, 64 << 20)
+libc.free(ctypes.c_void_p(p))
+print(libc.mallinfo2().fordblks)
+"""
+
+
+def test_malloc_keep_keeps_freed_memory_in_the_heap(tmp_path):
+    assert launcher.malloc_env("keep", {}) == {"GLIBC_TUNABLES": launcher.MALLOC_KEEP_TUNABLES}
+    appended = launcher.malloc_env("keep", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert appended["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:" + launcher.MALLOC_KEEP_TUNABLES
+    assert launcher.malloc_env("system", {"GLIBC_TUNABLES": "x"}) == {}
+    with pytest.raises(ValueError, match=r"malloc policy must be one of \['keep', 'system'\], got 'fast'"):
+        launcher.malloc_env("fast")
+    # Through launch(), on every rank: the freed 64 MiB stays in the heap (keep) or goes back
+    # to the kernel (glibc's default maps blocks over 32 MiB and unmaps them on free).
+    net = netem.LoopbackNetwork(2)
+    for env, kept in ((launcher.malloc_env("keep", {}), True), ({"GLIBC_TUNABLES": ""}, False)):
+        run = launcher.launch(net, [sys.executable, "-c", _FREED_KEPT], kind="ddp", env=env,
+                              log_dir=str(tmp_path))
+        assert run.wait(timeout=60) == 0
+        for text in _read_logs(tmp_path, 2):
+            assert (int(text.split()[-1]) >= 64 << 20) is kept, (env, text)
+
+
 def _qdiscs(net, i):
     inner = subprocess.run(["ip", "netns", "exec", net.namespaces[i], "tc", "qdisc", "show", "dev", "eth0"],
                            capture_output=True, text=True).stdout

@@ -99,3 +99,55 @@ def test_compile_switch(monkeypatch):
     monkeypatch.setenv(COMPILE_ENV, "yes please")
     with pytest.raises(ValueError, match=COMPILE_ENV):
         compile_requested()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_select_gives_where_values_and_runs_one_branch(backend):
+    """``Primitives.select``: the values of ``where(pred, a, b)`` for whole tensors and
+    (Named)tuples with None; on PyTorch CPU and in TensorFlow only the chosen function runs
+    (no pass over the other), also inside ``tf.function``."""
+    from typing import NamedTuple
+
+    from tests.backends import backend_ops
+
+    class Pair(NamedTuple):
+        big: object
+        small: object
+        none: object
+
+    ops = backend_ops(backend)
+    a = Pair(backend_tensor(backend, np.arange(6.0).reshape(2, 3)), backend_tensor(backend, [1.0]), None)
+    b = Pair(backend_tensor(backend, -np.arange(6.0).reshape(2, 3)), backend_tensor(backend, [2.0]), None)
+    for flag in (True, False):
+        ran = []
+
+        def pick(flag=flag):
+            pred = backend_tensor(backend, 1.0 if flag else 0.0) > 0.5
+            return ops.select(pred, lambda: (ran.append("a"), a)[1], lambda: (ran.append("b"), b)[1])
+
+        if backend == "tensorflow":
+            import tensorflow as tf
+            got = tf.function(pick)()
+        else:
+            got = pick()
+        want = a if flag else b
+        assert got.none is None
+        np.testing.assert_array_equal(as_float64(got.big), as_float64(want.big))
+        np.testing.assert_array_equal(as_float64(got.small), as_float64(want.small))
+        # PyTorch CPU runs one function; tf.cond traces both once but executes one.
+        assert ran == (["a"] if flag else ["b"]) if backend == "torch" else sorted(ran) == ["a", "b"]
+
+
+@pytest.mark.skipif("torch" not in BACKENDS, reason="torch backend not under test")
+def test_torch_select_blend_for_gpu_tensors():
+    """The path PyTorch takes for a pred on a GPU (both functions run, ``where`` blends them),
+    checked on CPU tensors: the same values as the branch."""
+    import torch
+
+    from torch_backend.ops import _where_tree
+    a = (torch.arange(4.0), (torch.ones(2), None))
+    b = (-torch.arange(4.0), (torch.zeros(2), None))
+    for flag in (True, False):
+        got = _where_tree(torch.tensor(flag), a, b)
+        want = a if flag else b
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0]) and got[1][1] is None
