@@ -107,7 +107,9 @@ class Launch:
         return None if any(c is None for c in codes) else 0
 
     def wait(self, timeout=None):
-        """Wait for every rank; a failing rank stops the others. Returns the first non-zero code or 0."""
+        """Wait for every rank; a failing rank stops the others. Returns the first non-zero code
+        or 0. Interrupted (Ctrl-C, the sweep's SIGTERM handler, any exception), it stops every
+        rank before passing the exception on, so no rank outlives its launcher."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
@@ -120,6 +122,9 @@ class Launch:
                     self.kill()
                     return 124
                 time.sleep(0.1)
+        except BaseException:
+            self.kill()
+            raise
         finally:
             self.close()
 

@@ -104,6 +104,28 @@ def test_malloc_keep_keeps_freed_memory_in_the_heap(tmp_path):
             assert (int(text.split()[-1]) >= 64 << 20) is kept, (env, text)
 
 
+def test_interrupted_wait_stops_every_rank(tmp_path):
+    """Ctrl-C (or the sweep's SIGTERM handler) while waiting, e.g. in the link check, must not
+    leave ranks running."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("test")
+
+    net = netem.LoopbackNetwork(2)
+    run = launcher.launch(net, [sys.executable, "-c", "import time; time.sleep(60)"], kind="ddp",
+                          log_dir=str(tmp_path))
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run.wait(timeout=60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert all(p.poll() is not None for p in run.procs)
+
+
 def _qdiscs(net, i):
     inner = subprocess.run(["ip", "netns", "exec", net.namespaces[i], "tc", "qdisc", "show", "dev", "eth0"],
                            capture_output=True, text=True).stdout
