@@ -867,6 +867,17 @@ class HorovodCompressor:
             out.setdefault(key, {}).update(sparse_bytes=nbytes, sparse_steps=steps)
         return out
 
+    def decisions(self) -> list:
+        """Every ``auto`` decision this compressor's tensors took, oldest first (dicts of
+        :meth:`hvd_gradcomp.auto.AutoScheme.history_records`); [] without ``auto``."""
+        seen, out = set(), []
+        for route in self._routes.values():
+            scheme = route.scheme
+            if scheme.adaptive and id(scheme) not in seen:
+                seen.add(id(scheme))
+                out.extend(scheme.history_records())
+        return out
+
     def _note_sparse(self, key, make_entry, label=None):
         """The entry of sparse gradient ``key``, created by ``make_entry()`` with a one-time
         warning naming it (``label``, else the key) if new."""

@@ -100,7 +100,8 @@ class Decision(NamedTuple):
     predicted_ms: per candidate, codec ms + all-reduce ms of its wire bytes (inf when unknown).
     errors: per candidate, the measured one-step relative error.
     reason: why (``"least predicted time"``, ``"kept: gain below hysteresis"``, ...).
-    step: the probe step.
+    step: the probe step (the tensor's own compress count, from 0).
+    key: the tensor's key.
     """
 
     choice: int
@@ -109,6 +110,7 @@ class Decision(NamedTuple):
     errors: tuple
     reason: str
     step: int
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,7 @@ class AutoScheme(Scheme):
         self._samples = {}  # key -> [(times ms, errors)] per candidate during a window
         self._types = {}  # field names -> (AutoState class, candidate state class)
         self.decisions = {}  # key -> the last Decision
+        self.history = []  # every Decision of this process, in order (host values)
 
     def bind(self, ops):
         for c in self.candidates:
@@ -350,8 +353,10 @@ class AutoScheme(Scheme):
         choice, predicted, reason = decide(codec_ms, errors, wire, info.world_size, self.link,
                                            ctx.choice, self.fallback, self.config.error_budget,
                                            self.config.hysteresis)
-        self.decisions[info.key] = Decision(choice, self.specs[choice], predicted, tuple(errors),
-                                            reason, ctx.step)
+        decision = Decision(choice, self.specs[choice], predicted, tuple(errors), reason, ctx.step,
+                            info.key)
+        self.decisions[info.key] = decision
+        self.history.append(decision)
         if choice != ctx.choice and info.rank == 0:
             log.info("hvd_gradcomp auto: tensor %s: %s -> %s at step %d (%s; predicted %.3g ms "
                      "against %.3g ms; error %.3g; %d payload bytes against fp16's %d)", info.key,
@@ -409,6 +414,16 @@ class AutoScheme(Scheme):
 
     def metrics(self, state) -> dict:
         return {"choice": state.choice, "step": state.step}
+
+    def history_records(self) -> list:
+        """Every decision so far as plain dicts, oldest first: ``key``, ``step`` (the probe
+        step), ``scheme`` (the spec chosen), ``reason``, and per candidate spec its
+        ``predicted_ms`` and ``errors`` (JSON-ready; NaN/inf as None)."""
+        def num(v):
+            return v if math.isfinite(v) else None
+        return [{"key": d.key, "step": d.step, "scheme": d.spec, "reason": d.reason,
+                 "predicted_ms": {s: num(v) for s, v in zip(self.specs, d.predicted_ms)},
+                 "errors": {s: num(v) for s, v in zip(self.specs, d.errors)}} for d in self.history]
 
     def explain(self, key) -> dict:
         """Host facts of ``key``'s last decision: scheme, predicted ms, error, reason, bytes

@@ -66,6 +66,8 @@ def render_block(sweep, rows, results, out_dir, doc_path, elapsed_s=None):
     network = sweep["network"]
     plots = [report.plot_path(out_dir, w) for w in sweep["workloads"]
              if report.plot_rows(rows, results, w)]
+    plots += [report.choices_plot_path(out_dir, w) for w in sweep["workloads"]
+              if report.choice_rows(rows, results, w)]
     rel = [os.path.relpath(p, os.path.dirname(os.path.abspath(doc_path))) for p in plots]
     link_check = sweep.get("link_check")
     lc = ""

@@ -549,6 +549,75 @@ def plot(path, rows, results, title, network):
     return path
 
 
+def choice_rows(rows, results, workload):
+    """The rows of ``workload`` (as :func:`plot_rows`) whose record holds ``auto`` decisions
+    (``bytes_per_step["decisions"]``). Empty: no choices plot."""
+    return [r for r in plot_rows(rows, results, workload)
+            if ((results[r["run_id"]].get("bytes_per_step") or {}).get("decisions"))]
+
+
+def choices_plot_path(out_dir, workload):
+    """Where a sweep writes ``workload``'s plot of ``auto``'s choices over the steps:
+    ``<out_dir>/auto_<workload>.png``."""
+    return os.path.join(out_dir, f"auto_{workload}.png")
+
+
+def choice_segments(result):
+    """``{tensor key: [(first step, last step, scheme spec), ...]}`` of one ``auto`` run: each
+    tensor starts on fp16 at step 1 (the training steps, counted from 1) and takes a decision's
+    scheme from the step after its probe. ``result`` is a run's record
+    (``bytes_per_step["decisions"]``, ``steps``)."""
+    decisions = (result.get("bytes_per_step") or {}).get("decisions") or []
+    last = (result.get("steps") or {}).get("step") or [0]
+    end = max([last[-1]] + [d["step"] + 1 for d in decisions])
+    per_key = {}
+    for d in sorted(decisions, key=lambda d: d["step"]):
+        per_key.setdefault(d["key"], []).append((d["step"] + 2, d["scheme"]))  # probe = step + 1
+    out = {}
+    for key, changes in sorted(per_key.items()):
+        segments, start, scheme = [], 1, "fp16"
+        for at, new in changes:
+            if new != scheme:
+                if at > start:
+                    segments.append((start, at - 1, scheme))
+                start, scheme = at, new
+        segments.append((start, end, scheme))
+        out[key] = segments
+    return out
+
+
+def plot_choices(path, rows, results, title):
+    """``auto``'s choice per tensor over the training steps, one panel per ``auto`` row of one
+    workload (:func:`choice_rows`): a horizontal band per tensor, coloured by the scheme it
+    used at each step (:func:`choice_segments`). Writes a PNG with matplotlib's Agg backend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    panels = [(r, choice_segments(results[r["run_id"]])) for r in rows]
+    schemes = sorted({seg[2] for _, segs in panels for per in segs.values() for seg in per})
+    colors = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(schemes)}
+    height = sum(max(1, len(segs)) for _, segs in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 1.2 + 0.35 * height), dpi=110, squeeze=False)
+    for ax, (row, segs) in zip(axes[:, 0], panels):
+        keys = list(segs)
+        for y, key in enumerate(keys):
+            for first, last, scheme in segs[key]:
+                ax.barh(y, last - first + 1, left=first - 0.5, height=0.7, color=colors[scheme])
+        ax.set_yticks(range(len(keys)))
+        ax.set_yticklabels(keys, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{row.get('label') or row.get('spec')}", fontsize=9)
+        ax.set_xlabel("training step")
+    handles = [Patch(color=colors[s], label=s) for s in schemes]
+    fig.legend(handles=handles, fontsize=7, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.82, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def update_doc(doc_path, block, name="tta-demo"):
     """Replace the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in a file
     (the core's :func:`hvd_gradcomp.__main__.update_block`, which writes the option table).

@@ -562,6 +562,10 @@ def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
         if sel:
             title = f"{w} ({WORKLOADS[w][0]}), {args.workers} workers: time to accuracy"
             report.plot(report.plot_path(plan.out_dir, w), sel, results, title, desc)
+        auto_rows = report.choice_rows(rows, results, w)
+        if auto_rows:
+            report.plot_choices(report.choices_plot_path(plan.out_dir, w), auto_rows, results,
+                                f"{w}: what auto sent each tensor with, step by step")
     table = report.format_table(rows, desc)
     md = report.markdown_table(rows, desc)
     elapsed = time.time() - t_start

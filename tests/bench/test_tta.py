@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from hvd_gradcomp.bench import report, tta
+from hvd_gradcomp.bench import publish, report, tta
 from hvd_gradcomp.bench.worker import Recorder, TimedCompressor, rolling_mean
 
 
@@ -551,3 +551,33 @@ def test_auto_rows_show_what_each_tensor_ended_on():
     assert report.markdown_table([row], NET).endswith("fc2.weight: powersgd:rank=4")
     plain = report.summarize("b", _fake_result("fp16"), NET)
     assert plain["choices"] is None and "ended on" not in report.format_table([plain], NET)
+
+
+def test_auto_choices_over_time_segments_plot_and_publish(tmp_path):
+    """An auto run's decision history becomes per-tensor segments of steps (a decision at
+    probe step p, counted from 0, applies from training step p + 2), a plot beside the TTA
+    plot, and a link in the published block; runs without decisions get none."""
+    res = _fake_result("auto")  # 10 training steps
+    res["bytes_per_step"]["choices"] = {"fc2.weight": "topkc:ratio=0.1", "fc1.weight": "fp16"}
+    res["bytes_per_step"]["decisions"] = [
+        {"key": "fc2.weight", "step": 2, "scheme": "topkc:ratio=0.1", "reason": "least predicted time",
+         "predicted_ms": {"fp16": 80.0, "topkc:ratio=0.1": 45.0}, "errors": {"fp16": 0.0, "topkc:ratio=0.1": 0.9}},
+        {"key": "fc1.weight", "step": 2, "scheme": "fp16", "reason": "least predicted time (unchanged)",
+         "predicted_ms": {"fp16": 2.0, "topkc:ratio=0.1": 6.0}, "errors": {"fp16": 0.0, "topkc:ratio=0.1": 0.9}},
+        {"key": "fc2.weight", "step": 6, "scheme": "fp16", "reason": "current choice over the error budget",
+         "predicted_ms": {"fp16": 80.0, "topkc:ratio=0.1": 45.0}, "errors": {"fp16": 0.0, "topkc:ratio=0.1": 0.99}}]
+    assert report.choice_segments(res) == {
+        "fc1.weight": [(1, 10, "fp16")],
+        "fc2.weight": [(1, 3, "fp16"), (4, 7, "topkc:ratio=0.1"), (8, 10, "fp16")]}
+    results = {"digits-horovod-auto": res, "digits-horovod-fp16": _fake_result("fp16")}
+    rows = [report.summarize(k, v, NET) for k, v in results.items()]
+    assert [r["run_id"] for r in report.choice_rows(rows, results, "digits")] == ["digits-horovod-auto"]
+    path = report.plot_choices(report.choices_plot_path(str(tmp_path), "digits"),
+                               report.choice_rows(rows, results, "digits"), results, "t")
+    assert path.endswith("auto_digits.png") and os.path.getsize(path) > 1000
+    sweep = {"network": dict(NET, world_size=2), "workloads": ["digits"], "date": "d", "git_commit": "c", "argv": [],
+             "cpu_count": 2, "elapsed_s": 60.0, "link_check": None}
+    block = publish.render_block(sweep, rows, results, str(tmp_path), str(tmp_path / "doc.md"))
+    assert "![auto_digits.png](auto_digits.png)" in block and "![tta_digits.png](tta_digits.png)" in block
+    del res["bytes_per_step"]["decisions"]
+    assert report.choice_rows(rows, results, "digits") == []

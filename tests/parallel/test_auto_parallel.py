@@ -62,6 +62,7 @@ def _torch_worker():
     res["slow_choices"] = choices
     res["slow_metrics"] = {k: v for k, v in comp.metrics()["w"].items() if not hasattr(v, "numpy")}
     res["slow_decision"] = tuple(comp.scheme.decisions["w"])
+    res["slow_history"] = comp.decisions()
     res["slow_wire"] = comp.wire_bytes()["w"].payload
     res["logs"] = [m for m in logs.messages if "auto:" in m]
     # 2. Checkpoint after step 6, resume in a new compressor: same outputs as going on.
@@ -172,6 +173,14 @@ def test_torch_metrics_and_log_say_what_and_why(torch_results):
     assert m["predicted_ms"] < m["fp16_predicted_ms"]
     assert 0 <= m["error"] <= 0.95
     assert m["bytes_saved"] == 2 * 64 * 64 - r0["slow_wire"] > 0
+    # The decision history (what the TTA harness records and plots), the same on every rank:
+    # one record per probe (steps 2, 6, 10), with every candidate's prediction and error.
+    h = r0["slow_history"]
+    assert h == r1["slow_history"]
+    assert [(d["key"], d["step"]) for d in h] == [("w", 2), ("w", 6), ("w", 10)]
+    assert [d["scheme"] for d in h] == [r0["slow_choices"][3], r0["slow_choices"][7], m["scheme"]]
+    assert set(h[0]["predicted_ms"]) == set(h[0]["errors"]) == {"fp16", "thc", "thc:bits=8"}  # canonical specs
+    assert h[-1]["predicted_ms"][m["scheme"]] == m["predicted_ms"] and h[-1]["reason"] == m["reason"]
     # One line per change, on rank 0 only.
     assert len([l for l in r0["logs"] if "tensor w:" in l and "fp16 -> " in l]) == 1
     assert not [l for l in r1["logs"] if "tensor w:" in l]

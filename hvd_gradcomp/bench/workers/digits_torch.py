@@ -65,12 +65,14 @@ class HorovodTrainer:
         return out.tolist()
 
     def bytes_per_step(self):
-        """Bytes per step as of now; for ``auto``, also ``choices``: {tensor: scheme spec}."""
+        """Bytes per step as of now; for ``auto``, also ``choices`` ({tensor: scheme spec}, what
+        each ended on) and ``decisions`` (every decision: ``compressor.decisions()``)."""
         w = self.compressor.bytes_per_step()
         out = {"payload": w.payload, "side": w.side, "side_collectives": w.side_collectives}
         chosen = {k: m["scheme"] for k, m in self.compressor.inner.metrics().items() if "scheme" in m}
         if chosen:
             out["choices"] = chosen
+            out["decisions"] = self.compressor.inner.decisions()
         return out
 
 
