@@ -607,7 +607,8 @@ def plot_choices(path, rows, results, title):
         ax.set_yticks(range(len(keys)))
         ax.set_yticklabels(keys, fontsize=7)
         ax.invert_yaxis()
-        ax.set_title(f"{row.get('label') or row.get('spec')}", fontsize=9)
+        repeat = f" (repeat {row['repeat']})" if len(panels) > 1 and row.get("repeat") else ""
+        ax.set_title(f"{row.get('label') or row.get('spec')}{repeat}", fontsize=9)
         ax.set_xlabel("training step")
     handles = [Patch(color=colors[s], label=s) for s in schemes]
     fig.legend(handles=handles, fontsize=7, loc="upper right")
