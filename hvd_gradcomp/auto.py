@@ -21,7 +21,9 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    the window's steps after the first) and scored by its one-step error
    ``||c - out|| / ||c||`` (``c``: the gradient plus the shadow's pending error feedback;
    ``out``: what it delivers; mean over the window's steps after the first, whose agreed
-   statistics, such as THC's ranges and TopKC's scores, start empty).
+   statistics, such as THC's ranges and TopKC's scores, start empty). That first step also
+   screens: a candidate slower than :data:`PRUNE_FACTOR` times fp16's predicted step is not
+   run again in the window and reports itself unusable (:meth:`AutoScheme._measure`).
 2. The probe step sends, instead of the current candidate's payload, one float32 payload:
    the gradient plus the current candidate's pending error feedback (in the gradient's
    coordinates: :meth:`~hvd_gradcomp.base.Scheme.residual_of`), then ``1 + 2 C`` lanes: a 1
@@ -81,6 +83,12 @@ log = logging.getLogger("hvd_gradcomp")
 # powersgd:1|powersgd:4") for long runs, where windows are rare.
 DEFAULT_CANDIDATES = "fp16|topkc:0.1|thc:4|powersgd:4"
 FALLBACK = "fp16"
+# A window's first (untimed) step screens the candidates: one slower than this many times
+# fp16's predicted step for the tensor is not run again in that window (AutoScheme._measure).
+PRUNE_FACTOR = 4.0
+# The codec ms and error lanes of such a candidate: finite (a probe with a non-finite lane
+# means a failed rank), and far beyond any budget and any other prediction once averaged.
+UNUSABLE = 1e9
 
 
 class Link(NamedTuple):
@@ -252,6 +260,7 @@ class AutoScheme(Scheme):
         self._at = {}  # key -> (step, choice): the state's counters, mirrored on the host
         self._shadows = {}  # key -> [shadow state per candidate] during a window
         self._samples = {}  # key -> [(times ms, errors)] per candidate during a window
+        self._pruned = {}  # key -> indices of candidates not run again in this window
         self._types = {}  # field names -> (AutoState class, candidate state class)
         self.decisions = {}  # key -> the last Decision
         self.history = []  # every Decision of this process, in order (host values)
@@ -295,6 +304,7 @@ class AutoScheme(Scheme):
         self._at.pop(key, None)
         self._shadows.pop(key, None)
         self._samples.pop(key, None)
+        self._pruned.pop(key, None)
 
     def _position(self, ops, state, info):
         at = self._at.get(info.key)
@@ -350,6 +360,7 @@ class AutoScheme(Scheme):
         lanes = ops.to_host(payload[info.numel:])
         self._shadows.pop(info.key, None)
         self._samples.pop(info.key, None)
+        self._pruned.pop(info.key, None)
         count = lanes[0]
         if not all(math.isfinite(v) for v in lanes) or count <= 0:
             # A rank failed this step: nothing decided, nothing flushed (the residual stays);
@@ -381,18 +392,29 @@ class AutoScheme(Scheme):
 
     # ---- measurement ----
     def _measure(self, ops, x, info, step):
-        """Run every candidate as a shadow on this rank's gradient (module docstring, step 1)."""
+        """Run every candidate as a shadow on this rank's gradient (module docstring, step 1).
+
+        A candidate whose first (untimed) window step took more than :data:`PRUNE_FACTOR` times
+        fp16's predicted step for this tensor (its codec ms then plus its ring all-reduce ms)
+        is not run again in this window: it cannot win, and it would cost its codec on every
+        window step (eager THC on digits' 4M-coordinate weight: ~0.3 s a step). Its lanes then
+        say so (:data:`UNUSABLE`), the same way on every rank after the all-reduce.
+        """
         key = info.key
         alone = dataclasses.replace(info, world_size=1, rank=0, op="sum", group=None, dtype="float32")
         shadows = self._shadows.get(key)
         if shadows is None:
             shadows = self._shadows[key] = [c.init(ops, alone, x) for c in self.candidates]
             self._samples[key] = [([], []) for _ in self.candidates]
-            first = True
+            self._pruned[key] = set()
+            first, firsts = True, []
         else:
-            first = False
+            first, firsts = False, None
+        pruned = self._pruned[key]
         flat = ops.reshape(x, (info.numel,))
         for i, cand in enumerate(self.candidates):
+            if i in pruned:
+                continue
             before = cand.residual_of(ops, shadows[i], alone)
             start = time.perf_counter()
             payload, ctx = compress_tensor(cand, ops, x, shadows[i], alone)
@@ -404,16 +426,27 @@ class AutoScheme(Scheme):
             diff = corrected - out
             num, den = ops.to_host(ops.concat([ops.reshape(ops.sum(diff * diff, None), (1,)),
                                                ops.reshape(ops.sum(corrected * corrected, None), (1,))], 0))
-            if not first:  # the first step pays one-time costs and starts from empty agreed stats
+            if first:  # one-time costs and empty agreed stats: not a sample, only a screen
+                firsts.append(elapsed)
+            else:
                 times, errors = self._samples[key][i]
                 times.append(elapsed)
                 errors.append(math.sqrt(num / den) if den > 0 else 0.0)
+        if first and self.link is not None:
+            f = self.fallback
+            wire = self.candidates[f].wire(info).payload
+            fp16_ms = firsts[f] + 1000.0 * ring_allreduce_seconds(
+                wire, info.world_size, self.link.bytes_per_second, self.link.latency_s)
+            pruned.update(i for i, ms in enumerate(firsts) if i != f and ms > PRUNE_FACTOR * fp16_ms)
 
     def _lanes(self, key):
-        """``[1, codec ms per candidate, error per candidate]`` of this rank's window."""
+        """``[1, codec ms per candidate, error per candidate]`` of this rank's window
+        (:data:`UNUSABLE` for both of a pruned candidate)."""
         samples = self._samples.get(key) or [([], []) for _ in self.candidates]
-        times = [_median(t) for t, _ in samples]
-        errors = [sum(e) / len(e) if e else math.nan for _, e in samples]
+        pruned = self._pruned.get(key, set())
+        times = [UNUSABLE if i in pruned else _median(t) for i, (t, _) in enumerate(samples)]
+        errors = [UNUSABLE if i in pruned else sum(e) / len(e) if e else math.nan
+                  for i, (_, e) in enumerate(samples)]
         return [1.0] + times + errors
 
     # ---- facts ----

@@ -139,6 +139,42 @@ def _simulate(backend, steps, poison_step=None, **options):
     return schemes, states, outs, choices
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_prunes_a_hopeless_candidate_the_same_way_on_every_rank(backend, monkeypatch):
+    """On a fast link fp16's predicted step is a fraction of a millisecond; a candidate whose
+    first window step takes more than PRUNE_FACTOR times that is not run again in the window,
+    and its lanes make it unusable for every rank's decision."""
+    import hvd_gradcomp.auto as auto
+    calls = {"thc": 0}
+
+    def slow_thc(real):
+        def run(*args, **kwargs):
+            calls["thc"] += 1
+            if calls["thc"] <= 2:  # the two ranks' first window step: far slower than fp16
+                import time
+                time.sleep(0.2)
+            return real(*args, **kwargs)
+        return run
+
+    fast = dict(candidates="fp16|thc:4", bandwidth_gbit=1000.0, latency_ms=0.0, warmup=3, every=4)
+    ops = one_rank(backend_ops(backend))
+    schemes = [make_scheme("auto", **fast).bind(ops) for _ in range(2)]
+    for s in schemes:
+        monkeypatch.setattr(s.candidates[1], "compress", slow_thc(s.candidates[1].compress))
+    infos = [TensorInfo("w", SHAPE, "float32", 2, r, "sum") for r in range(2)]
+    states = [s.init(ops, i, backend_tensor(backend, [0.0])) for s, i in zip(schemes, infos)]
+    for t in range(3):  # one window: steps 0-2, the probe at 2
+        pcs = [compress_tensor(schemes[r], ops, backend_tensor(backend, _grad(r, t)), states[r], infos[r])
+               for r in range(2)]
+        for r in range(2):
+            _, states[r] = finish_tensor(schemes[r], ops, pcs[0][0] + pcs[1][0], pcs[r][1], states[r], infos[r])
+    assert calls["thc"] == 2  # run once per rank, in the window's first step only
+    d0, d1 = (s.history_records()[-1] for s in schemes)
+    assert d0 == d1 and d0["scheme"] == "fp16"
+    assert d0["errors"]["thc"] == auto.UNUSABLE and d0["predicted_ms"]["thc"] >= auto.UNUSABLE
+    assert d0["predicted_ms"]["fp16"] < 20.0
+
+
 def _fp16_sum(t):
     """fp16's step (no error feedback): each rank's x / 2 in float16, summed in float16, x 2."""
     return allreduce_fp16([fp16(fp32(_grad(r, t)) * 0.5) for r in (0, 1)], "sum") * 2
