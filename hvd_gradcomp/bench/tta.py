@@ -371,7 +371,8 @@ def build_parser():
                    help=f"comma-separated, some of {sorted(WORKLOADS)}")
     p.add_argument("--compressors", default=None,
                    help="';'-separated compressor specs (default: every registered default, "
-                        f"from {'; '.join(DEFAULT_CANDIDATES)})")
+                        f"from {'; '.join(DEFAULT_CANDIDATES)}); every scheme's options: "
+                        "python -m hvd_gradcomp --list")
     p.add_argument("--ddp-hooks", default=DEFAULT_DDP_HOOKS,
                    help="';'-separated DDP hooks for PyTorch workloads (none, fp16, powersgd:rank=R); "
                         "'off' for none")
