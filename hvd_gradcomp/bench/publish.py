@@ -48,7 +48,7 @@ def load_results(path):
     return data, os.path.dirname(os.path.abspath(path))
 
 
-def render_block(sweep, rows, results, out_dir, doc_path, elapsed_s=None):
+def render_block(sweep, rows, results, out_dir, doc_path):
     """The Markdown block for one doc: table, plots, and the line naming the run.
 
     Args:
@@ -58,7 +58,6 @@ def render_block(sweep, rows, results, out_dir, doc_path, elapsed_s=None):
         results: run id -> the run's result dict (for which plots exist).
         out_dir: the sweep's output folder (absolute), holding ``tta_<workload>.png``.
         doc_path: the document the block goes into; plot links are relative to its folder.
-        elapsed_s: the sweep's duration in seconds (default: ``sweep["elapsed_s"]``).
 
     Returns:
         the block text (no markers).
@@ -75,7 +74,7 @@ def render_block(sweep, rows, results, out_dir, doc_path, elapsed_s=None):
         lc = (f" Link check: a {link_check['nbytes'] / 2**20:.0f} MiB all-reduce took "
               f"{link_check['seconds']:.3f} s against {link_check['model_seconds']:.3f} s for the ring "
               f"model (ratio {link_check['ratio']:.2f}).")
-    elapsed = sweep["elapsed_s"] if elapsed_s is None else elapsed_s
+    elapsed = sweep["elapsed_s"]
     return (report.markdown_table(rows, network) + "\n\n"
             + "\n".join(f"![{os.path.basename(p)}]({p})" for p in rel)
             + f"\n\nRun of {sweep['date']} at commit `{sweep['git_commit']}`: {len(rows)} runs in "

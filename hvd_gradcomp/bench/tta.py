@@ -594,10 +594,9 @@ def main(argv=None) -> int:
     outcome = run_sweep(plan, args)
     if outcome.link_failed:
         return 3
-    sweep, rows, elapsed = report_sweep(plan, args, outcome, argv, t_start)
-    for doc in args.update_doc:
-        block = publish.render_block(sweep, rows, outcome.results, plan.out_dir, doc, elapsed_s=elapsed)
-        report.update_doc(doc, block, args.doc_block)
+    report_sweep(plan, args, outcome, argv, t_start)
+    # From the saved results.json, exactly as `publish` renders it later.
+    publish.publish(os.path.join(plan.out_dir, "results.json"), args.update_doc, args.doc_block)
     if outcome.interrupted:
         return 130
     return 0 if all(r.get("status") == "ok" for r in outcome.results.values()) else 1

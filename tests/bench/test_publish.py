@@ -73,10 +73,11 @@ def test_block_from_saved_results(tmp_path):
 
 
 def test_block_is_what_tta_writes(tmp_path):
-    """tta --update-doc and publish share render_block: same block from the same sweep."""
+    """tta --update-doc publishes from the saved results.json: the block rendered from the
+    sweep's own data equals the one rendered from the file."""
     sweep, rows, results = _write_run(str(tmp_path / "r"))
     doc = str(tmp_path / "d.md")
-    live = publish.render_block(sweep, rows, results, str(tmp_path / "r"), doc, elapsed_s=sweep["elapsed_s"])
+    live = publish.render_block(sweep, rows, results, str(tmp_path / "r"), doc)
     data, out_dir = publish.load_results(str(tmp_path / "r"))
     assert out_dir == str(tmp_path / "r")
     assert publish.render_block(data["sweep"], data["runs"], data["results"], out_dir, doc) == live
