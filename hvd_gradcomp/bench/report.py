@@ -569,7 +569,7 @@ def choice_segments(result):
     (``bytes_per_step["decisions"]``, ``steps``)."""
     decisions = (result.get("bytes_per_step") or {}).get("decisions") or []
     last = (result.get("steps") or {}).get("step") or [0]
-    end = max([last[-1]] + [d["step"] + 1 for d in decisions])
+    end = max([last[-1]] + [d["step"] + 1 for d in decisions])  # the last step trained
     per_key = {}
     for d in sorted(decisions, key=lambda d: d["step"]):
         per_key.setdefault(d["key"], []).append((d["step"] + 2, d["scheme"]))  # probe = step + 1
@@ -581,7 +581,8 @@ def choice_segments(result):
                 if at > start:
                     segments.append((start, at - 1, scheme))
                 start, scheme = at, new
-        segments.append((start, end, scheme))
+        if start <= end:  # a decision at the run's last step never took effect
+            segments.append((start, end, scheme))
         out[key] = segments
     return out
 
