@@ -345,6 +345,11 @@ class AutoScheme(Scheme):
         payload, ctx = cand.compress(ops, x, inner, info, finite if cand.guards_nonfinite else None)
         return payload, _Ctx(False, choice, step, ctx)
 
+    def receive(self, ops, payload, ctx, info):
+        if ctx.probe:
+            return ctx
+        return ctx._replace(inner=self.candidates[ctx.choice].receive(ops, payload, ctx.inner, info))
+
     def decompress(self, ops, payload, ctx, info):
         if ctx.probe:
             return payload[:info.numel]

@@ -51,8 +51,8 @@ random matrix ``U`` (``r x K``), and a count of realignments. Steps:
        (:func:`~hvd_gradcomp.base.poison`).
     7. Horovod all-reduces the payload with Sum or Average (a rank in ``hvd.join()``
        contributes zeros everywhere, controls included).
-    8. Agreement, computed in ``decompress`` and in ``finish`` from the all-reduced payload
-       only, hence the same on every rank. With ``c_e, c_o, S1, S2`` the summed controls and
+    8. Agreement, computed once in ``receive`` for ``decompress`` and ``finish``, from the
+       all-reduced payload only, hence the same on every rank. With ``c_e, c_o, S1, S2`` the summed controls and
        ``c = c_e + c_o``, the ranks disagreed if ``c_e > 0`` and ``c_o > 0`` (parities
        differ) or, for either fingerprint, ``S2 c - S1^2 > tol S2 c``: the fingerprints of
        the contributing ranks are not all equal (``S2 c - S1^2`` is ``c^2`` times their
@@ -249,6 +249,9 @@ class _AltCtx(NamedTuple):
     local: object  # float32 [r, K]: this rank's travelling factor, transposed, zero-padded
     p: object  # the state's P^ [r, n]
     q: object  # the state's Q^ [r, m]
+    # Set by receive (step 8), from the all-reduced payload:
+    keep: object = None  # float32 []: 1.0 if the ranks agreed, 0.0 if not (0.0 never for NaN)
+    ok: object = None  # bool []: the all-reduced payload is finite
 
 
 class _TwoCtx(NamedTuple):
@@ -402,11 +405,12 @@ class PowerSGDScheme(Scheme):
         r, width = self.config.rank, max(v.n, v.m)
         even = ops.bitwise_and(state.step, 1) < 1
         # Step 4: P_i^T = (M Q^)^T or Q_i^T = P^^T M, as the parity says (ops.select: only the
-        # one needed is formed where the backend reads the parity for free).
-        local = ops.select(even, lambda: _pad(ops, _times_right(ops, matrix, state.q, v), width),
-                           lambda: _pad(ops, _times_left(ops, matrix, state.p, v), width))
+        # one needed is formed where the backend reads the parity for free), and step 5's
+        # shared basis.
+        local, shared = ops.select(
+            even, lambda: (_pad(ops, _times_right(ops, matrix, state.q, v), width), _pad(ops, state.q, width)),
+            lambda: (_pad(ops, _times_left(ops, matrix, state.p, v), width), _pad(ops, state.p, width)))
         # Step 5: fingerprints of this step's basis.
-        shared = ops.select(even, lambda: _pad(ops, state.q, width), lambda: _pad(ops, state.p, width))
         weights = ops.reshape(ops.concat([state.fill, state.fill * state.fill - 1.0 / 3.0], 0), (2, r * width))
         f = ops.matmul(weights, ops.reshape(shared, (r * width, 1)))  # [f1, f2]
         e = ops.reshape(ops.cast(even, "float32"), (1,))
@@ -416,15 +420,22 @@ class PowerSGDScheme(Scheme):
         ctx = _AltCtx(even, matrix if self.config.error_feedback else None, local, state.p, state.q)
         return payload, ctx
 
-    # Step 8 (alternating): 1.0 where the ranks disagreed, else 0.0 (0.0 for a NaN payload too).
-    def _disagreement(self, ops, payload, info, v):
+    # Step 8 (alternating), once per step for decompress and finish.
+    def receive(self, ops, payload, ctx, info):
+        """``ctx`` with ``keep`` (float32 []: 1.0 if the ranks agreed, else 0.0; 1.0 for a
+        non-finite payload, whose NaN reaches the output anyway) and ``ok`` (the payload is
+        finite), read from the all-reduced payload: the same on every rank."""
+        if not isinstance(ctx, _AltCtx):
+            return ctx  # two-round, or a tensor sent uncompressed
+        v = self._view_of(ops, info)
         c = payload[self.config.rank * max(v.n, v.m):]
-        parity = ops.cast(ops.logical_and(c[0] > 0.0, c[1] > 0.0), "float32")
-        s = ops.reshape(c[2:], (2, 2))  # rows: (S1, S2) of each fingerprint
-        spread = s[:, 1] * (c[0] + c[1])
+        ce, co = c[0], c[1]
+        s1, s2 = c[2::2], c[3::2]  # (S1, S2) of each fingerprint
         tol = (8 * info.world_size + 16) * 2.0 ** -24
-        basis_differs = ops.max(ops.cast(spread - s[:, 0] * s[:, 0] > spread * tol, "float32"), None)
-        return ops.maximum(parity, basis_differs)
+        # > 0 where the ranks differ: parities (c_e c_o), fingerprints (S2 c (1 - tol) - S1^2).
+        spread = s2 * ((ce + co) * (1.0 - tol)) - s1 * s1
+        bad = ops.max(ops.concat([ops.reshape(ce * co, (1,)), spread], 0), None) > 0.0
+        return ctx._replace(keep=1.0 - ops.cast(bad, "float32"), ok=payload_finite(ops, payload))
 
     # ---- decompress ----
     def decompress(self, ops, payload, ctx, info):
@@ -440,12 +451,9 @@ class PowerSGDScheme(Scheme):
             if ctx.warm is None:
                 return _outer(ops, ctx.p, q_t, v)
             return ops.cond(ctx.warm, lambda: ctx.full * payload[0], lambda: _outer(ops, ctx.p, q_t, v))
-        width = max(v.n, v.m)
-        agg = ops.reshape(payload[:r * width], (r, width))
-        keep = 1.0 - self._disagreement(ops, payload, info, v)  # NaN * 1 stays NaN
-        a = ops.where(ctx.even, agg[:, :v.n], ctx.p) * keep
-        b = ops.where(ctx.even, ctx.q, agg[:, :v.m])
-        return _outer(ops, a, b, v)
+        agg = ops.reshape(payload[:r * max(v.n, v.m)], (r, max(v.n, v.m)))
+        a, b = ops.select(ctx.even, lambda: (agg[:, :v.n], ctx.q), lambda: (ctx.p, agg[:, :v.m]))
+        return _outer(ops, a * ctx.keep, b, v)  # NaN * 0 stays NaN
 
     # ---- finish ----
     def finish(self, ops, payload, ctx, state, info):
@@ -454,30 +462,31 @@ class PowerSGDScheme(Scheme):
         v = self._view_of(ops, info)
         if v is None:
             return state
-        ok = payload_finite(ops, payload)
         if self.config.variant == "two_round":
-            return commit(ops, ok, self._two_round_finish(ops, payload, ctx, state, v), state)
+            return commit(ops, payload_finite(ops, payload),
+                          self._two_round_finish(ops, payload, ctx, state, v), state)
         r, width = self.config.rank, max(v.n, v.m)
-        bad = self._disagreement(ops, payload, info, v)
-        agreed = bad < 0.5
-        to_p = ops.logical_and(ctx.even, agreed)  # the n-side factor arrived
-        # The aggregate, masked to the side it belongs to (after a disagreement: the m side).
-        cols = ops.arange(width, "int64", payload)
-        mask = ops.where(to_p, ops.cast(cols < v.n, "float32"), ops.cast(cols < v.m, "float32"))
-        agg = ops.reshape(payload[:r * width], (r, width)) * mask
-        new_basis = _t(ops, basis(ops, _t(ops, agg), _t(ops, state.fill * mask)))
-        p = ops.where(to_p, new_basis[:, :v.n], ops.where(agreed, state.p, state.p * 0.0))
-        q = ops.where(to_p, state.q, new_basis[:, :v.m])
+        agreed = ctx.keep > 0.5
+        agg = ops.reshape(payload[:r * width], (r, width))
+
+        def to_p():  # the n-side factor arrived: P^ := basis(P_agg), Q^ stays
+            return _t(ops, basis(ops, _t(ops, agg[:, :v.n]), _t(ops, state.fill[:, :v.n]))), state.q
+
+        def to_q():  # the m-side factor arrived, or the ranks disagreed (then P^ := 0)
+            q = _t(ops, basis(ops, _t(ops, agg[:, :v.m]), _t(ops, state.fill[:, :v.m])))
+            return state.p * ctx.keep, q
+
+        p, q = ops.select(ops.logical_and(ctx.even, agreed), to_p, to_q)
         step = ops.where(agreed, state.step + 1, state.step * 0)
-        realigned = ops.where(agreed, state.realigned, state.realigned + 1)
+        realigned = state.realigned + (1 - ops.cast(agreed, "int64"))
         residual = state.residual
         if self.config.error_feedback:
             # This rank's own decoded contribution; none after a disagreement (E' = M).
-            local_p = ops.where(ctx.even, ctx.local[:, :v.n], state.p) * (1.0 - bad)
-            local_q = ops.where(ctx.even, state.q, ctx.local[:, :v.m])
-            residual = ctx.matrix - _outer(ops, local_p, local_q, v)
+            local_p, local_q = ops.select(ctx.even, lambda: (ctx.local[:, :v.n], state.q),
+                                          lambda: (state.p, ctx.local[:, :v.m]))
+            residual = ctx.matrix - _outer(ops, local_p * ctx.keep, local_q, v)
         new = PowerSGDState(residual, p, q, step, state.fill, realigned, state.version)
-        return commit(ops, ok, new, state)
+        return commit(ops, ctx.ok, new, state)
 
     # ---- two-round ----
     def _side_name(self, what, info):

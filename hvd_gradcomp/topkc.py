@@ -156,15 +156,18 @@ class _Ctx(NamedTuple):
     idx: object  # int64 [k]: the selected chunks
     left: object  # float32 [m * chunk]: e' padded (None without error feedback)
     sent: object  # float32 [k, chunk]: what this rank sent, decoded (None without error feedback)
+    # Set by receive, from the all-reduced payload ("previous" selection only):
+    split: object = None  # bool []: the ranks voted for more than one selection
+    ok: object = None  # bool []: the all-reduced payload is finite
 
 
 def _correct_kernel(ops, plan, flat, residual):
     """Steps 1 and 5 in one pass: ``c = g + beta e`` zero-padded and viewed as chunks (float32
-    [m, chunk]), and per-chunk scores (float32 [m]): ``||g + beta c||**2`` (step 5's
-    ``g + beta e'`` for every chunk not sent this step) or, ``blocking``, ``||c||**2`` with
-    non-finite scores as 0. ``plan`` = (chunk, error_feedback, blocking, beta), beta the
-    ``residual_decay`` (1.0: no multiplication at all); without error feedback ``residual``
-    is unused."""
+    [m, chunk]), the guess ``g + beta c`` as chunks (float32 [m, chunk]; step 5's ``g + beta
+    e'`` for every chunk not sent this step; ``c`` itself when ``blocking``), and per-chunk
+    scores (float32 [m]): the guess's squared norms, non-finite as 0 when ``blocking``.
+    ``plan`` = (chunk, error_feedback, blocking, beta), beta the ``residual_decay`` (1.0: no
+    multiplication at all); without error feedback ``residual`` is unused."""
     chunk, error_feedback, blocking, decay = plan
     d = ops.shape(flat)[0]
     m = -(-d // chunk)
@@ -180,7 +183,7 @@ def _correct_kernel(ops, plan, flat, residual):
     scores = ops.sum(guess * guess, 1)
     if blocking:
         scores = ops.where(ops.isfinite(scores), scores, 0.0)
-    return chunks, scores
+    return chunks, guess, scores
 
 
 class TopKCScheme(Scheme):
@@ -218,7 +221,7 @@ class TopKCScheme(Scheme):
         if not self.blocking:  # step 2 first: the selection is known before the pass over c
             idx = ops.argsort(state.scores)[:k]
         # Step 1 (and the scores, step 5 or the blocking step 2) in one fused kernel.
-        chunks, scores = ops.fuse(_correct_kernel, plan)(flat, state.residual if cfg.error_feedback else flat)
+        chunks, guess, scores = ops.fuse(_correct_kernel, plan)(flat, state.residual if cfg.error_feedback else flat)
         if self.blocking:
             ranking = ops.allreduce(scores, "sum", self._side_name(info), info.group)
             idx = ops.argsort(ranking)[:k]
@@ -233,18 +236,14 @@ class TopKCScheme(Scheme):
             sent = ops.cast(wire, "float32") * float(n)
             left = ops.reshape(ops.index_add(chunks, idx, sent * -1.0), (m * cfg.chunk,))
         if not self.blocking:
-            # Step 5: the kernel scored g + c, which is g + e' for every chunk not sent; the k
-            # sent chunks are scored again from g + c - sent (an O(k chunk) fix-up).
-            pos = ops.reshape(ops.cast(idx, "int64"), (k, 1)) * cfg.chunk + \
-                ops.reshape(ops.arange(cfg.chunk, "int64", x), (1, cfg.chunk))
-            inside = pos < info.numel
-            g = ops.gather(flat, ops.reshape(ops.minimum(pos, info.numel - 1), (k * cfg.chunk,)))
-            owed = picked - sent if cfg.error_feedback else picked
-            if cfg.residual_decay != 1.0:
-                owed = owed * cfg.residual_decay  # next step's c carries beta e'
-            guess = ops.where(inside, ops.reshape(g, (k, cfg.chunk)), 0.0) + owed
-            fixed = ops.sum(guess * guess, 1)
-            scores = ops.index_add(scores, idx, fixed - ops.gather(scores, idx))
+            # Step 5: the kernel scored g + beta c, which is g + beta e' for every chunk not
+            # sent; a sent chunk's e' is c - sent, so its guess is the kernel's minus beta sent
+            # (an O(k chunk) fix-up; without error feedback nothing is owed and the kernel's
+            # g + g scores every chunk alike, 4 ||g||^2).
+            if cfg.error_feedback:
+                owed = sent * cfg.residual_decay if cfg.residual_decay != 1.0 else sent
+                rows = ops.gather(guess, idx) - owed
+                scores = ops.index_add(scores, idx, ops.sum(rows * rows, 1) - ops.gather(scores, idx))
             scores = ops.where(ops.isfinite(scores), scores, 0.0)
             top = ops.maximum(ops.max(scores, None), _TINY)
             # Step 6: this rank's vote for the selection it made.
@@ -268,10 +267,15 @@ class TopKCScheme(Scheme):
         slot = ops.right_shift(mixed, 32 - 4)  # _SLOTS = 16 slots: 4 bits
         return ops.cast(ops.cast(ops.arange(_SLOTS, "int64", like) == slot, "float32"), self.config.payload_dtype)
 
-    def _disagree(self, ops, payload, info):
-        """bool 0-d: the ranks that contributed voted for more than one selection."""
+    def receive(self, ops, payload, ctx, info):
+        """``ctx`` with ``split`` (bool []: the ranks that contributed voted for more than one
+        selection) and ``ok`` (the payload is finite): read once from the all-reduced payload
+        for decompress and finish, the same on every rank."""
+        if self.blocking:
+            return ctx
         voted = ops.cast(payload[self._votes_at(info):], "float32") != 0.0
-        return ops.sum(ops.cast(voted, "int64"), None) > 1
+        return ctx._replace(split=ops.sum(ops.cast(voted, "int64"), None) > 1,
+                            ok=payload_finite(ops, payload))
 
     def _votes_at(self, info):
         m, k, _ = self._sizes(info)
@@ -283,7 +287,7 @@ class TopKCScheme(Scheme):
         rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
         if not self.blocking:  # ranks that selected different chunks: 0, never a wrong sum
             # (times 0, not a plain 0: a NaN from a failed rank must still reach the output)
-            rows = ops.where(self._disagree(ops, payload, info), rows * 0.0, rows)
+            rows = ops.where(ctx.split, rows * 0.0, rows)
         dense = ops.scatter(ctx.idx, rows * float(info.world_size), (m, cfg.chunk))
         return ops.reshape(dense, (m * cfg.chunk,))[:info.numel]
 
@@ -294,9 +298,9 @@ class TopKCScheme(Scheme):
             return state
         cfg = self.config
         m, k, pad = self._sizes(info)
-        ok = payload_finite(ops, payload)
+        ok = payload_finite(ops, payload) if self.blocking else ctx.ok
         new = state
-        split = self._disagree(ops, payload, info) if not self.blocking else None
+        split = ctx.split
         if ctx.left is not None:
             left = ctx.left
             if split is not None:  # give back what was sent: an O(k chunk) update

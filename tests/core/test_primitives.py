@@ -151,3 +151,23 @@ def test_torch_select_blend_for_gpu_tensors():
         got = _where_tree(torch.tensor(flag), a, b)
         want = a if flag else b
         assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0]) and got[1][1] is None
+
+
+@pytest.mark.skipif("torch" not in BACKENDS, reason="torch backend not under test")
+def test_torch_thin_matmul_in_row_blocks():
+    """The torch backend forms thin products with a large output ([n, k] x [k, m], k <= 32,
+    n m >= 2**20: PowerSGD's P Q^T) as a batch of row blocks; the values are torch.matmul's,
+    with or without a remainder of rows, for a transposed (strided) left factor too, and for
+    other shapes the plain product is used."""
+    import torch
+    from torch_backend.ops import OPS
+    gen = torch.Generator().manual_seed(0)
+    cases = [((2048, 4), (4, 2048)), ((1003, 3), (3, 2048)), ((600, 1), (1, 4608)), ((5, 2), (2, 1 << 18)),
+             ((64, 4), (4, 64)), ((300, 40), (40, 4000))]
+    for (n, k), (_, m) in cases:
+        a, b = torch.randn(n, k, generator=gen), torch.randn(k, m, generator=gen)
+        want = a.double() @ b.double()
+        for left in (a, a.T.contiguous().T):
+            got = OPS.matmul(left, b)
+            assert got.shape == (n, m) and got.dtype == torch.float32
+            np.testing.assert_allclose(got.double().numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
