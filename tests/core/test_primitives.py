@@ -156,7 +156,8 @@ def test_torch_select_blend_for_gpu_tensors():
 @pytest.mark.skipif("torch" not in BACKENDS, reason="torch backend not under test")
 def test_torch_thin_matmul_in_row_blocks():
     """The torch backend forms thin products with a large output ([n, k] x [k, m], k <= 32,
-    n m >= 2**20: PowerSGD's P Q^T) as a batch of row blocks; the values are torch.matmul's,
+    n m >= 2**20: PowerSGD's P Q^T; addmm's M - P Q^T in place) as a batch of row blocks;
+    the values are torch.matmul's,
     with or without a remainder of rows, for a transposed (strided) left factor too, and for
     other shapes the plain product is used."""
     import torch
@@ -171,3 +172,21 @@ def test_torch_thin_matmul_in_row_blocks():
             got = OPS.matmul(left, b)
             assert got.shape == (n, m) and got.dtype == torch.float32
             np.testing.assert_allclose(got.double().numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+            c = torch.randn(n, m, generator=gen)
+            expect = c.double() - 0.5 * want
+            got = OPS.addmm(c, left, b, -0.5)
+            assert got.data_ptr() == c.data_ptr()  # in place on the caller's temporary
+            np.testing.assert_allclose(got.double().numpy(), expect.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_addmm_values(backend):
+    """addmm(c, a, b, alpha) = c + alpha a b in both backends (the value; PyTorch may reuse c)."""
+    from tests.backends import backend_ops
+    ops = backend_ops(backend)
+    rng = np.random.default_rng(4)
+    for n, k, m in ((5, 2, 7), (40, 4, 30)):
+        a, b, c = rng.standard_normal((n, k)), rng.standard_normal((k, m)), rng.standard_normal((n, m))
+        got = as_float64(ops.addmm(backend_tensor(backend, c), backend_tensor(backend, a),
+                                   backend_tensor(backend, b), -1.0))
+        np.testing.assert_allclose(got, c - a @ b, rtol=1e-5, atol=1e-5)
