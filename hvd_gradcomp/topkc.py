@@ -267,7 +267,7 @@ class TopKCScheme(Scheme):
         terms = ops.bitwise_and((ops.cast(idx, "int64") + 1) * weights, 0xFFFFFFFF)
         mixed = ops.bitwise_and(ops.bitwise_and(ops.sum(terms, None), 0xFFFFFFFF) * 0x9E37, 0xFFFFFFFF)
         slot = ops.right_shift(mixed, 32 - 4)  # _SLOTS = 16 slots: 4 bits
-        return ops.cast(ops.cast(ops.arange(_SLOTS, "int64", like) == slot, "float32"), self.config.payload_dtype)
+        return ops.cast(ops.arange(_SLOTS, "int64", like) == slot, self.config.payload_dtype)
 
     def receive(self, ops, payload, ctx, info):
         """``ctx`` with ``split`` (bool []: the ranks that contributed voted for more than one
@@ -287,10 +287,11 @@ class TopKCScheme(Scheme):
         cfg = self.config
         m, k, _ = self._sizes(info)
         rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
+        scale = float(info.world_size)
         if not self.blocking:  # ranks that selected different chunks: 0, never a wrong sum
             # (times 0, not a plain 0: a NaN from a failed rank must still reach the output)
-            rows = ops.where(ctx.split, rows * 0.0, rows)
-        dense = ops.scatter(ctx.idx, rows * float(info.world_size), (m, cfg.chunk))
+            scale = ops.where(ctx.split, 0.0, scale)
+        dense = ops.scatter(ctx.idx, rows * scale, (m, cfg.chunk))
         return ops.reshape(dense, (m * cfg.chunk,))[:info.numel]
 
     def finish(self, ops, payload, ctx, state, info):
@@ -312,10 +313,11 @@ class TopKCScheme(Scheme):
             left = left[:info.numel] if pad else left
             new = new._replace(residual=ops.select(ok, lambda: left, lambda: state.residual))
         if split is not None:
-            agreed = ops.cast(payload[k * cfg.chunk:self._votes_at(info)], "float32")
-            new = new._replace(scores=ops.where(ok, agreed, state.scores),
-                               realigned=ops.where(ok, state.realigned + ops.cast(split, "int64"),
-                                                   state.realigned))
+            scores, realigned = ops.select(
+                ok, lambda: (ops.cast(payload[k * cfg.chunk:self._votes_at(info)], "float32"),
+                             state.realigned + ops.cast(split, "int64")),
+                lambda: (state.scores, state.realigned))
+            new = new._replace(scores=scores, realigned=realigned)
         return new
 
     def metrics(self, state) -> dict:
