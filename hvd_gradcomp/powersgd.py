@@ -52,11 +52,11 @@ random matrix ``U`` (``r x K``), and a count of realignments. Steps:
     7. Horovod all-reduces the payload with Sum or Average (a rank in ``hvd.join()``
        contributes zeros everywhere, controls included).
     8. Agreement, computed once in ``receive`` for ``decompress`` and ``finish``, from the
-       all-reduced payload only, hence the same on every rank. With ``c_e, c_o, S1, S2`` the summed controls and
-       ``c = c_e + c_o``, the ranks disagreed if ``c_e > 0`` and ``c_o > 0`` (parities
-       differ) or, for either fingerprint, ``S2 c - S1^2 > tol S2 c``: the fingerprints of
-       the contributing ranks are not all equal (``S2 c - S1^2`` is ``c^2`` times their
-       variance), ``tol = (8 W + 16) 2**-24`` being above the float32 rounding of the sums.
+       all-reduced payload only, hence the same on every rank. With ``c_e, c_o, S1, S2`` the
+       summed controls and ``c = c_e + c_o``, the ranks disagreed if ``c_e > 0`` and
+       ``c_o > 0`` (parities differ) or, for either fingerprint, ``S2 c - S1^2 > tol S2 c``:
+       the fingerprints of the contributing ranks are not all equal (``S2 c - S1^2`` is
+       ``c^2`` times their variance), ``tol = (8 W + 16) 2**-24`` being above the float32 rounding of the sums.
        Every term scales alike, so the test holds under Sum, Average and Horovod's
        prescale/postscale factors. Causes: a checkpoint loaded on some ranks only, a rank
        back from ``hvd.join()`` having missed steps. A basis that differs only in its last
@@ -250,7 +250,7 @@ class _AltCtx(NamedTuple):
     p: object  # the state's P^ [r, n]
     q: object  # the state's Q^ [r, m]
     # Set by receive (step 8), from the all-reduced payload:
-    keep: object = None  # float32 []: 1.0 if the ranks agreed, 0.0 if not (0.0 never for NaN)
+    keep: object = None  # float32 []: 1.0 if the ranks agreed (or the payload is NaN), else 0.0
     ok: object = None  # bool []: the all-reduced payload is finite
 
 
