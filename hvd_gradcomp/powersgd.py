@@ -56,9 +56,9 @@ random matrix ``U`` (``r x K``), and a count of realignments. Steps:
        summed controls and ``c = c_e + c_o``, the ranks disagreed if ``c_e > 0`` and
        ``c_o > 0`` (parities differ) or, for either fingerprint, ``S2 c - S1^2 > tol S2 c``:
        the fingerprints of the contributing ranks are not all equal (``S2 c - S1^2`` is
-       ``c^2`` times their variance), ``tol = (8 W + 16) 2**-24`` being above the float32 rounding of the sums.
-       Every term scales alike, so the test holds under Sum, Average and Horovod's
-       prescale/postscale factors. Causes: a checkpoint loaded on some ranks only, a rank
+       ``c^2`` times their variance), ``tol = (8 W + 16) 2**-24`` being above the float32
+       rounding of the sums. Every term scales alike, so the test holds under Sum, Average
+       and Horovod's prescale/postscale factors. Causes: a checkpoint loaded on some ranks only, a rank
        back from ``hvd.join()`` having missed steps. A basis that differs only in its last
        bits (ranks on different hardware) passes.
     9. Decompress: even ``t``: ``P_agg Q^^T``; odd ``t``: ``P^ Q_agg^T``, where ``P_agg`` /
