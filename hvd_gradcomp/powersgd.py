@@ -58,9 +58,9 @@ random matrix ``U`` (``r x K``), and a count of realignments. Steps:
        the fingerprints of the contributing ranks are not all equal (``S2 c - S1^2`` is
        ``c^2`` times their variance), ``tol = (8 W + 16) 2**-24`` being above the float32
        rounding of the sums. Every term scales alike, so the test holds under Sum, Average
-       and Horovod's prescale/postscale factors. Causes: a checkpoint loaded on some ranks only, a rank
-       back from ``hvd.join()`` having missed steps. A basis that differs only in its last
-       bits (ranks on different hardware) passes.
+       and Horovod's prescale/postscale factors. Causes: a checkpoint loaded on some ranks
+       only, a rank back from ``hvd.join()`` having missed steps. A basis that differs only
+       in its last bits (ranks on different hardware) passes.
     9. Decompress: even ``t``: ``P_agg Q^^T``; odd ``t``: ``P^ Q_agg^T``, where ``P_agg`` /
        ``Q_agg`` is the all-reduced factor. That is ``sum_i M_i Q^ Q^^T`` or
        ``P^ P^^T sum_i M_i`` under Sum, the mean under Average: linear in the payload, so the
