@@ -366,7 +366,7 @@ def _cells(row, columns=_TABLE):
         if kind == "metric":
             out.append(_metric_text(row))
         elif key == "workload":
-            out.append(f"{row.get('workload')}" + ("-tf" if row.get("framework") == "tensorflow" else ""))
+            out.append(f"{workload_name(row)}")
         elif key == "label" and row.get("status") != "ok":
             out.append(f"{row.get('label')} [{row.get('status')}]")
         elif key in SPREAD_KEYS and (row.get("repeats") or 1) > 1 and row.get("runs_ok"):
@@ -441,13 +441,24 @@ def markdown_table(rows, network):
     return "\n".join(out + ([""] + notes if notes else []))
 
 
+def workload_name(row):
+    """The sweep's name of a row's workload: the worker's ``workload`` field, with ``-tf`` for
+    TensorFlow runs (the TF digits worker records ``"digits"``; the sweep calls it
+    ``digits-tf``). None for records without the field."""
+    w = row.get("workload")
+    if w and row.get("framework") == "tensorflow" and not w.endswith("-tf"):
+        w += "-tf"
+    return w
+
+
 def plot_rows(rows, results, workload):
     """The summary rows drawn in ``workload``'s plot: runs of that workload (their ``workload``
-    field; run id prefix ``<workload>-`` for records without one, so ``digits`` never takes
-    ``digits-tf`` runs that have it) whose result has evaluations (``results``: run id ->
+    field as :func:`workload_name` gives it; run id prefix ``<workload>-`` for records without
+    one, so ``digits`` never takes ``digits-tf`` runs that have it) whose result has evaluations (``results``: run id ->
     result dict). Empty: no plot."""
     def ours(r):
-        return r["workload"] == workload if r.get("workload") else r["run_id"].startswith(workload + "-")
+        name = workload_name(r)
+        return name == workload if name else r["run_id"].startswith(workload + "-")
     return [r for r in rows if ours(r) and results[r["run_id"]].get("evals")]
 
 

@@ -422,16 +422,21 @@ def test_table_and_files_with_repeats(tmp_path):
 
 
 def test_plot_rows_by_workload_not_by_id_prefix():
-    """``digits``'s plot never takes the ``digits-tf`` runs of the same sweep."""
-    rows = [{"run_id": "digits-horovod-fp16", "workload": "digits"},
-            {"run_id": "digits-tf-horovod-fp16", "workload": "digits-tf"},
+    """``digits``'s plot never takes the ``digits-tf`` runs of the same sweep, and ``digits-tf``'s
+    takes them as the TF worker records them (workload ``digits``, framework ``tensorflow``)."""
+    rows = [{"run_id": "digits-horovod-fp16", "workload": "digits", "framework": "torch"},
+            {"run_id": "digits-tf-horovod-fp16", "workload": "digits", "framework": "tensorflow"},
+            {"run_id": "digits-tf-horovod-thc", "workload": "digits-tf"},
             {"run_id": "digits-horovod-thc"},  # an old record without the field: by its id
             {"run_id": "digits-horovod-none", "workload": "digits"}]
     results = {"digits-horovod-fp16": {"evals": [1]}, "digits-tf-horovod-fp16": {"evals": [1]},
+               "digits-tf-horovod-thc": {"evals": [1]},
                "digits-horovod-thc": {"evals": [1]}, "digits-horovod-none": {"evals": []}}
     assert [r["run_id"] for r in report.plot_rows(rows, results, "digits")] == \
         ["digits-horovod-fp16", "digits-horovod-thc"]
-    assert [r["run_id"] for r in report.plot_rows(rows, results, "digits-tf")] == ["digits-tf-horovod-fp16"]
+    assert [r["run_id"] for r in report.plot_rows(rows, results, "digits-tf")] == \
+        ["digits-tf-horovod-fp16", "digits-tf-horovod-thc"]
+    assert [report.workload_name(r) for r in rows[:3]] == ["digits", "digits-tf", "digits-tf"]
 
 
 # ---- the no-communication reference ----
