@@ -259,6 +259,7 @@ class _TwoCtx(NamedTuple):
     p: object  # float32 [r, n]: P^ transposed ([1, 1] placeholder during warm-up)
     full: object  # None or the summed matrix of a warm-up step ([1, 1] placeholder otherwise)
     residual: object  # the residual candidate (None without error feedback)
+    ok: object = None  # bool []: the all-reduced payload is finite (set by receive)
 
 
 def matrix_view(shape, layout: str):
@@ -430,11 +431,13 @@ class PowerSGDScheme(Scheme):
 
     # Step 8 (alternating), once per step for decompress and finish.
     def receive(self, ops, payload, ctx, info):
-        """``ctx`` with ``keep`` (float32 []: 1.0 if the ranks agreed, else 0.0; 1.0 for a
-        non-finite payload, whose NaN reaches the output anyway) and ``ok`` (the payload is
-        finite), read from the all-reduced payload: the same on every rank."""
-        if not isinstance(ctx, _AltCtx):
-            return ctx  # two-round, or a tensor sent uncompressed
+        """``ctx`` with ``ok`` (the payload is finite) and, alternating, ``keep`` (float32 []:
+        1.0 if the ranks agreed, else 0.0; 1.0 for a non-finite payload, whose NaN reaches the
+        output anyway), read from the all-reduced payload: the same on every rank."""
+        if ctx is None:
+            return ctx  # a tensor sent uncompressed
+        if isinstance(ctx, _TwoCtx):
+            return ctx._replace(ok=payload_finite(ops, payload))
         v = self._view_of(ops, info)
         c = payload[self.config.rank * max(v.n, v.m):]
         ce, co = c[0], c[1]
@@ -471,8 +474,7 @@ class PowerSGDScheme(Scheme):
         if v is None:
             return state
         if self.config.variant == "two_round":
-            return commit(ops, payload_finite(ops, payload),
-                          self._two_round_finish(ops, payload, ctx, state, v), state)
+            return commit(ops, ctx.ok, self._two_round_finish(ops, payload, ctx, state, v), state)
         r, width = self.config.rank, max(v.n, v.m)
         agreed = ctx.keep > 0.5
         agg = ops.reshape(payload[:r * width], (r, width))

@@ -156,8 +156,8 @@ class _Ctx(NamedTuple):
     idx: object  # int64 [k]: the selected chunks
     left: object  # float32 [m * chunk]: e' padded (None without error feedback)
     sent: object  # float32 [k, chunk]: what this rank sent, decoded (None without error feedback)
-    # Set by receive, from the all-reduced payload ("previous" selection only):
-    split: object = None  # bool []: the ranks voted for more than one selection
+    # Set by receive, from the all-reduced payload:
+    split: object = None  # bool []: the ranks voted for more than one selection ("previous" only)
     ok: object = None  # bool []: the all-reduced payload is finite
 
 
@@ -270,11 +270,11 @@ class TopKCScheme(Scheme):
         return ops.cast(ops.arange(_SLOTS, "int64", like) == slot, self.config.payload_dtype)
 
     def receive(self, ops, payload, ctx, info):
-        """``ctx`` with ``split`` (bool []: the ranks that contributed voted for more than one
-        selection) and ``ok`` (the payload is finite): read once from the all-reduced payload
-        for decompress and finish, the same on every rank."""
+        """``ctx`` with ``ok`` (the payload is finite) and, ``selection="previous"``, ``split``
+        (bool []: the ranks that contributed voted for more than one selection): read once
+        from the all-reduced payload for decompress and finish, the same on every rank."""
         if self.blocking:
-            return ctx
+            return ctx._replace(ok=payload_finite(ops, payload))
         voted = ops.cast(payload[self._votes_at(info):], "float32") != 0.0
         return ctx._replace(split=ops.sum(ops.cast(voted, "int64"), None) > 1,
                             ok=payload_finite(ops, payload))
@@ -301,9 +301,8 @@ class TopKCScheme(Scheme):
             return state
         cfg = self.config
         m, k, pad = self._sizes(info)
-        ok = payload_finite(ops, payload) if self.blocking else ctx.ok
+        ok, split = ctx.ok, ctx.split
         new = state
-        split = ctx.split
         if ctx.left is not None:
             left = ctx.left
             if split is not None:  # give back what was sent: an O(k chunk) update

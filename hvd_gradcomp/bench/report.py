@@ -452,10 +452,10 @@ def workload_name(row):
 
 
 def plot_rows(rows, results, workload):
-    """The summary rows drawn in ``workload``'s plot: runs of that workload (their ``workload``
-    field as :func:`workload_name` gives it; run id prefix ``<workload>-`` for records without
-    one, so ``digits`` never takes ``digits-tf`` runs that have it) whose result has evaluations (``results``: run id ->
-    result dict). Empty: no plot."""
+    """The summary rows drawn in ``workload``'s plot: runs of that workload (by
+    :func:`workload_name`; by the run id prefix ``<workload>-`` for records without the field,
+    so ``digits`` never takes ``digits-tf`` runs that have it) whose result has evaluations
+    (``results``: run id -> result dict). Empty: no plot."""
     def ours(r):
         name = workload_name(r)
         return name == workload if name else r["run_id"].startswith(workload + "-")

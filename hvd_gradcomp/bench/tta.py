@@ -540,10 +540,7 @@ def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
         argv: the command-line arguments (recorded in ``results.json``; None: ``sys.argv[1:]``).
         t_start: ``time.time()`` when the sweep started.
 
-    Returns:
-        (sweep, rows, elapsed_s): the sweep metadata written to ``results.json``, the summary
-        rows (:data:`.report.RUN_COLUMNS`) in table order, and the sweep's duration in seconds
-        once everything is written.
+    ``--update-doc`` is done afterwards from the saved ``results.json`` (:func:`publish.publish`).
     """
     desc, results, link_check = outcome.network, outcome.results, outcome.link_check
     commit = _git_commit()
@@ -575,7 +572,6 @@ def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
     print()
     print(table)
     print(f"\nSweep took {elapsed / 60:.1f} min; outputs in {plan.out_dir}")
-    return sweep, rows, elapsed
 
 
 def main(argv=None) -> int:
