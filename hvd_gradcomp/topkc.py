@@ -273,8 +273,8 @@ class TopKCScheme(Scheme):
         """``ctx`` with ``ok`` (the payload is finite) and, ``selection="previous"``, ``split``
         (bool []: the ranks that contributed voted for more than one selection): read once
         from the all-reduced payload for decompress and finish, the same on every rank."""
-        if self.blocking:
-            return ctx._replace(ok=payload_finite(ops, payload))
+        if self.blocking:  # without error feedback it keeps no state: nothing to decide
+            return ctx._replace(ok=payload_finite(ops, payload)) if self.config.error_feedback else ctx
         voted = ops.cast(payload[self._votes_at(info):], "float32") != 0.0
         return ctx._replace(split=ops.sum(ops.cast(voted, "int64"), None) > 1,
                             ok=payload_finite(ops, payload))
