@@ -14,6 +14,7 @@ formed from two 32x16-bit products (:func:`_mul32`).
 Functions:
     stream_key(*parts) -> Python int: a 32-bit key from ints/strings (host side, crc32-based).
     step_key(ops, key, step) -> int64 0-d tensor mixing a static key with a step tensor.
+    step_keys(ops, keys, step) -> the same for several keys, hashing the step once.
     hash32(ops, x) -> int64 elementwise hash of int64 values.
     bits32(ops, key, n, like) -> int64 [n] uniformly distributed in [0, 2**32).
     uniform(ops, key, n, like) -> float32 [n] uniform in [0, 1), multiples of 2**-24.
@@ -21,7 +22,7 @@ Functions:
 """
 import zlib
 
-__all__ = ["stream_key", "step_key", "hash32", "bits32", "uniform", "signs", "normal"]
+__all__ = ["stream_key", "step_key", "step_keys", "hash32", "bits32", "uniform", "signs", "normal"]
 
 _M32 = 0xFFFFFFFF
 
@@ -57,8 +58,13 @@ def hash32(ops, x):
 
 def step_key(ops, key: int, step):
     """Mix a static 32-bit ``key`` with ``step`` (int64 0-d tensor, >= 0) into an int64 0-d key."""
-    s = ops.bitwise_and(step, _M32)
-    return _lowbias32(ops, ops.bitwise_xor(_lowbias32(ops, s), key & _M32))
+    return step_keys(ops, (key,), step)[0]
+
+
+def step_keys(ops, keys, step):
+    """``[step_key(ops, k, step) for k in keys]``, with ``step``'s own hash computed once."""
+    inner = _lowbias32(ops, ops.bitwise_and(step, _M32))
+    return [_lowbias32(ops, ops.bitwise_xor(inner, k & _M32)) for k in keys]
 
 
 def bits32(ops, key, n: int, like):
@@ -98,6 +104,8 @@ def normal(ops, key, n: int, like):
     uniforms avoids log/cos, whose last bits differ between frameworks.
     """
     u = uniform(ops, key, 4 * n, like)
-    s = ops.sum(ops.reshape(u, (4, n)), 0)
+    # Added in a fixed order: a reduction's order is the backend's (and the CPU's) choice, and
+    # float32 sums of four 24-bit uniforms round.
+    s = ((u[:n] + u[n:2 * n]) + u[2 * n:3 * n]) + u[3 * n:]
     # A sum of 4 U(0,1) has mean 2 and variance 4/12.
     return (s - 2.0) * (3.0 ** 0.5)

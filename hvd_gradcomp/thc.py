@@ -26,21 +26,27 @@ Steps of ``compress`` (no collective):
        ``saturation_rate``, 3.2971933456919635 for 1/1024 as THC) or the block's peak ``max |y|``
        (without), as a log code ``clamp(round(4 log2 r) + 160, 1, 255)`` (0 for an all-zero
        block) and a flag "non-zero". Quarter-octave steps from ``2**-39.75`` to ``2**23.75``.
-    3. Quantise with the agreed ranges ``R`` (step 8 of the previous step; all 0 at first): clip
-       ``y`` to ``[-R, R]`` per block (counted in ``metrics()["saturated"]``), grid step
-       ``delta = 2 R / L`` (times ``1 + 2**-20`` so float rounding never gives a level above
-       ``L``), level ``q = floor(u) + [U < u - floor(u)]`` with ``u = (clip(y) + R) / delta`` and
-       ``U`` uniform: unbiased stochastic rounding, independent per rank (keyed by rank and step),
-       drawn as ``frac(a_i + b_j)`` over a grid from hashed values on a ``2**-23`` lattice.
+    3. Quantise with the agreed ranges ``R`` (step 8 of the previous step; all 0 at first): grid
+       step ``delta = 2 R / L`` (times ``1 + 2**-20`` so float rounding never gives a level
+       above ``L``), grid position ``u = (y + R) / delta`` clipped to ``[0, 2 R / delta]``
+       (clipping ``y`` to ``[-R, R]`` per block; counted in ``metrics()["saturated"]``), level
+       ``q = floor(u + U)`` with ``U`` uniform on the ``2**-23`` lattice in [0, 1): unbiased
+       stochastic rounding, independent per rank (keyed by rank and step). ``1 + U`` is the
+       float32 whose mantissa bits are ``a_b XOR c_j`` (block b, column j), with ``nb + B``
+       hashed values per step: pairwise independent over coordinates, and no pass beyond one
+       XOR. In passes over the block matrix: one multiply-add for ``u`` (``Primitives.fma``),
+       one clip, the XOR, one add and one floor, two compares for the count.
        A block whose range is 0 sends level 0, which decodes to exactly 0: the first step sends
-       nothing and keeps everything in error feedback (the safe first encoding).
+       nothing and keeps everything in error feedback (the safe first encoding). A rank whose
+       gradient is not finite sends undefined levels; its "not finite" word (step 5) makes them
+       unread.
     4. Residual candidate ``e' = y - (q delta - R)``: clipping and rounding, in the rotated basis.
     5. Pack into int32 words, every field above ``g = bit_length(n)`` guard bits that are
        always 0 (so ``2**g > n``); the sign bit is never used:
-       levels ``0..L`` in lanes of ``w = bit_length(n L)`` bits (``(31 - g) // w`` per word),
-       each block on its own ``m = ceil(B / lanes)`` words, planar: lane ``j`` of the block's
-       word ``i`` holds its coordinate ``j m + i`` (so every index is a shift or a static
-       multiple, and a compiler emits straight vector loops);
+       levels ``0..L`` in lanes of ``w = bit_length(n L)`` bits (``(31 - g) // w`` per word)
+       on ``W = ceil(P / lanes)`` words, planar over the whole rotated vector: lane ``j`` of
+       word ``i`` holds coordinate ``j W + i`` (one shift and one add per lane over contiguous
+       slices, no padded copy; the last lane may be short);
        the block statistics (code, flag) in lanes of ``bit_length(255 n)`` bits; and four
        control words: ``1`` (a contributing rank), ``1`` if this rank's gradient was not
        finite, and a fingerprint ``s, s**2`` of this rank's step counter (``s`` a hash of it
@@ -84,7 +90,7 @@ clipping at all without saturation); it needs every rank to compress every tenso
 same order (see ``base.py``). The simple adaptation is
 ``THCConfig(rotation="full", saturation=False, range="current")``.
 
-Wire per tensor and step: ``4 * (words + stats_words + 4)`` bytes of int32 in the one all-reduce
+Wire per tensor and step: ``4 * (W + stats_words + 4)`` bytes of int32 in the one all-reduce
 (plus ``4 nb`` bytes in a side collective with ``range="current"``). Bits per coordinate of the
 levels: ``32 / lanes`` with ``lanes = (31 - bit_length(n)) // bit_length(n (2**bits - 1))``
 (:func:`wire_bits`); lanes x lane width in brackets:
@@ -131,6 +137,8 @@ _CODE_SCALE, _CODE_OFFSET, _CODE_MAX = 4.0, 160.0, 255
 # Control words (step 5): contributing, not finite, fingerprint s, s**2.
 _CONTROL = 4
 _FINGERPRINT_KEY = rng.stream_key("thc.fingerprint")
+# float32 1.0: its sign and exponent bits above 23 random mantissa bits read as 1 + U (step 3).
+_ONE_BITS = 0x3F800000
 
 
 def saturation_threshold(rate: float) -> float:
@@ -183,14 +191,16 @@ def exact_words(ops, words, summed, world_size: int, guard: int):
     """Step 6: the exact int64 sums of the packed words, whichever op Horovod applied.
 
     Args:
-        words: int64 [m], the all-reduced words (sums, or Horovod's truncated averages).
+        words: int32 or int64 [m], the all-reduced words (sums, or Horovod's truncated
+            averages; int32 holds every step, since ``n * avg <= W < 2**31``).
         summed: bool 0-d tensor or Python bool, True if Horovod applied Sum.
         world_size: n.
         guard: guard bits g of the layout (``2**g > n``; exact sums are multiples of ``2**g``).
 
     Returns:
-        int64 [m]: ``words`` under Sum; under Average the smallest multiple of ``2**g`` that is
-        ``>= n * words`` (see the module docstring, step 6, for why that is exact).
+        [m], the dtype of ``words``: ``words`` under Sum; under Average the smallest multiple
+        of ``2**g`` that is ``>= n * words`` (see the module docstring, step 6, for why that
+        is exact).
     """
     scaled = words * world_size + ((1 << guard) - 1)
     recovered = ops.left_shift(ops.right_shift(scaled, guard), guard)
@@ -265,20 +275,24 @@ class Layout(NamedTuple):
     padded: int  # P
     blocks: int  # nb
     levels: LaneLayout  # lanes of the levels
-    words: int  # int32 words of levels: nb * ceil(B / lanes)
+    words: int  # int32 words of levels: W = ceil(P / lanes)
     stats: LaneLayout  # lanes of the block statistics (code, flag)
     stats_words: int  # int32 words of statistics (0 with range="current")
     fingerprint_bits: int  # h: s < 2**h
 
 
 class _Ctx(NamedTuple):
-    """What decompress and finish need from compress."""
+    """What decompress and finish need from compress (and, from ``count`` on, from receive)."""
 
     ranges: object  # float32 [nb]: R used this step
     residual: object  # float32 [P]: e' (None without error feedback)
     corrected: object  # float32 [P]: y, kept when the step is realigned
     saturated: object  # int64 []
     diag: object  # float32 [P]
+    count: object = None  # int64 []: contributing ranks
+    bad: object = None  # int64 []: ranks whose gradient was not finite
+    mismatch: object = None  # bool []: the ranks' step fingerprints disagree
+    inferred: object = None  # bool []: the count word says Sum (used when the op is unknown)
 
 
 class _Plan(NamedTuple):
@@ -307,14 +321,20 @@ def _pad(ops, v, padded: int, dtype: str, like):
 
 
 def _pack(ops, values, lay: LaneLayout):
-    """int32 [w = ceil(m / lanes)]: int32 ``values`` [m] in lanes of ``lay`` above its guard
-    bits, planar: value ``j * w + i`` in lane ``j`` of word ``i`` (contiguous reads per lane)."""
+    """int32 [w = ceil(m / lanes)]: int32 ``values`` [m] (each below ``2**width``) in lanes of
+    ``lay`` above its guard bits, planar: value ``j * w + i`` in lane ``j`` of word ``i``
+    (contiguous reads per lane). One shift and one add per lane, over that lane's slice (no
+    padded copy of ``values``); a short last lane adds into the first words only."""
     m = ops.shape(values)[0]
-    words = -(-m // lay.lanes)
-    values = _pad(ops, values, words * lay.lanes, "int32", values)
-    shifts = ops.constant([[lay.guard + j * lay.width] for j in range(lay.lanes)], "int32", values)
-    # PyTorch sums int32 into int64: cast back, the words fit int32 by construction.
-    return ops.cast(ops.sum(ops.left_shift(ops.reshape(values, (lay.lanes, words)), shifts), 0), "int32")
+    w = -(-m // lay.lanes)
+    words = ops.left_shift(values[:w] if w < m else values, lay.guard)
+    for j in range(1, lay.lanes):
+        if j * w >= m:
+            break
+        part = ops.left_shift(values[j * w:(j + 1) * w], lay.guard + j * lay.width)
+        k = ops.shape(part)[0]
+        words = words + part if k == w else ops.concat([words[:k] + part, words[k:]], 0)
+    return words
 
 
 def _unpack(ops, words, lay: LaneLayout):
@@ -325,38 +345,28 @@ def _unpack(ops, words, lay: LaneLayout):
     return ops.reshape(lanes, (n * lay.lanes,))
 
 
-def _pack_blocks(ops, values, lay: LaneLayout):
-    """int32 [nb * m]: int32 ``values`` [nb, B] packed block by block, ``m = ceil(B / lanes)``
-    words per block, planar within it (see :func:`_pack`)."""
-    nb, B = ops.shape(values)
-    m = -(-B // lay.lanes)
-    if m * lay.lanes > B:
-        values = ops.concat([values, ops.zeros((nb, m * lay.lanes - B), "int32", values)], 1)
-    shifts = ops.constant([[[lay.guard + j * lay.width] for j in range(lay.lanes)]], "int32", values)
-    words = ops.sum(ops.left_shift(ops.reshape(values, (nb, lay.lanes, m)), shifts), 1)
-    return ops.cast(ops.reshape(words, (nb * m,)), "int32")
+def _grid(bits: int) -> float:
+    """Grid step over range, ``delta / R = 2 (1 + 2**-20) / L`` (step 3)."""
+    return 2.0 * (1.0 + 2.0 ** -20) / ((1 << bits) - 1)
 
 
-def _unpack_blocks(ops, words, lay: LaneLayout, nb: int, B: int):
-    """int32 [nb, B]: the lane sums of exact int32 ``words`` [nb * m] (:func:`_pack_blocks`)."""
-    m = -(-B // lay.lanes)
-    shifts = ops.constant([[[lay.guard + j * lay.width] for j in range(lay.lanes)]], "int32", words)
-    lanes = ops.bitwise_and(ops.right_shift(ops.reshape(words, (nb, 1, m)), shifts), (1 << lay.width) - 1)
-    lanes = ops.reshape(lanes, (nb, lay.lanes * m))
-    return lanes[:, :B] if lay.lanes * m > B else lanes
+def _summed(plan: _Plan, inferred):
+    """True if Horovod applied Sum: from the op when known (a Python bool), else inferred from
+    the count word (a bool 0-d tensor, :func:`_receive_kernel`)."""
+    return plan.op == "sum" if plan.op is not None else inferred
 
 
-def _control(ops, plan: _Plan, payload):
-    """Step 6 for the control words: (count, bad, mismatch, summed), int64/bool 0-d."""
+def _receive_kernel(ops, plan: _Plan, payload):
+    """Step 6 for the control words: (count int64, bad int64, mismatch bool, inferred bool), 0-d.
+
+    ``inferred``: the count word says Sum (full participation assumed: it is ``n << g`` under
+    Sum, ``1 << g`` under Average); used only when the op is unknown (:func:`_summed`)."""
     n, g = plan.world_size, plan.levels.guard
     tail = ops.cast(payload[ops.shape(payload)[0] - _CONTROL:], "int64")
-    if plan.op is not None:
-        summed = plan.op == "sum"
-    else:  # full participation assumed: the count word is n << g under Sum, 1 << g under Average
-        summed = tail[0] > (1 << g)
-    control = ops.right_shift(exact_words(ops, tail, summed, n, g), g)
+    inferred = tail[0] > (1 << g)
+    control = ops.right_shift(exact_words(ops, tail, _summed(plan, inferred), n, g), g)
     count, bad, s1, s2 = control[0], control[1], control[2], control[3]
-    return count, bad, s2 * count != s1 * s1, summed
+    return count, bad, s2 * count != s1 * s1, inferred
 
 
 def _rotate_kernel(ops, plan: _Plan, x, residual, diag, finite):
@@ -375,61 +385,65 @@ def _rotate_kernel(ops, plan: _Plan, x, residual, diag, finite):
         return y, wanted, ops.zeros((0,), "int32", x)
     usable = ops.logical_and(wanted > _TINY_RANGE, finite)
     code = ops.round(ops.log2(ops.where(usable, wanted, 1.0)) * _CODE_SCALE) + _CODE_OFFSET
-    code = ops.minimum(ops.maximum(code, 1.0), float(_CODE_MAX))
+    code = ops.clip(code, 1.0, float(_CODE_MAX))
     nb = padded // B
     stats = ops.concat([ops.reshape(ops.where(usable, code, 0.0), (nb, 1)),
                         ops.reshape(ops.cast(usable, "float32"), (nb, 1))], 1)
     return y, wanted, _pack(ops, ops.cast(ops.reshape(stats, (2 * nb,)), "int32"), plan.stats)
 
 
-def _lattice(ops, key, step, blocks: int, block: int, like):
-    """Step 3's random numbers: float32 [blocks + B] on a ``2**-23`` lattice in [0, 1), from
-    ``blocks + B`` hashed counters of ``(key, step)`` (computed apart from the quantise kernel,
-    so that a compiler never re-hashes them per coordinate)."""
-    return ops.cast(ops.right_shift(rng.bits32(ops, rng.step_key(ops, key, step), blocks + block, like), 9),
-                    "float32") * (2.0 ** -23)
+def _noise_bits(ops, key, blocks: int, block: int, like):
+    """Step 3's random bits, from ``blocks + B`` hashed counters of ``key`` (this rank and
+    step; hashed apart from the quantise kernel, so that a compiler never re-hashes them per
+    coordinate): int32 ``rows`` [blocks], float32 1.0's bits with 23 random mantissa bits, and
+    int32 ``cols`` [B], 23 random bits. ``bitcast(rows[b] ^ cols[j])`` is ``1 + U`` with ``U``
+    uniform on the ``2**-23`` lattice in [0, 1), pairwise independent over coordinates."""
+    bits = ops.cast(ops.right_shift(rng.bits32(ops, key, blocks + block, like), 9), "int32")
+    return ops.bitwise_or(bits[:blocks], _ONE_BITS), bits[blocks:]
 
 
-def _quantize_kernel(ops, plan: _Plan, y, ranges, lattice, step, finite, stats_words):
+def _quantize_kernel(ops, plan: _Plan, y, ranges, rows, cols, fingerprint, finite, stats_words):
     """Steps 3-5: (payload int32, residual float32 [P] or [0], saturated int64 0-d)."""
-    B = plan.block
+    B, top_level = plan.block, ((1 << plan.bits) - 1) / (1.0 + 2.0 ** -20)
     nb = ops.shape(ranges)[0]
     yb = ops.reshape(y, (nb, B))
     top = ops.reshape(ranges, (nb, 1))
-    delta = top * (2.0 * (1.0 + 2.0 ** -20) / ((1 << plan.bits) - 1))
-    inv_delta = 1.0 / ops.maximum(delta, _TINY_RANGE)
-    clipped = ops.minimum(ops.maximum(yb, top * -1.0), top)
-    # Clipped coordinates of blocks that had a range (a block without one sends nothing this
-    # step by design: it waits in error feedback, and is not counted).
-    saturated = ops.sum(ops.cast(ops.logical_and(ops.abs(yb) > top, top > 0.0), "int64"), None)
-    u = (clipped + top) * inv_delta
-    low = ops.floor(u)
-    # Uniforms frac(a_b + c_j) per block b and column j: pairwise independent, exact on a
-    # 2**-23 lattice (sums < 2), from nb + B hashed values instead of nb * B.
-    uniform = ops.reshape(lattice[:nb], (nb, 1)) + ops.reshape(lattice[nb:], (1, B))
-    uniform = uniform - ops.floor(uniform)
-    q = low + ops.cast(uniform < u - low, "float32")
-    q = ops.where(finite, q, 0.0)  # NaN levels would be undefined integers
+    live = top > 0.0
+    delta = top * _grid(plan.bits)
+    # Grid position minus one, (y + R) / delta - 1, clipped to [-1, top_level - 1]; -1 in a
+    # block without a range, whatever y (it sends level 0 and waits in error feedback).
+    inv = ops.where(live, 1.0 / ops.maximum(delta, _TINY_RANGE), 0.0)
+    u = ops.fma(yb, inv, ops.where(live, 0.5 * top_level - 1.0, -1.0))
+    clipped = ops.clip(u, -1.0, top_level - 1.0)
+    # |y| > R, counted in grid positions with a margin (2**-20 of R) above float32's rounding
+    # of u, so that a coordinate at exactly +-R (R = the block's peak) does not count.
+    margin = top_level * 2.0 ** -21
+    saturated = ops.count(u < -1.0 - margin, None) + ops.count(u > top_level - 1.0 + margin, None)
+    # Level floor(position + U) = floor(clipped + (1 + U)): unbiased stochastic rounding.
+    noise = ops.bitcast(ops.bitwise_xor(ops.reshape(rows, (nb, 1)), ops.reshape(cols, (1, B))), "float32")
+    q = ops.floor(clipped + noise)
     residual = ops.zeros((0,), "float32", y)
-    if plan.error_feedback:
-        residual = ops.reshape(yb - (q * delta - top), (nb * B,))
-    levels = _pack_blocks(ops, ops.cast(q, "int32"), plan.levels)
-    s = ops.bitwise_and(rng.step_key(ops, _FINGERPRINT_KEY, step),
-                        (1 << plan.fingerprint_bits) - 1)
+    if plan.error_feedback:  # y - (q delta - R)
+        residual = ops.reshape(ops.fma(q, delta * -1.0, yb) + top, (nb * B,))
+    # A non-finite y gives undefined levels here; the "not finite" word below makes every
+    # rank's output NaN and keeps every state, so they are never read.
+    levels = _pack(ops, ops.reshape(ops.cast(q, "int32"), (nb * B,)), plan.levels)
+    s = fingerprint
     bad = ops.cast(ops.where(finite, 0.0, 1.0), "int64")
     control = ops.concat([ops.reshape(v, (1,)) for v in (s * 0 + 1, bad, s, s * s)], 0)
     payload = ops.concat([levels, stats_words, ops.cast(ops.left_shift(control, plan.levels.guard), "int32")], 0)
     return payload, residual, saturated
 
 
-def _decode_kernel(ops, plan: _Plan, payload, ranges, diag):
+def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, count, bad, mismatch, inferred):
     """Steps 6-7: float32 [P], the rotated-back sum (or average) of the contributors."""
     n, B, lay = plan.world_size, plan.block, plan.levels
     nb, padded = ops.shape(ranges)[0], ops.shape(diag)[0]
-    count, bad, mismatch, summed = _control(ops, plan, payload)
-    words = nb * -(-B // lay.lanes)
-    exact = exact_words(ops, ops.cast(payload[:words], "int64"), summed, n, lay.guard)
-    total = ops.cast(_unpack_blocks(ops, ops.cast(exact, "int32"), lay, nb, B), "float32")
+    summed = _summed(plan, inferred)
+    words = -(-padded // lay.lanes)
+    # int32 throughout: an exact sum is below 2**31, and so is n * (its truncated average).
+    lanes = _unpack(ops, exact_words(ops, payload[:words], summed, n, lay.guard), lay)
+    total = ops.reshape(ops.cast(lanes[:padded] if lay.lanes * words > padded else lanes, "float32"), (nb, B))
     # One scale and one offset per block: the decoded sum S delta - c R, times 1/n under
     # Average, times 0 after a fingerprint mismatch, plus NaN when a rank failed.
     scale = ops.where(mismatch, 0.0, 1.0)
@@ -438,24 +452,24 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag):
     else:
         scale = scale * ops.where(summed, 1.0, 1.0 / n)
     top = ops.reshape(ranges, (nb, 1))
-    a = top * (2.0 * (1.0 + 2.0 ** -20) / ((1 << plan.bits) - 1)) * scale
-    b = top * (ops.cast(count, "float32") * scale) - ops.where(bad > 0, float("nan"), 0.0)
-    values = ops.reshape(total * a - b, (padded,))
+    a = top * (_grid(plan.bits) * scale)
+    b = ops.where(bad > 0, float("nan"), 0.0) - top * (ops.cast(count, "float32") * scale)
+    values = ops.reshape(ops.fma(total, a, b), (padded,))
     return hadamard.irht(ops, values, diag, hadamard.hadamard_factors(ops, B, payload))
 
 
-def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated, new_saturated):
-    """Step 8 for the small fields: (ranges, step, realigned, saturated, ok, mismatch) after
-    the step, all unchanged when some rank's gradient was not finite (``ok`` false); the
-    residual is chosen by ``finish`` from ``ok`` and ``mismatch`` (bool 0-d)."""
-    count, bad, mismatch, summed = _control(ops, plan, payload)
+def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated, new_saturated,
+                   bad, mismatch, inferred):
+    """Step 8 for the small fields: (ranges, step, realigned, saturated, ok) after the step,
+    all unchanged when some rank's gradient was not finite (``ok`` false); the residual is
+    chosen by ``finish`` from ``ok`` and ``mismatch`` (bool 0-d)."""
     ok = bad == 0
     new_ranges = ranges
     if plan.stats is not None:
         nb, lay = ops.shape(ranges)[0], plan.stats
         stop = ops.shape(payload)[0] - _CONTROL
         words = ops.cast(payload[stop - (-(-2 * nb // lay.lanes)):stop], "int64")
-        exact = exact_words(ops, words, summed, plan.world_size, lay.guard)
+        exact = exact_words(ops, words, _summed(plan, inferred), plan.world_size, lay.guard)
         stats = ops.cast(ops.reshape(_unpack(ops, ops.cast(exact, "int32"), lay)[:2 * nb], (nb, 2)), "float32")
         code_sum, have = stats[:, 0], stats[:, 1]
         mean = code_sum / ops.maximum(have, 1.0)
@@ -463,14 +477,14 @@ def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated
     return (ops.where(ok, new_ranges, ranges),
             ops.where(ok, ops.where(mismatch, step * 0, step + 1), step),
             ops.where(ok, realigned + ops.cast(mismatch, "int64"), realigned),
-            ops.where(ok, new_saturated, saturated), ok, mismatch)
+            ops.where(ok, new_saturated, saturated), ok)
 
 
 class THCScheme(Scheme):
     """THC with exact int32 lanes on a Sum/Average all-reduce (module docstring, steps 1-8).
 
-    The arithmetic is in four kernels (``_rotate_kernel``, ``_quantize_kernel``,
-    ``_decode_kernel``, ``_finish_kernel``) that the backends may compile
+    The arithmetic is in five kernels (``_rotate_kernel``, ``_quantize_kernel``,
+    ``_receive_kernel``, ``_decode_kernel``, ``_finish_kernel``) that the backends may compile
     (``Primitives.fuse``); the methods here hold the Python-side sizes and keys.
     """
 
@@ -493,7 +507,7 @@ class THCScheme(Scheme):
         stats = lane_layout(8, n)  # codes 0..255
         stats_words = 0 if self.blocking else -(-2 * (padded // block) // stats.lanes)
         h = min(13, (31 - levels.guard - n.bit_length()) // 2)
-        return Layout(block, padded, padded // block, levels, (padded // block) * -(-block // levels.lanes),
+        return Layout(block, padded, padded // block, levels, -(-padded // levels.lanes),
                       stats, stats_words, h)
 
     def _plan(self, info: TensorInfo, lay: Layout) -> _Plan:
@@ -533,23 +547,36 @@ class THCScheme(Scheme):
                                    f"hvd_gradcomp.thc.range.{info.key}", info.group)
         else:
             ranges = state.ranges
-        lattice = _lattice(ops, self._round_key(info), state.step, lay.blocks, lay.block, x)
+        # The step's hash is shared by the rounding key and the fingerprint (rng.step_keys).
+        keys = (self._round_key(info), _FINGERPRINT_KEY)
+        round_key, print_key = rng.step_keys(ops, keys, state.step)
+        rows, cols = _noise_bits(ops, round_key, lay.blocks, lay.block, x)
+        fingerprint = ops.bitwise_and(print_key, (1 << lay.fingerprint_bits) - 1)
         payload, residual, saturated = ops.fuse(_quantize_kernel, plan)(
-            y, ranges, lattice, state.step, finite, stats_words)
+            y, ranges, rows, cols, fingerprint, finite, stats_words)
         return payload, _Ctx(ranges, residual if self.config.error_feedback else None, y, saturated,
                              state.diag)
+
+    def receive(self, ops, payload, ctx, info):
+        """Step 6's control words, read once for decompress and finish."""
+        plan = self._plan(info, self.layout(info))
+        count, bad, mismatch, inferred = ops.fuse(_receive_kernel, plan)(payload)
+        return ctx._replace(count=count, bad=bad, mismatch=mismatch, inferred=inferred)
 
     # ---- decompress / finish ----
     def decompress(self, ops, payload, ctx, info):
         plan = self._plan(info, self.layout(info))
-        out = ops.fuse(_decode_kernel, plan)(payload, ctx.ranges, ctx.diag)
+        out = ops.fuse(_decode_kernel, plan)(payload, ctx.ranges, ctx.diag, ctx.count, ctx.bad,
+                                             ctx.mismatch, ctx.inferred)
         return out[:info.numel] if ops.shape(out)[0] > info.numel else out
 
     def finish(self, ops, payload, ctx, state, info):
         """Step 8: ranges, residual and counters from the all-reduced payload."""
         plan = self._plan(info, self.layout(info))
-        ranges, step, realigned, saturated, ok, mismatch = ops.fuse(_finish_kernel, plan)(
-            payload, state.ranges, state.step, state.realigned, state.saturated, ctx.saturated)
+        ranges, step, realigned, saturated, ok = ops.fuse(_finish_kernel, plan)(
+            payload, state.ranges, state.step, state.realigned, state.saturated, ctx.saturated,
+            ctx.bad, ctx.mismatch, ctx.inferred)
+        mismatch = ctx.mismatch
         residual = state.residual
         if self.config.error_feedback:  # whole tensors chosen, no pass (ops.select)
             residual = ops.select(ok, lambda: ops.select(mismatch, lambda: ctx.corrected,

@@ -43,6 +43,17 @@ def _allreduce(x, op, name, group=None):
     return hvd.allreduce(x, op=hop, name=safe, ignore_name_scope=True, **kwargs)
 
 
+def _fma(a, b, c):
+    """a * b + c rounded once, as PyTorch's ``addcmul`` (a fused multiply-add): float32
+    operands are combined in float64, where the product is exact, and rounded back. (It
+    differs from the fused result only where rounding to float64 lands exactly on a float32
+    tie, about 2**-29 of random inputs.)"""
+    if a.dtype != tf.float32:
+        return a * b + c
+    wide = [tf.cast(v, tf.float64) for v in (a, b, c)]
+    return tf.cast(wide[0] * wide[1] + wide[2], tf.float32)
+
+
 _KERNELS = {}
 
 
@@ -89,12 +100,15 @@ OPS = Primitives(
     exp2=lambda x: tf.math.pow(tf.constant(2.0, x.dtype), x),
     minimum=_like(tf.minimum),
     maximum=_like(tf.maximum),
+    clip=lambda x, lo, hi: tf.clip_by_value(x, tf.constant(lo, x.dtype), tf.constant(hi, x.dtype)),
+    fma=_fma,
     where=lambda c, a, b: tf.where(c, a, b),
     isfinite=tf.math.is_finite,
     logical_and=tf.logical_and,
     sum=lambda x, axis: tf.reduce_sum(x, axis),
     max=lambda x, axis: tf.reduce_max(x, axis),
     all=lambda x, axis: tf.reduce_all(x, axis),
+    count=lambda x, axis: tf.math.count_nonzero(x, axis, dtype=tf.int64),
     norm=lambda x, axis: tf.sqrt(tf.reduce_sum(x * x, axis)),
     matmul=tf.linalg.matmul,
     addmm=lambda c, a, b, alpha: c + alpha * tf.linalg.matmul(a, b),
@@ -103,6 +117,7 @@ OPS = Primitives(
     gather=lambda x, idx: tf.gather(x, idx),
     scatter=lambda idx, rows, shape: tf.scatter_nd(tf.expand_dims(idx, 1), rows, shape),
     index_add=lambda x, idx, rows: tf.tensor_scatter_nd_add(x, tf.expand_dims(idx, 1), rows),
+    bitcast=lambda x, dtype: tf.bitcast(x, _DTYPES[dtype]),
     bitwise_and=_like(tf.bitwise.bitwise_and),
     bitwise_or=_like(tf.bitwise.bitwise_or),
     bitwise_xor=_like(tf.bitwise.bitwise_xor),

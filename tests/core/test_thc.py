@@ -112,7 +112,7 @@ def np_layout(bits, n, d, block, blocking=False):
     lanes = (31 - guard) // width
     width_s = (255 * n).bit_length()
     lanes_s = (31 - guard) // width_s
-    words = blocks * -(-block // lanes)  # each block packed on its own (planar within the block)
+    words = -(-padded // lanes)  # planar over the whole rotated vector
     stats_words = 0 if blocking else -(-2 * blocks // lanes_s)
     return dict(bits=bits, L=levels_max, n=n, d=d, block=block, padded=padded, blocks=blocks,
                 guard=guard, width=width, lanes=lanes, words=words, width_s=width_s, lanes_s=lanes_s,
@@ -137,9 +137,7 @@ def split_payload(payload, lay):
     """(levels [P], codes [nb], flags [nb], control [4]) of one rank's own (int) payload."""
     p = np.asarray(payload).astype(np.int64)
     assert p.size == lay["total"], (p.size, lay)
-    per_block = lay["words"] // lay["blocks"]
-    levels = np.concatenate([np_unpack(p[b * per_block:(b + 1) * per_block], lay["lanes"], lay["width"],
-                                       lay["guard"], lay["block"]) for b in range(lay["blocks"])])
+    levels = np_unpack(p[:lay["words"]], lay["lanes"], lay["width"], lay["guard"], lay["padded"])
     stats = np_unpack(p[lay["words"]:lay["words"] + lay["stats_words"]], lay["lanes_s"], lay["width_s"],
                       lay["guard"], 2 * lay["blocks"]).reshape(-1, 2) if lay["stats_words"] else \
         np.zeros((lay["blocks"], 2), np.int64)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from hvd_gradcomp import rng
+from hvd_gradcomp.rng import normal as rng_normal
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.powersgd import PowerSGDConfig, PowerSGDScheme, PowerSGDState
 from hvd_gradcomp.registry import SCHEMES, make_scheme
@@ -178,10 +179,16 @@ def test_torch_tensorflow_parity_eager_and_tf_function():
     for cfg in (PowerSGDConfig(rank=2), PowerSGDConfig(rank=3, start_step=2, warm_start=False, **TWO),
                 PowerSGDConfig(rank=2, **TWO)):
         scheme = PowerSGDScheme(cfg)
-        # The first Q comes from the counter-based generator: bit-identical in both frameworks.
+        # The first Q comes from the counter-based generator, bit-identical in both frameworks,
+        # and is then orthogonalised, whose reductions each backend orders its own way (and
+        # its CPU's: a last-bit difference was seen on one machine).
         np.testing.assert_array_equal(
+            as_float64(rng_normal(one_rank_ops("torch"), 12345, 40, None)),
+            as_float64(rng_normal(one_rank_ops("tensorflow"), 12345, 40, None)))
+        np.testing.assert_allclose(
             as_float64(scheme.init(one_rank_ops("torch"), TensorInfo("w", (40, 12), "float32", 1, 0), None).q),
-            as_float64(scheme.init(one_rank_ops("tensorflow"), TensorInfo("w", (40, 12), "float32", 1, 0), None).q))
+            as_float64(scheme.init(one_rank_ops("tensorflow"), TensorInfo("w", (40, 12), "float32", 1, 0), None).q),
+            rtol=0, atol=1e-6)
         torch_log = _steps("torch", scheme, grads)
         tf_log = _steps("tensorflow", scheme, grads)
         graph_outs, graph_state = _tf_graph_steps(scheme, grads)
