@@ -45,7 +45,7 @@ rank and in both frameworks). One 32-bit draw gives 32 signs (:func:`rademacher`
 runs over ``P / 32`` counters instead of ``P``.
 """
 __all__ = ["MAX_FACTOR", "next_pow2", "block_size", "padded_size", "factor_sizes", "sylvester",
-           "hadamard_factors", "wht", "rademacher", "rht", "irht"]
+           "hadamard_factors", "nested_factors", "wht", "rademacher", "rht", "irht"]
 
 from . import rng
 
@@ -119,6 +119,16 @@ def hadamard_factors(ops, block: int, like):
     sizes = factor_sizes(block)
     mats = {s: sylvester(ops, s, like) for s in set(sizes)}
     return [(s, mats[s]) for s in sizes]
+
+
+def nested_factors(block: int, matrix):
+    """:func:`hadamard_factors` of ``block`` from one Sylvester ``matrix`` of the largest factor
+    size (``sylvester(ops, max(factor_sizes(block)), like)``): ``H_s`` is the top-left
+    ``s x s`` corner of ``H_S`` for every ``s <= S`` (``H_2n = [[H_n, H_n], [H_n, -H_n]]``), so
+    one matrix serves every factor, built once and passed around as a tensor."""
+    sizes = factor_sizes(block)
+    top = max(sizes)
+    return [(s, matrix if s == top else matrix[:s, :s]) for s in sizes]
 
 
 def wht(ops, x, factors):

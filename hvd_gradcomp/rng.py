@@ -14,7 +14,6 @@ formed from two 32x16-bit products (:func:`_mul32`).
 Functions:
     stream_key(*parts) -> Python int: a 32-bit key from ints/strings (host side, crc32-based).
     step_key(ops, key, step) -> int64 0-d tensor mixing a static key with a step tensor.
-    step_keys(ops, keys, step) -> the same for several keys, hashing the step once.
     hash32(ops, x) -> int64 elementwise hash of int64 values.
     bits32(ops, key, n, like) -> int64 [n] uniformly distributed in [0, 2**32).
     uniform(ops, key, n, like) -> float32 [n] uniform in [0, 1), multiples of 2**-24.
@@ -22,7 +21,7 @@ Functions:
 """
 import zlib
 
-__all__ = ["stream_key", "step_key", "step_keys", "hash32", "bits32", "uniform", "signs", "normal"]
+__all__ = ["stream_key", "step_key", "hash32", "bits32", "uniform", "signs", "normal"]
 
 _M32 = 0xFFFFFFFF
 
@@ -58,13 +57,8 @@ def hash32(ops, x):
 
 def step_key(ops, key: int, step):
     """Mix a static 32-bit ``key`` with ``step`` (int64 0-d tensor, >= 0) into an int64 0-d key."""
-    return step_keys(ops, (key,), step)[0]
-
-
-def step_keys(ops, keys, step):
-    """``[step_key(ops, k, step) for k in keys]``, with ``step``'s own hash computed once."""
-    inner = _lowbias32(ops, ops.bitwise_and(step, _M32))
-    return [_lowbias32(ops, ops.bitwise_xor(inner, k & _M32)) for k in keys]
+    s = ops.bitwise_and(step, _M32)
+    return _lowbias32(ops, ops.bitwise_xor(_lowbias32(ops, s), key & _M32))
 
 
 def bits32(ops, key, n: int, like):

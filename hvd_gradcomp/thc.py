@@ -289,6 +289,7 @@ class _Ctx(NamedTuple):
     corrected: object  # float32 [P]: y, kept when the step is realigned
     saturated: object  # int64 []
     diag: object  # float32 [P]
+    hmat: object  # float32 [s, s]: the largest Sylvester factor of B (hadamard.nested_factors)
     count: object = None  # int64 []: contributing ranks
     bad: object = None  # int64 []: ranks whose gradient was not finite
     mismatch: object = None  # bool []: the ranks' step fingerprints disagree
@@ -369,11 +370,11 @@ def _receive_kernel(ops, plan: _Plan, payload):
     return count, bad, s2 * count != s1 * s1, inferred
 
 
-def _rotate_kernel(ops, plan: _Plan, x, residual, diag, finite):
+def _rotate_kernel(ops, plan: _Plan, x, residual, diag, hmat, finite):
     """Steps 1-2: y = H D pad(x) + e (float32 [P]), the wanted ranges (float32 [nb]) and the
     packed statistics (int32 words; empty with range="current")."""
     padded, B = ops.shape(diag)[0], plan.block
-    y = hadamard.rht(ops, _pad(ops, x, padded, "float32", x), diag, hadamard.hadamard_factors(ops, B, x))
+    y = hadamard.rht(ops, _pad(ops, x, padded, "float32", x), diag, hadamard.nested_factors(B, hmat))
     if plan.error_feedback:
         y = y + residual
     yb = ops.reshape(y, (padded // B, B))
@@ -435,7 +436,7 @@ def _quantize_kernel(ops, plan: _Plan, y, ranges, rows, cols, fingerprint, finit
     return payload, residual, saturated
 
 
-def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, count, bad, mismatch, inferred):
+def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
     """Steps 6-7: float32 [P], the rotated-back sum (or average) of the contributors."""
     n, B, lay = plan.world_size, plan.block, plan.levels
     nb, padded = ops.shape(ranges)[0], ops.shape(diag)[0]
@@ -455,7 +456,7 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, count, bad, mismatch
     a = top * (_grid(plan.bits) * scale)
     b = ops.where(bad > 0, float("nan"), 0.0) - top * (ops.cast(count, "float32") * scale)
     values = ops.reshape(ops.fma(total, a, b), (padded,))
-    return hadamard.irht(ops, values, diag, hadamard.hadamard_factors(ops, B, payload))
+    return hadamard.irht(ops, values, diag, hadamard.nested_factors(B, hmat))
 
 
 def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated, new_saturated,
@@ -540,22 +541,25 @@ class THCScheme(Scheme):
     def compress(self, ops, x, state, info, finite):
         lay = self.layout(info)
         plan = self._plan(info, lay)
+        # Step 1's Sylvester matrix, built once for the forward and inverse rotations.
+        hmat = hadamard.sylvester(ops, max(hadamard.factor_sizes(lay.block)), x)
         y, wanted, stats_words = ops.fuse(_rotate_kernel, plan)(
-            ops.reshape(x, (info.numel,)), state.residual, state.diag, finite)
+            ops.reshape(x, (info.numel,)), state.residual, state.diag, hmat, finite)
         if self.blocking:
             ranges = ops.allreduce(ops.where(ops.isfinite(wanted), wanted, 0.0), "max",
                                    f"hvd_gradcomp.thc.range.{info.key}", info.group)
         else:
             ranges = state.ranges
-        # The step's hash is shared by the rounding key and the fingerprint (rng.step_keys).
-        keys = (self._round_key(info), _FINGERPRINT_KEY)
-        round_key, print_key = rng.step_keys(ops, keys, state.step)
-        rows, cols = _noise_bits(ops, round_key, lay.blocks, lay.block, x)
-        fingerprint = ops.bitwise_and(print_key, (1 << lay.fingerprint_bits) - 1)
+        # Per-step keys in a few operations: rng.bits32 hashes its key with every counter, so
+        # the rounding key is this rank's static key XOR the step; the fingerprint is one hash.
+        step = ops.bitwise_and(state.step, 0xFFFFFFFF)
+        rows, cols = _noise_bits(ops, ops.bitwise_xor(step, self._round_key(info)), lay.blocks, lay.block, x)
+        fingerprint = ops.bitwise_and(rng.hash32(ops, ops.bitwise_xor(step, _FINGERPRINT_KEY)),
+                                      (1 << lay.fingerprint_bits) - 1)
         payload, residual, saturated = ops.fuse(_quantize_kernel, plan)(
             y, ranges, rows, cols, fingerprint, finite, stats_words)
         return payload, _Ctx(ranges, residual if self.config.error_feedback else None, y, saturated,
-                             state.diag)
+                             state.diag, hmat)
 
     def receive(self, ops, payload, ctx, info):
         """Step 6's control words, read once for decompress and finish."""
@@ -566,8 +570,8 @@ class THCScheme(Scheme):
     # ---- decompress / finish ----
     def decompress(self, ops, payload, ctx, info):
         plan = self._plan(info, self.layout(info))
-        out = ops.fuse(_decode_kernel, plan)(payload, ctx.ranges, ctx.diag, ctx.count, ctx.bad,
-                                             ctx.mismatch, ctx.inferred)
+        out = ops.fuse(_decode_kernel, plan)(payload, ctx.ranges, ctx.diag, ctx.hmat, ctx.count,
+                                             ctx.bad, ctx.mismatch, ctx.inferred)
         return out[:info.numel] if ops.shape(out)[0] > info.numel else out
 
     def finish(self, ops, payload, ctx, state, info):
