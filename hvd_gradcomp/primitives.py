@@ -66,10 +66,6 @@ class Primitives:
     maximum: Callable[[Any, Any], Any]
     # clip(x float, lo, hi Python floats) -> min(max(x, lo), hi) in one pass (NaN stays NaN)
     clip: Callable[[Any, float, float], Any]
-    # fma(a, b, c) -> a * b + c, broadcasting, one pass over the output (PyTorch's addcmul;
-    # TensorFlow computes the product and the sum). Rounding may differ from a * b + c in
-    # the last bit where the backend fuses the multiply-add.
-    fma: Callable[[Any, Any, Any], Any]
     where: Callable[[Any, Any, Any], Any]  # where(cond, a, b), broadcasting
     isfinite: Callable[[Any], Any]
     logical_and: Callable[[Any, Any], Any]

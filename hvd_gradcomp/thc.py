@@ -34,8 +34,8 @@ Steps of ``compress`` (no collective):
        stochastic rounding, independent per rank (keyed by rank and step). ``1 + U`` is the
        float32 whose mantissa bits are ``a_b XOR c_j`` (block b, column j), with ``nb + B``
        hashed values per step: pairwise independent over coordinates, and no pass beyond one
-       XOR. In passes over the block matrix: one multiply-add for ``u`` (``Primitives.fma``),
-       one clip, the XOR, one add and one floor, two compares for the count.
+       XOR. In passes over the block matrix: a multiply and an add for ``u``, one clip, the
+       XOR, one add and one floor, two compares for the count.
        A block whose range is 0 sends level 0, which decodes to exactly 0: the first step sends
        nothing and keeps everything in error feedback (the safe first encoding). A rank whose
        gradient is not finite sends undefined levels; its "not finite" word (step 5) makes them
@@ -414,7 +414,7 @@ def _quantize_kernel(ops, plan: _Plan, y, ranges, rows, cols, fingerprint, finit
     # Grid position minus one, (y + R) / delta - 1, clipped to [-1, top_level - 1]; -1 in a
     # block without a range, whatever y (it sends level 0 and waits in error feedback).
     inv = ops.where(live, 1.0 / ops.maximum(delta, _TINY_RANGE), 0.0)
-    u = ops.fma(yb, inv, ops.where(live, 0.5 * top_level - 1.0, -1.0))
+    u = yb * inv + ops.where(live, 0.5 * top_level - 1.0, -1.0)
     clipped = ops.clip(u, -1.0, top_level - 1.0)
     # |y| > R, counted in grid positions with a margin (2**-20 of R) above float32's rounding
     # of u, so that a coordinate at exactly +-R (R = the block's peak) does not count.
@@ -425,7 +425,7 @@ def _quantize_kernel(ops, plan: _Plan, y, ranges, rows, cols, fingerprint, finit
     q = ops.floor(clipped + noise)
     residual = ops.zeros((0,), "float32", y)
     if plan.error_feedback:  # y - (q delta - R)
-        residual = ops.reshape(ops.fma(q, delta * -1.0, yb) + top, (nb * B,))
+        residual = ops.reshape(yb - q * delta + top, (nb * B,))
     # A non-finite y gives undefined levels here; the "not finite" word below makes every
     # rank's output NaN and keeps every state, so they are never read.
     levels = _pack(ops, ops.reshape(ops.cast(q, "int32"), (nb * B,)), plan.levels)
@@ -455,7 +455,7 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mi
     top = ops.reshape(ranges, (nb, 1))
     a = top * (_grid(plan.bits) * scale)
     b = ops.where(bad > 0, float("nan"), 0.0) - top * (ops.cast(count, "float32") * scale)
-    values = ops.reshape(ops.fma(total, a, b), (padded,))
+    values = ops.reshape(total * a + b, (padded,))
     return hadamard.irht(ops, values, diag, hadamard.nested_factors(B, hmat))
 
 

@@ -43,17 +43,6 @@ def _allreduce(x, op, name, group=None):
     return hvd.allreduce(x, op=hop, name=safe, ignore_name_scope=True, **kwargs)
 
 
-def _fma(a, b, c):
-    """a * b + c rounded once, as PyTorch's ``addcmul`` (a fused multiply-add): float32
-    operands are combined in float64, where the product is exact, and rounded back. (It
-    differs from the fused result only where rounding to float64 lands exactly on a float32
-    tie, about 2**-29 of random inputs.)"""
-    if a.dtype != tf.float32:
-        return a * b + c
-    wide = [tf.cast(v, tf.float64) for v in (a, b, c)]
-    return tf.cast(wide[0] * wide[1] + wide[2], tf.float32)
-
-
 _KERNELS = {}
 
 
@@ -101,7 +90,6 @@ OPS = Primitives(
     minimum=_like(tf.minimum),
     maximum=_like(tf.maximum),
     clip=lambda x, lo, hi: tf.clip_by_value(x, tf.constant(lo, x.dtype), tf.constant(hi, x.dtype)),
-    fma=_fma,
     where=lambda c, a, b: tf.where(c, a, b),
     isfinite=tf.math.is_finite,
     logical_and=tf.logical_and,

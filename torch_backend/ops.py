@@ -228,7 +228,6 @@ OPS = Primitives(
     minimum=_bound(torch.clamp_max, torch.minimum),
     maximum=_bound(torch.clamp_min, torch.maximum),
     clip=lambda x, lo, hi: torch.clamp(x, lo, hi),
-    fma=lambda a, b, c: torch.addcmul(c, a, b),
     where=lambda c, a, b: torch.where(c, a, b),
     isfinite=torch.isfinite,
     logical_and=torch.logical_and,
