@@ -66,3 +66,22 @@ def test_rotation_exact_on_integers(backend):
         diag = hadamard.rademacher(ops, 99, 4096, xt, 1.0 / math.sqrt(block))
         factors = hadamard.hadamard_factors(ops, block, xt)
         np.testing.assert_array_equal(_np(hadamard.irht(ops, hadamard.rht(ops, xt, diag, factors), diag, factors)), x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block", [8, 1024, 2 ** 13, 2 ** 22])
+def test_nested_factors_equal_hadamard_factors(backend, block):
+    """One Sylvester matrix of the largest factor size gives every factor as its top-left
+    corner: the same sizes and matrices as hadamard_factors, and the same transform."""
+    ops = backend_ops(backend)
+    like = backend_tensor(backend, np.zeros(1))
+    sizes = hadamard.factor_sizes(block)
+    nested = hadamard.nested_factors(block, hadamard.sylvester(ops, max(sizes), like))
+    built = hadamard.hadamard_factors(ops, block, like)
+    assert [s for s, _ in nested] == [s for s, _ in built] == sizes
+    for (_, a), (_, b) in zip(nested, built):
+        np.testing.assert_array_equal(as_float64(a), as_float64(b))
+    if block <= 2 ** 13:
+        x = np.random.default_rng(block).standard_normal(2 * block)
+        np.testing.assert_allclose(as_float64(hadamard.wht(ops, backend_tensor(backend, x), nested)),
+                                   fwht64(x, block), rtol=1e-5, atol=1e-4 * math.sqrt(block))

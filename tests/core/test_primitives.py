@@ -190,3 +190,24 @@ def test_addmm_values(backend):
         got = as_float64(ops.addmm(backend_tensor(backend, c), backend_tensor(backend, a),
                                    backend_tensor(backend, b), -1.0))
         np.testing.assert_allclose(got, c - a @ b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clip_count_bitcast_values(backend):
+    """clip (Python-number bounds, NaN kept), count (int64 number of True, whole or per axis)
+    and bitcast (int32 <-> float32 bits, both ways) in both backends."""
+    from tests.backends import backend_ops
+    ops = backend_ops(backend)
+    x = np.array([[-3.0, -1.0, 0.5], [2.0, 9.0, np.nan]], np.float32)
+    got = as_float64(ops.clip(backend_tensor(backend, x), -1.0, 2.0))
+    np.testing.assert_array_equal(got, np.clip(x, -1.0, 2.0))
+    assert np.isnan(got[1, 2])
+    mask = backend_tensor(backend, x) > 0.0
+    assert ops.dtype(ops.count(mask, None)) == "int64" and int(as_float64(ops.count(mask, None))) == 3
+    np.testing.assert_array_equal(as_float64(ops.count(mask, 1)), [1, 2])
+    ints = np.array([0x3F800000, 0x3F800000 | 0x7FFFFF, 0x40490FDB, 0], np.int32)
+    as_float = ops.bitcast(backend_tensor(backend, ints, "int32"), "float32")
+    np.testing.assert_array_equal(as_float64(as_float), ints.view(np.float32))
+    back = ops.bitcast(as_float, "int32")
+    assert ops.dtype(back) == "int32"
+    np.testing.assert_array_equal(as_float64(back), ints)
