@@ -44,8 +44,8 @@ Steps of ``compress`` (no collective):
     5. Pack into int32 words, every field above ``g = bit_length(n)`` guard bits that are
        always 0 (so ``2**g > n``); the sign bit is never used:
        levels ``0..L`` in lanes of ``w = bit_length(n L)`` bits (``(31 - g) // w`` per word)
-       on ``W = ceil(P / lanes)`` words, planar over the whole rotated vector: lane ``j`` of
-       word ``i`` holds coordinate ``j W + i`` (one shift and one add per lane over contiguous
+       on ``m = ceil(P / lanes)`` words, planar over the whole rotated vector: lane ``j`` of
+       word ``i`` holds coordinate ``j m + i`` (one shift and one add per lane over contiguous
        slices, no padded copy; the last lane may be short);
        the block statistics (code, flag) in lanes of ``bit_length(255 n)`` bits; and four
        control words: ``1`` (a contributing rank), ``1`` if this rank's gradient was not
@@ -90,7 +90,7 @@ clipping at all without saturation); it needs every rank to compress every tenso
 same order (see ``base.py``). The simple adaptation is
 ``THCConfig(rotation="full", saturation=False, range="current")``.
 
-Wire per tensor and step: ``4 * (W + stats_words + 4)`` bytes of int32 in the one all-reduce
+Wire per tensor and step: ``4 * (m + stats_words + 4)`` bytes of int32 in the one all-reduce
 (plus ``4 nb`` bytes in a side collective with ``range="current"``). Bits per coordinate of the
 levels: ``32 / lanes`` with ``lanes = (31 - bit_length(n)) // bit_length(n (2**bits - 1))``
 (:func:`wire_bits`); lanes x lane width in brackets:
@@ -275,7 +275,7 @@ class Layout(NamedTuple):
     padded: int  # P
     blocks: int  # nb
     levels: LaneLayout  # lanes of the levels
-    words: int  # int32 words of levels: W = ceil(P / lanes)
+    words: int  # int32 words of levels: m = ceil(P / lanes)
     stats: LaneLayout  # lanes of the block statistics (code, flag)
     stats_words: int  # int32 words of statistics (0 with range="current")
     fingerprint_bits: int  # h: s < 2**h
