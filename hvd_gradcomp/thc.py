@@ -442,8 +442,12 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mi
     nb, padded = ops.shape(ranges)[0], ops.shape(diag)[0]
     summed = _summed(plan, inferred)
     words = -(-padded // lay.lanes)
-    # int32 throughout: an exact sum is below 2**31, and so is n * (its truncated average).
-    lanes = _unpack(ops, exact_words(ops, payload[:words], summed, n, lay.guard), lay)
+    # int32 when the op is known: an exact sum is below 2**31, and so is n * (its truncated
+    # average). With the op inferred, Average's recovery is also computed for Sum's words,
+    # whose n * W would leave int32: int64 then.
+    level_words = payload[:words] if plan.op is not None else ops.cast(payload[:words], "int64")
+    exact = exact_words(ops, level_words, summed, n, lay.guard)
+    lanes = _unpack(ops, exact if plan.op is not None else ops.cast(exact, "int32"), lay)
     total = ops.reshape(ops.cast(lanes[:padded] if lay.lanes * words > padded else lanes, "float32"), (nb, B))
     # One scale and one offset per block: the decoded sum S delta - c R, times 1/n under
     # Average, times 0 after a fingerprint mismatch, plus NaN when a rank failed.
