@@ -276,8 +276,7 @@ class TopKCScheme(Scheme):
         if self.blocking:  # without error feedback it keeps no state: nothing to decide
             return ctx._replace(ok=payload_finite(ops, payload)) if self.config.error_feedback else ctx
         voted = ops.cast(payload[self._votes_at(info):], "float32") != 0.0
-        return ctx._replace(split=ops.sum(ops.cast(voted, "int64"), None) > 1,
-                            ok=payload_finite(ops, payload))
+        return ctx._replace(split=ops.count(voted, None) > 1, ok=payload_finite(ops, payload))
 
     def _votes_at(self, info):
         m, k, _ = self._sizes(info)
