@@ -24,8 +24,13 @@ Steps of ``compress`` (no collective):
     2. Next step's statistics, per block: the range this rank would want, ``r = T sigma`` with
        ``sigma = ||y_block|| / sqrt(B)`` (with saturation; ``T`` the two-sided normal quantile of
        ``saturation_rate``, 3.2971933456919635 for 1/1024 as THC) or the block's peak ``max |y|``
-       (without), as a log code ``clamp(round(4 log2 r) + 160, 1, 255)`` (0 for an all-zero
-       block) and a flag "non-zero". Quarter-octave steps from ``2**-39.75`` to ``2**23.75``.
+       (without), as a log code ``clamp(round(4 log2 r) + 512, 1, 1023)`` (0 for an all-zero
+       block) and a flag "non-zero". Quarter-octave steps from ``2**-127.75`` to ``2**127.75``,
+       float32's whole range (gradients under loss scaling included). A block whose ``r`` is
+       not finite (a non-finite ``y``, or squares beyond float32: a block RMS above about
+       ``5e17``) makes this rank's gradient count as not finite (step 5's word), as an
+       overflowing sum does in the shared check: the rotation can overflow values whose sum
+       does not (``[3e38, -3e38]``).
     3. Quantise with the agreed ranges ``R`` (step 8 of the previous step; all 0 at first): grid
        step ``delta = 2 R / L`` (times ``1 + 2**-20`` so float rounding never gives a level
        above ``L``), grid position ``u = (y + R) / delta`` clipped to ``[0, 2 R / delta]``
@@ -47,10 +52,11 @@ Steps of ``compress`` (no collective):
        on ``m = ceil(P / lanes)`` words, planar over the whole rotated vector: lane ``j`` of
        word ``i`` holds coordinate ``j m + i`` (one shift and one add per lane over contiguous
        slices, no padded copy; the last lane may be short);
-       the block statistics (code, flag) in lanes of ``bit_length(255 n)`` bits; and four
+       the block statistics (code, flag) in lanes of ``bit_length(1023 n)`` bits; and four
        control words: ``1`` (a contributing rank), ``1`` if this rank's gradient was not
-       finite, and a fingerprint ``s, s**2`` of this rank's step counter (``s`` a hash of it
-       below ``2**h``). A lane holds the sum over ``n`` ranks without carrying into the next.
+       finite, and a fingerprint ``s, s**2`` of this rank's step counter (``s`` its low ``h``
+       bits: ranks ``k`` steps apart always disagree for ``0 < k < 2**h``, e.g. a rank back
+       from ``hvd.join()``; a hash would miss a one-step lag once in ``2**h`` steps). A lane holds the sum over ``n`` ranks without carrying into the next.
 
 Horovod all-reduces the words with Sum or Average (a rank in ``hvd.join()`` contributes zeros).
 
@@ -68,7 +74,7 @@ Steps of ``decompress`` / ``finish``:
        is not the others', e.g. a checkpoint loaded on one rank only, or a rank that sat out
        steps in ``hvd.join()``), the ranks quantised on different grids: the output is 0 for
        this tensor and step (never a wrong value) and ``metrics()["realigned"]`` counts it.
-    8. ``finish``: when no rank failed, the ranges become ``2**((sum code / count - 160) / 4)``
+    8. ``finish``: when no rank failed, the ranges become ``2**((sum code / count - 512) / 4)``
        per block, from the summed statistics (a geometric mean over the ranks that had data; 0
        where none did), identical on every rank. The residual becomes ``e'`` and the step
        counter advances; after a fingerprint mismatch the residual becomes all of ``y``
@@ -103,7 +109,7 @@ levels: ``32 / lanes`` with ``lanes = (31 - bit_length(n)) // bit_length(n (2**b
     8      10.67 (3x9)   16.00 (2x10)  16.00 (2x11)   16.00 (2x12)
     =====  ============  ============  =============  =============
 
-The statistics add ``2 / (B lanes_s)`` words per coordinate (under 0.03 bits at ``B = 1024``).
+The statistics add ``2 / (B lanes_s)`` words per coordinate (0.03-0.07 bits at ``B = 1024``).
 
 The scheme compresses every tensor it is given, whatever its size: which tensors reach it is
 the routing's decision (:mod:`hvd_gradcomp.routing`; a plain ``thc`` compressor sends tensors
@@ -132,11 +138,12 @@ __all__ = ["THCConfig", "THCState", "THCScheme", "saturation_threshold", "lane_l
 MAX_WORLD_SIZE = 1024
 # Floor of the range in the grid step: keeps L / (2 R) finite for an all-zero block.
 _TINY_RANGE = 1e-30
-# Log codes of the per-block ranges (step 2): code = round(4 log2 r) + 160 in [1, 255].
-_CODE_SCALE, _CODE_OFFSET, _CODE_MAX = 4.0, 160.0, 255
+# Log codes of the per-block ranges (step 2): code = round(4 log2 r) + 512 in [1, 1023], 10 bits:
+# quarter octaves over all of float32's normal range (an 8-bit code stopped at 2**23.75, which
+# gradients under loss scaling pass).
+_CODE_SCALE, _CODE_OFFSET, _CODE_MAX, _CODE_BITS = 4.0, 512.0, 1023, 10
 # Control words (step 5): contributing, not finite, fingerprint s, s**2.
 _CONTROL = 4
-_FINGERPRINT_KEY = rng.stream_key("thc.fingerprint")
 # float32 1.0: its sign and exponent bits above 23 random mantissa bits read as 1 + U (step 3).
 _ONE_BITS = 0x3F800000
 
@@ -351,6 +358,11 @@ def _grid(bits: int) -> float:
     return 2.0 * (1.0 + 2.0 ** -20) / ((1 << bits) - 1)
 
 
+def _top_level(bits: int) -> float:
+    """Grid position of ``+R``, ``2 R / delta = L / (1 + 2**-20)`` (step 3)."""
+    return ((1 << bits) - 1) / (1.0 + 2.0 ** -20)
+
+
 def _summed(plan: _Plan, inferred):
     """True if Horovod applied Sum: from the op when known (a Python bool), else inferred from
     the count word (a bool 0-d tensor, :func:`_receive_kernel`)."""
@@ -371,8 +383,9 @@ def _receive_kernel(ops, plan: _Plan, payload):
 
 
 def _rotate_kernel(ops, plan: _Plan, x, residual, diag, hmat, finite):
-    """Steps 1-2: y = H D pad(x) + e (float32 [P]), the wanted ranges (float32 [nb]) and the
-    packed statistics (int32 words; empty with range="current")."""
+    """Steps 1-2: y = H D pad(x) + e (float32 [P]), the wanted ranges (float32 [nb]), the
+    packed statistics (int32 words; empty with range="current") and ``finite`` (bool 0-d)
+    narrowed to a finite ``y`` with finite block statistics."""
     padded, B = ops.shape(diag)[0], plan.block
     y = hadamard.rht(ops, _pad(ops, x, padded, "float32", x), diag, hadamard.nested_factors(B, hmat))
     if plan.error_feedback:
@@ -382,15 +395,17 @@ def _rotate_kernel(ops, plan: _Plan, x, residual, diag, hmat, finite):
         wanted = ops.norm(yb, 1) * (plan.threshold / math.sqrt(B))  # threshold x RMS
     else:
         wanted = ops.max(ops.abs(yb), 1)
+    # Non-finite y shows in its block's norm or peak: nb values checked, no pass over y.
+    finite = ops.logical_and(finite, ops.all(ops.isfinite(wanted), None))
     if plan.stats is None:
-        return y, wanted, ops.zeros((0,), "int32", x)
+        return y, wanted, ops.zeros((0,), "int32", x), finite
     usable = ops.logical_and(wanted > _TINY_RANGE, finite)
     code = ops.round(ops.log2(ops.where(usable, wanted, 1.0)) * _CODE_SCALE) + _CODE_OFFSET
     code = ops.clip(code, 1.0, float(_CODE_MAX))
     nb = padded // B
     stats = ops.concat([ops.reshape(ops.where(usable, code, 0.0), (nb, 1)),
                         ops.reshape(ops.cast(usable, "float32"), (nb, 1))], 1)
-    return y, wanted, _pack(ops, ops.cast(ops.reshape(stats, (2 * nb,)), "int32"), plan.stats)
+    return y, wanted, _pack(ops, ops.cast(ops.reshape(stats, (2 * nb,)), "int32"), plan.stats), finite
 
 
 def _noise_bits(ops, key, blocks: int, block: int, like):
@@ -405,7 +420,7 @@ def _noise_bits(ops, key, blocks: int, block: int, like):
 
 def _quantize_kernel(ops, plan: _Plan, y, ranges, rows, cols, fingerprint, finite, stats_words):
     """Steps 3-5: (payload int32, residual float32 [P] or [0], saturated int64 0-d)."""
-    B, top_level = plan.block, ((1 << plan.bits) - 1) / (1.0 + 2.0 ** -20)
+    B, top_level = plan.block, _top_level(plan.bits)
     nb = ops.shape(ranges)[0]
     yb = ops.reshape(y, (nb, B))
     top = ops.reshape(ranges, (nb, 1))
@@ -456,10 +471,13 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mi
         scale = scale if summed else scale * (1.0 / n)
     else:
         scale = scale * ops.where(summed, 1.0, 1.0 / n)
+    # (S - c R / delta) delta = S delta - c R, with R / delta = top_level / 2 the same for every
+    # block: the offset is taken off the integer sums first, not off the scaled values (n R
+    # against a small difference: float32 cancellation at large n).
     top = ops.reshape(ranges, (nb, 1))
     a = top * (_grid(plan.bits) * scale)
-    b = ops.where(bad > 0, float("nan"), 0.0) - top * (ops.cast(count, "float32") * scale)
-    values = ops.reshape(total * a + b, (padded,))
+    offset = ops.cast(count, "float32") * (0.5 * _top_level(plan.bits)) + ops.where(bad > 0, float("nan"), 0.0)
+    values = ops.reshape((total - offset) * a, (padded,))
     return hadamard.irht(ops, values, diag, hadamard.nested_factors(B, hmat))
 
 
@@ -477,8 +495,9 @@ def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated
         exact = exact_words(ops, words, _summed(plan, inferred), plan.world_size, lay.guard)
         stats = ops.cast(ops.reshape(_unpack(ops, ops.cast(exact, "int32"), lay)[:2 * nb], (nb, 2)), "float32")
         code_sum, have = stats[:, 0], stats[:, 1]
-        mean = code_sum / ops.maximum(have, 1.0)
-        new_ranges = ops.where(have > 0.5, ops.exp2((mean - _CODE_OFFSET) * (1.0 / _CODE_SCALE)), 0.0)
+        # The offset comes off the integer sum first (exact), so the mean is rounded once.
+        mean = (code_sum - have * _CODE_OFFSET) / ops.maximum(have, 1.0)
+        new_ranges = ops.where(have > 0.5, ops.exp2(mean * (1.0 / _CODE_SCALE)), 0.0)
     return (ops.where(ok, new_ranges, ranges),
             ops.where(ok, ops.where(mismatch, step * 0, step + 1), step),
             ops.where(ok, realigned + ops.cast(mismatch, "int64"), realigned),
@@ -509,7 +528,7 @@ class THCScheme(Scheme):
         block = hadamard.block_size(info.numel, None if cfg.rotation == "full" else cfg.rotation_stages)
         padded = hadamard.padded_size(info.numel, block)
         levels = lane_layout(cfg.bits, n)
-        stats = lane_layout(8, n)  # codes 0..255
+        stats = lane_layout(_CODE_BITS, n)  # codes 0..1023
         stats_words = 0 if self.blocking else -(-2 * (padded // block) // stats.lanes)
         h = min(13, (31 - levels.guard - n.bit_length()) // 2)
         return Layout(block, padded, padded // block, levels, -(-padded // levels.lanes),
@@ -547,7 +566,7 @@ class THCScheme(Scheme):
         plan = self._plan(info, lay)
         # Step 1's Sylvester matrix, built once for the forward and inverse rotations.
         hmat = hadamard.sylvester(ops, max(hadamard.factor_sizes(lay.block)), x)
-        y, wanted, stats_words = ops.fuse(_rotate_kernel, plan)(
+        y, wanted, stats_words, finite = ops.fuse(_rotate_kernel, plan)(
             ops.reshape(x, (info.numel,)), state.residual, state.diag, hmat, finite)
         if self.blocking:
             ranges = ops.allreduce(ops.where(ops.isfinite(wanted), wanted, 0.0), "max",
@@ -555,11 +574,11 @@ class THCScheme(Scheme):
         else:
             ranges = state.ranges
         # Per-step keys in a few operations: rng.bits32 hashes its key with every counter, so
-        # the rounding key is this rank's static key XOR the step; the fingerprint is one hash.
+        # the rounding key is this rank's static key XOR the step; the fingerprint is the
+        # step's low bits (step 5).
         step = ops.bitwise_and(state.step, 0xFFFFFFFF)
         rows, cols = _noise_bits(ops, ops.bitwise_xor(step, self._round_key(info)), lay.blocks, lay.block, x)
-        fingerprint = ops.bitwise_and(rng.hash32(ops, ops.bitwise_xor(step, _FINGERPRINT_KEY)),
-                                      (1 << lay.fingerprint_bits) - 1)
+        fingerprint = ops.bitwise_and(state.step, (1 << lay.fingerprint_bits) - 1)
         payload, residual, saturated = ops.fuse(_quantize_kernel, plan)(
             y, ranges, rows, cols, fingerprint, finite, stats_words)
         return payload, _Ctx(ranges, residual if self.config.error_feedback else None, y, saturated,

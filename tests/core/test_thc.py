@@ -68,7 +68,7 @@ from tests.backends import BACKENDS, as_numpy, backend_ops, native_tensor, one_r
 from tests.reference import fwht64
 
 T_1024 = 3.2971933456919635  # THC's saturation threshold for rate 1/1024
-CODE_SCALE, CODE_OFFSET = 4.0, 160.0  # the log code of a range: round(4 log2 r) + 160
+CODE_SCALE, CODE_OFFSET, CODE_MAX = 4.0, 512.0, 1023  # a range's 10-bit log code: round(4 log2 r) + 512
 CONTROL = 4  # control words: contributors, non-finite count, fingerprint s, s**2
 
 
@@ -110,7 +110,7 @@ def np_layout(bits, n, d, block, blocking=False):
     guard = n.bit_length()
     width = (n * levels_max).bit_length()
     lanes = (31 - guard) // width
-    width_s = (255 * n).bit_length()
+    width_s = (CODE_MAX * n).bit_length()
     lanes_s = (31 - guard) // width_s
     words = -(-padded // lanes)  # planar over the whole rotated vector
     stats_words = 0 if blocking else -(-2 * blocks // lanes_s)
@@ -189,7 +189,7 @@ def reference_codes(y, lay, saturation=True, threshold=T_1024):
     usable = wanted > 1e-30
     with np.errstate(divide="ignore"):
         raw = np.where(usable, CODE_SCALE * np.log2(np.where(usable, wanted, 1.0)), 0.0)
-    codes = np.where(usable, np.clip(np.round(raw) + CODE_OFFSET, 1, 255), 0).astype(np.int64)
+    codes = np.where(usable, np.clip(np.round(raw) + CODE_OFFSET, 1, CODE_MAX), 0).astype(np.int64)
     ties = usable & (np.abs(raw - np.floor(raw) - 0.5) < 1e-4)
     return codes, usable.astype(np.int64), wanted, ties
 
@@ -366,7 +366,7 @@ def test_lanes_never_carry_up_to_max_world_size():
 
     This is the worst case at every world size up to MAX_WORLD_SIZE (1024), on Python ints:
     all n ranks at the top level L in every lane. The same for the statistics lanes (codes up
-    to 255) and the control words (the fingerprint's s**2 below 2**(2h)).
+    to 1023) and the control words (the fingerprint's s**2 below 2**(2h)).
     """
     for bits in list(range(1, 17)) + [8]:
         top = (1 << bits) - 1
@@ -394,7 +394,7 @@ def test_control_words_fit_at_every_world_size():
         h, g = lay.fingerprint_bits, lay.levels.guard
         assert h >= 4 and lay.stats.guard == g
         assert (n * ((1 << h) - 1) ** 2) << g < 2 ** 31
-        assert (n * 255) < 2 ** lay.stats.width
+        assert (n * CODE_MAX) < 2 ** lay.stats.width
 
 
 def test_docstring_table_matches_layout():
@@ -443,7 +443,8 @@ def test_layout_errors_before_any_collective():
     with pytest.raises(ValueError, match="thc: bits=16 with 256 ranks"):
         scheme.init(ops, info, torch.zeros(4096))
     lay = np_layout(16, 2, 4096, 1024)
-    assert scheme.wire(TensorInfo("w", (4096,), "float32", 2, 0)).payload == 4 * lay["total"] == 4 * (4096 + 3 + 4)
+    # 4096 words of 16-bit levels, 4 of statistics (8 codes and flags, 2 lanes of 11 bits), 4 control
+    assert scheme.wire(TensorInfo("w", (4096,), "float32", 2, 0)).payload == 4 * lay["total"] == 4 * (4096 + 4 + 4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -976,6 +977,67 @@ def test_fingerprint_mismatch_realigns(backend, op):
         assert np.abs(ref).max() > 0.5
         for st in log["after"]:
             assert int(st.realigned) == 1 and int(st.step) == t + 1
+
+
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_one_step_lag_is_always_detected(op):
+    """A rank one step behind (back from one step in hvd.join(), say) disagrees on the step's
+    fingerprint at every step, also where a 13-bit hash of the step collided with the next
+    one's (step 2074 did): output 0 on every rank, realigned counted, never a wrong value."""
+    n = 3
+    gen = np.random.default_rng(8)
+    for base in (0, 1, 2074, 4095, 8191, 8192, 10 ** 6 + 3):
+        sim = Ranks("torch", n, (3000,), THCConfig(), op=op)
+        sim.step([gen.standard_normal(3000) for _ in range(n)])
+        sim.states = [st._replace(step=st.step * 0 + base + (1 if r == 2 else 0)) for r, st in enumerate(sim.states)]
+        log = sim.step([gen.standard_normal(3000) for _ in range(n)])
+        assert not fingerprint_ok(list(log["own"].values()), sim.lay), base
+        assert all((out == 0).all() for out in log["outs"]), base
+        assert [int(st.realigned) for st in log["after"]] == [1, 1, 1], base
+
+
+@pytest.mark.parametrize("scale", [1e-9, 1e8, 1e12, 1e16])
+def test_loss_scaled_magnitudes_keep_their_error(scale):
+    """Gradients as Horovod sees them under loss scaling (or tiny ones): the same relative
+    error as at scale 1, since the 10-bit range codes cover float32's whole range (an 8-bit
+    code stopped at 2**23.75: at 1e8 every coordinate saturated, at 1e12 nothing was sent)."""
+    def errors(factor):
+        sim = Ranks("torch", 3, (4096,), THCConfig(), op="average")
+        gen = np.random.default_rng(6)
+        out = []
+        for _ in range(6):
+            xs = [gen.standard_normal(4096) * factor for _ in range(3)]
+            log = sim.step(xs)
+            sim.check_reference(log)
+            true = np.mean(xs, 0)
+            out.append(np.linalg.norm(log["outs"][0] - true) / np.linalg.norm(true))
+        return np.array(out[2:]), int(log["after"][0].saturated)
+    base, _ = errors(1.0)
+    got, saturated = errors(scale)
+    assert (got < 1.5 * base.max()).all() and saturated < 0.03 * 4096, (scale, got, base, saturated)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rotation_overflow_counts_as_not_finite(backend):
+    """Finite values whose sum is finite but whose rotation overflows float32 ([3e38, -3e38]:
+    sum 0, rotated 4.2e38): treated as a non-finite gradient, NaN on every rank, every state
+    kept (the residual never holds an inf), and the next step is correct."""
+    n = 3
+    sim = Ranks(backend, n, (3000,), THCConfig(), op="average")
+    gen = np.random.default_rng(12)
+    for _ in range(2):
+        sim.step([gen.standard_normal(3000) for _ in range(n)])
+    before = [_state_np(st) for st in sim.states]
+    xs = [gen.standard_normal(3000) for _ in range(n)]
+    xs[1][:2] = [3e38, -3e38]
+    log = sim.step(xs)
+    assert all(np.isnan(out).all() for out in log["outs"])
+    for b, st in zip(before, log["after"]):
+        for f, v in zip(st._fields, st):
+            np.testing.assert_array_equal(_np(v), b[f], err_msg=f)
+    assert int(split_payload(log["own"][1], sim.lay)[3][1]) == 1
+    log = sim.step([gen.standard_normal(3000) for _ in range(n)])
+    sim.check_reference(log)
 
 
 @pytest.mark.parametrize("op", ["sum", "average"])
