@@ -114,11 +114,10 @@ def sylvester(ops, size: int, like):
 def hadamard_factors(ops, block: int, like):
     """``[(s, H_s), ...]`` for :func:`wht`: the factors of ``block`` with their matrices.
 
-    Build once per call site and reuse for the forward and inverse transforms.
+    Build once per call site and reuse for the forward and inverse transforms (one matrix,
+    :func:`nested_factors`).
     """
-    sizes = factor_sizes(block)
-    mats = {s: sylvester(ops, s, like) for s in set(sizes)}
-    return [(s, mats[s]) for s in sizes]
+    return nested_factors(block, sylvester(ops, max(factor_sizes(block)), like))
 
 
 def nested_factors(block: int, matrix):

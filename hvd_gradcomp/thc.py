@@ -317,7 +317,6 @@ class _Plan(NamedTuple):
     stats: object  # LaneLayout of the statistics, None with range="current"
     threshold: float  # T (0.0 without saturation: ranges from the block peaks)
     error_feedback: bool
-    fingerprint_bits: int  # h
     world_size: int  # n
     op: object  # "sum", "average" or None (unknown: inferred from the count word)
 
@@ -438,9 +437,9 @@ def _quantize_kernel(ops, plan: _Plan, y, ranges, rows, cols, fingerprint, finit
     # Level floor(position + U) = floor(clipped + (1 + U)): unbiased stochastic rounding.
     noise = ops.bitcast(ops.bitwise_xor(ops.reshape(rows, (nb, 1)), ops.reshape(cols, (1, B))), "float32")
     q = ops.floor(clipped + noise)
-    residual = ops.zeros((0,), "float32", y)
-    if plan.error_feedback:  # y - (q delta - R)
-        residual = ops.reshape(yb - q * delta + top, (nb * B,))
+    # y - (q delta - R); nothing kept without error feedback
+    residual = (ops.reshape(yb - q * delta + top, (nb * B,)) if plan.error_feedback
+                else ops.zeros((0,), "float32", y))
     # A non-finite y gives undefined levels here; the "not finite" word below makes every
     # rank's output NaN and keeps every state, so they are never read.
     levels = _pack(ops, ops.reshape(ops.cast(q, "int32"), (nb * B,)), plan.levels)
@@ -538,7 +537,7 @@ class THCScheme(Scheme):
         cfg = self.config
         return _Plan(cfg.bits, lay.block, lay.levels, None if self.blocking else lay.stats,
                      self._threshold if cfg.saturation else 0.0, cfg.error_feedback,
-                     lay.fingerprint_bits, info.world_size, info.op)
+                     info.world_size, info.op)
 
     def init(self, ops, info: TensorInfo, like):
         lay = self.layout(info)  # ValueError now if no lane fits
