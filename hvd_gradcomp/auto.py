@@ -1,51 +1,79 @@
 """``auto``: each tensor gets the candidate compressor that pays, from measured cost and error.
 
 Which compressor, and how hard, depends on the link, the tensor and the model (``docs/bench.md``):
-at 1 Gbit/s TopKC and PowerSGD beat FP16 on digits, on a fast link nothing does, and small
-tensors never pay. ``auto`` decides per tensor, online, from measurements taken in the job
-itself, in the spirit of Espresso (Wang et al., EuroSys '23: a per-tensor plan from a cost
-model) and L-GreCo (Markov et al., MLSys '24: per-layer parameters under an error budget),
-but on stock Horovod's one all-reduce per tensor.
+at 1 Gbit/s TopKC and PowerSGD beat FP16 on digits, on a fast link nothing does, small tensors
+never pay, and on the LM (Adam) no compressor beats FP16's time to accuracy at 500 Mbit/s.
+``auto`` decides per tensor, online, from measurements taken in the job itself, in the spirit of
+Espresso (Wang et al., EuroSys '23: a per-tensor plan from a cost model) and L-GreCo (Markov et
+al., MLSys '24: per-layer parameters under an error budget), but on stock Horovod's one
+all-reduce per tensor.
 
 Candidates (option ``candidates``, ``|``-separated scheme specs, default
 :data:`DEFAULT_CANDIDATES`): FP16 and the single-collective defaults of TopKC, THC and
-PowerSGD at a few settings. ``fp16`` must be among them: it is the start and the fallback.
+PowerSGD at a few settings. ``fp16`` must be among them: it is the fallback.
 
 Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the state):
 
-1. Steps ``t`` with ``(t - warmup + 1) mod every`` in ``[every - warmup + 1, every]`` or
-   ``t < warmup`` form a *window* of ``warmup`` steps ending at a *probe* step
-   ``p = warmup - 1 + n * every``. On each window step, besides the real step, every
-   candidate runs once on this rank's gradient as if it were alone (a *shadow*: its own
-   state, world size 1, no collective), timed on the host (its codec time, ms, median over
-   the window's steps after the first) and scored by its one-step error
-   ``||c - out|| / ||c||`` (``c``: the gradient plus the shadow's pending error feedback;
-   ``out``: what it delivers; mean over the window's steps after the first, whose agreed
-   statistics, such as THC's ranges and TopKC's scores, start empty). That first step also
-   screens: a candidate slower than :data:`PRUNE_FACTOR` times fp16's predicted step is not
-   run again in the window and reports itself unusable (:meth:`AutoScheme._measure`).
-2. The probe step sends, instead of the current candidate's payload, one float32 payload:
-   the gradient plus the current candidate's pending error feedback (in the gradient's
-   coordinates: :meth:`~hvd_gradcomp.base.Scheme.residual_of`), then ``1 + 2 C`` lanes: a 1
-   (this rank contributes), and each candidate's codec ms and error. Its decoded result is
-   exact (float32), so the error feedback is *flushed*: after a probe every residual is
-   zero, and a change of scheme loses nothing. The lanes, summed by the same all-reduce and
-   divided by the count lane, are the mean over the contributing ranks: the same numbers on
-   every rank (Sum or Average alike; a joined rank contributes nothing).
-3. :func:`decide`, a deterministic function of those numbers, the link (:class:`Link`,
-   identical on every rank) and the current choice, picks the candidate for the next
-   ``every`` steps: the least predicted time ``codec ms + ring all-reduce ms of its wire
-   bytes`` (:func:`hvd_gradcomp.ring.ring_allreduce_seconds`) among those within the error
-   budget (predictions within ``hysteresis`` of the least tie, and the lower error wins),
-   switching only when that gains at least ``hysteresis`` (a fraction) over the current
-   choice. fp16 is always allowed. A probe whose payload is not finite (some rank's
-   gradient held a NaN/inf) decides nothing and leaves the state as it was.
+1. **Start.** Before anything is measured the tensor runs on the candidate whose wire bytes
+   the link moves fastest (:func:`start_choice`; codec time unknown, so not counted), if that
+   saves at least ``hysteresis`` of fp16's all-reduce time and at least
+   :data:`START_SAVING_S`, else on fp16. The first window's
+   real steps then cost what the likely winner costs instead of fp16's dense all-reduce
+   (digits at 1 Gbit/s: 31 ms a step for PowerSGD against 132 ms for fp16).
+2. **Window.** Steps ``t`` with ``(t - warmup + 1) mod every`` in ``[every - warmup + 1,
+   every]`` or ``t < warmup`` form a window of ``warmup`` steps ending at a *probe* step
+   ``p = warmup - 1 + n * every``. On each window step, besides the real step, every candidate
+   runs once on this rank's gradient as if it were alone (a *shadow*: its own state, world
+   size 1, no collective), timed on the host (its codec time, ms: the least over the window's
+   steps after the first, since contention with the real step's all-reduce only ever adds)
+   and scored by its one-step error ``||c - out|| / ||c||`` (``c``: the gradient plus the
+   shadow's pending error feedback; ``out``: what it delivers; mean over the window's steps
+   after the first, whose agreed statistics, such as THC's ranges and TopKC's scores, start
+   empty). That first step also screens: a candidate slower than :data:`PRUNE_FACTOR` times
+   fp16's predicted step is not run again in the window and reports itself unusable
+   (:meth:`AutoScheme._measure`).
+3. **Probe.** The probe step is the current candidate's own step, with ``2 + 2 C`` *lanes*
+   appended to its payload: a 1 (this rank contributes), each candidate's codec ms and error,
+   and this rank's *speedup* (step 5). Each lane is clamped to :data:`LANE_MAX` and pre-scaled
+   by ``1 / world_size`` (as ``fp16`` pre-scales), so ``n`` ranks' float16 sum stays finite;
+   the lanes, summed by the same all-reduce and divided by the count lane, are the mean over
+   the contributing ranks, the same numbers on every rank (Sum or Average alike; a joined rank
+   contributes nothing). A candidate whose payload Horovod may not scale (``scalable`` False:
+   THC's integer words) cannot carry lanes: its probe sends instead one float32 payload, the
+   gradient plus its pending error feedback (:meth:`~hvd_gradcomp.base.Scheme.residual_of`)
+   plus the lanes, whose decoded result is exact, so its error feedback is *flushed*.
+4. **Decision.** :func:`decide`, a deterministic function of those numbers, the link
+   (:class:`Link`, identical on every rank) and the current choice, picks the candidate for
+   the next ``every`` steps: the least predicted time ``codec ms + ring all-reduce ms of its
+   wire bytes`` (:func:`hvd_gradcomp.ring.ring_allreduce_seconds`) among those within the
+   error budget (predictions within ``hysteresis`` of the least tie, and the lower error
+   wins), switching only when that gains at least ``hysteresis`` over the current choice.
+   fp16 is always allowed. A probe whose lanes are not finite (some rank's gradient held a
+   NaN/inf) decides nothing.
+5. **Step gate.** A lossy choice (anything but fp16) costs extra steps to the same accuracy,
+   which no per-tensor time sees: measured against FP16, +15 % for PowerSGD rank 4, +30-50 %
+   for TopKC 0.1 and +35 % for THC on digits, +46 % for TopKC 0.3 and +208 % for TopKC 0.1 on
+   the LM (Adam; ``docs/bench.md``). So each rank predicts, once per probe step, its whole
+   step on the per-tensor best choices (``T_mix``) and on fp16 everywhere (``T_fp16``): its
+   measured step (the least over the window's steps, shadows' time taken off) with each
+   tensor's predicted time for its current choice replaced. The *speedup* ``T_fp16 / T_mix``
+   rides in every tensor's lanes; a lossy choice stands only if the agreed speedup is at least
+   ``1 + step_penalty`` (times ``1 - hysteresis`` for a tensor already lossy), else the tensor
+   goes to fp16. Its default 0.5 keeps the LM on fp16 (best speedup 1.16 at 500 Mbit/s) and
+   lets digits compress (about 4 at 1 Gbit/s).
+6. **Switch.** A change takes effect at the next step on every rank. The old candidate's
+   pending error feedback (in the gradient's coordinates) is *carried*: added to the new
+   candidate's residual (:meth:`~hvd_gradcomp.base.Scheme.add_residual`), or, for one that
+   keeps none (fp16), held in this scheme's state as ``carry`` and added to the next step's
+   gradient, then dropped once a step that carried it was delivered (a failed step keeps it).
+   Nothing of the gradient is lost or sent twice, so the ranks' outputs plus their pending
+   error feedback always sum to the summed gradients.
 
 The decision is read on the host once per window (``Primitives.to_host``: one device sync per
-tensor per ``every`` steps); every other step is the chosen candidate's own step, with its
-state kept under ``a_<field>`` in this scheme's state. Checkpoints hold the step, the choice
-and that state, so a resumed job continues the schedule (and a state loaded on rank 0 only
-gives the other ranks the same schedule).
+tensor per ``every`` steps, one more on the step a carry is sent); every other step is the
+chosen candidate's own step, with its state kept under ``a_<field>`` in this scheme's state.
+Checkpoints hold the step, the choice and that state, so a resumed job continues the schedule
+(and a state loaded on rank 0 only gives the other ranks the same schedule).
 
 The link: ``bandwidth_gbit`` (> 0) and ``latency_ms``, or measured when the compressor is built
 (:meth:`hvd_gradcomp.adapter.HorovodCompressor.calibrate`: a few timed all-reduces, averaged
@@ -56,9 +84,11 @@ Limits: the schedule needs the step on the host, so in TensorFlow ``auto`` runs 
 (``GradientTape`` outside ``tf.function``, Keras ``run_eagerly=True``); inside ``tf.function``
 it raises. Window steps cost every candidate's codec once more, and the shadows' residuals
 (one per candidate with error feedback) live until the probe. The predicted time charges
-codec and communication in full, without the overlap Horovod gives with the backward pass.
-Ranks whose steps disagree (a rank that skipped compress calls) send payloads of different
-dtypes at a probe step, which Horovod refuses with an error on every rank.
+codec and communication in full, without the overlap Horovod gives with the backward pass;
+the step gate's penalty is one number for every lossy candidate and model. Lanes in a float16
+payload hold about 3 significant digits. Ranks whose steps disagree (a rank that skipped
+compress calls) send payloads of different sizes at a probe step, which Horovod refuses with
+an error on every rank.
 """
 import dataclasses
 import logging
@@ -68,7 +98,8 @@ from collections import namedtuple
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from .base import Scheme, TensorInfo, WireBytes, compress_tensor, finish_tensor, poison
+from .base import (Scheme, TensorInfo, WireBytes, compress_tensor, finish_tensor, payload_finite,
+                   poison)
 from .options import option, validate
 from .ring import ring_allreduce_seconds
 
@@ -76,19 +107,27 @@ __all__ = ["AutoConfig", "AutoScheme", "Link", "Decision", "decide", "DEFAULT_CA
 
 log = logging.getLogger("hvd_gradcomp")
 
-# fp16 first (the start and the fallback), then one setting of each family that trained as
-# well as FP16 on digits (docs/bench.md). Every candidate costs its codec once more on each
-# window step (eager THC alone was about 0.3 s a step on digits' 4.35M parameters), so the
-# default list is short; widen it (e.g. "fp16|topkc:0.1|topkc:0.03|thc:2|thc:4|thc:8|
-# powersgd:1|powersgd:4") for long runs, where windows are rare.
+# fp16 first (the fallback), then one setting of each family that trained as well as FP16 on
+# digits (docs/bench.md). Every candidate costs its codec once more on each window step (eager
+# THC alone was about 0.3 s a step on digits' 4.35M parameters), so the default list is short;
+# widen it (e.g. "fp16|topkc:0.1|topkc:0.03|thc:2|thc:4|thc:8|powersgd:1|powersgd:4") for long
+# runs, where windows are rare.
 DEFAULT_CANDIDATES = "fp16|topkc:0.1|thc:4|powersgd:4"
 FALLBACK = "fp16"
 # A window's first (untimed) step screens the candidates: one slower than this many times
 # fp16's predicted step for the tensor is not run again in that window (AutoScheme._measure).
-PRUNE_FACTOR = 4.0
-# The codec ms and error lanes of such a candidate: finite (a probe with a non-finite lane
-# means a failed rank), and far beyond any budget and any other prediction once averaged.
-UNUSABLE = 1e9
+# First calls cost more than later ones (allocations, THC's first Sylvester matrix), hence > 1.
+PRUNE_FACTOR = 2.5
+# A tensor starts compressed only if that saves at least this much all-reduce time a step
+# (seconds): codec times are not known before the first window, and no candidate's codec costs
+# less than about 0.2 ms even on a small tensor (TopKC 0.1 on 64 x 48, one CPU core).
+START_SAVING_S = 1e-3
+# Every lane is clamped to this before its 1/world_size pre-scale, so that n ranks' float16
+# sum stays below 65504 (a codec of more than 30 s a step is unusable anyway).
+LANE_MAX = 3e4
+# The codec ms and error lanes of a pruned or unmeasured candidate: beyond any budget and any
+# other prediction once averaged, and finite (a non-finite lane means a failed rank).
+UNUSABLE = LANE_MAX
 
 
 class Link(NamedTuple):
@@ -120,6 +159,19 @@ class Decision(NamedTuple):
     reason: str
     step: int
     key: str = ""
+    speedup: float = math.nan  # the agreed T_fp16 / T_mix of the step gate
+
+
+def start_choice(wire_bytes, world_size: int, link: Link, fallback: int, hysteresis: float) -> int:
+    """The candidate a tensor starts on (module docstring, step 1): the least ring all-reduce
+    time of its ``wire_bytes`` over ``link`` (ties: fp16, then the earlier candidate), if that
+    saves at least ``hysteresis`` of fp16's time and at least :data:`START_SAVING_S`; else
+    ``fallback``. Only agreed facts enter (no rank's own timings), so every rank starts the
+    same way."""
+    comm = [ring_allreduce_seconds(b, world_size, link.bytes_per_second, link.latency_s) for b in wire_bytes]
+    best = min(range(len(comm)), key=lambda i: (comm[i], i != fallback, i))
+    saving = comm[fallback] - comm[best]
+    return best if saving >= max(hysteresis * comm[fallback], START_SAVING_S) else fallback
 
 
 @dataclass(frozen=True)
@@ -135,6 +187,9 @@ class AutoConfig:
     trains badly) deliver almost nothing of a step; THC 4 bits 0.2-0.3. The default 0.95
     admits the first group and shuts out the second. ``bandwidth_gbit=0`` (the default)
     means measured: ``calibrate()`` runs when the compressor is built after ``hvd.init()``.
+    ``step_penalty`` is the step gate's (module docstring, step 5): compression must make the
+    whole step at least ``1 + step_penalty`` times faster than fp16 everywhere; 0 turns the
+    gate off.
 
     Raises:
         ValueError: an option outside its rule (``"auto: every must be ..."``), ``every`` below
@@ -154,6 +209,8 @@ class AutoConfig:
                                    doc="link rate, Gbit/s; 0: measured by calibrate()")
     latency_ms: float = option(0.0, kind="number", lo=0.0,
                                doc="fixed cost of one all-reduce, ms (with bandwidth_gbit)")
+    step_penalty: float = option(0.5, kind="number", lo=0.0,
+                                 doc="fraction more steps a lossy choice is assumed to need (step gate)")
 
     def __post_init__(self):
         if isinstance(self.candidates, (tuple, list)):
@@ -211,18 +268,20 @@ def decide(codec_ms, errors, wire_bytes, world_size: int, link: Link, current: i
 
 
 class _Ctx(NamedTuple):
-    probe: bool
+    probe: str  # "": a plain step; "ride": lanes after the candidate's payload; "flush": float32
     choice: int
     step: int
-    inner: object  # the candidate's ctx (run steps)
+    inner: object  # the candidate's ctx ("" and "ride")
+    shape: tuple  # the candidate's own payload's shape ("ride"; its lanes follow it flattened)
+    carried: bool  # the state's carry was added to this step's gradient
 
 
-def _median(values):
-    values = sorted(values)
-    if not values:
-        return math.nan
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
+def _min(values):
+    return min(values) if values else math.nan
+
+
+def _finite_or(value, default):
+    return value if math.isfinite(value) else default
 
 
 class AutoScheme(Scheme):
@@ -250,17 +309,22 @@ class AutoScheme(Scheme):
         if len(set(self.specs)) != len(self.specs):
             raise ValueError(f"auto: candidates must differ, got {list(self.specs)}")
         if FALLBACK not in self.specs:
-            raise ValueError(f"auto: candidates must include {FALLBACK} (the start and the fallback), "
+            raise ValueError(f"auto: candidates must include {FALLBACK} (the fallback), "
                              f"got {list(self.specs)}")
         self.fallback = self.specs.index(FALLBACK)
         self.scalable = all(c.scalable for c in candidates)
-        self.rank_local_fields = tuple(sorted({"a_" + f for c in candidates for f in c.rank_local_fields}))
+        self.rank_local_fields = tuple(sorted({"carry"} | {"a_" + f for c in candidates
+                                                           for f in c.rank_local_fields}))
         self.link = None if not config.bandwidth_gbit else Link(
             config.bandwidth_gbit * 1e9 / 8, (config.latency_ms or 0.0) * 1e-3)
         self._at = {}  # key -> (step, choice): the state's counters, mirrored on the host
         self._shadows = {}  # key -> [shadow state per candidate] during a window
         self._samples = {}  # key -> [(times ms, errors)] per candidate during a window
+        self._firsts = {}  # key -> [screen ms per candidate] of the window's first step
         self._pruned = {}  # key -> indices of candidates not run again in this window
+        self._infos = {}  # key -> TensorInfo of the tensors in a window
+        self._clock = {}  # step -> [host time of the step's first compress, shadow seconds]
+        self._gate = (None, math.nan)  # (probe step, this rank's speedup lane for it)
         self._types = {}  # field names -> (AutoState class, candidate state class)
         self.decisions = {}  # key -> the last Decision
         self.history = []  # every Decision of this process, in order (host values)
@@ -275,36 +339,62 @@ class AutoScheme(Scheme):
         self.link = Link(float(link[0]), float(link[1]))
 
     # ---- state ----
-    def _state(self, ops, like, step: int, choice: int, inner):
-        fields = ("step", "choice") + tuple("a_" + f for f in inner._fields)
+    def _state(self, ops, like, step: int, choice: int, inner, carry=None):
+        fields = ("step", "choice") + (() if carry is None else ("carry",)) + \
+            tuple("a_" + f for f in inner._fields)
         cls = self._types.get(fields)
         if cls is None:
             cls = self._types[fields] = (namedtuple("AutoState", fields), type(inner))
-        return cls[0](ops.constant(step, "int64", like), ops.constant(choice, "int64", like), *inner)
+        head = (ops.constant(step, "int64", like), ops.constant(choice, "int64", like))
+        return cls[0](*head, *(() if carry is None else (carry,)), *inner)
 
     def _inner(self, state):
-        return self._types[tuple(state._fields)][1](*state[2:])
+        cls = self._types[tuple(state._fields)][1]
+        return cls(*(v for f, v in zip(state._fields, state) if f.startswith("a_")))
+
+    def _with(self, state, inner, carry):
+        """``state`` with its counters moved on by one on the device (no new host tensors)."""
+        kept = () if carry is None else (carry,)
+        fields = ("step", "choice") + (() if carry is None else ("carry",)) + \
+            tuple("a_" + f for f in inner._fields)
+        cls = self._types.get(fields)
+        if cls is None:
+            cls = self._types[fields] = (namedtuple("AutoState", fields), type(inner))
+        return cls[0](state.step + 1, state.choice, *kept, *inner)
 
     def init(self, ops, info: TensorInfo, like):
-        """A fresh state (step 0, fp16): the tensor's host mirror starts over too."""
+        """A fresh state at step 0 on the start choice (:func:`start_choice`); the tensor's
+        host mirror starts over too."""
         self.forget(info.key)
-        return self._state(ops, like, 0, self.fallback, self.candidates[self.fallback].init(ops, info, like))
+        choice = self.fallback if self.link is None else start_choice(
+            [c.wire(info).payload for c in self.candidates], info.world_size, self.link,
+            self.fallback, self.config.hysteresis)
+        return self._state(ops, like, 0, choice, self.candidates[choice].init(ops, info, like))
 
     def init_like(self, ops, info: TensorInfo, like, loaded):
-        """The fresh state of the loaded state's choice (its fields differ by choice)."""
+        """The fresh state of the loaded state's choice (its fields differ by choice), with a
+        zero ``carry`` if the loaded state holds one."""
         fields = dict(zip(getattr(loaded, "_fields", ()), loaded))
         choice = int(ops.to_host(fields["choice"])) if "choice" in fields else -1
         if not 0 <= choice < len(self.candidates):
             raise ValueError(f"auto: loaded state for tensor {info.key!r} has no valid choice "
                              f"(got {choice}; {len(self.candidates)} candidates)")
-        return self._state(ops, like, 0, choice, self.candidates[choice].init(ops, info, like))
+        carry = ops.zeros((info.numel,), "float32", like) if "carry" in fields else None
+        return self._state(ops, like, 0, choice, self.candidates[choice].init(ops, info, like), carry)
 
     def forget(self, key):
         """Drop the host mirror of ``key``'s counters (its state was replaced by a load)."""
-        self._at.pop(key, None)
-        self._shadows.pop(key, None)
-        self._samples.pop(key, None)
-        self._pruned.pop(key, None)
+        for table in (self._at, self._shadows, self._samples, self._firsts, self._pruned, self._infos):
+            table.pop(key, None)
+
+    def residual_of(self, ops, state, info):
+        """The pending error feedback in the gradient's coordinates: the current candidate's
+        plus the ``carry``; None when there is neither."""
+        own = self.candidates[int(ops.to_host(state.choice))].residual_of(ops, self._inner(state), info)
+        carry = getattr(state, "carry", None)
+        if carry is None or own is None:
+            return own if carry is None else carry
+        return own + carry
 
     def _position(self, ops, state, info):
         at = self._at.get(info.key)
@@ -332,89 +422,129 @@ class AutoScheme(Scheme):
                              "pass bandwidth_gbit= and latency_ms=")
         step, choice = self._position(ops, state, info)
         window, probe = self._phase(step)
-        inner = self._inner(state)
         if window:
+            self._clock.setdefault(step, [time.perf_counter(), 0.0])
             self._measure(ops, x, info, step)
-        if probe:
-            residual = self.candidates[choice].residual_of(ops, inner, info)
+        inner = self._inner(state)
+        carry = getattr(state, "carry", None)
+        if carry is not None:
+            x = x + ops.reshape(carry, ops.shape(x))
+        cand = self.candidates[choice]
+        if probe and not cand.scalable:  # integer payload: the float32 flush (step 3)
+            residual = cand.residual_of(ops, inner, info)
             flat = ops.reshape(x, (info.numel,))
             corrected = flat if residual is None else flat + residual
-            payload = ops.concat([corrected, ops.constant(self._lanes(info.key), "float32", x)], 0)
-            return poison(ops, payload, finite), _Ctx(True, choice, step, None)
-        cand = self.candidates[choice]
+            payload = ops.concat([corrected, ops.constant(self._lanes(info, step), "float32", x)], 0)
+            return poison(ops, payload, finite), _Ctx("flush", choice, step, None, (), carry is not None)
         payload, ctx = cand.compress(ops, x, inner, info, finite if cand.guards_nonfinite else None)
-        return payload, _Ctx(False, choice, step, ctx)
+        if not probe:
+            return payload, _Ctx("", choice, step, ctx, (), carry is not None)
+        shape = tuple(ops.shape(payload))
+        lanes = poison(ops, ops.constant(self._lanes(info, step), ops.dtype(payload), x), finite)
+        flat = ops.reshape(payload, (math.prod(shape),))
+        return ops.concat([flat, lanes], 0), _Ctx("ride", choice, step, ctx, shape, carry is not None)
+
+    @staticmethod
+    def _own(ops, payload, ctx):
+        """The candidate's part of the all-reduced payload, in its own shape."""
+        return ops.reshape(payload[:math.prod(ctx.shape)], ctx.shape) if ctx.probe == "ride" else payload
 
     def receive(self, ops, payload, ctx, info):
-        if ctx.probe:
+        if ctx.probe == "flush":
             return ctx
-        return ctx._replace(inner=self.candidates[ctx.choice].receive(ops, payload, ctx.inner, info))
+        return ctx._replace(inner=self.candidates[ctx.choice].receive(ops, self._own(ops, payload, ctx), ctx.inner, info))
 
     def decompress(self, ops, payload, ctx, info):
-        if ctx.probe:
+        if ctx.probe == "flush":
             return payload[:info.numel]
-        return self.candidates[ctx.choice].decompress(ops, payload, ctx.inner, info)
+        return self.candidates[ctx.choice].decompress(ops, self._own(ops, payload, ctx), ctx.inner, info)
 
     def finish(self, ops, payload, ctx, state, info):
         inner = self._inner(state)
-        if not ctx.probe:
-            new = self.candidates[ctx.choice].finish(ops, payload, ctx.inner, inner, info)
-            self._at[info.key] = (ctx.step + 1, ctx.choice)
-            # Same fields as before: the counters move on the device (no new host tensors).
-            return type(state)(state.step + 1, state.choice, *new)
-        lanes = ops.to_host(payload[info.numel:])
-        self._shadows.pop(info.key, None)
-        self._samples.pop(info.key, None)
-        self._pruned.pop(info.key, None)
+        carry = getattr(state, "carry", None)
+        if ctx.probe == "flush":
+            new, lanes = inner, ops.to_host(payload[info.numel:])
+        else:
+            own = self._own(ops, payload, ctx)
+            new = self.candidates[ctx.choice].finish(ops, own, ctx.inner, inner, info)
+            if ctx.carried and ops.to_host(payload_finite(ops, own)):
+                carry = None  # delivered; a failed step keeps it for the next one
+            if not ctx.probe:
+                self._at[info.key] = (ctx.step + 1, ctx.choice)
+                return self._with(state, new, carry) if carry is not None or ctx.carried else \
+                    type(state)(state.step + 1, state.choice, *new)
+            lanes = ops.to_host(ops.cast(payload[math.prod(ctx.shape):], "float32"))
+        for table in (self._shadows, self._samples, self._firsts, self._pruned, self._infos):
+            table.pop(info.key, None)
         count = lanes[0]
         if not all(math.isfinite(v) for v in lanes) or count <= 0:
-            # A rank failed this step: nothing decided, nothing flushed (the residual stays);
-            # the schedule moves on, and the next window decides.
+            # A rank failed this step: nothing decided, nothing flushed (the states stay as the
+            # candidate's finish left them); the schedule moves on, and the next window decides.
             self._at[info.key] = (ctx.step + 1, ctx.choice)
-            return self._state(ops, payload, ctx.step + 1, ctx.choice, inner)
+            return self._state(ops, payload, ctx.step + 1, ctx.choice, new, carry)
+        if ctx.probe == "flush":  # exact: the residual and the carry are delivered
+            new, carry = self._flushed(ops, inner), None
         cands = len(self.candidates)
         codec_ms = [lanes[1 + i] / count for i in range(cands)]
         errors = [lanes[1 + cands + i] / count for i in range(cands)]
+        speedup = lanes[1 + 2 * cands] / count
         wire = [c.wire(info).payload for c in self.candidates]
+        cfg = self.config
         choice, predicted, reason = decide(codec_ms, errors, wire, info.world_size, self.link,
-                                           ctx.choice, self.fallback, self.config.error_budget,
-                                           self.config.hysteresis)
+                                           ctx.choice, self.fallback, cfg.error_budget, cfg.hysteresis)
+        need = (1.0 + cfg.step_penalty) * (1.0 - cfg.hysteresis if ctx.choice != self.fallback else 1.0)
+        if choice != self.fallback and cfg.step_penalty > 0 and not speedup >= need:
+            choice, reason = self.fallback, (f"step gate: compression predicted {speedup:.3g}x faster "
+                                             f"a step than fp16, below {need:.3g}")
         decision = Decision(choice, self.specs[choice], predicted, tuple(errors), reason, ctx.step,
-                            info.key)
+                            info.key, speedup)
         self.decisions[info.key] = decision
         self.history.append(decision)
         if choice != ctx.choice and info.rank == 0:
             log.info("hvd_gradcomp auto: tensor %s: %s -> %s at step %d (%s; predicted %.3g ms "
-                     "against %.3g ms; error %.3g; %d payload bytes against fp16's %d)", info.key,
-                     self.specs[ctx.choice], self.specs[choice], ctx.step, reason, predicted[choice],
-                     predicted[ctx.choice], errors[choice], wire[choice], wire[self.fallback])
-        if choice == ctx.choice:  # flushed: the same candidate goes on with no residual
-            new = inner._replace(residual=inner.residual * 0.0) if "residual" in inner._fields else inner
-        else:
-            new = self.candidates[choice].init(ops, info, payload)
+                     "against %.3g ms; error %.3g; step speedup %.3g; %d payload bytes against "
+                     "fp16's %d)", info.key, self.specs[ctx.choice], self.specs[choice], ctx.step,
+                     reason, predicted[choice], predicted[ctx.choice], errors[choice], speedup,
+                     wire[choice], wire[self.fallback])
         self._at[info.key] = (ctx.step + 1, choice)
-        return self._state(ops, payload, ctx.step + 1, choice, new)
+        if choice != ctx.choice:  # step 6: carry the old candidate's error feedback over
+            pending = None if ctx.probe == "flush" else self.candidates[ctx.choice].residual_of(ops, new, info)
+            if carry is not None:
+                pending = carry if pending is None else pending + carry
+            new = self.candidates[choice].init(ops, info, payload)
+            carry = None
+            if pending is not None:
+                absorbed = self.candidates[choice].add_residual(ops, new, info, pending)
+                new, carry = (new, pending) if absorbed is None else (absorbed, None)
+        return self._state(ops, payload, ctx.step + 1, choice, new, carry)
+
+    @staticmethod
+    def _flushed(ops, inner):
+        """``inner`` after a flush: its residual (if any) zero."""
+        return inner._replace(residual=inner.residual * 0.0) if "residual" in inner._fields else inner
 
     # ---- measurement ----
     def _measure(self, ops, x, info, step):
-        """Run every candidate as a shadow on this rank's gradient (module docstring, step 1).
+        """Run every candidate as a shadow on this rank's gradient (module docstring, step 2).
 
         A candidate whose first (untimed) window step took more than :data:`PRUNE_FACTOR` times
         fp16's predicted step for this tensor (its codec ms then plus its ring all-reduce ms)
         is not run again in this window: it cannot win, and it would cost its codec on every
         window step (eager THC on digits' 4M-coordinate weight: ~0.3 s a step). Its lanes then
-        say so (:data:`UNUSABLE`), the same way on every rank after the all-reduce.
+        say so (:data:`UNUSABLE`), the same way on every rank after the all-reduce. The time
+        spent here is taken off the step's measured time (the step gate's input).
         """
         key = info.key
+        began = time.perf_counter()
         alone = dataclasses.replace(info, world_size=1, rank=0, op="sum", group=None, dtype="float32")
         shadows = self._shadows.get(key)
-        if shadows is None:
+        first = shadows is None
+        if first:
             shadows = self._shadows[key] = [c.init(ops, alone, x) for c in self.candidates]
             self._samples[key] = [([], []) for _ in self.candidates]
+            self._firsts[key] = [math.nan] * len(self.candidates)
             self._pruned[key] = set()
-            first, firsts = True, []
-        else:
-            first, firsts = False, None
+            self._infos[key] = info
         pruned = self._pruned[key]
         flat = ops.reshape(x, (info.numel,))
         for i, cand in enumerate(self.candidates):
@@ -432,31 +562,73 @@ class AutoScheme(Scheme):
             num, den = ops.to_host(ops.concat([ops.reshape(ops.sum(diff * diff, None), (1,)),
                                                ops.reshape(ops.sum(corrected * corrected, None), (1,))], 0))
             if first:  # one-time costs and empty agreed stats: not a sample, only a screen
-                firsts.append(elapsed)
+                self._firsts[key][i] = elapsed
             else:
                 times, errors = self._samples[key][i]
                 times.append(elapsed)
                 errors.append(math.sqrt(num / den) if den > 0 else 0.0)
-        if first and self.link is not None:
-            f = self.fallback
-            wire = self.candidates[f].wire(info).payload
-            fp16_ms = firsts[f] + 1000.0 * ring_allreduce_seconds(
-                wire, info.world_size, self.link.bytes_per_second, self.link.latency_s)
+        if first:
+            firsts, f = self._firsts[key], self.fallback
+            fp16_ms = firsts[f] + 1000.0 * self._comm(info, f)
             pruned.update(i for i, ms in enumerate(firsts) if i != f and ms > PRUNE_FACTOR * fp16_ms)
+        self._clock[step][1] += time.perf_counter() - began
 
-    def _lanes(self, key):
-        """``[1, codec ms per candidate, error per candidate]`` of this rank's window
-        (:data:`UNUSABLE` for both of a pruned candidate)."""
+    def _comm(self, info, i):
+        """Predicted ring all-reduce seconds of candidate ``i``'s wire bytes for ``info``."""
+        return ring_allreduce_seconds(self.candidates[i].wire(info).payload, info.world_size,
+                                      self.link.bytes_per_second, self.link.latency_s)
+
+    def _local(self, key):
+        """This rank's window figures for ``key``: (codec ms, errors) per candidate, unusable
+        (:data:`UNUSABLE`) when pruned or never sampled."""
         samples = self._samples.get(key) or [([], []) for _ in self.candidates]
         pruned = self._pruned.get(key, set())
-        times = [UNUSABLE if i in pruned else _median(t) for i, (t, _) in enumerate(samples)]
-        errors = [UNUSABLE if i in pruned else sum(e) / len(e) if e else math.nan
+        times = [UNUSABLE if i in pruned else min(_finite_or(_min(t), UNUSABLE), LANE_MAX)
+                 for i, (t, _) in enumerate(samples)]
+        errors = [UNUSABLE if i in pruned or not e else min(sum(e) / len(e), LANE_MAX)
                   for i, (_, e) in enumerate(samples)]
-        return [1.0] + times + errors
+        return times, errors
+
+    def _speedup(self, step):
+        """This rank's step-gate lane for the probe ``step`` (module docstring, step 5),
+        computed once per probe step from the window's measurements so far."""
+        if self._gate[0] == step:
+            return self._gate[1]
+        cfg = self.config
+        periods = []
+        for s in range(max(0, step - cfg.warmup + 1), step):
+            if s in self._clock and s + 1 in self._clock:
+                t0, shadows = self._clock[s]
+                periods.append(self._clock[s + 1][0] - t0 - shadows)
+        for s in [s for s in self._clock if s < step - cfg.warmup]:
+            del self._clock[s]
+        if not periods:
+            speedup = LANE_MAX  # nothing measured: no gate
+        else:
+            period = 1000.0 * min(periods)
+            now = mix = fp16 = 0.0
+            for key, info in self._infos.items():
+                times, errors = self._local(key)
+                wire = [c.wire(info).payload for c in self.candidates]
+                current = self._at.get(key, (0, self.fallback))[1]
+                best, predicted, _ = decide(times, errors, wire, info.world_size, self.link, current,
+                                            self.fallback, cfg.error_budget, cfg.hysteresis)
+                now, mix, fp16 = now + predicted[current], mix + predicted[best], fp16 + predicted[self.fallback]
+            rest = max(period - now, 0.0)  # compute and everything else of the step
+            speedup = (rest + fp16) / max(rest + mix, 1e-6)
+        self._gate = (step, min(speedup, LANE_MAX))
+        return self._gate[1]
+
+    def _lanes(self, info, step):
+        """``[1, codec ms per candidate, error per candidate, speedup] / world_size`` of this
+        rank's window, each clamped to :data:`LANE_MAX` first (module docstring, step 3)."""
+        times, errors = self._local(info.key)
+        scale = 1.0 / info.world_size
+        return [scale * v for v in [1.0] + times + errors + [self._speedup(step)]]
 
     # ---- facts ----
     def wire(self, info: TensorInfo) -> WireBytes:
-        """The current choice's bytes (a probe step, once per window, sends float32 instead)."""
+        """The current choice's bytes (a probe step adds its lanes, or sends float32 instead)."""
         choice = self._at.get(info.key, (0, self.fallback))[1]
         return self.candidates[choice].wire(info)
 
@@ -465,11 +637,12 @@ class AutoScheme(Scheme):
 
     def history_records(self) -> list:
         """Every decision so far as plain dicts, oldest first: ``key``, ``step`` (the probe
-        step), ``scheme`` (the spec chosen), ``reason``, and per candidate spec its
-        ``predicted_ms`` and ``errors`` (JSON-ready; NaN/inf as None)."""
+        step), ``scheme`` (the spec chosen), ``reason``, ``speedup`` (the step gate's), and per
+        candidate spec its ``predicted_ms`` and ``errors`` (JSON-ready; NaN/inf as None)."""
         def num(v):
             return v if math.isfinite(v) else None
         return [{"key": d.key, "step": d.step, "scheme": d.spec, "reason": d.reason,
+                 "speedup": num(d.speedup),
                  "predicted_ms": {s: num(v) for s, v in zip(self.specs, d.predicted_ms)},
                  "errors": {s: num(v) for s, v in zip(self.specs, d.errors)}} for d in self.history]
 
@@ -482,7 +655,7 @@ class AutoScheme(Scheme):
             return {} if at is None else {"scheme": self.specs[at[1]]}
         return {"scheme": d.spec, "predicted_ms": d.predicted_ms[d.choice],
                 "fp16_predicted_ms": d.predicted_ms[self.fallback], "error": d.errors[d.choice],
-                "reason": d.reason, "decided_at": d.step}
+                "reason": d.reason, "decided_at": d.step, "speedup": d.speedup}
 
 
 def _register():

@@ -260,6 +260,20 @@ class Scheme:
                                       f"{info.numel}; override residual_of")
         return ops.reshape(residual, (info.numel,))
 
+    def add_residual(self, ops, state, info: TensorInfo, residual):
+        """``state`` with ``residual`` (float32 ``[numel]``, the gradient's own coordinates)
+        added to its pending error feedback, or None when the state keeps none (the caller
+        must then send ``residual`` itself).
+
+        Default: the state's ``residual`` field, read as :meth:`residual_of` reads it; THC
+        rotates ``residual`` into its basis. Used by ``auto`` to carry error feedback over a
+        change of scheme (:mod:`hvd_gradcomp.auto`).
+        """
+        current = self.residual_of(ops, state, info)
+        if current is None:
+            return None
+        return state._replace(residual=ops.reshape(current + residual, ops.shape(state.residual)))
+
     def __repr__(self):
         return f"<{type(self).__name__} {self.spec()}>"
 

@@ -625,6 +625,16 @@ class THCScheme(Scheme):
                              hadamard.hadamard_factors(ops, block, state.residual))
         return back[:info.numel] if ops.shape(back)[0] > info.numel else back
 
+    def add_residual(self, ops, state, info, residual):
+        """``state`` with ``residual`` (float32 [numel], gradient coordinates) padded, rotated
+        (``rht``) and added to the rotated residual; None without error feedback."""
+        if not self.config.error_feedback:
+            return None
+        padded = ops.shape(state.diag)[0]
+        rotated = hadamard.rht(ops, _pad(ops, residual, padded, "float32", residual), state.diag,
+                               hadamard.hadamard_factors(ops, self.layout(info).block, residual))
+        return state._replace(residual=state.residual + rotated)
+
     def metrics(self, state) -> dict:
         """``{"saturated": int64 [], "realigned": int64 []}``: rotated coordinates clipped in the
         last step (this rank); steps whose output was 0 because the ranks' states disagreed."""

@@ -6,12 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from hvd_gradcomp.auto import AutoConfig, AutoScheme, Link, decide
+from hvd_gradcomp.auto import AutoConfig, AutoScheme, Link, decide, start_choice
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import one_rank
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
 from tests.backends import BACKENDS, backend_ops, backend_tensor
-from tests.reference import allreduce_fp16, fp16, fp32
 
 SHAPE = (64, 48)
 # THC sums exactly (integers), so a flush leaves no error at all; TopKC's float16 sum rounds.
@@ -54,7 +53,7 @@ def test_spec_round_trip_and_tuple_candidates():
     assert scheme.specs == ("fp16", "topkc:ratio=0.1", "thc")
     assert scheme.fallback == 0
     assert not scheme.scalable  # THC's integer payload is among the candidates
-    assert set(scheme.rank_local_fields) == {"a_residual"}
+    assert set(scheme.rank_local_fields) == {"a_residual", "carry"}
 
 
 # ---------------------------------------------------------------- decide()
@@ -106,6 +105,17 @@ def test_schedule_windows_and_probes():
     assert [t for t, (window, _) in enumerate(phases) if window] == [0, 1, 2, 5, 6, 7, 10, 11, 12]
 
 
+def test_start_is_the_cheapest_wire_unless_it_saves_too_little():
+    # fp16 2 MB, A 0.2 MB, B 0.1 MB at 1 Gbit/s, 2 ranks: B moves fastest.
+    assert start_choice([2e6, 2e5, 1e5], 2, LINK, 0, 0.1) == 2
+    # Tiny tensors: latency dominates, the saving is below the hysteresis, fp16 stays; and
+    # on a fast link a saving far below a millisecond pays for no codec.
+    assert start_choice([100, 60, 50], 2, LINK, 0, 0.1) == 0
+    assert start_choice([2e6, 2e5, 1e5], 2, Link(125e9, 0.0), 0, 0.1) == 0
+    # A tie goes to fp16, wherever it is in the list.
+    assert start_choice([1e5, 1e5], 2, LINK, 1, 0.0) == 1
+
+
 # ---------------------------------------------------------------- two simulated ranks
 def _grad(rank, step):
     common = np.random.default_rng([3, step]).standard_normal(SHAPE)
@@ -113,12 +123,15 @@ def _grad(rank, step):
 
 
 def _simulate(backend, steps, poison_step=None, **options):
-    """Two ranks' auto schemes driven step by step, payloads summed (op Sum)."""
+    """Two ranks' auto schemes driven step by step, payloads summed (op Sum). Returns the
+    schemes, states, the summed output of every step, the choice after every step, the
+    state's fields after every step, and the ranks' pending error feedback summed (float64,
+    gradient coordinates) after every step."""
     ops = one_rank(backend_ops(backend))
     schemes = [make_scheme("auto", **{**SLOW, **options}).bind(ops) for _ in range(2)]
     infos = [TensorInfo("w", SHAPE, "float32", 2, r, "sum") for r in range(2)]
     states = [s.init(ops, i, backend_tensor(backend, [0.0])) for s, i in zip(schemes, infos)]
-    outs, choices = [], []
+    outs, choices, fields, pending = [], [], [], []
     for t in range(steps):
         pcs = []
         for r in range(2):
@@ -136,7 +149,22 @@ def _simulate(backend, steps, poison_step=None, **options):
         assert schemes[0]._at == schemes[1]._at
         outs.append(step_outs[0])
         choices.append(schemes[0].specs[schemes[0]._at["w"][1]])
-    return schemes, states, outs, choices
+        fields.append(states[0]._fields)
+        owed = np.zeros(SHAPE)
+        for r in range(2):
+            res = schemes[r].residual_of(ops, states[r], infos[r])
+            if res is not None:
+                owed += np.asarray(ops.to_host(res), dtype=np.float64).reshape(SHAPE)
+        pending.append(owed)
+    return schemes, states, outs, choices, fields, pending
+
+
+def _owed_error(outs, pending, t):
+    """|| sum of outputs + pending error feedback - sum of gradients || / || sum of
+    gradients || after step ``t``: 0 when nothing of the gradient is lost or sent twice."""
+    total_in = sum(_grad(0, s) + _grad(1, s) for s in range(t + 1))
+    total_out = sum(outs[:t + 1])
+    return np.linalg.norm(total_out + pending[t] - total_in) / np.linalg.norm(total_in)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -175,46 +203,93 @@ def test_window_prunes_a_hopeless_candidate_the_same_way_on_every_rank(backend, 
     assert d0["predicted_ms"]["fp16"] < 20.0
 
 
-def _fp16_sum(t):
-    """fp16's step (no error feedback): each rank's x / 2 in float16, summed in float16, x 2."""
-    return allreduce_fp16([fp16(fp32(_grad(r, t)) * 0.5) for r in (0, 1)], "sum") * 2
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_simulated_switch_flushes_error_feedback_exactly(backend):
-    schemes, states, outs, choices = _simulate(backend, 11)
-    assert choices[:2] == ["fp16", "fp16"] and choices[2] != "fp16"
-    total_out, total_in = np.zeros(SHAPE), np.zeros(SHAPE)
-    for t, out in enumerate(outs):
-        total_out += out
-        total_in += _fp16_sum(t) if t < 2 else _grad(0, t) + _grad(1, t)
-        rel = np.linalg.norm(total_out - total_in) / np.linalg.norm(total_in)
-        if t < 2:
-            assert rel < 1e-12, (t, rel)  # fp16 steps: exactly fp16's sum
-        if t in (6, 10):  # probes after the switch: every residual flushed
-            assert rel < 1e-6, (t, rel)
-        if t in (3, 7):  # a compressed step: error feedback pending
-            assert rel > 1e-3, (t, rel)
+def test_simulated_thc_probes_flush_error_feedback_exactly(backend):
+    """THC (integer payload) starts on the slow link, and its probes send the float32 flush:
+    right after each one nothing is owed; in between, outputs plus the owed error feedback
+    are the summed gradients."""
+    schemes, states, outs, choices, fields, pending = _simulate(backend, 11)
+    assert choices[0] == "thc"  # the start: the fewest bytes
+    for t in range(11):
+        assert _owed_error(outs, pending, t) < 1e-5, t
+        owed = np.linalg.norm(pending[t])
+        assert (owed == 0) if t in (2, 6, 10) else (owed > 1e-2), (t, owed)
     d = schemes[0].decisions["w"]
     assert d.spec == choices[-1] and d.step == 10 and len(d.predicted_ms) == 3
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_simulated_switch_carries_error_feedback(backend):
+    """PowerSGD starts (fewest bytes); its probe's lanes ride on its own float32 payload.
+    The step gate (a huge step_penalty) sends the tensor to fp16 at the probe: PowerSGD's
+    residual becomes the carry, added to the next fp16 step and then dropped. Nothing is
+    lost at any step (fp16's own rounding aside)."""
+    schemes, states, outs, choices, fields, pending = _simulate(
+        backend, 8, candidates="fp16|powersgd:4", step_penalty=1e6, error_budget=2.0)
+    assert choices[:2] == ["powersgd:rank=4"] * 2 and choices[2:] == ["fp16"] * 6
+    d = schemes[0].history[0]
+    assert d.step == 2 and d.reason.startswith("step gate") and d.speedup > 1.0
+    assert "carry" in fields[2] and "carry" not in fields[3]
+    assert np.linalg.norm(pending[1]) > 1.0 and np.linalg.norm(pending[2]) > 1.0
+    for t in range(8):
+        assert _owed_error(outs, pending, t) < 2e-3, t  # fp16 payloads round
+    assert np.linalg.norm(pending[3]) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_simulated_riding_probe_keeps_a_paying_choice(backend):
+    """Without the gate, PowerSGD stays: the lanes decoded from its payload predict it far
+    below fp16 on the slow link, with its measured error; no flush (the residual stays)."""
+    schemes, states, outs, choices, fields, pending = _simulate(
+        backend, 7, candidates="fp16|powersgd:4", step_penalty=0.0, error_budget=2.0)
+    assert choices == ["powersgd:rank=4"] * 7
+    d = schemes[0].decisions["w"]
+    assert d.predicted_ms[1] < 0.2 * d.predicted_ms[0] and 0.1 < d.errors[1] < 1.0
+    assert np.linalg.norm(pending[2]) > 1.0  # not flushed
+    for t in range(7):
+        assert _owed_error(outs, pending, t) < 1e-5, t
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_failed_probe_decides_nothing_and_keeps_the_residual(backend):
     # A NaN on rank 1 at the first probe: no decision, state kept, the schedule goes on.
-    schemes, states, outs, choices = _simulate(backend, 7, poison_step=2)
+    schemes, states, outs, choices, fields, pending = _simulate(backend, 7, poison_step=2,
+                                                                candidates="fp16|powersgd:4",
+                                                                step_penalty=1e6, error_budget=2.0)
     assert np.isnan(outs[2]).all()
-    assert choices[:6] == ["fp16"] * 6 and "w" not in {k for k, d in schemes[0].decisions.items()
-                                                       if d.step == 2}
-    assert choices[6] != "fp16"  # the next window decides
+    assert choices[:6] == ["powersgd:rank=4"] * 6 and not [d for d in schemes[0].history if d.step == 2]
+    np.testing.assert_array_equal(pending[2], pending[1])  # the failed step changed nothing
+    assert choices[6] == "fp16"  # the next window decides
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_wire_follows_the_choice(backend):
-    schemes, states, _, choices = _simulate(backend, 3)
+    schemes, states, _, choices, _, _ = _simulate(backend, 3, candidates="fp16|powersgd:4", step_penalty=1e6)
     info = TensorInfo("w", SHAPE, "float32", 2, 0, "sum")
-    chosen = schemes[0].candidates[schemes[0].specs.index(choices[-1])]
-    assert schemes[0].wire(info) == chosen.wire(info) != schemes[0].candidates[0].wire(info)
+    assert choices == ["powersgd:rank=4", "powersgd:rank=4", "fp16"]
+    assert schemes[0].wire(info) == schemes[0].candidates[0].wire(info) != schemes[0].candidates[1].wire(info)
+
+
+@pytest.mark.parametrize("spec", ["topkc:0.1", "powersgd:4", "thc:4"])
+def test_add_residual_adds_in_gradient_coordinates(spec):
+    """What auto carries over a switch: add_residual(r) then residual_of gives the old
+    residual plus r, in the gradient's coordinates (THC rotates it into its basis)."""
+    backend = BACKENDS[0]
+    ops = one_rank(backend_ops(backend))
+    name, options = parse_spec(spec)
+    scheme = make_scheme(name, **options).bind(ops)
+    info = TensorInfo("t", SHAPE, "float32", 1, 0, "sum")
+    state = scheme.init(ops, info, backend_tensor(backend, [0.0]))
+    x = np.random.default_rng(1).standard_normal(SHAPE)
+    payload, ctx = compress_tensor(scheme, ops, backend_tensor(backend, x), state, info)
+    _, state = finish_tensor(scheme, ops, payload, ctx, state, info)
+    before = np.asarray(ops.to_host(scheme.residual_of(ops, state, info)), dtype=np.float64)
+    extra = np.random.default_rng(2).standard_normal(SHAPE[0] * SHAPE[1])
+    state = scheme.add_residual(ops, state, info, backend_tensor(backend, extra))
+    after = np.asarray(ops.to_host(scheme.residual_of(ops, state, info)), dtype=np.float64)
+    assert np.abs(before).max() > 1e-2
+    np.testing.assert_allclose(after, before + extra, atol=1e-5)
+    assert make_scheme("fp16").add_residual(ops, None, info, extra) is None
 
 
 def test_thc_residual_in_gradient_coordinates():

@@ -1,26 +1,32 @@
 """``auto`` under real Horovod: 2 ranks, Gloo, one PyTorch and one TensorFlow (eager) launch.
 
 Each rank's gradient at step t comes from ``_grad(rank, t)``, so the host rebuilds the float64
-sums. Checks: the ranks take the same decisions; a switch keeps error feedback exact (at every
-probe step the summed outputs equal the summed gradients, float64 reference); a link measured
-on the unthrottled loopback keeps every tensor on fp16; a gathered checkpoint resumes the
-schedule and choice; metrics and the log say what was chosen and why; TensorFlow's
-``tf.function`` is refused with a clear error.
+sums. Checks: the ranks take the same decisions; THC's probes flush its error feedback exactly
+(at every probe step the summed outputs equal the summed gradients, float64 reference); a
+float candidate's probe carries the lanes in its own payload under op Average, and a switch
+carries the error feedback over (outputs plus every rank's pending residual equal the summed
+gradients at every step); a link measured on the unthrottled loopback keeps every tensor on
+fp16; a gathered checkpoint resumes the schedule and choice; metrics and the log say what was
+chosen and why; TensorFlow's ``tf.function`` is refused with a clear error.
 """
 import numpy as np
 import pytest
 
 from tests.backends import BACKENDS
 from tests.hvdrun import run
-from tests.reference import allreduce_fp16, fp16, fp32
 
 SHAPE = (64, 64)
 STEPS = 11  # probes at steps 2, 6, 10 (warmup=3, every=4)
 PROBES = (2, 6, 10)
-# A slow link (100 kbit/s): every compressed candidate beats fp16 by far.
+# A slow link (100 kbit/s): every compressed candidate beats fp16 by far, and THC starts.
 # THC sums exactly (integers), so a flush leaves no error at all; TopKC's float16 sum rounds.
 SLOW = dict(candidates="fp16|thc:4|thc:8", bandwidth_gbit=0.0001, latency_ms=0.1,
             warmup=3, every=4)
+# PowerSGD starts (fewest bytes); at the first probe the step gate (a huge penalty) sends the
+# tensor to fp16, with PowerSGD's residual carried (random data: its error is near 1).
+GATE = dict(candidates="fp16|powersgd:4", bandwidth_gbit=0.0001, latency_ms=0.1, warmup=3,
+            every=4, step_penalty=1e6, error_budget=2.0)
+GATE_STEPS = 6
 
 
 def _grad(rank, step, shape=SHAPE):
@@ -64,7 +70,6 @@ def _torch_worker():
     res["slow_decision"] = tuple(comp.scheme.decisions["w"])
     res["slow_history"] = comp.decisions()
     res["slow_wire"] = comp.wire_bytes()["w"].payload
-    res["logs"] = [m for m in logs.messages if "auto:" in m]
     # 2. Checkpoint after step 6, resume in a new compressor: same outputs as going on.
     comp_a = Compression.auto(**SLOW)
     steps(comp_a, 0, 7)
@@ -75,13 +80,34 @@ def _torch_worker():
     rest_b, choices_b = steps(comp_b, 7, STEPS)
     res["resume_same"] = all(np.array_equal(a, b) for a, b in zip(rest_a, rest_b))
     res["resume_choices"] = choices_b
-    # 3. Link measured on the loopback: fast, so nothing pays against fp16's cast.
+    # 3. Lanes riding on PowerSGD's payload under Average; the switch to fp16 carries.
+    comp_g = Compression.auto(**GATE)
+    res["gate"] = _gate_run(lambda x: hvd.allreduce(x, name="g", compression=comp_g, op=hvd.Average),
+                            lambda t: torch.as_tensor(_grad(rank, t)).float(), comp_g, rank)
+    # 4. Link measured on the loopback: fast, so nothing pays against fp16's cast.
     comp = Compression.auto(candidates="fp16|topkc:0.1|thc:4", warmup=3, every=4)
     res["link"] = tuple(comp.scheme.link)
     _, choices = steps(comp, 0, 4, name="fast")
     res["fast_choices"] = choices
     res["link_logs"] = [m for m in logs.messages if "link measured" in m]
+    res["logs"] = [m for m in logs.messages if "auto:" in m]
     return res
+
+
+def _gate_run(allreduce, tensor, comp, rank):
+    """GATE_STEPS steps of ``comp`` on tensor "g": outputs, choices, state fields and this
+    rank's pending error feedback (float64) after each, and the decision history."""
+    outs, choices, fields, owed = [], [], [], []
+    for t in range(GATE_STEPS):
+        outs.append(np.asarray(allreduce(tensor(t)), dtype=np.float64))
+        choices.append(comp.metrics()["g"].get("scheme"))
+        state = comp._read_state("g")
+        fields.append(tuple(state._fields))
+        pending = comp.scheme.residual_of(comp.ops, state, comp._infos["g"])
+        owed.append(np.zeros(SHAPE) if pending is None else
+                    np.asarray(comp.ops.to_host(pending), dtype=np.float64).reshape(SHAPE))
+    return {"outs": outs, "choices": choices, "fields": fields, "owed": owed,
+            "history": comp.decisions()}
 
 
 def _tf_worker():
@@ -102,6 +128,9 @@ def _tf_worker():
         outs.append(out.numpy().astype(np.float64))
         choices.append(comp.metrics()["w"].get("scheme"))
     res["outs"], res["choices"] = outs, choices
+    comp_g = Compression.auto(**GATE)
+    res["gate"] = _gate_run(lambda x: hvd.allreduce(x, name="g", compression=comp_g, op=hvd.Average),
+                            lambda t: tf.constant(_grad(rank, t), tf.float32), comp_g, rank)
 
     graph_comp = Compression.auto(**SLOW)
 
@@ -113,26 +142,40 @@ def _tf_worker():
     return res
 
 
-def _fp16_sum(t):
-    """fp16's step (no error feedback): each rank's x / 2 in float16, summed in float16, x 2."""
-    return allreduce_fp16([fp16(fp32(_grad(r, t)) * 0.5) for r in (0, 1)], "sum") * 2
-
-
 def _check_flushes(outs):
-    """At each probe step, the summed outputs so far equal the summed gradients (float64),
-    fp16's own rounding on the steps before the first probe aside."""
+    """At each probe step, the summed outputs so far equal the summed gradients (float64);
+    between probes THC's error feedback is pending."""
     total_out = np.zeros(SHAPE)
     total_in = np.zeros(SHAPE)
     for t, out in enumerate(outs):
         total_out += out
-        total_in += _fp16_sum(t) if t < PROBES[0] else _grad(0, t) + _grad(1, t)
+        total_in += _grad(0, t) + _grad(1, t)
         rel = np.linalg.norm(total_out - total_in) / np.linalg.norm(total_in)
-        if t < PROBES[0]:
-            assert rel < 1e-12, (t, rel)
         if t in PROBES:
             assert rel < 1e-6, (t, rel)  # float32 rounding of the probe payload only
-        elif t == PROBES[0] + 1:
-            assert rel > 1e-3, (t, rel)  # a compressed step in between: error feedback pending
+        elif t in (0, 1, PROBES[0] + 1):
+            assert rel > 1e-3, (t, rel)  # a compressed step: error feedback pending
+
+
+def _check_gate(ranks):
+    """The gate run on every rank: the same choices and outputs; PowerSGD until the first
+    probe (step 2), then fp16 with the carry held for one step; at every step the ranks'
+    mean outputs times 2 plus their pending residuals equal the summed gradients."""
+    r0, r1 = (r["gate"] for r in ranks)
+    assert r0["choices"] == r1["choices"] == ["powersgd:rank=4"] * 2 + ["fp16"] * (GATE_STEPS - 2)
+    assert r0["history"] == r1["history"] and r0["history"][0]["reason"].startswith("step gate")
+    for a, b in zip(r0["outs"], r1["outs"]):
+        np.testing.assert_array_equal(a, b)
+    assert "carry" in r0["fields"][2] and "carry" not in r0["fields"][3]
+    total_in = np.zeros(SHAPE)
+    total_out = np.zeros(SHAPE)
+    for t in range(GATE_STEPS):
+        total_in += _grad(0, t) + _grad(1, t)
+        total_out += 2 * r0["outs"][t]  # op Average
+        owed = r0["owed"][t] + r1["owed"][t]
+        assert np.linalg.norm(owed) > 1.0 if t < 3 else np.linalg.norm(owed) == 0, t
+        rel = np.linalg.norm(total_out + owed - total_in) / np.linalg.norm(total_in)
+        assert rel < 2e-3, (t, rel)  # fp16 payloads round
 
 
 @pytest.fixture(scope="module")
@@ -155,14 +198,16 @@ def test_torch_same_decisions_and_outputs_on_every_rank(torch_results):
     assert r0["slow_decision"] == r1["slow_decision"]
     for a, b in zip(r0["slow_outs"], r1["slow_outs"]):
         np.testing.assert_array_equal(a, b)
-    # fp16 through the first window, a compressed candidate from the first probe on.
-    assert r0["slow_choices"][:2] == ["fp16", "fp16"]
-    assert r0["slow_choices"][2] != "fp16"
-    assert len(set(r0["slow_choices"][2:])) == 1
+    # THC from the start (the fewest bytes on the slow link), and kept at every probe.
+    assert r0["slow_choices"] == ["thc"] * STEPS
 
 
-def test_torch_switch_keeps_error_feedback_exact(torch_results):
+def test_torch_thc_probes_flush_exactly(torch_results):
     _check_flushes(torch_results[0]["slow_outs"])
+
+
+def test_torch_riding_lanes_and_carried_switch(torch_results):
+    _check_gate(torch_results)
 
 
 def test_torch_metrics_and_log_say_what_and_why(torch_results):
@@ -181,9 +226,11 @@ def test_torch_metrics_and_log_say_what_and_why(torch_results):
     assert [d["scheme"] for d in h] == [r0["slow_choices"][3], r0["slow_choices"][7], m["scheme"]]
     assert set(h[0]["predicted_ms"]) == set(h[0]["errors"]) == {"fp16", "thc", "thc:bits=8"}  # canonical specs
     assert h[-1]["predicted_ms"][m["scheme"]] == m["predicted_ms"] and h[-1]["reason"] == m["reason"]
-    # One line per change, on rank 0 only.
-    assert len([l for l in r0["logs"] if "tensor w:" in l and "fp16 -> " in l]) == 1
-    assert not [l for l in r1["logs"] if "tensor w:" in l]
+    # One line per change (the gate run's, tensor g), on rank 0 only.
+    assert not [l for l in r0["logs"] if "tensor w:" in l]
+    changes = [l for l in r0["logs"] if "tensor g:" in l]
+    assert len(changes) == 1 and "powersgd:rank=4 -> fp16 at step 2 (step gate" in changes[0]
+    assert not [l for l in r1["logs"] if "tensor g:" in l]
 
 
 def test_torch_checkpoint_resumes_schedule_and_choice(torch_results):
@@ -201,13 +248,13 @@ def test_torch_unthrottled_link_stays_fp16(torch_results):
     assert not r1["link_logs"]
 
 
-def test_tf_eager_same_decisions_and_exact_flush(tf_results):
+def test_tf_eager_same_decisions_flush_and_carried_switch(tf_results):
     r0, r1 = tf_results
-    assert r0["choices"] == r1["choices"]
-    assert r0["choices"][2] != "fp16"
+    assert r0["choices"] == r1["choices"] == ["thc"] * STEPS
     for a, b in zip(r0["outs"], r1["outs"]):
         np.testing.assert_array_equal(a, b)
     _check_flushes(r0["outs"])
+    _check_gate(tf_results)
 
 
 def test_tf_function_is_refused_clearly(tf_results):
