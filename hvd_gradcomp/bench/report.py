@@ -443,11 +443,13 @@ def markdown_table(rows, network):
 
 def workload_name(row):
     """The sweep's name of a row's workload: the worker's ``workload`` field, with ``-tf`` for
-    TensorFlow runs (the TF digits worker records ``"digits"``; the sweep calls it
-    ``digits-tf``). None for records without the field."""
+    TensorFlow runs (the TF digits worker records ``"digits"``, or ``"digits-eager"`` with its
+    step run eagerly; the sweep calls them ``digits-tf`` and ``digits-tf-eager``). None for
+    records without the field."""
     w = row.get("workload")
-    if w and row.get("framework") == "tensorflow" and not w.endswith("-tf"):
-        w += "-tf"
+    if w and row.get("framework") == "tensorflow" and "-tf" not in w:
+        base, eager = (w[:-len("-eager")], True) if w.endswith("-eager") else (w, False)
+        w = base + "-tf" + ("-eager" if eager else "")
     return w
 
 

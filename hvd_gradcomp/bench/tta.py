@@ -72,7 +72,11 @@ WORKLOADS = {
     "digits": ("torch", "hvd_gradcomp.bench.workers.digits_torch", "digits", True),
     "lm": ("torch", "hvd_gradcomp.bench.workers.lm_torch", "lm", True),
     "digits-tf": ("tensorflow", "hvd_gradcomp.bench.workers.digits_tf", "digits", False),
+    "digits-tf-eager": ("tensorflow", "hvd_gradcomp.bench.workers.digits_tf", "digits-eager", False),
 }
+# Worker flags of a workload: digits-tf-eager runs every row's step eagerly, so that auto
+# (eager only) is compared with the fixed compressors in the same execution mode.
+WORKLOAD_FLAGS = {"digits-tf-eager": ("--eager",)}
 DDP_WORKER = "hvd_gradcomp.bench.workers.ddp_torch"  # every DDP run, whatever the workload
 # Candidate defaults, in table order; those naming an unregistered scheme or option are skipped.
 DEFAULT_CANDIDATES = (
@@ -178,7 +182,8 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False):
     """The runs in table order: per workload, the Horovod specs, the DDP hooks (PyTorch
     workloads), then, with ``reference``, the no-communication reference (FP32 on an
     unthrottled link, :class:`RunSpec` ``reference=True``). Specs with ``auto`` are left out
-    of TensorFlow workloads (their step is a ``tf.function``; auto runs eagerly), with a note.
+    of TensorFlow workloads whose step is a ``tf.function`` (auto runs eagerly), with a note;
+    ``digits-tf-eager`` runs them.
 
     Raises:
         ValueError: an unknown workload.
@@ -188,9 +193,10 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False):
         if w not in WORKLOADS:
             raise ValueError(f"unknown workload {w!r}; expected some of {sorted(WORKLOADS)}")
         for s in specs:
-            if WORKLOADS[w][0] == "tensorflow" and _eager_only(s):
+            if WORKLOADS[w][0] == "tensorflow" and "--eager" not in WORKLOAD_FLAGS.get(w, ()) \
+                    and _eager_only(s):
                 print(f"tta: {s} skipped on {w}: auto runs eagerly only, and this worker's step "
-                      f"is a tf.function", file=sys.stderr)
+                      f"is a tf.function (workload digits-tf-eager runs it)", file=sys.stderr)
                 continue
             plan.append(RunSpec(w, "horovod", s))
         if WORKLOADS[w][3]:
@@ -255,6 +261,7 @@ def _command(run, args, out_json):
     else:
         cmd += ["--compression", run.spec]
     cmd += ["--seed", str(args.seed), "--out", out_json, "--progress"]
+    cmd += list(WORKLOAD_FLAGS.get(run.workload, ())) if run.system != "ddp" else []
     if args.max_seconds:
         cmd += ["--max-seconds", str(args.max_seconds)]
     cmd += args.worker_args.split() if args.worker_args else []

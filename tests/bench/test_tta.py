@@ -80,6 +80,20 @@ def test_plan_leaves_auto_out_of_tensorflow_workloads(capsys):
     assert err.count("skipped on digits-tf") == 2
 
 
+def test_tensorflow_eager_workload_runs_auto_and_every_row_eagerly(tmp_path, capsys):
+    """digits-tf-eager: auto is planned, and every Horovod row's worker gets --eager, so auto
+    and the fixed compressors run their step in the same mode."""
+    plan = tta.plan_runs(["digits-tf-eager"], ["fp16", "auto"], [])
+    assert [r.run_id for r in plan] == ["digits-tf-eager-horovod-fp16", "digits-tf-eager-horovod-auto"]
+    assert "skipped" not in capsys.readouterr().err
+    args = tta.build_parser().parse_args([])
+    for r in plan:
+        cmd = tta._command(r, args, str(tmp_path / "r.json"))
+        assert cmd[2] == "hvd_gradcomp.bench.workers.digits_tf" and cmd.count("--eager") == 1
+    row = {"workload": "digits-eager", "framework": "tensorflow"}
+    assert report.workload_name(row) == "digits-tf-eager"
+
+
 def test_workers_are_launched_as_modules_of_the_package(tmp_path):
     args = tta.build_parser().parse_args(["--worker-args", "--max-steps 3", "--max-seconds", "9"])
     out = str(tmp_path / "r.json")

@@ -116,6 +116,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser, higher_is_better=True, **DEFAULTS)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--eager", action="store_true",
+                        help="run the communicating step eagerly, not as a tf.function (auto "
+                             "runs eagerly only; the tta workload digits-tf-eager runs every row so)")
     args = parser.parse_args(argv)
     hvd.init()
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
@@ -135,12 +138,14 @@ def main(argv=None):
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     compressor = GraphTimedCompressor(Compression.from_spec(args.compression))
 
-    @tf.function
     def reduced_grads(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         tape = hvd.DistributedGradientTape(tape, compression=compressor, op=hvd.Average)
         return loss, tape.gradient(loss, model.trainable_variables)
+
+    if not args.eager:
+        reduced_grads = tf.function(reduced_grads)
 
     @tf.function
     def local_grads(x, y):  # the same forward/backward without communication (calibration)
@@ -153,18 +158,20 @@ def main(argv=None):
         opt.apply_gradients(zip(grads, model.trainable_variables))
 
     meta = {"framework": "tensorflow", "system": "horovod", "label": args.compression,
-            "workload": "digits", "metric": "test accuracy",
+            "workload": "digits-eager" if args.eager else "digits", "metric": "test accuracy",
             "model": f"Keras MLP 64-{args.hidden}-{args.hidden}-10",
             "versions": {"tensorflow": tf.__version__, "horovod": horovod.__version__,
                          "numpy": np.__version__},
             "params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
-            "tf_codec_timing": "in-graph tf.timestamp, side collectives excluded"}
+            "tf_codec_timing": "in-graph tf.timestamp, side collectives excluded",
+            "eager": bool(args.eager)}
     rec = Recorder(args, rank, size, steps_per_epoch, True, meta)
     # Trace the step functions before the clock starts (compress runs at trace time, creating
     # the compressor's state variables; nothing executes, so no state changes).
     xs = tf.TensorSpec([args.batch_size, 64], tf.float32)
     ys = tf.TensorSpec([args.batch_size], tf.int64)
-    reduced_grads.get_concrete_function(xs, ys)
+    if not args.eager:
+        reduced_grads.get_concrete_function(xs, ys)
     local_grads.get_concrete_function(xs, ys)
     apply.get_concrete_function([tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables])
     calib = []
