@@ -14,12 +14,19 @@ PowerSGD at a few settings. ``fp16`` must be among them: it is the fallback.
 
 Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the state):
 
-1. **Start.** Before anything is measured the tensor runs on the candidate whose wire bytes
-   the link moves fastest (:func:`start_choice`; codec time unknown, so not counted), if that
-   saves at least ``hysteresis`` of fp16's all-reduce time and at least
-   :data:`START_SAVING_S`, else on fp16. The first window's
-   real steps then cost what the likely winner costs instead of fp16's dense all-reduce
-   (digits at 1 Gbit/s: 31 ms a step for PowerSGD against 132 ms for fp16).
+1. **Start.** Before anything is measured, every tensor starts on one *start candidate*
+   (:func:`start_choice`): the lossy candidate with the fewest wire bytes on a reference
+   1024 x 1024 matrix (PowerSGD rank 4 among the defaults), if the link is slow enough that
+   this saves at least :data:`START_SAVING_S` a step on that matrix, and only on the tensors
+   where it saves at least ``hysteresis`` of fp16's bytes (not on vectors, which PowerSGD
+   sends uncompressed); else fp16. One candidate for all tensors, because mixing schemes
+   across layers in the first steps costs steps: on digits at 1 Gbit/s, fp16 on the 2048 x
+   10 output layer for the first 3 steps while the other weights started on PowerSGD took
+   140 steps to 96 %, against 110 with every weight on one scheme and 115 for PowerSGD
+   alone. The first window's real steps then cost what the likely winner costs instead of
+   fp16's dense all-reduce (digits at 1 Gbit/s: 31 ms a step for PowerSGD against 132 ms
+   for fp16). Only agreed facts enter (the candidates, the link, the tensor's size), so
+   every rank starts the same way.
 2. **Window.** Steps ``t`` with ``(t - warmup + 1) mod every`` in ``[every - warmup + 1,
    every]`` or ``t < warmup`` form a window of ``warmup`` steps ending at a *probe* step
    ``p = warmup - 1 + n * every``. On each window step, besides the real step, every candidate
@@ -30,11 +37,12 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    shadow's pending error feedback; ``out``: what it delivers; mean over the window's steps
    after the first, whose agreed statistics, such as THC's ranges and TopKC's scores, start
    empty). That first step also screens: a candidate slower than :data:`PRUNE_FACTOR` times
-   fp16's predicted step is not run again in the window and reports itself unusable
+   fp16's predicted step (and than :data:`PRUNE_MIN_MS`) is not run again in the window and
+   reports itself unusable
    (:meth:`AutoScheme._measure`).
-3. **Probe.** The probe step is the current candidate's own step, with ``2 + 2 C`` *lanes*
+3. **Probe.** The probe step is the current candidate's own step, with ``3 + 3 C`` *lanes*
    appended to its payload: a 1 (this rank contributes), each candidate's codec ms and error,
-   and this rank's *speedup* (step 5). Each lane is clamped to :data:`LANE_MAX` and pre-scaled
+   this rank's *speedup* (step 5), its step ms and its vote per candidate (step 4). Each lane is clamped to :data:`LANE_MAX` and pre-scaled
    by ``1 / world_size`` (as ``fp16`` pre-scales), so ``n`` ranks' float16 sum stays finite;
    the lanes, summed by the same all-reduce and divided by the count lane, are the mean over
    the contributing ranks, the same numbers on every rank (Sum or Average alike; a joined rank
@@ -47,9 +55,16 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    the next ``every`` steps: the least predicted time ``codec ms + ring all-reduce ms of its
    wire bytes`` (:func:`hvd_gradcomp.ring.ring_allreduce_seconds`) among those within the
    error budget (predictions within ``hysteresis`` of the least tie, and the lower error
-   wins), switching only when that gains at least ``hysteresis`` over the current choice.
-   fp16 is always allowed. A probe whose lanes are not finite (some rank's gradient held a
-   NaN/inf) decides nothing.
+   wins), switching only when that gains at least ``hysteresis`` over the current choice
+   (not at the first decision: the start was a guess). fp16 is always allowed. Then the
+   *leading tensor's* choice: each rank votes (lanes) for its own best choice of the tensor
+   with the most predicted fp16 time; a tensor takes the voted choice instead of its own if
+   that is within the error budget and costs it at most ``follow`` times the measured step
+   (lane: this rank's step, the least over the window, shadows' time taken off). One scheme
+   across layers trains in fewer steps (step 1): on digits, PowerSGD everywhere but fp16 on
+   the output layer (predicted 0.4 ms faster, 1 % of the step) took 180 steps to 96 %
+   against 115 for PowerSGD on all of them. A probe whose lanes are not finite (some rank's
+   gradient held a NaN/inf) decides nothing.
 5. **Step gate.** A lossy choice (anything but fp16) costs extra steps to the same accuracy,
    which no per-tensor time sees: measured against FP16, +15 % for PowerSGD rank 4, +30-50 %
    for TopKC 0.1 and +35 % for THC on digits, +46 % for TopKC 0.3 and +208 % for TopKC 0.1 on
@@ -118,10 +133,14 @@ FALLBACK = "fp16"
 # fp16's predicted step for the tensor is not run again in that window (AutoScheme._measure).
 # First calls cost more than later ones (allocations, THC's first Sylvester matrix), hence > 1.
 PRUNE_FACTOR = 2.5
-# A tensor starts compressed only if that saves at least this much all-reduce time a step
-# (seconds): codec times are not known before the first window, and no candidate's codec costs
-# less than about 0.2 ms even on a small tensor (TopKC 0.1 on 64 x 48, one CPU core).
+# Tensors start compressed only if the start candidate saves at least this much all-reduce
+# time a step (seconds) on a REFERENCE_SHAPE matrix: codec times are not known before the first
+# window, and PowerSGD rank 4 costs about 10 ms on 2048 x 2048 on one CPU core.
 START_SAVING_S = 1e-3
+REFERENCE_SHAPE = (1024, 1024)
+# A window's first step prunes a candidate only if it also took at least this long (ms): on
+# small tensors first calls cost a few ms of one-time work, and running them again is cheap.
+PRUNE_MIN_MS = 5.0
 # Every lane is clamped to this before its 1/world_size pre-scale, so that n ranks' float16
 # sum stays below 65504 (a codec of more than 30 s a step is unusable anyway).
 LANE_MAX = 3e4
@@ -162,16 +181,31 @@ class Decision(NamedTuple):
     speedup: float = math.nan  # the agreed T_fp16 / T_mix of the step gate
 
 
-def start_choice(wire_bytes, world_size: int, link: Link, fallback: int, hysteresis: float) -> int:
-    """The candidate a tensor starts on (module docstring, step 1): the least ring all-reduce
-    time of its ``wire_bytes`` over ``link`` (ties: fp16, then the earlier candidate), if that
-    saves at least ``hysteresis`` of fp16's time and at least :data:`START_SAVING_S`; else
-    ``fallback``. Only agreed facts enter (no rank's own timings), so every rank starts the
-    same way."""
-    comm = [ring_allreduce_seconds(b, world_size, link.bytes_per_second, link.latency_s) for b in wire_bytes]
-    best = min(range(len(comm)), key=lambda i: (comm[i], i != fallback, i))
-    saving = comm[fallback] - comm[best]
-    return best if saving >= max(hysteresis * comm[fallback], START_SAVING_S) else fallback
+def start_choice(wire_bytes, reference_bytes, world_size: int, link: Link, fallback: int,
+                 hysteresis: float) -> int:
+    """The candidate a tensor starts on (module docstring, step 1).
+
+    Args:
+        wire_bytes: per candidate, this tensor's payload bytes.
+        reference_bytes: per candidate, the payload bytes of a :data:`REFERENCE_SHAPE` matrix.
+        world_size, link: the all-reduce's ranks and the :class:`Link`.
+        fallback: index of fp16; hysteresis: the least fraction of fp16's bytes to save.
+
+    Returns the start candidate (the lossy one of fewest ``reference_bytes``, ties to the
+    earlier) if the link takes at least :data:`START_SAVING_S` less for its reference bytes
+    than for fp16's and it saves at least ``hysteresis`` of this tensor's fp16 bytes; else
+    ``fallback``. A pure function of agreed facts.
+    """
+    lossy = [i for i in range(len(wire_bytes)) if i != fallback]
+    if not lossy:
+        return fallback
+    start = min(lossy, key=lambda i: (reference_bytes[i], i))
+
+    def comm(nbytes):
+        return ring_allreduce_seconds(nbytes, world_size, link.bytes_per_second, link.latency_s)
+    slow = comm(reference_bytes[fallback]) - comm(reference_bytes[start]) >= START_SAVING_S
+    pays = wire_bytes[start] <= (1.0 - hysteresis) * wire_bytes[fallback]
+    return start if slow and pays else fallback
 
 
 @dataclass(frozen=True)
@@ -211,6 +245,9 @@ class AutoConfig:
                                doc="fixed cost of one all-reduce, ms (with bandwidth_gbit)")
     step_penalty: float = option(0.5, kind="number", lo=0.0,
                                  doc="fraction more steps a lossy choice is assumed to need (step gate)")
+    follow: float = option(0.02, kind="number", lo=0.0,
+                           doc="a tensor takes the leading tensor's choice if that costs it at most "
+                               "this fraction of the step")
 
     def __post_init__(self):
         if isinstance(self.candidates, (tuple, list)):
@@ -242,7 +279,9 @@ def decide(codec_ms, errors, wire_bytes, world_size: int, link: Link, current: i
         wire_bytes: per candidate, payload bytes each rank hands to the all-reduce.
         world_size: ranks in the all-reduce.
         link: the :class:`Link`.
-        current: index of the candidate in use; fallback: index of fp16 (always allowed).
+        current: index of the candidate in use, or None at a tensor's first decision (its
+            start was a guess from wire bytes alone, so no hysteresis holds it); fallback:
+            index of fp16 (always allowed).
         budget: largest accepted error; hysteresis: least fraction of predicted time a switch
             must save.
     """
@@ -258,6 +297,8 @@ def decide(codec_ms, errors, wire_bytes, world_size: int, link: Link, current: i
     least = min(predicted[i] for i in allowed)
     near = [i for i in allowed if predicted[i] <= least * (1.0 + hysteresis)]
     best = min(near, key=lambda i: (errors[i] if math.isfinite(errors[i]) else 0.0, predicted[i], i))
+    if current is None:
+        return best, tuple(predicted), "first decision: least predicted time"
     if best == current:
         return current, tuple(predicted), "least predicted time (unchanged)"
     if current in allowed and predicted[best] > (1.0 - hysteresis) * predicted[current]:
@@ -324,7 +365,7 @@ class AutoScheme(Scheme):
         self._pruned = {}  # key -> indices of candidates not run again in this window
         self._infos = {}  # key -> TensorInfo of the tensors in a window
         self._clock = {}  # step -> [host time of the step's first compress, shadow seconds]
-        self._gate = (None, math.nan)  # (probe step, this rank's speedup lane for it)
+        self._gate = (None, None)  # (probe step, this rank's step lanes for it: _round)
         self._types = {}  # field names -> (AutoState class, candidate state class)
         self.decisions = {}  # key -> the last Decision
         self.history = []  # every Decision of this process, in order (host values)
@@ -366,8 +407,11 @@ class AutoScheme(Scheme):
         """A fresh state at step 0 on the start choice (:func:`start_choice`); the tensor's
         host mirror starts over too."""
         self.forget(info.key)
+        reference = dataclasses.replace(info, key="auto.reference", shape=REFERENCE_SHAPE,
+                                        dtype="float32")
         choice = self.fallback if self.link is None else start_choice(
-            [c.wire(info).payload for c in self.candidates], info.world_size, self.link,
+            [c.wire(info).payload for c in self.candidates],
+            [c.wire(reference).payload for c in self.candidates], info.world_size, self.link,
             self.fallback, self.config.hysteresis)
         return self._state(ops, like, 0, choice, self.candidates[choice].init(ops, info, like))
 
@@ -487,12 +531,21 @@ class AutoScheme(Scheme):
         cands = len(self.candidates)
         codec_ms = [lanes[1 + i] / count for i in range(cands)]
         errors = [lanes[1 + cands + i] / count for i in range(cands)]
-        speedup = lanes[1 + 2 * cands] / count
+        speedup, step_ms = lanes[1 + 2 * cands] / count, lanes[2 + 2 * cands] / count
+        votes = lanes[3 + 2 * cands:3 + 3 * cands]
         wire = [c.wire(info).payload for c in self.candidates]
         cfg = self.config
+        current = None if ctx.step == cfg.warmup - 1 else ctx.choice
         choice, predicted, reason = decide(codec_ms, errors, wire, info.world_size, self.link,
-                                           ctx.choice, self.fallback, cfg.error_budget, cfg.hysteresis)
-        need = (1.0 + cfg.step_penalty) * (1.0 - cfg.hysteresis if ctx.choice != self.fallback else 1.0)
+                                           current, self.fallback, cfg.error_budget, cfg.hysteresis)
+        leader = max(range(cands), key=lambda i: (votes[i], -i)) if max(votes) > 0 else choice
+        if leader != choice and (leader == self.fallback or errors[leader] <= cfg.error_budget) \
+                and predicted[leader] - predicted[choice] <= cfg.follow * step_ms:
+            reason = (f"follows the leading tensor's choice: {predicted[leader] - predicted[choice]:.3g} ms "
+                      f"more, below follow x step ({cfg.follow:.3g} x {step_ms:.3g} ms)")
+            choice = leader
+        held = current is not None and current != self.fallback
+        need = (1.0 + cfg.step_penalty) * (1.0 - cfg.hysteresis if held else 1.0)
         if choice != self.fallback and cfg.step_penalty > 0 and not speedup >= need:
             choice, reason = self.fallback, (f"step gate: compression predicted {speedup:.3g}x faster "
                                              f"a step than fp16, below {need:.3g}")
@@ -542,7 +595,7 @@ class AutoScheme(Scheme):
         if first:
             shadows = self._shadows[key] = [c.init(ops, alone, x) for c in self.candidates]
             self._samples[key] = [([], []) for _ in self.candidates]
-            self._firsts[key] = [math.nan] * len(self.candidates)
+            self._firsts[key] = [(math.nan, math.nan)] * len(self.candidates)
             self._pruned[key] = set()
             self._infos[key] = info
         pruned = self._pruned[key]
@@ -562,15 +615,16 @@ class AutoScheme(Scheme):
             num, den = ops.to_host(ops.concat([ops.reshape(ops.sum(diff * diff, None), (1,)),
                                                ops.reshape(ops.sum(corrected * corrected, None), (1,))], 0))
             if first:  # one-time costs and empty agreed stats: not a sample, only a screen
-                self._firsts[key][i] = elapsed
+                self._firsts[key][i] = (elapsed, math.sqrt(num / den) if den > 0 else 0.0)
             else:
                 times, errors = self._samples[key][i]
                 times.append(elapsed)
                 errors.append(math.sqrt(num / den) if den > 0 else 0.0)
         if first:
-            firsts, f = self._firsts[key], self.fallback
+            firsts, f = [ms for ms, _ in self._firsts[key]], self.fallback
             fp16_ms = firsts[f] + 1000.0 * self._comm(info, f)
-            pruned.update(i for i, ms in enumerate(firsts) if i != f and ms > PRUNE_FACTOR * fp16_ms)
+            pruned.update(i for i, ms in enumerate(firsts)
+                          if i != f and ms > max(PRUNE_FACTOR * fp16_ms, PRUNE_MIN_MS))
         self._clock[step][1] += time.perf_counter() - began
 
     def _comm(self, info, i):
@@ -582,16 +636,23 @@ class AutoScheme(Scheme):
         """This rank's window figures for ``key``: (codec ms, errors) per candidate, unusable
         (:data:`UNUSABLE`) when pruned or never sampled."""
         samples = self._samples.get(key) or [([], []) for _ in self.candidates]
+        firsts = self._firsts.get(key) or [(math.nan, math.nan)] * len(self.candidates)
         pruned = self._pruned.get(key, set())
-        times = [UNUSABLE if i in pruned else min(_finite_or(_min(t), UNUSABLE), LANE_MAX)
-                 for i, (t, _) in enumerate(samples)]
-        errors = [UNUSABLE if i in pruned or not e else min(sum(e) / len(e), LANE_MAX)
-                  for i, (_, e) in enumerate(samples)]
+        times, errors = [], []
+        for i, ((t, e), (ms0, e0)) in enumerate(zip(samples, firsts)):
+            if i in pruned:
+                times.append(UNUSABLE)
+                errors.append(UNUSABLE)
+            else:  # the screen's figures only until a sample exists (the gate's early reads)
+                times.append(min(_finite_or(_min(t) if t else ms0, UNUSABLE), LANE_MAX))
+                errors.append(min(_finite_or(sum(e) / len(e) if e else e0, UNUSABLE), LANE_MAX))
         return times, errors
 
-    def _speedup(self, step):
-        """This rank's step-gate lane for the probe ``step`` (module docstring, step 5),
-        computed once per probe step from the window's measurements so far."""
+    def _round(self, step):
+        """This rank's step lanes for the probe ``step`` (module docstring, steps 5-6):
+        ``[speedup, step ms, one vote per candidate]``, computed once per probe step from the
+        window's measurements so far. The vote goes to the local best choice of the tensor
+        with the most predicted fp16 time (the model's leading tensor)."""
         if self._gate[0] == step:
             return self._gate[1]
         cfg = self.config
@@ -602,29 +663,37 @@ class AutoScheme(Scheme):
                 periods.append(self._clock[s + 1][0] - t0 - shadows)
         for s in [s for s in self._clock if s < step - cfg.warmup]:
             del self._clock[s]
-        if not periods:
-            speedup = LANE_MAX  # nothing measured: no gate
-        else:
-            period = 1000.0 * min(periods)
-            now = mix = fp16 = 0.0
-            for key, info in self._infos.items():
-                times, errors = self._local(key)
-                wire = [c.wire(info).payload for c in self.candidates]
-                current = self._at.get(key, (0, self.fallback))[1]
-                best, predicted, _ = decide(times, errors, wire, info.world_size, self.link, current,
-                                            self.fallback, cfg.error_budget, cfg.hysteresis)
-                now, mix, fp16 = now + predicted[current], mix + predicted[best], fp16 + predicted[self.fallback]
+        votes = [0.0] * len(self.candidates)
+        period = 1000.0 * min(periods) if periods else 0.0
+        now = mix = fp16 = 0.0
+        lead = (-1.0, None)
+        for key, info in self._infos.items():
+            times, errors = self._local(key)
+            wire = [c.wire(info).payload for c in self.candidates]
+            at, current = self._at.get(key, (0, self.fallback))
+            best, predicted, _ = decide(times, errors, wire, info.world_size, self.link,
+                                        None if at == cfg.warmup - 1 else current,
+                                        self.fallback, cfg.error_budget, cfg.hysteresis)
+            now, mix, fp16 = now + predicted[current], mix + predicted[best], fp16 + predicted[self.fallback]
+            if predicted[self.fallback] > lead[0]:
+                lead = (predicted[self.fallback], best)
+        if lead[1] is not None:
+            votes[lead[1]] = 1.0
+        if periods:
             rest = max(period - now, 0.0)  # compute and everything else of the step
             speedup = (rest + fp16) / max(rest + mix, 1e-6)
-        self._gate = (step, min(speedup, LANE_MAX))
+        else:
+            speedup = LANE_MAX  # nothing measured: no gate
+        self._gate = (step, [min(speedup, LANE_MAX), min(period, LANE_MAX)] + votes)
         return self._gate[1]
 
     def _lanes(self, info, step):
-        """``[1, codec ms per candidate, error per candidate, speedup] / world_size`` of this
-        rank's window, each clamped to :data:`LANE_MAX` first (module docstring, step 3)."""
+        """``[1, codec ms per candidate, error per candidate, speedup, step ms, votes] /
+        world_size`` of this rank's window, each clamped to :data:`LANE_MAX` first (module
+        docstring, step 3)."""
         times, errors = self._local(info.key)
         scale = 1.0 / info.world_size
-        return [scale * v for v in [1.0] + times + errors + [self._speedup(step)]]
+        return [scale * v for v in [1.0] + times + errors + self._round(step)]
 
     # ---- facts ----
     def wire(self, info: TensorInfo) -> WireBytes:

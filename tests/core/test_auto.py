@@ -105,15 +105,19 @@ def test_schedule_windows_and_probes():
     assert [t for t, (window, _) in enumerate(phases) if window] == [0, 1, 2, 5, 6, 7, 10, 11, 12]
 
 
-def test_start_is_the_cheapest_wire_unless_it_saves_too_little():
-    # fp16 2 MB, A 0.2 MB, B 0.1 MB at 1 Gbit/s, 2 ranks: B moves fastest.
-    assert start_choice([2e6, 2e5, 1e5], 2, LINK, 0, 0.1) == 2
-    # Tiny tensors: latency dominates, the saving is below the hysteresis, fp16 stays; and
-    # on a fast link a saving far below a millisecond pays for no codec.
-    assert start_choice([100, 60, 50], 2, LINK, 0, 0.1) == 0
-    assert start_choice([2e6, 2e5, 1e5], 2, Link(125e9, 0.0), 0, 0.1) == 0
-    # A tie goes to fp16, wherever it is in the list.
-    assert start_choice([1e5, 1e5], 2, LINK, 1, 0.0) == 1
+def test_start_is_one_candidate_for_every_tensor_it_pays_on():
+    # Reference bytes: fp16 2 MB, A 0.2 MB, B 0.03 MB: B, the hardest compressor on a large
+    # matrix, is the start of every tensor where it saves bytes, even if A saves more there.
+    ref = [2e6, 2e5, 3e4]
+    assert start_choice([8e6, 8e5, 4e4], ref, 2, LINK, 0, 0.1) == 2
+    assert start_choice([4e4, 4e3, 3.3e4], ref, 2, LINK, 0, 0.1) == 2  # the 2048 x 10 layer
+    # A vector that B sends as it is: fp16.
+    assert start_choice([4096, 600, 4096], ref, 2, LINK, 0, 0.1) == 0
+    # A fast link: saving far below a millisecond on the reference pays for no codec.
+    assert start_choice([8e6, 8e5, 4e4], ref, 2, Link(125e9, 0.0), 0, 0.1) == 0
+    # fp16 anywhere in the list; no lossy candidate at all.
+    assert start_choice([4e4, 8e6], [3e4, 2e6], 2, LINK, 1, 0.1) == 0
+    assert start_choice([8e6], [2e6], 2, LINK, 0, 0.1) == 0
 
 
 # ---------------------------------------------------------------- two simulated ranks
