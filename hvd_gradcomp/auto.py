@@ -95,9 +95,10 @@ The link: ``bandwidth_gbit`` (> 0) and ``latency_ms``, or measured when the comp
 over the ranks so every rank holds the same figures); call ``calibrate()`` again, on every
 rank, to refresh them. Without either, ``compress`` raises.
 
-Limits: the schedule needs the step on the host, so in TensorFlow ``auto`` runs eagerly
-(``GradientTape`` outside ``tf.function``, Keras ``run_eagerly=True``); inside ``tf.function``
-it raises. Window steps cost every candidate's codec once more, and the shadows' residuals
+Limits: the schedule needs the step on the host, so in TensorFlow ``auto`` runs eagerly only:
+``tf.config.run_functions_eagerly(True)``, since Horovod's ``DistributedGradientTape`` (and
+Keras ``DistributedOptimizer``) all-reduce inside a ``tf.function`` of their own even when
+called eagerly (a plain eager ``hvd.allreduce`` needs nothing); inside a graph it raises. Window steps cost every candidate's codec once more, and the shadows' residuals
 (one per candidate with error feedback) live until the probe. The predicted time charges
 codec and communication in full, without the overlap Horovod gives with the backward pass;
 the step gate's penalty is one number for every lossy candidate and model. Lanes in a float16
@@ -459,7 +460,9 @@ class AutoScheme(Scheme):
     def compress(self, ops, x, state, info, finite):
         if not ops.eager():
             raise ValueError("auto: runs eagerly only (it reads its step on the host); in TensorFlow "
-                             "call the tape outside tf.function, or Keras compile(run_eagerly=True)")
+                             "call tf.config.run_functions_eagerly(True) (Horovod's "
+                             "DistributedGradientTape and DistributedOptimizer all-reduce inside a "
+                             "tf.function of their own, even when called eagerly)")
         if self.link is None:
             raise ValueError("auto: the link is unknown: build the compressor after hvd.init() (it "
                              "measures the link then), call compressor.calibrate() on every rank, or "

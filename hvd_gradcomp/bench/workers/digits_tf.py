@@ -144,7 +144,11 @@ def main(argv=None):
         tape = hvd.DistributedGradientTape(tape, compression=compressor, op=hvd.Average)
         return loss, tape.gradient(loss, model.trainable_variables)
 
-    if not args.eager:
+    if args.eager:
+        # Horovod's DistributedGradientTape runs its all-reduces in a tf.function of its own,
+        # even when called eagerly; this runs that one eagerly too, as auto needs.
+        tf.config.run_functions_eagerly(True)
+    else:
         reduced_grads = tf.function(reduced_grads)
 
     @tf.function
