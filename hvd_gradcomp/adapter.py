@@ -583,8 +583,13 @@ class HorovodCompressor:
         Each size (float32 coordinates) is all-reduced ``repeats + 1`` times (the first is not
         timed); from the median seconds ``t1, t2`` of the two sizes and the ring's bytes per
         rank ``w1, w2`` (:func:`hvd_gradcomp.ring.ring_wire_bytes`): rate ``(w2 - w1) / (t2 -
-        t1)`` bytes/s and latency ``t1 - w1 / rate`` s (>= 0), then averaged over the ranks by
-        one more all-reduce, so every rank holds the same :class:`~hvd_gradcomp.auto.Link`.
+        t1)`` bytes/s and latency ``t1 - w1 / rate`` s (>= 0); the large size once more as
+        float16 gives the float16 rate (Gloo sums float16 in scalar code on CPUs). All three are
+        averaged over the ranks by one more all-reduce, so every rank holds the same
+        :class:`~hvd_gradcomp.auto.Link`.
+        Then each ``auto`` scheme times its candidates' codecs on a reference matrix
+        (:meth:`~hvd_gradcomp.auto.AutoScheme.reference_costs`), averaged over the ranks by one
+        all-reduce each: the start of its tensors (:func:`~hvd_gradcomp.auto.start_choice`).
 
         Args:
             process_set: the framework's process set of the gradients' all-reduces (None: global).
@@ -607,28 +612,38 @@ class HorovodCompressor:
             link = Link(math.inf, 0.0)  # one rank: nothing crosses a link
         else:
             seconds = []
-            for n in sizes:
-                x = self.ops.zeros((n,), "float32", like)
+            for n, dtype in ((sizes[0], "float32"), (sizes[1], "float32"), (sizes[1], "float16")):
+                x = self.ops.zeros((n,), dtype, like)
                 runs = []
                 for i in range(repeats + 1):
                     start = time.perf_counter()
-                    y = hvd.allreduce(x, op=hvd.Sum, name=f"hvd_gradcomp.calibrate.{n}", **kwargs)
-                    self.ops.to_host(self.ops.sum(y[:1], None))
+                    y = hvd.allreduce(x, op=hvd.Sum, name=f"hvd_gradcomp.calibrate.{n}.{dtype}", **kwargs)
+                    self.ops.to_host(self.ops.sum(self.ops.cast(y[:1], "float32"), None))
                     if i:
                         runs.append(time.perf_counter() - start)
                 seconds.append(sorted(runs)[len(runs) // 2])
-            w1, w2 = (ring_wire_bytes(4 * n, size) for n in sizes)
+            w1, w2, w16 = ring_wire_bytes(4 * sizes[0], size), ring_wire_bytes(4 * sizes[1], size), \
+                ring_wire_bytes(2 * sizes[1], size)
             rate = (w2 - w1) / max(seconds[1] - seconds[0], 1e-9)
             latency = max(seconds[0] - w1 / rate, 0.0)
-            agreed = hvd.allreduce(self.ops.constant([rate, latency], "float64", like), op=hvd.Average,
-                                   name="hvd_gradcomp.calibrate.link", **kwargs)
+            rate16 = w16 / max(seconds[2] - latency, 1e-9)
+            agreed = hvd.allreduce(self.ops.constant([rate, latency, rate16], "float64", like),
+                                   op=hvd.Average, name="hvd_gradcomp.calibrate.link", **kwargs)
             link = Link(*self.ops.to_host(agreed))
             if self._world(None)[1] == 0:
-                log.info("hvd_gradcomp auto: link measured over %d ranks: %.1f MB/s, %.3f ms per "
-                         "all-reduce", size, link.bytes_per_second / 1e6, link.latency_s * 1e3)
-        for scheme in self.routing.schemes():
-            if scheme.adaptive:
-                scheme.set_link(link)
+                log.info("hvd_gradcomp auto: link measured over %d ranks: %.1f MB/s (float16 "
+                         "payloads %.1f MB/s), %.3f ms per all-reduce", size,
+                         link.bytes_per_second / 1e6, link.fp16_bytes_per_second / 1e6,
+                         link.latency_s * 1e3)
+        for i, scheme in enumerate(self.routing.schemes()):
+            if not scheme.adaptive:
+                continue
+            costs = None
+            if size > 1:  # each candidate's codec on the reference matrix, the ranks' mean
+                costs = self.ops.to_host(hvd.allreduce(
+                    self.ops.constant(scheme.reference_costs(self.ops, like), "float64", like),
+                    op=hvd.Average, name=f"hvd_gradcomp.calibrate.codecs.{i}", **kwargs))
+            scheme.set_link(link, costs)
         return link
 
     # ---- routing ----

@@ -15,18 +15,23 @@ PowerSGD at a few settings. ``fp16`` must be among them: it is the fallback.
 Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the state):
 
 1. **Start.** Before anything is measured, every tensor starts on one *start candidate*
-   (:func:`start_choice`): the lossy candidate with the fewest wire bytes on a reference
-   1024 x 1024 matrix (PowerSGD rank 4 among the defaults), if the link is slow enough that
-   this saves at least :data:`START_SAVING_S` a step on that matrix, and only on the tensors
-   where it saves at least ``hysteresis`` of fp16's bytes (not on vectors, which PowerSGD
-   sends uncompressed); else fp16. One candidate for all tensors, because mixing schemes
-   across layers in the first steps costs steps: on digits at 1 Gbit/s, fp16 on the 2048 x
-   10 output layer for the first 3 steps while the other weights started on PowerSGD took
-   140 steps to 96 %, against 110 with every weight on one scheme and 115 for PowerSGD
-   alone. The first window's real steps then cost what the likely winner costs instead of
-   fp16's dense all-reduce (digits at 1 Gbit/s: 31 ms a step for PowerSGD against 132 ms
-   for fp16). Only agreed facts enter (the candidates, the link, the tensor's size), so
-   every rank starts the same way.
+   (:func:`start_choice`), the one of least predicted time (``codec ms + all-reduce ms``) on
+   a reference 1024 x 1024 matrix, with each candidate's codec ms measured there by
+   ``calibrate()`` when the compressor is built and averaged over the ranks
+   (:meth:`AutoScheme.reference_costs`); it must pass the step gate's test there (step 5:
+   ``1 + step_penalty`` times faster than fp16, and ``hysteresis`` more), and it runs
+   only on the tensors where it saves at least ``hysteresis`` of fp16's bytes (not on vectors,
+   which PowerSGD sends uncompressed); else fp16. With a given link (``bandwidth_gbit``) the
+   codec is not measured and the start is the lossy candidate of fewest reference bytes, if
+   it saves :data:`START_SAVING_S` there. One candidate for all tensors, because mixing
+   schemes across layers in the first steps costs steps: on digits at 1 Gbit/s, fp16 on the
+   2048 x 10 output layer for the first 3 steps while the other weights started on PowerSGD
+   took 140 steps to 96 %, against 110 with every weight on one scheme and 115 for PowerSGD
+   alone. And a compressed start that turns to fp16 costs steps too: on the unthrottled
+   loopback, 3 PowerSGD steps before fp16 took digits 135 steps against fp16's 100, hence
+   the measured codec. The first window's real steps then cost what the likely winner costs
+   instead of fp16's dense all-reduce (digits at 1 Gbit/s: 31 ms a step for PowerSGD against
+   132 ms for fp16). Only agreed facts enter, so every rank starts the same way.
 2. **Window.** Steps ``t`` with ``(t - warmup + 1) mod every`` in ``[every - warmup + 1,
    every]`` or ``t < warmup`` form a window of ``warmup`` steps ending at a *probe* step
    ``p = warmup - 1 + n * every``. On each window step, besides the real step, every candidate
@@ -37,12 +42,12 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    shadow's pending error feedback; ``out``: what it delivers; mean over the window's steps
    after the first, whose agreed statistics, such as THC's ranges and TopKC's scores, start
    empty). That first step also screens: a candidate slower than :data:`PRUNE_FACTOR` times
-   fp16's predicted step (and than :data:`PRUNE_MIN_MS`) is not run again in the window and
-   reports itself unusable
+   the fastest admissible one (and than :data:`PRUNE_MIN_MS`) is not run again in the window
+   and reports itself unusable
    (:meth:`AutoScheme._measure`).
-3. **Probe.** The probe step is the current candidate's own step, with ``3 + 3 C`` *lanes*
+3. **Probe.** The probe step is the current candidate's own step, with ``3 + 5 C`` *lanes*
    appended to its payload: a 1 (this rank contributes), each candidate's codec ms and error,
-   this rank's *speedup* (step 5), its step ms and its vote per candidate (step 4). Each lane is clamped to :data:`LANE_MAX` and pre-scaled
+   this rank's *speedup* (step 5) and step ms, and the leading tensor's figures (step 4). Each lane is clamped to :data:`LANE_MAX` and pre-scaled
    by ``1 / world_size`` (as ``fp16`` pre-scales), so ``n`` ranks' float16 sum stays finite;
    the lanes, summed by the same all-reduce and divided by the count lane, are the mean over
    the contributing ranks, the same numbers on every rank (Sum or Average alike; a joined rank
@@ -57,10 +62,12 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    error budget (predictions within ``hysteresis`` of the least tie, and the lower error
    wins), switching only when that gains at least ``hysteresis`` over the current choice
    (not at the first decision: the start was a guess). fp16 is always allowed. Then the
-   *leading tensor's* choice: each rank votes (lanes) for its own best choice of the tensor
-   with the most predicted fp16 time; a tensor takes the voted choice instead of its own if
-   that is within the error budget and costs it at most ``follow`` times the measured step
-   (lane: this rank's step, the least over the window, shadows' time taken off). One scheme
+   *leading tensor's* choice: the lanes also carry, for the tensor with the most predicted
+   fp16 time, each candidate's predicted ms and error and its current choice, so every tensor
+   can repeat the leader's decision on agreed figures; a tensor takes the leader's choice
+   instead of its own if that is within the error budget and costs it at most ``follow``
+   times the measured step (lane: this rank's step, the least over the window, shadows'
+   time taken off). One scheme
    across layers trains in fewer steps (step 1): on digits, PowerSGD everywhere but fp16 on
    the output layer (predicted 0.4 ms faster, 1 % of the step) took 180 steps to 96 %
    against 115 for PowerSGD on all of them. A probe whose lanes are not finite (some rank's
@@ -73,9 +80,11 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    measured step (the least over the window's steps, shadows' time taken off) with each
    tensor's predicted time for its current choice replaced. The *speedup* ``T_fp16 / T_mix``
    rides in every tensor's lanes; a lossy choice stands only if the agreed speedup is at least
-   ``1 + step_penalty`` (times ``1 - hysteresis`` for a tensor already lossy), else the tensor
-   goes to fp16. Its default 0.5 keeps the LM on fp16 (best speedup 1.16 at 500 Mbit/s) and
-   lets digits compress (about 4 at 1 Gbit/s).
+   ``1 + step_penalty`` (times ``1 - hysteresis`` for a tensor already lossy, its compressed
+   start included: on the loopback, 3 PowerSGD steps then fp16 took digits 135 steps against
+   fp16's 100 and PowerSGD's 115), else the tensor goes to fp16. The default 0.5 keeps the
+   LM on fp16 (predicted speedup 1.24-1.31 at 500 Mbit/s, measured 1.12) and lets digits
+   compress (predicted 3-4 at 1 Gbit/s).
 6. **Switch.** A change takes effect at the next step on every rank. The old candidate's
    pending error feedback (in the gradient's coordinates) is *carried*: added to the new
    candidate's residual (:meth:`~hvd_gradcomp.base.Scheme.add_residual`), or, for one that
@@ -117,6 +126,7 @@ from typing import ClassVar, NamedTuple
 from .base import (Scheme, TensorInfo, WireBytes, compress_tensor, finish_tensor, payload_finite,
                    poison)
 from .options import option, validate
+from . import rng
 from .ring import ring_allreduce_seconds
 
 __all__ = ["AutoConfig", "AutoScheme", "Link", "Decision", "decide", "DEFAULT_CANDIDATES"]
@@ -131,7 +141,7 @@ log = logging.getLogger("hvd_gradcomp")
 DEFAULT_CANDIDATES = "fp16|topkc:0.1|thc:4|powersgd:4"
 FALLBACK = "fp16"
 # A window's first (untimed) step screens the candidates: one slower than this many times
-# fp16's predicted step for the tensor is not run again in that window (AutoScheme._measure).
+# the fastest admissible one for the tensor is not run again in that window (AutoScheme._measure).
 # First calls cost more than later ones (allocations, THC's first Sylvester matrix), hence > 1.
 PRUNE_FACTOR = 2.5
 # Tensors start compressed only if the start candidate saves at least this much all-reduce
@@ -153,12 +163,21 @@ UNUSABLE = LANE_MAX
 class Link(NamedTuple):
     """The network every decision assumes, identical on every rank.
 
-    bytes_per_second: each rank's link rate, bytes/s, each direction.
+    bytes_per_second: each rank's link rate, bytes/s, each direction (float32 payloads).
     latency_s: fixed cost of one all-reduce, seconds.
+    fp16_bytes_per_second: the rate for float16/bfloat16 payloads (0: the same). On CPUs
+        Gloo adds them in scalar code: on this project's loopback a float16 payload moved
+        about 2.4x fewer bytes per second than a float32 one.
     """
 
     bytes_per_second: float
     latency_s: float
+    fp16_bytes_per_second: float = 0.0
+
+    def seconds(self, nbytes: float, world_size: int, dtype: str = "float32") -> float:
+        """Ring all-reduce seconds of a ``dtype`` payload of ``nbytes`` over ``world_size``."""
+        rate = self.fp16_bytes_per_second if dtype in ("float16", "bfloat16") else 0.0
+        return ring_allreduce_seconds(nbytes, world_size, rate or self.bytes_per_second, self.latency_s)
 
 
 class Decision(NamedTuple):
@@ -183,28 +202,44 @@ class Decision(NamedTuple):
 
 
 def start_choice(wire_bytes, reference_bytes, world_size: int, link: Link, fallback: int,
-                 hysteresis: float) -> int:
+                 hysteresis: float, reference_ms=None, step_penalty: float = 0.0,
+                 dtypes=None) -> int:
     """The candidate a tensor starts on (module docstring, step 1).
 
     Args:
         wire_bytes: per candidate, this tensor's payload bytes.
         reference_bytes: per candidate, the payload bytes of a :data:`REFERENCE_SHAPE` matrix.
         world_size, link: the all-reduce's ranks and the :class:`Link`.
-        fallback: index of fp16; hysteresis: the least fraction of fp16's bytes to save.
+        fallback: index of fp16; hysteresis: the least fraction to save.
+        reference_ms: per candidate, its codec ms on that matrix, averaged over the ranks
+            (:meth:`AutoScheme.reference_costs`, measured by ``calibrate()``), or None when the
+            link was given rather than measured.
+        step_penalty: the step gate's (:class:`AutoConfig`).
+        dtypes: per candidate, its payload dtype (None: float32), for :meth:`Link.seconds`.
 
-    Returns the start candidate (the lossy one of fewest ``reference_bytes``, ties to the
-    earlier) if the link takes at least :data:`START_SAVING_S` less for its reference bytes
-    than for fp16's and it saves at least ``hysteresis`` of this tensor's fp16 bytes; else
-    ``fallback``. A pure function of agreed facts.
+    Returns the start candidate if it saves at least ``hysteresis`` of fp16's bytes on this
+    tensor, else ``fallback``. With ``reference_ms``: the lossy candidate of least predicted
+    time ``codec ms + bandwidth ms`` on the reference matrix (the latency, paid alike, left
+    out), if that times ``1 + step_penalty`` is at most ``1 - hysteresis`` times fp16's: the
+    step gate's test, where compute could only make the ratio worse. Without: the lossy one
+    of fewest ``reference_bytes`` (ties to the earlier), if the link takes at least
+    :data:`START_SAVING_S` less for them than for fp16's. A pure function of agreed facts.
     """
     lossy = [i for i in range(len(wire_bytes)) if i != fallback]
     if not lossy:
         return fallback
-    start = min(lossy, key=lambda i: (reference_bytes[i], i))
 
-    def comm(nbytes):
-        return ring_allreduce_seconds(nbytes, world_size, link.bytes_per_second, link.latency_s)
-    slow = comm(reference_bytes[fallback]) - comm(reference_bytes[start]) >= START_SAVING_S
+    dtypes = dtypes or ["float32"] * len(wire_bytes)
+
+    def comm(i):  # bandwidth seconds of the reference matrix (the latency, paid alike, left out)
+        return link.seconds(reference_bytes[i], world_size, dtypes[i]) - link.seconds(0, world_size)
+    if reference_ms is None:
+        start = min(lossy, key=lambda i: (reference_bytes[i], i))
+        slow = comm(fallback) - comm(start) >= START_SAVING_S
+    else:
+        predicted = [ms + 1000.0 * comm(i) for i, ms in enumerate(reference_ms)]
+        start = min(lossy, key=lambda i: (predicted[i], i))
+        slow = predicted[start] * (1.0 + step_penalty) <= (1.0 - hysteresis) * predicted[fallback]
     pays = wire_bytes[start] <= (1.0 - hysteresis) * wire_bytes[fallback]
     return start if slow and pays else fallback
 
@@ -263,7 +298,7 @@ class AutoConfig:
 
 
 def decide(codec_ms, errors, wire_bytes, world_size: int, link: Link, current: int,
-           fallback: int, budget: float, hysteresis: float):
+           fallback: int, budget: float, hysteresis: float, dtypes=None):
     """The candidate for the next window: ``(choice, predicted_ms tuple, reason)``.
 
     A pure function of its arguments, so every rank that holds the same (all-reduced) inputs
@@ -285,11 +320,11 @@ def decide(codec_ms, errors, wire_bytes, world_size: int, link: Link, current: i
             index of fp16 (always allowed).
         budget: largest accepted error; hysteresis: least fraction of predicted time a switch
             must save.
+        dtypes: per candidate, its payload dtype (None: float32), for :meth:`Link.seconds`.
     """
     predicted = []
-    for ms, nbytes in zip(codec_ms, wire_bytes):
-        comm = ring_allreduce_seconds(nbytes, world_size, link.bytes_per_second, link.latency_s)
-        total = ms + 1000.0 * comm
+    for ms, nbytes, dtype in zip(codec_ms, wire_bytes, dtypes or ["float32"] * len(wire_bytes)):
+        total = ms + 1000.0 * link.seconds(nbytes, world_size, dtype)
         predicted.append(total if math.isfinite(total) else math.inf)
     allowed = [i for i, e in enumerate(errors)
                if i == fallback or (math.isfinite(errors[i]) and e <= budget and math.isfinite(predicted[i]))]
@@ -359,6 +394,7 @@ class AutoScheme(Scheme):
                                                            for f in c.rank_local_fields}))
         self.link = None if not config.bandwidth_gbit else Link(
             config.bandwidth_gbit * 1e9 / 8, (config.latency_ms or 0.0) * 1e-3)
+        self.start_costs = None  # agreed codec ms per candidate on the reference matrix
         self._at = {}  # key -> (step, choice): the state's counters, mirrored on the host
         self._shadows = {}  # key -> [shadow state per candidate] during a window
         self._samples = {}  # key -> [(times ms, errors)] per candidate during a window
@@ -376,9 +412,32 @@ class AutoScheme(Scheme):
             c.bind(ops)
         return self
 
-    def set_link(self, link: Link):
-        """Use ``link`` (the same on every rank) from the next decision on."""
-        self.link = Link(float(link[0]), float(link[1]))
+    def set_link(self, link: Link, start_costs=None):
+        """Use ``link`` (the same on every rank) from the next decision on, and
+        ``start_costs`` (per candidate, codec ms on the reference matrix averaged over the
+        ranks, or None) for the start of tensors not seen yet."""
+        self.link = Link(*(float(v) for v in link))
+        self.start_costs = None if start_costs is None else tuple(float(v) for v in start_costs)
+
+    def reference_costs(self, ops, like) -> list:
+        """This rank's codec ms of every candidate on a :data:`REFERENCE_SHAPE` Gaussian
+        matrix, as if alone (compress + finish; the least of two timed calls after an untimed
+        first). ``calibrate()`` averages them over the ranks for :func:`start_choice`."""
+        info = TensorInfo("auto.reference", REFERENCE_SHAPE, "float32", 1, 0, "sum")
+        x = ops.reshape(rng.normal(ops, rng.stream_key("auto.reference"), info.numel, like),
+                        REFERENCE_SHAPE)
+        costs = []
+        for cand in self.candidates:
+            state, runs = cand.init(ops, info, x), []
+            for i in range(3):
+                start = time.perf_counter()
+                payload, ctx = compress_tensor(cand, ops, x, state, info)
+                out, state = finish_tensor(cand, ops, payload, ctx, state, info)
+                ops.to_host(ops.sum(ops.reshape(out, (info.numel,))[:1], None))
+                if i:
+                    runs.append((time.perf_counter() - start) * 1000.0)
+            costs.append(min(min(runs), LANE_MAX))
+        return costs
 
     # ---- state ----
     def _state(self, ops, like, step: int, choice: int, inner, carry=None):
@@ -413,7 +472,8 @@ class AutoScheme(Scheme):
         choice = self.fallback if self.link is None else start_choice(
             [c.wire(info).payload for c in self.candidates],
             [c.wire(reference).payload for c in self.candidates], info.world_size, self.link,
-            self.fallback, self.config.hysteresis)
+            self.fallback, self.config.hysteresis, self.start_costs, self.config.step_penalty,
+            self._dtypes(reference))
         return self._state(ops, like, 0, choice, self.candidates[choice].init(ops, info, like))
 
     def init_like(self, ops, info: TensorInfo, like, loaded):
@@ -535,20 +595,27 @@ class AutoScheme(Scheme):
         codec_ms = [lanes[1 + i] / count for i in range(cands)]
         errors = [lanes[1 + cands + i] / count for i in range(cands)]
         speedup, step_ms = lanes[1 + 2 * cands] / count, lanes[2 + 2 * cands] / count
-        votes = lanes[3 + 2 * cands:3 + 3 * cands]
+        lead = [v / count for v in lanes[3 + 2 * cands:]]
         wire = [c.wire(info).payload for c in self.candidates]
         cfg = self.config
         current = None if ctx.step == cfg.warmup - 1 else ctx.choice
         choice, predicted, reason = decide(codec_ms, errors, wire, info.world_size, self.link,
-                                           current, self.fallback, cfg.error_budget, cfg.hysteresis)
-        leader = max(range(cands), key=lambda i: (votes[i], -i)) if max(votes) > 0 else choice
+                                           current, self.fallback, cfg.error_budget, cfg.hysteresis,
+                                           self._dtypes(info))
+        # The leading tensor's decision, from its agreed figures (the same on every rank).
+        held = lead[2 * cands:]
+        leader = decide([v - 1000.0 * self.link.seconds(0, info.world_size) for v in lead[:cands]],
+                        lead[cands:2 * cands], [0] * cands, info.world_size, self.link,
+                        held.index(max(held)) if max(held) > 0.5 else None, self.fallback,
+                        cfg.error_budget, cfg.hysteresis)[0]
         if leader != choice and (leader == self.fallback or errors[leader] <= cfg.error_budget) \
                 and predicted[leader] - predicted[choice] <= cfg.follow * step_ms:
             reason = (f"follows the leading tensor's choice: {predicted[leader] - predicted[choice]:.3g} ms "
                       f"more, below follow x step ({cfg.follow:.3g} x {step_ms:.3g} ms)")
             choice = leader
-        held = current is not None and current != self.fallback
-        need = (1.0 + cfg.step_penalty) * (1.0 - cfg.hysteresis if held else 1.0)
+        # A lossy current choice (the start too: leaving it for fp16 costs steps) is held by
+        # the hysteresis.
+        need = (1.0 + cfg.step_penalty) * (1.0 - cfg.hysteresis if ctx.choice != self.fallback else 1.0)
         if choice != self.fallback and cfg.step_penalty > 0 and not speedup >= need:
             choice, reason = self.fallback, (f"step gate: compression predicted {speedup:.3g}x faster "
                                              f"a step than fp16, below {need:.3g}")
@@ -583,10 +650,12 @@ class AutoScheme(Scheme):
     def _measure(self, ops, x, info, step):
         """Run every candidate as a shadow on this rank's gradient (module docstring, step 2).
 
-        A candidate whose first (untimed) window step took more than :data:`PRUNE_FACTOR` times
-        fp16's predicted step for this tensor (its codec ms then plus its ring all-reduce ms)
-        is not run again in this window: it cannot win, and it would cost its codec on every
-        window step (eager THC on digits' 4M-coordinate weight: ~0.3 s a step). Its lanes then
+        A candidate whose first (untimed) window step, with its ring all-reduce ms, came to
+        more than :data:`PRUNE_FACTOR` times the fastest such figure among fp16 and the
+        candidates whose first-step error was within the budget (and took more than
+        :data:`PRUNE_MIN_MS`) is not run again in this window: it would cost its codec on every
+        window step (THC on digits' 4M-coordinate weight: 60-100 ms a step) and could win
+        only if every faster candidate then failed the budget, which the next window checks. Its lanes then
         say so (:data:`UNUSABLE`), the same way on every rank after the all-reduce. The time
         spent here is taken off the step's measured time (the step gate's input).
         """
@@ -624,16 +693,21 @@ class AutoScheme(Scheme):
                 times.append(elapsed)
                 errors.append(math.sqrt(num / den) if den > 0 else 0.0)
         if first:
-            firsts, f = [ms for ms, _ in self._firsts[key]], self.fallback
-            fp16_ms = firsts[f] + 1000.0 * self._comm(info, f)
-            pruned.update(i for i, ms in enumerate(firsts)
-                          if i != f and ms > max(PRUNE_FACTOR * fp16_ms, PRUNE_MIN_MS))
+            f, budget = self.fallback, self.config.error_budget
+            screened = [ms + 1000.0 * self._comm(info, i) for i, (ms, _) in enumerate(self._firsts[key])]
+            best = min(p for i, (p, (_, e)) in enumerate(zip(screened, self._firsts[key]))
+                       if i == f or e <= budget)
+            pruned.update(i for i, (p, (ms, _)) in enumerate(zip(screened, self._firsts[key]))
+                          if i != f and p > PRUNE_FACTOR * best and ms > PRUNE_MIN_MS)
         self._clock[step][1] += time.perf_counter() - began
 
     def _comm(self, info, i):
         """Predicted ring all-reduce seconds of candidate ``i``'s wire bytes for ``info``."""
-        return ring_allreduce_seconds(self.candidates[i].wire(info).payload, info.world_size,
-                                      self.link.bytes_per_second, self.link.latency_s)
+        cand = self.candidates[i]
+        return self.link.seconds(cand.wire(info).payload, info.world_size, cand.payload_dtype(info))
+
+    def _dtypes(self, info):
+        return [c.payload_dtype(info) for c in self.candidates]
 
     def _local(self, key):
         """This rank's window figures for ``key``: (codec ms, errors) per candidate, unusable
@@ -652,10 +726,11 @@ class AutoScheme(Scheme):
         return times, errors
 
     def _round(self, step):
-        """This rank's step lanes for the probe ``step`` (module docstring, steps 5-6):
-        ``[speedup, step ms, one vote per candidate]``, computed once per probe step from the
-        window's measurements so far. The vote goes to the local best choice of the tensor
-        with the most predicted fp16 time (the model's leading tensor)."""
+        """This rank's step lanes for the probe ``step`` (module docstring, steps 4-5):
+        ``[speedup, step ms]`` and, of the tensor with the most predicted fp16 time (the
+        model's leading tensor), per candidate its predicted ms, its error and a 1 for its
+        current choice (0 at its first decision); computed once per probe step from the
+        window's measurements so far."""
         if self._gate[0] == step:
             return self._gate[1]
         cfg = self.config
@@ -666,7 +741,7 @@ class AutoScheme(Scheme):
                 periods.append(self._clock[s + 1][0] - t0 - shadows)
         for s in [s for s in self._clock if s < step - cfg.warmup]:
             del self._clock[s]
-        votes = [0.0] * len(self.candidates)
+        cands = len(self.candidates)
         period = 1000.0 * min(periods) if periods else 0.0
         now = mix = fp16 = 0.0
         lead = (-1.0, None)
@@ -676,24 +751,26 @@ class AutoScheme(Scheme):
             at, current = self._at.get(key, (0, self.fallback))
             best, predicted, _ = decide(times, errors, wire, info.world_size, self.link,
                                         None if at == cfg.warmup - 1 else current,
-                                        self.fallback, cfg.error_budget, cfg.hysteresis)
+                                        self.fallback, cfg.error_budget, cfg.hysteresis,
+                                        self._dtypes(info))
             now, mix, fp16 = now + predicted[current], mix + predicted[best], fp16 + predicted[self.fallback]
             if predicted[self.fallback] > lead[0]:
-                lead = (predicted[self.fallback], best)
-        if lead[1] is not None:
-            votes[lead[1]] = 1.0
+                held = [float(i == current) for i in range(cands)] if at != cfg.warmup - 1 else [0.0] * cands
+                lead = (predicted[self.fallback], list(predicted) + list(errors) + held)
+        leader = lead[1] or [UNUSABLE] * (2 * cands) + [0.0] * cands
         if periods:
             rest = max(period - now, 0.0)  # compute and everything else of the step
             speedup = (rest + fp16) / max(rest + mix, 1e-6)
         else:
             speedup = LANE_MAX  # nothing measured: no gate
-        self._gate = (step, [min(speedup, LANE_MAX), min(period, LANE_MAX)] + votes)
+        self._gate = (step, [min(speedup, LANE_MAX), min(period, LANE_MAX)] +
+                      [min(v, LANE_MAX) for v in leader])
         return self._gate[1]
 
     def _lanes(self, info, step):
-        """``[1, codec ms per candidate, error per candidate, speedup, step ms, votes] /
-        world_size`` of this rank's window, each clamped to :data:`LANE_MAX` first (module
-        docstring, step 3)."""
+        """``[1, codec ms per candidate, error per candidate, speedup, step ms, the leading
+        tensor's figures] / world_size`` of this rank's window, each clamped to
+        :data:`LANE_MAX` first (module docstring, step 3)."""
         times, errors = self._local(info.key)
         scale = 1.0 / info.world_size
         return [scale * v for v in [1.0] + times + errors + self._round(step)]

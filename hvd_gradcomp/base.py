@@ -209,6 +209,11 @@ class Scheme:
     def wire(self, info: TensorInfo) -> WireBytes:
         raise NotImplementedError(f"{type(self).__name__}.wire")
 
+    def payload_dtype(self, info: TensorInfo) -> str:
+        """The dtype of the payload Horovod all-reduces for ``info`` (``auto`` prices float16
+        sums apart: Gloo adds them in scalar code); default ``"float32"``."""
+        return "float32"
+
     def bind(self, ops):
         """Called once by the adapter with its backend's primitives, before any other method
         (for facts ``wire`` needs and gets no ``ops`` for, e.g. a kernel layout); returns self."""

@@ -61,6 +61,9 @@ class NoneScheme(Scheme):
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(info.numel * itemsize(info.dtype))
 
+    def payload_dtype(self, info: TensorInfo) -> str:
+        return info.dtype
+
 
 class Fp16Scheme(Scheme):
     """float16 payload pre-scaled by 1/world_size (module docstring, steps 1-4)."""
@@ -82,6 +85,9 @@ class Fp16Scheme(Scheme):
 
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(2 * info.numel)
+
+    def payload_dtype(self, info: TensorInfo) -> str:
+        return "float16"
 
 
 class Bf16Scheme(Scheme):

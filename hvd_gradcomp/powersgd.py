@@ -571,6 +571,10 @@ class PowerSGDScheme(Scheme):
         return new._replace(q=q_t)
 
     # ---- reporting and checkpoints ----
+    def payload_dtype(self, info: TensorInfo) -> str:
+        """float32, or ``uncompressed_dtype`` for the tensors sent as they are (vectors)."""
+        return self.config.uncompressed_dtype if self._view(info, self._layout or "torch") is None else "float32"
+
     def wire(self, info: TensorInfo, layout: str = None) -> WireBytes:
         """Bytes per step (after warm-up) under ``layout`` (``ops.name``; default: the backend
         this scheme last ran with, else ``"torch"``); module docstring."""

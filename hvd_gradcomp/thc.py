@@ -610,6 +610,9 @@ class THCScheme(Scheme):
                                   lambda: state.residual)
         return THCState(residual, ranges, state.diag, step, saturated, realigned)
 
+    def payload_dtype(self, info: TensorInfo) -> str:
+        return "int32"
+
     def wire(self, info: TensorInfo) -> WireBytes:
         lay = self.layout(info)
         payload = 4 * (lay.words + lay.stats_words + _CONTROL)

@@ -322,6 +322,9 @@ class TopKCScheme(Scheme):
         """``{"realigned": int64 []}``: steps whose output was 0 because ranks disagreed."""
         return {"realigned": state.realigned} if len(state) else {}
 
+    def payload_dtype(self, info: TensorInfo) -> str:
+        return self.config.payload_dtype
+
     def wire(self, info: TensorInfo) -> WireBytes:
         m, k, _ = self._sizes(info)
         size = itemsize(self.config.payload_dtype)

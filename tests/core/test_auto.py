@@ -90,6 +90,17 @@ def test_decide_breaks_near_ties_by_error():
     assert decide([106.3, 50.8, 51.4], [0.0, 0.87, 0.79], wire, 2, LINK, 0, 0, 0.95, 0.0)[0] == 1
 
 
+def test_float16_payloads_are_priced_at_their_own_rate():
+    link = Link(100e6, 1e-3, 40e6)  # float16 sums 2.5x slower per byte (Gloo on a CPU)
+    assert link.seconds(1e6, 2) == pytest.approx(1e-3 + 1e6 / 100e6)
+    assert link.seconds(1e6, 2, "float16") == pytest.approx(1e-3 + 1e6 / 40e6)
+    assert Link(100e6, 1e-3).seconds(1e6, 2, "float16") == link.seconds(1e6, 2)  # rate unknown
+    # fp16's 2 MB against A's float32 1.8 MB: A wins at the float16 rate, not without it.
+    args = ([0.1, 0.5], [0.0, 0.5], [2e6, 1.8e6], 2)
+    assert decide(*args, link, 0, 0, 0.9, 0.1, ["float16", "float32"])[0] == 1
+    assert decide(*args, link, 0, 0, 0.9, 0.1)[0] == 0
+
+
 def test_decide_falls_back_to_fp16_on_fast_links_and_unknown_errors():
     fast = Link(math.inf, 0.0)
     assert decide([0.1, 2.0], [0.0, 0.1], [2e6, 1e5], 2, fast, 0, 0, 0.9, 0.1)[0] == 0
@@ -115,6 +126,13 @@ def test_start_is_one_candidate_for_every_tensor_it_pays_on():
     assert start_choice([4096, 600, 4096], ref, 2, LINK, 0, 0.1) == 0
     # A fast link: saving far below a millisecond on the reference pays for no codec.
     assert start_choice([8e6, 8e5, 4e4], ref, 2, Link(125e9, 0.0), 0, 0.1) == 0
+    # Measured codec ms on the reference (calibrate()): the least predicted time starts, if
+    # it passes the step gate's test. 1 Gbit/s: B (30 ms of codec) loses to A (3 ms).
+    assert start_choice([8e6, 8e5, 4e4], ref, 2, LINK, 0, 0.1, [0.5, 3.0, 30.0], 0.5) == 1
+    # A loopback-like link (1 GB/s): fp16 2.5 ms; A 1.6 ms is faster, but not 1.5x faster.
+    fast = Link(1e9, 1e-4)
+    assert start_choice([8e6, 8e5, 4e4], ref, 2, fast, 0, 0.1, [0.5, 1.4, 30.0], 0.5) == 0
+    assert start_choice([8e6, 8e5, 4e4], ref, 2, fast, 0, 0.1, [0.5, 1.4, 30.0], 0.0) == 1
     # fp16 anywhere in the list; no lossy candidate at all.
     assert start_choice([4e4, 8e6], [3e4, 2e6], 2, LINK, 1, 0.1) == 0
     assert start_choice([8e6], [2e6], 2, LINK, 0, 0.1) == 0
