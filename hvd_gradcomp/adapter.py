@@ -596,7 +596,9 @@ class HorovodCompressor:
             sizes: two sizes, coordinates, small then large (default 4 KiB and 8 MiB).
             repeats: timed all-reduces per size (>= 1).
             like: a tensor on the device the gradients live on (default: the framework's
-                default device; a CUDA tensor measures NCCL's path).
+                default device; a CUDA tensor measures NCCL's path and times the ``auto``
+                candidates' codecs on the GPU: on a GPU job built before its tensors exist,
+                call ``calibrate(like=...)`` again with one).
 
         Returns:
             The :class:`~hvd_gradcomp.auto.Link`, also given to every ``auto`` scheme.

@@ -91,7 +91,8 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    keeps none (fp16), held in this scheme's state as ``carry`` and added to the next step's
    gradient, then dropped once a step that carried it was delivered (a failed step keeps it).
    Nothing of the gradient is lost or sent twice, so the ranks' outputs plus their pending
-   error feedback always sum to the summed gradients.
+   error feedback always sum to the summed gradients (except through a candidate built with
+   ``error_feedback=False``, which drops what it does not send, carry included).
 
 The decision is read on the host once per window (``Primitives.to_host``: one device sync per
 tensor per ``every`` steps, one more on the step a carry is sent); every other step is the
@@ -184,7 +185,8 @@ class Decision(NamedTuple):
     """One probe's outcome for one tensor (host values, the same on every rank).
 
     choice: index of the chosen candidate; spec: its spec.
-    predicted_ms: per candidate, codec ms + all-reduce ms of its wire bytes (inf when unknown).
+    predicted_ms: per candidate, codec ms + all-reduce ms of its wire bytes (at least
+        :data:`UNUSABLE` when pruned).
     errors: per candidate, the measured one-step relative error.
     reason: why (``"least predicted time"``, ``"kept: gain below hysteresis"``, ...).
     step: the probe step (the tensor's own compress count, from 0).
@@ -488,9 +490,12 @@ class AutoScheme(Scheme):
         return self._state(ops, like, 0, choice, self.candidates[choice].init(ops, info, like), carry)
 
     def forget(self, key):
-        """Drop the host mirror of ``key``'s counters (its state was replaced by a load)."""
+        """Drop the host mirror of ``key``'s counters (its state was replaced by a load), and
+        the window's step clock and cached step lanes (their step numbers may come again)."""
         for table in (self._at, self._shadows, self._samples, self._firsts, self._pruned, self._infos):
             table.pop(key, None)
+        self._clock.clear()
+        self._gate = (None, None)
 
     def residual_of(self, ops, state, info):
         """The pending error feedback in the gradient's coordinates: the current candidate's
@@ -686,6 +691,8 @@ class AutoScheme(Scheme):
             diff = corrected - out
             num, den = ops.to_host(ops.concat([ops.reshape(ops.sum(diff * diff, None), (1,)),
                                                ops.reshape(ops.sum(corrected * corrected, None), (1,))], 0))
+            if not (math.isfinite(num) and math.isfinite(den)):
+                continue  # a non-finite gradient on this rank: no figure (step 2)
             if first:  # one-time costs and empty agreed stats: not a sample, only a screen
                 self._firsts[key][i] = (elapsed, math.sqrt(num / den) if den > 0 else 0.0)
             else:
@@ -694,11 +701,13 @@ class AutoScheme(Scheme):
                 errors.append(math.sqrt(num / den) if den > 0 else 0.0)
         if first:
             f, budget = self.fallback, self.config.error_budget
+            current = self._at.get(key, (0, f))[1]  # its real step runs anyway: never pruned
             screened = [ms + 1000.0 * self._comm(info, i) for i, (ms, _) in enumerate(self._firsts[key])]
-            best = min(p for i, (p, (_, e)) in enumerate(zip(screened, self._firsts[key]))
-                       if i == f or e <= budget)
+            admissible = [p for i, (p, (_, e)) in enumerate(zip(screened, self._firsts[key]))
+                          if math.isfinite(p) and (i == f or e <= budget)]
+            best = min(admissible) if admissible else math.inf
             pruned.update(i for i, (p, (ms, _)) in enumerate(zip(screened, self._firsts[key]))
-                          if i != f and p > PRUNE_FACTOR * best and ms > PRUNE_MIN_MS)
+                          if i not in (f, current) and p > PRUNE_FACTOR * best and ms > PRUNE_MIN_MS)
         self._clock[step][1] += time.perf_counter() - began
 
     def _comm(self, info, i):
@@ -710,8 +719,8 @@ class AutoScheme(Scheme):
         return [c.payload_dtype(info) for c in self.candidates]
 
     def _local(self, key):
-        """This rank's window figures for ``key``: (codec ms, errors) per candidate, unusable
-        (:data:`UNUSABLE`) when pruned or never sampled."""
+        """This rank's window figures for ``key``: (codec ms, errors) per candidate; the
+        screen's until a sample exists, :data:`UNUSABLE` when pruned, NaN with neither."""
         samples = self._samples.get(key) or [([], []) for _ in self.candidates]
         firsts = self._firsts.get(key) or [(math.nan, math.nan)] * len(self.candidates)
         pruned = self._pruned.get(key, set())
@@ -720,9 +729,11 @@ class AutoScheme(Scheme):
             if i in pruned:
                 times.append(UNUSABLE)
                 errors.append(UNUSABLE)
-            else:  # the screen's figures only until a sample exists (the gate's early reads)
-                times.append(min(_finite_or(_min(t) if t else ms0, UNUSABLE), LANE_MAX))
-                errors.append(min(_finite_or(sum(e) / len(e) if e else e0, UNUSABLE), LANE_MAX))
+            else:  # the screen's figures only until a sample exists (the gate's early reads);
+                # none at all (this rank's window gradients were not finite): NaN, so that the
+                # probe decides nothing
+                times.append(min(_min(t) if t else ms0, LANE_MAX))
+                errors.append(min(sum(e) / len(e) if e else e0, LANE_MAX))
         return times, errors
 
     def _round(self, step):
@@ -744,7 +755,7 @@ class AutoScheme(Scheme):
         cands = len(self.candidates)
         period = 1000.0 * min(periods) if periods else 0.0
         now = mix = fp16 = 0.0
-        lead = (-1.0, None)
+        lead = (None, None)
         for key, info in self._infos.items():
             times, errors = self._local(key)
             wire = [c.wire(info).payload for c in self.candidates]
@@ -754,9 +765,10 @@ class AutoScheme(Scheme):
                                         self.fallback, cfg.error_budget, cfg.hysteresis,
                                         self._dtypes(info))
             now, mix, fp16 = now + predicted[current], mix + predicted[best], fp16 + predicted[self.fallback]
-            if predicted[self.fallback] > lead[0]:
+            size = (self._comm(info, self.fallback), key)  # static facts: the same leader everywhere
+            if lead[1] is None or size > lead[0]:
                 held = [float(i == current) for i in range(cands)] if at != cfg.warmup - 1 else [0.0] * cands
-                lead = (predicted[self.fallback], list(predicted) + list(errors) + held)
+                lead = (size, list(predicted) + list(errors) + held)
         leader = lead[1] or [UNUSABLE] * (2 * cands) + [0.0] * cands
         if periods:
             rest = max(period - now, 0.0)  # compute and everything else of the step
@@ -777,7 +789,8 @@ class AutoScheme(Scheme):
 
     # ---- facts ----
     def wire(self, info: TensorInfo) -> WireBytes:
-        """The current choice's bytes (a probe step adds its lanes, or sends float32 instead)."""
+        """The current choice's bytes (a probe step adds ``3 + 5 C`` lane values, or sends
+        float32 instead; neither is counted here)."""
         choice = self._at.get(info.key, (0, self.fallback))[1]
         return self.candidates[choice].wire(info)
 

@@ -285,6 +285,22 @@ def test_failed_probe_decides_nothing_and_keeps_the_residual(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_window_step_gives_no_figures_and_no_wrong_decision(backend):
+    """A NaN on rank 1 at step 1 (a window step, not the probe): that step fails as usual,
+    its shadows give rank 1 no figures, and the probe still decides on the finite ones."""
+    options = dict(candidates="fp16|powersgd:4", step_penalty=0.0, error_budget=2.0)
+    schemes, states, outs, choices, fields, pending = _simulate(backend, 4, poison_step=1, **options)
+    assert np.isnan(outs[1]).all() and np.isfinite(outs[2]).all()
+    d = schemes[0].history[0]
+    assert d.step == 2 and d.spec == "powersgd:rank=4"
+    assert choices == ["powersgd:rank=4"] * 4
+    # The error lane is the finite figures' mean: close to a clean run's, not pulled down by
+    # a 0 (or up to "unusable") for the NaN step.
+    clean = _simulate(backend, 3, **options)[0][0].history[0]
+    assert d.errors[1] == pytest.approx(clean.errors[1], rel=0.1) and 0.5 < d.errors[1] < 1.5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_wire_follows_the_choice(backend):
     schemes, states, _, choices, _, _ = _simulate(backend, 3, candidates="fp16|powersgd:4", step_penalty=1e6)
     info = TensorInfo("w", SHAPE, "float32", 2, 0, "sum")
