@@ -41,9 +41,11 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    and scored by its one-step error ``||c - out|| / ||c||`` (``c``: the gradient plus the
    shadow's pending error feedback; ``out``: what it delivers; mean over the window's steps
    after the first, whose agreed statistics, such as THC's ranges and TopKC's scores, start
-   empty). That first step also screens: a candidate slower than :data:`PRUNE_FACTOR` times
-   the fastest admissible one (and than :data:`PRUNE_MIN_MS`) is not run again in the window
-   and reports itself unusable
+   empty). A candidate predicted :data:`PRUNE_FACTOR` times slower than the current choice
+   from the start costs (step 1, scaled to the tensor's size) is not run at all in the
+   window. The first step also screens: a candidate slower than :data:`PRUNE_FACTOR` times
+   the fastest admissible one (and than :data:`PRUNE_MIN_MS`) is not run again in the window;
+   both report themselves unusable
    (:meth:`AutoScheme._measure`).
 3. **Probe.** The probe step is the current candidate's own step, with ``3 + 5 C`` *lanes*
    appended to its payload: a 1 (this rank contributes), each candidate's codec ms and error,
@@ -673,7 +675,7 @@ class AutoScheme(Scheme):
             shadows = self._shadows[key] = [c.init(ops, alone, x) for c in self.candidates]
             self._samples[key] = [([], []) for _ in self.candidates]
             self._firsts[key] = [(math.nan, math.nan)] * len(self.candidates)
-            self._pruned[key] = set()
+            self._pruned[key] = self._hopeless(info)
             self._infos[key] = info
         pruned = self._pruned[key]
         flat = ops.reshape(x, (info.numel,))
@@ -709,6 +711,21 @@ class AutoScheme(Scheme):
             pruned.update(i for i, (p, (ms, _)) in enumerate(zip(screened, self._firsts[key]))
                           if i not in (f, current) and p > PRUNE_FACTOR * best and ms > PRUNE_MIN_MS)
         self._clock[step][1] += time.perf_counter() - began
+
+    def _hopeless(self, info) -> set:
+        """Candidates not even screened for ``info``: with the start costs measured
+        (``calibrate()``), a candidate whose codec ms on the reference matrix, scaled to this
+        tensor's size, plus its all-reduce ms, exceeds :data:`PRUNE_FACTOR` times that figure of
+        the tensor's current choice (and :data:`PRUNE_MIN_MS`). Agreed facts only. THC's first
+        call on digits' 4M-coordinate weight was the largest part of the window's first step
+        (0.13-0.55 s); its figure there is about 10x PowerSGD's."""
+        if self.start_costs is None:
+            return set()
+        scale = info.numel / math.prod(REFERENCE_SHAPE)
+        guess = [ms * scale + 1000.0 * self._comm(info, i) for i, ms in enumerate(self.start_costs)]
+        current = self._at.get(info.key, (0, self.fallback))[1]
+        return {i for i, g in enumerate(guess) if i not in (self.fallback, current)
+                and g > PRUNE_FACTOR * guess[current] and self.start_costs[i] * scale > PRUNE_MIN_MS}
 
     def _comm(self, info, i):
         """Predicted ring all-reduce seconds of candidate ``i``'s wire bytes for ``info``."""

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from hvd_gradcomp.auto import AutoConfig, AutoScheme, Link, decide, start_choice
+from hvd_gradcomp.auto import UNUSABLE, AutoConfig, AutoScheme, Link, decide, start_choice
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import one_rank
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
@@ -223,6 +223,34 @@ def test_window_prunes_a_hopeless_candidate_the_same_way_on_every_rank(backend, 
     assert d0 == d1 and d0["scheme"] == "fp16"
     assert d0["errors"]["thc"] == auto.UNUSABLE and d0["predicted_ms"]["thc"] >= auto.UNUSABLE
     assert d0["predicted_ms"]["fp16"] < 20.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_start_costs_keep_a_hopeless_candidate_out_of_the_window(backend, monkeypatch):
+    """With calibrate()'s start costs, a candidate whose reference codec ms, scaled to the
+    tensor, is far above the current choice's figure is never run in the window."""
+    calls = {"thc": 0}
+    link = dict(candidates="fp16|powersgd:4|thc:4", bandwidth_gbit=100.0, latency_ms=0.0, warmup=3, every=4)
+    ops = one_rank(backend_ops(backend))
+    schemes = [make_scheme("auto", **link).bind(ops) for _ in range(2)]
+    for s in schemes:
+        s.start_costs = (0.5, 1.0, 1e4)  # ms on the 1024 x 1024 reference: THC hopeless
+        real = s.candidates[2].compress
+
+        def counted(*args, real=real, **kwargs):
+            calls["thc"] += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(s.candidates[2], "compress", counted)
+    infos = [TensorInfo("w", SHAPE, "float32", 2, r, "sum") for r in range(2)]
+    states = [s.init(ops, i, backend_tensor(backend, [0.0])) for s, i in zip(schemes, infos)]
+    for t in range(3):
+        pcs = [compress_tensor(schemes[r], ops, backend_tensor(backend, _grad(r, t)), states[r], infos[r])
+               for r in range(2)]
+        for r in range(2):
+            _, states[r] = finish_tensor(schemes[r], ops, pcs[0][0] + pcs[1][0], pcs[r][1], states[r], infos[r])
+    assert calls["thc"] == 0
+    d0, d1 = (s.history_records()[-1] for s in schemes)
+    assert d0 == d1 and d0["errors"]["thc"] == UNUSABLE and d0["scheme"] == "fp16"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
