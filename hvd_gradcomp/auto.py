@@ -110,8 +110,9 @@ rank, to refresh them. Without either, ``compress`` raises.
 Limits: the schedule needs the step on the host, so in TensorFlow ``auto`` runs eagerly only:
 ``tf.config.run_functions_eagerly(True)``, since Horovod's ``DistributedGradientTape`` (and
 Keras ``DistributedOptimizer``) all-reduce inside a ``tf.function`` of their own even when
-called eagerly (a plain eager ``hvd.allreduce`` needs nothing); inside a graph it raises. Window steps cost every candidate's codec once more, and the shadows' residuals
-(one per candidate with error feedback) live until the probe. The predicted time charges
+called eagerly (a plain eager ``hvd.allreduce`` needs nothing); inside a graph it raises.
+Window steps cost every candidate's codec once more, and the shadows' residuals (one per
+candidate with error feedback) live until the probe. The predicted time charges
 codec and communication in full, without the overlap Horovod gives with the backward pass;
 the step gate's penalty is one number for every lossy candidate and model. Lanes in a float16
 payload hold about 3 significant digits. Ranks whose steps disagree (a rank that skipped
@@ -132,7 +133,7 @@ from .options import option, validate
 from . import rng
 from .ring import ring_allreduce_seconds
 
-__all__ = ["AutoConfig", "AutoScheme", "Link", "Decision", "decide", "DEFAULT_CANDIDATES"]
+__all__ = ["AutoConfig", "AutoScheme", "Link", "Decision", "decide", "start_choice", "DEFAULT_CANDIDATES"]
 
 log = logging.getLogger("hvd_gradcomp")
 
@@ -147,9 +148,9 @@ FALLBACK = "fp16"
 # the fastest admissible one for the tensor is not run again in that window (AutoScheme._measure).
 # First calls cost more than later ones (allocations, THC's first Sylvester matrix), hence > 1.
 PRUNE_FACTOR = 2.5
-# Tensors start compressed only if the start candidate saves at least this much all-reduce
-# time a step (seconds) on a REFERENCE_SHAPE matrix: codec times are not known before the first
-# window, and PowerSGD rank 4 costs about 10 ms on 2048 x 2048 on one CPU core.
+# With a given link (no calibrate(), so no start costs), tensors start compressed only if the
+# start candidate saves at least this much all-reduce time a step (seconds) on a
+# REFERENCE_SHAPE matrix: PowerSGD rank 4 costs about 2.5 ms on it on one CPU core.
 START_SAVING_S = 1e-3
 REFERENCE_SHAPE = (1024, 1024)
 # A window's first step prunes a candidate only if it also took at least this long (ms): on
