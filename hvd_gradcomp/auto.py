@@ -365,14 +365,6 @@ class _Ctx(NamedTuple):
     carried: bool  # the state's carry was added to this step's gradient
 
 
-def _min(values):
-    return min(values) if values else math.nan
-
-
-def _finite_or(value, default):
-    return value if math.isfinite(value) else default
-
-
 class AutoScheme(Scheme):
     """Per-tensor choice among candidate schemes (module docstring)."""
 
@@ -758,7 +750,7 @@ class AutoScheme(Scheme):
             else:  # the screen's figures only until a sample exists (the gate's early reads);
                 # none at all (this rank's window gradients were not finite): NaN, so that the
                 # probe decides nothing
-                times.append(min(_min(t) if t else ms0, LANE_MAX))
+                times.append(min(min(t) if t else ms0, LANE_MAX))
                 errors.append(min(sum(e) / len(e) if e else e0, LANE_MAX))
         return times, errors
 
