@@ -365,6 +365,17 @@ class _Ctx(NamedTuple):
     carried: bool  # the state's carry was added to this step's gradient
 
 
+def _alone_step(cand, ops, x, state, info):
+    """One step of ``cand`` on ``x`` as if alone (``info``: world size 1): ``(out`` float32
+    ``[numel]``, new state, host ms)``, the device waited for before the clock is read."""
+    start = time.perf_counter()
+    payload, ctx = compress_tensor(cand, ops, x, state, info)
+    out, state = finish_tensor(cand, ops, payload, ctx, state, info)
+    out = ops.reshape(out, (info.numel,))
+    ops.to_host(ops.sum(out[:1], None))
+    return out, state, (time.perf_counter() - start) * 1000.0
+
+
 class AutoScheme(Scheme):
     """Per-tensor choice among candidate schemes (module docstring)."""
 
@@ -402,7 +413,7 @@ class AutoScheme(Scheme):
         self._at = {}  # key -> (step, choice): the state's counters, mirrored on the host
         self._shadows = {}  # key -> [shadow state per candidate] during a window
         self._samples = {}  # key -> [(times ms, errors)] per candidate during a window
-        self._firsts = {}  # key -> [screen ms per candidate] of the window's first step
+        self._firsts = {}  # key -> [(screen ms, screen error) per candidate] of the window's first step
         self._pruned = {}  # key -> indices of candidates not run again in this window
         self._infos = {}  # key -> TensorInfo of the tensors in a window
         self._clock = {}  # step -> [host time of the step's first compress, shadow seconds]
@@ -434,24 +445,26 @@ class AutoScheme(Scheme):
         for cand in self.candidates:
             state, runs = cand.init(ops, info, x), []
             for i in range(3):
-                start = time.perf_counter()
-                payload, ctx = compress_tensor(cand, ops, x, state, info)
-                out, state = finish_tensor(cand, ops, payload, ctx, state, info)
-                ops.to_host(ops.sum(ops.reshape(out, (info.numel,))[:1], None))
+                _, state, ms = _alone_step(cand, ops, x, state, info)
                 if i:
-                    runs.append((time.perf_counter() - start) * 1000.0)
+                    runs.append(ms)
             costs.append(min(min(runs), LANE_MAX))
         return costs
 
     # ---- state ----
-    def _state(self, ops, like, step: int, choice: int, inner, carry=None):
+    def _pack(self, step, choice, inner, carry):
+        """An AutoState of the counters (tensors), the optional carry and ``inner``'s fields."""
+        kept = () if carry is None else (carry,)
         fields = ("step", "choice") + (() if carry is None else ("carry",)) + \
             tuple("a_" + f for f in inner._fields)
         cls = self._types.get(fields)
         if cls is None:
             cls = self._types[fields] = (namedtuple("AutoState", fields), type(inner))
-        head = (ops.constant(step, "int64", like), ops.constant(choice, "int64", like))
-        return cls[0](*head, *(() if carry is None else (carry,)), *inner)
+        return cls[0](step, choice, *kept, *inner)
+
+    def _state(self, ops, like, step: int, choice: int, inner, carry=None):
+        return self._pack(ops.constant(step, "int64", like), ops.constant(choice, "int64", like),
+                          inner, carry)
 
     def _inner(self, state):
         cls = self._types[tuple(state._fields)][1]
@@ -459,13 +472,7 @@ class AutoScheme(Scheme):
 
     def _with(self, state, inner, carry):
         """``state`` with its counters moved on by one on the device (no new host tensors)."""
-        kept = () if carry is None else (carry,)
-        fields = ("step", "choice") + (() if carry is None else ("carry",)) + \
-            tuple("a_" + f for f in inner._fields)
-        cls = self._types.get(fields)
-        if cls is None:
-            cls = self._types[fields] = (namedtuple("AutoState", fields), type(inner))
-        return cls[0](state.step + 1, state.choice, *kept, *inner)
+        return self._pack(state.step + 1, state.choice, inner, carry)
 
     def init(self, ops, info: TensorInfo, like):
         """A fresh state at step 0 on the start choice (:func:`start_choice`); the tensor's
@@ -585,8 +592,7 @@ class AutoScheme(Scheme):
                 carry = None  # delivered; a failed step keeps it for the next one
             if not ctx.probe:
                 self._at[info.key] = (ctx.step + 1, ctx.choice)
-                return self._with(state, new, carry) if carry is not None or ctx.carried else \
-                    type(state)(state.step + 1, state.choice, *new)
+                return self._with(state, new, carry)
             lanes = ops.to_host(ops.cast(payload[math.prod(ctx.shape):], "float32"))
         for table in (self._shadows, self._samples, self._firsts, self._pruned, self._infos):
             table.pop(info.key, None)
@@ -684,12 +690,7 @@ class AutoScheme(Scheme):
             if i in pruned:
                 continue
             before = cand.residual_of(ops, shadows[i], alone)
-            start = time.perf_counter()
-            payload, ctx = compress_tensor(cand, ops, x, shadows[i], alone)
-            out, shadows[i] = finish_tensor(cand, ops, payload, ctx, shadows[i], alone)
-            out = ops.reshape(out, (info.numel,))
-            ops.to_host(ops.sum(out[:1], None))  # wait for the device before reading the clock
-            elapsed = (time.perf_counter() - start) * 1000.0
+            out, shadows[i], elapsed = _alone_step(cand, ops, x, shadows[i], alone)
             corrected = flat if before is None else flat + before
             diff = corrected - out
             num, den = ops.to_host(ops.concat([ops.reshape(ops.sum(diff * diff, None), (1,)),

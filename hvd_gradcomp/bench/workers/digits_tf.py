@@ -167,8 +167,7 @@ def main(argv=None):
             "versions": {"tensorflow": tf.__version__, "horovod": horovod.__version__,
                          "numpy": np.__version__},
             "params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
-            "tf_codec_timing": "in-graph tf.timestamp, side collectives excluded",
-            "eager": bool(args.eager)}
+            "tf_codec_timing": "in-graph tf.timestamp, side collectives excluded"}
     rec = Recorder(args, rank, size, steps_per_epoch, True, meta)
     # Trace the step functions before the clock starts (compress runs at trace time, creating
     # the compressor's state variables; nothing executes, so no state changes).
