@@ -25,9 +25,11 @@ __all__ = ["render_block", "load_results", "publish", "main"]
 def load_results(path):
     """A sweep's saved ``results.json`` (``path`` is the file or its run folder).
 
-    The runs' ratio columns (``tta_vs_fp16``, ``tta_vs_best_ddp``, ``fp16_bytes_ratio``) are
-    recomputed with :func:`.report.add_baseline_ratios` (the same values for a sweep of this
-    version; filled in for a sweep saved before a column existed).
+    The runs' targets relative to FP16, TTA and steps to target are recomputed from the saved
+    evaluations (:func:`.report.apply_targets`), and their ratio columns (``tta_vs_fp16``,
+    ``tta_vs_best_ddp``, ``fp16_bytes_ratio``, ``steps_vs_fp16``, ``step_time_vs_fp16``) with
+    :func:`.report.add_baseline_ratios` (the same values for a sweep of this version; filled
+    in for a sweep saved before a column existed).
 
     Returns:
         (data, out_dir): ``data`` with keys ``sweep``, ``runs`` and ``results``; ``out_dir``
@@ -44,6 +46,7 @@ def load_results(path):
     missing = [k for k in ("sweep", "runs", "results") if k not in data]
     if missing:
         raise ValueError(f"publish: {path} lacks {missing}; expected a tta sweep's results.json")
+    report.apply_targets(data["runs"], data["results"])
     report.add_baseline_ratios(data["runs"])
     return data, os.path.dirname(os.path.abspath(path))
 

@@ -38,14 +38,15 @@ import statistics
 
 from .worker import rolling_mean
 
-__all__ = ["time_to_target", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
+__all__ = ["time_to_target", "first_reached", "apply_targets", "adam_ratios", "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
            "SUMMARY_COLUMNS", "STEP_COLUMNS", "EVAL_COLUMNS", "write_summary_csv", "write_csvs", "write_json", "format_table", "markdown_table", "plot",
            "plot_rows", "plot_path", "update_doc"]
 
 RUN_COLUMNS = [
-    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "status", "stop_reason",
-    "network_mode", "bandwidth_mbit", "latency_ms", "world_size", "seed", "params", "target",
+    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "optimizer", "status", "stop_reason",
+    "network_mode", "bandwidth_mbit", "latency_ms", "world_size", "seed", "params", "target", "target_vs_fp16",
     "higher_is_better", "steps", "epochs", "clock_s", "wall_s", "tta_s", "tta_steady_s", "startup_s", "first_step_s", "tta_vs_fp16", "tta_vs_best_ddp",
+    "steps_to_target", "steps_vs_fp16", "step_time_vs_fp16",
     "final_metric", "best_metric", "bytes_payload", "bytes_side", "side_collectives",
     "bytes_per_step", "fp16_bytes_ratio", "step_ms_median", "compute_share", "codec_share",
     "comm_share", "choices", "git_commit", "versions",
@@ -57,6 +58,27 @@ SUMMARY_COLUMNS = RUN_COLUMNS[:2] + ["repeats", "runs_ok", "tta_reached"] + RUN_
     f"{k}_{e}" for k in SPREAD_KEYS for e in ("min", "max")]
 STEP_COLUMNS = ["run_id", "step", "epoch", "t", "compute_s", "codec_s", "comm_s", "loss"]
 EVAL_COLUMNS = ["run_id", "step", "epoch", "t", "metric", "rolling"]
+ADAM_COLUMNS = ["run_id", "step", "tensor", "numel", "update_rms", "grad_rms", "v_mean", "m_rms"]
+# Ratio columns: recomputed from the (median) rows, never medians themselves.
+RATIO_KEYS = ("tta_vs_fp16", "tta_vs_best_ddp", "fp16_bytes_ratio", "steps_vs_fp16", "step_time_vs_fp16")
+
+
+def first_reached(metric, target, higher_is_better=True, window=5):
+    """Index of the first evaluation whose trailing rolling mean (``window`` evaluations)
+    reaches ``target`` (>= when ``higher_is_better``, else <=); None if none does or
+    ``target`` is None.
+
+    Raises:
+        ValueError: window < 1.
+    """
+    if window < 1:
+        raise ValueError(f"time_to_target: window must be >= 1, got {window}")
+    if target is None:
+        return None
+    for i, roll in enumerate(rolling_mean(list(metric), window)):
+        if (roll >= target) if higher_is_better else (roll <= target):
+            return i
+    return None
 
 
 def time_to_target(t, metric, target, higher_is_better=True, window=5):
@@ -73,12 +95,8 @@ def time_to_target(t, metric, target, higher_is_better=True, window=5):
     """
     if len(t) != len(metric):
         raise ValueError(f"time_to_target: expected t and metric of equal length, got {len(t)} and {len(metric)}")
-    if window < 1:
-        raise ValueError(f"time_to_target: window must be >= 1, got {window}")
-    for when, roll in zip(t, rolling_mean(list(metric), window)):
-        if (roll >= target) if higher_is_better else (roll <= target):
-            return when
-    return None
+    i = first_reached(metric, target, higher_is_better, window)
+    return None if i is None else t[i]
 
 
 def summarize(run_id, result, network, git_commit=None):
@@ -99,11 +117,12 @@ def summarize(run_id, result, network, git_commit=None):
     row = {c: None for c in RUN_COLUMNS}
     row.update(run_id=run_id, repeat=int(meta.get("repeat", 1)), workload=meta.get("workload"), framework=meta.get("framework"),
                system=meta.get("system"), reference=bool(meta.get("reference", False)),
-               label=meta.get("label"), spec=meta.get("compression"),
+               label=meta.get("label"), spec=meta.get("compression"), optimizer=meta.get("optimizer") or None,
                status=result.get("status", "ok"), stop_reason=meta.get("stop_reason"),
                network_mode=network.get("mode"), bandwidth_mbit=network.get("bandwidth_mbit"),
                latency_ms=network.get("latency_ms"), world_size=meta.get("world_size"),
                seed=meta.get("seed"), params=meta.get("params"), target=meta.get("target"),
+               target_vs_fp16=meta.get("target_vs_fp16") or None,
                higher_is_better=higher, git_commit=git_commit,
                versions=json.dumps(meta.get("versions", {}), sort_keys=True))
     if steps.get("step"):
@@ -118,11 +137,8 @@ def summarize(run_id, result, network, git_commit=None):
                        comm_share=sum(steps["comm_s"]) / clock)
     if evals.get("metric"):
         roll = rolling_mean(evals["metric"], window)
-        row.update(final_metric=roll[-1], best_metric=(max if higher else min)(roll),
-                   tta_s=time_to_target(evals["t"], evals["metric"], meta.get("target"), higher, window)
-                   if meta.get("target") is not None else None)
-        if row["tta_s"] is not None and row["first_step_s"] is not None:
-            row["tta_steady_s"] = max(0.0, row["tta_s"] - row["first_step_s"])
+        row.update(final_metric=roll[-1], best_metric=(max if higher else min)(roll))
+        _set_reached(row, evals, window)
     if wire:
         row.update(bytes_payload=wire.get("payload"), bytes_side=wire.get("side"),
                    side_collectives=wire.get("side_collectives"),
@@ -132,6 +148,101 @@ def summarize(run_id, result, network, git_commit=None):
     return row
 
 
+def _set_reached(row, evals, window):
+    """Set ``tta_s``, ``tta_steady_s`` and ``steps_to_target`` of ``row`` from its
+    evaluations and ``row["target"]`` (None: not reached)."""
+    i = first_reached(evals["metric"], row.get("target"), bool(row.get("higher_is_better", True)), window)
+    row["tta_s"] = None if i is None else evals["t"][i]
+    row["steps_to_target"] = None if i is None else evals["step"][i]
+    row["tta_steady_s"] = None
+    if row["tta_s"] is not None and row.get("first_step_s") is not None:
+        row["tta_steady_s"] = max(0.0, row["tta_s"] - row["first_step_s"])
+
+
+def apply_targets(rows, results):
+    """Resolve targets relative to FP16 and (re)compute reaching them, in place; returns ``rows``.
+
+    A row whose run recorded ``target_vs_fp16`` = f (``lm-comm``: 1.02) gets the target f x
+    FP16's final rolling metric: the median over the FP16 rows (:func:`_is_fp16`, not the
+    reference, status ok) of the same workload and framework in ``rows``, Horovod's when
+    there are any, else DDP's; with no such row its target is None (not reached). Then every
+    row with evaluations in ``results`` (run id -> result) gets ``tta_s``, ``tta_steady_s``
+    and ``steps_to_target`` for its target (so published sweeps saved before
+    ``steps_to_target`` existed get it too).
+    """
+    finals = {}
+    for r in rows:
+        if _is_fp16(r) and not is_reference(r) and r.get("status") == "ok" and r.get("final_metric") is not None:
+            finals.setdefault((r.get("workload"), r.get("framework"), r.get("system") == "ddp"), []).append(r["final_metric"])
+    for r in rows:
+        res = results.get(r.get("run_id")) or {}
+        factor = r.get("target_vs_fp16") or (res.get("meta") or {}).get("target_vs_fp16")
+        if factor:
+            r["target_vs_fp16"] = factor
+            base = finals.get((r.get("workload"), r.get("framework"), False)) or \
+                finals.get((r.get("workload"), r.get("framework"), True))
+            r["target"] = factor * statistics.median(base) if base else None
+        evals = res.get("evals") or {}
+        if evals.get("metric") and evals.get("step"):
+            _set_reached(r, evals, int((res.get("meta") or {}).get("window", 5)))
+    return rows
+
+
+def adam_ratios(rows, results):
+    """Adam's statistics of each run against its FP16 run (issue 25's mechanism check).
+
+    For every run with optimizer-probe records (``results[run_id]["adam"]``, see
+    ``workers.torch_workloads.AdamProbe``) and the FP16 row of the same workload, framework
+    and system (:func:`_is_fp16`, not the reference) with records, at each step both logged:
+    the geometric mean over the tensors both logged with values > 0 of ours / FP16's
+    ``v_mean`` (Adam's mean second moment), ``update_rms`` and ``grad_rms``.
+
+    Returns:
+        a list of dicts ``{"run_id", "label", "step", "v_ratio", "update_ratio",
+        "grad_ratio", "tensors"}``, in ``rows`` order then step order (FP16's own rows, all
+        1.0, left out).
+    """
+    base = {}
+    for r in rows:
+        if _is_fp16(r) and not is_reference(r) and (results.get(r["run_id"]) or {}).get("adam"):
+            base.setdefault((r.get("workload"), r.get("framework"), r.get("system")), results[r["run_id"]]["adam"])
+    out = []
+    for r in rows:
+        ours = (results.get(r["run_id"]) or {}).get("adam")
+        fp16 = base.get((r.get("workload"), r.get("framework"), r.get("system")))
+        if not ours or not fp16 or ours is fp16 or _is_fp16(r):
+            continue
+        where = {step: i for i, step in enumerate(fp16["steps"])}
+        for i, step in enumerate(ours["steps"]):
+            j = where.get(step)
+            if j is None:
+                continue
+            line = {"run_id": r["run_id"], "label": r.get("label"), "step": step}
+            for key, col in (("v_mean", "v_ratio"), ("update_rms", "update_ratio"), ("grad_rms", "grad_ratio")):
+                logs = []
+                for name, t in ours["tensors"].items():
+                    b = fp16["tensors"].get(name)
+                    a, c = t[key][i], (b[key][j] if b else None)
+                    if a and c and a > 0 and c > 0:
+                        logs.append(math.log(a / c))
+                line[col] = math.exp(sum(logs) / len(logs)) if logs else None
+                line["tensors"] = len(logs)
+            out.append(line)
+    return out
+
+
+def format_adam_ratios(lines):
+    """:func:`adam_ratios` as a Markdown table (empty string for no lines)."""
+    if not lines:
+        return ""
+    f = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+    out = ["| run | step | v ours/FP16 | update RMS ours/FP16 | gradient RMS ours/FP16 |",
+           "|---|---|---|---|---|"]
+    out += [f"| {x['label']} | {x['step']} | {f(x['v_ratio'])} | {f(x['update_ratio'])} | {f(x['grad_ratio'])} |"
+            for x in lines]
+    return "\n".join(out)
+
+
 def _choice_notes(rows):
     """Lines under a table: what each ``auto`` row's tensors ended on (its ``choices``)."""
     return [f"{r.get('label') or r.get('spec')} ({r.get('workload')}) ended on: {r['choices']}"
@@ -139,8 +250,9 @@ def _choice_notes(rows):
 
 
 def _is_fp16(row):
+    """FP16 with the workload's own optimizer (a row naming another one is not the baseline)."""
     spec = row.get("spec") or ""
-    return spec in ("fp16", "ddp:fp16") or spec.startswith("fp16:")
+    return (spec in ("fp16", "ddp:fp16") or spec.startswith("fp16:")) and not row.get("optimizer")
 
 
 def is_reference(row):
@@ -176,6 +288,10 @@ def add_baseline_ratios(rows):
             r["tta_vs_fp16"] = b["tta_s"] / r["tta_s"]
         if b.get("bytes_per_step") and r.get("bytes_per_step"):
             r["fp16_bytes_ratio"] = b["bytes_per_step"] / r["bytes_per_step"]
+        if b.get("steps_to_target") and r.get("steps_to_target"):
+            r["steps_vs_fp16"] = r["steps_to_target"] / b["steps_to_target"]
+        if b.get("step_ms_median") and r.get("step_ms_median"):
+            r["step_time_vs_fp16"] = b["step_ms_median"] / r["step_ms_median"]
     return rows
 
 
@@ -186,9 +302,10 @@ def _median_or_none(values):
 
 def _row_key(r):
     """What makes runs repeats of one table row: (workload, framework, system, spec,
-    reference), so the FP32 row and the no-communication reference (also spec ``none``)
-    stay apart."""
-    return (r.get("workload"), r.get("framework"), r.get("system"), r.get("spec"), is_reference(r))
+    optimizer, reference), so the FP32 row and the no-communication reference (also spec
+    ``none``) stay apart, and so do rows of one spec under different optimizers."""
+    return (r.get("workload"), r.get("framework"), r.get("system"), r.get("spec"), r.get("optimizer"),
+            is_reference(r))
 
 
 def aggregate(rows):
@@ -217,12 +334,15 @@ def aggregate(rows):
         bad = len(members) - len(ok)
         s["status"] = "ok" if not bad else f"{bad} of {len(members)} failed"
         for c in RUN_COLUMNS:
-            if c in ("run_id", "repeat", "tta_vs_fp16", "tta_vs_best_ddp", "fp16_bytes_ratio") or c in SPREAD_KEYS:
+            if c in ("run_id", "repeat", "steps_to_target") or c in RATIO_KEYS or c in SPREAD_KEYS:
                 continue
             vals = [r.get(c) for r in ok]
             if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals if v is not None) \
                     and any(v is not None for v in vals):
                 s[c] = _median_or_none(vals)
+        reached = [math.inf if r.get("steps_to_target") is None else r["steps_to_target"] for r in ok]
+        med = statistics.median(reached) if reached else math.inf
+        s["steps_to_target"] = None if math.isinf(med) else med
         for k in SPREAD_KEYS:
             present = [r.get(k) for r in ok]
             if k in ("tta_s", "tta_steady_s"):  # not reached: +inf
@@ -264,7 +384,9 @@ def write_summary_csv(path, summary):
 
 
 def write_csvs(out_dir, rows, results):
-    """``runs.csv`` (one row per run), ``steps.csv`` and ``evals.csv`` (every record)."""
+    """``runs.csv`` (one row per run), ``steps.csv`` and ``evals.csv`` (every record), and
+    ``adam.csv`` (:data:`ADAM_COLUMNS`: the optimizer probe's per-tensor statistics, one line
+    per run, logged step and tensor) when some run logged them."""
     with open(os.path.join(out_dir, "runs.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, RUN_COLUMNS)
         w.writeheader()
@@ -286,6 +408,15 @@ def write_csvs(out_dir, rows, results):
             roll = rolling_mean(e.get("metric", []), window)
             for i in range(len(e.get("step", []))):
                 w.writerow([run_id, e["step"][i], e["epoch"][i], e["t"][i], e["metric"][i], roll[i]])
+    if any(res.get("adam") for res in results.values()):
+        with open(os.path.join(out_dir, "adam.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(ADAM_COLUMNS)
+            for run_id, res in results.items():
+                a = res.get("adam") or {}
+                for i, step in enumerate(a.get("steps", [])):
+                    for name, t in a.get("tensors", {}).items():
+                        w.writerow([run_id, step, name, t["numel"]] + [t[k][i] for k in ADAM_COLUMNS[4:]])
 
 
 def write_json(path, sweep_meta, rows, results, summary=None):
@@ -315,6 +446,16 @@ def _fmt(v, kind):
     return str(v)
 
 
+def _reach_text(row):
+    """``steps to target``: the steps, with ours/FP16's marked ``x`` when FP16 reached it
+    (``152 (1.13x)``); "not reached" for a run that evaluated and never reached it; "-" for a
+    run without evaluations."""
+    n, ratio = row.get("steps_to_target"), row.get("steps_vs_fp16")
+    if n is None:
+        return "not reached" if row.get("status") == "ok" and row.get("final_metric") is not None else "-"
+    return f"{n:.0f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
+
+
 def _metric_text(row):
     v = row.get("final_metric")
     if v is None:
@@ -325,6 +466,7 @@ def _metric_text(row):
 _TABLE = [  # header, key, format
     ("workload", "workload", None), ("run", "label", None), ("TTA s", "tta_s", "s"),
     ("FP16 TTA/ours", "tta_vs_fp16", "x"), ("best DDP TTA/ours", "tta_vs_best_ddp", "x"),
+    ("steps to target", "steps_to_target", "reach"), ("FP16 step/ours", "step_time_vs_fp16", "x"),
     ("final", None, "metric"), ("steps", "steps", None),
     ("step ms", "step_ms_median", "ms"), ("MB/step", "bytes_per_step", "mb"),
     ("FP16 B/ours", "fp16_bytes_ratio", "x"), ("compute", "compute_share", "pct"),
@@ -365,6 +507,8 @@ def _cells(row, columns=_TABLE):
     for _, key, kind in columns:
         if kind == "metric":
             out.append(_metric_text(row))
+        elif kind == "reach":
+            out.append(_reach_text(row))
         elif key == "workload":
             out.append(f"{workload_name(row)}")
         elif key == "label" and row.get("status") != "ok":
@@ -390,12 +534,17 @@ def table_header(network, rows):
                 "tensors are not page-faulted in again each step")
     elif network.get("malloc"):
         net += f". glibc malloc: {network['malloc']}"
-    targets = sorted({(r.get("workload"), r.get("target")) for r in rows if r.get("target") is not None},
-                     key=str)
-    tt = ", ".join(f"{w} {t}" for w, t in targets)
+    targets = sorted({(r.get("workload"), r.get("target"), r.get("target_vs_fp16")) for r in rows
+                      if r.get("target") is not None}, key=str)
+    tt = ", ".join(f"{w} {t:.4g} ({f:g} x FP16's final rolling metric in this sweep)" if f else f"{w} {t}"
+                   for w, t, f in targets)
     lines = [net, f"Targets (rolling metric): {tt}. TTA = training clock to target; ratios are "
                   "FP16 / ours (> 1 better), against the FP16 run of the same workload and system, "
                   "and best DDP / ours against the fastest DDP row of the same workload. "
+                  "steps to target = optimizer steps to the evaluation that reached the target, "
+                  "with ours / FP16's (> 1: more steps than FP16, the convergence cost); "
+                  "FP16 step/ours = FP16's median step time over ours (> 1: faster steps, the "
+                  "speed), so FP16 TTA/ours is about FP16 step/ours divided by the steps ratio. "
                   "codec = compress+decompress share of the clock (the overhead)."]
     if any(r.get("startup_s") is not None for r in rows):
         lines[1] += (" steady TTA = clock from the end of the first step to target; start = wall "

@@ -71,6 +71,7 @@ __all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "Swee
 WORKLOADS = {
     "digits": ("torch", "hvd_gradcomp.bench.workers.digits_torch", "digits", True),
     "lm": ("torch", "hvd_gradcomp.bench.workers.lm_torch", "lm", True),
+    "lm-comm": ("torch", "hvd_gradcomp.bench.workers.lm_comm_torch", "lm-comm", True),
     "digits-tf": ("tensorflow", "hvd_gradcomp.bench.workers.digits_tf", "digits", False),
     "digits-tf-eager": ("tensorflow", "hvd_gradcomp.bench.workers.digits_tf", "digits-eager", False),
 }
@@ -89,6 +90,35 @@ DEFAULT_CANDIDATES = (
     "powersgd:rank=4,variant=two_round",  # Vogels et al.'s two rounds (blocking P all-reduce)
 )
 DEFAULT_DDP_HOOKS = "fp16;powersgd:rank=4"
+# lm-comm's default rows (issue 25): the fixed compressors and auto as they are, then the
+# Adam-configured ones: EF21 error feedback with an FP16 warm-up of each tensor's first 100
+# steps, and a frozen-variance AdamW (second moment frozen after 100 steps; weight decay 0,
+# as Adam's) under classic error feedback. A row is "SPEC" or "SPEC with OPTIMIZER(k=v,...)"
+# (:func:`parse_row`). Rows whose spec this checkout cannot build run as failed rows that
+# say why (:class:`RunSpec` ``unavailable``); an optimizer class it lacks fails its own run.
+ADAM_ROWS = (
+    "fp16", "thc", "topkc:ratio=0.1", "powersgd:rank=4", "auto",
+    "topkc:ratio=0.1,error_feedback=ef21,fp16_warmup=100",
+    "powersgd:rank=4,error_feedback=ef21,fp16_warmup=100",
+    "topkc:ratio=0.1 with frozen-adamw(weight_decay=0,freeze_step=100)",
+    "powersgd:rank=4 with frozen-adamw(weight_decay=0,freeze_step=100)",
+)
+# Sweep defaults of a workload, used when every workload of the sweep has them and the
+# option is not given. lm-comm: a 50 Mbit/s link (FP16's step mostly communication), no
+# training-clock cap (its fixed step budget ends every run), no DDP rows, no reference.
+WORKLOAD_SWEEP_DEFAULTS = {
+    "lm-comm": {"bandwidth": 50.0, "max_seconds": 0.0, "compressors": ADAM_ROWS,
+                "ddp_hooks": "off", "no_comm_reference": "off"},
+}
+# Workloads whose target is relative to FP16 (the worker's ``target_vs_fp16``): once the
+# FP16 row (Horovod, the workload's own optimizer) has run its step budget, every later row of
+# the workload stops when it reaches that target (factor x FP16's final rolling metric), or
+# after this many times FP16's steps, so that a row needing more steps than FP16 is still
+# measured while rows that reach the target sooner do not run on. The report measures every
+# row against the same target again (report.apply_targets), from the saved evaluations.
+FP16_STEPS_CAP = {"lm-comm": 1.5}
+SWEEP_DEFAULTS = {"bandwidth": 500.0, "max_seconds": 120.0, "compressors": None,
+                  "ddp_hooks": DEFAULT_DDP_HOOKS, "no_comm_reference": "on"}
 # The no-communication reference: FP32 (Horovod's own path) on an unthrottled loopback link.
 NOCOMM_SPEC = "none"
 NOCOMM_LABEL = "no communication (reference: fp32, unthrottled)"
@@ -103,15 +133,25 @@ class RunSpec:
     ``reference=True`` marks the no-communication reference: a Horovod FP32 run (spec
     :data:`NOCOMM_SPEC`) on an unthrottled loopback link (:func:`network_for`), label
     :data:`NOCOMM_LABEL`, row id ``<workload>-horovod-none-nocomm``.
+
+    ``optimizer``: the row's optimizer text (``adamw(lr=1e-3)``, passed to the worker as
+    ``--optimizer``; None: the workload's own); it joins the label (``SPEC with OPT``) and the
+    row id. ``unavailable``: why this checkout cannot run the row (it is then reported as
+    failed, ``not run: <why>``, without a launch).
     """
 
-    def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1, reference=False):
+    def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1, reference=False,
+                 optimizer=None, unavailable=None):
         self.workload, self.system, self.spec = workload, system, spec
         self.reference = bool(reference)
+        self.optimizer = optimizer or None
+        self.unavailable = unavailable
         self.framework = WORKLOADS[workload][0]
         self.label = label or (NOCOMM_LABEL if self.reference else
                                {"none": "fp32 (none)"}.get(spec, spec) if system == "horovod" else f"DDP {spec}")
-        slug = re.sub(r"[^A-Za-z0-9]+", "-", spec).strip("-")
+        if self.optimizer and not label:
+            self.label += f" with {self.optimizer}"
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", spec + (f" with {self.optimizer}" if self.optimizer else "")).strip("-")
         self.row_id = f"{workload}-{system}-{slug}" + ("-nocomm" if self.reference else "")
         self.repeat, self.repeats = repeat, repeats
         self.run_id = self.row_id if repeats == 1 else f"{self.row_id}-r{repeat}"
@@ -141,21 +181,58 @@ def default_specs():
     return ok, skipped
 
 
-def parse_compressors(text):
-    """``"fp16; topkc:ratio=0.01,chunk=256"`` -> list of specs (``;`` separates specs).
+def parse_row(text):
+    """``"topkc:ratio=0.1 with frozen-adamw(freeze_step=100)"`` -> ``("topkc:ratio=0.1",
+    "frozen-adamw(freeze_step=100)")``; a row without `` with `` -> ``(spec, None)``. ``fp32``
+    means ``none``. Only the optimizer's syntax and name are checked here
+    (:func:`hvd_gradcomp.bench.worker.parse_optimizer`), not the spec.
 
-    Each spec is parsed and its config built (:func:`_check_spec`); ``fp32`` means ``none``.
+    Raises:
+        ValueError: an empty spec or a bad optimizer text (the message says which).
+    """
+    from .worker import parse_optimizer
+    spec, sep, opt = (x.strip() for x in text.partition(" with "))
+    if not spec:
+        raise ValueError(f"expected a compressor spec before 'with', got {text!r}")
+    if sep:
+        parse_optimizer(opt)
+    return ("none" if spec == "fp32" else spec), (opt if sep and opt else None)
+
+
+def parse_compressors(text):
+    """``"fp16; topkc:ratio=0.01,chunk=256"`` -> list of rows (``;`` separates rows).
+
+    Each row is a spec, optionally ``SPEC with OPTIMIZER(k=v,...)`` (:func:`parse_row`); each
+    spec is parsed and its config built (:func:`_check_spec`); ``fp32`` means ``none``. A row
+    without an optimizer is returned as its spec, one with as ``SPEC with OPTIMIZER``.
 
     Raises:
         ValueError: an empty list, or a spec the registry rejects (its message says why).
     """
-    specs = [s.strip() for s in text.split(";") if s.strip()]
-    if not specs:
+    rows = [s.strip() for s in text.split(";") if s.strip()]
+    if not rows:
         raise ValueError(f"expected at least one compressor spec, got {text!r}")
     out = []
-    for s in specs:
-        _check_spec(s)
-        out.append("none" if s == "fp32" else s)
+    for row in rows:
+        spec, opt = parse_row(row)
+        _check_spec(spec)
+        out.append(spec + (f" with {opt}" if opt else ""))
+    return out
+
+
+def check_rows(rows):
+    """``[(row, why or None)]``: each row (:func:`parse_row` syntax) with the reason this
+    checkout cannot build its spec (:func:`_check_spec`'s message), None when it can (the
+    default row lists: an option other branches add is reported, not fatal)."""
+    out = []
+    for row in rows:
+        try:
+            spec, opt = parse_row(row)
+            _check_spec(spec)
+        except ValueError as e:
+            out.append((row, str(e)))
+        else:
+            out.append((spec + (f" with {opt}" if opt else ""), None))
     return out
 
 
@@ -178,27 +255,32 @@ def _eager_only(spec: str) -> bool:
     return any(scheme.adaptive for scheme in Routing.from_spec(spec).schemes())
 
 
-def plan_runs(workloads, specs, ddp_hooks, reference=False):
+def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None):
     """The runs in table order: per workload, the Horovod specs, the DDP hooks (PyTorch
     workloads), then, with ``reference``, the no-communication reference (FP32 on an
     unthrottled link, :class:`RunSpec` ``reference=True``). Specs with ``auto`` are left out
     of TensorFlow workloads whose step is a ``tf.function`` (auto runs eagerly), with a note;
-    ``digits-tf-eager`` runs them.
+    ``digits-tf-eager`` runs them. A spec may be a row ``SPEC with OPTIMIZER``
+    (:func:`parse_row`); ``unavailable`` maps rows to why they cannot run here (they are
+    planned, and reported as failed without a launch).
 
     Raises:
         ValueError: an unknown workload.
     """
     plan = []
+    unavailable = unavailable or {}
     for w in workloads:
         if w not in WORKLOADS:
             raise ValueError(f"unknown workload {w!r}; expected some of {sorted(WORKLOADS)}")
-        for s in specs:
-            if WORKLOADS[w][0] == "tensorflow" and "--eager" not in WORKLOAD_FLAGS.get(w, ()) \
+        for row in specs:
+            s, opt = parse_row(row)
+            why = unavailable.get(row)
+            if why is None and WORKLOADS[w][0] == "tensorflow" and "--eager" not in WORKLOAD_FLAGS.get(w, ()) \
                     and _eager_only(s):
                 print(f"tta: {s} skipped on {w}: auto runs eagerly only, and this worker's step "
                       f"is a tf.function (workload digits-tf-eager runs it)", file=sys.stderr)
                 continue
-            plan.append(RunSpec(w, "horovod", s))
+            plan.append(RunSpec(w, "horovod", s, optimizer=opt, unavailable=why))
         if WORKLOADS[w][3]:
             for h in ddp_hooks:
                 name = h.split(":")[0]
@@ -219,7 +301,7 @@ def interleave(plan, repeats):
     """
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"--repeats must be an integer >= 1, got {repeats!r}")
-    return [RunSpec(r.workload, r.system, r.spec, r.label, k, repeats, r.reference)
+    return [RunSpec(r.workload, r.system, r.spec, r.label, k, repeats, r.reference, r.optimizer, r.unavailable)
             for k in range(1, repeats + 1) for r in plan]
 
 
@@ -252,18 +334,22 @@ def _versions():
     return out
 
 
-def _command(run, args, out_json):
-    """The command every rank runs: ``python -m <worker module> <flags>`` (never a file path)."""
+def _command(run, args, out_json, extra=()):
+    """The command every rank runs: ``python -m <worker module> <flags>`` (never a file path);
+    ``extra`` flags (:func:`stop_flags`) go before ``--worker-args``, which can override them."""
     framework, module, wname, _ = WORKLOADS[run.workload]
     cmd = [sys.executable, "-m", DDP_WORKER if run.system == "ddp" else module]
     if run.system == "ddp":
         cmd += ["--workload", wname, "--hook", run.spec]
     else:
         cmd += ["--compression", run.spec]
+    if run.optimizer:
+        cmd += ["--optimizer", run.optimizer]
     cmd += ["--seed", str(args.seed), "--out", out_json, "--progress"]
     cmd += list(WORKLOAD_FLAGS.get(run.workload, ())) if run.system != "ddp" else []
     if args.max_seconds:
         cmd += ["--max-seconds", str(args.max_seconds)]
+    cmd += list(extra)
     cmd += args.worker_args.split() if args.worker_args else []
     return cmd
 
@@ -272,10 +358,44 @@ def _stub_result(run, status, error="", network=None):
     out = {"status": status, "error": error,
            "meta": {"workload": WORKLOADS[run.workload][2], "framework": WORKLOADS[run.workload][0],
                     "system": run.system, "label": run.label, "compression": run.spec,
-                    "repeat": run.repeat, "reference": run.reference}}
+                    "optimizer": run.optimizer, "repeat": run.repeat, "reference": run.reference}}
     if network is not None:
         out["network"] = network
     return out
+
+
+def _is_fp16_baseline(run):
+    return run.system == "horovod" and run.spec == "fp16" and not run.optimizer and not run.reference
+
+
+def note_fp16(run, result, stops):
+    """After a run: when it is the FP16 baseline (Horovod ``fp16``, the workload's own
+    optimizer) of a workload in :data:`FP16_STEPS_CAP` and recorded ``target_vs_fp16``,
+    store in ``stops[workload]`` the target (factor x its final rolling metric) and the step
+    cap (:data:`FP16_STEPS_CAP` x its steps) for the later rows (:func:`stop_flags`). The
+    first FP16 run of the sweep sets them (with repeats: round 1's)."""
+    meta, evals = result.get("meta") or {}, result.get("evals") or {}
+    if run.workload in stops or run.workload not in FP16_STEPS_CAP or not _is_fp16_baseline(run):
+        return
+    if result.get("status") != "ok" or not meta.get("target_vs_fp16") or not evals.get("metric"):
+        return
+    from .worker import rolling_mean
+    final = rolling_mean(evals["metric"], int(meta.get("window", 5)))[-1]
+    steps = int(meta.get("steps_run") or len((result.get("steps") or {}).get("step", [])))
+    stops[run.workload] = {"target": meta["target_vs_fp16"] * final,
+                           "max_steps": int(FP16_STEPS_CAP[run.workload] * steps)}
+
+
+def stop_flags(run, stops):
+    """Worker flags that stop ``run`` at its workload's FP16-relative target
+    (:func:`note_fp16`): ``--target T --epochs-past-target 0 --max-steps N --max-epochs
+    1e9`` (the step cap, not the epoch budget, ends it); none for the FP16 baseline itself or
+    before FP16 has run."""
+    stop = stops.get(run.workload)
+    if stop is None or _is_fp16_baseline(run):
+        return []
+    return ["--target", f"{stop['target']:.6g}", "--epochs-past-target", "0",
+            "--max-steps", str(stop["max_steps"]), "--max-epochs", "1e9"]
 
 
 def network_for(net, run):
@@ -288,10 +408,13 @@ def network_for(net, run):
     return netem.LoopbackNetwork(net.world_size, "no-communication reference")
 
 
-def execute(net, run, args, out_dir, progress=True):
+def execute(net, run, args, out_dir, progress=True, extra=()):
     """Run one planned run on ``net`` (the reference on :func:`network_for`'s loopback);
     returns its result dict (``status`` "ok" or why not). A reference run's result holds
     its own network's ``describe()`` under ``"network"`` and ``meta["reference"] = True``."""
+    if run.unavailable:
+        print(f"tta: run {run.run_id} not run: {run.unavailable}", file=sys.stderr)
+        return _stub_result(run, f"not run: {run.unavailable}", run.unavailable)
     from tqdm import tqdm
     log_dir = os.path.join(out_dir, "logs", run.run_id)
     os.makedirs(log_dir, exist_ok=True)
@@ -299,7 +422,7 @@ def execute(net, run, args, out_dir, progress=True):
     os.makedirs(os.path.dirname(out_json), exist_ok=True)
     if os.path.exists(out_json):
         os.remove(out_json)
-    cmd = _command(run, args, out_json)
+    cmd = _command(run, args, out_json, extra)
     with open(os.path.join(log_dir, "command.txt"), "w") as f:
         f.write(" ".join(cmd) + "\n")
     own = network_for(net, run)
@@ -354,6 +477,7 @@ def execute(net, run, args, out_dir, progress=True):
             result = json.load(f)
         result["status"] = "ok"
         result["meta"]["label"] = run.label
+        result["meta"]["optimizer"] = run.optimizer
         result["meta"]["repeat"] = run.repeat
         result["meta"]["reference"] = run.reference
         if run.reference:
@@ -377,19 +501,22 @@ def build_parser():
     p.add_argument("--workloads", default="digits",
                    help=f"comma-separated, some of {sorted(WORKLOADS)}")
     p.add_argument("--compressors", default=None,
-                   help="';'-separated compressor specs (default: every registered default, "
-                        f"from {'; '.join(DEFAULT_CANDIDATES)}); every scheme's options: "
-                        "python -m hvd_gradcomp --list")
-    p.add_argument("--ddp-hooks", default=DEFAULT_DDP_HOOKS,
+                   help="';'-separated rows: compressor specs, each optionally 'SPEC with "
+                        "OPTIMIZER(k=v,...)' (optimizers: adam, adamw, sgd, frozen-adamw; "
+                        "e.g. 'topkc:ratio=0.1 with adam(lr=6.3e-3)'). Default: every registered "
+                        f"default, from {'; '.join(DEFAULT_CANDIDATES)}; for lm-comm alone: "
+                        f"{'; '.join(ADAM_ROWS)}. Every scheme's options: python -m hvd_gradcomp --list")
+    p.add_argument("--ddp-hooks", default=None,
                    help="';'-separated DDP hooks for PyTorch workloads (none, fp16, powersgd:rank=R); "
-                        "'off' for none")
-    p.add_argument("--no-comm-reference", choices=("on", "off"), default="on",
+                        f"'off' for none (default {DEFAULT_DDP_HOOKS}; lm-comm alone: off)")
+    p.add_argument("--no-comm-reference", choices=("on", "off"), default=None,
                    help="per workload, one more run as a reference, not a competitor: FP32 on an "
                         "unthrottled loopback link (the network left out), the limit any "
-                        "compressor can approach")
+                        "compressor can approach (default on; lm-comm alone: off)")
     p.add_argument("--workers", type=int, default=2, help="ranks (one namespace each)")
-    p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_MBIT,
-                   help="Mbit/s per worker link, each direction")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help=f"Mbit/s per worker link, each direction (default {DEFAULT_BANDWIDTH_MBIT:g}; "
+                        f"lm-comm alone: {WORKLOAD_SWEEP_DEFAULTS['lm-comm']['bandwidth']:g})")
     p.add_argument("--latency", type=float, default=0.0, help="one-way latency per worker link, ms")
     p.add_argument("--loopback", action="store_true",
                    help="skip the emulation and run on 127.0.0.1 (also the automatic fallback without root)")
@@ -405,8 +532,9 @@ def build_parser():
     p.add_argument("--repeats", type=int, default=1,
                    help="run every row this many times, interleaved (round 1 of every row, then "
                         "round 2, ...); the table shows median TTA with its min-max")
-    p.add_argument("--max-seconds", type=float, default=120.0,
-                   help="cap on each run's training clock (s); 0 = none")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="cap on each run's training clock (s); 0 = none (default 120; lm-comm "
+                        "alone: 0, its step budget ends every run)")
     p.add_argument("--run-timeout", type=float, default=0.0,
                    help="wall-clock limit per run (s); 0 = 3 x max-seconds + 300")
     p.add_argument("--worker-args", default="",
@@ -461,21 +589,46 @@ class SweepOutcome(NamedTuple):
     interrupted: bool
 
 
+def sweep_defaults(workloads):
+    """The defaults of the options left unset (``--bandwidth``, ``--max-seconds``,
+    ``--compressors``, ``--ddp-hooks``, ``--no-comm-reference``): :data:`SWEEP_DEFAULTS`,
+    overridden by :data:`WORKLOAD_SWEEP_DEFAULTS` when every workload of the sweep has the
+    same entry there (``--workloads lm-comm``); a mixed sweep keeps the general ones."""
+    out = dict(SWEEP_DEFAULTS)
+    own = [WORKLOAD_SWEEP_DEFAULTS.get(w) for w in workloads]
+    if own and all(o is not None and o == own[0] for o in own):
+        out.update(own[0])
+    return out
+
+
 def plan_sweep(args) -> SweepPlan:
     """Step 1: the runs, specs, link and output folder from parsed options; nothing runs.
+    Options left unset (None) are filled in ``args`` from :func:`sweep_defaults`.
 
     Raises:
         ValueError: an unknown workload, a bad compressor spec or DDP hook, or a link setting
             out of range (the message says which).
     """
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    defaults = sweep_defaults(workloads)
+    for key in ("bandwidth", "max_seconds", "ddp_hooks", "no_comm_reference"):
+        if getattr(args, key, None) is None:
+            setattr(args, key, defaults[key])
+    unavailable = {}
     if args.compressors:
         specs, skipped = parse_compressors(args.compressors), []
+    elif defaults["compressors"] is not None:
+        checked = check_rows(defaults["compressors"])
+        specs, skipped = [row for row, _ in checked], []
+        unavailable = {row: why for row, why in checked if why}
+        for row, why in unavailable.items():
+            print(f"tta: default row {row!r} cannot run on this checkout ({why.split(';')[0]}); "
+                  "it is reported as not run", file=sys.stderr)
     else:
         specs, skipped = default_specs()
     hooks = parse_ddp_hooks(args.ddp_hooks)
-    runs = interleave(plan_runs(workloads, specs, hooks, reference=args.no_comm_reference == "on"),
-                      args.repeats)
+    runs = interleave(plan_runs(workloads, specs, hooks, reference=args.no_comm_reference == "on",
+                                unavailable=unavailable), args.repeats)
     link = netem.LinkConfig(args.bandwidth, args.latency)
     out_dir = os.path.abspath(args.out or os.path.join(
         "runs", "tta-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
@@ -526,8 +679,11 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
             else:
                 _print_link_check(link_check, args.link_factor)
         if not link_failed:
+            stops = {}
             for run in plan.runs:
-                results[run.run_id] = execute(net, run, args, plan.out_dir, progress=not args.no_progress)
+                results[run.run_id] = execute(net, run, args, plan.out_dir, progress=not args.no_progress,
+                                              extra=stop_flags(run, stops))
+                note_fp16(run, results[run.run_id], stops)
     except KeyboardInterrupt:
         interrupted = True
         print("tta: interrupted; tearing down and writing what finished", file=sys.stderr)
@@ -557,6 +713,7 @@ def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
              "skipped_defaults": plan.skipped, "elapsed_s": time.time() - t_start,
              "interrupted": outcome.interrupted}
     rows = [report.summarize(rid, res, desc, commit) for rid, res in results.items()]
+    report.apply_targets(rows, results)
     report.add_baseline_ratios(rows)
     summary = report.aggregate(rows)
     report.write_csvs(plan.out_dir, rows, results)
@@ -576,6 +733,10 @@ def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
     elapsed = time.time() - t_start
     with open(os.path.join(plan.out_dir, "summary.md"), "w") as f:
         f.write(md + "\n")
+    adam = report.format_adam_ratios(report.adam_ratios(rows, results))
+    if adam:  # the LM workers' optimizer probe: ours / FP16 (geometric means over tensors)
+        with open(os.path.join(plan.out_dir, "adam_ratios.md"), "w") as f:
+            f.write(adam + "\n")
     print()
     print(table)
     print(f"\nSweep took {elapsed / 60:.1f} min; outputs in {plan.out_dir}")

@@ -31,14 +31,70 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import threading
 import time
 
 __all__ = ["add_common_args", "TimedCompressor", "Recorder", "rolling_mean", "PROGRESS_PREFIX",
-           "process_start_time"]
+           "process_start_time", "parse_optimizer", "OPTIMIZERS"]
 
 PROGRESS_PREFIX = "@tta "
+# Optimizer names a row may give (``--optimizer NAME(k=v,...)``) -> (framework -> "module:class").
+# Imported lazily by the workers, so a name whose class is not in this checkout yet fails in
+# its own run with a clear message, not at import.
+OPTIMIZERS = {
+    "adam": {"torch": "torch.optim:Adam", "tensorflow": "tensorflow.keras.optimizers:Adam"},
+    "adamw": {"torch": "torch.optim:AdamW", "tensorflow": "tensorflow.keras.optimizers:AdamW"},
+    "sgd": {"torch": "torch.optim:SGD", "tensorflow": "tensorflow.keras.optimizers:SGD"},
+    "frozen-adamw": {"torch": "torch_backend.optim:FrozenVarianceAdamW",
+                     "tensorflow": "tf_backend.optim:FrozenVarianceAdamW"},
+}
+_OPTIMIZER_TEXT = re.compile(r"^\s*([a-z][a-z0-9_-]*)\s*(?:\((.*)\))?\s*$")
+
+
+def parse_optimizer(text):
+    """``"frozen-adamw(lr=1e-3,betas=0.9/0.98,freeze_step=100)"`` -> ``("frozen-adamw",
+    {"lr": 0.001, "betas": (0.9, 0.98), "freeze_step": 100})``; ``""`` -> ``(None, {})`` (the
+    workload's own optimizer).
+
+    Values are ints where they read as one, else floats; ``betas`` is ``b1/b2`` (a tuple);
+    ``true``/``false`` are booleans. Whether the options suit the class is checked when it is
+    built (its constructor's own errors).
+
+    Raises:
+        ValueError: not ``NAME`` or ``NAME(k=v,...)``, a name not in :data:`OPTIMIZERS`, an
+            option that is not ``key=value``, or a value that is not a number.
+    """
+    if not text or not text.strip():
+        return None, {}
+    m = _OPTIMIZER_TEXT.match(text)
+    if not m:
+        raise ValueError(f"optimizer: expected NAME or NAME(key=value,...), got {text!r}")
+    name, body = m.group(1), m.group(2) or ""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer: unknown name {name!r} in {text!r}; expected one of {sorted(OPTIMIZERS)}")
+    opts = {}
+    for item in (x.strip() for x in body.split(",")):
+        if not item:
+            continue
+        key, eq, val = (x.strip() for x in item.partition("="))
+        if not eq or not key or not val:
+            raise ValueError(f"optimizer {name}: expected key=value, got {item!r}")
+        try:
+            if key == "betas":
+                b1, slash, b2 = val.partition("/")
+                if not slash:
+                    raise ValueError(val)
+                opts[key] = (float(b1), float(b2))
+            elif val.lower() in ("true", "false"):
+                opts[key] = val.lower() == "true"
+            else:
+                opts[key] = int(val) if re.fullmatch(r"[+-]?\d+", val) else float(val)
+        except ValueError:
+            raise ValueError(f"optimizer {name}: option {key} must be a number"
+                             f"{' pair b1/b2' if key == 'betas' else ''}, got {val!r}") from None
+    return name, opts
 _IMPORTED_AT = time.time()
 
 
@@ -61,7 +117,7 @@ def process_start_time():
 
 
 def add_common_args(parser, *, target, higher_is_better, lr, batch_size, eval_every,
-                    max_epochs, max_seconds=0.0):
+                    max_epochs, max_seconds=0.0, target_vs_fp16=0.0):
     """The flags every worker takes, with the workload's defaults."""
     g = parser.add_argument_group("time-to-accuracy run")
     g.add_argument("--compression", default="none",
@@ -74,7 +130,15 @@ def add_common_args(parser, *, target, higher_is_better, lr, batch_size, eval_ev
                    help="stop after this much training clock (0 = no limit)")
     g.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = no limit)")
     g.add_argument("--target", type=float, default=target,
-                   help=f"metric target ({'>=' if higher_is_better else '<='}, rolling average)")
+                   help=f"metric target ({'>=' if higher_is_better else '<='}, rolling average); "
+                        "none: no target, train to the step/epoch/time budget")
+    g.add_argument("--target-vs-fp16", type=float, default=target_vs_fp16,
+                   help="recorded for the report: the target is this factor times the FP16 "
+                        "row's final rolling metric in the same sweep (0: off, --target holds)")
+    g.add_argument("--optimizer", default="",
+                   help="the optimizer and its options instead of the workload's own, e.g. "
+                        "'adamw(lr=1e-3,weight_decay=0.01)' or 'frozen-adamw(freeze_step=100)' "
+                        f"(names: {', '.join(OPTIMIZERS)}; betas as b1/b2)")
     g.add_argument("--epochs-past-target", type=float, default=1.0,
                    help="epochs to keep training once the target is reached")
     g.add_argument("--eval-every", type=int, default=eval_every, help="steps between evaluations")
@@ -179,6 +243,8 @@ class Recorder:
         self.meta = dict(meta)
         self.meta.update(compression=args.compression, seed=args.seed, batch_size=args.batch_size,
                          lr=args.lr, target=args.target, world_size=world_size,
+                         target_vs_fp16=getattr(args, "target_vs_fp16", 0.0) or None,
+                         optimizer=getattr(args, "optimizer", "") or None,
                          higher_is_better=higher_is_better, steps_per_epoch=steps_per_epoch,
                          eval_every=args.eval_every, window=args.window,
                          epochs_past_target=args.epochs_past_target, max_epochs=args.max_epochs,
@@ -233,7 +299,8 @@ class Recorder:
         e["t"].append(self.clock)
         e["metric"].append(float(metric))
         roll = rolling_mean(e["metric"], self.args.window)[-1]
-        meets = roll >= self.args.target if self.higher else roll <= self.args.target
+        target = self.args.target
+        meets = target is not None and (roll >= target if self.higher else roll <= target)
         if meets and self.reached_epoch is None:
             self.reached_epoch = epoch
         if self.rank == 0 and self.args.progress:
@@ -252,8 +319,9 @@ class Recorder:
             self.stop_reason = "max_seconds"
         return self.stop_reason is not None
 
-    def write(self, bytes_per_step=None, extra=None):
-        """Rank 0: write the JSON result to ``--out`` (no-op elsewhere or without --out)."""
+    def write(self, bytes_per_step=None, extra=None, records=None):
+        """Rank 0: write the JSON result to ``--out`` (no-op elsewhere or without --out).
+        ``records``: more top-level keys of the result (e.g. ``adam``: the optimizer probe's)."""
         if self.rank != 0 or not self.args.out:
             return
         meta = dict(self.meta)
@@ -264,6 +332,7 @@ class Recorder:
                     startup_s=None if self.first_step_end is None else self.first_step_end - self.process_start)
         result = {"meta": meta, "bytes_per_step": bytes_per_step, "steps": self.steps,
                   "evals": self.evals}
+        result.update(records or {})
         tmp = self.args.out + ".tmp"
         os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
         with open(tmp, "w") as f:

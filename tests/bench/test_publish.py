@@ -61,7 +61,7 @@ def test_block_from_saved_results(tmp_path):
     assert block.startswith("Network: emulated: 500 Mbit/s per worker link (tbf rate 500mbit)")
     # Both reach 0.6 at their fourth evaluation (the third one's rolling mean is 0.5999...):
     # topkc at t = 0.3 s, fp16 at 0.6 s: 2.00x; bytes 8000 / 800: 10.00x.
-    assert "| digits | topkc:ratio=0.1 | 0.3 | 2.00x | - | 75.0% | 6 | 100 | 0.001 | 10.00x |" in block
+    assert "| digits | topkc:ratio=0.1 | 0.3 | 2.00x | - | 3 (1.00x) | 2.00x | 75.0% | 6 | 100 | 0.001 | 10.00x |" in block
     assert "![tta_digits.png](runs/r1/tta_digits.png)" in block  # relative to the doc
     assert block.endswith(
         "Run of 2026-12-01T10:00:00 at commit `abc123`: 2 runs in 3.0 min, 2 workers, 4 cores; "
@@ -155,8 +155,8 @@ def test_block_with_the_no_comm_reference(tmp_path):
     assert block.startswith("Network: emulated: 500 Mbit/s")  # the sweep's link, not the reference's
     assert "The no-communication row is a reference, not a competitor" in block
     # fp16 0.6 s, topkc 0.3 s (2.00x) as before; the reference 0.12 s: 5.00x, 16 kB (0.50x).
-    assert "| digits | topkc:ratio=0.1 | 0.3 | 2.00x | - | 75.0% | 6 | 100 | 0.001 | 10.00x |" in block
-    assert "| digits | no communication (reference: fp32, unthrottled) | 0.1 | 5.00x | - | 75.0% | 6 | 40 | 0.016 | 0.50x | 50% | 0% | 50% |" in block
+    assert "| digits | topkc:ratio=0.1 | 0.3 | 2.00x | - | 3 (1.00x) | 2.00x | 75.0% | 6 | 100 | 0.001 | 10.00x |" in block
+    assert "| digits | no communication (reference: fp32, unthrottled) | 0.1 | 5.00x | - | 3 (1.00x) | 5.00x | 75.0% | 6 | 40 | 0.016 | 0.50x | 50% | 0% | 50% |" in block
     assert "3 runs in 3.0 min" in block
     data, _ = publish.load_results(str(run))
     assert [(r["reference"], r["network_mode"]) for r in data["runs"]] == [

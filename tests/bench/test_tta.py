@@ -474,8 +474,8 @@ def test_plan_adds_one_no_comm_reference_per_workload():
     assert all(r.label == tta.NOCOMM_LABEL for r in runs if r.reference)
     # In the sweep by default, after every other row of its workload; off on request.
     args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off"])
-    assert args.no_comm_reference == "on"
     assert [r.run_id for r in tta.plan_sweep(args).runs] == ["digits-horovod-fp16", "digits-horovod-none-nocomm"]
+    assert args.no_comm_reference == "on"  # the default, filled in by plan_sweep
     args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--no-comm-reference", "off"])
     assert [r.run_id for r in tta.plan_sweep(args).runs] == ["digits-horovod-fp16"]
 

@@ -76,7 +76,7 @@ def wire_bytes(model, hook, rank, min_compression_rate=2):
 
 
 class DDPTrainer:
-    def __init__(self, workload, model, lr, hook, rank, seed, calib_every):
+    def __init__(self, workload, model, lr, hook, rank, seed, calib_every, optimizer=""):
         self.workload = workload
         # One bucket of up to 64 MiB (an explicit cap also sizes DDP's first bucket): the whole
         # gradient of every workload (17.4 MB at most) in one all-reduce, as Horovod's default
@@ -85,7 +85,7 @@ class DDPTrainer:
         # all-reduce from a Gloo thread and waits for it, and with two buckets the ranks
         # could post those in different orders.
         self.model = DDP(model, bucket_cap_mb=64)  # broadcasts rank 0's parameters
-        self.opt = workload.optimizer(self.model.parameters(), lr)
+        self.opt = torch_workloads.build_optimizer(workload, self.model.parameters(), lr, optimizer)
         self.hook_s = 0.0
         self.calib, self.calib_every, self.steps = [], calib_every, 0
         if hook == "fp16":
@@ -156,7 +156,7 @@ def main(argv=None):
     extra = {"hidden": args.hidden} if known.workload == "digits" else {}
     wl = cls(rank, size, args.seed, args.batch_size, **extra)
     model = wl.model()
-    trainer = DDPTrainer(wl, model, args.lr, hook, hook_rank, args.seed, args.eval_every)
+    trainer = DDPTrainer(wl, model, args.lr, hook, hook_rank, args.seed, args.eval_every, args.optimizer)
     label = {"none": "DDP fp32", "fp16": "DDP fp16_compress_hook",
              "powersgd": f"DDP powerSGD_hook rank={hook_rank}"}[hook]
     meta = {"framework": "torch", "system": "ddp", "label": label, "hook": args.hook,

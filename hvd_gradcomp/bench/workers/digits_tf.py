@@ -35,7 +35,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 from tf_backend import Compression  # noqa: E402
 
 from .. import data  # noqa: E402
-from ..worker import Recorder, add_common_args  # noqa: E402
+from ..worker import OPTIMIZERS, Recorder, add_common_args, parse_optimizer  # noqa: E402
 
 DEFAULTS = dict(target=0.96, lr=0.05, batch_size=32, eval_every=5, max_epochs=20)
 
@@ -112,6 +112,42 @@ class GraphTimedCompressor:
         return codec, side
 
 
+# PyTorch-style option names (the sweep's rows use them) -> Keras constructor arguments.
+_KERAS_NAMES = {"lr": "learning_rate", "eps": "epsilon"}
+
+
+def build_optimizer(text, lr):
+    """Keras optimizer of a run: SGD with momentum 0.9 (the workload's own, Keras' legacy
+    class) for an empty ``text``, else the class :data:`..worker.OPTIMIZERS` names for
+    TensorFlow, imported only here; ``lr``/``eps``/``betas=b1/b2`` become ``learning_rate``,
+    ``epsilon``, ``beta_1``/``beta_2``, other options pass as they are.
+
+    Raises:
+        ValueError: a bad ``text``, a class not in this checkout, or options its constructor
+            rejects (named, with its message).
+    """
+    name, opts = parse_optimizer(text)
+    if name is None:
+        return tf.keras.optimizers.legacy.SGD(learning_rate=lr, momentum=0.9)
+    module, _, attr = OPTIMIZERS[name]["tensorflow"].partition(":")
+    try:
+        import importlib
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"optimizer {name}: {module}.{attr} is not available in this checkout "
+                         f"({type(e).__name__}: {e})") from None
+    kwargs = {"learning_rate": lr}
+    for k, v in opts.items():
+        if k == "betas":
+            kwargs["beta_1"], kwargs["beta_2"] = v
+        else:
+            kwargs[_KERAS_NAMES.get(k, k)] = v
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"optimizer {name}: {module}.{attr} rejected its options {kwargs}: {e}") from None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser, higher_is_better=True, **DEFAULTS)
@@ -134,7 +170,12 @@ def main(argv=None):
         tf.keras.layers.Dense(args.hidden, activation="relu"),
         tf.keras.layers.Dense(10)])
     hvd.broadcast_variables(model.variables, root_rank=0)
-    opt = tf.keras.optimizers.legacy.SGD(learning_rate=args.lr, momentum=0.9)
+    try:
+        opt = build_optimizer(args.optimizer, args.lr)
+    except ValueError as e:  # the same on every rank, before any training collective
+        print(f"digits_tf worker: {e}", file=sys.stderr, flush=True)
+        hvd.shutdown()
+        return 2
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     compressor = GraphTimedCompressor(Compression.from_spec(args.compression))
 

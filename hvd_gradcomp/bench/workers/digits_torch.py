@@ -34,16 +34,20 @@ from . import torch_workloads
 class HorovodTrainer:
     """One ``hvd.DistributedOptimizer`` step, timed (module docs)."""
 
-    def __init__(self, workload, model, lr, spec):
+    def __init__(self, workload, model, lr, spec, optimizer="", adam_log_every=0):
         self.workload, self.model = workload, model
+        # The optimizer first: a row naming one this checkout lacks fails before any collective.
+        opt = torch_workloads.build_optimizer(workload, model.parameters(), lr, optimizer)
         # Blocking variants' side all-reduce (torch_backend.ops._allreduce) counts as
         # communication, not codec.
         self.compressor = TimedCompressor(Compression.from_spec(spec), torch_backend.ops, "_allreduce")
-        opt = workload.optimizer(model.parameters(), lr)
         self.opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                             compression=self.compressor, op=hvd.Average)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
+        # Adam's per-tensor statistics, off the clock (adam_log_every = 0: none).
+        self.probe = torch_workloads.AdamProbe(model.named_parameters(), self.opt, adam_log_every)
+        self.steps = 0
 
     def step(self, x, y):
         t0 = time.perf_counter()
@@ -52,10 +56,13 @@ class HorovodTrainer:
         loss.backward()  # Horovod's hooks compress each gradient and start its all-reduce
         t1 = time.perf_counter()
         self.opt.synchronize()  # wait for the all-reduces, decompress into p.grad
+        self.steps += 1
+        self.probe.before(self.steps)  # off the clock
         t2 = time.perf_counter()
         with self.opt.skip_synchronize():
             self.opt.step()
         t3 = time.perf_counter()
+        self.probe.after(self.steps)
         comp_s, decomp_s, side_s = self.compressor.take()
         compute = (t1 - t0 - comp_s - side_s) + (t3 - t2)
         return loss.detach(), compute, comp_s + decomp_s, (t2 - t1 - decomp_s) + side_s
@@ -83,6 +90,9 @@ def main(argv=None, workload="digits"):
     add_common_args(parser, higher_is_better=cls.higher_is_better, **cls.defaults)
     if workload == "digits":
         parser.add_argument("--hidden", type=int, default=2048, help="MLP width (default 2048)")
+    parser.add_argument("--adam-log-every", type=int, default=getattr(cls, "adam_log_every", 0),
+                        help="log Adam's per-tensor update RMS and second moment every this many "
+                             "steps (over the 10 steps before; 0: off)")
     args = parser.parse_args(argv)
     hvd.init()
     torch.manual_seed(args.seed)
@@ -90,7 +100,12 @@ def main(argv=None, workload="digits"):
     extra = {"hidden": args.hidden} if workload == "digits" else {}
     wl = cls(hvd.rank(), hvd.size(), args.seed, args.batch_size, **extra)
     model = wl.model()
-    trainer = HorovodTrainer(wl, model, args.lr, args.compression)
+    try:
+        trainer = HorovodTrainer(wl, model, args.lr, args.compression, args.optimizer, args.adam_log_every)
+    except ValueError as e:  # a bad or missing optimizer or spec: the same message on every rank
+        print(f"{workload} worker: {e}", file=sys.stderr, flush=True)
+        hvd.shutdown()
+        return 2
     meta = {"framework": "torch", "system": "horovod", "label": args.compression}
     torch_workloads.train(wl, model, trainer, args, hvd.rank(), hvd.size(), meta,
                           trainer.bytes_per_step)

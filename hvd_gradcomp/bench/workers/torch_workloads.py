@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import data
-from ..worker import Recorder
+from ..worker import OPTIMIZERS, Recorder, parse_optimizer
 
-__all__ = ["DigitsWorkload", "LMWorkload", "WORKLOADS", "train", "versions"]
+__all__ = ["DigitsWorkload", "LMWorkload", "LMCommWorkload", "WORKLOADS", "train", "versions",
+           "build_optimizer", "AdamProbe"]
 
 
 def versions():
@@ -124,6 +125,8 @@ class LMWorkload:
     higher_is_better = False
     defaults = dict(target=10.5, lr=2e-3, batch_size=16, eval_every=10, max_epochs=1)
     valid_windows = 128
+    width, layers = 192, 2
+    adam_log_every = 50  # AdamProbe (the Horovod worker's --adam-log-every default)
 
     def __init__(self, rank, world_size, seed, batch_size, context=64):
         self.rank, self.world_size, self.seed, self.batch_size = rank, world_size, seed, batch_size
@@ -138,7 +141,7 @@ class LMWorkload:
         self.steps_per_epoch = (n // world_size) // batch_size
 
     def model(self):
-        return ByteTransformer(self.context)
+        return ByteTransformer(self.context, self.width, 4, self.layers)
 
     def optimizer(self, params, lr):
         return torch.optim.Adam(params, lr=lr)
@@ -165,11 +168,131 @@ class LMWorkload:
 
     def describe(self):
         return {"workload": self.name, "metric": self.metric_name,
-                "model": f"byte transformer, 2 layers, width 192, context {self.context}",
+                "model": f"byte transformer, {self.layers} layers, width {self.width}, context {self.context}",
                 "corpus": self.corpus, "valid_windows": self.valid_windows}
 
 
-WORKLOADS = {"digits": DigitsWorkload, "lm": LMWorkload}
+class LMCommWorkload(LMWorkload):
+    """``lm-comm``: the LM made communication-bound and trained until FP16 flattens (issue 25).
+
+    The same byte-level transformer and corpus as ``lm``, narrower (width 128: 470,528
+    parameters, about half ``lm``'s compute per step) and trained for a fixed budget of
+    steps (``max_epochs``) with no absolute target: the report sets the target of every row
+    to ``target_vs_fp16`` (1.02) times FP16's final rolling perplexity in the same sweep
+    (:func:`hvd_gradcomp.bench.report.apply_targets`). The sweep runs it on a slower link
+    (``hvd_gradcomp.bench.tta.WORKLOAD_SWEEP_DEFAULTS``) so that FP16's step is mostly
+    communication. Logs Adam's per-tensor statistics every ``adam_log_every`` steps
+    (:class:`AdamProbe`).
+    """
+
+    name = "lm-comm"
+    defaults = dict(target=None, target_vs_fp16=1.02, lr=2e-3, batch_size=16, eval_every=20,
+                    max_epochs=1.75)
+    width, layers = 128, 2
+    adam_log_every = 100
+
+
+def build_optimizer(workload, params, lr, text):
+    """The optimizer of a run: ``workload.optimizer(params, lr)`` for an empty ``text``, else
+    the class :data:`hvd_gradcomp.bench.worker.OPTIMIZERS` names for PyTorch, built as
+    ``cls(params, lr=lr, **options)`` (the options may override ``lr``), imported only here,
+    so that an optimizer not in this checkout fails this run alone.
+
+    Raises:
+        ValueError: a bad ``text`` (:func:`~hvd_gradcomp.bench.worker.parse_optimizer`), a class
+            that cannot be imported (named, with the import error), or options its
+            constructor rejects (its message).
+    """
+    name, opts = parse_optimizer(text)
+    if name is None:
+        return workload.optimizer(params, lr)
+    module, _, attr = OPTIMIZERS[name]["torch"].partition(":")
+    try:
+        import importlib
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"optimizer {name}: {module}.{attr} is not available in this checkout "
+                         f"({type(e).__name__}: {e})") from None
+    kwargs = dict({"lr": lr}, **opts)
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"optimizer {name}: {module}.{attr}({', '.join(f'{k}={v}' for k, v in kwargs.items())}) "
+                         f"rejected its options: {e}") from None
+
+
+class AdamProbe:
+    """Per-tensor statistics of an Adam-family optimizer, off the training clock (issue 25's
+    mechanism check: with classic error feedback a Top-K coordinate arrives about every
+    1/ratio steps carrying that many steps of gradient, so Adam's second moment should grow
+    about 1/ratio and its steps shrink about sqrt(ratio)).
+
+    Every ``every`` steps, over the last ``window`` steps before it (steps ``k*every -
+    window + 1 .. k*every``), per parameter tensor: ``update_rms`` (RMS over the window's
+    steps of the parameter change ``p_after - p_before`` of ``optimizer.step()``),
+    ``grad_rms`` (RMS of the gradient the optimizer stepped with, i.e. after the all-reduce
+    and decompression), and at the window's end ``v_mean`` (mean of ``exp_avg_sq``, Adam's
+    second moment) and ``m_rms`` (RMS of ``exp_avg``). Optimizers without those states log
+    None for them.
+
+    Use: ``probe.before(step)`` just before ``optimizer.step()`` (after the gradient is
+    final), ``probe.after(step)`` just after; both no-ops outside a window.
+    ``probe.records()`` -> ``{"every", "window", "steps": [...], "tensors": {name: {"numel",
+    "update_rms": [...], "grad_rms": [...], "v_mean": [...], "m_rms": [...]}}}``.
+    """
+
+    def __init__(self, named_parameters, optimizer, every, window=10):
+        self.params = [(n, p) for n, p in named_parameters if p.requires_grad]
+        self.opt, self.every, self.window = optimizer, int(every), max(1, min(int(window), int(every)))
+        self._before = None
+        self._acc = None
+        self.steps = []
+        self.tensors = {n: {"numel": p.numel(), "update_rms": [], "grad_rms": [], "v_mean": [],
+                            "m_rms": []} for n, p in self.params}
+
+    def _in_window(self, step):
+        return self.every > 0 and (-step) % self.every < self.window
+
+    @torch.no_grad()
+    def before(self, step):
+        if not self._in_window(step):
+            return
+        self._before = [p.detach().clone() for _, p in self.params]
+        g2 = torch.stack([(p.grad.double() ** 2).mean() if p.grad is not None else torch.zeros((), dtype=torch.float64)
+                          for _, p in self.params])
+        if self._acc is None:
+            self._acc = {"u2": torch.zeros_like(g2), "g2": torch.zeros_like(g2), "n": 0}
+        self._acc["g2"] += g2
+
+    @torch.no_grad()
+    def after(self, step):
+        if self._before is None:
+            return
+        u2 = torch.stack([((p.detach().double() - b.double()) ** 2).mean() for (_, p), b in zip(self.params, self._before)])
+        self._before = None
+        self._acc["u2"] += u2
+        self._acc["n"] += 1
+        if step % self.every:
+            return
+        n = self._acc["n"]
+        u = (self._acc["u2"] / n).sqrt().tolist()
+        g = (self._acc["g2"] / n).sqrt().tolist()
+        self._acc = None
+        self.steps.append(step)
+        for i, (name, p) in enumerate(self.params):
+            st = self.opt.state.get(p, {})
+            v, m = st.get("exp_avg_sq"), st.get("exp_avg")
+            rec = self.tensors[name]
+            rec["update_rms"].append(u[i])
+            rec["grad_rms"].append(g[i])
+            rec["v_mean"].append(None if v is None else v.double().mean().item())
+            rec["m_rms"].append(None if m is None else (m.double() ** 2).mean().sqrt().item())
+
+    def records(self):
+        return {"every": self.every, "window": self.window, "steps": self.steps, "tensors": self.tensors}
+
+
+WORKLOADS = {"digits": DigitsWorkload, "lm": LMWorkload, "lm-comm": LMCommWorkload}
 
 
 def train(workload, model, trainer, args, rank, world_size, meta, bytes_fn):
@@ -206,5 +329,7 @@ def train(workload, model, trainer, args, rank, world_size, meta, bytes_fn):
                 stop = True
                 break
         epoch += 1
-    rec.write(bytes_fn(), {"finished": time.time()})
+    probe = getattr(trainer, "probe", None)
+    rec.write(bytes_fn(), {"finished": time.time()},
+              records={"adam": probe.records()} if probe is not None and probe.every else None)
     return rec
