@@ -188,14 +188,16 @@ def apply_targets(rows, results):
     return rows
 
 
-def adam_ratios(rows, results):
+def adam_ratios(rows, results, min_numel=1024):
     """Adam's statistics of each run against its FP16 run (issue 25's mechanism check).
 
     For every run with optimizer-probe records (``results[run_id]["adam"]``, see
     ``workers.torch_workloads.AdamProbe``) and the FP16 row of the same workload, framework
     and system (:func:`_is_fp16`, not the reference) with records, at each step both logged:
-    the geometric mean over the tensors both logged with values > 0 of ours / FP16's
-    ``v_mean`` (Adam's mean second moment), ``update_rms`` and ``grad_rms``.
+    the geometric mean over the tensors both logged with values > 0 and at least
+    ``min_numel`` elements (default 1024: those the routing compresses by default; smaller
+    ones go as fp16) of ours / FP16's ``v_mean`` (Adam's mean second moment),
+    ``update_rms`` and ``grad_rms``.
 
     Returns:
         a list of dicts ``{"run_id", "label", "step", "v_ratio", "update_ratio",
@@ -222,6 +224,8 @@ def adam_ratios(rows, results):
                 logs = []
                 for name, t in ours["tensors"].items():
                     b = fp16["tensors"].get(name)
+                    if t["numel"] < min_numel:
+                        continue
                     a, c = t[key][i], (b[key][j] if b else None)
                     if a and c and a > 0 and c > 0:
                         logs.append(math.log(a / c))
