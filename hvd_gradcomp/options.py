@@ -70,8 +70,7 @@ from typing import NamedTuple, Optional
 
 __all__ = ["WIRE_DTYPES", "KINDS", "Option", "option", "option_of", "declared_options",
            "options_of", "validate", "seed_option", "ratio_option", "error_feedback_option",
-           "wire_dtype_option", "check_int", "check_float", "check_bool", "check_choice",
-           "check_seed", "check_ratio"]
+           "wire_dtype_option", "check_int", "check_float", "check_bool", "check_choice"]
 
 # Float dtypes an option may put on the wire: Horovod all-reduces both in every framework
 # (it has no bfloat16, see cast.py).
@@ -182,29 +181,6 @@ def check_choice(scheme: str, name: str, value, choices):
     """
     if value not in choices:
         _fail(scheme, name, _choice_rule(choices), value)
-
-
-def check_seed(scheme: str, name: str, value):
-    """Check a seed: an integer >= 0, the rule for every scheme's ``seed``.
-
-    Seeds key :func:`hvd_gradcomp.rng.stream_key`, which takes any integer; the lower bound
-    is the common convention (NumPy's) and the same in every scheme.
-
-    Raises:
-        ValueError: not an integer, or negative, e.g. ``"thc: seed must be an integer >= 0,
-            got -1"``.
-    """
-    check_int(scheme, name, value, lo=0)
-
-
-def check_ratio(scheme: str, name: str, value):
-    """Check a fraction of things kept: a number in (0, 1] (TopK's and TopKC's ``ratio``).
-
-    Raises:
-        ValueError: not a number, or outside (0, 1], e.g. ``"topk: ratio must be a number
-            in (0, 1], got -0.1"``.
-    """
-    check_float(scheme, name, value, lo=0.0, hi=1.0, lo_open=True)
 
 
 class Option(NamedTuple):
@@ -456,14 +432,14 @@ def validate(config):
 
 
 def seed_option(doc: str):
-    """The ``seed`` of every scheme that has one: an integer >= 0, default 0 (:func:`check_seed`);
+    """The ``seed`` of every scheme that has one: an integer >= 0, default 0;
     ``doc`` says what it seeds."""
     return option(0, kind="integer", lo=0, doc=doc)
 
 
 def ratio_option(default: float, doc: str):
-    """A fraction of things kept (TopK's and TopKC's ``ratio``): a number in (0, 1]
-    (:func:`check_ratio`); lower compresses harder."""
+    """A fraction of things kept (TopK's and TopKC's ``ratio``): a number in (0, 1];
+    lower compresses harder."""
     return option(default, kind="number", lo=0.0, hi=1.0, lo_open=True, harder="down", doc=doc)
 
 

@@ -19,14 +19,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Primitives", "FLOAT_DTYPES", "INT_DTYPES", "itemsize", "one_rank", "compile_requested",
+__all__ = ["Primitives", "FLOAT_DTYPES", "itemsize", "one_rank", "compile_requested",
            "COMPILE_ENV"]
 
 # Environment switch for the backends' kernel compiler (see ``Primitives.fuse``).
 COMPILE_ENV = "HVD_GRADCOMP_COMPILE"
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-INT_DTYPES = ("int8", "uint8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64")
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8,
              "int8": 1, "uint8": 1, "int16": 2, "bool": 1}

@@ -58,7 +58,7 @@ nothing needs agreeing: the residual is this rank's own. DGC's answers to the sa
 (Lin et al., ICLR 2018: a warm-up of the ratio, momentum correction with factor masking) are
 not implemented: a warm-up changes the payload's size with the step (one TensorFlow trace per
 size, and a rank back from ``hvd.join()`` would disagree on it), momentum correction needs
-the optimizer's momentum turned off; ``docs/bench.md`` (section 3) compares them.
+the optimizer's momentum turned off; ``docs/bench.md`` ("TopKC") compares them.
 
 ``decompress``: cast, undo the pre-scale, scatter the chunks into zeros, drop the padding.
 ``finish``: if the all-reduced payload is finite, the residual becomes ``e'`` and the agreed

@@ -30,7 +30,7 @@ IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__
 # free, so each new gradient-sized tensor is page-faulted in again, every step: on the 2-core
 # VM the digits model's FP16 codec took 46 ms a step against 10 ms kept (5 elementwise
 # passes over 17 MB), and Horovod FP16's 1 Gbit/s TTA 28.0 s against 21.1 s (docs/bench.md,
-# section 000). GPU tensors are unaffected (CUDA's caching allocator keeps its blocks);
+# "CPU effects"). GPU tensors are unaffected (CUDA's caching allocator keeps its blocks);
 # PyTorch's CPU tuning guide gives the same advice (jemalloc or tcmalloc). The resident
 # memory stays at its peak.
 MALLOC_POLICIES = ("keep", "system")

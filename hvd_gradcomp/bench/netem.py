@@ -54,11 +54,12 @@ class LinkConfig:
     """One worker's link to the bridge.
 
     Attributes:
-        bandwidth_mbit: rate limit in Mbit/s (10^6 bit/s), each direction, > 0.
+        bandwidth_mbit: rate limit in Mbit/s (10^6 bit/s), each direction, > 0; default 500,
+            the TTA harness's ``--bandwidth`` default.
         latency_ms: one-way added delay per worker link in milliseconds, >= 0 (netem).
     """
 
-    bandwidth_mbit: float = 200.0
+    bandwidth_mbit: float = 500.0
     latency_ms: float = 0.0
 
     def __post_init__(self):

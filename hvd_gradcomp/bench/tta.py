@@ -41,8 +41,8 @@ the block later from the saved results without a new sweep.
 Default bandwidth, 500 Mbit/s per worker link: the digits model's FP32 gradient is 17.4 MB,
 so at 500 Mbit/s FP32 communication takes about 0.35 s a step and FP16 about 0.17 s, against
 roughly 0.05 s of compute on one core per worker: communication dominates, as on a GPU
-cluster with a fast network and a large model, while the whole default sweep stays under 20
-minutes (17 on 2 cores shared with a test-suite run). Measured on our 2-core machines, the
+cluster with a fast network and a large model, while the whole default sweep takes a few
+minutes (its measured duration: docs/tta.md). Measured on our 2-core machines, the
 namespaces carry 500 Mbit/s within 1.2x (idle) to 1.9x (busy) of the ring model, and 1 Gbit/s
 within 1.2x on a quiet machine but about 2.4x on 2 busy cores.
 """

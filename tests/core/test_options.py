@@ -13,7 +13,7 @@ import pytest
 
 from hvd_gradcomp.base import TensorInfo
 from hvd_gradcomp.options import (WIRE_DTYPES, check_bool, check_choice, check_float, check_int,
-                                  check_ratio, check_seed, option, option_of, options_of, validate)
+                                  option, option_of, options_of, validate)
 from hvd_gradcomp.powersgd import PowerSGDConfig
 from hvd_gradcomp.registry import (OPTIONS_BLOCK, PRIMARY, SCHEMES, describe_options, make_scheme,
                                    parse_spec, to_spec)
@@ -53,7 +53,7 @@ def test_float():
     assert message(check_float, "s", "x", 3, hi=2.5) == "s: x must be a number <= 2.5, got 3"
     for bad in (math.nan, True, "0.5", None):
         with pytest.raises(ValueError, match=r"^s: x must be a number in \(0, 1\], got "):
-            check_ratio("s", "x", bad)
+            check_float("s", "x", bad, 0.0, 1.0, lo_open=True)
 
 
 def test_bool_and_choice():
@@ -68,9 +68,10 @@ def test_bool_and_choice():
 
 
 def test_seed():
-    check_seed("s", "seed", 0)
-    check_seed("s", "seed", 2 ** 40)
-    assert message(check_seed, "s", "seed", -1) == "s: seed must be an integer >= 0, got -1"
+    """A seed is any integer >= 0 (the rule of every scheme's ``seed``)."""
+    for seed in (0, 2 ** 40):
+        assert THCConfig(seed=seed).seed == seed
+    assert message(THCConfig, seed=-1) == "thc: seed must be an integer >= 0, got -1"
 
 
 @pytest.mark.parametrize("config,name", [(TopKConfig, "topk"), (TopKCConfig, "topkc"),
