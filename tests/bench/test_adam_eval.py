@@ -304,7 +304,7 @@ def test_adam_ratios_are_geometric_means_against_fp16(tmp_path):
     lines = report.adam_ratios(rows, results, min_numel=1)
     assert [(x["run_id"], x["step"]) for x in lines] == [("t", 10), ("t", 20)]
     big = report.adam_ratios(rows, results, min_numel=9)  # tensor b alone
-    assert big[0]["v_ratio"] == pytest.approx(20.0) and big[0]["tensors"] == 1
+    assert big[1]["v_ratio"] == pytest.approx(1.0) and big[1]["tensors"] == 1  # 2 / 2; both: sqrt(4 * 1)
     assert lines[0]["v_ratio"] == pytest.approx(10.0) and lines[1]["v_ratio"] == pytest.approx(math.sqrt(4.0))
     assert lines[0]["update_ratio"] == pytest.approx(math.sqrt(0.5 * 0.2)) and lines[1]["update_ratio"] == pytest.approx(1.0)
     assert lines[0]["grad_ratio"] == pytest.approx(1.0) and lines[0]["tensors"] == 2
