@@ -60,7 +60,7 @@ def test_rows_after_fp16_get_its_target_and_the_optimizer(sweep):
     results = {r["meta"]["label"]: r for r in data["results"].values()}
     fp16, topkc = results["fp16"], results["topkc:ratio=0.1 with adam(lr=6.3e-3)"]
     assert fp16["meta"]["optimizer_class"] == topkc["meta"]["optimizer_class"] == "Adam"
-    assert fp16["meta"]["optimizer_defaults"]["lr"] == 2e-3 and topkc["meta"]["optimizer_defaults"]["lr"] == 6.3e-3
+    assert fp16["meta"]["optimizer_options"]["lr"] == 2e-3 and topkc["meta"]["optimizer_options"]["lr"] == 6.3e-3
     final = report.rolling_mean(fp16["evals"]["metric"], fp16["meta"]["window"])[-1]
     assert topkc["meta"]["target"] == pytest.approx(1.02 * final, rel=1e-5)  # the stop flags
     assert fp16["meta"]["target"] is None and fp16["meta"]["stop_reason"] == "max_steps"

@@ -106,12 +106,13 @@ def main(argv=None, workload="digits"):
         print(f"{workload} worker: {e}", file=sys.stderr, flush=True)
         hvd.shutdown()
         return 2
-    # The optimizer as built (a row's --optimizer may override --lr, which meta records too).
-    built = {k: list(v) if isinstance(v, tuple) else v for k, v in trainer.opt.defaults.items()
-             if isinstance(v, (bool, int, float, tuple))}
+    # The optimizer as built (a row's --optimizer may override --lr, which meta records too):
+    # its first parameter group's options (Horovod's wrapper re-initialises ``defaults``).
+    built = {k: list(v) if isinstance(v, tuple) else v for k, v in trainer.opt.param_groups[0].items()
+             if k != "params" and isinstance(v, (bool, int, float, tuple))}
     meta = {"framework": "torch", "system": "horovod", "label": args.compression,
             "optimizer_class": type(trainer.opt).__name__,  # Horovod's wrapper keeps the name
-            "optimizer_defaults": built}
+            "optimizer_options": built}
     torch_workloads.train(wl, model, trainer, args, hvd.rank(), hvd.size(), meta,
                           trainer.bytes_per_step)
     trainer.compressor.close()
