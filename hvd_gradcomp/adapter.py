@@ -184,6 +184,9 @@ class HorovodCompressor:
         "_warned",
         # loss scale source (GradScaler / LossScaleOptimizer), see set_loss_scale()
         "_scale_source",
+        # None: Horovod's collectives; else the engine whose collectives the compressor uses
+        # outside compress (world, checkpoints, route checks, calibrate), e.g. DDP's
+        "_engine",
         "__weakref__",
     )
     ops = None  # the backend's Primitives (class attribute of the subclass)
@@ -207,6 +210,7 @@ class HorovodCompressor:
         self._group = None
         self._warned = set()
         self._scale_source = None
+        self._engine = None
         if any(s.adaptive and s.link is None for s in self.routing.schemes()) and \
                 self._global_world()[0] is not None:
             self.calibrate()  # auto without a given link: measure it now, on every rank
@@ -225,7 +229,10 @@ class HorovodCompressor:
         raise NotImplementedError
 
     def _world(self, process_set):
-        """(world_size, rank) of the all-reduce: the process set's, or the global ones."""
+        """(world_size, rank) of the all-reduce: the process set's, or the global ones (with
+        an engine bound, its process group's)."""
+        if self._engine is not None:
+            return self._engine.world()
         hvd = self._horovod()
         if process_set is None or getattr(process_set, "process_set_id", 0) == 0:
             return hvd.size(), hvd.rank()
@@ -235,7 +242,7 @@ class HorovodCompressor:
         """(size, rank) of Horovod's global set, or (None, None) before ``hvd.init()``."""
         try:
             return self._world(None)
-        except ValueError:  # Horovod: "Horovod has not been initialized; use hvd.init()."
+        except (ValueError, ImportError):  # "Horovod has not been initialized", or no Horovod
             return None, None
 
     def _read_state(self, key):
@@ -607,9 +614,7 @@ class HorovodCompressor:
         import time
         from .auto import Link
         from .ring import ring_wire_bytes
-        hvd = self._horovod()
         size, _ = self._world(process_set)
-        kwargs = {} if process_set is None else {"process_set": process_set}
         if size <= 1:
             link = Link(math.inf, 0.0)  # one rank: nothing crosses a link
         else:
@@ -619,7 +624,7 @@ class HorovodCompressor:
                 runs = []
                 for i in range(repeats + 1):
                     start = time.perf_counter()
-                    y = hvd.allreduce(x, op=hvd.Sum, name=f"hvd_gradcomp.calibrate.{n}.{dtype}", **kwargs)
+                    y = self._allreduce_host(x, False, f"hvd_gradcomp.calibrate.{n}.{dtype}", process_set)
                     self.ops.to_host(self.ops.sum(self.ops.cast(y[:1], "float32"), None))
                     if i:
                         runs.append(time.perf_counter() - start)
@@ -629,8 +634,8 @@ class HorovodCompressor:
             rate = (w2 - w1) / max(seconds[1] - seconds[0], 1e-9)
             latency = max(seconds[0] - w1 / rate, 0.0)
             rate16 = w16 / max(seconds[2] - latency, 1e-9)
-            agreed = hvd.allreduce(self.ops.constant([rate, latency, rate16], "float64", like),
-                                   op=hvd.Average, name="hvd_gradcomp.calibrate.link", **kwargs)
+            agreed = self._allreduce_host(self.ops.constant([rate, latency, rate16], "float64", like),
+                                          True, "hvd_gradcomp.calibrate.link", process_set)
             link = Link(*self.ops.to_host(agreed))
             if self._world(None)[1] == 0:
                 log.info("hvd_gradcomp auto: link measured over %d ranks: %.1f MB/s (float16 "
@@ -642,11 +647,20 @@ class HorovodCompressor:
                 continue
             costs = None
             if size > 1:  # each candidate's codec on the reference matrix, the ranks' mean
-                costs = self.ops.to_host(hvd.allreduce(
+                costs = self.ops.to_host(self._allreduce_host(
                     self.ops.constant(scheme.reference_costs(self.ops, like), "float64", like),
-                    op=hvd.Average, name=f"hvd_gradcomp.calibrate.codecs.{i}", **kwargs))
+                    True, f"hvd_gradcomp.calibrate.codecs.{i}", process_set))
             scheme.set_link(link, costs)
         return link
+
+    def _allreduce_host(self, x, average: bool, name: str, process_set=None):
+        """``x`` summed (``average``: averaged) over the ranks, blocking, outside compress
+        (calibrate only): Horovod's all-reduce, or the bound engine's."""
+        if self._engine is not None:
+            return self._engine.allreduce(x, average)
+        hvd = self._horovod()
+        kwargs = {} if process_set is None else {"process_set": process_set}
+        return hvd.allreduce(x, op=hvd.Average if average else hvd.Sum, name=name, **kwargs)
 
     # ---- routing ----
     def route(self, params, check: bool = True) -> list:
@@ -694,7 +708,10 @@ class HorovodCompressor:
     def _from_every_rank(self, obj, name: str) -> list:
         """``[obj of rank 0, obj of rank 1, ...]`` on every rank (global set), by one
         ``hvd.broadcast_object`` per rank in rank order. Outside compress (route checks and
-        checkpoints only); gradient payloads never travel this way."""
+        checkpoints only); gradient payloads never travel this way. With an engine bound: its
+        object gather over its process group."""
+        if self._engine is not None:
+            return self._engine.gather(obj)
         hvd = self._horovod()
         return [hvd.broadcast_object(obj, root_rank=r, name=f"{name}.{r}") for r in range(hvd.size())]
 
