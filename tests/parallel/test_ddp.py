@@ -80,14 +80,15 @@ def _residuals(comp):
 
 
 def _agreed(comp):
-    """{key: {field: array}} of the state fields the ranks agree on (all but rank-local)."""
+    """{key: {field: array}} of the state fields the ranks agree on: all but the rank-local
+    ones (error feedback) and THC's per-rank diagnostic ``saturated``."""
     out = {}
     for key in comp._infos:
         if not comp._has_state(key):
             continue
         state, scheme = comp._read_state(key), comp._routes[key].scheme
         out[key] = {f: v.double().numpy().copy() for f, v in zip(state._fields, state)
-                    if f not in scheme.rank_local_fields}
+                    if f not in scheme.rank_local_fields and not f.endswith("saturated")}
     return out
 
 
@@ -281,3 +282,175 @@ def test_refusals(values):
         assert e["twice"].startswith("register_comm_hook: compressor 'topkc:ratio=0.1' is already bound")
         assert "blocking two-round variants" in e["blocking"]
         assert "divide_by_initial_world_size=False) is not supported" in e["join"]
+
+
+JOIN_STEPS = {0: 2, 1: 3, 2: 4}  # uneven inputs: rank r has JOIN_STEPS[r] batches
+JOIN_SPECS = ["topkc:0.1", "thc", "powersgd:2", "auto"]
+ACCUMULATE = 3  # micro-batches per synchronised step under no_sync
+# Gloo's ring adds three ranks' float16 payloads in another order than the reference (rank
+# 0 first), rounding each partial sum: results may differ by a float16 ulp of the partial
+# sums (payloads below 2 here: 2**-10), times n / n
+F16_SUM3 = 2.0 ** -9
+
+
+def _train(ddp, rank, steps, unused_on=None):
+    """SGD on seeded data; the ``u`` layer is used on every rank but ``unused_on``."""
+    import torch
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for t in range(steps):
+        g = torch.Generator().manual_seed(100 * t + rank)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x, rank != unused_on), y).backward()
+        opt.step()
+    return [p.detach().double().numpy().copy() for p in ddp.module.parameters()]
+
+
+def features_worker():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch_backend import Compression
+    from torch_backend.ddp import register_comm_hook
+    rank = dist.get_rank()
+    Probe = _probe_cls()
+    out = {}
+    # no_sync accumulation on gradient_as_bucket_view buckets
+    ddp = DDP(Probe(), gradient_as_bucket_view=True)
+    comp = register_comm_hook(ddp, Compression.topkc(0.1))
+    outs = []
+    for t in range(2):
+        for p in ddp.parameters():
+            p.grad = None
+        for k in range(ACCUMULATE - 1):
+            with ddp.no_sync():
+                ddp(grads_of(rank, 10 * t + k)).backward()
+        ddp(grads_of(rank, 10 * t + ACCUMULATE - 1)).backward()
+        outs.append({n: p.grad.detach().double().numpy().copy() for n, p in ddp.module.named_parameters()})
+    out["no_sync"] = outs
+    # Join with uneven inputs
+    for spec in JOIN_SPECS:
+        ddp = DDP(Probe())
+        comp = register_comm_hook(ddp, Compression.from_spec(spec))
+        outs, residual_at_join = [], None
+        with Join([ddp]):
+            for t in range(JOIN_STEPS[rank]):
+                outs.append(_step(ddp, grads_of(rank, t)))
+            residual_at_join = _residuals(comp)
+        out[f"join {spec}"] = {"outs": outs, "at_join": residual_at_join, "after": _residuals(comp),
+                               "agreed": _agreed(comp)}
+    # a process group of ranks 0 and 2 (every rank creates it; rank 1 trains nothing)
+    sub = dist.new_group([0, 2])
+    if rank != 1:
+        ddp = DDP(Probe(), process_group=sub)
+        comp = register_comm_hook(ddp, Compression.topkc(0.1))
+        outs = [_step(ddp, grads_of(rank, t)) for t in range(3)]
+        state = comp.state_dict(gather=True)
+        out["group"] = {"outs": outs, "worlds": sorted({(i.world_size, i.rank) for i in comp._infos.values()}),
+                        "gathered": [p["rank"] for p in state["ranks"]], "bytes": comp.bytes_per_step().payload}
+    dist.barrier()
+
+    # training: a layer unused on rank 1 (find_unused_parameters), one never used (static_graph)
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.u = torch.nn.Linear(8, 64), torch.nn.Linear(64, 64)
+            self.never, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)
+
+        def forward(self, x, use_u=True):
+            h = torch.tanh(self.a(x))
+            return self.head(torch.tanh(self.u(h)) if use_u else h)
+
+    for spec in ["topkc:0.1,min_numel=64", "thc:min_numel=64", "powersgd:2", "auto"]:
+        torch.manual_seed(0)
+        ddp = DDP(Net(), find_unused_parameters=True)
+        register_comm_hook(ddp, Compression.from_spec(spec))
+        out[f"unused {spec}"] = _train(ddp, rank, 6, unused_on=1)
+    torch.manual_seed(0)
+    ddp = DDP(Net(), static_graph=True)
+    comp = register_comm_hook(ddp, Compression.from_spec("thc:min_numel=64"))
+    out["static_graph"] = _train(ddp, rank, 6)
+    out["static_graph routes"] = comp.routes()
+    return out
+
+
+@pytest.fixture(scope="module")
+def features():
+    return run(features_worker, np=3, timeout=400)
+
+
+def test_no_sync(features):
+    """The synchronised step sends the accumulated gradient (gradient_as_bucket_view buckets)."""
+    refs = {n: (RefTopKC(math.prod(s), 3, 0.1, 256) if math.prod(s) >= 1024 else RefFp16(3))
+            for n, s in SHAPES.items()}
+    for t in range(2):
+        for n, shape in SHAPES.items():
+            grads = [sum(grads_of(r, 10 * t + k)[n].double().numpy() for k in range(ACCUMULATE))
+                     for r in range(3)]
+            expected = refs[n].step(grads, "sum").reshape(shape) / 3
+            for r in range(3):
+                np.testing.assert_allclose(features[r]["no_sync"][t][n], expected, rtol=2e-3, atol=F16_SUM3)
+
+
+def test_join_values(features):
+    """TopKC under Join: a joined rank contributes nothing and keeps its error feedback; the
+    result is divided by the initial world size (3)."""
+    joined = {t: {r for r, n in JOIN_STEPS.items() if n <= t} for t in range(max(JOIN_STEPS.values()))}
+    expected = _expected("topkc:0.1", range(4), n=3, joined=joined)
+    for r in range(3):
+        for t, got in enumerate(features[r]["join topkc:0.1"]["outs"]):
+            for n, (seq, _) in expected.items():
+                np.testing.assert_allclose(got[n], seq[t], rtol=2e-3, atol=F16_SUM3)
+    for n, (_, ref) in expected.items():
+        if isinstance(ref, RefTopKC):
+            for r in range(3):
+                np.testing.assert_allclose(features[r]["join topkc:0.1"]["after"][n],
+                                           ref.residual[r], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", JOIN_SPECS)
+def test_join_state(features, spec):
+    """A joined rank's error feedback is left as it was; what the ranks agree on stays equal."""
+    for r in range(3):
+        rec = features[r][f"join {spec}"]
+        assert len(rec["outs"]) == JOIN_STEPS[r]
+        for key, res in rec["at_join"].items():
+            if res is not None:
+                np.testing.assert_array_equal(rec["after"][key], res)
+    for key, fields in features[0][f"join {spec}"]["agreed"].items():
+        for r in (1, 2):
+            other = features[r][f"join {spec}"]["agreed"][key]
+            assert set(other) == set(fields), key
+            for f, v in fields.items():
+                np.testing.assert_array_equal(other[f], v, err_msg=f"{key}.{f}")
+
+
+def test_process_group(features):
+    expected = _expected("topkc:0.1", range(3), n=2, ranks=[0, 2])
+    assert features[1].get("group") is None
+    for r, me in ((0, 0), (2, 1)):
+        rec = features[r]["group"]
+        assert rec["worlds"] == [(2, me)] and rec["gathered"] == [0, 1]
+        for t, got in enumerate(rec["outs"]):
+            for n, (seq, _) in expected.items():
+                np.testing.assert_allclose(got[n], seq[t], rtol=2e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("key", ["unused topkc:0.1,min_numel=64", "unused thc:min_numel=64",
+                                 "unused powersgd:2", "unused auto", "static_graph"])
+def test_training_ranks_agree(features, key):
+    """Trained with a layer one rank does not use (or none does): identical parameters."""
+    first = features[0][key]
+    for r in (1, 2):
+        for a, b in zip(first, features[r][key]):
+            np.testing.assert_array_equal(a, b)
+    start = [p.detach().double().numpy() for p in _net_at_start()]
+    assert any(not np.array_equal(a, b) for a, b in zip(first, start))  # it trained
+
+
+def _net_at_start():
+    import torch
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)]
+    return [p for layer in layers for p in layer.parameters()]
