@@ -36,7 +36,8 @@ gradient only to learn the payloads' shapes, sends zero payloads (contributing n
 rank in ``hvd.join()`` does: THC's and auto's count lanes see it) and keeps its rank-local
 state (:attr:`~hvd_gradcomp.base.Scheme.rank_local_fields`: its error feedback) as it was,
 while the fields the ranks agree on move on from the same all-reduced payload as everywhere
-else. The result is divided by the process group's size, as
+else. (When ``auto`` changes a tensor's scheme during those steps, the fields no longer fit,
+and that rank's pending error feedback for the tensor is dropped, with a warning.) The result is divided by the process group's size, as
 ``Join(..., divide_by_initial_world_size=True)`` (the default) does; ``False`` is refused.
 
 Refused with a ValueError, before any collective and on every rank: a compressor already
@@ -44,6 +45,7 @@ bound to a DDP model, a parameter DDP hands over that the model does not name, t
 blocking two-round variants (their side all-reduce is Horovod's), and everything the Horovod
 adapter refuses (a shape change under one key, a checkpoint routed differently, ...).
 """
+import logging
 import sys
 
 import torch
@@ -55,6 +57,8 @@ from hvd_gradcomp.base import EmptyState, finish_tensor
 from .compression import Compressor
 
 __all__ = ["register_comm_hook", "HookState", "DDPEngine"]
+
+log = logging.getLogger("hvd_gradcomp")
 
 
 class DDPEngine:
@@ -122,10 +126,20 @@ def _finish_joined(comp, payload, ctx):
     _, new = finish_tensor(scheme, comp.ops, payload, inner, old, info)
     if new is old:
         return
-    kept = {f: getattr(old, f) for f in scheme.rank_local_fields
-            if f in old._fields and f in new._fields
-            and tuple(getattr(old, f).shape) == tuple(getattr(new, f).shape)}
-    comp._write_state(info.key, new._replace(**kept) if kept else new)
+    local = [f for f in scheme.rank_local_fields if f in new._fields]
+    if tuple(new._fields) == tuple(old._fields) and all(
+            tuple(getattr(old, f).shape) == tuple(getattr(new, f).shape) for f in local):
+        new = new._replace(**{f: getattr(old, f) for f in local})
+    else:  # an adaptive scheme changed the tensor's scheme on the agreed figures
+        new = new._replace(**{f: torch.zeros_like(getattr(new, f)) for f in local})
+        if info.key not in _DROPPED:
+            _DROPPED.add(info.key)
+            log.warning("hvd_gradcomp DDP hook: %s changed scheme while this rank had joined; its "
+                        "pending error feedback on this rank is dropped", info.key)
+    comp._write_state(info.key, new)
+
+
+_DROPPED = set()
 
 
 def hook(state: HookState, bucket):

@@ -28,7 +28,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.ddprun import launch_command, run
+from tests.ddprun import _free_port, launch_command, run
 from tests.reference import RefFp16, RefTopKC
 
 SHAPES = {"w": (64, 64), "b": (64,), "v": (32, 64)}
@@ -307,12 +307,14 @@ def _train(ddp, rank, steps, unused_on=None):
 
 
 def features_worker():
+    import logging
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch_backend import Compression
     from torch_backend.ddp import register_comm_hook
+    from tests.hvdrun import LogRecords
     rank = dist.get_rank()
     Probe = _probe_cls()
     out = {}
@@ -334,12 +336,15 @@ def features_worker():
         ddp = DDP(Probe())
         comp = register_comm_hook(ddp, Compression.from_spec(spec))
         outs, residual_at_join = [], None
+        records = LogRecords()
+        logging.getLogger("hvd_gradcomp").addHandler(records)
         with Join([ddp]):
             for t in range(JOIN_STEPS[rank]):
                 outs.append(_step(ddp, grads_of(rank, t)))
             residual_at_join = _residuals(comp)
+        logging.getLogger("hvd_gradcomp").removeHandler(records)
         out[f"join {spec}"] = {"outs": outs, "at_join": residual_at_join, "after": _residuals(comp),
-                               "agreed": _agreed(comp)}
+                               "agreed": _agreed(comp), "log": records.messages}
     # a process group of ranks 0 and 2 (every rank creates it; rank 1 trains nothing)
     sub = dist.new_group([0, 2])
     if rank != 1:
@@ -416,7 +421,11 @@ def test_join_state(features, spec):
         rec = features[r][f"join {spec}"]
         assert len(rec["outs"]) == JOIN_STEPS[r]
         for key, res in rec["at_join"].items():
-            if res is not None:
+            dropped = f"hvd_gradcomp DDP hook: {key} changed scheme while this rank had joined; its " \
+                      f"pending error feedback on this rank is dropped"
+            if spec == "auto" and dropped in rec["log"]:  # auto switched it on the agreed figures
+                assert rec["after"][key] is None or not np.any(rec["after"][key])
+            elif res is not None:
                 np.testing.assert_array_equal(rec["after"][key], res)
     for key, fields in features[0][f"join {spec}"]["agreed"].items():
         for r in (1, 2):
@@ -454,3 +463,27 @@ def _net_at_start():
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)]
     return [p for layer in layers for p in layer.parameters()]
+
+
+def test_example(tmp_path):
+    """examples/ddp_digits.py as a user runs it (torchrun, 2 ranks, 3 epochs): it learns, its
+    stats line holds the wire formula's bytes, and rank 0's checkpoint loads anywhere."""
+    import torch
+    from tests.test_examples import ACCURACY, PARAMS, STATS, TORCH_SHAPES, expected_bytes
+    from torch_backend import Compression
+    path = str(tmp_path / "ckpt.pt")
+    code, out = launch_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--master_port", str(_free_port()), "examples/ddp_digits.py", "--compression", "topkc:0.1",
+                                "--epochs", "3", "--save", path], timeout=400)
+    assert code == 0, out[-3000:]
+    accuracy = float(ACCURACY.findall(out)[-1])
+    assert accuracy >= 85.0, out[-3000:]
+    stats = [m for m in (STATS.search(line) for line in out.splitlines()) if m]
+    assert stats, out[-3000:]
+    sent = int(stats[-1]["sent"].replace(",", ""))
+    assert sent == expected_bytes("topkc:0.1", TORCH_SHAPES, None)
+    assert int(stats[-1]["fp16"].replace(",", "")) == 2 * PARAMS
+    checkpoint = torch.load(path, weights_only=False)
+    comp = Compression.topkc(0.1)
+    comp.load_state_dict(checkpoint["compression"], rank=1)  # rank 1's part, in a plain process
+    assert checkpoint["compression"]["world_size"] == 2 and comp.state_dict()["tensors"]
