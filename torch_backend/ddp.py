@@ -56,7 +56,7 @@ from hvd_gradcomp.base import EmptyState, finish_tensor
 
 from .compression import Compressor
 
-__all__ = ["register_comm_hook", "HookState", "DDPEngine"]
+__all__ = ["register_comm_hook", "make_comm_hook", "hook", "HookState", "DDPEngine"]
 
 log = logging.getLogger("hvd_gradcomp")
 
@@ -208,26 +208,10 @@ def hook(state: HookState, bucket):
     return torch.futures.collect_all(futures).then(unpack)
 
 
-def register_comm_hook(ddp_model, compressor):
-    """Install ``compressor`` as ``ddp_model``'s communication hook.
-
-    Args:
-        ddp_model: a ``torch.nn.parallel.DistributedDataParallel``, before its first backward.
-        compressor: a compressor from ``torch_backend.Compression`` (``Compression.topkc(0.1)``,
-            ``from_spec``, ``rules``, ``auto``), new or loaded from a checkpoint, used by no
-            other model.
-
-    Binds the compressor to the model's process group (ranks, world size, checkpoints), and
-    for ``auto`` without ``bandwidth_gbit`` measures the link there (``calibrate()``: a
-    collective, so every rank calls ``register_comm_hook`` at the same point). Returns the
-    compressor.
-
-    Raises:
-        TypeError: ``compressor`` is a factory (``Compression.fp16`` without the call) or not a
-            PyTorch compressor; ``ddp_model`` is not a DDP model.
-        ValueError: the compressor is already bound to a DDP model, or routes some tensor to a
-            blocking two-round variant.
-    """
+def make_comm_hook(ddp_model, compressor):
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``, with ``compressor``
+    bound to the model's process group: what :func:`register_comm_hook` registers, for callers
+    that wrap the hook (e.g. to time it). Arguments and errors as there."""
     from torch.nn.parallel import DistributedDataParallel
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_comm_hook: expected a DistributedDataParallel model, got "
@@ -252,5 +236,29 @@ def register_comm_hook(ddp_model, compressor):
     if any(s.adaptive and s.link is None for s in compressor.routing.schemes()):
         like = next(iter(names), None)
         compressor.calibrate(like=None if like is None else like.detach())
-    ddp_model.register_comm_hook(HookState(compressor, names, group, world_size, ddp_model), hook)
+    return HookState(compressor, names, group, world_size, ddp_model), hook
+
+
+def register_comm_hook(ddp_model, compressor):
+    """Install ``compressor`` as ``ddp_model``'s communication hook.
+
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel``, before its first backward.
+        compressor: a compressor from ``torch_backend.Compression`` (``Compression.topkc(0.1)``,
+            ``from_spec``, ``rules``, ``auto``), new or loaded from a checkpoint, used by no
+            other model.
+
+    Binds the compressor to the model's process group (ranks, world size, checkpoints), and
+    for ``auto`` without ``bandwidth_gbit`` measures the link there (``calibrate()``: a
+    collective, so every rank calls ``register_comm_hook`` at the same point). Returns the
+    compressor.
+
+    Raises:
+        TypeError: ``compressor`` is a factory (``Compression.fp16`` without the call) or not a
+            PyTorch compressor; ``ddp_model`` is not a DDP model.
+        ValueError: the compressor is already bound to a DDP model, or routes some tensor to a
+            blocking two-round variant.
+    """
+    state, fn = make_comm_hook(ddp_model, compressor)
+    ddp_model.register_comm_hook(state, fn)
     return compressor
