@@ -133,6 +133,14 @@ class FrozenVarianceAdamW(torch.optim.AdamW):
         if "freeze_step" in self.defaults:  # else still in __init__, which checks afterwards
             _check_group(group)
 
+    def __setstate__(self, state):
+        # load_state_dict() ends here with the checkpoint's groups: a plain AdamW checkpoint's
+        # lack our two options, which then come from this optimizer's defaults.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("freeze_step", self.defaults.get("freeze_step", 1000))
+            group.setdefault("refresh_interval", self.defaults.get("refresh_interval", 0))
+
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step over every parameter with a gradient; returns ``closure()``'s loss."""
