@@ -342,3 +342,24 @@ def test_keras_argument_errors(kwargs, message):
     from tf_backend import FrozenVarianceAdamW
     with pytest.raises(ValueError, match=f"^FrozenVarianceAdamW: {message}"):
         FrozenVarianceAdamW(**kwargs)
+
+
+@requires_backend("torch")
+def test_bench_worker_optimizer_flag():
+    import argparse
+
+    import torch
+    from hvd_gradcomp.bench.workers.digits_torch import add_optimizer_args, optimizer_factory
+    from torch_backend import FrozenVarianceAdamW
+    parser = argparse.ArgumentParser()
+    add_optimizer_args(parser)
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert optimizer_factory(parser.parse_args([])) is None  # the workload's own optimizer
+    opt = optimizer_factory(parser.parse_args(["--optimizer", "frozen_adamw", "--freeze-step", "7"]))(params, 0.01)
+    assert type(opt) is FrozenVarianceAdamW
+    assert {k: opt.param_groups[0][k] for k in ("lr", "weight_decay", "freeze_step")} == \
+        {"lr": 0.01, "weight_decay": 0.0, "freeze_step": 7}
+    opt = optimizer_factory(parser.parse_args(["--optimizer", "adamw", "--weight-decay", "0.1"]))(params, 0.02)
+    assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["weight_decay"] == 0.1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--optimizer", "sgd"])
