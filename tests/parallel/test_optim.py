@@ -1,12 +1,13 @@
 """FrozenVarianceAdamW under real Horovod (2 ranks, Gloo), wrapped by ``hvd.DistributedOptimizer``
-with TopKC (ratio 0.1, chunk 8, every tensor compressed): one PyTorch and one TensorFlow launch.
+or fed by ``hvd.DistributedGradientTape``: one PyTorch and one TensorFlow launch.
 
 Workload: a 16-32-4 MLP regression, each rank its own 64 samples, identical initial weights,
 12 steps, freeze_step 4, refresh_interval 3 (v refreshed at step 7). The recipe of
-docs/optimizers.md: the warm-up's gradients go dense (FP16), TopKC from the freeze on
-(PyTorch: ``Phased`` below switches on the loop's word; TensorFlow: a tape per step with the
-phase's compressor. TopKC during the warm-up would leave ``v`` zero
-where no chunk was sent yet, and the frozen step there lr * m / eps).
+docs/optimizers.md: FP16 during the warm-up, TopKC (ratio 0.1, chunk 8, every tensor) from the
+freeze on. TopKC during the warm-up would leave ``v`` zero where no chunk was sent yet, and the
+frozen step there ``lr * m / eps``. PyTorch switches with ``Phased`` below (on the loop's word);
+TensorFlow's tape takes the phase's compressor each step (Horovod caches its all-reduce
+function per compressor, so one object per phase).
 
 PyTorch (``worker_torch``): each step synchronizes, records the delivered (decompressed,
 averaged) gradients, then steps under ``skip_synchronize``; the tests replay the float64
