@@ -34,12 +34,12 @@ from . import torch_workloads
 class HorovodTrainer:
     """One ``hvd.DistributedOptimizer`` step, timed (module docs)."""
 
-    def __init__(self, workload, model, lr, spec):
+    def __init__(self, workload, model, lr, spec, make_optimizer=None):
         self.workload, self.model = workload, model
         # Blocking variants' side all-reduce (torch_backend.ops._allreduce) counts as
         # communication, not codec.
         self.compressor = TimedCompressor(Compression.from_spec(spec), torch_backend.ops, "_allreduce")
-        opt = workload.optimizer(model.parameters(), lr)
+        opt = (make_optimizer or workload.optimizer)(model.parameters(), lr)
         self.opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                             compression=self.compressor, op=hvd.Average)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -76,6 +76,30 @@ class HorovodTrainer:
         return out
 
 
+# --optimizer: the workload's own optimizer, or AdamW / FrozenVarianceAdamW (docs/optimizers.md).
+def add_optimizer_args(parser):
+    """``--optimizer``, ``--freeze-step``, ``--weight-decay`` (only for adamw/frozen_adamw)."""
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--optimizer", default="default", choices=("default", "adamw", "frozen_adamw"),
+                   help="default: the workload's own (digits: SGD momentum 0.9; lm: Adam); adamw: "
+                        "torch.optim.AdamW; frozen_adamw: torch_backend.FrozenVarianceAdamW")
+    g.add_argument("--freeze-step", type=int, default=100,
+                   help="frozen_adamw: steps before the second moment freezes (default 100)")
+    g.add_argument("--weight-decay", type=float, default=0.0,
+                   help="adamw/frozen_adamw: decoupled weight decay (default 0: Adam's update)")
+
+
+def optimizer_factory(args):
+    """None (the workload's optimizer) or ``(params, lr) -> optimizer`` for ``--optimizer``."""
+    if args.optimizer == "adamw":
+        return lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=args.weight_decay)
+    if args.optimizer == "frozen_adamw":
+        from torch_backend import FrozenVarianceAdamW
+        return lambda params, lr: FrozenVarianceAdamW(params, lr=lr, weight_decay=args.weight_decay,
+                                                      freeze_step=args.freeze_step)
+    return None
+
+
 def main(argv=None, workload="digits"):
     cls = torch_workloads.WORKLOADS[workload]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if workload == "digits"
@@ -83,6 +107,7 @@ def main(argv=None, workload="digits"):
     add_common_args(parser, higher_is_better=cls.higher_is_better, **cls.defaults)
     if workload == "digits":
         parser.add_argument("--hidden", type=int, default=2048, help="MLP width (default 2048)")
+    add_optimizer_args(parser)
     args = parser.parse_args(argv)
     hvd.init()
     torch.manual_seed(args.seed)
@@ -90,8 +115,10 @@ def main(argv=None, workload="digits"):
     extra = {"hidden": args.hidden} if workload == "digits" else {}
     wl = cls(hvd.rank(), hvd.size(), args.seed, args.batch_size, **extra)
     model = wl.model()
-    trainer = HorovodTrainer(wl, model, args.lr, args.compression)
+    trainer = HorovodTrainer(wl, model, args.lr, args.compression, optimizer_factory(args))
     meta = {"framework": "torch", "system": "horovod", "label": args.compression}
+    if args.optimizer != "default":
+        meta.update(optimizer=args.optimizer, freeze_step=args.freeze_step, weight_decay=args.weight_decay)
     torch_workloads.train(wl, model, trainer, args, hvd.rank(), hvd.size(), meta,
                           trainer.bytes_per_step)
     trainer.compressor.close()
