@@ -1,8 +1,14 @@
-"""Framework-neutral half of the Horovod compressor objects (``Compression.<name>(...)``).
+"""Framework-neutral half of the Horovod compressor objects (``Compression.<name>(...)``):
+the Horovod glue.
 
 Horovod calls ``compress(tensor) -> (payload, ctx)`` and ``decompress(payload, ctx)`` and
-passes no name, step or op. This class keeps, per tensor key, the scheme's state and the
-static facts (shape, dtype, bytes on the wire); the backend subclasses supply the primitives,
+passes no name, step or op. The engine-neutral jobs live in mixins of their own, shared with
+the DDP hook (:mod:`torch_backend.ddp`): per-tensor records (static facts, route, wire bytes,
+state: :mod:`~hvd_gradcomp.records`), checkpoints (:mod:`~hvd_gradcomp.checkpoint`) and link
+calibration (:mod:`~hvd_gradcomp.link`). This module keeps Horovod's contract, call
+discovery, the checks of what Horovod would do to a payload, TensorFlow's groups, the loss
+scale and the engine seam (``_world``, ``_from_every_rank``, ``_allreduce_host``: Horovod's,
+or a bound engine's). The backend subclasses supply the primitives,
 what Horovod's calling frame says about the call (:class:`Call`: the tensor's key, op, scale
 factors, process set, owner), and state storage (plain tensors in PyTorch, ``tf.Variable``s
 in TensorFlow). Before anything is computed it refuses, on every rank, what the scheme
@@ -36,27 +42,16 @@ import logging
 from typing import Any, NamedTuple
 
 from .registry import SCHEMES, make_scheme
-from .base import (EmptyState, Scheme, StepBytes, TensorInfo, check_state, compress_tensor,
-                   finish_tensor, passes_through)
+from .base import EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor, passes_through
+from .checkpoint import Checkpoints
+from .link import LinkCalibration
 from .primitives import FLOAT_DTYPES, itemsize
-from .routing import Route, Routing, canonical_text
+from .records import TensorRecords
+from .routing import Routing
 
 __all__ = ["HorovodCompressor", "Namespace", "Factory", "Call", "op_name", "group_dtype"]
 
 log = logging.getLogger("hvd_gradcomp")
-
-_NEEDS_ROUTE = ("{spec!r}: rules match variable names, which TensorFlow does not keep equal across "
-                "ranks (Keras numbers layers per process); call compressor.route(variables) on every "
-                "rank before the first step, so the ranks' routes are compared once; variable "
-                "{name!r} (gradient {key!r}) was not given to route()")
-_ROUTE_MISMATCH = ("{spec!r}: tensor {key!r} was routed to {saved!r} in the checkpoint, and this "
-                   "compressor routes it to {now!r} ({why}); load the checkpoint into a compressor "
-                   "whose rules route it alike")
-_SPARSE_WARNING = ("hvd_gradcomp: {name} has a sparse gradient (PyTorch sparse=True / TensorFlow "
-                   "IndexedSlices): Horovod's sparse path sends its indices and values uncompressed, around "
-                   "the compressor {spec!r}; bytes_per_step().sparse counts them. Pass "
-                   "sparse_as_dense=True to Horovod's optimizer to compress it (as a dense gradient "
-                   "of the full table)")
 
 
 def group_dtype(dtypes):
@@ -148,7 +143,7 @@ class _Cast(NamedTuple):
     inner: Any  # _Ctx, or None for a tensor that passed through
 
 
-class HorovodCompressor:
+class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
     """Base of ``torch_backend.Compressor`` and ``tf_backend.Compressor``.
 
     Public methods (both frameworks):
@@ -184,6 +179,9 @@ class HorovodCompressor:
         "_warned",
         # loss scale source (GradScaler / LossScaleOptimizer), see set_loss_scale()
         "_scale_source",
+        # None: Horovod's collectives; else the engine whose collectives the compressor uses
+        # outside compress (world, checkpoints, route checks, calibrate), e.g. DDP's
+        "_engine",
         "__weakref__",
     )
     ops = None  # the backend's Primitives (class attribute of the subclass)
@@ -207,87 +205,46 @@ class HorovodCompressor:
         self._group = None
         self._warned = set()
         self._scale_source = None
+        self._engine = None
         if any(s.adaptive and s.link is None for s in self.routing.schemes()) and \
                 self._global_world()[0] is not None:
-            self.calibrate()  # auto without a given link: measure it now, on every rank
-
+            self.calibrate()  # an adaptive scheme without a given link: measure it now, everywhere
     # ---- backend hooks ----
     no_key_message = "{scheme}: cannot tell which tensor this is; call compress(tensor, name=...)"
-
     @staticmethod
     def _find_call(tensor) -> Call:
         """The :class:`Call` read from Horovod's calling frames (key None when not found)."""
         raise NotImplementedError
-
     @staticmethod
     def _horovod():
         """The framework's Horovod module (horovod.torch or horovod.tensorflow)."""
         raise NotImplementedError
-
     def _world(self, process_set):
-        """(world_size, rank) of the all-reduce: the process set's, or the global ones."""
+        """(world_size, rank) of the all-reduce: the process set's, or the global ones (with
+        an engine bound, its process group's)."""
+        if self._engine is not None:
+            return self._engine.world()
         hvd = self._horovod()
         if process_set is None or getattr(process_set, "process_set_id", 0) == 0:
             return hvd.size(), hvd.rank()
         return process_set.size(), process_set.rank()
-
     def _global_world(self):
         """(size, rank) of Horovod's global set, or (None, None) before ``hvd.init()``."""
         try:
             return self._world(None)
-        except ValueError:  # Horovod: "Horovod has not been initialized; use hvd.init()."
+        except (ValueError, ImportError):  # "Horovod has not been initialized", or no Horovod
             return None, None
-
-    def _read_state(self, key):
-        raise NotImplementedError
-
-    def _write_state(self, key, state):
-        raise NotImplementedError
-
-    def _create_state(self, key, state):
-        """Store a tensor's first state (TensorFlow makes variables here); default: write it."""
-        self._write_state(key, state)
-
-    def _has_state(self, key) -> bool:
-        raise NotImplementedError
-
-    def _export(self, tensor, portable=False):
-        """A host-side copy of a state tensor for state_dict(); ``portable``: an object that
-        pickles without the framework's graph or device (for ``gather=True``)."""
-        raise NotImplementedError
-
-    def _zeros_like(self, value):
-        """Zeros of a saved state value's shape and dtype (a reset residual)."""
-        raise NotImplementedError
-
-    def _import(self, value):
-        """A saved state value (a tensor, or a NumPy array from a gathered state) as a host
-        tensor of the framework."""
-        raise NotImplementedError
-
-    def _route_items(self, params):
-        """``(name, shape tuple, dtype string, pin)`` per parameter given to :meth:`route`."""
-        raise NotImplementedError
-
     def _is_sparse(self, tensor) -> bool:
         """True for a sparse gradient handed to compress (PyTorch ``groups=``); default False."""
         return False
-
     def _watch_sparse(self, call: Call):
         """Note the sparse gradients of ``call.batch`` (TensorFlow); default: nothing."""
-
     def _uncompressed(self, payload):
         """Called by decompress for a payload compress never saw (PyTorch notes sparse ones)."""
-
-    def _read_sparse(self, entry):
-        """(bytes last step, steps) of a sparse-gradient entry, as Python ints."""
-        return int(entry[0]), int(entry[1])
-
     @staticmethod
     def _scale_of(source):
         """The current loss scale of ``source`` as a 0-d float32 tensor on device (no host read)."""
         raise NotImplementedError
-
     def set_loss_scale(self, source):
         """Keep error feedback in unscaled units under loss scaling.
 
@@ -307,58 +264,17 @@ class HorovodCompressor:
         """
         self._scale_source = source
         return self
-
     def _static(self, tensor, call: Call):
         """``tensor`` with a fully known static shape (TensorFlow overrides); default: itself."""
         return tensor
-
     def _detach(self, tensor):
         """The gradient without any autograd history (PyTorch); default: itself."""
         return tensor
-
     # ---- Horovod's contract ----
     @property
     def spec(self) -> str:
         """The compressor's canonical text spec (``Compression.from_spec`` rebuilds it)."""
         return self.routing.spec()
-
-    def _key(self, call: Call):
-        """The state key of a call: Horovod's name, kept apart per optimizer/tape; None
-        without a name."""
-        key = call.key
-        if key is None:
-            return None
-        if call.owner is not None:
-            owners = self._owners.setdefault(key, [])
-            for i, owner in enumerate(owners):
-                if owner is call.owner:
-                    break
-            else:
-                i = len(owners)
-                owners.append(call.owner)
-            if i:
-                key = f"{key}@{i}"
-        return key
-
-    def _route(self, key, call: Call, numel: int) -> Route:
-        """The tensor's route: decided at its first compress, then the same at every step."""
-        route = self._routes.get(key) if key is not None else None
-        if route is not None:
-            return route
-        if call.pin is not None and self.routing.needs_names():
-            route = self._pins.get(call.pin)
-            if route is None:
-                raise ValueError(_NEEDS_ROUTE.format(spec=self.spec, name=call.label, key=key))
-        else:
-            route = self.routing.decide(call.label if call.label is not None else call.key, numel)
-        if key is not None:
-            saved = self._pending_routes.pop(key, None)
-            if saved is not None and saved != route.text:
-                raise ValueError(_ROUTE_MISMATCH.format(spec=self.spec, key=key, saved=saved,
-                                                        now=route.text, why=route.why))
-            self._routes[key] = route
-        return route
-
     @staticmethod
     def _check_call(s: Scheme, key, call: Call, info: TensorInfo):
         """Refuse, before any collective, what Horovod would do to a payload scheme ``s`` cannot take."""
@@ -383,7 +299,6 @@ class HorovodCompressor:
                              f"this variant posts a blocking side all-reduce inside compress and "
                              f"would hang. Use the default (single-collective) variant of "
                              f"{s.name}")
-
     def compress(self, tensor, name=None):
         """Compress one gradient. Returns ``(payload, ctx)``; see the scheme's docs for layout.
 
@@ -417,7 +332,6 @@ class HorovodCompressor:
             return self._compress_grouped(tensor, call)
         payload, ctx, _ = self._compress_one(tensor, call)
         return payload, ctx
-
     def _compress_one(self, tensor, call: Call):
         """``(payload, ctx, key)`` of one tensor (key None when it passed through untouched)."""
         ops = self.ops
@@ -462,7 +376,6 @@ class HorovodCompressor:
         state = self._state_for(scheme, info, tensor)
         payload, ctx = compress_tensor(scheme, ops, tensor, state, info_x)
         return payload, _Ctx(info, ctx, scale, scheme), key
-
     def _compress_grouped(self, tensor, call: Call):
         """A member of a TensorFlow grouped all-reduce: the whole group is compressed at its
         first member, with one payload dtype (module docstring); the others are returned as
@@ -512,7 +425,6 @@ class HorovodCompressor:
         mine = results.pop(id(tensor))
         self._group = (group, results) if results else None
         return mine
-
     def decompress(self, payload, ctx):
         """The all-reduced payload mapped back to the gradient's shape and dtype; the tensor's
         state moves on (or stays, if the payload says some rank failed this step)."""
@@ -537,387 +449,30 @@ class HorovodCompressor:
             self._write_state(info.key, new_state)
         return out
 
-    def _state_for(self, scheme, info, like):
-        """The state under info.key: existing, loaded, or freshly initialised; checked."""
-        if self._has_state(info.key):
-            return self._read_state(info.key)
-        fresh = self._initial_state(scheme, info, like, self._pending.pop(info.key, None))
-        if len(fresh):
-            self._create_state(info.key, fresh)
-            return self._read_state(info.key)
-        return fresh
-
-    def _to_device(self, value, like):
-        return value
-
-    def _initial_state(self, scheme, info, like, loaded):
-        """``scheme``'s initial state for a tensor, or ``loaded`` checked against it.
-
-        TensorFlow overrides this to build it outside any graph (it becomes tf.Variables).
-        """
-        if loaded is None:
-            return scheme.init(self.ops, info, like)
-        fresh = scheme.init_like(self.ops, info, like, loaded)
-        scheme.forget(info.key)
-        self._check_loaded(scheme, info.key, loaded, fresh)
-        return type(fresh)(*[self.ops.cast(self._to_device(v, like), self.ops.dtype(f))
-                             for v, f in zip(loaded, fresh)])
-
-    def _check_loaded(self, scheme, key, loaded, fresh):
-        scheme.check_loaded(key, loaded)
-        check_state(loaded, fresh, key)
-        for field, a, b in zip(fresh._fields, loaded, fresh):
-            if tuple(self.ops.shape(a)) != tuple(self.ops.shape(b)):
-                raise ValueError(f"{scheme.name}: loaded state for tensor {key!r} has "
-                                 f"{field} of shape {list(self.ops.shape(a))}, expected "
-                                 f"{list(self.ops.shape(b))}")
-
-    # ---- the link, for auto ----
-    def calibrate(self, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3, like=None):
-        """Measure the link for this compressor's ``auto`` schemes (:mod:`hvd_gradcomp.auto`).
-
-        A collective outside compress: every rank of ``process_set`` calls it at the same
-        point (the compressor's constructor does when ``auto`` has no ``bandwidth_gbit`` and
-        Horovod is initialised; call it again to refresh the figures).
-
-        Each size (float32 coordinates) is all-reduced ``repeats + 1`` times (the first is not
-        timed); from the median seconds ``t1, t2`` of the two sizes and the ring's bytes per
-        rank ``w1, w2`` (:func:`hvd_gradcomp.ring.ring_wire_bytes`): rate ``(w2 - w1) / (t2 -
-        t1)`` bytes/s and latency ``t1 - w1 / rate`` s (>= 0); the large size once more as
-        float16 gives the float16 rate (Gloo sums float16 in scalar code on CPUs). All three are
-        averaged over the ranks by one more all-reduce, so every rank holds the same
-        :class:`~hvd_gradcomp.auto.Link`.
-        Then each ``auto`` scheme times its candidates' codecs on a reference matrix
-        (:meth:`~hvd_gradcomp.auto.AutoScheme.reference_costs`), averaged over the ranks by one
-        all-reduce each: the start of its tensors (:func:`~hvd_gradcomp.auto.start_choice`).
-
-        Args:
-            process_set: the framework's process set of the gradients' all-reduces (None: global).
-            sizes: two sizes, coordinates, small then large (default 4 KiB and 8 MiB).
-            repeats: timed all-reduces per size (>= 1).
-            like: a tensor on the device the gradients live on (default: the framework's
-                default device; a CUDA tensor measures NCCL's path and times the ``auto``
-                candidates' codecs on the GPU: on a GPU job built before its tensors exist,
-                call ``calibrate(like=...)`` again with one).
-
-        Returns:
-            The :class:`~hvd_gradcomp.auto.Link`, also given to every ``auto`` scheme.
-        """
-        import math
-        import time
-        from .auto import Link
-        from .ring import ring_wire_bytes
+    # ---- the engine's collectives outside compress ----
+    def _allreduce_host(self, x, average: bool, name: str, process_set=None):
+        """``x`` summed (``average``: averaged) over the ranks, blocking, outside compress
+        (calibrate only): Horovod's all-reduce, or the bound engine's."""
+        if self._engine is not None:
+            return self._engine.allreduce(x, average)
         hvd = self._horovod()
-        size, _ = self._world(process_set)
         kwargs = {} if process_set is None else {"process_set": process_set}
-        if size <= 1:
-            link = Link(math.inf, 0.0)  # one rank: nothing crosses a link
-        else:
-            seconds = []
-            for n, dtype in ((sizes[0], "float32"), (sizes[1], "float32"), (sizes[1], "float16")):
-                x = self.ops.zeros((n,), dtype, like)
-                runs = []
-                for i in range(repeats + 1):
-                    start = time.perf_counter()
-                    y = hvd.allreduce(x, op=hvd.Sum, name=f"hvd_gradcomp.calibrate.{n}.{dtype}", **kwargs)
-                    self.ops.to_host(self.ops.sum(self.ops.cast(y[:1], "float32"), None))
-                    if i:
-                        runs.append(time.perf_counter() - start)
-                seconds.append(sorted(runs)[len(runs) // 2])
-            w1, w2, w16 = ring_wire_bytes(4 * sizes[0], size), ring_wire_bytes(4 * sizes[1], size), \
-                ring_wire_bytes(2 * sizes[1], size)
-            rate = (w2 - w1) / max(seconds[1] - seconds[0], 1e-9)
-            latency = max(seconds[0] - w1 / rate, 0.0)
-            rate16 = w16 / max(seconds[2] - latency, 1e-9)
-            agreed = hvd.allreduce(self.ops.constant([rate, latency, rate16], "float64", like),
-                                   op=hvd.Average, name="hvd_gradcomp.calibrate.link", **kwargs)
-            link = Link(*self.ops.to_host(agreed))
-            if self._world(None)[1] == 0:
-                log.info("hvd_gradcomp auto: link measured over %d ranks: %.1f MB/s (float16 "
-                         "payloads %.1f MB/s), %.3f ms per all-reduce", size,
-                         link.bytes_per_second / 1e6, link.fp16_bytes_per_second / 1e6,
-                         link.latency_s * 1e3)
-        for i, scheme in enumerate(self.routing.schemes()):
-            if not scheme.adaptive:
-                continue
-            costs = None
-            if size > 1:  # each candidate's codec on the reference matrix, the ranks' mean
-                costs = self.ops.to_host(hvd.allreduce(
-                    self.ops.constant(scheme.reference_costs(self.ops, like), "float64", like),
-                    op=hvd.Average, name=f"hvd_gradcomp.calibrate.codecs.{i}", **kwargs))
-            scheme.set_link(link, costs)
-        return link
-
-    # ---- routing ----
-    def route(self, params, check: bool = True) -> list:
-        """Decide each parameter's route now, and check that every rank decides alike.
-
-        Needed in TensorFlow when rules match names (variable names may differ between ranks,
-        see :mod:`~hvd_gradcomp.routing`): call it on every rank once the model's variables
-        exist, before the first step. In PyTorch the routes follow from Horovod's parameter
-        names, equal on every rank; ``route()`` then only shows and checks them.
-
-        Args:
-            params: PyTorch: ``model.named_parameters()`` (``(name, tensor)`` pairs, the names
-                given to ``hvd.DistributedOptimizer``); TensorFlow: ``model.trainable_variables``
-                (or ``(name, variable)`` pairs).
-            check: compare the ranks' decisions (:meth:`_from_every_rank`: one Horovod
-                broadcast per rank; every rank must call ``route()`` then); False decides
-                locally, without a collective.
-
-        Returns:
-            ``[(name, scheme spec or None), ...]`` in the order given; None for tensors that
-            pass through untouched (non-float or empty).
-
-        Raises:
-            ValueError, on every rank: the ranks route some parameter differently (naming its
-            position and each rank's name and rule), or give different numbers of parameters.
-        """
-        items = list(self._route_items(params))
-        table, routes = [], []
-        for name, shape, dtype, _ in items:
-            numel = 1
-            for s in shape:
-                numel *= s
-            route = None if passes_through(dtype, numel) else self.routing.decide(name, numel)
-            routes.append(route)
-            table.append((name, None if route is None else route.text,
-                          "passes through" if route is None else route.why))
-        if check:
-            tables = self._from_every_rank(table, "hvd_gradcomp.route")
-            self._check_same_routes(tables)
-        for (_, _, _, pin), route in zip(items, routes):
-            if pin is not None and route is not None:
-                self._pins[pin] = route
-        return [(name, text) for name, text, _ in table]
+        return hvd.allreduce(x, op=hvd.Average if average else hvd.Sum, name=name, **kwargs)
 
     def _from_every_rank(self, obj, name: str) -> list:
         """``[obj of rank 0, obj of rank 1, ...]`` on every rank (global set), by one
         ``hvd.broadcast_object`` per rank in rank order. Outside compress (route checks and
-        checkpoints only); gradient payloads never travel this way."""
+        checkpoints only); gradient payloads never travel this way. With an engine bound: its
+        object gather over its process group."""
+        if self._engine is not None:
+            return self._engine.gather(obj)
         hvd = self._horovod()
         return [hvd.broadcast_object(obj, root_rank=r, name=f"{name}.{r}") for r in range(hvd.size())]
-
-    def _check_same_routes(self, tables):
-        """Raise ValueError (the same on every rank: each holds every table) if they differ."""
-        count = len(tables[0])
-        for r, table in enumerate(tables):
-            if len(table) != count:
-                raise ValueError(f"{self.spec!r}: route() got {count} parameters on rank 0 and "
-                                 f"{len(table)} on rank {r}; every rank must pass the same model's")
-        for i in range(count):
-            if len({table[i][1] for table in tables}) > 1:
-                detail = "; ".join(f"rank {r}: {table[i][0]!r} -> {table[i][1] or 'untouched'} "
-                                   f"({table[i][2]})" for r, table in enumerate(tables))
-                raise ValueError(f"{self.spec!r}: the ranks route parameter {i} differently ({detail}), "
-                                 f"which would pair payloads of different schemes; use rules that "
-                                 f"match the same way on every rank's names, or build the model "
-                                 f"identically on every rank")
-
-    def routes(self) -> dict:
-        """``{key: scheme spec}``: the route of every tensor seen so far."""
-        return {key: route.text for key, route in self._routes.items()}
-
-    # ---- checkpoints ----
-    def state_dict(self, gather: bool = False) -> dict:
-        """The compressor's state for a checkpoint.
-
-        Args:
-            gather: False (default): this rank's state, to be saved per rank and loaded on
-                the same rank. True: every rank's, collected by :meth:`_from_every_rank` (one
-                Horovod broadcast per rank: every rank must call it; each receives every
-                rank's state, so memory is world size x residuals), for the usual "save on
-                rank 0, load everywhere" habit.
-
-        Returns:
-            Per rank: ``{"spec", "tensors": {key: {field: tensor}}, "routes": {key: scheme
-            spec}, "rank", "world_size"}`` (host copies). Gathered: ``{"spec", "world_size",
-            "ranks": [per-rank dict of rank 0, 1, ...]}`` with values that pickle anywhere
-            (PyTorch CPU tensors, NumPy arrays for TensorFlow).
-        """
-        local = self._local_state(portable=gather)
-        if not gather:
-            return local
-        parts = self._from_every_rank(local, "hvd_gradcomp.state_dict")
-        return {"spec": self.spec, "world_size": len(parts), "ranks": list(parts)}
-
-    def _local_state(self, portable: bool) -> dict:
-        tensors = {}
-        for key in self._infos:
-            if self._has_state(key):
-                state = self._read_state(key)
-                tensors[key] = {f: self._export(v, portable) for f, v in zip(state._fields, state)}
-        for key, state in self._pending.items():
-            tensors.setdefault(key, {f: v for f, v in zip(state._fields, state)})
-        routes = {key: route.text for key, route in self._routes.items()}
-        for key, text in self._pending_routes.items():
-            routes.setdefault(key, text)
-        size, rank = self._global_world()
-        return {"spec": self.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
-
-    def _same_config(self, spec) -> bool:
-        """True if the text ``spec`` describes this compressor's routing, schemes and configs."""
-        try:
-            return Routing.from_spec(spec).spec() == self.spec
-        except (ValueError, TypeError, AttributeError):
-            return False
-
-    def load_state_dict(self, state_dict: dict, rank=None):
-        """Restore what :meth:`state_dict` returned.
-
-        Args:
-            state_dict: per rank, or gathered (``state_dict(gather=True)``, e.g. saved by
-                rank 0 and loaded on every rank).
-            rank: which saved rank's state to load; default this process's Horovod rank.
-                Gathered: that rank's part. Per rank: the dict must be that rank's (a
-                per-rank dict of rank 0 loaded on rank 1 would resume rank 1 with rank 0's
-                error feedback: refused unless ``rank=0`` is given on purpose).
-
-        A gathered state saved by another number of ranks (elastic) gives every rank rank 0's
-        part, with the rank-local fields (:attr:`Scheme.rank_local_fields`: the residuals)
-        reset to zero: what the ranks agreed on (THC's ranges, TopKC's scores, PowerSGD's
-        bases, step counters) is kept, equal on every rank; the error feedback pending at the
-        save is dropped (a warning says so).
-
-        Raises:
-            ValueError: the spec differs from this compressor's, the dict is another rank's,
-                a tensor's route differs from this compressor's decision, or its state has
-                the wrong fields or shapes (checked now for tensors already seen, else at
-                their first compress, before any collective).
-        """
-        if not self._same_config(state_dict.get("spec")):
-            raise ValueError(f"state_dict was saved by compressor {state_dict.get('spec')!r}, "
-                             f"this one is {self.spec!r}")
-        size, me = self._global_world()
-        if rank is None:
-            rank = me
-        if "ranks" in state_dict:
-            parts = state_dict["ranks"]
-            if size is not None and len(parts) != size:
-                log.warning("hvd_gradcomp: state of %d ranks loaded on %d: every rank takes rank 0's, "
-                            "with its residuals reset to zero (agreed statistics kept)", len(parts), size)
-                self._load_part(parts[0], reset=True)
-                return
-            if rank is None or not 0 <= rank < len(parts):
-                raise ValueError(f"load_state_dict: rank must be in [0, {len(parts)}) for a state "
-                                 f"gathered from {len(parts)} ranks, got {rank!r} (is hvd.init() done?)")
-            self._load_part(parts[rank], reset=False)
-            return
-        saved = state_dict.get("rank")
-        if saved is not None and rank is not None and saved != rank:
-            raise ValueError(f"load_state_dict: this state_dict holds rank {saved}'s state (its "
-                             f"error feedback), and this is rank {rank}; save with "
-                             f"state_dict(gather=True) to load one file on every rank, or pass "
-                             f"rank={saved} to load it here anyway")
-        self._load_part(state_dict, reset=False)
-
-    def _load_part(self, part: dict, reset: bool):
-        """Load one rank's state (``reset``: zero the rank-local fields)."""
-        for key, text in part.get("routes", {}).items():
-            text = canonical_text(text)
-            route = self._routes.get(key)
-            if route is not None and route.text != text:
-                raise ValueError(_ROUTE_MISMATCH.format(spec=self.spec, key=key, saved=text,
-                                                        now=route.text, why=route.why))
-            if route is None:
-                self._pending_routes[key] = text
-        local = set()
-        for scheme in self.routing.schemes():
-            local.update(scheme.rank_local_fields)
-        for key, fields in part["tensors"].items():
-            fields = {f: self._import(v) for f, v in fields.items()}
-            if reset:
-                fields = {f: self._zeros_like(v) if f in local else v for f, v in fields.items()}
-            route = self._routes.get(key)
-            if route is not None and self._has_state(key):
-                scheme = route.scheme
-                scheme.check_loaded(key, _FieldBag(fields))
-                current = self._read_state(key)
-                if scheme.adaptive:  # the loaded state's fields follow its own choice
-                    current = scheme.init_like(self.ops, self._infos[key], current[0], _FieldBag(fields))
-                    scheme.forget(key)
-                loaded = type(current)(**{f: fields.get(f) for f in current._fields}) \
-                    if set(fields) == set(current._fields) else None
-                if loaded is None:
-                    raise ValueError(f"{scheme.name}: loaded state for tensor {key!r} has fields "
-                                     f"{sorted(fields)}, expected {list(current._fields)}")
-                self._check_loaded(scheme, key, loaded, current)
-                self._write_state(key, type(current)(*[
-                    self.ops.cast(self._to_device(v, c), self.ops.dtype(c)) for v, c in zip(loaded, current)]))
-            else:
-                self._pending[key] = _FieldBag(fields)
-
-    # ---- reporting ----
-    def wire_bytes(self) -> dict:
-        """``{key: WireBytes}`` for every tensor seen: bytes per step, per rank, as routed
-        (and widened for a TensorFlow group, see the module docstring)."""
-        return dict(self._wire)
-
-    def sparse_bytes(self) -> dict:
-        """``{key: bytes}`` of each sparse gradient seen (indices and values this rank handed
-        to Horovod's sparse path, as of the last step it was seen); they bypass compression."""
-        return {key: self._read_sparse(entry)[0] for key, entry in self._sparse.items()}
-
-    def bytes_per_step(self) -> StepBytes:
-        """:meth:`wire_bytes` summed over tensors, plus the sparse gradients' own collectives
-        (:class:`~hvd_gradcomp.base.StepBytes`; ``total`` counts everything)."""
-        payload = side = collectives = 0
-        for w in self._wire.values():
-            payload, side, collectives = payload + w.payload, side + w.side, collectives + w.side_collectives
-        return StepBytes(payload, side, collectives, sum(self.sparse_bytes().values()), 2 * len(self._sparse))
-
-    def metrics(self) -> dict:
-        """``{key: {name: value}}``: the schemes' per-tensor diagnostics (tensors, no host
-        sync), and for sparse gradients ``sparse_bytes`` / ``sparse_steps`` (ints)."""
-        out = {}
-        for k in self._infos:
-            if not (self._has_state(k) and k in self._routes):
-                continue
-            scheme = self._routes[k].scheme
-            out[k] = dict(scheme.metrics(self._read_state(k)))
-            if scheme.adaptive:  # auto: its choice, why, and the bytes it saves against fp16
-                out[k].update(scheme.explain(k))
-                info = self._infos[k]
-                out[k]["bytes_saved"] = 2 * info.numel - self._wire[k].payload
-        for key, entry in self._sparse.items():
-            nbytes, steps = self._read_sparse(entry)
-            out.setdefault(key, {}).update(sparse_bytes=nbytes, sparse_steps=steps)
-        return out
-
-    def decisions(self) -> list:
-        """Every ``auto`` decision this compressor's tensors took, oldest first (dicts of
-        :meth:`hvd_gradcomp.auto.AutoScheme.history_records`); [] without ``auto``."""
-        seen, out = set(), []
-        for route in self._routes.values():
-            scheme = route.scheme
-            if scheme.adaptive and id(scheme) not in seen:
-                seen.add(id(scheme))
-                out.extend(scheme.history_records())
-        return out
-
-    def _note_sparse(self, key, make_entry, label=None):
-        """The entry of sparse gradient ``key``, created by ``make_entry()`` with a one-time
-        warning naming it (``label``, else the key) if new."""
-        entry = self._sparse.get(key)
-        if entry is None:
-            log.warning(_SPARSE_WARNING.format(name=label or key, spec=self.spec))
-            entry = self._sparse[key] = make_entry()
-        return entry
-
     def __repr__(self):
         from .registry import to_spec, with_min_numel
         text = (with_min_numel(to_spec(self.scheme, full=True), self.routing.min_numel)
                 if self.routing.plain else self.spec)
         return f"{type(self).__name__}({text!r})"
-
-
-class _FieldBag(tuple):
-    """A loaded state whose NamedTuple type is not known until the tensor is first seen."""
-
-    def __new__(cls, fields: dict):
-        obj = super().__new__(cls, tuple(fields.values()))
-        obj._fields = tuple(fields)
-        return obj
 
 
 class Factory:

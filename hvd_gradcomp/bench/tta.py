@@ -243,9 +243,12 @@ def parse_ddp_hooks(text):
     hooks = [s.strip() for s in text.split(";") if s.strip()]
     for h in hooks:
         name, _, rest = h.partition(":")
+        if name == "ours":  # this project's compressor as a DDP hook (torch_backend.ddp)
+            _check_spec(rest)
+            continue
         if name not in ("none", "fp32", "fp16", "powersgd") or (name != "powersgd" and rest) or (
                 rest and not re.fullmatch(r"rank=\d+", rest)):
-            raise ValueError(f"ddp hook must be none, fp16 or powersgd:rank=R, got {h!r}")
+            raise ValueError(f"ddp hook must be none, fp16, powersgd:rank=R or ours:<spec>, got {h!r}")
     return hooks
 
 
@@ -286,6 +289,8 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None):
                 name = h.split(":")[0]
                 label = {"none": "DDP fp32", "fp32": "DDP fp32", "fp16": "DDP fp16_compress_hook"}.get(
                     name, f"DDP powerSGD_hook {h.partition(':')[2]}".strip())
+                if name == "ours":
+                    label = f"{h.partition(':')[2]} on DDP"
                 plan.append(RunSpec(w, "ddp", h, label))
         if reference:
             plan.append(RunSpec(w, "horovod", NOCOMM_SPEC, reference=True))

@@ -50,13 +50,15 @@ OPTIMIZERS = {
     "frozen-adamw": {"torch": "torch_backend.optim:FrozenVarianceAdamW",
                      "tensorflow": "tf_backend.optim:FrozenVarianceAdamW"},
 }
+# Other spellings: the workers' earlier --optimizer choices (docs/optimizers.md).
+OPTIMIZER_ALIASES = {"frozen_adamw": "frozen-adamw"}
 _OPTIMIZER_TEXT = re.compile(r"^\s*([a-z][a-z0-9_-]*)\s*(?:\((.*)\))?\s*$")
 
 
 def parse_optimizer(text):
     """``"frozen-adamw(lr=1e-3,betas=0.9/0.98,freeze_step=100)"`` -> ``("frozen-adamw",
-    {"lr": 0.001, "betas": (0.9, 0.98), "freeze_step": 100})``; ``""`` -> ``(None, {})`` (the
-    workload's own optimizer).
+    {"lr": 0.001, "betas": (0.9, 0.98), "freeze_step": 100})``; ``""`` or ``"default"`` ->
+    ``(None, {})`` (the workload's own optimizer); ``frozen_adamw`` is ``frozen-adamw``.
 
     Values are ints where they read as one, else floats; ``betas`` is ``b1/b2`` (a tuple);
     ``true``/``false`` are booleans. Whether the options suit the class is checked when it is
@@ -72,6 +74,11 @@ def parse_optimizer(text):
     if not m:
         raise ValueError(f"optimizer: expected NAME or NAME(key=value,...), got {text!r}")
     name, body = m.group(1), m.group(2) or ""
+    name = OPTIMIZER_ALIASES.get(name, name)
+    if name == "default":
+        if body.strip():
+            raise ValueError(f"optimizer: 'default' (the workload's own) takes no options, got {text!r}")
+        return None, {}
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: unknown name {name!r} in {text!r}; expected one of {sorted(OPTIMIZERS)}")
     opts = {}

@@ -140,6 +140,11 @@ def test_tta_adam_block_is_written_between_its_markers(tmp_path):
 
 def test_parse_optimizer():
     assert parse_optimizer("") == (None, {}) and parse_optimizer("adam") == ("adam", {})
+    # the workers' earlier spellings (docs/optimizers.md): default, frozen_adamw
+    assert parse_optimizer("default") == (None, {})
+    assert parse_optimizer("frozen_adamw(freeze_step=3)") == ("frozen-adamw", {"freeze_step": 3})
+    with pytest.raises(ValueError, match="'default' .* takes no options"):
+        parse_optimizer("default(lr=1)")
     assert parse_optimizer(" frozen-adamw(lr=1e-3, betas=0.9/0.98, freeze_step=100, amsgrad=false) ") == (
         "frozen-adamw", {"lr": 0.001, "betas": (0.9, 0.98), "freeze_step": 100, "amsgrad": False})
     for bad, words in (("adam(", "expected NAME or NAME"), ("lamb(lr=1)", "unknown name 'lamb'"),
@@ -179,6 +184,12 @@ def test_build_optimizer_imports_lazily_and_fails_clearly():
     assert type(opt) is torch.optim.AdamW and opt.defaults["betas"] == (0.8, 0.9) and opt.defaults["lr"] == 1e-3
     assert opt.defaults["weight_decay"] == 0
     assert torch_workloads.build_optimizer(wl, model.parameters(), 1e-3, "adam(lr=5e-3)").defaults["lr"] == 5e-3
+    # defaults for options a row does not give (the workers' --weight-decay/--freeze-step)
+    opt = torch_workloads.build_optimizer(wl, model.parameters(), 1e-3, "adamw", {"adamw": {"weight_decay": 0.0}})
+    assert opt.defaults["weight_decay"] == 0.0
+    opt = torch_workloads.build_optimizer(wl, model.parameters(), 1e-3, "adamw(weight_decay=0.2)",
+                                          {"adamw": {"weight_decay": 0.0}})
+    assert opt.defaults["weight_decay"] == 0.2
     with pytest.raises(ValueError, match=r"optimizer adam: torch.optim.Adam\(.*\) rejected its options"):
         torch_workloads.build_optimizer(wl, model.parameters(), 1e-3, "adam(freeze_step=3)")
     try:

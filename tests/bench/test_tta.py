@@ -58,6 +58,12 @@ def test_parse_ddp_hooks():
     for bad in ("topkc", "powersgd:ratio=2", "fp16:x=1"):
         with pytest.raises(ValueError, match="ddp hook must be"):
             tta.parse_ddp_hooks(bad)
+    # this project's compressors as DDP hooks: "<spec> on DDP" rows
+    assert tta.parse_ddp_hooks("ours:thc; ours:powersgd:rank=4") == ["ours:thc", "ours:powersgd:rank=4"]
+    with pytest.raises(ValueError):
+        tta.parse_ddp_hooks("ours:nosuchscheme")
+    plan = tta.plan_runs(["digits"], [], ["ours:thc"])
+    assert [(r.system, r.spec, r.label) for r in plan] == [("ddp", "ours:thc", "thc on DDP")]
 
 
 def test_plan_runs_orders_and_labels():

@@ -6,10 +6,12 @@ hooks. Launch with torchrun-style variables (``MASTER_ADDR``, ``MASTER_PORT``, `
 
     torchrun --nproc_per_node 2 -m hvd_gradcomp.bench.workers.ddp_torch --workload digits --hook fp16
 
-``--hook``: ``none`` (DDP's plain fp32 all-reduce), ``fp16`` (``fp16_compress_hook``) or
+``--hook``: ``none`` (DDP's plain fp32 all-reduce), ``fp16`` (``fp16_compress_hook``),
 ``powersgd:rank=R`` (``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=R,
 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)``; 2 is the smallest warm-up
-DDP accepts with error feedback).
+DDP accepts with error feedback), or ``ours:<spec>``: this project's compressor ``<spec>``
+(``ours:thc``, ``ours:powersgd:rank=4``) as a DDP hook (:mod:`torch_backend.ddp`), the row
+"<spec> on DDP".
 
 Time split (DDP overlaps its all-reduces with backward and waits at the end of backward, so
 the parts cannot be read off one timer):
@@ -40,8 +42,12 @@ from . import torch_workloads
 
 
 def parse_hook(spec):
-    """``"none"``, ``"fp16"`` or ``"powersgd:rank=R"`` -> (name, rank)."""
+    """``"none"``, ``"fp16"``, ``"powersgd:rank=R"`` -> (name, rank); ``"ours:<spec>"`` ->
+    ("ours", canonical spec)."""
     name, _, rest = spec.partition(":")
+    if name == "ours":
+        from hvd_gradcomp.routing import Routing
+        return "ours", Routing.from_spec(rest).spec()
     if name in ("none", "fp32") and not rest:
         return "none", None
     if name == "fp16" and not rest:
@@ -52,7 +58,7 @@ def parse_hook(spec):
         if unknown:
             raise ValueError(f"ddp hook powersgd: unknown option(s) {sorted(unknown)}; expected rank")
         return "powersgd", int(opts.get("rank", 1))
-    raise ValueError(f"ddp hook must be none, fp16 or powersgd:rank=R, got {spec!r}")
+    raise ValueError(f"ddp hook must be none, fp16, powersgd:rank=R or ours:<spec>, got {spec!r}")
 
 
 def wire_bytes(model, hook, rank, min_compression_rate=2):
@@ -88,7 +94,13 @@ class DDPTrainer:
         self.opt = torch_workloads.build_optimizer(workload, self.model.parameters(), lr, optimizer)
         self.hook_s = 0.0
         self.calib, self.calib_every, self.steps = [], calib_every, 0
-        if hook == "fp16":
+        self.compressor = None
+        if hook == "ours":
+            from torch_backend import Compression
+            from torch_backend.ddp import make_comm_hook
+            self.compressor = Compression.from_spec(rank)
+            state, fn = make_comm_hook(self.model, self.compressor)
+        elif hook == "fp16":
             state, fn = None, default_hooks.fp16_compress_hook
         elif hook == "powersgd":
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
@@ -143,7 +155,7 @@ def main(argv=None):
     cls = torch_workloads.WORKLOADS[known.workload]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[pre])
     add_common_args(parser, higher_is_better=cls.higher_is_better, **cls.defaults)
-    parser.add_argument("--hook", default="fp16", help="none, fp16 or powersgd:rank=R")
+    parser.add_argument("--hook", default="fp16", help="none, fp16, powersgd:rank=R or ours:<spec>")
     if known.workload == "digits":
         parser.add_argument("--hidden", type=int, default=2048)
     args = parser.parse_args(argv)
@@ -158,11 +170,17 @@ def main(argv=None):
     model = wl.model()
     trainer = DDPTrainer(wl, model, args.lr, hook, hook_rank, args.seed, args.eval_every, args.optimizer)
     label = {"none": "DDP fp32", "fp16": "DDP fp16_compress_hook",
-             "powersgd": f"DDP powerSGD_hook rank={hook_rank}"}[hook]
+             "powersgd": f"DDP powerSGD_hook rank={hook_rank}", "ours": f"{hook_rank} on DDP"}[hook]
     meta = {"framework": "torch", "system": "ddp", "label": label, "hook": args.hook,
             "ddp_start_powerSGD_iter": 2 if hook == "powersgd" else None}
-    torch_workloads.train(wl, trainer.model, trainer, args, rank, size, meta,
-                          lambda: wire_bytes(model, hook, hook_rank or 1))
+    if hook == "ours":
+        def wire():
+            b = trainer.compressor.bytes_per_step()
+            return {"payload": b.payload, "side": b.side, "side_collectives": b.side_collectives}
+    else:
+        def wire():
+            return wire_bytes(model, hook, hook_rank or 1)
+    torch_workloads.train(wl, trainer.model, trainer, args, rank, size, meta, wire)
     dist.barrier()  # leave together: a rank tearing down Gloo early can abort its peer
     dist.destroy_process_group()
     return 0

@@ -34,10 +34,10 @@ from . import torch_workloads
 class HorovodTrainer:
     """One ``hvd.DistributedOptimizer`` step, timed (module docs)."""
 
-    def __init__(self, workload, model, lr, spec, optimizer="", adam_log_every=0):
+    def __init__(self, workload, model, lr, spec, optimizer="", adam_log_every=0, optimizer_defaults=None):
         self.workload, self.model = workload, model
         # The optimizer first: a row naming one this checkout lacks fails before any collective.
-        opt = torch_workloads.build_optimizer(workload, model.parameters(), lr, optimizer)
+        opt = torch_workloads.build_optimizer(workload, model.parameters(), lr, optimizer, optimizer_defaults)
         # Blocking variants' side all-reduce (torch_backend.ops._allreduce) counts as
         # communication, not codec.
         self.compressor = TimedCompressor(Compression.from_spec(spec), torch_backend.ops, "_allreduce")
@@ -83,6 +83,42 @@ class HorovodTrainer:
         return out
 
 
+# --optimizer: the workload's own optimizer, or AdamW / FrozenVarianceAdamW (docs/optimizers.md).
+# The workers take the general form, --optimizer NAME(k=v,...) (worker.parse_optimizer, with
+# "default" and "frozen_adamw" as aliases), and --freeze-step/--weight-decay as the defaults of
+# adamw/frozen-adamw options a row does not give (optimizer_defaults).
+def add_optimizer_args(parser, with_name=True):
+    """``--optimizer`` (only with ``with_name``: the choices default/adamw/frozen_adamw),
+    ``--freeze-step``, ``--weight-decay`` (only for adamw/frozen_adamw)."""
+    g = parser.add_argument_group("optimizer")
+    if with_name:
+        g.add_argument("--optimizer", default="default", choices=("default", "adamw", "frozen_adamw"),
+                       help="default: the workload's own (digits: SGD momentum 0.9; lm: Adam); adamw: "
+                            "torch.optim.AdamW; frozen_adamw: torch_backend.FrozenVarianceAdamW")
+    g.add_argument("--freeze-step", type=int, default=100,
+                   help="frozen_adamw: steps before the second moment freezes (default 100)")
+    g.add_argument("--weight-decay", type=float, default=0.0,
+                   help="adamw/frozen_adamw: decoupled weight decay (default 0: Adam's update)")
+
+
+def optimizer_defaults(args):
+    """``{optimizer name: default options}`` from ``--weight-decay``/``--freeze-step`` (for a
+    row's ``adamw``/``frozen-adamw`` options it does not give; see ``build_optimizer``)."""
+    return {"adamw": {"weight_decay": args.weight_decay},
+            "frozen-adamw": {"weight_decay": args.weight_decay, "freeze_step": args.freeze_step}}
+
+
+def optimizer_factory(args):
+    """None (the workload's optimizer) or ``(params, lr) -> optimizer`` for ``--optimizer``."""
+    if args.optimizer == "adamw":
+        return lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=args.weight_decay)
+    if args.optimizer == "frozen_adamw":
+        from torch_backend import FrozenVarianceAdamW
+        return lambda params, lr: FrozenVarianceAdamW(params, lr=lr, weight_decay=args.weight_decay,
+                                                      freeze_step=args.freeze_step)
+    return None
+
+
 def main(argv=None, workload="digits"):
     cls = torch_workloads.WORKLOADS[workload]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if workload == "digits"
@@ -93,6 +129,7 @@ def main(argv=None, workload="digits"):
     parser.add_argument("--adam-log-every", type=int, default=getattr(cls, "adam_log_every", 0),
                         help="log Adam's per-tensor update RMS and second moment every this many "
                              "steps (over the 10 steps before; 0: off)")
+    add_optimizer_args(parser, with_name=False)  # --optimizer is a common flag (worker.py)
     args = parser.parse_args(argv)
     hvd.init()
     torch.manual_seed(args.seed)
@@ -101,7 +138,8 @@ def main(argv=None, workload="digits"):
     wl = cls(hvd.rank(), hvd.size(), args.seed, args.batch_size, **extra)
     model = wl.model()
     try:
-        trainer = HorovodTrainer(wl, model, args.lr, args.compression, args.optimizer, args.adam_log_every)
+        trainer = HorovodTrainer(wl, model, args.lr, args.compression, args.optimizer, args.adam_log_every,
+                                 optimizer_defaults(args))
     except ValueError as e:  # a bad or missing optimizer or spec: the same message on every rank
         print(f"{workload} worker: {e}", file=sys.stderr, flush=True)
         hvd.shutdown()

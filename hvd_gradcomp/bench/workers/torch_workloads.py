@@ -192,11 +192,12 @@ class LMCommWorkload(LMWorkload):
     adam_log_every = 100
 
 
-def build_optimizer(workload, params, lr, text):
+def build_optimizer(workload, params, lr, text, defaults=None):
     """The optimizer of a run: ``workload.optimizer(params, lr)`` for an empty ``text``, else
     the class :data:`hvd_gradcomp.bench.worker.OPTIMIZERS` names for PyTorch, built as
-    ``cls(params, lr=lr, **options)`` (the options may override ``lr``), imported only here,
-    so that an optimizer not in this checkout fails this run alone.
+    ``cls(params, lr=lr, **options)`` (the options may override ``lr``; ``defaults``:
+    ``{name: options}`` used where the text gives none of them), imported only here, so that
+    an optimizer not in this checkout fails this run alone.
 
     Raises:
         ValueError: a bad ``text`` (:func:`~hvd_gradcomp.bench.worker.parse_optimizer`), a class
@@ -213,7 +214,7 @@ def build_optimizer(workload, params, lr, text):
     except (ImportError, AttributeError) as e:
         raise ValueError(f"optimizer {name}: {module}.{attr} is not available in this checkout "
                          f"({type(e).__name__}: {e})") from None
-    kwargs = dict({"lr": lr}, **opts)
+    kwargs = dict({"lr": lr}, **dict((defaults or {}).get(name, {}), **opts))
     try:
         return cls(params, **kwargs)
     except (TypeError, ValueError) as e:

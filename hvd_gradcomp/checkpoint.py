@@ -1,0 +1,148 @@
+"""Checkpoints of a compressor's per-tensor state: per rank, or gathered for a rank-0 save.
+
+:class:`Checkpoints` is a mixin of :class:`hvd_gradcomp.adapter.HorovodCompressor` over
+:class:`~hvd_gradcomp.records.TensorRecords` (it reads the records and the state hooks, and
+gathers through the engine's ``_from_every_rank``); the same for Horovod and DDP.
+"""
+import logging
+
+from .records import _ROUTE_MISMATCH, FieldBag as _FieldBag
+from .routing import Routing, canonical_text
+
+__all__ = ["Checkpoints"]
+
+log = logging.getLogger("hvd_gradcomp")
+
+
+class Checkpoints:
+    """``state_dict()`` / ``load_state_dict()`` (module docstring)."""
+
+    __slots__ = ()
+
+    def state_dict(self, gather: bool = False) -> dict:
+        """The compressor's state for a checkpoint.
+
+        Args:
+            gather: False (default): this rank's state, to be saved per rank and loaded on
+                the same rank. True: every rank's, collected by :meth:`_from_every_rank` (one
+                Horovod broadcast per rank: every rank must call it; each receives every
+                rank's state, so memory is world size x residuals), for the usual "save on
+                rank 0, load everywhere" habit.
+
+        Returns:
+            Per rank: ``{"spec", "tensors": {key: {field: tensor}}, "routes": {key: scheme
+            spec}, "rank", "world_size"}`` (host copies). Gathered: ``{"spec", "world_size",
+            "ranks": [per-rank dict of rank 0, 1, ...]}`` with values that pickle anywhere
+            (PyTorch CPU tensors, NumPy arrays for TensorFlow).
+        """
+        local = self._local_state(portable=gather)
+        if not gather:
+            return local
+        parts = self._from_every_rank(local, "hvd_gradcomp.state_dict")
+        return {"spec": self.spec, "world_size": len(parts), "ranks": list(parts)}
+
+    def _local_state(self, portable: bool) -> dict:
+        tensors = {}
+        for key in self._infos:
+            if self._has_state(key):
+                state = self._read_state(key)
+                tensors[key] = {f: self._export(v, portable) for f, v in zip(state._fields, state)}
+        for key, state in self._pending.items():
+            tensors.setdefault(key, {f: v for f, v in zip(state._fields, state)})
+        routes = {key: route.text for key, route in self._routes.items()}
+        for key, text in self._pending_routes.items():
+            routes.setdefault(key, text)
+        size, rank = self._global_world()
+        return {"spec": self.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
+
+    def _same_config(self, spec) -> bool:
+        """True if the text ``spec`` describes this compressor's routing, schemes and configs."""
+        try:
+            return Routing.from_spec(spec).spec() == self.spec
+        except (ValueError, TypeError, AttributeError):
+            return False
+
+    def load_state_dict(self, state_dict: dict, rank=None):
+        """Restore what :meth:`state_dict` returned.
+
+        Args:
+            state_dict: per rank, or gathered (``state_dict(gather=True)``, e.g. saved by
+                rank 0 and loaded on every rank).
+            rank: which saved rank's state to load; default this process's Horovod rank.
+                Gathered: that rank's part. Per rank: the dict must be that rank's (a
+                per-rank dict of rank 0 loaded on rank 1 would resume rank 1 with rank 0's
+                error feedback: refused unless ``rank=0`` is given on purpose).
+
+        A gathered state saved by another number of ranks (elastic) gives every rank rank 0's
+        part, with the rank-local fields (:attr:`Scheme.rank_local_fields`: the residuals)
+        reset to zero: what the ranks agreed on (THC's ranges, TopKC's scores, PowerSGD's
+        bases, step counters) is kept, equal on every rank; the error feedback pending at the
+        save is dropped (a warning says so).
+
+        Raises:
+            ValueError: the spec differs from this compressor's, the dict is another rank's,
+                a tensor's route differs from this compressor's decision, or its state has
+                the wrong fields or shapes (checked now for tensors already seen, else at
+                their first compress, before any collective).
+        """
+        if not self._same_config(state_dict.get("spec")):
+            raise ValueError(f"state_dict was saved by compressor {state_dict.get('spec')!r}, "
+                             f"this one is {self.spec!r}")
+        size, me = self._global_world()
+        if rank is None:
+            rank = me
+        if "ranks" in state_dict:
+            parts = state_dict["ranks"]
+            if size is not None and len(parts) != size:
+                log.warning("hvd_gradcomp: state of %d ranks loaded on %d: every rank takes rank 0's, "
+                            "with its residuals reset to zero (agreed statistics kept)", len(parts), size)
+                self._load_part(parts[0], reset=True)
+                return
+            if rank is None or not 0 <= rank < len(parts):
+                raise ValueError(f"load_state_dict: rank must be in [0, {len(parts)}) for a state "
+                                 f"gathered from {len(parts)} ranks, got {rank!r} (is hvd.init() done?)")
+            self._load_part(parts[rank], reset=False)
+            return
+        saved = state_dict.get("rank")
+        if saved is not None and rank is not None and saved != rank:
+            raise ValueError(f"load_state_dict: this state_dict holds rank {saved}'s state (its "
+                             f"error feedback), and this is rank {rank}; save with "
+                             f"state_dict(gather=True) to load one file on every rank, or pass "
+                             f"rank={saved} to load it here anyway")
+        self._load_part(state_dict, reset=False)
+
+    def _load_part(self, part: dict, reset: bool):
+        """Load one rank's state (``reset``: zero the rank-local fields)."""
+        for key, text in part.get("routes", {}).items():
+            text = canonical_text(text)
+            route = self._routes.get(key)
+            if route is not None and route.text != text:
+                raise ValueError(_ROUTE_MISMATCH.format(spec=self.spec, key=key, saved=text,
+                                                        now=route.text, why=route.why))
+            if route is None:
+                self._pending_routes[key] = text
+        local = set()
+        for scheme in self.routing.schemes():
+            local.update(scheme.rank_local_fields)
+        for key, fields in part["tensors"].items():
+            fields = {f: self._import(v) for f, v in fields.items()}
+            if reset:
+                fields = {f: self._zeros_like(v) if f in local else v for f, v in fields.items()}
+            route = self._routes.get(key)
+            if route is not None and self._has_state(key):
+                scheme = route.scheme
+                scheme.check_loaded(key, _FieldBag(fields))
+                current = self._read_state(key)
+                if scheme.adaptive:  # the loaded state's fields follow its own choice
+                    current = scheme.init_like(self.ops, self._infos[key], current[0], _FieldBag(fields))
+                    scheme.forget(key)
+                loaded = type(current)(**{f: fields.get(f) for f in current._fields}) \
+                    if set(fields) == set(current._fields) else None
+                if loaded is None:
+                    raise ValueError(f"{scheme.name}: loaded state for tensor {key!r} has fields "
+                                     f"{sorted(fields)}, expected {list(current._fields)}")
+                self._check_loaded(scheme, key, loaded, current)
+                self._write_state(key, type(current)(*[
+                    self.ops.cast(self._to_device(v, c), self.ops.dtype(c)) for v, c in zip(loaded, current)]))
+            else:
+                self._pending[key] = _FieldBag(fields)

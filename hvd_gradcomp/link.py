@@ -1,0 +1,90 @@
+"""Link calibration for adaptive schemes: the link's rate and latency, measured by the engine's
+all-reduces, and the candidates' codec costs averaged over the ranks.
+
+:class:`LinkCalibration` is a mixin of :class:`hvd_gradcomp.adapter.HorovodCompressor`; its
+collectives go through ``_allreduce_host`` (Horovod's all-reduce, or a bound engine's, e.g. DDP's).
+"""
+import logging
+
+__all__ = ["LinkCalibration"]
+
+log = logging.getLogger("hvd_gradcomp")
+
+
+class LinkCalibration:
+    """``calibrate()`` (module docstring)."""
+
+    __slots__ = ()
+
+    def calibrate(self, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3, like=None):
+        """Measure the link for this compressor's ``auto`` schemes (:mod:`hvd_gradcomp.auto`).
+
+        A collective outside compress: every rank of ``process_set`` calls it at the same
+        point (the compressor's constructor does when ``auto`` has no ``bandwidth_gbit`` and
+        Horovod is initialised; call it again to refresh the figures).
+
+        Each size (float32 coordinates) is all-reduced ``repeats + 1`` times (the first is not
+        timed); from the median seconds ``t1, t2`` of the two sizes and the ring's bytes per
+        rank ``w1, w2`` (:func:`hvd_gradcomp.ring.ring_wire_bytes`): rate ``(w2 - w1) / (t2 -
+        t1)`` bytes/s and latency ``t1 - w1 / rate`` s (>= 0); the large size once more as
+        float16 gives the float16 rate (Gloo sums float16 in scalar code on CPUs). All three are
+        averaged over the ranks by one more all-reduce, so every rank holds the same
+        :class:`~hvd_gradcomp.auto.Link`.
+        Then each ``auto`` scheme times its candidates' codecs on a reference matrix
+        (:meth:`~hvd_gradcomp.auto.AutoScheme.reference_costs`), averaged over the ranks by one
+        all-reduce each: the start of its tensors (:func:`~hvd_gradcomp.auto.start_choice`).
+
+        Args:
+            process_set: the framework's process set of the gradients' all-reduces (None: global).
+            sizes: two sizes, coordinates, small then large (default 4 KiB and 8 MiB).
+            repeats: timed all-reduces per size (>= 1).
+            like: a tensor on the device the gradients live on (default: the framework's
+                default device; a CUDA tensor measures NCCL's path and times the ``auto``
+                candidates' codecs on the GPU: on a GPU job built before its tensors exist,
+                call ``calibrate(like=...)`` again with one).
+
+        Returns:
+            The :class:`~hvd_gradcomp.auto.Link`, also given to every ``auto`` scheme.
+        """
+        import math
+        import time
+        from .auto import Link
+        from .ring import ring_wire_bytes
+        size, _ = self._world(process_set)
+        if size <= 1:
+            link = Link(math.inf, 0.0)  # one rank: nothing crosses a link
+        else:
+            seconds = []
+            for n, dtype in ((sizes[0], "float32"), (sizes[1], "float32"), (sizes[1], "float16")):
+                x = self.ops.zeros((n,), dtype, like)
+                runs = []
+                for i in range(repeats + 1):
+                    start = time.perf_counter()
+                    y = self._allreduce_host(x, False, f"hvd_gradcomp.calibrate.{n}.{dtype}", process_set)
+                    self.ops.to_host(self.ops.sum(self.ops.cast(y[:1], "float32"), None))
+                    if i:
+                        runs.append(time.perf_counter() - start)
+                seconds.append(sorted(runs)[len(runs) // 2])
+            w1, w2, w16 = ring_wire_bytes(4 * sizes[0], size), ring_wire_bytes(4 * sizes[1], size), \
+                ring_wire_bytes(2 * sizes[1], size)
+            rate = (w2 - w1) / max(seconds[1] - seconds[0], 1e-9)
+            latency = max(seconds[0] - w1 / rate, 0.0)
+            rate16 = w16 / max(seconds[2] - latency, 1e-9)
+            agreed = self._allreduce_host(self.ops.constant([rate, latency, rate16], "float64", like),
+                                          True, "hvd_gradcomp.calibrate.link", process_set)
+            link = Link(*self.ops.to_host(agreed))
+            if self._world(None)[1] == 0:
+                log.info("hvd_gradcomp auto: link measured over %d ranks: %.1f MB/s (float16 "
+                         "payloads %.1f MB/s), %.3f ms per all-reduce", size,
+                         link.bytes_per_second / 1e6, link.fp16_bytes_per_second / 1e6,
+                         link.latency_s * 1e3)
+        for i, scheme in enumerate(self.routing.schemes()):
+            if not scheme.adaptive:
+                continue
+            costs = None
+            if size > 1:  # each candidate's codec on the reference matrix, the ranks' mean
+                costs = self.ops.to_host(self._allreduce_host(
+                    self.ops.constant(scheme.reference_costs(self.ops, like), "float64", like),
+                    True, f"hvd_gradcomp.calibrate.codecs.{i}", process_set))
+            scheme.set_link(link, costs)
+        return link

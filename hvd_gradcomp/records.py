@@ -1,0 +1,282 @@
+"""Per-tensor records of a compressor, whatever engine sends the payloads (Horovod, DDP).
+
+:class:`TensorRecords` keeps, per tensor key: the static facts (:class:`~hvd_gradcomp.base.TensorInfo`),
+the route (which scheme sends it, decided once by the :class:`~hvd_gradcomp.routing.Routing`,
+kept with the state and in checkpoints), the bytes it puts on the wire, and the scheme's state,
+stored by the backend (plain tensors in PyTorch, ``tf.Variable`` s in TensorFlow) behind the
+state hooks below. It also keeps the sparse gradients seen, and reports: ``wire_bytes()``,
+``bytes_per_step()``, ``metrics()``, ``routes()``, ``decisions()``. ``route()`` decides and
+compares routes across ranks before training. A mixin of
+:class:`hvd_gradcomp.adapter.HorovodCompressor`: the attributes it reads (``routing``,
+``ops``, ``spec``, ``_infos``, ``_wire``, ``_routes``, ``_pending``, ``_pending_routes``,
+``_owners``, ``_pins``, ``_sparse``) are that class's slots, and ``_from_every_rank`` is its
+engine's object gather.
+"""
+import logging
+
+from .base import StepBytes, check_state, passes_through
+from .routing import Route
+
+__all__ = ["TensorRecords", "FieldBag"]
+
+log = logging.getLogger("hvd_gradcomp")
+
+_NEEDS_ROUTE = ("{spec!r}: rules match variable names, which TensorFlow does not keep equal across "
+                "ranks (Keras numbers layers per process); call compressor.route(variables) on every "
+                "rank before the first step, so the ranks' routes are compared once; variable "
+                "{name!r} (gradient {key!r}) was not given to route()")
+_ROUTE_MISMATCH = ("{spec!r}: tensor {key!r} was routed to {saved!r} in the checkpoint, and this "
+                   "compressor routes it to {now!r} ({why}); load the checkpoint into a compressor "
+                   "whose rules route it alike")
+_SPARSE_WARNING = ("hvd_gradcomp: {name} has a sparse gradient (PyTorch sparse=True / TensorFlow "
+                   "IndexedSlices): Horovod's sparse path sends its indices and values uncompressed, around "
+                   "the compressor {spec!r}; bytes_per_step().sparse counts them. Pass "
+                   "sparse_as_dense=True to Horovod's optimizer to compress it (as a dense gradient "
+                   "of the full table)")
+
+
+class TensorRecords:
+    """Per-tensor bookkeeping (module docstring); the state hooks are the backend's."""
+
+    __slots__ = ()
+
+    # ---- state store (backend hooks) ----
+    def _read_state(self, key):
+        raise NotImplementedError
+
+    def _write_state(self, key, state):
+        raise NotImplementedError
+
+    def _create_state(self, key, state):
+        """Store a tensor's first state (TensorFlow makes variables here); default: write it."""
+        self._write_state(key, state)
+
+    def _has_state(self, key) -> bool:
+        raise NotImplementedError
+
+    def _export(self, tensor, portable=False):
+        """A host-side copy of a state tensor for state_dict(); ``portable``: an object that
+        pickles without the framework's graph or device (for ``gather=True``)."""
+        raise NotImplementedError
+
+    def _zeros_like(self, value):
+        """Zeros of a saved state value's shape and dtype (a reset residual)."""
+        raise NotImplementedError
+
+    def _import(self, value):
+        """A saved state value (a tensor, or a NumPy array from a gathered state) as a host
+        tensor of the framework."""
+        raise NotImplementedError
+
+    def _route_items(self, params):
+        """``(name, shape tuple, dtype string, pin)`` per parameter given to :meth:`route`."""
+        raise NotImplementedError
+
+    def _read_sparse(self, entry):
+        """(bytes last step, steps) of a sparse-gradient entry, as Python ints."""
+        return int(entry[0]), int(entry[1])
+
+    def _to_device(self, value, like):
+        return value
+
+    # ---- identity, route, state ----
+    def _key(self, call):
+        """The state key of a call: Horovod's name, kept apart per optimizer/tape; None
+        without a name."""
+        key = call.key
+        if key is None:
+            return None
+        if call.owner is not None:
+            owners = self._owners.setdefault(key, [])
+            for i, owner in enumerate(owners):
+                if owner is call.owner:
+                    break
+            else:
+                i = len(owners)
+                owners.append(call.owner)
+            if i:
+                key = f"{key}@{i}"
+        return key
+
+    def _route(self, key, call, numel: int) -> Route:
+        """The tensor's route: decided at its first compress, then the same at every step."""
+        route = self._routes.get(key) if key is not None else None
+        if route is not None:
+            return route
+        if call.pin is not None and self.routing.needs_names():
+            route = self._pins.get(call.pin)
+            if route is None:
+                raise ValueError(_NEEDS_ROUTE.format(spec=self.spec, name=call.label, key=key))
+        else:
+            route = self.routing.decide(call.label if call.label is not None else call.key, numel)
+        if key is not None:
+            saved = self._pending_routes.pop(key, None)
+            if saved is not None and saved != route.text:
+                raise ValueError(_ROUTE_MISMATCH.format(spec=self.spec, key=key, saved=saved,
+                                                        now=route.text, why=route.why))
+            self._routes[key] = route
+        return route
+
+    def _state_for(self, scheme, info, like):
+        """The state under info.key: existing, loaded, or freshly initialised; checked."""
+        if self._has_state(info.key):
+            return self._read_state(info.key)
+        fresh = self._initial_state(scheme, info, like, self._pending.pop(info.key, None))
+        if len(fresh):
+            self._create_state(info.key, fresh)
+            return self._read_state(info.key)
+        return fresh
+
+    def _initial_state(self, scheme, info, like, loaded):
+        """``scheme``'s initial state for a tensor, or ``loaded`` checked against it.
+
+        TensorFlow overrides this to build it outside any graph (it becomes tf.Variables).
+        """
+        if loaded is None:
+            return scheme.init(self.ops, info, like)
+        fresh = scheme.init_like(self.ops, info, like, loaded)
+        scheme.forget(info.key)
+        self._check_loaded(scheme, info.key, loaded, fresh)
+        return type(fresh)(*[self.ops.cast(self._to_device(v, like), self.ops.dtype(f))
+                             for v, f in zip(loaded, fresh)])
+
+    def _check_loaded(self, scheme, key, loaded, fresh):
+        scheme.check_loaded(key, loaded)
+        check_state(loaded, fresh, key)
+        for field, a, b in zip(fresh._fields, loaded, fresh):
+            if tuple(self.ops.shape(a)) != tuple(self.ops.shape(b)):
+                raise ValueError(f"{scheme.name}: loaded state for tensor {key!r} has "
+                                 f"{field} of shape {list(self.ops.shape(a))}, expected "
+                                 f"{list(self.ops.shape(b))}")
+
+    # ---- routing ----
+    def route(self, params, check: bool = True) -> list:
+        """Decide each parameter's route now, and check that every rank decides alike.
+
+        Needed in TensorFlow when rules match names (variable names may differ between ranks,
+        see :mod:`~hvd_gradcomp.routing`): call it on every rank once the model's variables
+        exist, before the first step. In PyTorch the routes follow from Horovod's parameter
+        names, equal on every rank; ``route()`` then only shows and checks them.
+
+        Args:
+            params: PyTorch: ``model.named_parameters()`` (``(name, tensor)`` pairs, the names
+                given to ``hvd.DistributedOptimizer``); TensorFlow: ``model.trainable_variables``
+                (or ``(name, variable)`` pairs).
+            check: compare the ranks' decisions (:meth:`_from_every_rank`: one Horovod
+                broadcast per rank; every rank must call ``route()`` then); False decides
+                locally, without a collective.
+
+        Returns:
+            ``[(name, scheme spec or None), ...]`` in the order given; None for tensors that
+            pass through untouched (non-float or empty).
+
+        Raises:
+            ValueError, on every rank: the ranks route some parameter differently (naming its
+            position and each rank's name and rule), or give different numbers of parameters.
+        """
+        items = list(self._route_items(params))
+        table, routes = [], []
+        for name, shape, dtype, _ in items:
+            numel = 1
+            for s in shape:
+                numel *= s
+            route = None if passes_through(dtype, numel) else self.routing.decide(name, numel)
+            routes.append(route)
+            table.append((name, None if route is None else route.text,
+                          "passes through" if route is None else route.why))
+        if check:
+            tables = self._from_every_rank(table, "hvd_gradcomp.route")
+            self._check_same_routes(tables)
+        for (_, _, _, pin), route in zip(items, routes):
+            if pin is not None and route is not None:
+                self._pins[pin] = route
+        return [(name, text) for name, text, _ in table]
+
+    def _check_same_routes(self, tables):
+        """Raise ValueError (the same on every rank: each holds every table) if they differ."""
+        count = len(tables[0])
+        for r, table in enumerate(tables):
+            if len(table) != count:
+                raise ValueError(f"{self.spec!r}: route() got {count} parameters on rank 0 and "
+                                 f"{len(table)} on rank {r}; every rank must pass the same model's")
+        for i in range(count):
+            if len({table[i][1] for table in tables}) > 1:
+                detail = "; ".join(f"rank {r}: {table[i][0]!r} -> {table[i][1] or 'untouched'} "
+                                   f"({table[i][2]})" for r, table in enumerate(tables))
+                raise ValueError(f"{self.spec!r}: the ranks route parameter {i} differently ({detail}), "
+                                 f"which would pair payloads of different schemes; use rules that "
+                                 f"match the same way on every rank's names, or build the model "
+                                 f"identically on every rank")
+
+    def routes(self) -> dict:
+        """``{key: scheme spec}``: the route of every tensor seen so far."""
+        return {key: route.text for key, route in self._routes.items()}
+
+    # ---- reporting ----
+    def wire_bytes(self) -> dict:
+        """``{key: WireBytes}`` for every tensor seen: bytes per step, per rank, as routed
+        (and widened for a TensorFlow group, see the module docstring)."""
+        return dict(self._wire)
+
+    def sparse_bytes(self) -> dict:
+        """``{key: bytes}`` of each sparse gradient seen (indices and values this rank handed
+        to Horovod's sparse path, as of the last step it was seen); they bypass compression."""
+        return {key: self._read_sparse(entry)[0] for key, entry in self._sparse.items()}
+
+    def bytes_per_step(self) -> StepBytes:
+        """:meth:`wire_bytes` summed over tensors, plus the sparse gradients' own collectives
+        (:class:`~hvd_gradcomp.base.StepBytes`; ``total`` counts everything)."""
+        payload = side = collectives = 0
+        for w in self._wire.values():
+            payload, side, collectives = payload + w.payload, side + w.side, collectives + w.side_collectives
+        return StepBytes(payload, side, collectives, sum(self.sparse_bytes().values()), 2 * len(self._sparse))
+
+    def metrics(self) -> dict:
+        """``{key: {name: value}}``: the schemes' per-tensor diagnostics (tensors, no host
+        sync), and for sparse gradients ``sparse_bytes`` / ``sparse_steps`` (ints)."""
+        out = {}
+        for k in self._infos:
+            if not (self._has_state(k) and k in self._routes):
+                continue
+            scheme = self._routes[k].scheme
+            out[k] = dict(scheme.metrics(self._read_state(k)))
+            if scheme.adaptive:  # auto: its choice, why, and the bytes it saves against fp16
+                out[k].update(scheme.explain(k))
+                info = self._infos[k]
+                out[k]["bytes_saved"] = 2 * info.numel - self._wire[k].payload
+        for key, entry in self._sparse.items():
+            nbytes, steps = self._read_sparse(entry)
+            out.setdefault(key, {}).update(sparse_bytes=nbytes, sparse_steps=steps)
+        return out
+
+    def decisions(self) -> list:
+        """Every ``auto`` decision this compressor's tensors took, oldest first (dicts of
+        :meth:`hvd_gradcomp.auto.AutoScheme.history_records`); [] without ``auto``."""
+        seen, out = set(), []
+        for route in self._routes.values():
+            scheme = route.scheme
+            if scheme.adaptive and id(scheme) not in seen:
+                seen.add(id(scheme))
+                out.extend(scheme.history_records())
+        return out
+
+    def _note_sparse(self, key, make_entry, label=None):
+        """The entry of sparse gradient ``key``, created by ``make_entry()`` with a one-time
+        warning naming it (``label``, else the key) if new."""
+        entry = self._sparse.get(key)
+        if entry is None:
+            log.warning(_SPARSE_WARNING.format(name=label or key, spec=self.spec))
+            entry = self._sparse[key] = make_entry()
+        return entry
+
+
+class FieldBag(tuple):
+    """A loaded state whose NamedTuple type is not known until the tensor is first seen."""
+
+    def __new__(cls, fields: dict):
+        obj = super().__new__(cls, tuple(fields.values()))
+        obj._fields = tuple(fields)
+        return obj
+
+
+_FieldBag = FieldBag

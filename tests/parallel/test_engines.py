@@ -1,0 +1,132 @@
+"""The state and checkpoint rules on both engines: Horovod (``hvd.DistributedOptimizer``) and
+DDP (``torch_backend.ddp``), the same worker on each, two Gloo ranks.
+
+For every default compressor, on the probe model of tests/parallel/test_ddp.py (each rank's
+gradient a seeded tensor): after a few steps, ``state_dict(gather=True)`` saved by rank 0 and
+loaded into a new compressor on every rank resumes exactly (the next steps' gradients are
+bit-identical to the uninterrupted run's); another rank's per-rank state and a state of
+another spec are refused with the same messages; and the per-tensor records the two engines
+keep are the same: routes, wire bytes, ``bytes_per_step()``, the state's fields and shapes,
+the metrics' names, each tensor's world size and rank.
+"""
+import os
+
+import numpy as np
+import pytest
+
+from tests import ddprun, hvdrun
+from tests.parallel.test_ddp import RESUME, SHAPES, SPECS, STEPS, _probe_cls, grads_of
+
+
+def _horovod_engine():
+    import horovod.torch as hvd
+    import torch
+    from torch_backend import Compression
+    hvd.init()
+    torch.set_num_threads(1)
+    Probe = _probe_cls()
+
+    def make(spec):
+        model = Probe()
+        comp = Compression.from_spec(spec)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       named_parameters=model.named_parameters(), compression=comp)
+
+        def step(grads):
+            opt.zero_grad()
+            model(grads).backward()
+            opt.synchronize()
+            out = {n: p.grad.detach().double().numpy().copy() for n, p in model.named_parameters()}
+            with opt.skip_synchronize():
+                opt.step()
+            return out
+        return comp, step
+
+    def gather(obj):
+        return [hvd.broadcast_object(obj, root_rank=r, name=f"engines.{r}") for r in range(hvd.size())]
+    return hvd.rank(), make, gather, lambda: hvd.allreduce(torch.zeros(1), name="engines.barrier")
+
+
+def _ddp_engine():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch_backend import Compression
+    from torch_backend.ddp import register_comm_hook
+    from tests.parallel.test_ddp import _step
+    Probe = _probe_cls()
+
+    def make(spec):
+        ddp = DDP(Probe())
+        comp = register_comm_hook(ddp, Compression.from_spec(spec))
+        return comp, lambda grads: _step(ddp, grads)
+
+    def gather(obj):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return dist.get_rank(), make, gather, dist.barrier
+
+
+def engine_worker(engine, tmp):
+    import torch
+    from torch_backend import Compression
+    from tests.hvdrun import value_error
+    rank, make, gather, barrier = (_horovod_engine if engine == "horovod" else _ddp_engine)()
+    out = {}
+    for spec in SPECS:
+        comp, step = make(spec)
+        for t in range(STEPS):
+            step(grads_of(rank, t))
+        state = comp.state_dict(gather=True)
+        path = os.path.join(tmp, f"{engine}-{spec}.pt")
+        if rank == 0:
+            torch.save(state, path)
+        barrier()
+        comp2, step2 = make(spec)
+        comp2.load_state_dict(torch.load(path, weights_only=False))
+        resume = [(step(grads_of(rank, t)), step2(grads_of(rank, t))) for t in range(STEPS, STEPS + RESUME)]
+        mine = comp.state_dict()
+        other = gather(mine)[1 - rank]
+        local = mine["tensors"]
+        out[spec] = {
+            "resume": resume, "routes": comp.routes(),
+            "wire": {k: tuple(w) for k, w in comp.wire_bytes().items()},
+            "bytes": tuple(comp.bytes_per_step()),
+            "fields": {k: {f: tuple(v.shape) for f, v in fields.items()} for k, fields in local.items()},
+            "metrics": {k: sorted(m) for k, m in comp.metrics().items()},
+            "worlds": {k: (i.world_size, i.rank) for k, i in comp._infos.items()},
+            "gathered": [p["rank"] for p in state["ranks"]],
+            "wrong_rank": value_error(lambda: comp.load_state_dict(other)),
+            "wrong_spec": value_error(lambda: Compression.from_spec("thc:bits=2").load_state_dict(mine)),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("engines"))
+    return {"horovod": hvdrun.run(engine_worker, np=2, args=("horovod", tmp), timeout=400),
+            "ddp": ddprun.run(engine_worker, np=2, args=("ddp", tmp), timeout=400)}
+
+
+@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_checkpoint_rules(engines, engine, spec):
+    for rank, result in enumerate(engines[engine]):
+        rec = result[spec]
+        for before, after in rec["resume"]:
+            for n in SHAPES:
+                np.testing.assert_array_equal(after[n], before[n], err_msg=f"{engine} {spec} {n}")
+        assert rec["gathered"] == [0, 1]
+        assert rec["wrong_rank"].startswith(f"load_state_dict: this state_dict holds rank {1 - rank}'s "
+                                            f"state (its error feedback), and this is rank {rank}")
+        assert rec["wrong_spec"].startswith("state_dict was saved by compressor ")
+        assert set(rec["worlds"].values()) == {(2, rank)}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_same_records_on_both_engines(engines, spec):
+    for rank in range(2):
+        hvd, ddp = engines["horovod"][rank][spec], engines["ddp"][rank][spec]
+        for what in ("routes", "wire", "bytes", "fields", "metrics", "worlds", "wrong_spec"):
+            assert hvd[what] == ddp[what], what
