@@ -40,10 +40,16 @@ def tf32_split(x):
     return hi, x - hi
 
 
+_GPU_VISIBLE = []  # [bool] once known: TensorFlow's devices are fixed once it has started
+
+
 def _tf32_on_gpu() -> bool:
     """TensorFlow's TF32 switch is on (its default) and a GPU is visible (read at trace time)."""
-    return tf.config.experimental.tensor_float_32_execution_enabled() and \
-        bool(tf.config.list_logical_devices("GPU"))
+    if not tf.config.experimental.tensor_float_32_execution_enabled():
+        return False
+    if not _GPU_VISIBLE:
+        _GPU_VISIBLE.append(bool(tf.config.list_logical_devices("GPU")))
+    return _GPU_VISIBLE[0]
 
 
 def _matmul(a, b):
