@@ -42,7 +42,7 @@ from .primitives import FLOAT_DTYPES, itemsize
 from .routing import Route, Routing, canonical_text
 
 __all__ = ["HorovodCompressor", "Namespace", "Factory", "Call", "op_name", "group_dtype",
-           "horovod_nccl_avg"]
+           "horovod_nccl_avg", "nccl_avg_rule"]
 
 log = logging.getLogger("hvd_gradcomp")
 

@@ -10,9 +10,10 @@ DDP over Gloo. ``--device cuda``:
   there;
 - Horovod all-reduces CUDA tensors with NCCL (its build must have NCCL: ``make setup`` on a
   CUDA machine, docs/gpu.md; refused otherwise), DDP rows use the ``nccl`` process group;
-- the step split is read from synchronised clocks (:func:`clock`: the device is drained before
-  each reading, so asynchronous kernels count where they ran, not where they were launched), and
-  the compressor proxy synchronises around each compress/decompress;
+- the step split is read from synchronised clocks (:func:`clock`: the compute stream is
+  drained before each reading, so asynchronous kernels count where they ran, not where they
+  were launched; Horovod's and DDP's NCCL kernels run on streams of their own and are not
+  waited for there), and the compressor proxy synchronises around each compress/decompress;
 - on an emulated (rate-limited) network, NCCL is kept off its peer-to-peer and shared-memory
   transports (:func:`launch_env`), so its traffic takes the sockets of the namespaces' veth
   links and the rate limit applies; on ``--loopback`` NCCL picks its own (fastest) path.
@@ -107,16 +108,19 @@ def place_workload(workload, device):
 
 
 def sync_fn(device):
-    """A callable that drains ``device``'s work (``torch.cuda.synchronize``), or None on the CPU."""
+    """A callable that waits for the work queued on ``device``'s current (compute) stream, or
+    None on the CPU. Not the whole device: an all-reduce in flight on NCCL's stream is
+    communication, and must not be waited for inside a compute or codec reading."""
     import torch
     if torch.device(device).type != "cuda":
         return None
-    return lambda: torch.cuda.synchronize(device)
+    return lambda: torch.cuda.current_stream(device).synchronize()
 
 
 def clock(device):
-    """``() -> seconds`` (``time.perf_counter``) that first waits for ``device``'s queued
-    kernels on CUDA, so a reading falls after the work launched before it."""
+    """``() -> seconds`` (``time.perf_counter``) that first waits for the kernels queued on
+    ``device``'s compute stream (:func:`sync_fn`), so a reading falls after the work launched
+    before it."""
     sync = sync_fn(device)
     if sync is None:
         return time.perf_counter
