@@ -150,7 +150,11 @@ if [ "$gpu" = 1 ]; then
                       END{print a "." b "." c}' "$nccl_h")
   # Shared NCCL: the one PyTorch loads too (Horovod links the static one by default).
   gpu_env=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED HOROVOD_CUDA_HOME="$cuda_home")
-  if [ -n "$nccl_home" ]; then gpu_env+=(HOROVOD_NCCL_HOME="$nccl_home"); fi
+  # A runpath to it, so Horovod's library finds libnccl.so.2 without LD_LIBRARY_PATH even when
+  # no CUDA PyTorch has loaded it first (CMake takes LDFLAGS into its linker flags).
+  if [ -n "$nccl_home" ]; then
+    gpu_env+=(HOROVOD_NCCL_HOME="$nccl_home" LDFLAGS="-Wl,-rpath,$nccl_home/lib${LDFLAGS:+ $LDFLAGS}")
+  fi
   key="$key-nccl$nccl_version-cuda$cuda_version"
   checks="$checks NCCL"
   log "GPU build: nvcc $nvcc (CUDA $cuda_version), NCCL $nccl_version${nccl_home:+ in $nccl_home}"
