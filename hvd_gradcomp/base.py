@@ -104,6 +104,12 @@ class TensorInfo:
             depends on it recover it from the payload when None.
         group: the framework's process-set object for blocking side collectives (None for the
             global set); not part of the tensor's identity.
+        nccl_avg: True when the all-reduce multiplies each rank's payload by 1/world_size
+            itself, in the payload's dtype, before summing: Horovod's NCCL all-reduce under
+            ``op=Average`` (``ncclAvg``, NCCL >= 2.10; decided by the adapter,
+            :func:`hvd_gradcomp.adapter.horovod_nccl_avg`). Schemes then skip their own 1/n
+            pre-scale of float payloads (:attr:`prescale`): with both, a float16 payload would
+            travel as x/n^2 and flush to zero at large n. Only meaningful with op "average".
     """
 
     key: str
@@ -113,6 +119,36 @@ class TensorInfo:
     rank: int
     op: Any = None
     group: Any = field(default=None, compare=False, hash=False)
+    nccl_avg: bool = False
+
+    @property
+    def backend_divides(self) -> bool:
+        """True when the all-reduce pre-multiplies payloads by 1/n (``nccl_avg`` under Average)."""
+        return self.nccl_avg and self.op == "average" and self.world_size > 1
+
+    @property
+    def prescale(self) -> float:
+        """The factor schemes multiply a float payload by before the all-reduce: 1/world_size
+        (so n ranks' float16 sum stays in range), or 1.0 where the all-reduce divides by n
+        before summing (:attr:`backend_divides`). Decoding multiplies by :attr:`unscale`."""
+        return 1.0 if self.backend_divides else 1.0 / self.world_size
+
+    @property
+    def unscale(self) -> float:
+        """``1 / prescale``: the factor a decoded float payload is multiplied by (world_size,
+        or 1.0 where the all-reduce divided by n itself); right under Sum and Average alike."""
+        return 1.0 if self.backend_divides else float(self.world_size)
+
+    @property
+    def fp16_limit(self) -> float:
+        """The largest |value| a rank may put in a pre-scaled float16 payload so that the
+        all-reduce of every rank's payload stays finite: 65504/n rounded down to float16; where
+        the all-reduce multiplies by s = float16(1/n) first (:attr:`backend_divides`), the
+        largest value whose product with s stays within that bound."""
+        limit = fp16_floor(FP16_MAX / self.world_size)
+        if self.backend_divides:
+            limit = fp16_floor(min(FP16_MAX, limit / fp16_round(1.0 / self.world_size)))
+        return limit
 
     @property
     def numel(self) -> int:
@@ -321,18 +357,25 @@ def fp16_floor(value: float) -> float:
     return struct.unpack("<e", struct.pack("<H", bits))[0]
 
 
-def saturating_cast(ops, x, dtype: str, ranks: int = 1):
+def fp16_round(value: float) -> float:
+    """``value`` rounded to the nearest float16 (host side), as a device rounds a constant."""
+    import struct
+    return struct.unpack("<e", struct.pack("<e", value))[0]
+
+
+def saturating_cast(ops, x, dtype: str, ranks: int = 1, limit: float = None):
     """``x`` (float32) cast to a float payload dtype, finite values clamped so that the sum of
     ``ranks`` such payloads stays finite.
 
     A finite gradient above float16's range must not become inf on the wire: each rank's
     value is clamped at the largest float16 <= 65504 / ranks (a sum of ``ranks`` of them,
-    rounded to float16 at each addition, stays <= 65504), and the rest stays in the sender's
-    error feedback (its residual is ``x - decoded(payload)``). NaN stays NaN (a failed step
-    must still be seen as one).
+    rounded to float16 at each addition, stays <= 65504), or at ``limit`` when given
+    (:attr:`TensorInfo.fp16_limit`, which also knows whether the all-reduce divides by n
+    first), and the rest stays in the sender's error feedback (its residual is
+    ``x - decoded(payload)``). NaN stays NaN (a failed step must still be seen as one).
     """
     if dtype == "float16":
-        limit = fp16_floor(FP16_MAX / ranks)
+        limit = fp16_floor(FP16_MAX / ranks) if limit is None else limit
         x = ops.minimum(ops.maximum(x, -limit), limit)
     return ops.cast(x, dtype) if dtype != "float32" else x
 

@@ -347,7 +347,8 @@ def _pack(ops, values, lay: LaneLayout):
 def _unpack(ops, words, lay: LaneLayout):
     """int32 [lanes * w]: the lane sums of exact int32 ``words`` [w], in :func:`_pack`'s order."""
     n = ops.shape(words)[0]
-    shifts = ops.constant([[lay.guard + j * lay.width] for j in range(lay.lanes)], "int32", words)
+    # Built on the device (arange), not copied from the host: no host-to-device copy per call.
+    shifts = ops.reshape(ops.arange(lay.lanes, "int32", words) * lay.width + lay.guard, (lay.lanes, 1))
     lanes = ops.bitwise_and(ops.right_shift(ops.reshape(words, (1, n)), shifts), (1 << lay.width) - 1)
     return ops.reshape(lanes, (n * lay.lanes,))
 

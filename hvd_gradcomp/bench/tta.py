@@ -60,7 +60,7 @@ import time
 
 from typing import NamedTuple, Optional
 
-from . import launch, linkcheck, netem, publish, report
+from . import device, launch, linkcheck, netem, publish, report
 from .worker import PROGRESS_PREFIX
 
 __all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "SweepOutcome",
@@ -266,6 +266,8 @@ def _command(run, args, out_json):
     else:
         cmd += ["--compression", run.spec]
     cmd += ["--seed", str(args.seed), "--out", out_json, "--progress"]
+    if getattr(args, "device", "cpu") != "cpu":
+        cmd += ["--device", args.device]
     cmd += list(WORKLOAD_FLAGS.get(run.workload, ())) if run.system != "ddp" else []
     if args.max_seconds:
         cmd += ["--max-seconds", str(args.max_seconds)]
@@ -309,7 +311,9 @@ def execute(net, run, args, out_dir, progress=True):
         f.write(" ".join(cmd) + "\n")
     own = network_for(net, run)
     handle = launch.launch(own, cmd, kind="ddp" if run.system == "ddp" else "horovod",
-                           env=launch.malloc_env(args.malloc), log_dir=log_dir, pipe_rank0=True)
+                           env={**launch.malloc_env(args.malloc),
+                                **device.launch_env(getattr(args, "device", "cpu"), own)},
+                           log_dir=log_dir, pipe_rank0=True)
     lines = queue.Queue()
     stdout = handle.procs[0].stdout
 
@@ -393,6 +397,7 @@ def build_parser():
                         "unthrottled loopback link (the network left out), the limit any "
                         "compressor can approach")
     p.add_argument("--workers", type=int, default=2, help="ranks (one namespace each)")
+    device.add_device_arg(p)
     p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_MBIT,
                    help="Mbit/s per worker link, each direction")
     p.add_argument("--latency", type=float, default=0.0, help="one-way latency per worker link, ms")
@@ -474,6 +479,7 @@ def plan_sweep(args) -> SweepPlan:
             out of range (the message says which).
     """
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    device.check_sweep(args, [WORKLOADS[w][0] for w in workloads if w in WORKLOADS])
     if args.compressors:
         specs, skipped = parse_compressors(args.compressors), []
     else:

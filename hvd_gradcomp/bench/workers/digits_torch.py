@@ -19,7 +19,6 @@ With ``--out PATH`` rank 0 writes the records as JSON (the harness
 import argparse
 import os
 import sys
-import time
 
 import torch
 import horovod.torch as hvd
@@ -27,6 +26,7 @@ import horovod.torch as hvd
 import torch_backend.ops
 from torch_backend import Compression
 
+from .. import device as devices
 from ..worker import TimedCompressor, add_common_args
 from . import torch_workloads
 
@@ -34,11 +34,13 @@ from . import torch_workloads
 class HorovodTrainer:
     """One ``hvd.DistributedOptimizer`` step, timed (module docs)."""
 
-    def __init__(self, workload, model, lr, spec, make_optimizer=None):
+    def __init__(self, workload, model, lr, spec, make_optimizer=None, device="cpu"):
         self.workload, self.model = workload, model
+        self.device, self.clock = device, devices.clock(device)
         # Blocking variants' side all-reduce (torch_backend.ops._allreduce) counts as
         # communication, not codec.
-        self.compressor = TimedCompressor(Compression.from_spec(spec), torch_backend.ops, "_allreduce")
+        self.compressor = TimedCompressor(Compression.from_spec(spec), torch_backend.ops, "_allreduce",
+                                          sync=devices.sync_fn(device))
         opt = (make_optimizer or workload.optimizer)(model.parameters(), lr)
         self.opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                             compression=self.compressor, op=hvd.Average)
@@ -46,22 +48,24 @@ class HorovodTrainer:
         hvd.broadcast_optimizer_state(opt, root_rank=0)
 
     def step(self, x, y):
-        t0 = time.perf_counter()
+        # self.clock: perf_counter, after draining the GPU under --device cuda (device.clock).
+        t0 = self.clock()
         self.opt.zero_grad()
         loss = self.workload.loss(self.model, x, y)
         loss.backward()  # Horovod's hooks compress each gradient and start its all-reduce
-        t1 = time.perf_counter()
+        t1 = self.clock()
         self.opt.synchronize()  # wait for the all-reduces, decompress into p.grad
-        t2 = time.perf_counter()
+        t2 = self.clock()
         with self.opt.skip_synchronize():
             self.opt.step()
-        t3 = time.perf_counter()
+        t3 = self.clock()
         comp_s, decomp_s, side_s = self.compressor.take()
         compute = (t1 - t0 - comp_s - side_s) + (t3 - t2)
         return loss.detach(), compute, comp_s + decomp_s, (t2 - t1 - decomp_s) + side_s
 
     def allreduce_sum(self, values):
-        out = hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=hvd.Sum, name="tta.eval")
+        out = hvd.allreduce(torch.tensor(values, dtype=torch.float64, device=self.device),
+                            op=hvd.Sum, name="tta.eval")
         return out.tolist()
 
     def bytes_per_step(self):
@@ -108,15 +112,26 @@ def main(argv=None, workload="digits"):
     if workload == "digits":
         parser.add_argument("--hidden", type=int, default=2048, help="MLP width (default 2048)")
     add_optimizer_args(parser)
+    devices.add_device_arg(parser)
     args = parser.parse_args(argv)
+    try:
+        devices.check_device(args.device)
+    except devices.DeviceUnavailable as e:
+        parser.error(str(e))
     hvd.init()
+    if args.device != "cpu":
+        try:
+            devices.check_device(args.device, horovod=hvd)
+        except devices.DeviceUnavailable as e:
+            parser.error(str(e))
+    device = devices.rank_device(args.device, hvd.rank())
     torch.manual_seed(args.seed)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     extra = {"hidden": args.hidden} if workload == "digits" else {}
-    wl = cls(hvd.rank(), hvd.size(), args.seed, args.batch_size, **extra)
-    model = wl.model()
-    trainer = HorovodTrainer(wl, model, args.lr, args.compression, optimizer_factory(args))
-    meta = {"framework": "torch", "system": "horovod", "label": args.compression}
+    wl = devices.place_workload(cls(hvd.rank(), hvd.size(), args.seed, args.batch_size, **extra), device)
+    model = wl.model().to(device)
+    trainer = HorovodTrainer(wl, model, args.lr, args.compression, optimizer_factory(args), device)
+    meta = {"framework": "torch", "system": "horovod", "label": args.compression, "device": str(device)}
     if args.optimizer != "default":
         meta.update(optimizer=args.optimizer, freeze_step=args.freeze_step, weight_decay=args.weight_decay)
     torch_workloads.train(wl, model, trainer, args, hvd.rank(), hvd.size(), meta,
