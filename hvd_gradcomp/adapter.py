@@ -529,10 +529,8 @@ class HorovodCompressor:
             out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info)
         else:
             info_x = info if info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
-            out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info_x)
-            out = out * scale
-            if info.dtype != "float32":
-                out = self.ops.cast(out, info.dtype)
+            out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info_x,
+                                           dtype=info.dtype, scale=scale)
         if has_state and new_state is not state:
             self._write_state(info.key, new_state)
         return out

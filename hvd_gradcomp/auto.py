@@ -92,12 +92,16 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    candidate's residual (:meth:`~hvd_gradcomp.base.Scheme.add_residual`), or, for one that
    keeps none (fp16), held in this scheme's state as ``carry`` and added to the next step's
    gradient, then dropped once a step that carried it was delivered (a failed step keeps it).
-   Nothing of the gradient is lost or sent twice, so the ranks' outputs plus their pending
+   A float16 payload holds at most 65504 in all (each rank's part capped at 65504 / n, as
+   every error-feedback payload is), so gradient plus carry is clamped there and what did not
+   fit stays the carry for the next step: a carry of 1e6 owed by TopKC takes 16 finite fp16
+   steps on 2 ranks instead of turning every later step inf. Nothing of the gradient is lost or sent twice, so the ranks' outputs plus their pending
    error feedback always sum to the summed gradients (except through a candidate built with
    ``error_feedback=False``, which drops what it does not send, carry included).
 
 The decision is read on the host once per window (``Primitives.to_host``: one device sync per
-tensor per ``every`` steps, one more on the step a carry is sent); every other step is the
+tensor per ``every`` steps, one more on each step a carry is sent, and one on each step of a
+half-precision gradient while the choice keeps no error feedback); every other step is the
 chosen candidate's own step, with its state kept under ``a_<field>`` in this scheme's state.
 Checkpoints hold the step, the choice and that state, so a resumed job continues the schedule
 (and a state loaded on rank 0 only gives the other ranks the same schedule).
@@ -127,8 +131,8 @@ from collections import namedtuple
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from .base import (Scheme, TensorInfo, WireBytes, compress_tensor, finish_tensor, payload_finite,
-                   poison)
+from .base import (FP16_MAX, Scheme, TensorInfo, WireBytes, compress_tensor, finish_tensor, fp16_floor,
+                   payload_finite, poison)
 from .options import option, validate
 from . import rng
 from .ring import ring_allreduce_seconds
@@ -363,6 +367,31 @@ class _Ctx(NamedTuple):
     inner: object  # the candidate's ctx ("" and "ride")
     shape: tuple  # the candidate's own payload's shape ("ride"; its lanes follow it flattened)
     carried: bool  # the state's carry was added to this step's gradient
+    unsent: object  # what of gradient + carry the float16 payload could not hold (None: all fits)
+
+
+def _saturate_carried(ops, x, world_size: int):
+    """``(sent, unsent)``: ``x`` (float32, the gradient plus the carry) with its finite values
+    clamped to what a float16 payload pre-scaled by ``1 / world_size`` holds (the largest
+    float16 <= 65504 / n, times n: :func:`~hvd_gradcomp.base.saturating_cast`'s cap), and the
+    excess, kept as the next carry (module docstring, step 6). NaN/inf stay (a failed step must
+    be seen as one); their excess is 0."""
+    limit = world_size * fp16_floor(FP16_MAX / world_size)
+    finite = ops.isfinite(x)
+    sent = ops.where(finite, ops.clip(x, -limit, limit), x)
+    return sent, ops.where(finite, x - sent, 0.0 * x)
+
+
+def _delivered(ops, own, carry, unsent):
+    """The carry after a step that carried it: ``unsent`` flattened (None when it is 0 or
+    None) if the all-reduced ``own`` payload is finite, else ``carry`` (one host read)."""
+    if unsent is None:
+        return None if ops.to_host(payload_finite(ops, own)) else carry
+    ok, most = ops.to_host(ops.concat([ops.reshape(ops.cast(payload_finite(ops, own), "float32"), (1,)),
+                                       ops.reshape(ops.max(ops.abs(unsent), None), (1,))], 0))
+    if not ok:
+        return carry
+    return ops.reshape(unsent, ops.shape(carry)) if most > 0 else None
 
 
 def _alone_step(cand, ops, x, state, info):
@@ -515,6 +544,24 @@ class AutoScheme(Scheme):
             return own if carry is None else carry
         return own + carry
 
+    def add_residual(self, ops, state, info, residual):
+        """``state`` with ``residual`` (float32 ``[numel]``, the gradient's coordinates) added
+        to the current candidate's error feedback, or, for one that keeps none, to the
+        ``carry`` (created only when ``residual`` is not all 0: one host read). Used by
+        :func:`~hvd_gradcomp.base.finish_tensor` for what a half-precision output could not
+        hold."""
+        choice = self._position(ops, state, info)[1]
+        inner = self._inner(state)
+        carry = getattr(state, "carry", None)
+        absorbed = self.candidates[choice].add_residual(ops, inner, info, residual)
+        if absorbed is not None:
+            return self._pack(state.step, state.choice, absorbed, carry)
+        if carry is None:
+            if not ops.to_host(ops.max(ops.abs(residual), None)) > 0:
+                return state
+            return self._pack(state.step, state.choice, inner, residual)
+        return self._pack(state.step, state.choice, inner, carry + residual)
+
     def _position(self, ops, state, info):
         at = self._at.get(info.key)
         if at is None:
@@ -548,22 +595,25 @@ class AutoScheme(Scheme):
             self._measure(ops, x, info, step)
         inner = self._inner(state)
         carry = getattr(state, "carry", None)
+        cand = self.candidates[choice]
+        unsent = None
         if carry is not None:
             x = x + ops.reshape(carry, ops.shape(x))
-        cand = self.candidates[choice]
+            if cand.scalable and cand.payload_dtype(info) == "float16":
+                x, unsent = _saturate_carried(ops, x, info.world_size)
         if probe and not cand.scalable:  # integer payload: the float32 flush (step 3)
             residual = cand.residual_of(ops, inner, info)
             flat = ops.reshape(x, (info.numel,))
             corrected = flat if residual is None else flat + residual
             payload = ops.concat([corrected, ops.constant(self._lanes(info, step), "float32", x)], 0)
-            return poison(ops, payload, finite), _Ctx("flush", choice, step, None, (), carry is not None)
+            return poison(ops, payload, finite), _Ctx("flush", choice, step, None, (), carry is not None, None)
         payload, ctx = cand.compress(ops, x, inner, info, finite if cand.guards_nonfinite else None)
         if not probe:
-            return payload, _Ctx("", choice, step, ctx, (), carry is not None)
+            return payload, _Ctx("", choice, step, ctx, (), carry is not None, unsent)
         shape = tuple(ops.shape(payload))
         lanes = poison(ops, ops.constant(self._lanes(info, step), ops.dtype(payload), x), finite)
         flat = ops.reshape(payload, (math.prod(shape),))
-        return ops.concat([flat, lanes], 0), _Ctx("ride", choice, step, ctx, shape, carry is not None)
+        return ops.concat([flat, lanes], 0), _Ctx("ride", choice, step, ctx, shape, carry is not None, unsent)
 
     @staticmethod
     def _own(ops, payload, ctx):
@@ -588,8 +638,8 @@ class AutoScheme(Scheme):
         else:
             own = self._own(ops, payload, ctx)
             new = self.candidates[ctx.choice].finish(ops, own, ctx.inner, inner, info)
-            if ctx.carried and ops.to_host(payload_finite(ops, own)):
-                carry = None  # delivered; a failed step keeps it for the next one
+            if ctx.carried:  # delivered: what did not fit is the new carry; a failed step keeps it
+                carry = _delivered(ops, own, carry, ctx.unsent)
             if not ctx.probe:
                 self._at[info.key] = (ctx.step + 1, ctx.choice)
                 return self._with(state, new, carry)
