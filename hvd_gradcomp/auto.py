@@ -305,12 +305,43 @@ class AutoConfig:
         if isinstance(self.candidates, (tuple, list)):
             object.__setattr__(self, "candidates", "|".join(self.candidates))
         validate(self)
+        object.__setattr__(self, "candidates", canonical_candidates(self.candidates))
         if self.every < self.warmup:
             raise ValueError(f"auto: every must be an integer >= warmup ({self.warmup}), got {self.every!r}")
 
     def specs(self) -> tuple:
         """The candidate specs, stripped."""
         return tuple(s.strip() for s in self.candidates.split("|"))
+
+
+def canonical_candidates(text: str) -> str:
+    """The one way to write a candidate list (:class:`AutoConfig` stores it so, so equal lists
+    give equal specs and accept each other's checkpoints): each candidate as its scheme's
+    canonical spec (:func:`~hvd_gradcomp.registry.to_spec`), lower case, no blanks, its main
+    option (``PRIMARY``) written as a bare value when it is the only one, default or not:
+    ``"FP16 | TopKC:ratio=0.1|thc"`` -> ``"fp16|topkc:0.1|thc:4"``. A candidate the registry
+    does not know, or ``auto`` itself, is kept as written (the scheme refuses it)."""
+    from .registry import PRIMARY, make_scheme, parse_spec  # noqa: the registry imports this module
+    from .options import options_of
+    out = []
+    for item in text.split("|"):
+        try:
+            name, options = parse_spec(item)
+        except ValueError:
+            out.append(item.strip())
+            continue
+        if name == "auto":
+            out.append(item.strip())
+            continue
+        scheme = make_scheme(name, **options)
+        primary, spec = PRIMARY.get(name), scheme.spec()
+        if primary is not None:
+            rest = [o for o in spec.partition(":")[2].split(",") if o and not o.startswith(primary + "=")]
+            if not rest:
+                decl = options_of(scheme.config)[primary]
+                spec = f"{name}:{decl.format(getattr(scheme.config, primary))}"
+        out.append(spec)
+    return "|".join(out)
 
 
 def decide(codec_ms, errors, wire_bytes, world_size: int, link: Link, current: int,
