@@ -67,7 +67,8 @@ def test_half_gradients_stay_finite_and_lose_nothing(backend, spec, op, dtype):
     outs, sent, pending = _run(backend, spec, op, dtype, _large, 5)
     for t, out in enumerate(outs):
         assert np.isfinite(out).all(), t
-        assert np.abs(out).max() <= 65504.0 * (1 if op == "sum" else 2), t
+        if dtype == "float16":  # outs are sums: an Average's mean times 2
+            assert float(np.abs(out).max()) <= 65504.0 * (1 if op == "sum" else 2), t
     # fp16 payloads (and bfloat16's 8 bits) round each step: 5 steps of 2e4 * 2 ranks
     tol = 1e-2 if dtype == "bfloat16" else 2e-3
     assert np.linalg.norm(sum(outs) + pending - sent) <= tol * np.linalg.norm(sent)
