@@ -134,6 +134,7 @@ from typing import ClassVar, NamedTuple
 from .base import (FP16_MAX, Scheme, TensorInfo, WireBytes, compress_tensor, finish_tensor, fp16_floor,
                    payload_finite, poison)
 from .options import option, validate
+from .primitives import itemsize
 from . import rng
 from .ring import ring_allreduce_seconds
 
@@ -413,6 +414,25 @@ def _saturate_carried(ops, x, world_size: int):
     return sent, ops.where(finite, x - sent, 0.0 * x)
 
 
+def _count_lane(info, dtype):
+    """This rank's count lane in a payload of ``dtype``: ``1 / n`` (float; pre-scaled as the
+    probe's lanes), or for an integer payload 1 under Sum and ``n`` otherwise (Horovod's
+    integer Average truncates ``k n / n`` to ``k``)."""
+    if dtype.startswith("int"):
+        return 1 if info.op == "sum" else info.world_size
+    return 1.0 / info.world_size
+
+
+def _contributors(count, info, dtype):
+    """The number of contributing ranks from the all-reduced count lane (a host number or a
+    0-d tensor): Sum adds ``1 / n`` per rank, Average divides that by ``n`` once more; an
+    unknown op is taken as Horovod's default, Average."""
+    n = info.world_size
+    if dtype.startswith("int"):
+        return count
+    return count * n if info.op == "sum" else count * (n * n)
+
+
 def _delivered(ops, own, carry, unsent):
     """The carry after a step that carried it: ``unsent`` flattened (None when it is 0 or
     None) if the all-reduced ``own`` payload is finite, else ``carry`` (one host read)."""
@@ -581,7 +601,8 @@ class AutoScheme(Scheme):
         ``carry`` (created only when ``residual`` is not all 0: one host read). Used by
         :func:`~hvd_gradcomp.base.finish_tensor` for what a half-precision output could not
         hold."""
-        choice = self._position(ops, state, info)[1]
+        at = self._at.get(info.key)
+        choice = at[1] if at is not None else int(ops.to_host(state.choice))
         inner = self._inner(state)
         carry = getattr(state, "carry", None)
         absorbed = self.candidates[choice].add_residual(ops, inner, info, residual)
@@ -594,10 +615,20 @@ class AutoScheme(Scheme):
         return self._pack(state.step, state.choice, inner, carry + residual)
 
     def _position(self, ops, state, info):
+        """``(step, choice, sync)`` of ``info``'s tensor for this compress (module docstring,
+        *Agreement*): ``sync`` at the first compress after an init or a load, or when the world
+        size changed (its state is not known to be the other ranks'); at a probe of the host
+        mirror the state's step is read (a step some rank missed did not count)."""
         at = self._at.get(info.key)
-        if at is None:
-            at = self._at[info.key] = (int(ops.to_host(state.step)), int(ops.to_host(state.choice)))
-        return at
+        if at is None or at[2] != info.world_size:
+            return int(ops.to_host(state.step)), int(ops.to_host(state.choice)), True
+        step, choice, world = at
+        if self._phase(step)[1]:
+            true = int(ops.to_host(state.step))
+            if true != step:
+                step = true
+                self._at[info.key] = (step, choice, world)
+        return step, choice, False
 
     def _phase(self, step: int):
         """(in a window, is the probe) for ``step``."""
@@ -619,7 +650,7 @@ class AutoScheme(Scheme):
             raise ValueError("auto: the link is unknown: build the compressor after hvd.init() (it "
                              "measures the link then), call compressor.calibrate() on every rank, or "
                              "pass bandwidth_gbit= and latency_ms=")
-        step, choice = self._position(ops, state, info)
+        step, choice, sync = self._position(ops, state, info)
         window, probe = self._phase(step)
         if window:
             self._clock.setdefault(step, [time.perf_counter(), 0.0])
@@ -632,56 +663,74 @@ class AutoScheme(Scheme):
             x = x + ops.reshape(carry, ops.shape(x))
             if cand.scalable and cand.payload_dtype(info) == "float16":
                 x, unsent = _saturate_carried(ops, x, info.world_size)
-        if probe and not cand.scalable:  # integer payload: the float32 flush (step 3)
+        if sync or (probe and not cand.scalable):  # the float32 flush (step 3; Agreement)
             residual = cand.residual_of(ops, inner, info)
             flat = ops.reshape(x, (info.numel,))
             corrected = flat if residual is None else flat + residual
-            payload = ops.concat([corrected, ops.constant(self._lanes(info, step), "float32", x)], 0)
-            return poison(ops, payload, finite), _Ctx("flush", choice, step, None, (), carry is not None, None)
+            tail = self._sync_lanes(info, step, choice) if sync else self._lanes(info, step)
+            payload = ops.concat([corrected, ops.constant(tail, "float32", x)], 0)
+            return poison(ops, payload, finite), _Ctx("sync" if sync else "flush", choice, step, None, (),
+                                                      carry is not None, None)
         payload, ctx = cand.compress(ops, x, inner, info, finite if cand.guards_nonfinite else None)
-        if not probe:
-            return payload, _Ctx("", choice, step, ctx, (), carry is not None, unsent)
         shape = tuple(ops.shape(payload))
-        lanes = poison(ops, ops.constant(self._lanes(info, step), ops.dtype(payload), x), finite)
+        dtype = ops.dtype(payload)
+        if probe:
+            lanes = poison(ops, ops.constant(self._lanes(info, step), dtype, x), finite)
+        else:  # one count lane (Agreement)
+            lanes = ops.constant([_count_lane(info, dtype)], dtype, x)
         flat = ops.reshape(payload, (math.prod(shape),))
-        return ops.concat([flat, lanes], 0), _Ctx("ride", choice, step, ctx, shape, carry is not None, unsent)
+        return ops.concat([flat, lanes], 0), _Ctx("ride" if probe else "", choice, step, ctx, shape,
+                                                  carry is not None, unsent)
 
     @staticmethod
     def _own(ops, payload, ctx):
         """The candidate's part of the all-reduced payload, in its own shape."""
-        return ops.reshape(payload[:math.prod(ctx.shape)], ctx.shape) if ctx.probe == "ride" else payload
+        return ops.reshape(payload[:math.prod(ctx.shape)], ctx.shape)
 
     def receive(self, ops, payload, ctx, info):
-        if ctx.probe == "flush":
+        if ctx.probe in ("flush", "sync"):
             return ctx
         return ctx._replace(inner=self.candidates[ctx.choice].receive(ops, self._own(ops, payload, ctx), ctx.inner, info))
 
     def decompress(self, ops, payload, ctx, info):
-        if ctx.probe == "flush":
+        if ctx.probe in ("flush", "sync"):
             return payload[:info.numel]
         return self.candidates[ctx.choice].decompress(ops, self._own(ops, payload, ctx), ctx.inner, info)
 
     def finish(self, ops, payload, ctx, state, info):
         inner = self._inner(state)
         carry = getattr(state, "carry", None)
-        if ctx.probe == "flush":
+        n = info.world_size
+        if ctx.probe in ("flush", "sync"):
             new, lanes = inner, ops.to_host(payload[info.numel:])
+            if ctx.probe == "sync":
+                return self._synced(ops, payload, ctx, state, info, lanes)
         else:
             own = self._own(ops, payload, ctx)
             new = self.candidates[ctx.choice].finish(ops, own, ctx.inner, inner, info)
             if ctx.carried:  # delivered: what did not fit is the new carry; a failed step keeps it
                 carry = _delivered(ops, own, carry, ctx.unsent)
-            if not ctx.probe:
-                self._at[info.key] = (ctx.step + 1, ctx.choice)
-                return self._with(state, new, carry)
+            if not ctx.probe:  # the step counts only if every rank contributed (no host read)
+                count = ops.cast(payload[math.prod(ctx.shape)], "float32")
+                full = _contributors(count, info, ops.dtype(payload)) >= n - 0.5
+                self._at[info.key] = (ctx.step + 1, ctx.choice, n)  # probes read the state's step
+                return self._pack(state.step + ops.cast(full, "int64"), state.choice, new, carry)
             lanes = ops.to_host(ops.cast(payload[math.prod(ctx.shape):], "float32"))
+        count = lanes[0]
+        finite = all(math.isfinite(v) for v in lanes)
+        if finite and not _contributors(count, info, "float32") >= n - 0.5:
+            # Some rank sat this step out (hvd.join()): nothing decided, the step does not
+            # count (the probe comes again); a flush delivered what this rank sent.
+            if ctx.probe == "flush":
+                new, carry = self._flushed(ops, inner), None
+            self._at[info.key] = (ctx.step, ctx.choice, n)
+            return self._pack(state.step, state.choice, new, carry)
         for table in (self._shadows, self._samples, self._firsts, self._pruned, self._infos):
             table.pop(info.key, None)
-        count = lanes[0]
-        if not all(math.isfinite(v) for v in lanes) or count <= 0:
+        if not finite:
             # A rank failed this step: nothing decided, nothing flushed (the states stay as the
             # candidate's finish left them); the schedule moves on, and the next window decides.
-            self._at[info.key] = (ctx.step + 1, ctx.choice)
+            self._at[info.key] = (ctx.step + 1, ctx.choice, n)
             return self._state(ops, payload, ctx.step + 1, ctx.choice, new, carry)
         if ctx.probe == "flush":  # exact: the residual and the carry are delivered
             new, carry = self._flushed(ops, inner), None
@@ -724,7 +773,7 @@ class AutoScheme(Scheme):
                      "fp16's %d)", info.key, self.specs[ctx.choice], self.specs[choice], ctx.step,
                      reason, predicted[choice], predicted[ctx.choice], errors[choice], speedup,
                      wire[choice], wire[self.fallback])
-        self._at[info.key] = (ctx.step + 1, choice)
+        self._at[info.key] = (ctx.step + 1, choice, n)
         if choice != ctx.choice:  # step 6: carry the old candidate's error feedback over
             pending = None if ctx.probe == "flush" else self.candidates[ctx.choice].residual_of(ops, new, info)
             if carry is not None:
@@ -735,6 +784,36 @@ class AutoScheme(Scheme):
                 absorbed = self.candidates[choice].add_residual(ops, new, info, pending)
                 new, carry = (new, pending) if absorbed is None else (absorbed, None)
         return self._state(ops, payload, ctx.step + 1, choice, new, carry)
+
+    def _synced(self, ops, payload, ctx, state, info, lanes):
+        """The state after a sync step (module docstring, *Agreement*): every rank sent its
+        gradient plus all it owed in float32 (delivered exactly), and, when every rank
+        contributed and none failed, all take rank 0's step and choice (from the lanes), with
+        the choice's fresh state; else each keeps its own, and the next step syncs again."""
+        n = info.world_size
+        if not all(math.isfinite(v) for v in lanes):  # nothing delivered
+            return state
+        inner = self._flushed(ops, self._inner(state))
+        if not _contributors(lanes[0], info, "float32") >= n - 0.5:
+            return self._pack(state.step, state.choice, inner, None)
+        scale = 1 if info.op == "sum" else n  # rank 0's lanes alone, averaged or not
+        step, choice = int(round(lanes[1] * scale)), int(round(lanes[2] * scale))
+        if not 0 <= choice < len(self.candidates) or step < 0:
+            return self._pack(state.step, state.choice, inner, None)
+        if (step, choice) != (ctx.step, ctx.choice):
+            for table in (self._shadows, self._samples, self._firsts, self._pruned, self._infos):
+                table.pop(info.key, None)
+            log.info("hvd_gradcomp auto: tensor %s: realigned to rank 0's schedule (step %d, %s; "
+                     "this rank was at step %d, %s)", info.key, step, self.specs[choice], ctx.step,
+                     self.specs[ctx.choice])
+        self._at[info.key] = (step + 1, choice, n)
+        return self._state(ops, payload, step + 1, choice, self.candidates[choice].init(ops, info, payload))
+
+    def _sync_lanes(self, info, step, choice):
+        """A sync step's lanes: the count lane, then rank 0's step and choice (0 from the other
+        ranks, not pre-scaled: float32 holds them exactly)."""
+        mine = [float(step), float(choice)] if info.rank == 0 else [0.0, 0.0]
+        return [1.0 / info.world_size] + mine
 
     @staticmethod
     def _flushed(ops, inner):
@@ -859,7 +938,7 @@ class AutoScheme(Scheme):
         for key, info in self._infos.items():
             times, errors = self._local(key)
             wire = [c.wire(info).payload for c in self.candidates]
-            at, current = self._at.get(key, (0, self.fallback))
+            at, current = self._at.get(key, (0, self.fallback, 0))[:2]
             best, predicted, _ = decide(times, errors, wire, info.world_size, self.link,
                                         None if at == cfg.warmup - 1 else current,
                                         self.fallback, cfg.error_budget, cfg.hysteresis,
@@ -889,10 +968,11 @@ class AutoScheme(Scheme):
 
     # ---- facts ----
     def wire(self, info: TensorInfo) -> WireBytes:
-        """The current choice's bytes (a probe step adds ``3 + 5 C`` lane values, or sends
-        float32 instead; neither is counted here)."""
-        choice = self._at.get(info.key, (0, self.fallback))[1]
-        return self.candidates[choice].wire(info)
+        """The current choice's bytes and its count lane (a probe step adds ``2 + 5 C`` lane
+        values more, or sends float32 instead, as a sync step does; neither is counted here)."""
+        cand = self.candidates[self._at.get(info.key, (0, self.fallback))[1]]
+        own = cand.wire(info)
+        return own._replace(payload=own.payload + itemsize(cand.payload_dtype(info)))
 
     def metrics(self, state) -> dict:
         return {"choice": state.choice, "step": state.step}

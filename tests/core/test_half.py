@@ -5,7 +5,7 @@ backends. Real Horovod runs of the same cases: tests/parallel/test_half_parallel
 1. float16/bfloat16 gradients of 2e4 per coordinate on each of 2 ranks (the sum, 4e4, fits
    float16): every step's output is finite and at most 65504, and the ranks' outputs plus
    their pending error feedback sum to the float64 sum of the gradients (nothing lost).
-2. ``auto`` starting on TopKC with one coordinate of 1e6 on one rank, sent to fp16 at its
+2. ``auto`` on TopKC with one coordinate of 1e6 on one rank, sent to fp16 at its
    first probe: the carry goes out 65504 a step, every step finite but the one a rank's NaN
    poisons, and the whole 1e6 is delivered.
 """
@@ -76,13 +76,14 @@ def test_half_gradients_stay_finite_and_lose_nothing(backend, spec, op, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_auto_carry_of_a_large_residual_saturates_and_is_delivered(backend):
-    """TopKC at the start keeps the 1e6 it cannot send (its payload saturates); the step gate
+    """After the sync step (step 0, exact), TopKC keeps the 1e6 of step 1 it cannot send (its
+    payload saturates); the step gate
     sends the tensor to fp16 at the probe (step 2), the residual becomes the carry, which
     goes out at most 65504 a step: all finite, rank 1's NaN at step 8 fails that step only,
     and after 24 steps the 1e6 is delivered (nothing pending)."""
     def grads(r, t):
         g = 0.01 * np.random.default_rng([r, t]).standard_normal(SHAPE)
-        if t == 0 and r == 0:
+        if t == 1 and r == 0:
             g[3, 5] = 1e6
         if t == 8 and r == 1:
             g[0, 0] = np.nan
