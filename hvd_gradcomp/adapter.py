@@ -209,7 +209,7 @@ class HorovodCompressor:
         self._scale_source = None
         if any(s.adaptive and s.link is None for s in self.routing.schemes()) and \
                 self._global_world()[0] is not None:
-            self.calibrate()  # auto without a given link: measure it now, on every rank
+            self.calibrate(cached=True)  # auto without a given link: measured once per process
 
     # ---- backend hooks ----
     no_key_message = "{scheme}: cannot tell which tensor this is; call compress(tensor, name=...)"
@@ -571,7 +571,8 @@ class HorovodCompressor:
                                  f"{list(self.ops.shape(b))}")
 
     # ---- the link, for auto ----
-    def calibrate(self, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3, like=None):
+    def calibrate(self, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3, like=None,
+                  cached: bool = False):
         """Measure the link for this compressor's ``auto`` schemes (:mod:`hvd_gradcomp.auto`).
 
         A collective outside compress: every rank of ``process_set`` calls it at the same
@@ -597,17 +598,34 @@ class HorovodCompressor:
                 default device; a CUDA tensor measures NCCL's path and times the ``auto``
                 candidates' codecs on the GPU: on a GPU job built before its tensors exist,
                 call ``calibrate(like=...)`` again with one).
+            cached: reuse the figures an earlier ``calibrate()`` of this process measured for
+                the same process set size, device and candidates
+                (:data:`hvd_gradcomp.auto.CALIBRATIONS`), if every rank holds them (one
+                1-value all-reduce asks); else measure, as without it. The constructor passes
+                True, so building many compressors measures once; call ``calibrate()`` to
+                refresh the figures.
 
         Returns:
             The :class:`~hvd_gradcomp.auto.Link`, also given to every ``auto`` scheme.
         """
         import math
         import time
-        from .auto import Link
+        from .auto import CALIBRATIONS, Link
         from .ring import ring_wire_bytes
         hvd = self._horovod()
         size, _ = self._world(process_set)
         kwargs = {} if process_set is None else {"process_set": process_set}
+        autos = [s for s in self.routing.schemes() if s.adaptive]
+        where = (self.ops.name, size, getattr(process_set, "process_set_id", 0), str(getattr(like, "device", None)))
+        if cached and size > 1:
+            known = CALIBRATIONS.get(where)
+            have = known is not None and all(c in known[1] for s in autos for c in s.specs)
+            missing = hvd.allreduce(self.ops.constant([0.0 if have else 1.0], "float32", like), op=hvd.Sum,
+                                    name="hvd_gradcomp.calibrate.cached", **kwargs)
+            if self.ops.to_host(missing)[0] == 0:
+                for scheme in autos:
+                    scheme.set_link(known[0], [known[1][c] for c in scheme.specs])
+                return known[0]
         if size <= 1:
             link = Link(math.inf, 0.0)  # one rank: nothing crosses a link
         else:
@@ -635,6 +653,7 @@ class HorovodCompressor:
                          "payloads %.1f MB/s), %.3f ms per all-reduce", size,
                          link.bytes_per_second / 1e6, link.fp16_bytes_per_second / 1e6,
                          link.latency_s * 1e3)
+        costs_by_spec = CALIBRATIONS.get(where, (None, {}))[1]
         for i, scheme in enumerate(self.routing.schemes()):
             if not scheme.adaptive:
                 continue
@@ -644,6 +663,10 @@ class HorovodCompressor:
                     self.ops.constant(scheme.reference_costs(self.ops, like), "float64", like),
                     op=hvd.Average, name=f"hvd_gradcomp.calibrate.codecs.{i}", **kwargs))
             scheme.set_link(link, costs)
+            if costs is not None:
+                costs_by_spec.update(zip(scheme.specs, costs))
+        if size > 1:
+            CALIBRATIONS[where] = (link, costs_by_spec)
         return link
 
     # ---- routing ----

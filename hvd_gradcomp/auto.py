@@ -99,12 +99,34 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    error feedback always sum to the summed gradients (except through a candidate built with
    ``error_feedback=False``, which drops what it does not send, carry included).
 
+**Agreement.** Every rank must hand Horovod a payload of the same shape for a tensor, so the
+schedule and the choice are agreed through the payload, as the fixed schemes' state is:
+
+- Every step's payload ends in a *count lane* (``1 / n`` per rank, pre-scaled as the lanes; an
+  integer payload: 1 under Sum, ``n`` under Average), so every rank sees how many contributed.
+  A step counts (the step counter moves on) only if all ``n`` did: a rank that runs steps the
+  others sit out in ``hvd.join()`` stays at the same step, and no probe decides from lanes some
+  rank did not contribute to (a probe without every rank comes again at the next step). The
+  counter advances on the device; the host mirror is checked against it at each probe (one
+  read).
+- A tensor's first compress after ``init`` or a load, or after the world size changed (an
+  elastic reset), is a *sync step* on every rank: a float32 payload, the gradient plus all
+  this rank owes (its residual and carry, as a flush), with the count lane and rank 0's step
+  and choice. Every rank then takes rank 0's step and choice with a fresh state of that
+  candidate (what each owed was delivered exactly); a sync step some rank missed or failed
+  comes again. So a state loaded on rank 0 only (``state_dict(gather=True)``, the usual
+  habit) or a fresh elastic worker is realigned within one step, never a shape mismatch. The
+  price: a tensor's first step is a float32 all-reduce, and a resumed job's first step
+  flushes its error feedback (the schedule continues; the outputs differ from going on).
+- Not covered: a state loaded on one rank in the middle of a run while the others go on
+  (only that rank syncs: Horovod reports a shape mismatch).
+
 The decision is read on the host once per window (``Primitives.to_host``: one device sync per
 tensor per ``every`` steps, one more on each step a carry is sent, and one on each step of a
 half-precision gradient while the choice keeps no error feedback); every other step is the
 chosen candidate's own step, with its state kept under ``a_<field>`` in this scheme's state.
 Checkpoints hold the step, the choice and that state, so a resumed job continues the schedule
-(and a state loaded on rank 0 only gives the other ranks the same schedule).
+(and a state loaded on rank 0 only gives the other ranks the same schedule: *Agreement*).
 
 The link: ``bandwidth_gbit`` (> 0) and ``latency_ms``, or measured when the compressor is built
 (:meth:`hvd_gradcomp.adapter.HorovodCompressor.calibrate`: a few timed all-reduces, averaged
@@ -119,9 +141,8 @@ Window steps cost every candidate's codec once more, and the shadows' residuals 
 candidate with error feedback) live until the probe. The predicted time charges
 codec and communication in full, without the overlap Horovod gives with the backward pass;
 the step gate's penalty is one number for every lossy candidate and model. Lanes in a float16
-payload hold about 3 significant digits. Ranks whose steps disagree (a rank that skipped
-compress calls) send payloads of different sizes at a probe step, which Horovod refuses with
-an error on every rank.
+payload hold about 3 significant digits. With ``op`` unknown (``compress()`` called by hand)
+the count lane is read as Horovod's default, Average.
 """
 import dataclasses
 import logging
@@ -166,6 +187,10 @@ START_FACTOR = 3.0
 # A window's first step prunes a candidate only if it also took at least this long (ms): on
 # small tensors first calls cost a few ms of one-time work, and running them again is cheap.
 PRUNE_MIN_MS = 5.0
+# What calibrate() measured in this process, shared by every compressor built later with
+# cached=True (their constructors): (backend, process set size, process set id, device) ->
+# (Link, {candidate spec: codec ms on the reference matrix, the ranks' mean}).
+CALIBRATIONS = {}
 # Every lane is clamped to this before its 1/world_size pre-scale, so that n ranks' float16
 # sum stays below 65504 (a codec of more than 30 s a step is unusable anyway).
 LANE_MAX = 3e4

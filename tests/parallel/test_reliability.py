@@ -16,6 +16,9 @@ launch per framework.
 4. A state saved with ``state_dict(gather=True)`` after 7 steps and loaded on rank 0 only
    into a new compressor (rank 1's is fresh, on another choice): the first step realigns
    both ranks on rank 0's step and choice; the same outputs on both ranks, nothing lost.
+5. ``auto``'s calibration is measured once per process: after the first compressor, 10 more
+   are built in a fraction of its time with the same link and codec figures; when one rank
+   lacks them, every rank measures again (no hang), and all agree.
 """
 import numpy as np
 import pytest
@@ -95,6 +98,24 @@ def _scenarios(hvd, comp_of, tensor, to_numpy, rank):
     outs = [step(fresh, _small(rank, t)) for t in range(7, 13)]
     res["load"] = (outs, before, pending(fresh), fresh.metrics()["w"]["scheme"],
                    int(fresh.ops.to_host(fresh.metrics()["w"]["step"])))
+    # 5. calibration measured once per process
+    import time
+    from hvd_gradcomp.auto import CALIBRATIONS
+    CALIBRATIONS.clear()
+    measured = dict(candidates="fp16|topkc:0.1", warmup=3, every=4)
+    start = time.perf_counter()
+    first = comp_of(measured)
+    first_s = time.perf_counter() - start
+    built = []
+    for _ in range(10):
+        start = time.perf_counter()
+        comp = comp_of(measured)
+        built.append((time.perf_counter() - start, tuple(comp.scheme.link), comp.scheme.start_costs))
+    if rank == 1:
+        CALIBRATIONS.clear()  # one rank without the figures: every rank measures again
+    again = comp_of(measured)
+    res["calibration"] = (first_s, tuple(first.scheme.link), first.scheme.start_costs, built,
+                          tuple(again.scheme.link), again.scheme.start_costs)
     return res
 
 
@@ -197,3 +218,14 @@ def test_state_loaded_on_rank_0_only_realigns_in_one_step(ranks):
     sent = sum(_small(0, t) + _small(1, t) for t in range(7, 13)) + before0
     rel = np.linalg.norm(sum(outs0) + owed0 + owed1 - sent) / np.linalg.norm(sent)
     assert rel < 2e-3, rel
+
+
+def test_calibration_is_shared_by_the_compressors_of_a_process(ranks):
+    r0, r1 = ranks
+    first_s, link, costs, built, again_link, again_costs = r0["calibration"]
+    assert r1["calibration"][1:3] == (link, costs) and len(costs) == 2
+    for seconds, b_link, b_costs in built:
+        assert (b_link, b_costs) == (link, costs)
+        assert seconds < first_s / 4, (seconds, first_s)
+    assert r1["calibration"][4:] == (again_link, again_costs)  # measured again, agreed
+    assert again_link != link
