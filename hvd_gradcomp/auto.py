@@ -825,9 +825,10 @@ class AutoScheme(Scheme):
         step, choice = int(round(lanes[1] * scale)), int(round(lanes[2] * scale))
         if not 0 <= choice < len(self.candidates) or step < 0:
             return self._pack(state.step, state.choice, inner, None)
-        if (step, choice) != (ctx.step, ctx.choice):
+        if (step, choice) != (ctx.step, ctx.choice) or self._phase(ctx.step)[1]:
             for table in (self._shadows, self._samples, self._firsts, self._pruned, self._infos):
-                table.pop(info.key, None)
+                table.pop(info.key, None)  # this window's figures: not this schedule's
+        if (step, choice) != (ctx.step, ctx.choice):
             log.info("hvd_gradcomp auto: tensor %s: realigned to rank 0's schedule (step %d, %s; "
                      "this rank was at step %d, %s)", info.key, step, self.specs[choice], ctx.step,
                      self.specs[ctx.choice])
@@ -1014,15 +1015,18 @@ class AutoScheme(Scheme):
                  "errors": {s: num(v) for s, v in zip(self.specs, d.errors)}} for d in self.history]
 
     def explain(self, key) -> dict:
-        """Host facts of ``key``'s last decision: scheme, predicted ms, error, reason, bytes
-        saved against fp16 per step are added by the adapter (``metrics()``); {} before one."""
+        """Host facts of ``key``'s last decision: scheme, predicted ms, error, reason, the step
+        gate's speedup and the step penalty it was held to (fixed by the option; not learned);
+        bytes saved against fp16 per step are added by the adapter (``metrics()``); {} before
+        one."""
         d = self.decisions.get(key)
         if d is None:
             at = self._at.get(key)
             return {} if at is None else {"scheme": self.specs[at[1]]}
         return {"scheme": d.spec, "predicted_ms": d.predicted_ms[d.choice],
                 "fp16_predicted_ms": d.predicted_ms[self.fallback], "error": d.errors[d.choice],
-                "reason": d.reason, "decided_at": d.step, "speedup": d.speedup}
+                "reason": d.reason, "decided_at": d.step, "speedup": d.speedup,
+                "step_penalty": self.config.step_penalty}
 
 
 def _register():
