@@ -252,7 +252,7 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         self._engine = None
         if any(s.adaptive and s.link is None for s in self.routing.schemes()) and \
                 self._global_world()[0] is not None:
-            self.calibrate()  # an adaptive scheme without a given link: measure it now, everywhere
+            self.calibrate(cached=True)  # an adaptive scheme without a given link: measured once per process
     # ---- backend hooks ----
     no_key_message = "{scheme}: cannot tell which tensor this is; call compress(tensor, name=...)"
     @staticmethod
@@ -493,10 +493,8 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
             out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info)
         else:
             info_x = info if info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
-            out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info_x)
-            out = out * scale
-            if info.dtype != "float32":
-                out = self.ops.cast(out, info.dtype)
+            out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info_x,
+                                           dtype=info.dtype, scale=scale)
         if has_state and new_state is not state:
             self._write_state(info.key, new_state)
         return out
