@@ -336,6 +336,10 @@ class THCConfig:
     seed: int = seed_option("seeds the shared rotation and the per-rank rounding; equal on all "
                             "ranks")
     error_feedback: bool = error_feedback_option("keep y - own decoded for the next step")
+    flush: Optional[float] = option(1.0, kind="number", lo=0.0, lo_open=True, optional=True,
+                                    doc="error feedback one step may add to a rotated coordinate, "
+                                        "times the range the block's gradient alone wants: bounds "
+                                        "the burst after a drop in gradient scale; none: no bound")
 
     def __post_init__(self):
         validate(self)
@@ -376,6 +380,7 @@ class _Ctx(NamedTuple):
     bad: object = None  # int64 []: ranks whose gradient was not finite
     mismatch: object = None  # bool []: the ranks' step fingerprints disagree
     inferred: object = None  # bool []: the count word says Sum (used when the op is unknown)
+    held: object = None  # float32 [P]: error feedback held back by the flush bound (step 1), or None
 
 
 class _Plan(NamedTuple):
@@ -390,6 +395,7 @@ class _Plan(NamedTuple):
     levels: LaneLayout  # with L = levels.top
     stats: object  # LaneLayout of the statistics, None with range="current"
     threshold: float  # T (0.0 without saturation: ranges from the block peaks)
+    flush: object  # bound of step 1 (a float), or None
     error_feedback: bool
     world_size: int  # n
     op: object  # "sum", "average" or None (unknown: inferred from the count word)
@@ -458,30 +464,46 @@ def _receive_kernel(ops, plan: _Plan, payload):
     return count, bad, s2 * count != s1 * s1, inferred
 
 
-def _rotate_kernel(ops, plan: _Plan, x, residual, diag, hmat, finite):
-    """Steps 1-2: y = H D pad(x) + e (float32 [P]), the wanted ranges (float32 [nb]), the
-    packed statistics (int32 words; empty with range="current") and ``finite`` (bool 0-d)
-    narrowed to a finite ``y`` with finite block statistics."""
-    padded, B = ops.shape(diag)[0], plan.block
-    y = hadamard.rht(ops, _pad(ops, x, padded, "float32", x), diag, hadamard.nested_factors(B, hmat))
-    if plan.error_feedback:
-        y = y + residual
-    yb = ops.reshape(y, (padded // B, B))
+def _own_range(ops, plan: _Plan, vb):
+    """The range a rank wants for blocks ``vb`` [nb, B]: ``T`` times their RMS, or their peak."""
     if plan.threshold:
-        wanted = ops.norm(yb, 1) * (plan.threshold / math.sqrt(B))  # threshold x RMS
-    else:
-        wanted = ops.max(ops.abs(yb), 1)
+        return ops.norm(vb, 1) * (plan.threshold / math.sqrt(plan.block))
+    return ops.max(ops.abs(vb), 1)
+
+
+def _rotate_kernel(ops, plan: _Plan, x, residual, diag, hmat, finite):
+    """Steps 1-2: y = H D pad(x) + e (float32 [P], e bounded by ``flush``), what error
+    feedback holds back (float32 [P], or [0] without a bound), the wanted ranges (float32
+    [nb]), the packed statistics (int32 words; empty with range="current") and ``finite``
+    (bool 0-d) narrowed to a finite ``y`` with finite block statistics."""
+    padded, B = ops.shape(diag)[0], plan.block
+    nb = padded // B
+    y = hadamard.rht(ops, _pad(ops, x, padded, "float32", x), diag, hadamard.nested_factors(B, hmat))
+    held = ops.zeros((0,), "float32", x)
+    if plan.error_feedback and plan.flush is not None:
+        # Step 1's bound: at most flush x (the range this gradient alone wants) per coordinate
+        # (none in a block without gradient); the rest is held back for later steps.
+        bound = _own_range(ops, plan, ops.reshape(y, (nb, B))) * plan.flush
+        bound = ops.reshape(ops.where(bound > 0.0, bound, float("inf")), (nb, 1))
+        eb = ops.reshape(residual, (nb, B))
+        flushed = ops.minimum(ops.maximum(eb, -bound), bound)
+        held = ops.reshape(eb - flushed, (padded,))
+        y = y + ops.reshape(flushed, (padded,))
+    elif plan.error_feedback:
+        y = y + residual
+    yb = ops.reshape(y, (nb, B))
+    wanted = _own_range(ops, plan, yb)
     # Non-finite y shows in its block's norm or peak: nb values checked, no pass over y.
     finite = ops.logical_and(finite, ops.all(ops.isfinite(wanted), None))
     if plan.stats is None:
-        return y, wanted, ops.zeros((0,), "int32", x), finite
+        return y, held, wanted, ops.zeros((0,), "int32", x), finite
     usable = ops.logical_and(wanted > _TINY_RANGE, finite)
     code = ops.round(ops.log2(ops.where(usable, wanted, 1.0)) * _CODE_SCALE) + _CODE_OFFSET
     code = ops.clip(code, 1.0, float(_CODE_MAX))
     nb = padded // B
     stats = ops.concat([ops.reshape(ops.where(usable, code, 0.0), (nb, 1)),
                         ops.reshape(ops.cast(usable, "float32"), (nb, 1))], 1)
-    return y, wanted, _pack(ops, ops.cast(ops.reshape(stats, (2 * nb,)), "int32"), plan.stats), finite
+    return y, held, wanted, _pack(ops, ops.cast(ops.reshape(stats, (2 * nb,)), "int32"), plan.stats), finite
 
 
 def _noise_bits(ops, key, blocks: int, block: int, like):
@@ -494,7 +516,7 @@ def _noise_bits(ops, key, blocks: int, block: int, like):
     return ops.bitwise_or(bits[:blocks], _ONE_BITS), bits[blocks:]
 
 
-def _quantize_kernel(ops, plan: _Plan, y, ranges, rows, cols, fingerprint, finite, stats_words):
+def _quantize_kernel(ops, plan: _Plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words):
     """Steps 3-5: (payload int32, residual float32 [P] or [0], saturated int64 0-d)."""
     B, top_level = plan.block, _top_level(plan.levels.top)
     nb = ops.shape(ranges)[0]
@@ -517,6 +539,8 @@ def _quantize_kernel(ops, plan: _Plan, y, ranges, rows, cols, fingerprint, finit
     # y - (q delta - R); nothing kept without error feedback
     residual = (ops.reshape(yb - q * delta + top, (nb * B,)) if plan.error_feedback
                 else ops.zeros((0,), "float32", y))
+    if plan.error_feedback and plan.flush is not None:
+        residual = residual + held
     # A non-finite y gives undefined levels here; the "not finite" word below makes every
     # rank's output NaN and keeps every state, so they are never read.
     levels = _pack(ops, ops.reshape(ops.cast(q, "int32"), (nb * B,)), plan.levels)
@@ -613,7 +637,8 @@ class THCScheme(Scheme):
     def _plan(self, info: TensorInfo, lay: Layout) -> _Plan:
         cfg = self.config
         return _Plan(lay.block, lay.levels, None if self.blocking else lay.stats,
-                     self._threshold if cfg.saturation else 0.0, cfg.error_feedback,
+                     self._threshold if cfg.saturation else 0.0,
+                     cfg.flush if cfg.error_feedback else None, cfg.error_feedback,
                      info.world_size, info.op)
 
     def init(self, ops, info: TensorInfo, like):
@@ -642,7 +667,7 @@ class THCScheme(Scheme):
         plan = self._plan(info, lay)
         # Step 1's Sylvester matrix, built once for the forward and inverse rotations.
         hmat = hadamard.sylvester(ops, max(hadamard.factor_sizes(lay.block)), x)
-        y, wanted, stats_words, finite = ops.fuse(_rotate_kernel, plan)(
+        y, held, wanted, stats_words, finite = ops.fuse(_rotate_kernel, plan)(
             ops.reshape(x, (info.numel,)), state.residual, state.diag, hmat, finite)
         if self.blocking:
             ranges = ops.allreduce(ops.where(ops.isfinite(wanted), wanted, 0.0), "max",
@@ -656,9 +681,9 @@ class THCScheme(Scheme):
         rows, cols = _noise_bits(ops, ops.bitwise_xor(step, self._round_key(info)), lay.blocks, lay.block, x)
         fingerprint = ops.bitwise_and(state.step, (1 << lay.fingerprint_bits) - 1)
         payload, residual, saturated = ops.fuse(_quantize_kernel, plan)(
-            y, ranges, rows, cols, fingerprint, finite, stats_words)
+            y, held, ranges, rows, cols, fingerprint, finite, stats_words)
         return payload, _Ctx(ranges, residual if self.config.error_feedback else None, y, saturated,
-                             state.diag, hmat)
+                             state.diag, hmat, held=held if plan.flush is not None else None)
 
     def receive(self, ops, payload, ctx, info):
         """Step 6's control words, read once for decompress and finish."""
@@ -682,7 +707,8 @@ class THCScheme(Scheme):
         mismatch = ctx.mismatch
         residual = state.residual
         if self.config.error_feedback:  # whole tensors chosen, no pass (ops.select)
-            residual = ops.select(ok, lambda: ops.select(mismatch, lambda: ctx.corrected,
+            whole = (lambda: ctx.corrected + ctx.held) if ctx.held is not None else (lambda: ctx.corrected)
+            residual = ops.select(ok, lambda: ops.select(mismatch, whole,
                                                          lambda: ctx.residual),
                                   lambda: state.residual)
         return THCState(residual, ranges, state.diag, step, saturated, realigned)
