@@ -21,7 +21,13 @@ Steps of ``compress`` (no collective):
     1. Rotate: ``y = H_B D pad(g) + e``. ``D`` is a +-1/sqrt(B) diagonal drawn once per tensor
        from the counter-based RNG keyed by ``(seed, tensor key)``, the same on every rank and
        at every step, so the rotation is a fixed orthonormal map and the residual ``e`` can be
-       kept in the rotated basis (no inverse rotation in ``compress``).
+       kept in the rotated basis (no inverse rotation in ``compress``). With ``flush = f``
+       (default 1) each coordinate of ``e`` is clipped to ``f r_g`` of its block, ``r_g`` the
+       range the rotated gradient alone wants (step 2's rule applied to ``H_B D pad(g)``; no
+       bound in a block without gradient); what is clipped stays in the residual for later
+       steps. In steady state ``e`` is a rounding error, far inside the bound; after a sudden
+       drop in gradient scale the old-scale residual would otherwise set the next ranges and
+       ring for many steps (measured in ``docs/thc.md``); bounded, it drains at ``f r_g`` a step.
     2. Next step's statistics, per block: the range this rank would want, ``r = T sigma`` with
        ``sigma = ||y_block|| / sqrt(B)`` (with saturation; ``T`` the two-sided normal quantile of
        ``saturation_rate``, 3.2971933456919635 for 1/1024 as THC) or the block's peak ``max |y|``
@@ -293,9 +299,11 @@ class THCConfig:
     way compresses harder, doc: :mod:`hvd_gradcomp.options`; ``python -m hvd_gradcomp --list``
     lists them).
 
-    Tuning ``bits``: the wire cost is in the module docstring's table; keep 4 with saturation;
-    try 2 only with error feedback and watch the loss. 1 bit diverges with error feedback (its
-    rounding noise exceeds the signal). ``rotation_stages`` (THC's code has 10): more stages
+    Tuning ``bits`` and ``lane_bits``: the wire cost is in the module docstring's table
+    (``lane_bits`` caps it, ``bits`` caps the per-rank levels); keep ``bits=4`` with saturation.
+    Levels of 1-2 bits (``bits``, or ``lane_bits=8`` from 64 ranks on) are coarse: error
+    feedback then carries a rounding error larger than the gradient (one-step errors in
+    ``docs/thc.md``); ``lane_bits=16`` or none keeps 4-bit levels at more bytes. ``rotation_stages`` (THC's code has 10): more stages
     mix more coordinates, cost more time and pad to a multiple of ``2**k``. ``saturation``
     buys a finer grid with the same bits; ``saturation_rate`` 1/1024 is THC's
     (``T = 3.297``). ``rotation`` and ``rotation_stages`` move the bytes both ways (padding
