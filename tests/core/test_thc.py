@@ -485,9 +485,10 @@ def test_layout_errors_before_any_collective():
 @pytest.mark.parametrize("rotation,range_", [("partial", "previous"), ("full", "previous"), ("partial", "current")])
 def test_wire_matches_payload(backend, rotation, range_):
     """wire() == the int32 payload's bytes (and the side all-reduce's, with range="current")."""
-    for d, n, bits in [(5000, 2, 4), (1024, 4, 2), (70000, 16, 8), (3000, 3, 4)]:
+    for d, n, bits, op in [(5000, 2, 4, "sum"), (1024, 4, 2, "sum"), (70000, 16, 8, "sum"), (3000, 3, 4, "sum"),
+                           (5000, 64, 4, "average"), (3000, 128, 4, "sum"), (3000, 128, 4, None)]:
         scheme = THCScheme(THCConfig(bits=bits, rotation=rotation, range=range_))
-        info = TensorInfo("w", (d,), "float32", n, 1, "sum")
+        info = TensorInfo("w", (d,), "float32", n, 1, op)
         side = []
         ops = dataclasses.replace(one_rank_ops(backend), allreduce=lambda v, *a, **k: side.append(_np(v)) or v)
         x = _tensor(backend, np.random.default_rng(d).standard_normal(d).astype(np.float32))
