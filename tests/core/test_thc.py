@@ -921,7 +921,7 @@ def test_top_level_lanes_do_not_carry(n, bits, op):
     0 signed by the diagonal, so every rotated coordinate is +3/64 (column 0 of H is all ones).
     Step 0 sends nothing and sets R = 3/64 (to a quarter octave); at step 1 every y = 6/64
     >= R (the residual doubles it) is clipped to R, the top of the grid. With 8 bits at 4 ranks
-    a lane of 10 bits holds 1020 of 1023. Average's truncated words are recovered exactly.
+    the 8-bit lanes cap L at 31: a lane of 7 bits holds 124 of 127. Average's truncated words are recovered exactly.
     """
     sim = Ranks("torch", n, (4096,), THCConfig(bits=bits, rotation="full", saturation=False), op=op, infer=True)
     diag = _np(sim.states[0].diag)

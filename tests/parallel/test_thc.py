@@ -25,9 +25,10 @@ least two steps.
   ``hvd.DistributedOptimizer`` with Average and with Sum gives the mean and the sum of the
   ranks' decoded gradients; and the 200-step training below.
 - 3 ranks: Average with a world size that is not a power of two (``1/3`` is inexact in double).
-- 4 ranks: every coordinate of every rank at the top level, at 2, 4 and 8 bits (8 bits at 4
-  ranks fills a 10-bit lane to 1020 of 1023): the all-reduced lanes equal the sums of the
-  ranks' levels, so nothing carried.
+- 4 ranks: every coordinate of every rank at the top level L, at 2, 4 and 8 bits (8 bits at 4
+  ranks: the 8-bit lanes cap L at 31, filling a 7-bit lane to 124 of 127): the all-reduced
+  lanes equal the sums of the ranks' levels, so nothing carried.
+- 2 ranks, PyTorch and TensorFlow: a 1e6 drop in gradient scale (the flush bound).
 - 2 ranks (TensorFlow): ``DistributedGradientTape`` inside ``tf.function``, a direct Sum, the
   hand-made path under Average (TF's int32 Average), and NaN on one rank.
 
