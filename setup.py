@@ -3,7 +3,10 @@
 Versions are pinned in .ci/pins.txt (pip constraints); install with
 ``pip install -c .ci/pins.txt -e ".[dev]"`` or simply ``make setup``.
 
-Extras: ``torch`` / ``tf`` (a framework and Horovod), ``bench`` (what ``python -m
+Extras: ``torch`` / ``tf`` (a framework and Horovod; ``tf`` takes the ``tensorflow`` package,
+which runs on CPUs and GPUs, so a GPU TensorFlow is never replaced by ``tensorflow-cpu``;
+``tf-cpu`` takes ``tensorflow-cpu``, for CPU-only machines that have no TensorFlow yet),
+``bench`` (what ``python -m
 hvd_gradcomp.bench`` needs beyond them: the TTA workers are modules of the package and the
 scale model's input file is package data, so an installed package runs every command), ``dev``
 (tests; frameworks and Horovod are installed by ``make setup``).
@@ -24,7 +27,8 @@ setup(
     install_requires=[],
     extras_require={
         "torch": ["torch>=2.0", "horovod>=0.28.1"],
-        "tf": ["tensorflow-cpu>=2.12,<2.16", "horovod>=0.28.1"],
+        "tf": ["tensorflow>=2.12,<2.16", "horovod>=0.28.1"],
+        "tf-cpu": ["tensorflow-cpu>=2.12,<2.16", "horovod>=0.28.1"],
         # The harness: PyTorch workers (digits-tf also needs the tf extra), sklearn's bundled
         # digits, plots and progress bars.
         "bench": ["torch>=2.0", "horovod>=0.28.1", "numpy", "scikit-learn", "matplotlib", "tqdm"],

@@ -49,7 +49,8 @@ from .primitives import FLOAT_DTYPES, itemsize
 from .records import TensorRecords
 from .routing import Routing
 
-__all__ = ["HorovodCompressor", "Namespace", "Factory", "Call", "op_name", "group_dtype"]
+__all__ = ["HorovodCompressor", "Namespace", "Factory", "Call", "op_name", "group_dtype",
+           "horovod_nccl_avg", "nccl_avg_rule"]
 
 log = logging.getLogger("hvd_gradcomp")
 
@@ -74,6 +75,49 @@ def group_dtype(dtypes):
     if dtypes <= {"float16", "float32", "float64", "int32"}:
         return "float64"
     raise ValueError(f"no payload dtype holds payloads of dtypes {sorted(dtypes)} exactly")
+
+
+# NCCL_VERSION(2, 10, 0): Horovod 0.28.1 sends Average as ncclAvg from this NCCL on.
+_NCCL_AVG_VERSION = 21000
+
+
+def _env_int(environ, name) -> int:
+    """``strtol(environ[name])`` as Horovod reads its switches (leading integer, else 0)."""
+    import re
+    m = re.match(r"\s*([+-]?\d+)", environ.get(name, ""))
+    return int(m.group(1)) if m else 0
+
+
+def horovod_nccl_avg(hvd, environ=None) -> bool:
+    """True when Horovod (``hvd``: horovod.torch or horovod.tensorflow, initialised) all-reduces
+    a GPU tensor under ``op=Average`` with ``ncclAvg``, which multiplies each rank's payload by
+    1/n in the payload's dtype before summing (so schemes must not pre-scale by 1/n as well:
+    :attr:`hvd_gradcomp.base.TensorInfo.prescale`).
+
+    From Horovod 0.28.1's ``horovod/common/ops/nccl_operations.cc`` and ``operations.cc``: the
+    flat ``NCCLAllreduce`` uses ``ncclAvg`` when built with NCCL >= 2.10 (``hvd.nccl_built()``
+    returns NCCL's version code), not for ROCm; the hierarchical and torus all-reduces (chosen
+    by ``HOROVOD_HIERARCHICAL_ALLREDUCE`` / ``HOROVOD_TORUS_ALLREDUCE`` > 0, on more than one
+    node) sum and scale by 1/n afterwards instead. Not seen from here: a build whose GPU
+    all-reduce is MPI (``HOROVOD_GPU_ALLREDUCE=MPI``) with NCCL for other ops, and an autotuner
+    (``HOROVOD_AUTOTUNE``) that switches to the hierarchical all-reduce during the run; pin
+    ``HOROVOD_HIERARCHICAL_ALLREDUCE=0`` with autotuning (docs/gpu.md).
+    """
+    import os
+    return nccl_avg_rule(int(hvd.nccl_built()), bool(hvd.rocm_built()), hvd.size(), hvd.local_size(),
+                         os.environ if environ is None else environ)
+
+
+def nccl_avg_rule(nccl_version: int, rocm: bool, size: int, local_size: int, environ) -> bool:
+    """:func:`horovod_nccl_avg` from the facts it reads: Horovod's ``nccl_built()`` (NCCL's
+    version code, 0 without NCCL), ``rocm_built()``, ``size()``, ``local_size()`` and the
+    environment (a mapping)."""
+    if nccl_version < _NCCL_AVG_VERSION or rocm:
+        return False
+    if size == local_size:
+        return True  # one node: Horovod ignores the hierarchical and torus switches
+    return (_env_int(environ, "HOROVOD_HIERARCHICAL_ALLREDUCE") <= 0
+            and _env_int(environ, "HOROVOD_TORUS_ALLREDUCE") <= 0)
 
 
 def op_name(hvd, op, average=None) -> str:
@@ -208,7 +252,7 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         self._engine = None
         if any(s.adaptive and s.link is None for s in self.routing.schemes()) and \
                 self._global_world()[0] is not None:
-            self.calibrate()  # an adaptive scheme without a given link: measure it now, everywhere
+            self.calibrate(cached=True)  # an adaptive scheme without a given link: measured once per process
     # ---- backend hooks ----
     no_key_message = "{scheme}: cannot tell which tensor this is; call compress(tensor, name=...)"
     @staticmethod
@@ -219,6 +263,11 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
     def _horovod():
         """The framework's Horovod module (horovod.torch or horovod.tensorflow)."""
         raise NotImplementedError
+
+    def _on_gpu(self, tensor) -> bool:
+        """True if Horovod will all-reduce ``tensor`` (or its payload) on a GPU; default False."""
+        return False
+
     def _world(self, process_set):
         """(world_size, rank) of the all-reduce: the process set's, or the global ones (with
         an engine bound, its process group's)."""
@@ -354,7 +403,10 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
             key = "<unnamed>"  # stateless: any key will do
         world_size, rank = self._world(call.process_set)
         op = call.op if call.op in ("sum", "average") else None
-        info = TensorInfo(key, shape, dtype, world_size, rank, op, call.process_set)
+        # Horovod's NCCL Average divides by n before summing: schemes then skip their 1/n.
+        nccl_avg = op == "average" and world_size > 1 and self._on_gpu(tensor) and \
+            horovod_nccl_avg(self._horovod())
+        info = TensorInfo(key, shape, dtype, world_size, rank, op, call.process_set, nccl_avg)
         self._check_call(scheme, key, call, info)
         known = self._infos.get(key)
         if known is not None and (known.shape, known.dtype) != (shape, dtype):
@@ -441,10 +493,8 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
             out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info)
         else:
             info_x = info if info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
-            out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info_x)
-            out = out * scale
-            if info.dtype != "float32":
-                out = self.ops.cast(out, info.dtype)
+            out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info_x,
+                                           dtype=info.dtype, scale=scale)
         if has_state and new_state is not state:
             self._write_state(info.key, new_state)
         return out

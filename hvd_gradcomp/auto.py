@@ -92,15 +92,41 @@ Schedule of one tensor, by its step ``t`` (compress calls so far, kept in the st
    candidate's residual (:meth:`~hvd_gradcomp.base.Scheme.add_residual`), or, for one that
    keeps none (fp16), held in this scheme's state as ``carry`` and added to the next step's
    gradient, then dropped once a step that carried it was delivered (a failed step keeps it).
-   Nothing of the gradient is lost or sent twice, so the ranks' outputs plus their pending
+   A float16 payload holds at most 65504 in all (each rank's part capped at 65504 / n, as
+   every error-feedback payload is), so gradient plus carry is clamped there and what did not
+   fit stays the carry for the next step: a carry of 1e6 owed by TopKC takes 16 finite fp16
+   steps on 2 ranks instead of turning every later step inf. Nothing of the gradient is lost or sent twice, so the ranks' outputs plus their pending
    error feedback always sum to the summed gradients (except through a candidate built with
    ``error_feedback=False``, which drops what it does not send, carry included).
 
+**Agreement.** Every rank must hand Horovod a payload of the same shape for a tensor, so the
+schedule and the choice are agreed through the payload, as the fixed schemes' state is:
+
+- Every step's payload ends in a *count lane* (``1 / n`` per rank, pre-scaled as the lanes; an
+  integer payload: 1 under Sum, ``n`` under Average), so every rank sees how many contributed.
+  A step counts (the step counter moves on) only if all ``n`` did: a rank that runs steps the
+  others sit out in ``hvd.join()`` stays at the same step, and no probe decides from lanes some
+  rank did not contribute to (a probe without every rank comes again at the next step). The
+  counter advances on the device; the host mirror is checked against it at each probe (one
+  read).
+- A tensor's first compress after ``init`` or a load, or after the world size changed (an
+  elastic reset), is a *sync step* on every rank: a float32 payload, the gradient plus all
+  this rank owes (its residual and carry, as a flush), with the count lane and rank 0's step
+  and choice. Every rank then takes rank 0's step and choice with a fresh state of that
+  candidate (what each owed was delivered exactly); a sync step some rank missed or failed
+  comes again. So a state loaded on rank 0 only (``state_dict(gather=True)``, the usual
+  habit) or a fresh elastic worker is realigned within one step, never a shape mismatch. The
+  price: a tensor's first step is a float32 all-reduce, and a resumed job's first step
+  flushes its error feedback (the schedule continues; the outputs differ from going on).
+- Not covered: a state loaded on one rank in the middle of a run while the others go on
+  (only that rank syncs: Horovod reports a shape mismatch).
+
 The decision is read on the host once per window (``Primitives.to_host``: one device sync per
-tensor per ``every`` steps, one more on the step a carry is sent); every other step is the
+tensor per ``every`` steps, one more on each step a carry is sent, and one on each step of a
+half-precision gradient while the choice keeps no error feedback); every other step is the
 chosen candidate's own step, with its state kept under ``a_<field>`` in this scheme's state.
 Checkpoints hold the step, the choice and that state, so a resumed job continues the schedule
-(and a state loaded on rank 0 only gives the other ranks the same schedule).
+(and a state loaded on rank 0 only gives the other ranks the same schedule: *Agreement*).
 
 The link: ``bandwidth_gbit`` (> 0) and ``latency_ms``, or measured when the compressor is built
 (:meth:`hvd_gradcomp.adapter.HorovodCompressor.calibrate`: a few timed all-reduces, averaged
@@ -115,9 +141,8 @@ Window steps cost every candidate's codec once more, and the shadows' residuals 
 candidate with error feedback) live until the probe. The predicted time charges
 codec and communication in full, without the overlap Horovod gives with the backward pass;
 the step gate's penalty is one number for every lossy candidate and model. Lanes in a float16
-payload hold about 3 significant digits. Ranks whose steps disagree (a rank that skipped
-compress calls) send payloads of different sizes at a probe step, which Horovod refuses with
-an error on every rank.
+payload hold about 3 significant digits. With ``op`` unknown (``compress()`` called by hand)
+the count lane is read as Horovod's default, Average.
 """
 import dataclasses
 import logging
@@ -127,9 +152,10 @@ from collections import namedtuple
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from .base import (Scheme, TensorInfo, WireBytes, compress_tensor, finish_tensor, payload_finite,
-                   poison)
+from .base import (FP16_MAX, Scheme, TensorInfo, WireBytes, compress_tensor, finish_tensor, fp16_floor,
+                   payload_finite, poison)
 from .options import option, validate
+from .primitives import itemsize
 from . import rng
 from .ring import ring_allreduce_seconds
 
@@ -161,6 +187,10 @@ START_FACTOR = 3.0
 # A window's first step prunes a candidate only if it also took at least this long (ms): on
 # small tensors first calls cost a few ms of one-time work, and running them again is cheap.
 PRUNE_MIN_MS = 5.0
+# What calibrate() measured in this process, shared by every compressor built later with
+# cached=True (their constructors): (backend, process set size, process set id, device) ->
+# (Link, {candidate spec: codec ms on the reference matrix, the ranks' mean}).
+CALIBRATIONS = {}
 # Every lane is clamped to this before its 1/world_size pre-scale, so that n ranks' float16
 # sum stays below 65504 (a codec of more than 30 s a step is unusable anyway).
 LANE_MAX = 3e4
@@ -301,12 +331,43 @@ class AutoConfig:
         if isinstance(self.candidates, (tuple, list)):
             object.__setattr__(self, "candidates", "|".join(self.candidates))
         validate(self)
+        object.__setattr__(self, "candidates", canonical_candidates(self.candidates))
         if self.every < self.warmup:
             raise ValueError(f"auto: every must be an integer >= warmup ({self.warmup}), got {self.every!r}")
 
     def specs(self) -> tuple:
         """The candidate specs, stripped."""
         return tuple(s.strip() for s in self.candidates.split("|"))
+
+
+def canonical_candidates(text: str) -> str:
+    """The one way to write a candidate list (:class:`AutoConfig` stores it so, so equal lists
+    give equal specs and accept each other's checkpoints): each candidate as its scheme's
+    canonical spec (:func:`~hvd_gradcomp.registry.to_spec`), lower case, no blanks, its main
+    option (``PRIMARY``) written as a bare value when it is the only one, default or not:
+    ``"FP16 | TopKC:ratio=0.1|thc"`` -> ``"fp16|topkc:0.1|thc:4"``. A candidate the registry
+    does not know, or ``auto`` itself, is kept as written (the scheme refuses it)."""
+    from .registry import PRIMARY, make_scheme, parse_spec  # noqa: the registry imports this module
+    from .options import options_of
+    out = []
+    for item in text.split("|"):
+        try:
+            name, options = parse_spec(item)
+        except ValueError:
+            out.append(item.strip())
+            continue
+        if name == "auto":
+            out.append(item.strip())
+            continue
+        scheme = make_scheme(name, **options)
+        primary, spec = PRIMARY.get(name), scheme.spec()
+        if primary is not None:
+            rest = [o for o in spec.partition(":")[2].split(",") if o and not o.startswith(primary + "=")]
+            if not rest:
+                decl = options_of(scheme.config)[primary]
+                spec = f"{name}:{decl.format(getattr(scheme.config, primary))}"
+        out.append(spec)
+    return "|".join(out)
 
 
 def decide(codec_ms, errors, wire_bytes, world_size: int, link: Link, current: int,
@@ -363,6 +424,50 @@ class _Ctx(NamedTuple):
     inner: object  # the candidate's ctx ("" and "ride")
     shape: tuple  # the candidate's own payload's shape ("ride"; its lanes follow it flattened)
     carried: bool  # the state's carry was added to this step's gradient
+    unsent: object  # what of gradient + carry the float16 payload could not hold (None: all fits)
+
+
+def _saturate_carried(ops, x, world_size: int):
+    """``(sent, unsent)``: ``x`` (float32, the gradient plus the carry) with its finite values
+    clamped to what a float16 payload pre-scaled by ``1 / world_size`` holds (the largest
+    float16 <= 65504 / n, times n: :func:`~hvd_gradcomp.base.saturating_cast`'s cap), and the
+    excess, kept as the next carry (module docstring, step 6). NaN/inf stay (a failed step must
+    be seen as one); their excess is 0."""
+    limit = world_size * fp16_floor(FP16_MAX / world_size)
+    finite = ops.isfinite(x)
+    sent = ops.where(finite, ops.clip(x, -limit, limit), x)
+    return sent, ops.where(finite, x - sent, 0.0 * x)
+
+
+def _count_lane(info, dtype):
+    """This rank's count lane in a payload of ``dtype``: ``1 / n`` (float; pre-scaled as the
+    probe's lanes), or for an integer payload 1 under Sum and ``n`` otherwise (Horovod's
+    integer Average truncates ``k n / n`` to ``k``)."""
+    if dtype.startswith("int"):
+        return 1 if info.op == "sum" else info.world_size
+    return 1.0 / info.world_size
+
+
+def _contributors(count, info, dtype):
+    """The number of contributing ranks from the all-reduced count lane (a host number or a
+    0-d tensor): Sum adds ``1 / n`` per rank, Average divides that by ``n`` once more; an
+    unknown op is taken as Horovod's default, Average."""
+    n = info.world_size
+    if dtype.startswith("int"):
+        return count
+    return count * n if info.op == "sum" else count * (n * n)
+
+
+def _delivered(ops, own, carry, unsent):
+    """The carry after a step that carried it: ``unsent`` flattened (None when it is 0 or
+    None) if the all-reduced ``own`` payload is finite, else ``carry`` (one host read)."""
+    if unsent is None:
+        return None if ops.to_host(payload_finite(ops, own)) else carry
+    ok, most = ops.to_host(ops.concat([ops.reshape(ops.cast(payload_finite(ops, own), "float32"), (1,)),
+                                       ops.reshape(ops.max(ops.abs(unsent), None), (1,))], 0))
+    if not ok:
+        return carry
+    return ops.reshape(unsent, ops.shape(carry)) if most > 0 else None
 
 
 def _alone_step(cand, ops, x, state, info):
@@ -515,11 +620,40 @@ class AutoScheme(Scheme):
             return own if carry is None else carry
         return own + carry
 
-    def _position(self, ops, state, info):
+    def add_residual(self, ops, state, info, residual):
+        """``state`` with ``residual`` (float32 ``[numel]``, the gradient's coordinates) added
+        to the current candidate's error feedback, or, for one that keeps none, to the
+        ``carry`` (created only when ``residual`` is not all 0: one host read). Used by
+        :func:`~hvd_gradcomp.base.finish_tensor` for what a half-precision output could not
+        hold."""
         at = self._at.get(info.key)
-        if at is None:
-            at = self._at[info.key] = (int(ops.to_host(state.step)), int(ops.to_host(state.choice)))
-        return at
+        choice = at[1] if at is not None else int(ops.to_host(state.choice))
+        inner = self._inner(state)
+        carry = getattr(state, "carry", None)
+        absorbed = self.candidates[choice].add_residual(ops, inner, info, residual)
+        if absorbed is not None:
+            return self._pack(state.step, state.choice, absorbed, carry)
+        if carry is None:
+            if not ops.to_host(ops.max(ops.abs(residual), None)) > 0:
+                return state
+            return self._pack(state.step, state.choice, inner, residual)
+        return self._pack(state.step, state.choice, inner, carry + residual)
+
+    def _position(self, ops, state, info):
+        """``(step, choice, sync)`` of ``info``'s tensor for this compress (module docstring,
+        *Agreement*): ``sync`` at the first compress after an init or a load, or when the world
+        size changed (its state is not known to be the other ranks'); at a probe of the host
+        mirror the state's step is read (a step some rank missed did not count)."""
+        at = self._at.get(info.key)
+        if at is None or at[2] != info.world_size:
+            return int(ops.to_host(state.step)), int(ops.to_host(state.choice)), True
+        step, choice, world = at
+        if self._phase(step)[1]:
+            true = int(ops.to_host(state.step))
+            if true != step:
+                step = true
+                self._at[info.key] = (step, choice, world)
+        return step, choice, False
 
     def _phase(self, step: int):
         """(in a window, is the probe) for ``step``."""
@@ -541,66 +675,87 @@ class AutoScheme(Scheme):
             raise ValueError("auto: the link is unknown: build the compressor after hvd.init() (it "
                              "measures the link then), call compressor.calibrate() on every rank, or "
                              "pass bandwidth_gbit= and latency_ms=")
-        step, choice = self._position(ops, state, info)
+        step, choice, sync = self._position(ops, state, info)
         window, probe = self._phase(step)
         if window:
             self._clock.setdefault(step, [time.perf_counter(), 0.0])
             self._measure(ops, x, info, step)
         inner = self._inner(state)
         carry = getattr(state, "carry", None)
+        cand = self.candidates[choice]
+        unsent = None
         if carry is not None:
             x = x + ops.reshape(carry, ops.shape(x))
-        cand = self.candidates[choice]
-        if probe and not cand.scalable:  # integer payload: the float32 flush (step 3)
+            if cand.scalable and cand.payload_dtype(info) == "float16":
+                x, unsent = _saturate_carried(ops, x, info.world_size)
+        if sync or (probe and not cand.scalable):  # the float32 flush (step 3; Agreement)
             residual = cand.residual_of(ops, inner, info)
             flat = ops.reshape(x, (info.numel,))
             corrected = flat if residual is None else flat + residual
-            payload = ops.concat([corrected, ops.constant(self._lanes(info, step), "float32", x)], 0)
-            return poison(ops, payload, finite), _Ctx("flush", choice, step, None, (), carry is not None)
+            tail = self._sync_lanes(info, step, choice) if sync else self._lanes(info, step)
+            payload = ops.concat([corrected, ops.constant(tail, "float32", x)], 0)
+            return poison(ops, payload, finite), _Ctx("sync" if sync else "flush", choice, step, None, (),
+                                                      carry is not None, None)
         payload, ctx = cand.compress(ops, x, inner, info, finite if cand.guards_nonfinite else None)
-        if not probe:
-            return payload, _Ctx("", choice, step, ctx, (), carry is not None)
         shape = tuple(ops.shape(payload))
-        lanes = poison(ops, ops.constant(self._lanes(info, step), ops.dtype(payload), x), finite)
+        dtype = ops.dtype(payload)
+        if probe:
+            lanes = poison(ops, ops.constant(self._lanes(info, step), dtype, x), finite)
+        else:  # one count lane (Agreement)
+            lanes = ops.constant([_count_lane(info, dtype)], dtype, x)
         flat = ops.reshape(payload, (math.prod(shape),))
-        return ops.concat([flat, lanes], 0), _Ctx("ride", choice, step, ctx, shape, carry is not None)
+        return ops.concat([flat, lanes], 0), _Ctx("ride" if probe else "", choice, step, ctx, shape,
+                                                  carry is not None, unsent)
 
     @staticmethod
     def _own(ops, payload, ctx):
         """The candidate's part of the all-reduced payload, in its own shape."""
-        return ops.reshape(payload[:math.prod(ctx.shape)], ctx.shape) if ctx.probe == "ride" else payload
+        return ops.reshape(payload[:math.prod(ctx.shape)], ctx.shape)
 
     def receive(self, ops, payload, ctx, info):
-        if ctx.probe == "flush":
+        if ctx.probe in ("flush", "sync"):
             return ctx
         return ctx._replace(inner=self.candidates[ctx.choice].receive(ops, self._own(ops, payload, ctx), ctx.inner, info))
 
     def decompress(self, ops, payload, ctx, info):
-        if ctx.probe == "flush":
+        if ctx.probe in ("flush", "sync"):
             return payload[:info.numel]
         return self.candidates[ctx.choice].decompress(ops, self._own(ops, payload, ctx), ctx.inner, info)
 
     def finish(self, ops, payload, ctx, state, info):
         inner = self._inner(state)
         carry = getattr(state, "carry", None)
-        if ctx.probe == "flush":
+        n = info.world_size
+        if ctx.probe in ("flush", "sync"):
             new, lanes = inner, ops.to_host(payload[info.numel:])
+            if ctx.probe == "sync":
+                return self._synced(ops, payload, ctx, state, info, lanes)
         else:
             own = self._own(ops, payload, ctx)
             new = self.candidates[ctx.choice].finish(ops, own, ctx.inner, inner, info)
-            if ctx.carried and ops.to_host(payload_finite(ops, own)):
-                carry = None  # delivered; a failed step keeps it for the next one
-            if not ctx.probe:
-                self._at[info.key] = (ctx.step + 1, ctx.choice)
-                return self._with(state, new, carry)
+            if ctx.carried:  # delivered: what did not fit is the new carry; a failed step keeps it
+                carry = _delivered(ops, own, carry, ctx.unsent)
+            if not ctx.probe:  # the step counts only if every rank contributed (no host read)
+                count = ops.cast(payload[math.prod(ctx.shape)], "float32")
+                full = _contributors(count, info, ops.dtype(payload)) >= n - 0.5
+                self._at[info.key] = (ctx.step + 1, ctx.choice, n)  # probes read the state's step
+                return self._pack(state.step + ops.cast(full, "int64"), state.choice, new, carry)
             lanes = ops.to_host(ops.cast(payload[math.prod(ctx.shape):], "float32"))
+        count = lanes[0]
+        finite = all(math.isfinite(v) for v in lanes)
+        if finite and not _contributors(count, info, "float32") >= n - 0.5:
+            # Some rank sat this step out (hvd.join()): nothing decided, the step does not
+            # count (the probe comes again); a flush delivered what this rank sent.
+            if ctx.probe == "flush":
+                new, carry = self._flushed(ops, inner), None
+            self._at[info.key] = (ctx.step, ctx.choice, n)
+            return self._pack(state.step, state.choice, new, carry)
         for table in (self._shadows, self._samples, self._firsts, self._pruned, self._infos):
             table.pop(info.key, None)
-        count = lanes[0]
-        if not all(math.isfinite(v) for v in lanes) or count <= 0:
+        if not finite:
             # A rank failed this step: nothing decided, nothing flushed (the states stay as the
             # candidate's finish left them); the schedule moves on, and the next window decides.
-            self._at[info.key] = (ctx.step + 1, ctx.choice)
+            self._at[info.key] = (ctx.step + 1, ctx.choice, n)
             return self._state(ops, payload, ctx.step + 1, ctx.choice, new, carry)
         if ctx.probe == "flush":  # exact: the residual and the carry are delivered
             new, carry = self._flushed(ops, inner), None
@@ -643,7 +798,7 @@ class AutoScheme(Scheme):
                      "fp16's %d)", info.key, self.specs[ctx.choice], self.specs[choice], ctx.step,
                      reason, predicted[choice], predicted[ctx.choice], errors[choice], speedup,
                      wire[choice], wire[self.fallback])
-        self._at[info.key] = (ctx.step + 1, choice)
+        self._at[info.key] = (ctx.step + 1, choice, n)
         if choice != ctx.choice:  # step 6: carry the old candidate's error feedback over
             pending = None if ctx.probe == "flush" else self.candidates[ctx.choice].residual_of(ops, new, info)
             if carry is not None:
@@ -654,6 +809,37 @@ class AutoScheme(Scheme):
                 absorbed = self.candidates[choice].add_residual(ops, new, info, pending)
                 new, carry = (new, pending) if absorbed is None else (absorbed, None)
         return self._state(ops, payload, ctx.step + 1, choice, new, carry)
+
+    def _synced(self, ops, payload, ctx, state, info, lanes):
+        """The state after a sync step (module docstring, *Agreement*): every rank sent its
+        gradient plus all it owed in float32 (delivered exactly), and, when every rank
+        contributed and none failed, all take rank 0's step and choice (from the lanes), with
+        the choice's fresh state; else each keeps its own, and the next step syncs again."""
+        n = info.world_size
+        if not all(math.isfinite(v) for v in lanes):  # nothing delivered
+            return state
+        inner = self._flushed(ops, self._inner(state))
+        if not _contributors(lanes[0], info, "float32") >= n - 0.5:
+            return self._pack(state.step, state.choice, inner, None)
+        scale = 1 if info.op == "sum" else n  # rank 0's lanes alone, averaged or not
+        step, choice = int(round(lanes[1] * scale)), int(round(lanes[2] * scale))
+        if not 0 <= choice < len(self.candidates) or step < 0:
+            return self._pack(state.step, state.choice, inner, None)
+        if (step, choice) != (ctx.step, ctx.choice) or self._phase(ctx.step)[1]:
+            for table in (self._shadows, self._samples, self._firsts, self._pruned, self._infos):
+                table.pop(info.key, None)  # this window's figures: not this schedule's
+        if (step, choice) != (ctx.step, ctx.choice):
+            log.info("hvd_gradcomp auto: tensor %s: realigned to rank 0's schedule (step %d, %s; "
+                     "this rank was at step %d, %s)", info.key, step, self.specs[choice], ctx.step,
+                     self.specs[ctx.choice])
+        self._at[info.key] = (step + 1, choice, n)
+        return self._state(ops, payload, step + 1, choice, self.candidates[choice].init(ops, info, payload))
+
+    def _sync_lanes(self, info, step, choice):
+        """A sync step's lanes: the count lane, then rank 0's step and choice (0 from the other
+        ranks, not pre-scaled: float32 holds them exactly)."""
+        mine = [float(step), float(choice)] if info.rank == 0 else [0.0, 0.0]
+        return [1.0 / info.world_size] + mine
 
     @staticmethod
     def _flushed(ops, inner):
@@ -778,7 +964,7 @@ class AutoScheme(Scheme):
         for key, info in self._infos.items():
             times, errors = self._local(key)
             wire = [c.wire(info).payload for c in self.candidates]
-            at, current = self._at.get(key, (0, self.fallback))
+            at, current = self._at.get(key, (0, self.fallback, 0))[:2]
             best, predicted, _ = decide(times, errors, wire, info.world_size, self.link,
                                         None if at == cfg.warmup - 1 else current,
                                         self.fallback, cfg.error_budget, cfg.hysteresis,
@@ -808,10 +994,11 @@ class AutoScheme(Scheme):
 
     # ---- facts ----
     def wire(self, info: TensorInfo) -> WireBytes:
-        """The current choice's bytes (a probe step adds ``3 + 5 C`` lane values, or sends
-        float32 instead; neither is counted here)."""
-        choice = self._at.get(info.key, (0, self.fallback))[1]
-        return self.candidates[choice].wire(info)
+        """The current choice's bytes and its count lane (a probe step adds ``2 + 5 C`` lane
+        values more, or sends float32 instead, as a sync step does; neither is counted here)."""
+        cand = self.candidates[self._at.get(info.key, (0, self.fallback))[1]]
+        own = cand.wire(info)
+        return own._replace(payload=own.payload + itemsize(cand.payload_dtype(info)))
 
     def metrics(self, state) -> dict:
         return {"choice": state.choice, "step": state.step}
@@ -828,15 +1015,18 @@ class AutoScheme(Scheme):
                  "errors": {s: num(v) for s, v in zip(self.specs, d.errors)}} for d in self.history]
 
     def explain(self, key) -> dict:
-        """Host facts of ``key``'s last decision: scheme, predicted ms, error, reason, bytes
-        saved against fp16 per step are added by the adapter (``metrics()``); {} before one."""
+        """Host facts of ``key``'s last decision: scheme, predicted ms, error, reason, the step
+        gate's speedup and the step penalty it was held to (fixed by the option; not learned);
+        bytes saved against fp16 per step are added by the adapter (``metrics()``); {} before
+        one."""
         d = self.decisions.get(key)
         if d is None:
             at = self._at.get(key)
             return {} if at is None else {"scheme": self.specs[at[1]]}
         return {"scheme": d.spec, "predicted_ms": d.predicted_ms[d.choice],
                 "fp16_predicted_ms": d.predicted_ms[self.fallback], "error": d.errors[d.choice],
-                "reason": d.reason, "decided_at": d.step, "speedup": d.speedup}
+                "reason": d.reason, "decided_at": d.step, "speedup": d.speedup,
+                "step_penalty": self.config.step_penalty}
 
 
 def _register():

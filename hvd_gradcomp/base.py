@@ -77,10 +77,13 @@ from .primitives import FLOAT_DTYPES
 
 __all__ = ["EmptyState", "TensorInfo", "WireBytes", "StepBytes", "Scheme", "compress_tensor", "finish_tensor",
            "poison", "saturating_cast", "payload_finite", "commit", "passes_through", "check_state",
-           "FP16_MAX"]
+           "FP16_MAX", "HALF_MAX", "saturate_output"]
 
 # Largest finite float16: float payloads saturate here instead of overflowing to inf.
 FP16_MAX = 65504.0
+# Largest finite value of each half-precision gradient dtype: decoded outputs saturate there
+# (finish_tensor), the excess kept in error feedback.
+HALF_MAX = {"float16": FP16_MAX, "bfloat16": 3.3895313892515355e38}
 
 
 class EmptyState(NamedTuple):
@@ -104,6 +107,12 @@ class TensorInfo:
             depends on it recover it from the payload when None.
         group: the framework's process-set object for blocking side collectives (None for the
             global set); not part of the tensor's identity.
+        nccl_avg: True when the all-reduce multiplies each rank's payload by 1/world_size
+            itself, in the payload's dtype, before summing: Horovod's NCCL all-reduce under
+            ``op=Average`` (``ncclAvg``, NCCL >= 2.10; decided by the adapter,
+            :func:`hvd_gradcomp.adapter.horovod_nccl_avg`). Schemes then skip their own 1/n
+            pre-scale of float payloads (:attr:`prescale`): with both, a float16 payload would
+            travel as x/n^2 and flush to zero at large n. Only meaningful with op "average".
     """
 
     key: str
@@ -113,6 +122,36 @@ class TensorInfo:
     rank: int
     op: Any = None
     group: Any = field(default=None, compare=False, hash=False)
+    nccl_avg: bool = False
+
+    @property
+    def backend_divides(self) -> bool:
+        """True when the all-reduce pre-multiplies payloads by 1/n (``nccl_avg`` under Average)."""
+        return self.nccl_avg and self.op == "average" and self.world_size > 1
+
+    @property
+    def prescale(self) -> float:
+        """The factor schemes multiply a float payload by before the all-reduce: 1/world_size
+        (so n ranks' float16 sum stays in range), or 1.0 where the all-reduce divides by n
+        before summing (:attr:`backend_divides`). Decoding multiplies by :attr:`unscale`."""
+        return 1.0 if self.backend_divides else 1.0 / self.world_size
+
+    @property
+    def unscale(self) -> float:
+        """``1 / prescale``: the factor a decoded float payload is multiplied by (world_size,
+        or 1.0 where the all-reduce divided by n itself); right under Sum and Average alike."""
+        return 1.0 if self.backend_divides else float(self.world_size)
+
+    @property
+    def fp16_limit(self) -> float:
+        """The largest |value| a rank may put in a pre-scaled float16 payload so that the
+        all-reduce of every rank's payload stays finite: 65504/n rounded down to float16; where
+        the all-reduce multiplies by s = float16(1/n) first (:attr:`backend_divides`), the
+        largest value whose product with s stays within that bound."""
+        limit = fp16_floor(FP16_MAX / self.world_size)
+        if self.backend_divides:
+            limit = fp16_floor(min(FP16_MAX, limit / fp16_round(1.0 / self.world_size)))
+        return limit
 
     @property
     def numel(self) -> int:
@@ -321,18 +360,25 @@ def fp16_floor(value: float) -> float:
     return struct.unpack("<e", struct.pack("<H", bits))[0]
 
 
-def saturating_cast(ops, x, dtype: str, ranks: int = 1):
+def fp16_round(value: float) -> float:
+    """``value`` rounded to the nearest float16 (host side), as a device rounds a constant."""
+    import struct
+    return struct.unpack("<e", struct.pack("<e", value))[0]
+
+
+def saturating_cast(ops, x, dtype: str, ranks: int = 1, limit: float = None):
     """``x`` (float32) cast to a float payload dtype, finite values clamped so that the sum of
     ``ranks`` such payloads stays finite.
 
     A finite gradient above float16's range must not become inf on the wire: each rank's
     value is clamped at the largest float16 <= 65504 / ranks (a sum of ``ranks`` of them,
-    rounded to float16 at each addition, stays <= 65504), and the rest stays in the sender's
-    error feedback (its residual is ``x - decoded(payload)``). NaN stays NaN (a failed step
-    must still be seen as one).
+    rounded to float16 at each addition, stays <= 65504), or at ``limit`` when given
+    (:attr:`TensorInfo.fp16_limit`, which also knows whether the all-reduce divides by n
+    first), and the rest stays in the sender's error feedback (its residual is
+    ``x - decoded(payload)``). NaN stays NaN (a failed step must still be seen as one).
     """
     if dtype == "float16":
-        limit = fp16_floor(FP16_MAX / ranks)
+        limit = fp16_floor(FP16_MAX / ranks) if limit is None else limit
         x = ops.minimum(ops.maximum(x, -limit), limit)
     return ops.cast(x, dtype) if dtype != "float32" else x
 
@@ -363,17 +409,65 @@ def compress_tensor(scheme: Scheme, ops, tensor, state, info: TensorInfo):
     return scheme.compress(ops, x, state, info, finite)
 
 
-def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo):
+def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo, dtype=None, scale=None):
     """The rest of the step once Horovod has all-reduced ``payload``: ``(out, new_state)``.
 
-    ``out`` is ``scheme.decompress`` in the gradient's shape and dtype; ``new_state`` is
-    ``scheme.finish`` (the state stays as it was when the all-reduced payload says a rank
-    failed); both get the ctx of ``scheme.receive``. Used by the adapters, the overhead
-    benchmark and the tests alike.
+    ``out`` is ``scheme.decompress`` in the gradient's shape and ``dtype`` (default
+    ``info.dtype``), times ``scale`` (a loss scale: a 0-d float32 tensor, or None) when given;
+    ``new_state`` is ``scheme.finish`` (the state stays as it was when the all-reduced payload
+    says a rank failed); both get the ctx of ``scheme.receive``. Used by the adapters, the
+    overhead benchmark and the tests alike.
+
+    Half-precision gradients (``dtype`` float16 or bfloat16): a finite decoded value beyond
+    the dtype's largest finite one would become inf in the cast (each rank's payload is capped
+    at 65504 / n, so a sum of n of them, or a residual owed for many steps, may exceed 65504).
+    :func:`saturate_output` clamps it there and returns the excess to the ranks' error
+    feedback (:meth:`Scheme.add_residual`), so the state commits only what was delivered.
+    A scheme that keeps no error feedback (fp16, bf16, ``error_feedback=False``) is not
+    clamped: its overflow is the sum's own, as in an uncompressed all-reduce.
     """
+    dtype = dtype or info.dtype
     ctx = scheme.receive(ops, payload, ctx, info)
     out = scheme.decompress(ops, payload, ctx, info)
     out = ops.reshape(out, info.shape)
-    if info.dtype != "float32":
-        out = ops.cast(out, info.dtype)
-    return out, scheme.finish(ops, payload, ctx, state, info)
+    new_state = scheme.finish(ops, payload, ctx, state, info)
+    if dtype in HALF_MAX:
+        out, new_state = saturate_output(scheme, ops, out, new_state, info, HALF_MAX[dtype], scale)
+    if scale is not None:
+        out = out * scale
+    if dtype != "float32":
+        out = ops.cast(out, dtype)
+    return out, new_state
+
+
+def saturate_output(scheme: Scheme, ops, out, state, info: TensorInfo, limit: float, scale=None):
+    """``(out, state)`` with ``out``'s finite values clamped to ``[-limit, limit]`` (divided by
+    ``scale`` when given: ``out`` is in unscaled units) and the excess added to this rank's
+    error feedback in ``state``.
+
+    ``out``: float32 of ``info.shape``, the decoded sum (``info.op == "sum"``) or mean (any
+    other op; Horovod's default is Average) of the ranks' contributions. Every rank sees the
+    same ``out``, so each keeps an equal share of the excess: ``excess / world_size`` under
+    Sum, ``excess`` under Average (the mean of the ranks' residuals is then the undelivered
+    mean); the ranks' outputs plus their pending error feedback still sum to their gradients.
+    NaN/inf stay as they are (a failed step must be seen as one; its excess is 0). Unchanged
+    when the state keeps no error feedback (no non-empty ``residual`` field; for ``adaptive``
+    schemes: :meth:`Scheme.add_residual` returns None). No host read for fixed schemes:
+    ``ops.select`` on whether any value was clamped.
+    """
+    lim = limit if scale is None else limit / scale
+    clamped = ops.minimum(ops.maximum(out, -lim), lim)
+    excess = ops.where(ops.isfinite(out), out - clamped, 0.0 * out)
+    share = excess if info.op != "sum" else excess * (1.0 / info.world_size)
+    flat = ops.reshape(share, (info.numel,))
+    if scheme.adaptive:  # its state's fields may change (auto's carry): it decides itself
+        kept = scheme.add_residual(ops, state, info, flat)
+    else:
+        residual = getattr(state, "residual", None)
+        if residual is None or 0 in tuple(ops.shape(residual)):
+            return out, state  # no error feedback to keep the excess in
+        clipped = ops.sum(ops.abs(excess), None) > 0.0
+        kept = ops.select(clipped, lambda: scheme.add_residual(ops, state, info, flat), lambda: state)
+    if kept is None:
+        return out, state
+    return ops.where(ops.isfinite(out), clamped, out), kept

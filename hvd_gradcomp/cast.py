@@ -8,6 +8,10 @@ Steps (fp16):
     4. Decompress casts to float32 and multiplies by world_size: the sum under ``op=Sum``,
        the mean under ``op=Average`` (the scaling is linear, so it commutes with either op).
 
+On Horovod's NCCL all-reduce under ``op=Average`` (``ncclAvg``), NCCL itself multiplies each
+rank's float16 payload by 1/n before summing; steps 1 and 4 then use 1.0 instead of 1/n and n
+(:attr:`~hvd_gradcomp.base.TensorInfo.prescale`), or the payload would travel as x/n^2.
+
 Tiny values: after the 1/n pre-scale a value below 6.1e-5 * n falls in fp16's subnormal range,
 where the spacing is 2**-24 (5.96e-8); the absolute error per coordinate of the result is then
 at most n * 2**-24 * n / 2 (half a spacing per rank, times n for the post-scale). Plain fp16
@@ -76,12 +80,13 @@ class Fp16Scheme(Scheme):
         self.config = config
 
     def compress(self, ops, x, state, info, finite):
-        # Step 1-2: 1/n keeps the n-rank fp16 sum from overflowing (DDP's fp16 hook does the same).
-        return ops.cast(x * (1.0 / info.world_size), "float16"), None
+        # Step 1-2: 1/n keeps the n-rank fp16 sum from overflowing (DDP's fp16 hook does the
+        # same); 1.0 where NCCL's Average divides by n itself (TensorInfo.prescale).
+        return ops.cast(x * info.prescale, "float16"), None
 
     def decompress(self, ops, payload, ctx, info):
         # Step 4: undo the pre-scale; linear, so right under Sum and Average alike.
-        return ops.cast(payload, "float32") * float(info.world_size)
+        return ops.cast(payload, "float32") * info.unscale
 
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(2 * info.numel)

@@ -175,7 +175,7 @@ def rademacher(ops, key, n: int, like, scale: float = 1.0):
     """
     words = -(-n // 32)
     draws = ops.reshape(rng.bits32(ops, key, words, like), (words, 1))
-    shifts = ops.constant([0, 8, 16, 24], "int64", like)
+    shifts = ops.arange(4, "int64", like) * 8  # 0, 8, 16, 24, on the device
     byte = ops.bitwise_and(ops.right_shift(draws, shifts), 255)
     table = _byte_signs(ops, like) * scale
     signs = ops.reshape(ops.gather(table, ops.reshape(byte, (4 * words,))), (32 * words,))

@@ -16,7 +16,8 @@ class LinkCalibration:
 
     __slots__ = ()
 
-    def calibrate(self, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3, like=None):
+    def calibrate(self, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3, like=None,
+                  cached: bool = False):
         """Measure the link for this compressor's ``auto`` schemes (:mod:`hvd_gradcomp.auto`).
 
         A collective outside compress: every rank of ``process_set`` calls it at the same
@@ -42,15 +43,32 @@ class LinkCalibration:
                 default device; a CUDA tensor measures NCCL's path and times the ``auto``
                 candidates' codecs on the GPU: on a GPU job built before its tensors exist,
                 call ``calibrate(like=...)`` again with one).
+            cached: reuse the figures an earlier ``calibrate()`` of this process measured for
+                the same process set size, device and candidates
+                (:data:`hvd_gradcomp.auto.CALIBRATIONS`), if every rank holds them (one
+                1-value all-reduce asks); else measure, as without it. The constructor passes
+                True, so building many compressors measures once; call ``calibrate()`` to
+                refresh the figures.
 
         Returns:
             The :class:`~hvd_gradcomp.auto.Link`, also given to every ``auto`` scheme.
         """
         import math
         import time
-        from .auto import Link
+        from .auto import CALIBRATIONS, Link
         from .ring import ring_wire_bytes
         size, _ = self._world(process_set)
+        autos = [s for s in self.routing.schemes() if s.adaptive]
+        where = (self.ops.name, size, getattr(process_set, "process_set_id", 0), str(getattr(like, "device", None)))
+        if cached and size > 1:
+            known = CALIBRATIONS.get(where)
+            have = known is not None and all(c in known[1] for s in autos for c in s.specs)
+            missing = self._allreduce_host(self.ops.constant([0.0 if have else 1.0], "float32", like), False,
+                                           "hvd_gradcomp.calibrate.cached", process_set)
+            if self.ops.to_host(missing)[0] == 0:
+                for scheme in autos:
+                    scheme.set_link(known[0], [known[1][c] for c in scheme.specs])
+                return known[0]
         if size <= 1:
             link = Link(math.inf, 0.0)  # one rank: nothing crosses a link
         else:
@@ -78,6 +96,7 @@ class LinkCalibration:
                          "payloads %.1f MB/s), %.3f ms per all-reduce", size,
                          link.bytes_per_second / 1e6, link.fp16_bytes_per_second / 1e6,
                          link.latency_s * 1e3)
+        costs_by_spec = CALIBRATIONS.get(where, (None, {}))[1]
         for i, scheme in enumerate(self.routing.schemes()):
             if not scheme.adaptive:
                 continue
@@ -87,4 +106,8 @@ class LinkCalibration:
                     self.ops.constant(scheme.reference_costs(self.ops, like), "float64", like),
                     True, f"hvd_gradcomp.calibrate.codecs.{i}", process_set))
             scheme.set_link(link, costs)
+            if costs is not None:
+                costs_by_spec.update(zip(scheme.specs, costs))
+        if size > 1:
+            CALIBRATIONS[where] = (link, costs_by_spec)
         return link

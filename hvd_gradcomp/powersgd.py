@@ -407,7 +407,7 @@ class PowerSGDScheme(Scheme):
             return x  # float32 carries a NaN/inf by itself
         # No error feedback here: a value beyond float16's range becomes inf (as in the fp16
         # baseline), every rank's payload is then non-finite and no state moves.
-        return ops.cast(x * (1.0 / info.world_size), "float16")
+        return ops.cast(x * info.prescale, "float16")  # 1/n, or 1 on NCCL's Average
 
     # Steps 2-6 (alternating).
     def _alternating_compress(self, ops, matrix, state, info, finite, v):
@@ -454,7 +454,7 @@ class PowerSGDScheme(Scheme):
         v = self._view_of(ops, info)
         if v is None:
             if self._fp16:
-                return ops.cast(payload, "float32") * float(info.world_size)
+                return ops.cast(payload, "float32") * info.unscale
             return payload
         r = self.config.rank
         if self.config.variant == "two_round":

@@ -81,6 +81,12 @@ def register(name: str, config_cls, scheme_cls):
     SCHEMES[name] = (config_cls, scheme_cls)
 
 
+def given_twice(name: str, key: str) -> ValueError:
+    """The one error for an option given twice, in a spec, a call or both: ``"topkc: ratio
+    given twice"``."""
+    return ValueError(f"{name}: {key} given twice")
+
+
 def make_scheme(name: str, *args, **options):
     """Build a scheme by name (case-insensitive) with config options; ValueError for unknown
     names or options. One positional value sets the scheme's main option (``PRIMARY``)."""
@@ -93,7 +99,7 @@ def make_scheme(name: str, *args, **options):
             raise ValueError(f"{name}: takes {'at most one positional option (' + PRIMARY[name] + ')' if name in PRIMARY else 'no positional options'}, "
                              f"got {len(args)}; pass options by name")
         if PRIMARY[name] in options:
-            raise ValueError(f"{name}: {PRIMARY[name]} given twice")
+            raise given_twice(name, PRIMARY[name])
         options = {PRIMARY[name]: args[0], **options}
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(options) - fields)
@@ -106,7 +112,8 @@ def parse_spec(spec: str):
     """``"topkc:ratio=0.01,chunk=256"`` -> ``("topkc", {"ratio": 0.01, "chunk": 256})``.
 
     Raises:
-        ValueError: unknown name or option, malformed ``key=value``, or a value of the wrong type.
+        ValueError: unknown name or option, malformed ``key=value``, an option given twice
+            (:func:`given_twice`), or a value of the wrong type.
     """
     name, _, rest = spec.strip().partition(":")
     name = _canonical_name(name)
@@ -123,6 +130,8 @@ def parse_spec(spec: str):
             raise ValueError(f"{name}: expected key=value in spec {spec!r}, got {item!r}")
         if key not in fields:
             raise ValueError(f"{name}: unknown option {key!r}; expected some of {sorted(fields)}")
+        if key in options:  # "topkc:ratio=0.1,ratio=0.5", "topkc:0.1,ratio=0.5"
+            raise given_twice(name, key)
         options[key] = fields[key].parse(name, key, value)
     return name, options
 
@@ -325,7 +334,7 @@ def split_min_numel(spec: str):
         key, eq, text = item.partition("=")
         if eq and key.strip().lower() == ROUTING_OPTION:
             if value is not None:
-                raise ValueError(f"{name.strip()}: min_numel given twice in {spec!r}")
+                raise given_twice(name.strip(), ROUTING_OPTION)
             value = MIN_NUMEL.parse(name.strip(), ROUTING_OPTION, text)
             MIN_NUMEL.check(name.strip(), ROUTING_OPTION, value)
         elif item.strip():

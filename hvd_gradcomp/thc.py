@@ -8,7 +8,8 @@ Horovod all-reduce instead, packed into int32 lanes wide enough for the sum over
 and the quantisation grid comes from statistics that rode in the previous step's payload, so
 ``compress`` waits on no other rank.
 
-Notation: ``d`` coordinates, world size ``n`` (of the process set), ``L = 2**bits - 1``,
+Notation: ``d`` coordinates, world size ``n`` (of the process set), ``L`` the top level of a
+rank (``2**bits - 1``, or fewer where the lane width caps it: step 5),
 rotation block ``B`` (``2**rotation_stages``, or ``next_pow2(d)`` with ``rotation="full"``),
 padded length ``P`` (a multiple of ``B``), ``nb = P / B`` blocks.
 
@@ -20,7 +21,13 @@ Steps of ``compress`` (no collective):
     1. Rotate: ``y = H_B D pad(g) + e``. ``D`` is a +-1/sqrt(B) diagonal drawn once per tensor
        from the counter-based RNG keyed by ``(seed, tensor key)``, the same on every rank and
        at every step, so the rotation is a fixed orthonormal map and the residual ``e`` can be
-       kept in the rotated basis (no inverse rotation in ``compress``).
+       kept in the rotated basis (no inverse rotation in ``compress``). With ``flush = f``
+       (default 1) each coordinate of ``e`` is clipped to ``f r_g`` of its block, ``r_g`` the
+       range the rotated gradient alone wants (step 2's rule applied to ``H_B D pad(g)``; no
+       bound in a block without gradient); what is clipped stays in the residual for later
+       steps. In steady state ``e`` is a rounding error, far inside the bound; after a sudden
+       drop in gradient scale the old-scale residual would otherwise set the next ranges and
+       ring for many steps (measured in ``docs/thc.md``); bounded, it drains at ``f r_g`` a step.
     2. Next step's statistics, per block: the range this rank would want, ``r = T sigma`` with
        ``sigma = ||y_block|| / sqrt(B)`` (with saturation; ``T`` the two-sided normal quantile of
        ``saturation_rate``, 3.2971933456919635 for 1/1024 as THC) or the block's peak ``max |y|``
@@ -46,24 +53,40 @@ Steps of ``compress`` (no collective):
        gradient is not finite sends undefined levels; its "not finite" word (step 5) makes them
        unread.
     4. Residual candidate ``e' = y - (q delta - R)``: clipping and rounding, in the rotated basis.
-    5. Pack into int32 words, every field above ``g = bit_length(n)`` guard bits that are
-       always 0 (so ``2**g > n``); the sign bit is never used:
-       levels ``0..L`` in lanes of ``w = bit_length(n L)`` bits (``(31 - g) // w`` per word)
-       on ``m = ceil(P / lanes)`` words, planar over the whole rotated vector: lane ``j`` of
+    5. Pack into int32 words, every field above ``g`` guard bits that are always 0 (``g = 0``
+       under a known Sum, whose words are exact; ``bit_length(n)`` under Average or an unknown
+       op, so ``2**g > n``):
+       levels ``0..L`` in lanes of ``w = bit_length(n L)`` bits (``lanes`` a word) on
+       ``m = ceil(P / lanes)`` words, planar over the whole rotated vector: lane ``j`` of
        word ``i`` holds coordinate ``j m + i`` (one shift and one add per lane over contiguous
-       slices, no padded copy; the last lane may be short);
-       the block statistics (code, flag) in lanes of ``bit_length(1023 n)`` bits; and four
-       control words: ``1`` (a contributing rank), ``1`` if this rank's gradient was not
-       finite, and a fingerprint ``s, s**2`` of this rank's step counter (``s`` its low ``h``
-       bits: ranks ``k`` steps apart always disagree for ``0 < k < 2**h``, e.g. a rank back
-       from ``hvd.join()``; a hash would miss a one-step lag once in ``2**h`` steps). A lane holds the sum over ``n`` ranks without carrying into the next.
+       slices, no padded copy; the last lane may be short). Every rank takes a fixed offset
+       ``K`` (a multiple of ``2**g``, about half its largest word) off each level word, so that
+       the sum of any ``c <= n`` ranks' words lies in ``[-c K, c (peak - K)]``, inside int32:
+       the sign bit carries levels too, and no sum ever wraps; the decoder adds ``c K`` back.
+       ``L`` and the lanes (:func:`lane_layout`): with ``lane_bits = b`` (default 8), a word
+       holds ``32 // b`` lanes of ``(32 - g) // (32 // b)`` bits, and ``L`` is the most levels
+       such a lane holds summed over ``n`` ranks, ``(2**width - 1) // n``, capped at
+       ``2**bits - 1`` (so the per-rank levels follow the world size at a fixed wire cost,
+       averaging over more ranks partly offsetting the coarser levels); the lanes then shrink
+       to ``bit_length(n L)`` (more of them a word where ``bits`` caps ``L``); where not even
+       ``L = 1`` fits (Average from 64 ranks on with ``b = 8``), one lane fewer a word.
+       ``lane_bits=None``: ``L = 2**bits - 1`` at every world size, lanes as wide as its sum
+       needs. The statistics (code, flag) go unsigned in lanes of ``bit_length(1023 n)`` bits
+       above the same ``g``; and four control words: ``1`` (a contributing rank), ``1`` if
+       this rank's gradient was not finite, and a fingerprint ``s, s**2`` of this rank's step
+       counter (``s`` its low ``h`` bits: ranks ``k`` steps apart always disagree for
+       ``0 < k < 2**h``, e.g. a rank back from ``hvd.join()``; a hash would miss a one-step
+       lag once in ``2**h`` steps). A lane holds the sum over ``n`` ranks without carrying
+       into the next.
 
 Horovod all-reduces the words with Sum or Average (a rank in ``hvd.join()`` contributes zeros).
 
 Steps of ``decompress`` / ``finish``:
     6. Exact sums. Under Sum the words are exact. Under Average each word is
-       ``trunc(W * (1/n))`` with ``W`` the exact sum, a multiple of ``2**g``; ``n * avg`` lies in
-       ``(W - 2**g, W]``, so ``W`` is the smallest multiple of ``2**g`` that is ``>= n * avg``.
+       ``trunc(W * (1/n))`` (toward zero: Horovod's scale in double, NCCL's integer division)
+       with ``W`` the exact sum, a multiple of ``2**g``; ``n * avg`` lies in ``(W - 2**g, W]``
+       for ``W >= 0`` and in ``[W, W + 2**g)`` for ``W < 0``, so ``W`` is the smallest multiple
+       of ``2**g`` that is ``>= n * avg``, or for a negative average the largest ``<=`` it.
        The op comes from Horovod's call (the adapters read it); when unknown (a hand-made
        call), full participation is assumed and the count word tells Sum (``n``) from Average.
     7. ``c`` = contributing ranks (joined ranks contribute nothing), ``S`` = summed levels per
@@ -98,16 +121,22 @@ same order (see ``base.py``). The simple adaptation is
 
 Wire per tensor and step: ``4 * (m + stats_words + 4)`` bytes of int32 in the one all-reduce
 (plus ``4 nb`` bytes in a side collective with ``range="current"``). Bits per coordinate of the
-levels: ``32 / lanes`` with ``lanes = (31 - bit_length(n)) // bit_length(n (2**bits - 1))``
-(:func:`wire_bits`); lanes x lane width in brackets:
+levels, ``32 / lanes`` (:func:`wire_bits`), at ``bits = 4``, with ``L`` in brackets (FP16
+sends 16; one-step errors in ``docs/thc.md``):
 
-    =====  ============  ============  =============  =============
-    bits   n = 2         n = 4         n = 8          n = 16
-    =====  ============  ============  =============  =============
-    2      3.56 (9x3)    4.57 (7x4)    6.40 (5x5)     8.00 (4x6)
-    4      6.40 (5x5)    8.00 (4x6)    10.67 (3x7)    10.67 (3x8)
-    8      10.67 (3x9)   16.00 (2x10)  16.00 (2x11)   16.00 (2x12)
-    =====  ============  ============  =============  =============
+    =========  =======  ==========  ==========  ==========  ==========  ==========
+    lane_bits  op       n = 2       n = 8       n = 16      n = 64      n = 128
+    =========  =======  ==========  ==========  ==========  ==========  ==========
+    8          sum      5.33 (15)   8.00 (15)   8.00 (15)   8.00 (3)    8.00 (1)
+    8          average  5.33 (15)   8.00 (15)   8.00 (3)    10.67 (3)   10.67 (1)
+    none       sum      5.33 (15)   8.00 (15)   8.00 (15)   10.67 (15)  16.00 (15)
+    none       average  5.33 (15)   8.00 (15)   10.67 (15)  16.00 (15)  16.00 (15)
+    =========  =======  ==========  ==========  ==========  ==========  ==========
+
+Under Average no layout of one int32 all-reduce reaches 8 bits a coordinate at 128 ranks:
+``trunc(W / n)`` leaves ``2**32 / n`` values of a word (25 bits at ``n = 128``), and four
+coordinates' sums of ``n`` ranks' levels ``0..1`` need ``4 log2(n + 1) = 28`` bits. With
+``op=hvd.Sum`` (and the division by ``n`` left to the optimizer) the default stays at 8.
 
 The statistics add ``2 / (B lanes_s)`` words per coordinate (0.03-0.07 bits at ``B = 1024``).
 
@@ -116,7 +145,7 @@ the routing's decision (:mod:`hvd_gradcomp.routing`; a plain ``thc`` compressor 
 below ``min_numel``, default 1024, as FP16 instead).
 
 Limits: world size at most 1024; ``ValueError`` at the first ``compress`` (before any
-collective) if no lane fits (``bits = 16`` from 129 ranks on; ``bits <= 10`` always fits).
+collective) if no lane fits (only with ``lane_bits=None``: ``bits = 16`` from 129 ranks on).
 The payload is integer: Horovod's ``gradient_predivide_factor`` and prescale/postscale factors
 must stay 1 and ``op`` must be Sum or Average (the adapters refuse anything else, before any
 collective, on every rank).
@@ -126,7 +155,7 @@ Mean Estimation with Limited Communication", ICML 2017, for the randomized Hadam
 """
 import math
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, Optional
 
 from . import hadamard, rng
 from .base import Scheme, TensorInfo, WireBytes
@@ -164,55 +193,103 @@ def saturation_threshold(rate: float) -> float:
 
 
 class LaneLayout(NamedTuple):
-    """How levels sit in an int32 word (step 5): ``lanes`` lanes of ``width`` bits above ``guard``."""
+    """How values sit in an int32 word (step 5): ``lanes`` lanes of ``width`` bits above
+    ``guard`` guard bits; levels ``0..top`` per rank (``top = 0`` for the statistics), and
+    ``offset`` (a multiple of ``2**guard``) taken off each word by every contributing rank."""
 
     lanes: int
     width: int
     guard: int
+    top: int = 0
+    offset: int = 0
 
 
-def lane_layout(bits: int, world_size: int) -> LaneLayout:
-    """The int32 layout for ``bits``-bit levels summed over ``world_size`` ranks.
+_INT32_MAX = (1 << 31) - 1
+
+
+def _centred(top: int, width: int, lanes: int, guard: int, n: int):
+    """The offset ``K`` that keeps any sum of ``c <= n`` words in int32 (step 5), or None."""
+    peak = top * sum(1 << (guard + j * width) for j in range(lanes))  # one rank's largest word
+    if peak > _INT32_MAX:
+        return None
+    half = (peak // 2) >> guard << guard
+    for k in (half, half + (1 << guard)):
+        if n * k <= _INT32_MAX + 1 and n * (peak - k) <= _INT32_MAX:
+            return k
+    return None
+
+
+def lane_layout(bits: int, world_size: int, lane_bits=None, op="average") -> LaneLayout:
+    """The int32 layout of the levels summed over ``world_size`` ranks (module docstring, step 5).
+
+    Args:
+        bits: the per-rank levels are at most ``2**bits - 1``.
+        lane_bits: None: every rank's levels are ``0..2**bits - 1`` in lanes as wide as their
+            sum needs. An int ``b``: at least ``32 // b`` lanes a word (``b`` bits a coordinate)
+            where a lane can hold the sum of ``n`` ranks' levels ``0..1``, fewer where it
+            cannot; the levels are the most that such a lane holds summed over ``n`` ranks,
+            capped at ``2**bits - 1``.
+        op: ``"sum"``: no guard bits (Horovod's Sum is exact); otherwise (``"average"`` or None,
+            unknown) ``bit_length(n)`` guard bits, for step 6.
 
     Raises:
-        ValueError: ``world_size`` above ``MAX_WORLD_SIZE``, or no lane fits in 31 bits.
+        ValueError: ``world_size`` above ``MAX_WORLD_SIZE``, or no lane fits in an int32 word.
     """
-    if world_size > MAX_WORLD_SIZE:
-        raise ValueError(f"thc: world size must be at most {MAX_WORLD_SIZE}, got {world_size}")
-    top = world_size * ((1 << bits) - 1)
-    width, guard = top.bit_length(), world_size.bit_length()
-    lanes = (31 - guard) // width
-    if lanes < 1:
-        raise ValueError(f"thc: bits={bits} with {world_size} ranks needs {guard} guard bits and "
-                         f"lanes of {width} bits, more than the 31 of an int32 word; use fewer bits")
-    return LaneLayout(lanes, width, guard)
+    n = world_size
+    if n > MAX_WORLD_SIZE:
+        raise ValueError(f"thc: world size must be at most {MAX_WORLD_SIZE}, got {n}")
+    guard = 0 if op == "sum" else n.bit_length()
+    room, cap = 32 - guard, (1 << bits) - 1
+    for target in range(32 // lane_bits if lane_bits else 1, 0, -1):
+        most = min(cap, ((1 << (room // target)) - 1) // n) if lane_bits else cap
+        # The most levels, or one fewer where an odd sum fills the word (no centring fits).
+        for top in (most, most - 1) if lane_bits else (cap,):
+            width = (n * top).bit_length()
+            for lanes in range(room // width, target - 1, -1) if top >= 1 else ():
+                offset = _centred(top, width, lanes, guard, n)
+                if offset is not None:
+                    return LaneLayout(lanes, width, guard, top, offset)
+    raise ValueError(f"thc: bits={bits} with {n} ranks needs {guard} guard bits and lanes of "
+                     f"{(n * cap).bit_length()} bits, more than an int32 word holds; use fewer bits "
+                     f"or set lane_bits")
 
 
-def wire_bits(bits: int, world_size: int) -> float:
+def _stats_layout(world_size: int, guard: int) -> LaneLayout:
+    """The statistics' lanes (codes ``0..1023`` and flags summed over ``n`` ranks), unsigned,
+    above the levels' guard bits."""
+    width = (_CODE_MAX * world_size).bit_length()
+    return LaneLayout((31 - guard) // width, width, guard)
+
+
+def wire_bits(bits: int, world_size: int, lane_bits=None, op="average") -> float:
     """Payload bits per (padded) coordinate: ``32 / lanes`` (statistics, control words and
     padding not counted)."""
-    return 32.0 / lane_layout(bits, world_size).lanes
+    return 32.0 / lane_layout(bits, world_size, lane_bits, op).lanes
 
 
 def exact_words(ops, words, summed, world_size: int, guard: int):
-    """Step 6: the exact int64 sums of the packed words, whichever op Horovod applied.
+    """Step 6: the exact sums of the packed words, whichever op Horovod applied.
 
     Args:
-        words: int32 or int64 [m], the all-reduced words (sums, or Horovod's truncated
-            averages; int32 holds every step, since ``n * avg <= W < 2**31``).
+        words: int64 [m], the all-reduced int32 words (sums, or Horovod's truncated averages).
         summed: bool 0-d tensor or Python bool, True if Horovod applied Sum.
         world_size: n.
         guard: guard bits g of the layout (``2**g > n``; exact sums are multiples of ``2**g``).
 
     Returns:
-        [m], the dtype of ``words``: ``words`` under Sum; under Average the smallest multiple
-        of ``2**g`` that is ``>= n * words`` (see the module docstring, step 6, for why that
-        is exact).
+        int64 [m]: ``words`` under Sum; under Average the multiple of ``2**g`` next to
+        ``n * words`` away from zero (the smallest ``>=`` it for a word ``>= 0``, the largest
+        ``<=`` it for a negative one; see the module docstring, step 6, for why that is exact).
     """
-    scaled = words * world_size + ((1 << guard) - 1)
-    recovered = ops.left_shift(ops.right_shift(scaled, guard), guard)
-    if isinstance(summed, bool):
-        return words if summed else recovered
+    if summed is True or guard == 0:
+        return words
+    bias = 1 << 40  # a multiple of 2**g that makes every operand of the shifts non-negative
+    scaled = words * world_size + bias
+    up = ops.left_shift(ops.right_shift(scaled + ((1 << guard) - 1), guard), guard)
+    down = ops.left_shift(ops.right_shift(scaled, guard), guard)
+    recovered = ops.where(words < 0, down, up) - bias
+    if summed is False:
+        return recovered
     return ops.where(summed, words, recovered)
 
 
@@ -222,9 +299,11 @@ class THCConfig:
     way compresses harder, doc: :mod:`hvd_gradcomp.options`; ``python -m hvd_gradcomp --list``
     lists them).
 
-    Tuning ``bits``: the wire cost is in the module docstring's table; keep 4 with saturation;
-    try 2 only with error feedback and watch the loss. 1 bit diverges with error feedback (its
-    rounding noise exceeds the signal). ``rotation_stages`` (THC's code has 10): more stages
+    Tuning ``bits`` and ``lane_bits``: the wire cost is in the module docstring's table
+    (``lane_bits`` caps it, ``bits`` caps the per-rank levels); keep ``bits=4`` with saturation.
+    Levels of 1-2 bits (``bits``, or ``lane_bits=8`` from 64 ranks on) are coarse: error
+    feedback then carries a rounding error larger than the gradient (one-step errors in
+    ``docs/thc.md``); ``lane_bits=16`` or none keeps 4-bit levels at more bytes. ``rotation_stages`` (THC's code has 10): more stages
     mix more coordinates, cost more time and pad to a multiple of ``2**k``. ``saturation``
     buys a finer grid with the same bits; ``saturation_rate`` 1/1024 is THC's
     (``T = 3.297``). ``rotation`` and ``rotation_stages`` move the bytes both ways (padding
@@ -241,7 +320,11 @@ class THCConfig:
 
     SCHEME: ClassVar[str] = "thc"
     bits: int = option(4, kind="integer", lo=1, hi=16, harder="down",
-                       doc="bits per level: 2^bits - 1 levels above 0 (THC's 4)")
+                       doc="bits per level: at most 2^bits - 1 levels above 0 (THC's 4)")
+    lane_bits: Optional[int] = option(8, kind="integer", lo=2, hi=32, optional=True, harder="down",
+                       doc="int32 bits a coordinate takes: levels shrink with the world size to "
+                           "keep 32 // lane_bits lanes a word where n ranks' 1-bit levels fit; "
+                           "none: lanes as wide as 2^bits - 1 levels summed over n ranks need")
     rotation: str = option("partial", kind="choice", choices=("partial", "full"),
                            doc="Hadamard rotation in blocks of 2^rotation_stages (partial) or in "
                                "one block of next_pow2(d), up to 2x padding (full)")
@@ -261,6 +344,10 @@ class THCConfig:
     seed: int = seed_option("seeds the shared rotation and the per-rank rounding; equal on all "
                             "ranks")
     error_feedback: bool = error_feedback_option("keep y - own decoded for the next step")
+    flush: Optional[float] = option(1.0, kind="number", lo=0.0, lo_open=True, optional=True,
+                                    doc="error feedback one step may add to a rotated coordinate, "
+                                        "times the range the block's gradient alone wants: bounds "
+                                        "the burst after a drop in gradient scale; none: no bound")
 
     def __post_init__(self):
         validate(self)
@@ -301,6 +388,7 @@ class _Ctx(NamedTuple):
     bad: object = None  # int64 []: ranks whose gradient was not finite
     mismatch: object = None  # bool []: the ranks' step fingerprints disagree
     inferred: object = None  # bool []: the count word says Sum (used when the op is unknown)
+    held: object = None  # float32 [P]: error feedback held back by the flush bound (step 1), or None
 
 
 class _Plan(NamedTuple):
@@ -311,11 +399,11 @@ class _Plan(NamedTuple):
     partial rotation, but ``next_pow2(d)`` with ``rotation="full"``, which therefore compiles
     once per distinct padded size."""
 
-    bits: int
     block: int  # B
-    levels: LaneLayout
+    levels: LaneLayout  # with L = levels.top
     stats: object  # LaneLayout of the statistics, None with range="current"
     threshold: float  # T (0.0 without saturation: ranges from the block peaks)
+    flush: object  # bound of step 1 (a float), or None
     error_feedback: bool
     world_size: int  # n
     op: object  # "sum", "average" or None (unknown: inferred from the count word)
@@ -335,6 +423,8 @@ def _pack(ops, values, lay: LaneLayout):
     m = ops.shape(values)[0]
     w = -(-m // lay.lanes)
     words = ops.left_shift(values[:w] if w < m else values, lay.guard)
+    if lay.offset:
+        words = words - lay.offset
     for j in range(1, lay.lanes):
         if j * w >= m:
             break
@@ -345,21 +435,24 @@ def _pack(ops, values, lay: LaneLayout):
 
 
 def _unpack(ops, words, lay: LaneLayout):
-    """int32 [lanes * w]: the lane sums of exact int32 ``words`` [w], in :func:`_pack`'s order."""
+    """[lanes * w], the dtype of ``words``: the lane sums of exact non-negative ``words`` [w]
+    (the offsets added back), in :func:`_pack`'s order."""
     n = ops.shape(words)[0]
-    shifts = ops.constant([[lay.guard + j * lay.width] for j in range(lay.lanes)], "int32", words)
+    # Built on the device (arange), not copied from the host: no host-to-device copy per call.
+    shifts = ops.reshape(ops.arange(lay.lanes, ops.dtype(words), words) * lay.width + lay.guard,
+                         (lay.lanes, 1))
     lanes = ops.bitwise_and(ops.right_shift(ops.reshape(words, (1, n)), shifts), (1 << lay.width) - 1)
     return ops.reshape(lanes, (n * lay.lanes,))
 
 
-def _grid(bits: int) -> float:
-    """Grid step over range, ``delta / R = 2 (1 + 2**-20) / L`` (step 3)."""
-    return 2.0 * (1.0 + 2.0 ** -20) / ((1 << bits) - 1)
+def _grid(top: int) -> float:
+    """Grid step over range, ``delta / R = 2 (1 + 2**-20) / L`` (step 3; ``L = top``)."""
+    return 2.0 * (1.0 + 2.0 ** -20) / top
 
 
-def _top_level(bits: int) -> float:
+def _top_level(top: int) -> float:
     """Grid position of ``+R``, ``2 R / delta = L / (1 + 2**-20)`` (step 3)."""
-    return ((1 << bits) - 1) / (1.0 + 2.0 ** -20)
+    return top / (1.0 + 2.0 ** -20)
 
 
 def _summed(plan: _Plan, inferred):
@@ -381,30 +474,46 @@ def _receive_kernel(ops, plan: _Plan, payload):
     return count, bad, s2 * count != s1 * s1, inferred
 
 
-def _rotate_kernel(ops, plan: _Plan, x, residual, diag, hmat, finite):
-    """Steps 1-2: y = H D pad(x) + e (float32 [P]), the wanted ranges (float32 [nb]), the
-    packed statistics (int32 words; empty with range="current") and ``finite`` (bool 0-d)
-    narrowed to a finite ``y`` with finite block statistics."""
-    padded, B = ops.shape(diag)[0], plan.block
-    y = hadamard.rht(ops, _pad(ops, x, padded, "float32", x), diag, hadamard.nested_factors(B, hmat))
-    if plan.error_feedback:
-        y = y + residual
-    yb = ops.reshape(y, (padded // B, B))
+def _own_range(ops, plan: _Plan, vb):
+    """The range a rank wants for blocks ``vb`` [nb, B]: ``T`` times their RMS, or their peak."""
     if plan.threshold:
-        wanted = ops.norm(yb, 1) * (plan.threshold / math.sqrt(B))  # threshold x RMS
-    else:
-        wanted = ops.max(ops.abs(yb), 1)
+        return ops.norm(vb, 1) * (plan.threshold / math.sqrt(plan.block))
+    return ops.max(ops.abs(vb), 1)
+
+
+def _rotate_kernel(ops, plan: _Plan, x, residual, diag, hmat, finite):
+    """Steps 1-2: y = H D pad(x) + e (float32 [P], e bounded by ``flush``), what error
+    feedback holds back (float32 [P], or [0] without a bound), the wanted ranges (float32
+    [nb]), the packed statistics (int32 words; empty with range="current") and ``finite``
+    (bool 0-d) narrowed to a finite ``y`` with finite block statistics."""
+    padded, B = ops.shape(diag)[0], plan.block
+    nb = padded // B
+    y = hadamard.rht(ops, _pad(ops, x, padded, "float32", x), diag, hadamard.nested_factors(B, hmat))
+    held = ops.zeros((0,), "float32", x)
+    if plan.error_feedback and plan.flush is not None:
+        # Step 1's bound: at most flush x (the range this gradient alone wants) per coordinate
+        # (none in a block without gradient); the rest is held back for later steps.
+        bound = _own_range(ops, plan, ops.reshape(y, (nb, B))) * plan.flush
+        bound = ops.reshape(ops.where(bound > 0.0, bound, float("inf")), (nb, 1))
+        eb = ops.reshape(residual, (nb, B))
+        flushed = ops.minimum(ops.maximum(eb, -bound), bound)
+        held = ops.reshape(eb - flushed, (padded,))
+        y = y + ops.reshape(flushed, (padded,))
+    elif plan.error_feedback:
+        y = y + residual
+    yb = ops.reshape(y, (nb, B))
+    wanted = _own_range(ops, plan, yb)
     # Non-finite y shows in its block's norm or peak: nb values checked, no pass over y.
     finite = ops.logical_and(finite, ops.all(ops.isfinite(wanted), None))
     if plan.stats is None:
-        return y, wanted, ops.zeros((0,), "int32", x), finite
+        return y, held, wanted, ops.zeros((0,), "int32", x), finite
     usable = ops.logical_and(wanted > _TINY_RANGE, finite)
     code = ops.round(ops.log2(ops.where(usable, wanted, 1.0)) * _CODE_SCALE) + _CODE_OFFSET
     code = ops.clip(code, 1.0, float(_CODE_MAX))
     nb = padded // B
     stats = ops.concat([ops.reshape(ops.where(usable, code, 0.0), (nb, 1)),
                         ops.reshape(ops.cast(usable, "float32"), (nb, 1))], 1)
-    return y, wanted, _pack(ops, ops.cast(ops.reshape(stats, (2 * nb,)), "int32"), plan.stats), finite
+    return y, held, wanted, _pack(ops, ops.cast(ops.reshape(stats, (2 * nb,)), "int32"), plan.stats), finite
 
 
 def _noise_bits(ops, key, blocks: int, block: int, like):
@@ -417,14 +526,14 @@ def _noise_bits(ops, key, blocks: int, block: int, like):
     return ops.bitwise_or(bits[:blocks], _ONE_BITS), bits[blocks:]
 
 
-def _quantize_kernel(ops, plan: _Plan, y, ranges, rows, cols, fingerprint, finite, stats_words):
+def _quantize_kernel(ops, plan: _Plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words):
     """Steps 3-5: (payload int32, residual float32 [P] or [0], saturated int64 0-d)."""
-    B, top_level = plan.block, _top_level(plan.bits)
+    B, top_level = plan.block, _top_level(plan.levels.top)
     nb = ops.shape(ranges)[0]
     yb = ops.reshape(y, (nb, B))
     top = ops.reshape(ranges, (nb, 1))
     live = top > 0.0
-    delta = top * _grid(plan.bits)
+    delta = top * _grid(plan.levels.top)
     # Grid position minus one, (y + R) / delta - 1, clipped to [-1, top_level - 1]; -1 in a
     # block without a range, whatever y (it sends level 0 and waits in error feedback).
     inv = ops.where(live, 1.0 / ops.maximum(delta, _TINY_RANGE), 0.0)
@@ -440,6 +549,8 @@ def _quantize_kernel(ops, plan: _Plan, y, ranges, rows, cols, fingerprint, finit
     # y - (q delta - R); nothing kept without error feedback
     residual = (ops.reshape(yb - q * delta + top, (nb * B,)) if plan.error_feedback
                 else ops.zeros((0,), "float32", y))
+    if plan.error_feedback and plan.flush is not None:
+        residual = residual + held
     # A non-finite y gives undefined levels here; the "not finite" word below makes every
     # rank's output NaN and keeps every state, so they are never read.
     levels = _pack(ops, ops.reshape(ops.cast(q, "int32"), (nb * B,)), plan.levels)
@@ -456,12 +567,12 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mi
     nb, padded = ops.shape(ranges)[0], ops.shape(diag)[0]
     summed = _summed(plan, inferred)
     words = -(-padded // lay.lanes)
-    # int32 when the op is known: an exact sum is below 2**31, and so is n * (its truncated
-    # average). With the op inferred, Average's recovery is also computed for Sum's words,
-    # whose n * W would leave int32: int64 then.
-    level_words = payload[:words] if plan.op is not None else ops.cast(payload[:words], "int64")
-    exact = exact_words(ops, level_words, summed, n, lay.guard)
-    lanes = _unpack(ops, exact if plan.op is not None else ops.cast(exact, "int32"), lay)
+    # int64: n times a truncated average leaves int32, and so does a sum with the offsets
+    # added back (up to 2**32 - 1 without guard bits).
+    exact = exact_words(ops, ops.cast(payload[:words], "int64"), summed, n, lay.guard)
+    if lay.offset:
+        exact = exact + count * lay.offset
+    lanes = _unpack(ops, exact, lay)
     total = ops.reshape(ops.cast(lanes[:padded] if lay.lanes * words > padded else lanes, "float32"), (nb, B))
     # One scale and one offset per block: the decoded sum S delta - c R, times 1/n under
     # Average, times 0 after a fingerprint mismatch, plus NaN when a rank failed.
@@ -474,8 +585,8 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mi
     # block: the offset is taken off the integer sums first, not off the scaled values (n R
     # against a small difference: float32 cancellation at large n).
     top = ops.reshape(ranges, (nb, 1))
-    a = top * (_grid(plan.bits) * scale)
-    offset = ops.cast(count, "float32") * (0.5 * _top_level(plan.bits)) + ops.where(bad > 0, float("nan"), 0.0)
+    a = top * (_grid(plan.levels.top) * scale)
+    offset = ops.cast(count, "float32") * (0.5 * _top_level(plan.levels.top)) + ops.where(bad > 0, float("nan"), 0.0)
     values = ops.reshape((total - offset) * a, (padded,))
     return hadamard.irht(ops, values, diag, hadamard.nested_factors(B, hmat))
 
@@ -492,7 +603,7 @@ def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated
         stop = ops.shape(payload)[0] - _CONTROL
         words = ops.cast(payload[stop - (-(-2 * nb // lay.lanes)):stop], "int64")
         exact = exact_words(ops, words, _summed(plan, inferred), plan.world_size, lay.guard)
-        stats = ops.cast(ops.reshape(_unpack(ops, ops.cast(exact, "int32"), lay)[:2 * nb], (nb, 2)), "float32")
+        stats = ops.cast(ops.reshape(_unpack(ops, exact, lay)[:2 * nb], (nb, 2)), "float32")
         code_sum, have = stats[:, 0], stats[:, 1]
         # The offset comes off the integer sum first (exact), so the mean is rounded once.
         mean = (code_sum - have * _CODE_OFFSET) / ops.maximum(have, 1.0)
@@ -526,8 +637,8 @@ class THCScheme(Scheme):
         cfg, n = self.config, info.world_size
         block = hadamard.block_size(info.numel, None if cfg.rotation == "full" else cfg.rotation_stages)
         padded = hadamard.padded_size(info.numel, block)
-        levels = lane_layout(cfg.bits, n)
-        stats = lane_layout(_CODE_BITS, n)  # codes 0..1023
+        levels = lane_layout(cfg.bits, n, cfg.lane_bits, info.op)
+        stats = _stats_layout(n, levels.guard)
         stats_words = 0 if self.blocking else -(-2 * (padded // block) // stats.lanes)
         h = min(13, (31 - levels.guard - n.bit_length()) // 2)
         return Layout(block, padded, padded // block, levels, -(-padded // levels.lanes),
@@ -535,8 +646,9 @@ class THCScheme(Scheme):
 
     def _plan(self, info: TensorInfo, lay: Layout) -> _Plan:
         cfg = self.config
-        return _Plan(cfg.bits, lay.block, lay.levels, None if self.blocking else lay.stats,
-                     self._threshold if cfg.saturation else 0.0, cfg.error_feedback,
+        return _Plan(lay.block, lay.levels, None if self.blocking else lay.stats,
+                     self._threshold if cfg.saturation else 0.0,
+                     cfg.flush if cfg.error_feedback else None, cfg.error_feedback,
                      info.world_size, info.op)
 
     def init(self, ops, info: TensorInfo, like):
@@ -565,7 +677,7 @@ class THCScheme(Scheme):
         plan = self._plan(info, lay)
         # Step 1's Sylvester matrix, built once for the forward and inverse rotations.
         hmat = hadamard.sylvester(ops, max(hadamard.factor_sizes(lay.block)), x)
-        y, wanted, stats_words, finite = ops.fuse(_rotate_kernel, plan)(
+        y, held, wanted, stats_words, finite = ops.fuse(_rotate_kernel, plan)(
             ops.reshape(x, (info.numel,)), state.residual, state.diag, hmat, finite)
         if self.blocking:
             ranges = ops.allreduce(ops.where(ops.isfinite(wanted), wanted, 0.0), "max",
@@ -579,9 +691,9 @@ class THCScheme(Scheme):
         rows, cols = _noise_bits(ops, ops.bitwise_xor(step, self._round_key(info)), lay.blocks, lay.block, x)
         fingerprint = ops.bitwise_and(state.step, (1 << lay.fingerprint_bits) - 1)
         payload, residual, saturated = ops.fuse(_quantize_kernel, plan)(
-            y, ranges, rows, cols, fingerprint, finite, stats_words)
+            y, held, ranges, rows, cols, fingerprint, finite, stats_words)
         return payload, _Ctx(ranges, residual if self.config.error_feedback else None, y, saturated,
-                             state.diag, hmat)
+                             state.diag, hmat, held=held if plan.flush is not None else None)
 
     def receive(self, ops, payload, ctx, info):
         """Step 6's control words, read once for decompress and finish."""
@@ -605,7 +717,8 @@ class THCScheme(Scheme):
         mismatch = ctx.mismatch
         residual = state.residual
         if self.config.error_feedback:  # whole tensors chosen, no pass (ops.select)
-            residual = ops.select(ok, lambda: ops.select(mismatch, lambda: ctx.corrected,
+            whole = (lambda: ctx.corrected + ctx.held) if ctx.held is not None else (lambda: ctx.corrected)
+            residual = ops.select(ok, lambda: ops.select(mismatch, whole,
                                                          lambda: ctx.residual),
                                   lambda: state.residual)
         return THCState(residual, ranges, state.diag, step, saturated, realigned)

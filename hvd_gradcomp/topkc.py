@@ -11,7 +11,8 @@ Steps of ``compress`` (``selection="previous"``, the default; ``d`` coordinates,
        every rank selects the same chunks without any collective inside ``compress``. Before
        the first step all scores are 0 and the first ``k`` chunks go.
     3. Payload values: the selected chunks packed densely, ``k * chunk`` values pre-scaled by
-       1/n (so n ranks' float16 sum stays in range, as in ``fp16``) and cast to
+       1/n (so n ranks' float16 sum stays in range, as in ``fp16``; not where NCCL's Average
+       divides by n itself, :attr:`~hvd_gradcomp.base.TensorInfo.prescale`) and cast to
        ``payload_dtype`` with saturation at the largest float16 <= 65504 / n, so that no
        finite gradient makes the n-rank sum inf (the excess stays in error feedback).
     4. Residual: ``e' = c`` with the sent values (as decoded) subtracted from the selected
@@ -215,7 +216,7 @@ class TopKCScheme(Scheme):
         return f"hvd_gradcomp.topkc.scores.{info.key}"
 
     def compress(self, ops, x, state, info, finite):
-        cfg, n = self.config, info.world_size
+        cfg = self.config
         m, k, pad = self._sizes(info)
         flat = ops.reshape(x, (info.numel,))
         plan = (cfg.chunk, cfg.error_feedback, self.blocking, cfg.residual_decay)
@@ -228,13 +229,13 @@ class TopKCScheme(Scheme):
             idx = ops.argsort(ranking)[:k]
         # Step 3.
         picked = ops.gather(chunks, idx)
-        wire = saturating_cast(ops, picked * (1.0 / n), cfg.payload_dtype, n)
+        wire = saturating_cast(ops, picked * info.prescale, cfg.payload_dtype, limit=info.fp16_limit)
         payload = ops.reshape(wire, (k * cfg.chunk,))
         left = sent = None
         if cfg.error_feedback:
             # Step 4: subtract what was sent (as decoded) from the selected chunks only; the
             # chunks are a temporary here (c = g + e is a new tensor), updated in place.
-            sent = ops.cast(wire, "float32") * float(n)
+            sent = ops.cast(wire, "float32") * info.unscale
             left = ops.reshape(ops.index_add(chunks, idx, sent * -1.0), (m * cfg.chunk,))
         if not self.blocking:
             # Step 5: the kernel scored g + beta c, which is g + beta e' for every chunk not
@@ -286,7 +287,7 @@ class TopKCScheme(Scheme):
         cfg = self.config
         m, k, _ = self._sizes(info)
         rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
-        scale = float(info.world_size)
+        scale = info.unscale
         if not self.blocking:  # ranks that selected different chunks: 0, never a wrong sum
             # (times 0, not a plain 0: a NaN from a failed rank must still reach the output)
             scale = ops.where(ctx.split, 0.0, scale)

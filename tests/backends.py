@@ -35,15 +35,19 @@ def one_rank_ops(name):
     return one_rank(backend_ops(name))
 
 
-def backend_tensor(backend, values, dtype="float32"):
-    """A tensor of ``backend`` ("torch"/"tensorflow") holding ``values`` (via float64) as ``dtype``."""
+def backend_tensor(backend, values, dtype="float32", device=None):
+    """A tensor of ``backend`` ("torch"/"tensorflow") holding ``values`` (via float64) as
+    ``dtype``, on ``device`` ("cpu", "cuda"; None: the framework's default placement)."""
     import numpy as np
     if backend == "torch":
         import torch
         from torch_backend.ops import to_torch_dtype
-        return torch.as_tensor(np.asarray(values, dtype=np.float64)).to(to_torch_dtype(dtype))
+        return torch.as_tensor(np.asarray(values, dtype=np.float64)).to(to_torch_dtype(dtype)).to(device or "cpu")
     import tensorflow as tf
-    return tf.cast(tf.constant(np.asarray(values, dtype=np.float64)), dtype)
+    if device is None:
+        return tf.cast(tf.constant(np.asarray(values, dtype=np.float64)), dtype)
+    with tf.device("/GPU:0" if device == "cuda" else "/CPU:0"):
+        return tf.cast(tf.constant(np.asarray(values, dtype=np.float64)), dtype)
 
 
 def native_tensor(backend, values):
@@ -63,7 +67,7 @@ def as_float64(x):
     import numpy as np
     if hasattr(x, "detach"):
         import torch
-        return x.detach().to(torch.float64).numpy()
+        return x.detach().to(torch.float64).cpu().numpy()
     import tensorflow as tf
     return np.asarray(tf.cast(x, tf.float64))
 
@@ -91,3 +95,23 @@ def scheme_steps(ops, scheme, tensors, info):
         log.append({"payload": payload, "ctx": ctx, "out": out, "old": state, "after": after})
         state = after
     return log
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def missing_device(backend, device):
+    """None if ``backend`` can place tensors on ``device`` here, else the reason it cannot."""
+    if device == "cpu":
+        return None
+    if backend == "torch":
+        import torch
+        if torch.cuda.is_available():
+            return None
+        return (f"no CUDA device for PyTorch {torch.__version__} (torch.cuda.is_available() is False); "
+                f"tests/gpu/run_checks.sh runs these on a GPU machine")
+    import tensorflow as tf
+    if tf.config.list_physical_devices("GPU"):
+        return None
+    return (f"no GPU visible to TensorFlow {tf.__version__} (a CPU build, or no device); "
+            f"tests/gpu/run_checks.sh runs these on a GPU machine")

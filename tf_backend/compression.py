@@ -124,6 +124,12 @@ class Compressor(HorovodCompressor):
         import horovod.tensorflow as hvd
         return hvd
 
+    def _on_gpu(self, tensor):
+        # Inside a tf.function a tensor's device may still be unplaced (""): Horovod's op then
+        # lands on a GPU whenever one is visible (its GPU kernel exists in a GPU build).
+        device = getattr(tensor, "device", "") or ""
+        return "GPU" in device.upper() or (not device and bool(tf.config.list_logical_devices("GPU")))
+
     def _has_state(self, key):
         return key in self._vars
 

@@ -33,6 +33,44 @@ def _like(fn):
     return wrapped
 
 
+def tf32_split(x):
+    """``(hi, lo)`` with ``hi + lo == x`` (float32) and ``hi`` exactly representable in TF32
+    (its 13 low mantissa bits cleared): the operands of :func:`_matmul`'s three products."""
+    hi = tf.bitcast(tf.bitwise.bitwise_and(tf.bitcast(x, tf.int32), tf.constant(-8192, tf.int32)), tf.float32)
+    return hi, x - hi
+
+
+_GPU_VISIBLE = []  # [bool] once known: TensorFlow's devices are fixed once it has started
+
+
+def _tf32_on_gpu() -> bool:
+    """TensorFlow's TF32 switch is on (its default) and a GPU is visible (read at trace time)."""
+    if not tf.config.experimental.tensor_float_32_execution_enabled():
+        return False
+    if not _GPU_VISIBLE:
+        _GPU_VISIBLE.append(bool(tf.config.list_logical_devices("GPU")))
+    return _GPU_VISIBLE[0]
+
+
+def _matmul(a, b):
+    """``a @ b`` in float32 precision even where TensorFlow runs float32 matmuls in TF32.
+
+    TensorFlow enables TF32 by default on Ampere and later GPUs (10-bit mantissas), which
+    breaks THC's rotation round trip and PowerSGD's orthogonalisation. Its switch
+    (``tf.config.experimental.enable_tensor_float_32_execution``) is global and read when a
+    kernel runs, so it cannot be turned off for our products alone. Instead each float32
+    operand is split into a TF32-exact high part and the rest, and ``a @ b`` is taken as
+    ``ah bh + ah bl + al bh`` (three TF32 products; the dropped ``al bl`` and TF32's rounding
+    of the low parts are ~2**-22 relative): float32 accuracy, three products' cost, on GPUs
+    with TF32 on only (trace-time check); elsewhere one plain product.
+    """
+    if a.dtype != tf.float32 or not _tf32_on_gpu():
+        return tf.linalg.matmul(a, b)
+    ah, al = tf32_split(a)
+    bh, bl = tf32_split(b)
+    return tf.linalg.matmul(ah, bh) + (tf.linalg.matmul(ah, bl) + tf.linalg.matmul(al, bh))
+
+
 def _allreduce(x, op, name, group=None):
     # Inside a graph the wait cannot be polled: Horovod's own stall check
     # (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) is what stops a mismatched order (README).
@@ -98,8 +136,8 @@ OPS = Primitives(
     all=lambda x, axis: tf.reduce_all(x, axis),
     count=lambda x, axis: tf.math.count_nonzero(x, axis, dtype=tf.int64),
     norm=lambda x, axis: tf.sqrt(tf.reduce_sum(x * x, axis)),
-    matmul=tf.linalg.matmul,
-    addmm=lambda c, a, b, alpha: c + alpha * tf.linalg.matmul(a, b),
+    matmul=_matmul,
+    addmm=lambda c, a, b, alpha: c + alpha * _matmul(a, b),
     top_k=lambda x, k: tf.cast(tf.math.top_k(x, k, sorted=True).indices, tf.int64),
     argsort=lambda x: tf.cast(tf.argsort(x, direction="DESCENDING", stable=True), tf.int64),
     gather=lambda x, idx: tf.gather(x, idx),

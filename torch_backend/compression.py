@@ -103,6 +103,9 @@ class Compressor(HorovodCompressor):
         import horovod.torch as hvd
         return hvd
 
+    def _on_gpu(self, tensor):
+        return tensor.device.type == "cuda"
+
     def _has_state(self, key):
         return key in self._states
 

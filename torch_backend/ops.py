@@ -198,6 +198,34 @@ def _addmm(c, a, b, alpha):
     return c
 
 
+def _full_fp32(fn):
+    """``fn`` (a matmul) with float32 products in full precision, whatever the user chose.
+
+    ``torch.set_float32_matmul_precision("high")`` / ``allow_tf32`` (TF32 on Ampere and later:
+    10-bit mantissas) or ``"medium"`` (bfloat16 through oneDNN on CPUs) would round the codecs'
+    products: THC's rotation round trip and PowerSGD's orthogonalisation need float32. The
+    backend's own ``fp32_precision`` (PyTorch's per-backend API: ``cuda.matmul`` or
+    ``mkldnn.matmul``) is set to ``"ieee"`` for the call and restored after it, only when it
+    is not already full precision; the user's setting is never left changed. Inside
+    ``torch.compile`` (``HVD_GRADCOMP_COMPILE``) the setting in force when the kernel compiles
+    applies (docs/gpu.md).
+    """
+    def run(*args):
+        if torch.compiler.is_compiling():
+            return fn(*args)
+        backend = torch.backends.cuda.matmul if args[0].is_cuda else torch.backends.mkldnn.matmul
+        prev = backend.fp32_precision
+        if prev == "ieee" or (prev == "none" and torch.backends.fp32_precision in ("ieee", "none")):
+            return fn(*args)
+        backend.fp32_precision = "ieee"
+        try:
+            return fn(*args)
+        finally:
+            backend.fp32_precision = prev
+    run.__name__ = fn.__name__
+    return run
+
+
 def _select(pred, true_fn, false_fn):
     # A CPU pred is read for free; on a GPU reading it would sync, so both run and are blended.
     if pred.device.type == "cpu":
@@ -237,8 +265,8 @@ OPS = Primitives(
     # count_nonzero: 2.4 ms for a 16 MiB bool mask against 8.6 ms for its sum (one thread)
     count=lambda x, axis: torch.count_nonzero(x) if axis is None else torch.count_nonzero(x, dim=axis),
     norm=lambda x, axis: torch.linalg.vector_norm(x, dim=axis),
-    matmul=_matmul,
-    addmm=_addmm,
+    matmul=_full_fp32(_matmul),
+    addmm=_full_fp32(_addmm),
     top_k=lambda x, k: torch.topk(x, k, sorted=True).indices,
     argsort=lambda x: torch.sort(x, descending=True, stable=True).indices,
     gather=lambda x, idx: x.index_select(0, idx),

@@ -5,6 +5,7 @@ Commands:
     overhead  compress + decompress cost per compressor and tensor size, against FP16
     model     scale model: projected step time and TTA ratio vs FP16 for N workers and links
     publish   a finished sweep's table and plots into a README/docs block, from its results.json
+    autospeed auto against fixed fp16 on the link as it is: first window's cost, settled ratio
 
 Each command's ``--help`` lists its options.
 """
@@ -12,7 +13,8 @@ import importlib
 import sys
 
 COMMANDS = {"tta": "hvd_gradcomp.bench.tta", "overhead": "hvd_gradcomp.bench.overhead",
-            "model": "hvd_gradcomp.bench.model", "publish": "hvd_gradcomp.bench.publish"}
+            "model": "hvd_gradcomp.bench.model", "publish": "hvd_gradcomp.bench.publish",
+            "autospeed": "hvd_gradcomp.bench.autospeed"}
 
 
 def main(argv=None):

@@ -60,7 +60,7 @@ import time
 
 from typing import NamedTuple, Optional
 
-from . import launch, linkcheck, netem, publish, report
+from . import device, launch, linkcheck, netem, publish, report
 from .worker import PROGRESS_PREFIX
 
 __all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "SweepOutcome",
@@ -351,6 +351,8 @@ def _command(run, args, out_json, extra=()):
     if run.optimizer:
         cmd += ["--optimizer", run.optimizer]
     cmd += ["--seed", str(args.seed), "--out", out_json, "--progress"]
+    if getattr(args, "device", "cpu") != "cpu":
+        cmd += ["--device", args.device]
     cmd += list(WORKLOAD_FLAGS.get(run.workload, ())) if run.system != "ddp" else []
     if args.max_seconds:
         cmd += ["--max-seconds", str(args.max_seconds)]
@@ -432,7 +434,9 @@ def execute(net, run, args, out_dir, progress=True, extra=()):
         f.write(" ".join(cmd) + "\n")
     own = network_for(net, run)
     handle = launch.launch(own, cmd, kind="ddp" if run.system == "ddp" else "horovod",
-                           env=launch.malloc_env(args.malloc), log_dir=log_dir, pipe_rank0=True)
+                           env={**launch.malloc_env(args.malloc),
+                                **device.launch_env(getattr(args, "device", "cpu"), own)},
+                           log_dir=log_dir, pipe_rank0=True)
     lines = queue.Queue()
     stdout = handle.procs[0].stdout
 
@@ -519,6 +523,7 @@ def build_parser():
                         "unthrottled loopback link (the network left out), the limit any "
                         "compressor can approach (default on; lm-comm alone: off)")
     p.add_argument("--workers", type=int, default=2, help="ranks (one namespace each)")
+    device.add_device_arg(p)
     p.add_argument("--bandwidth", type=float, default=None,
                    help=f"Mbit/s per worker link, each direction (default {DEFAULT_BANDWIDTH_MBIT:g}; "
                         f"lm-comm alone: {WORKLOAD_SWEEP_DEFAULTS['lm-comm']['bandwidth']:g})")
@@ -619,6 +624,7 @@ def plan_sweep(args) -> SweepPlan:
     for key in ("bandwidth", "max_seconds", "ddp_hooks", "no_comm_reference"):
         if getattr(args, key, None) is None:
             setattr(args, key, defaults[key])
+    device.check_sweep(args, [WORKLOADS[w][0] for w in workloads if w in WORKLOADS])
     unavailable = {}
     if args.compressors:
         specs, skipped = parse_compressors(args.compressors), []

@@ -174,13 +174,18 @@ class TimedCompressor:
         side_module, side_attr: where the framework's synchronous all-reduce lives (e.g.
             ``horovod.torch``, ``"allreduce"``); while ``compress`` runs, calls to it are timed
             as communication (``side_s``) and excluded from ``compress_s``. None: not separated.
+        sync: a callable draining the device (``--device cuda``: :func:`.device.sync_fn`),
+            called before and after each compress/decompress; None: none (CPU).
 
     Use :meth:`take` once per step to read and reset ``(compress_s, decompress_s, side_s)``.
     Valid only where compress runs eagerly (PyTorch; not inside ``tf.function``).
     """
 
-    def __init__(self, inner, side_module=None, side_attr="allreduce"):
+    def __init__(self, inner, side_module=None, side_attr="allreduce", sync=None):
         self.inner = inner
+        # sync: drains the device before and after each call (--device cuda), so the times
+        # are the codecs' kernels, not their launches; None on the CPU.
+        self._sync = sync or (lambda: None)
         self.compress_s = self.decompress_s = self.side_s = 0.0
         self._inside = threading.local()
         self._patched = None
@@ -202,18 +207,22 @@ class TimedCompressor:
     def compress(self, tensor):
         self._inside.on = True
         side0 = self.side_s
+        self._sync()
         t0 = time.perf_counter()
         try:
             return self.inner.compress(tensor)
         finally:
             self._inside.on = False
+            self._sync()
             self.compress_s += time.perf_counter() - t0 - (self.side_s - side0)
 
     def decompress(self, payload, ctx):
+        self._sync()
         t0 = time.perf_counter()
         try:
             return self.inner.decompress(payload, ctx)
         finally:
+            self._sync()
             self.decompress_s += time.perf_counter() - t0
 
     def take(self):

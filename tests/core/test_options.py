@@ -116,6 +116,7 @@ HARDER_PAIRS = {
     ("powersgd", "uncompressed_dtype"): ("powersgd:rank=4", "powersgd:rank=4,uncompressed_dtype=float32"),
     ("powersgd", "variant"): ("powersgd:rank=4", "powersgd:rank=4,variant=two_round"),
     ("thc", "bits"): ("thc:bits=2", "thc:bits=8"),
+    ("thc", "lane_bits"): ("thc:lane_bits=4", "thc:lane_bits=16"),
     ("thc", "range"): ("thc", "thc:range=current"),
 }
 # Large enough that fixed costs do not decide (the options' "harder" is stated for these).

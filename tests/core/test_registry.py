@@ -75,6 +75,22 @@ def test_bad_keyword_options_raise_value_error():
         make_scheme("topk", ratio=True)
 
 
+def test_an_option_given_twice_is_refused_with_one_message_everywhere():
+    """In a spec, in a call, positional and by name, and min_numel in a routing spec."""
+    calls = [lambda: parse_spec("topkc:ratio=0.1,ratio=0.5"), lambda: parse_spec("topkc:0.1,ratio=0.5"),
+             lambda: make_scheme("topkc", 0.1, ratio=0.5), lambda: Routing.from_spec("topkc:ratio=0.1,ratio=0.5"),
+             lambda: Routing.from_spec("auto:every=10,every=20")]
+    messages = []
+    for call in calls:
+        with pytest.raises(ValueError) as err:
+            call()
+        messages.append(str(err.value))
+    assert messages == ["topkc: ratio given twice"] * 4 + ["auto: every given twice"]
+    with pytest.raises(ValueError) as err:
+        Routing.from_spec("thc:min_numel=5,min_numel=6")
+    assert str(err.value) == "thc: min_numel given twice"
+
+
 @pytest.mark.skipif(len(BACKENDS) < 2, reason="needs both backends")
 def test_frontends_offer_the_same_compressors():
     import tf_backend

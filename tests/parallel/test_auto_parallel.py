@@ -78,7 +78,10 @@ def _torch_worker():
     comp_b = Compression.auto(**SLOW)
     comp_b.load_state_dict(saved)
     rest_b, choices_b = steps(comp_b, 7, STEPS)
-    res["resume_same"] = all(np.array_equal(a, b) for a, b in zip(rest_a, rest_b))
+    # The resumed first step is a sync step (a float32 flush of what each rank owes: auto's
+    # Agreement), so its outputs differ from going on; by the probe at step 10 (THC's exact
+    # flush) both runs have delivered everything: the same sums, and the same schedule.
+    res["resume_same"] = np.allclose(sum(rest_a), sum(rest_b), rtol=0, atol=1e-4)
     res["resume_choices"] = choices_b
     # 3. Lanes riding on PowerSGD's payload under Average; the switch to fp16 carries.
     comp_g = Compression.auto(**GATE)
@@ -163,23 +166,23 @@ def _tf_worker():
 
 
 def _check_flushes(outs):
-    """At each probe step, the summed outputs so far equal the summed gradients (float64);
-    between probes THC's error feedback is pending."""
+    """At each probe step (and the sync step 0), the summed outputs so far equal the summed
+    gradients (float64); between probes THC's error feedback is pending."""
     total_out = np.zeros(SHAPE)
     total_in = np.zeros(SHAPE)
     for t, out in enumerate(outs):
         total_out += out
         total_in += _grad(0, t) + _grad(1, t)
         rel = np.linalg.norm(total_out - total_in) / np.linalg.norm(total_in)
-        if t in PROBES:
+        if t in PROBES or t == 0:  # step 0: the sync step, a float32 flush too
             assert rel < 1e-6, (t, rel)  # float32 rounding of the probe payload only
-        elif t in (0, 1, PROBES[0] + 1):
+        elif t in (1, PROBES[0] + 1):
             assert rel > 1e-3, (t, rel)  # a compressed step: error feedback pending
 
 
 def _check_gate(ranks):
-    """The gate run on every rank: the same choices and outputs; PowerSGD until the first
-    probe (step 2), then fp16 with the carry held for one step; at every step the ranks'
+    """The gate run on every rank: the same choices and outputs; PowerSGD from the sync
+    step (step 0, exact) until the first probe (step 2), then fp16 with the carry held for one step; at every step the ranks'
     mean outputs times 2 plus their pending residuals equal the summed gradients."""
     r0, r1 = (r["gate"] for r in ranks)
     assert r0["choices"] == r1["choices"] == ["powersgd:rank=4"] * 2 + ["fp16"] * (GATE_STEPS - 2)
@@ -193,7 +196,7 @@ def _check_gate(ranks):
         total_in += _grad(0, t) + _grad(1, t)
         total_out += 2 * r0["outs"][t]  # op Average
         owed = r0["owed"][t] + r1["owed"][t]
-        assert np.linalg.norm(owed) > 1.0 if t < 3 else np.linalg.norm(owed) == 0, t
+        assert np.linalg.norm(owed) > 1.0 if 0 < t < 3 else np.linalg.norm(owed) == 0, t  # 0: sync
         rel = np.linalg.norm(total_out + owed - total_in) / np.linalg.norm(total_in)
         assert rel < 2e-3, (t, rel)  # fp16 payloads round
 

@@ -1,4 +1,4 @@
-"""The same PyTorch workloads under ``torch.distributed`` DDP (Gloo) with its built-in hooks.
+"""The same PyTorch workloads under ``torch.distributed`` DDP (Gloo; NCCL with ``--device cuda``) with its built-in hooks.
 
 What a PyTorch user would pick instead of Horovod + hvd-gradcomp: DDP's own communication
 hooks. Launch with torchrun-style variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
@@ -30,13 +30,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .. import device as devices
 from ..worker import add_common_args
 from . import torch_workloads
 
@@ -82,15 +82,17 @@ def wire_bytes(model, hook, rank, min_compression_rate=2):
 
 
 class DDPTrainer:
-    def __init__(self, workload, model, lr, hook, rank, seed, calib_every, optimizer=""):
+    def __init__(self, workload, model, lr, hook, rank, seed, calib_every, device="cpu", optimizer=""):
         self.workload = workload
+        self.device, self.clock = device, devices.clock(device)
         # One bucket of up to 64 MiB (an explicit cap also sizes DDP's first bucket): the whole
         # gradient of every workload (17.4 MB at most) in one all-reduce, as Horovod's default
         # fusion buffer (128 MiB in 0.28.1) holds it. With DDP's default small first bucket,
         # powerSGD_hook on Gloo hung here: each bucket's future callback issues a nested
         # all-reduce from a Gloo thread and waits for it, and with two buckets the ranks
         # could post those in different orders.
-        self.model = DDP(model, bucket_cap_mb=64)  # broadcasts rank 0's parameters
+        self.model = DDP(model, bucket_cap_mb=64,  # broadcasts rank 0's parameters
+                         device_ids=None if torch.device(device).type == "cpu" else [torch.device(device).index])
         self.opt = torch_workloads.build_optimizer(workload, self.model.parameters(), lr, optimizer)
         self.hook_s = 0.0
         self.calib, self.calib_every, self.steps = [], calib_every, 0
@@ -111,19 +113,19 @@ class DDPTrainer:
             state = fn = None
         if fn is not None:
             def timed(state, bucket):
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 try:
                     return fn(state, bucket)
                 finally:
-                    self.hook_s += time.perf_counter() - t0
+                    self.hook_s += self.clock() - t0
             self.model.register_comm_hook(state, timed)
 
     def _calibrate(self, x, y):
         self.opt.zero_grad()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         with self.model.no_sync():
             self.workload.loss(self.model, x, y).backward()
-        self.calib.append(time.perf_counter() - t0)
+        self.calib.append(self.clock() - t0)
         self.opt.zero_grad()
 
     def step(self, x, y):
@@ -131,19 +133,19 @@ class DDPTrainer:
             self._calibrate(x, y)  # off the clock
         self.steps += 1
         self.hook_s = 0.0
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.opt.zero_grad()
         loss = self.workload.loss(self.model, x, y)
         loss.backward()  # DDP all-reduces buckets during backward and waits at its end
-        t1 = time.perf_counter()
+        t1 = self.clock()
         self.opt.step()
-        t2 = time.perf_counter()
+        t2 = self.clock()
         fb = statistics.median(self.calib[-5:])
         codec = self.hook_s
         return loss.detach(), fb + (t2 - t1), codec, (t1 - t0) - fb - codec
 
     def allreduce_sum(self, values):
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
@@ -158,21 +160,27 @@ def main(argv=None):
     parser.add_argument("--hook", default="fp16", help="none, fp16, powersgd:rank=R or ours:<spec>")
     if known.workload == "digits":
         parser.add_argument("--hidden", type=int, default=2048)
+    devices.add_device_arg(parser)
     args = parser.parse_args(argv)
+    try:
+        devices.check_device(args.device)
+    except devices.DeviceUnavailable as e:
+        parser.error(str(e))
     hook, hook_rank = parse_hook(args.hook)
     args.compression = f"ddp:{args.hook}"
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     rank, size = dist.get_rank(), dist.get_world_size()
+    device = devices.rank_device(args.device, rank)
     torch.manual_seed(args.seed)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     extra = {"hidden": args.hidden} if known.workload == "digits" else {}
-    wl = cls(rank, size, args.seed, args.batch_size, **extra)
-    model = wl.model()
-    trainer = DDPTrainer(wl, model, args.lr, hook, hook_rank, args.seed, args.eval_every, args.optimizer)
+    wl = devices.place_workload(cls(rank, size, args.seed, args.batch_size, **extra), device)
+    model = wl.model().to(device)
+    trainer = DDPTrainer(wl, model, args.lr, hook, hook_rank, args.seed, args.eval_every, device, args.optimizer)
     label = {"none": "DDP fp32", "fp16": "DDP fp16_compress_hook",
              "powersgd": f"DDP powerSGD_hook rank={hook_rank}", "ours": f"{hook_rank} on DDP"}[hook]
     meta = {"framework": "torch", "system": "ddp", "label": label, "hook": args.hook,
-            "ddp_start_powerSGD_iter": 2 if hook == "powersgd" else None}
+            "ddp_start_powerSGD_iter": 2 if hook == "powersgd" else None, "device": str(device)}
     if hook == "ours":
         def wire():
             b = trainer.compressor.bytes_per_step()

@@ -19,7 +19,6 @@ With ``--out PATH`` rank 0 writes the records as JSON (the harness
 import argparse
 import os
 import sys
-import time
 
 import torch
 import horovod.torch as hvd
@@ -27,6 +26,7 @@ import horovod.torch as hvd
 import torch_backend.ops
 from torch_backend import Compression
 
+from .. import device as devices
 from ..worker import TimedCompressor, add_common_args
 from . import torch_workloads
 
@@ -34,13 +34,16 @@ from . import torch_workloads
 class HorovodTrainer:
     """One ``hvd.DistributedOptimizer`` step, timed (module docs)."""
 
-    def __init__(self, workload, model, lr, spec, optimizer="", adam_log_every=0, optimizer_defaults=None):
+    def __init__(self, workload, model, lr, spec, optimizer="", adam_log_every=0, optimizer_defaults=None,
+                 device="cpu"):
         self.workload, self.model = workload, model
+        self.device, self.clock = device, devices.clock(device)
         # The optimizer first: a row naming one this checkout lacks fails before any collective.
         opt = torch_workloads.build_optimizer(workload, model.parameters(), lr, optimizer, optimizer_defaults)
         # Blocking variants' side all-reduce (torch_backend.ops._allreduce) counts as
         # communication, not codec.
-        self.compressor = TimedCompressor(Compression.from_spec(spec), torch_backend.ops, "_allreduce")
+        self.compressor = TimedCompressor(Compression.from_spec(spec), torch_backend.ops, "_allreduce",
+                                          sync=devices.sync_fn(device))
         self.opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                             compression=self.compressor, op=hvd.Average)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -50,25 +53,27 @@ class HorovodTrainer:
         self.steps = 0
 
     def step(self, x, y):
-        t0 = time.perf_counter()
+        # self.clock: perf_counter, after draining the GPU under --device cuda (device.clock).
+        t0 = self.clock()
         self.opt.zero_grad()
         loss = self.workload.loss(self.model, x, y)
         loss.backward()  # Horovod's hooks compress each gradient and start its all-reduce
-        t1 = time.perf_counter()
+        t1 = self.clock()
         self.opt.synchronize()  # wait for the all-reduces, decompress into p.grad
         self.steps += 1
         self.probe.before(self.steps)  # off the clock
-        t2 = time.perf_counter()
+        t2 = self.clock()
         with self.opt.skip_synchronize():
             self.opt.step()
-        t3 = time.perf_counter()
+        t3 = self.clock()
         self.probe.after(self.steps)
         comp_s, decomp_s, side_s = self.compressor.take()
         compute = (t1 - t0 - comp_s - side_s) + (t3 - t2)
         return loss.detach(), compute, comp_s + decomp_s, (t2 - t1 - decomp_s) + side_s
 
     def allreduce_sum(self, values):
-        out = hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=hvd.Sum, name="tta.eval")
+        out = hvd.allreduce(torch.tensor(values, dtype=torch.float64, device=self.device),
+                            op=hvd.Sum, name="tta.eval")
         return out.tolist()
 
     def bytes_per_step(self):
@@ -130,16 +135,27 @@ def main(argv=None, workload="digits"):
                         help="log Adam's per-tensor update RMS and second moment every this many "
                              "steps (over the 10 steps before; 0: off)")
     add_optimizer_args(parser, with_name=False)  # --optimizer is a common flag (worker.py)
+    devices.add_device_arg(parser)
     args = parser.parse_args(argv)
+    try:
+        devices.check_device(args.device)
+    except devices.DeviceUnavailable as e:
+        parser.error(str(e))
     hvd.init()
+    if args.device != "cpu":
+        try:
+            devices.check_device(args.device, horovod=hvd)
+        except devices.DeviceUnavailable as e:
+            parser.error(str(e))
+    device = devices.rank_device(args.device, hvd.rank())
     torch.manual_seed(args.seed)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     extra = {"hidden": args.hidden} if workload == "digits" else {}
-    wl = cls(hvd.rank(), hvd.size(), args.seed, args.batch_size, **extra)
-    model = wl.model()
+    wl = devices.place_workload(cls(hvd.rank(), hvd.size(), args.seed, args.batch_size, **extra), device)
+    model = wl.model().to(device)
     try:
         trainer = HorovodTrainer(wl, model, args.lr, args.compression, args.optimizer, args.adam_log_every,
-                                 optimizer_defaults(args))
+                                 optimizer_defaults(args), device)
     except ValueError as e:  # a bad or missing optimizer or spec: the same message on every rank
         print(f"{workload} worker: {e}", file=sys.stderr, flush=True)
         hvd.shutdown()
@@ -148,7 +164,7 @@ def main(argv=None, workload="digits"):
     # its first parameter group's options (Horovod's wrapper re-initialises ``defaults``).
     built = {k: list(v) if isinstance(v, tuple) else v for k, v in trainer.opt.param_groups[0].items()
              if k != "params" and isinstance(v, (bool, int, float, tuple))}
-    meta = {"framework": "torch", "system": "horovod", "label": args.compression,
+    meta = {"framework": "torch", "system": "horovod", "label": args.compression, "device": str(device),
             "optimizer_class": type(trainer.opt).__name__,  # Horovod's wrapper keeps the name
             "optimizer_options": built}
     torch_workloads.train(wl, model, trainer, args, hvd.rank(), hvd.size(), meta,
