@@ -234,6 +234,14 @@ class Scheme:
         NamedTuple-like with ``_fields``) was written in a format this scheme no longer reads;
         default: accept (the adapters check fields and shapes)."""
 
+    def hand_over(self, ops, state, own, aggregate, info: TensorInfo):
+        """The state for the first compressed step after an FP16 warm-up
+        (:mod:`hvd_gradcomp.warmup`), from the last FP16 step: ``own`` (float32 [numel], this
+        rank's gradient as decoded) and ``aggregate`` (float32 [numel], the all-reduced one,
+        the same on every rank; sum or mean as the reduction). It must derive what ranks agree
+        on from ``aggregate`` only. Default: ``state`` unchanged."""
+        return state
+
     def blocks(self, info: TensorInfo) -> bool:
         """True if compress posts a blocking side collective for this tensor (``blocking``
         variants, except on the tensors they send uncompressed)."""
