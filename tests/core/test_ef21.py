@@ -143,3 +143,59 @@ def test_ef21_spec_and_options():
         make_scheme("thc", error_feedback="ef21")
     scheme = make_scheme("topkc", error_feedback="ef21")
     assert {"local", "estimate"} <= set(scheme.rank_local_fields)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_powersgd_ef21_recursion(backend, op):
+    """PowerSGD alternating with EF21, 2 ranks, 8 steps, against the float64 recursion on the
+    agreed basis each step starts from (even: P_i = (G_i - h_i) Q^, odd: Q_i = (G_i - h_i)^T P^;
+    h_i += its own decoded factor, H += the decoded aggregate; output H), whose basis tracking
+    is PowerSGD's own (tests/core/test_powersgd.py)."""
+    from tests.core.test_warmup import Sim
+    n, shape = 2, (8, 12)
+    sim = Sim(backend, n, op, "powersgd:2,error_feedback=ef21", shape=shape)
+    gen = np.random.default_rng(7)
+    h = [np.zeros(shape) for _ in range(n)]
+    H = np.zeros(shape)
+    for step in range(8):
+        st = sim.states[0]
+        p, q, even = as_float64(st.p).T, as_float64(st.q).T, int(st.step) % 2 == 0
+        grads = [gen.standard_normal(shape) for _ in range(n)]
+        grads = [g.astype(np.float32).astype(np.float64) for g in grads]
+        outs = sim.step(grads)
+        own = [(g - hi) @ q @ q.T if even else p @ p.T @ (g - hi) for g, hi in zip(grads, h)]
+        total = sum(own) / (n if op == "average" else 1)
+        H = H + total
+        h = [hi + o for hi, o in zip(h, own)]
+        for r in range(n):
+            np.testing.assert_allclose(outs[r], H, rtol=0, atol=1e-4 * np.abs(H).max(), err_msg=f"step {step} rank {r}")
+            np.testing.assert_allclose(as_float64(sim.states[r].local), h[r], rtol=0, atol=1e-4 * np.abs(h[r]).max())
+            np.testing.assert_array_equal(as_float64(sim.states[r].estimate), as_float64(sim.states[0].estimate))
+        assert int(sim.states[0].realigned) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_powersgd_ef21_realigns_and_options(backend):
+    """A rank whose state is two steps behind: output 0 on both, h_i and H restart at 0; the
+    two-round variant refuses EF21 with the reason."""
+    from tests.core.test_warmup import Sim
+    n, shape = 2, (8, 12)
+    sim = Sim(backend, n, "sum", "powersgd:2,error_feedback=ef21", shape=shape)
+    gen = np.random.default_rng(8)
+    for step in range(5):
+        if step == 3:
+            old = sim.states[1]
+        sim.step([gen.standard_normal(shape) for _ in range(n)])
+    sim.states[1] = old
+    outs = sim.step([gen.standard_normal(shape) for _ in range(n)])
+    for r in range(n):
+        assert not outs[r].any()
+        assert int(sim.states[r].realigned) == 1 and not as_float64(sim.states[r].estimate).any()
+        assert not as_float64(sim.states[r].local).any()
+    outs = sim.step([gen.standard_normal(shape) for _ in range(n)])
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert outs[0].any()
+    with pytest.raises(ValueError, match="needs variant='alternating'"):
+        make_scheme("powersgd", error_feedback="ef21", variant="two_round")
+    assert to_spec(make_scheme("powersgd", 4, error_feedback="ef21")) == "powersgd:rank=4,error_feedback=ef21"
