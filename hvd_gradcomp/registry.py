@@ -227,7 +227,7 @@ def describe_options(names=None, markdown: bool = False) -> str:
         lines.append(f"| every compressor | `{ROUTING_OPTION}` | {MIN_NUMEL.values()} | "
                      f"{_default_min_numel()} | - | {MIN_NUMEL.doc} (routing) |")
         lines.append(f"| every compressor | `{WARMUP_OPTION}` | {WARMUP.values()} | "
-                     f"`{WARMUP.default}` | lower | {WARMUP.doc} |")
+                     f"`{WARMUP.default}` | - | {WARMUP.doc} |")
         if plain:
             lines += ["", ", ".join(title(n, True) for n in plain) + " take no options."]
         lines += ["", "The first option may be given without its name (`topkc:0.1`, "
@@ -249,7 +249,7 @@ def describe_options(names=None, markdown: bool = False) -> str:
     lines.append("every compressor (routing)")
     lines.append(f"  {ROUTING_OPTION}  [{MIN_NUMEL.values()}; default {_default_min_numel()}]")
     lines.append(f"      {MIN_NUMEL.doc}")
-    lines.append(f"  {WARMUP_OPTION}={WARMUP.default}  [{WARMUP.values()}; harder: lower]")
+    lines.append(f"  {WARMUP_OPTION}={WARMUP.default}  [{WARMUP.values()}; harder: -]")
     lines.append(f"      {WARMUP.doc}")
     return "\n".join(lines)
 
