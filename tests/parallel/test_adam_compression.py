@@ -214,6 +214,6 @@ def test_tf_warmup(results_tf):
                                        atol=1e-6 * np.abs(expected).max())
         assert results_tf[r]["warmup_state"] == -1
         assert results_tf[r]["graph"] is not None and "fp16_warmup" in results_tf[r]["graph"]
-        assert results_tf[r]["graph"].startswith("topkc")
+        assert "topkc:ratio=0.25" in results_tf[r]["graph"] and "eager" in results_tf[r]["graph"]  # TF prefixes its trace
     for s in (2, 3):
         np.testing.assert_array_equal(results_tf[0]["warmup"][s], results_tf[1]["warmup"][s])
