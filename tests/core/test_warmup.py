@@ -175,3 +175,21 @@ def test_warmup_spec_and_factory():
         parse_spec("thc:fp16_warmup=x")
     with pytest.raises(ValueError, match="not for an adaptive scheme"):
         make_scheme("auto", fp16_warmup=5)
+
+
+def test_transformer_rules():
+    """The transformer rule set keeps embeddings, norms, biases and heads on fp16 (PyTorch
+    and Hugging Face names) and sends the other matrices with the default."""
+    from hvd_gradcomp.routing import TRANSFORMER_FP16, transformer_spec
+    routing = Routing.from_spec(transformer_spec("topkc:0.1,error_feedback=ef21,fp16_warmup=20"))
+    fp16_names = ["embed.weight", "blocks.layers.0.norm1.weight", "norm.bias", "head.weight",
+                  "blocks.layers.1.self_attn.in_proj_bias", "transformer.wte.weight", "transformer.wpe.weight",
+                  "transformer.h.0.ln_1.weight", "bert.encoder.layer.0.output.LayerNorm.weight", "lm_head.weight"]
+    for name in fp16_names:
+        assert routing.decide(name, 1 << 20).scheme.name == "fp16", name
+    for name in ["blocks.layers.0.linear1.weight", "blocks.layers.1.self_attn.in_proj_weight",
+                 "transformer.h.0.mlp.c_fc.weight"]:
+        route = routing.decide(name, 1 << 20)
+        assert route.text == "topkc:ratio=0.1,error_feedback=ef21,fp16_warmup=20", name
+    assert len(routing.rules) == len(TRANSFORMER_FP16)
+    assert Routing.from_spec(routing.spec()).spec() == routing.spec()
