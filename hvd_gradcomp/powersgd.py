@@ -103,6 +103,16 @@ random matrix ``U`` (``r x K``), and a count of realignments. Steps:
     and so is ``start_step > 0``: an uncompressed warm-up step does not fit in the fixed
     ``r K + 6`` payload and would need a side collective inside ``compress``.
 
+EF21 (``error_feedback="ef21"``, alternating only; Richtarik et al., NeurIPS 2021, as in
+:mod:`hvd_gradcomp.topkc`): the state keeps ``local`` (``h_i``) and ``estimate`` (``H``, agreed)
+in the plain 2-D layout instead of ``residual``. Step 2 becomes ``M_i = G_i - h_i``; steps 3-8
+are unchanged (the basis tracks the subspace of the ranks' *changes*); decompress returns
+``H + `` the decoded aggregate (step 9's product), 0 on disagreement; finish adds this rank's own
+decoded factor product to ``h_i`` and the decoded aggregate to ``H`` (so ``H`` is the sum/mean of
+the ``h_i``), and on disagreement restarts both at 0 on every rank with the basis realignment
+of step 10. The two-round variant refuses it: it has no agreement check, so a rank back from
+``hvd.join()`` could never realign its ``H``.
+
 ``variant="two_round"``: the original PowerSGD (Vogels et al., Algorithm 1), ``blocking``:
     2. ``M_i = G_i + E_i``.
     3. ``Q`` (``m x r``): with ``warm_start`` the state's (the previous step's aggregate with

@@ -60,6 +60,37 @@ not implemented: a warm-up changes the payload's size with the step (one TensorF
 size, and a rank back from ``hvd.join()`` would disagree on it), momentum correction needs
 the optimizer's momentum turned off; ``docs/bench.md`` (section 3) compares them.
 
+EF21 (``error_feedback="ef21"``; Richtarik, Sokolov, Fatkhullin, "EF21: A New, Simpler,
+Theoretically Better, and Practically Faster Error Feedback", NeurIPS 2021). Classic error
+feedback under Adam delivers each chunk as a burst of ~1/ratio steps' gradient every ~1/ratio
+steps (docs/adam-compression.md); EF21 delivers a dense running estimate instead. State:
+``h_i`` (``local``, float32 [d], this rank's) and ``H`` (``estimate``, float32 [d], the same on
+every rank), the agreed ``scores``, a ``step`` counter. Per step, with the selection of step 2:
+    - ``c = g_i - h_i``; the payload's values are ``C_i`` = ``c`` on the selected chunks (as in
+      step 3: pre-scaled by 1/n, saturating cast), then the scores, then the vote;
+    - the scores are the squared chunk norms of ``c`` with the selected chunks replaced by
+      what sending leaves of them (``g_i - h_i'``: fp16 rounding, saturation), normalised by
+      their maximum: chunks whose gradient moved away from the estimate are sent next;
+    - the vote hashes the selection *and* ``step`` (a rank that missed steps, e.g. back from
+      ``hvd.join()``, disagrees even when its selection coincides);
+    - after the all-reduce: ``H' = H + `` the decoded C's (their sum under Sum, their mean
+      under Average: linear in the payload, so the op need not be known) is the output, dense
+      and never bursty; ``h_i' = h_i + C_i`` (as decoded), ``step + 1``, scores as step 6.
+      Every rank adds the same all-reduced values, so ``H`` stays agreed; ``H`` is the sum
+      (mean) of the ``h_i`` up to the rounding of the all-reduce's own float16 additions.
+      A rank in ``hvd.join()`` contributes zeros: its ``h_i`` does not move and ``H`` still
+      counts it.
+    - a split vote: the output is 0 (never a wrong value) and every rank restarts ``h_i``,
+      ``H`` and ``step`` at 0 (the same on every rank), scores from the payload; from the
+      next step the ranks agree again (``H`` fills again as chunks are sent; ``metrics()``
+      counts it). A non-finite payload leaves everything as it was.
+    ``local`` and ``estimate`` are the rank-local fields: a checkpoint loaded on another
+    number of ranks restarts both at 0 (keeping ``H`` the sum/mean of the ``h_i``); scores and
+    step are kept. Wire: unchanged. Cost: two passes over ``d`` more than classic error
+    feedback (``H`` and ``h_i`` updates); ``residual_decay`` and ``selection="current"`` are
+    refused with it. After an FP16 warm-up (:mod:`hvd_gradcomp.warmup`) ``h_i`` starts at the
+    rank's decoded gradient and ``H`` at the aggregate (:meth:`TopKCScheme.hand_over`).
+
 ``decompress``: cast, undo the pre-scale, scatter the chunks into zeros, drop the padding.
 ``finish``: if the all-reduced payload is finite, the residual becomes ``e'`` and the agreed
 scores become the payload's score part; otherwise (some rank's gradient held a NaN/inf, which
