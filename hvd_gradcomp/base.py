@@ -39,6 +39,9 @@ The scheme's methods:
   schedule counts calls, the same on every rank).
 - ``wire(info) -> WireBytes``: bytes this tensor puts on the wire per step; a function of
   (shape, dtype, config, world size) only, never of values.
+- ``hand_over(ops, state, own, aggregate, info) -> State``: the state for the first
+  compressed step after an FP16 warm-up (:mod:`~hvd_gradcomp.warmup`), seeded from that last
+  FP16 step; default: unchanged.
 
 The adapters (``torch_backend``, ``tf_backend``) own the state map, the tensor identity and
 everything framework-specific; :func:`compress_tensor` and :func:`finish_tensor` hold the
