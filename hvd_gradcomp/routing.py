@@ -56,12 +56,13 @@ __all__ = ["Route", "Routing", "scheme_text", "canonical_text", "NEEDS_NAME", "T
 # recipes that compress transformers under Adam do (ZeRO++ qgZ, 1-bit Adam: 16 bits for these);
 # for Compression.rules(TRANSFORMER_FP16, default=...) or transformer_spec(). Names as PyTorch's
 # nn.Transformer/nn.Embedding/nn.LayerNorm and Hugging Face models give them (wte/wpe: GPT-2's
-# embeddings, ln_*: its norms, LayerNorm: BERT's). Why: an embedding's gradient touches the
+# embeddings, ln_*: its norms, LayerNorm: BERT's; *pos: a positional table named pos, as in
+# the benchmark's LM). Why: an embedding's gradient touches the
 # rows of the batch's tokens only and a head's is dominated by a few rows (sparse, bursty under
 # Top-K and badly approximated at low rank), and norms and biases are small vectors where any
 # scheme's fixed costs outweigh its saving (docs/adam-compression.md).
 TRANSFORMER_FP16 = (
-    ("*embed*", "fp16"), ("*wte*", "fp16"), ("*wpe*", "fp16"),
+    ("*embed*", "fp16"), ("*wte*", "fp16"), ("*wpe*", "fp16"), ("*pos", "fp16"),
     ("*norm*", "fp16"), ("*Norm*", "fp16"), ("*ln_*", "fp16"),
     ("*bias", "fp16"),
     ("*head*", "fp16"),

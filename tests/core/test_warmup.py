@@ -182,7 +182,7 @@ def test_transformer_rules():
     and Hugging Face names) and sends the other matrices with the default."""
     from hvd_gradcomp.routing import TRANSFORMER_FP16, transformer_spec
     routing = Routing.from_spec(transformer_spec("topkc:0.1,error_feedback=ef21,fp16_warmup=20"))
-    fp16_names = ["embed.weight", "blocks.layers.0.norm1.weight", "norm.bias", "head.weight",
+    fp16_names = ["embed.weight", "pos", "blocks.layers.0.norm1.weight", "norm.bias", "head.weight",
                   "blocks.layers.1.self_attn.in_proj_bias", "transformer.wte.weight", "transformer.wpe.weight",
                   "transformer.h.0.ln_1.weight", "bert.encoder.layer.0.output.LayerNorm.weight", "lm_head.weight"]
     for name in fp16_names:
