@@ -58,7 +58,9 @@ nothing needs agreeing: the residual is this rank's own. DGC's answers to the sa
 (Lin et al., ICLR 2018: a warm-up of the ratio, momentum correction with factor masking) are
 not implemented: a warm-up changes the payload's size with the step (one TensorFlow trace per
 size, and a rank back from ``hvd.join()`` would disagree on it), momentum correction needs
-the optimizer's momentum turned off; ``docs/bench.md`` (section 3) compares them.
+the optimizer's momentum turned off; ``docs/bench.md`` (section 3) compares them. (The FP16
+warm-up, ``fp16_warmup=N`` of :mod:`hvd_gradcomp.warmup`, changes the size once, at a step
+every rank of the process set took part in and decided alike.)
 
 EF21 (``error_feedback="ef21"``; Richtarik, Sokolov, Fatkhullin, "EF21: A New, Simpler,
 Theoretically Better, and Practically Faster Error Feedback", NeurIPS 2021). Classic error
