@@ -354,11 +354,13 @@ class PowerSGDScheme(Scheme):
     """Rank-r PowerSGD with error feedback and warm start (module docstring)."""
 
     name = "powersgd"
-    rank_local_fields = ("residual", "local", "estimate")
 
     def __init__(self, config: PowerSGDConfig = PowerSGDConfig()):
         self.config = config
         self.ef21 = config.error_feedback == "ef21"
+        # Classic: the residual; EF21: h_i and H together (a checkpoint loaded on another
+        # number of ranks restarts both at 0, which keeps H the sum/mean of the h_i).
+        self.rank_local_fields = ("local", "estimate") if self.ef21 else ("residual",)
         self.blocking = config.variant == "two_round"
         self._fp16 = config.uncompressed_dtype == "float16"
         # ops.name of the backend this scheme last ran with (for wire(), which gets no ops).

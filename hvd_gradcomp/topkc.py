@@ -248,14 +248,14 @@ class TopKCScheme(Scheme):
     """Chunked TopK with rank-agreed chunks (module docstring)."""
 
     name = "topkc"
-    # Classic: the residual; EF21: h_i and H together (a checkpoint loaded on another number of
-    # ranks restarts both at 0, which keeps H the sum/mean of the h_i).
-    rank_local_fields = ("residual", "local", "estimate")
 
     def __init__(self, config: TopKCConfig = TopKCConfig()):
         self.config = config
         self.blocking = config.selection == "current"
         self.ef21 = config.error_feedback == "ef21"
+        # Classic: the residual; EF21: h_i and H together (a checkpoint loaded on another
+        # number of ranks restarts both at 0, which keeps H the sum/mean of the h_i).
+        self.rank_local_fields = ("local", "estimate") if self.ef21 else ("residual",)
 
     # Static sizes: m chunks, k selected, padding.
     def _sizes(self, info: TensorInfo):
