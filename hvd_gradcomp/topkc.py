@@ -173,6 +173,9 @@ class TopKCConfig:
     residual_decay: float = option(1.0, kind="number", lo=0.0, hi=1.0, lo_open=True,
                                    doc="factor on the carried residual each step (1: plain error "
                                        "feedback; < 1 bounds what a rarely sent chunk owes)")
+    ef21_momentum: float = option(1.0, kind="number", lo=0.0, hi=1.0, lo_open=True,
+                                  doc="EF21-M: each rank compresses v_i = (1 - a) v_i + a g_i "
+                                      "instead of g_i (1: plain EF21; error_feedback=ef21 only)")
 
     def __post_init__(self):
         validate(self)
@@ -180,6 +183,9 @@ class TopKCConfig:
             raise ValueError(f"topkc: residual_decay={self.residual_decay} needs error_feedback=True "
                              f"(it decays the error feedback's residual), got "
                              f"error_feedback={self.error_feedback!r}")
+        if self.ef21_momentum != 1.0 and self.error_feedback != "ef21":
+            raise ValueError(f"topkc: ef21_momentum={self.ef21_momentum} needs error_feedback='ef21', "
+                             f"got error_feedback={self.error_feedback!r}")
         if self.error_feedback == "ef21" and self.selection != "previous":
             raise ValueError("topkc: error_feedback='ef21' needs selection='previous': its rank-agreed "
                              "estimate realigns through the payload's votes, which the blocking "
@@ -198,12 +204,14 @@ class TopKCEF21State(NamedTuple):
     scores: object  # float32 [m]: agreed chunk scores from the last step
     step: object  # int64 []: steps since the start or the last realignment (in the vote)
     realigned: object  # int64 []: steps whose output was 0 because ranks disagreed
+    momentum: object  # float32 [d]: EF21-M's v_i (rank-local; [0] when ef21_momentum = 1)
 
 
 class _EF21Ctx(NamedTuple):
     idx: object  # int64 [k]: the selected chunks
     sent: object  # float32 [k, chunk]: this rank's C(g_i - h_i) on them, as decoded
     estimate: object  # the state's H
+    momentum: object  # EF21-M: this step's v_i (None for plain EF21)
     split: object = None  # bool []: set by receive
     ok: object = None  # bool []: set by receive
     new: object = None  # float32 [d]: H + the all-reduced C's (times 0 after a split); set by receive
@@ -255,7 +263,7 @@ class TopKCScheme(Scheme):
         self.ef21 = config.error_feedback == "ef21"
         # Classic: the residual; EF21: h_i and H together (a checkpoint loaded on another
         # number of ranks restarts both at 0, which keeps H the sum/mean of the h_i).
-        self.rank_local_fields = ("local", "estimate") if self.ef21 else ("residual",)
+        self.rank_local_fields = ("local", "estimate", "momentum") if self.ef21 else ("residual",)
 
     # Static sizes: m chunks, k selected, padding.
     def _sizes(self, info: TensorInfo):
@@ -270,7 +278,8 @@ class TopKCScheme(Scheme):
             zero = ops.zeros((), "int64", like)
             return TopKCEF21State(ops.zeros((info.numel,), "float32", like),
                                   ops.zeros((info.numel,), "float32", like),
-                                  ops.zeros((m,), "float32", like), zero, zero)
+                                  ops.zeros((m,), "float32", like), zero, zero,
+                                  ops.zeros((info.numel if cfg.ef21_momentum != 1.0 else 0,), "float32", like))
         if not cfg.error_feedback and self.blocking:
             return EmptyState()
         m, _, _ = self._sizes(info)
@@ -327,7 +336,12 @@ class TopKCScheme(Scheme):
         cfg, n = self.config, info.world_size
         m, k, pad = self._sizes(info)
         idx = ops.argsort(state.scores)[:k]
-        c = ops.reshape(x, (info.numel,)) - state.local
+        g = ops.reshape(x, (info.numel,))
+        v = None
+        if cfg.ef21_momentum != 1.0:  # EF21-M: the local momentum stands in for the gradient
+            a = cfg.ef21_momentum
+            v = g = state.momentum * (1.0 - a) + g * a
+        c = g - state.local
         if pad:
             c = ops.concat([c, ops.zeros((pad,), "float32", c)], 0)
         chunks = ops.reshape(c, (m, cfg.chunk))
@@ -344,7 +358,7 @@ class TopKCScheme(Scheme):
         top = ops.maximum(ops.max(scores, None), _TINY)
         payload = ops.concat([ops.reshape(wire, (k * cfg.chunk,)), ops.cast(scores / top, cfg.payload_dtype),
                               self._vote(ops, idx, info, x, state.step)], 0)
-        return poison(ops, payload, finite), _EF21Ctx(idx, sent, state.estimate)
+        return poison(ops, payload, finite), _EF21Ctx(idx, sent, state.estimate, v)
 
     def _vote(self, ops, idx, info, like, step=None):
         """float [SLOTS]: 1 in the slot of a fingerprint of the selected chunks, 0 elsewhere.
@@ -437,13 +451,16 @@ class TopKCScheme(Scheme):
         m, k, _ = self._sizes(info)
         scores = ops.cast(payload[k * cfg.chunk:self._votes_at(info)], "float32")
 
+        momentum = state.momentum if ctx.momentum is None else ctx.momentum
+
         def moved():
             sent = ops.reshape(ops.scatter(ctx.idx, ctx.sent, (m, cfg.chunk)), (m * cfg.chunk,))[:info.numel]
-            return TopKCEF21State(state.local + sent, ctx.new, scores, state.step + 1, state.realigned)
+            return TopKCEF21State(state.local + sent, ctx.new, scores, state.step + 1, state.realigned,
+                                  momentum)
 
-        def restarted():
+        def restarted():  # v_i is this rank's own: it goes on
             zero = state.local * 0.0
-            return TopKCEF21State(zero, zero, scores, state.step * 0, state.realigned + 1)
+            return TopKCEF21State(zero, zero, scores, state.step * 0, state.realigned + 1, momentum)
 
         return commit(ops, ctx.ok, ops.select(ctx.split, restarted, moved), state)
 
@@ -461,6 +478,8 @@ class TopKCScheme(Scheme):
         scores = ops.where(ops.isfinite(norms), norms * norms, 0.0)
         scores = scores / ops.maximum(ops.max(scores, None), _TINY)
         if self.ef21:
+            if self.config.ef21_momentum != 1.0:
+                state = state._replace(momentum=own)
             return state._replace(local=own, estimate=aggregate, scores=scores)
         return state._replace(scores=scores)
 

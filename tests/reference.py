@@ -240,8 +240,10 @@ class RefTopKCEF21:
     A non-finite all-reduced payload leaves everything as it was (and the output NaN).
     """
 
-    def __init__(self, numel, n, ratio, chunk, payload="float16"):
+    def __init__(self, numel, n, ratio, chunk, payload="float16", momentum=1.0):
         self.d, self.n, self.c, self.payload = numel, n, chunk, payload
+        self.a = momentum  # EF21-M: rank i compresses v_i = (1 - a) v_i + a g_i (from 0) instead of g_i
+        self.v = [np.zeros(numel) for _ in range(n)]
         self.m = -(-numel // chunk)
         self.k = min(self.m, max(1, math.ceil(ratio * self.m - 1e-9)))
         self.h = [np.zeros(numel) for _ in range(n)]
@@ -258,8 +260,9 @@ class RefTopKCEF21:
         n, k = self.n, self.k
         idx = chunk_selection(list(self.prev), k)
         parts, sent = [], []
-        for r, g in enumerate(grads):
-            diff = self._padded(np.asarray(g, np.float64).reshape(-1) - self.h[r])
+        v = [(1 - self.a) * self.v[r] + self.a * np.asarray(g, np.float64).reshape(-1) for r, g in enumerate(grads)]
+        for r, g in enumerate(v):
+            diff = self._padded(g - self.h[r])
             with np.errstate(over="ignore", invalid="ignore"):
                 wire = self._cast(diff[idx] / n, n)
             decoded = np.zeros_like(diff)
@@ -280,5 +283,6 @@ class RefTopKCEF21:
         if np.isfinite(agg.sum()):
             self.h = [h + s for h, s in zip(self.h, sent)]
             self.H = new_H
+            self.v = v
             self.prev = agg[k * self.c:]
         return new_H

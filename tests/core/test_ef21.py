@@ -30,10 +30,12 @@ def _grads(gen, n, shape=SHAPE):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n,op", [(1, "average"), (2, "average"), (2, "sum"), (3, "sum"), (3, "average")])
 @pytest.mark.parametrize("payload", ["float16", "float32"])
-def test_ef21_matches_float64_recursion(backend, n, op, payload):
-    """Output H, every rank's h_i, the agreed scores, over 8 steps; the output is dense."""
-    sim = Ranks(backend, n, SHAPE, op, payload_dtype=payload, **EF21)
-    ref = RefTopKCEF21(91, n, EF21["ratio"], EF21["chunk"], payload)
+@pytest.mark.parametrize("momentum", [1.0, 0.25])
+def test_ef21_matches_float64_recursion(backend, n, op, payload, momentum):
+    """Output H, every rank's h_i, the agreed scores, over 8 steps (EF21, and EF21-M with
+    ``ef21_momentum``); the output only gets denser."""
+    sim = Ranks(backend, n, SHAPE, op, payload_dtype=payload, ef21_momentum=momentum, **EF21)
+    ref = RefTopKCEF21(91, n, EF21["ratio"], EF21["chunk"], payload, momentum)
     gen = np.random.default_rng([n, len(op), len(payload)])
     tol = 2e-3 if payload == "float16" else 1e-5
     dense = 0
@@ -52,6 +54,10 @@ def test_ef21_matches_float64_recursion(backend, n, op, payload):
                                        atol=tol * max(np.abs(ref.h[r]).max(), 1), err_msg=f"step {step} h_{r}")
             np.testing.assert_array_equal(as_float64(state.estimate), as_float64(sim.states[0].estimate))
             np.testing.assert_allclose(as_float64(state.scores), ref.prev, rtol=tol, atol=tol)
+            if momentum != 1.0:
+                np.testing.assert_allclose(as_float64(state.momentum), ref.v[r], rtol=1e-6, atol=1e-6)
+            else:
+                assert as_float64(state.momentum).size == 0
             assert int(state.step) == step + 1 and int(state.realigned) == 0
         # H keeps every coordinate it was ever sent: the output only gets denser.
         assert np.count_nonzero(outs[0]) >= dense, f"step {step}: output lost coordinates"
@@ -137,6 +143,8 @@ def test_ef21_spec_and_options():
         parse_spec("topkc:error_feedback=maybe")
     with pytest.raises(ValueError, match="needs error_feedback=True"):
         make_scheme("topkc", error_feedback="ef21", residual_decay=0.9)
+    with pytest.raises(ValueError, match="ef21_momentum=0.5 needs error_feedback='ef21'"):
+        make_scheme("topkc", ef21_momentum=0.5)
     with pytest.raises(ValueError, match="needs selection='previous'"):
         make_scheme("topkc", error_feedback="ef21", selection="current")
     with pytest.raises(ValueError, match=r"^thc: error_feedback must be True or False, got 'ef21'$"):

@@ -118,7 +118,7 @@ def test_ef21_values(results, op, payload):
 
 def test_ef21_checkpoint(results):
     for r in range(2):
-        assert results[r]["ckpt_fields"] == ["estimate", "local", "realigned", "scores", "step"]
+        assert results[r]["ckpt_fields"] == ["estimate", "local", "momentum", "realigned", "scores", "step"]
         for a, b in zip(results[r]["ckpt_full"][3:], results[r]["ckpt_resumed"]):
             np.testing.assert_array_equal(a, b)
         st = results[r]["elastic_state"]
