@@ -39,6 +39,9 @@ The scheme's methods:
   schedule counts calls, the same on every rank).
 - ``wire(info) -> WireBytes``: bytes this tensor puts on the wire per step; a function of
   (shape, dtype, config, world size) only, never of values.
+- ``hand_over(ops, state, own, aggregate, info) -> State``: the state for the first
+  compressed step after an FP16 warm-up (:mod:`~hvd_gradcomp.warmup`), seeded from that last
+  FP16 step; default: unchanged.
 
 The adapters (``torch_backend``, ``tf_backend``) own the state map, the tensor identity and
 everything framework-specific; :func:`compress_tensor` and :func:`finish_tensor` hold the
@@ -272,6 +275,14 @@ class Scheme:
         """Raise ValueError, naming the reason, if ``loaded`` (a tensor's saved state: a
         NamedTuple-like with ``_fields``) was written in a format this scheme no longer reads;
         default: accept (the adapters check fields and shapes)."""
+
+    def hand_over(self, ops, state, own, aggregate, info: TensorInfo):
+        """The state for the first compressed step after an FP16 warm-up
+        (:mod:`hvd_gradcomp.warmup`), from the last FP16 step: ``own`` (float32 [numel], this
+        rank's gradient as decoded) and ``aggregate`` (float32 [numel], the all-reduced one,
+        the same on every rank; sum or mean as the reduction). It must derive what ranks agree
+        on from ``aggregate`` only. Default: ``state`` unchanged."""
+        return state
 
     def blocks(self, info: TensorInfo) -> bool:
         """True if compress posts a blocking side collective for this tensor (``blocking``

@@ -135,7 +135,7 @@ class Checkpoints:
                 current = self._read_state(key)
                 if scheme.adaptive:  # the loaded state's fields follow its own choice
                     current = scheme.init_like(self.ops, self._infos[key], current[0], _FieldBag(fields))
-                    scheme.forget(key)
+                scheme.forget(key)  # the loaded state replaces what the scheme mirrors of it
                 loaded = type(current)(**{f: fields.get(f) for f in current._fields}) \
                     if set(fields) == set(current._fields) else None
                 if loaded is None:

@@ -39,6 +39,8 @@ Kinds:
         print the same spec.
     boolean: ``True`` or ``False`` only (not ``1``, ``"yes"``); in a spec string ``true``/
         ``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``), canonically ``true``/``false``.
+        A boolean may name extra ``choices``: strings accepted besides the two truth values
+        (``error_feedback``'s ``"ef21"``, a third variant of a switch), canonically as named.
     choice: one of a tuple of strings, compared with ``==``.
     text: a non-empty string without commas (a spec string's option separator), e.g.
         ``auto``'s ``candidates`` (``"fp16|topkc:0.1|thc:4"``); the scheme checks its content.
@@ -220,7 +222,8 @@ class Option(NamedTuple):
         elif self.kind == "number":
             rule = _rule("a number", self.lo, self.hi, self.lo_open, self.hi_open)
         elif self.kind == "boolean":
-            rule = "True or False"
+            names = ["True", "False"] + [repr(c) for c in self.choices]
+            rule = ", ".join(names[:-1]) + " or " + names[-1]
         elif self.kind == "text":
             rule = "a non-empty string without commas"
         else:
@@ -235,7 +238,8 @@ class Option(NamedTuple):
         elif self.kind == "number":
             text = _rule("number", self.lo, self.hi, self.lo_open, self.hi_open)
         elif self.kind == "boolean":
-            text = "true or false"
+            names = ("true", "false") + self.choices
+            text = ", ".join(names[:-1]) + " or " + names[-1]
         elif self.kind == "text":
             text = "text without commas"
         else:
@@ -271,6 +275,10 @@ class Option(NamedTuple):
         elif self.kind == "number":
             check_float(scheme, name, value, self.lo, self.hi, self.lo_open, self.hi_open)
         elif self.kind == "boolean":
+            if self.choices and isinstance(value, str) and value in self.choices:
+                return
+            if self.choices and not isinstance(value, bool):
+                _fail(scheme, name, self.rule(), value)
             check_bool(scheme, name, value)
         elif self.kind == "text":
             if not isinstance(value, str) or not value.strip() or "," in value:
@@ -307,7 +315,9 @@ class Option(NamedTuple):
                 return True
             if word.lower() in _FALSE:
                 return False
-            _fail(scheme, name, "true or false", word)
+            if word.lower() in self.choices:
+                return word.lower()
+            _fail(scheme, name, self.values(), word)
         if self.kind == "integer":
             try:
                 return int(word)
@@ -326,7 +336,7 @@ class Option(NamedTuple):
         ``float16``, ``none``; :meth:`parse` of it gives the value back."""
         if value is None:
             return "none"
-        if self.kind == "boolean":
+        if self.kind == "boolean" and isinstance(value, bool):
             return "true" if value else "false"
         if self.kind == "number":
             return repr(float(value)) if math.isfinite(value) else str(float(value))
@@ -348,12 +358,12 @@ def option(default, *, kind: str, doc: str, lo=None, hi=None, lo_open: bool = Fa
     decl = Option(kind, default, doc, lo, hi, lo_open, hi_open, tuple(choices), harder, optional)
     if kind not in KINDS:
         raise TypeError(f"option: kind must be one of {KINDS}, got {kind!r}")
-    if (kind == "choice") != bool(decl.choices):
-        raise TypeError(f"option: choices are for kind 'choice' only, and it needs them; got "
-                        f"kind {kind!r} with choices {decl.choices!r}")
+    if (kind == "choice" and not decl.choices) or (kind not in ("choice", "boolean") and decl.choices):
+        raise TypeError(f"option: choices are for kinds 'choice' (which needs them) and 'boolean' "
+                        f"(extra words) only; got kind {kind!r} with choices {decl.choices!r}")
     if kind in ("boolean", "choice", "text") and (lo is not None or hi is not None):
         raise TypeError(f"option: a {kind} has no bounds")
-    allowed = ("down", "up") if kind in ("integer", "number") else decl.choices
+    allowed = ("down", "up") if kind in ("integer", "number") else decl.choices if kind == "choice" else ()
     if harder is not None and harder not in allowed:
         raise TypeError(f"option: harder must be None or one of {allowed}, got {harder!r}")
     if not doc or "\n" in doc:
@@ -443,9 +453,12 @@ def ratio_option(default: float, doc: str):
     return option(default, kind="number", lo=0.0, hi=1.0, lo_open=True, harder="down", doc=doc)
 
 
-def error_feedback_option(doc: str = "keep what is not sent and add it to the next step's gradient"):
-    """The ``error_feedback`` switch of every scheme that has one: True or False, default True."""
-    return option(True, kind="boolean", doc=doc)
+def error_feedback_option(doc: str = "keep what is not sent and add it to the next step's gradient",
+                          variants=()):
+    """The ``error_feedback`` switch of every scheme that has one: True or False, default True;
+    ``variants`` are the other forms the scheme offers, by name (TopKC's and PowerSGD's
+    ``"ef21"``: :mod:`hvd_gradcomp.topkc`), accepted besides True and False."""
+    return option(True, kind="boolean", choices=variants, doc=doc)
 
 
 def wire_dtype_option(doc: str, default: str = "float16"):

@@ -103,6 +103,16 @@ random matrix ``U`` (``r x K``), and a count of realignments. Steps:
     and so is ``start_step > 0``: an uncompressed warm-up step does not fit in the fixed
     ``r K + 6`` payload and would need a side collective inside ``compress``.
 
+EF21 (``error_feedback="ef21"``, alternating only; Richtarik et al., NeurIPS 2021, as in
+:mod:`hvd_gradcomp.topkc`): the state keeps ``local`` (``h_i``) and ``estimate`` (``H``, agreed)
+in the plain 2-D layout instead of ``residual``. Step 2 becomes ``M_i = G_i - h_i``; steps 3-8
+are unchanged (the basis tracks the subspace of the ranks' *changes*); decompress returns
+``H + `` the decoded aggregate (step 9's product), 0 on disagreement; finish adds this rank's own
+decoded factor product to ``h_i`` and the decoded aggregate to ``H`` (so ``H`` is the sum/mean of
+the ``h_i``), and on disagreement restarts both at 0 on every rank with the basis realignment
+of step 10. The two-round variant refuses it: it has no agreement check, so a rank back from
+``hvd.join()`` could never realign its ``H``.
+
 ``variant="two_round"``: the original PowerSGD (Vogels et al., Algorithm 1), ``blocking``:
     2. ``M_i = G_i + E_i``.
     3. ``Q`` (``m x r``): with ``warm_start`` the state's (the previous step's aggregate with
@@ -149,7 +159,7 @@ from .options import error_feedback_option, option, seed_option, validate, wire_
 from .orthogonalize import basis, orthogonalize
 from .rng import normal, step_key, stream_key, uniform
 
-__all__ = ["PowerSGDConfig", "PowerSGDState", "PowerSGDScheme", "STATE_VERSION", "CONTROL",
+__all__ = ["PowerSGDConfig", "PowerSGDState", "PowerSGDEF21State", "PowerSGDScheme", "STATE_VERSION", "CONTROL",
            "matrix_view"]
 
 # Format of PowerSGDState; 1 was (residual, q, step) with TensorFlow kernels as h x (w in out).
@@ -191,8 +201,9 @@ class PowerSGDConfig:
                                              "larger sends more matrices uncompressed")
     start_step: int = option(0, kind="integer", lo=0, harder="down",
                              doc="initial steps sent uncompressed (warm-up; two_round only)")
-    error_feedback: bool = error_feedback_option(
-        "keep what the approximation misses and add it next step")
+    error_feedback: object = error_feedback_option(
+        "keep what the approximation misses and add it next step (ef21: approximate the change "
+        "of a running estimate; the output is dense; alternating only)", variants=("ef21",))
     warm_start: bool = option(True, kind="boolean",
                               doc="reuse last step's factor (false: a fresh random Q each step; "
                                   "two_round only)")
@@ -206,6 +217,12 @@ class PowerSGDConfig:
 
     def __post_init__(self):
         validate(self)
+        if self.error_feedback == "ef21" and self.variant != "alternating":
+            raise ValueError(
+                "powersgd: error_feedback='ef21' needs variant='alternating': EF21's estimate is "
+                "agreed between the ranks and must realign when a rank's state differs (after "
+                "hvd.join(), a checkpoint loaded on one rank), which the alternating variant "
+                "detects in its payload and the two-round variant does not")
         if self.variant == "alternating":
             if self.start_step:
                 raise ValueError(
@@ -232,6 +249,19 @@ class PowerSGDState(NamedTuple):
     version: object  # int64 []: STATE_VERSION
 
 
+class PowerSGDEF21State(NamedTuple):
+    """``error_feedback="ef21"`` (alternating only): ``residual`` gives way to ``local`` (h_i) and
+    ``estimate`` (H), both float32 in the plain 2-D layout; the rest as :class:`PowerSGDState`."""
+    local: object  # h_i, this rank's running estimate of its gradient (rank-local)
+    estimate: object  # H: the all-reduced estimate (sum or mean of the h_i), the output
+    p: object
+    q: object
+    step: object
+    fill: object
+    realigned: object
+    version: object
+
+
 class _View(NamedTuple):
     n: int  # rows of M (output channels)
     m: int  # columns of M
@@ -252,6 +282,7 @@ class _AltCtx(NamedTuple):
     # Set by receive (step 8), from the all-reduced payload:
     keep: object = None  # float32 []: 1.0 if the ranks agreed (or the payload is NaN), else 0.0
     ok: object = None  # bool []: the all-reduced payload is finite
+    estimate: object = None  # EF21: the state's H
 
 
 class _TwoCtx(NamedTuple):
@@ -326,6 +357,10 @@ class PowerSGDScheme(Scheme):
 
     def __init__(self, config: PowerSGDConfig = PowerSGDConfig()):
         self.config = config
+        self.ef21 = config.error_feedback == "ef21"
+        # Classic: the residual; EF21: h_i and H together (a checkpoint loaded on another
+        # number of ranks restarts both at 0, which keeps H the sum/mean of the h_i).
+        self.rank_local_fields = ("local", "estimate") if self.ef21 else ("residual",)
         self.blocking = config.variant == "two_round"
         self._fp16 = config.uncompressed_dtype == "float16"
         # ops.name of the backend this scheme last ran with (for wire(), which gets no ops).
@@ -388,6 +423,9 @@ class PowerSGDScheme(Scheme):
                                  version)
         fill = self._fill(ops, info, max(v.n, v.m), like)
         q = _t(ops, orthogonalize(ops, _t(ops, fill[:, :v.m])))
+        if self.ef21:
+            return PowerSGDEF21State(residual, ops.zeros(v.natural, "float32", like),
+                                     ops.zeros((r, v.n), "float32", like), q, zero, fill, zero, version)
         return PowerSGDState(residual, ops.zeros((r, v.n), "float32", like), q, zero, fill, zero, version)
 
     # ---- compress ----
@@ -396,7 +434,9 @@ class PowerSGDScheme(Scheme):
         if v is None:
             return self._uncompressed(ops, x, info, finite), None
         matrix = ops.reshape(x, v.natural)
-        if self.config.error_feedback:
+        if self.ef21:  # EF21: approximate g_i - h_i
+            matrix = matrix - state.local
+        elif self.config.error_feedback:
             matrix = matrix + state.residual
         if self.config.variant == "two_round":
             return self._two_round_compress(ops, matrix, state, info, finite, v)
@@ -426,7 +466,8 @@ class PowerSGDScheme(Scheme):
         control = ops.concat([e, 1.0 - e, ops.reshape(ops.concat([f, f * f], 1), (4,))], 0)
         # Step 6.
         payload = poison(ops, ops.concat([ops.reshape(local, (r * width,)), control], 0), finite)
-        ctx = _AltCtx(even, matrix if self.config.error_feedback else None, local, state.p, state.q)
+        ctx = _AltCtx(even, matrix if self.config.error_feedback is True else None, local, state.p, state.q,
+                      estimate=state.estimate if self.ef21 else None)
         return payload, ctx
 
     # Step 8 (alternating), once per step for decompress and finish.
@@ -464,6 +505,8 @@ class PowerSGDScheme(Scheme):
             return ops.cond(ctx.warm, lambda: ctx.full * payload[0], lambda: _outer(ops, ctx.p, q_t, v))
         agg = ops.reshape(payload[:r * max(v.n, v.m)], (r, max(v.n, v.m)))
         a, b = ops.select(ctx.even, lambda: (agg[:, :v.n], ctx.q), lambda: (ctx.p, agg[:, :v.m]))
+        if self.ef21:  # H + the decoded aggregate; 0 on disagreement (NaN stays NaN)
+            return (ctx.estimate + _outer(ops, a, b, v)) * ctx.keep
         return _outer(ops, a * ctx.keep, b, v)  # NaN * 0 stays NaN
 
     # ---- finish ----
@@ -489,6 +532,16 @@ class PowerSGDScheme(Scheme):
         p, q = ops.select(ops.logical_and(ctx.even, agreed), to_p, to_q)
         step = ops.where(agreed, state.step + 1, state.step * 0)
         realigned = state.realigned + (1 - ops.cast(agreed, "int64"))
+        if self.ef21:
+            # h_i += this rank's decoded contribution, H += the decoded aggregate; both restart
+            # at 0 on disagreement (keep = 0), the same on every rank.
+            local_p, local_q = ops.select(ctx.even, lambda: (ctx.local[:, :v.n], state.q),
+                                          lambda: (state.p, ctx.local[:, :v.m]))
+            agg_a, agg_b = ops.select(ctx.even, lambda: (agg[:, :v.n], state.q), lambda: (state.p, agg[:, :v.m]))
+            local = (state.local + _outer(ops, local_p, local_q, v)) * ctx.keep
+            estimate = (state.estimate + _outer(ops, agg_a, agg_b, v)) * ctx.keep
+            new = PowerSGDEF21State(local, estimate, p, q, step, state.fill, realigned, state.version)
+            return commit(ops, ctx.ok, new, state)
         residual = state.residual
         if self.config.error_feedback:
             # This rank's own decoded contribution; none after a disagreement (E' = M).
@@ -570,6 +623,19 @@ class PowerSGDScheme(Scheme):
             q_t = ops.where(ctx.warm, state.q, q_t)
         return new._replace(q=q_t)
 
+    def hand_over(self, ops, state, own, aggregate, info):
+        """After an FP16 warm-up (:mod:`hvd_gradcomp.warmup`): EF21 starts from ``h_i = own``
+        and ``H = aggregate`` (plain 2-D layout); otherwise the state is kept (the basis
+        starts from U, classic error feedback from 0)."""
+        if not self.ef21 or not isinstance(state, PowerSGDEF21State):
+            return state
+        shape = ops.shape(state.local)
+        return state._replace(local=ops.reshape(own, shape), estimate=ops.reshape(aggregate, shape))
+
+    def residual_of(self, ops, state, info):
+        """Classic error feedback's residual; EF21 keeps none (H is the estimate itself)."""
+        return None if self.ef21 else super().residual_of(ops, state, info)
+
     # ---- reporting and checkpoints ----
     def payload_dtype(self, info: TensorInfo) -> str:
         """float32, or ``uncompressed_dtype`` for the tensors sent as they are (vectors)."""
@@ -588,7 +654,7 @@ class PowerSGDScheme(Scheme):
 
     def metrics(self, state) -> dict:
         """``realigned``: steps of this tensor whose ranks disagreed (output 0; step 8)."""
-        return {"realigned": state.realigned} if isinstance(state, PowerSGDState) else {}
+        return {"realigned": state.realigned} if isinstance(state, (PowerSGDState, PowerSGDEF21State)) else {}
 
     def check_loaded(self, key, loaded):
         """Raise ValueError naming the change if ``loaded`` (a tensor's state read from a

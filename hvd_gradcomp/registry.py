@@ -41,7 +41,7 @@ from .topkc import TopKCConfig, TopKCScheme
 __all__ = ["SCHEMES", "make_scheme", "parse_spec", "to_spec", "register", "SMALL_DEFAULTS", "SMALL_SCHEME",
            "small_default", "Selector", "parse_selector", "format_selector", "split_min_numel",
            "RoutingSpec", "parse_routing", "with_min_numel", "MIN_NUMEL", "describe_options",
-           "OPTIONS_BLOCK"]
+           "OPTIONS_BLOCK", "WARMUP", "WARMUP_OPTION"]
 
 # name -> (config class, scheme class); register() adds to it.
 SCHEMES = {
@@ -89,8 +89,24 @@ def given_twice(name: str, key: str) -> ValueError:
 
 def make_scheme(name: str, *args, **options):
     """Build a scheme by name (case-insensitive) with config options; ValueError for unknown
-    names or options. One positional value sets the scheme's main option (``PRIMARY``)."""
+    names or options. One positional value sets the scheme's main option (``PRIMARY``).
+    ``fp16_warmup=N`` (:data:`WARMUP`, every scheme) wraps it in
+    :class:`~hvd_gradcomp.warmup.WarmupScheme` when N > 0 (``fp16`` and ``none``: no effect;
+    ``auto``: refused)."""
     name = _canonical_name(name)
+    warmup = options.pop(WARMUP_OPTION, 0)
+    WARMUP.check(name, WARMUP_OPTION, warmup)
+    scheme = _make(name, *args, **options)
+    if not warmup or name in ("fp16", "none"):
+        return scheme
+    if scheme.adaptive:
+        raise ValueError(f"{name}: {WARMUP_OPTION} is not for an adaptive scheme (auto starts every "
+                         f"tensor on fp16 and decides when to leave it), got {WARMUP_OPTION}={warmup}")
+    from .warmup import WarmupScheme
+    return WarmupScheme(scheme, warmup)
+
+
+def _make(name: str, *args, **options):
     if name not in SCHEMES:
         raise ValueError(f"unknown compressor {name!r}; expected one of {sorted(SCHEMES)}")
     config_cls, scheme_cls = SCHEMES[name]
@@ -128,6 +144,9 @@ def parse_spec(spec: str):
             key, value, eq = PRIMARY[name], item, "="
         if not eq:
             raise ValueError(f"{name}: expected key=value in spec {spec!r}, got {item!r}")
+        if key.lower() == WARMUP_OPTION:
+            options[WARMUP_OPTION] = WARMUP.parse(name, WARMUP_OPTION, value)
+            continue
         if key not in fields:
             raise ValueError(f"{name}: unknown option {key!r}; expected some of {sorted(fields)}")
         if key in options:  # "topkc:ratio=0.1,ratio=0.5", "topkc:0.1,ratio=0.5"
@@ -141,7 +160,11 @@ def to_spec(scheme, full: bool = False, skip=()) -> str:
     with ``full=True``) in declaration order, each value as its option formats it
     (:meth:`~hvd_gradcomp.options.Option.format`: ``true``/``false``, ``0.1``), so equal
     configs give one string and :func:`parse_spec` of it gives the config back; options named
-    in ``skip`` are left out."""
+    in ``skip`` are left out. A warm-up (:data:`WARMUP`) comes last: ``topkc:ratio=0.1,fp16_warmup=50``."""
+    steps = getattr(scheme, "steps", None) if hasattr(scheme, "inner") else None
+    if steps is not None:
+        text = to_spec(scheme.inner, full, skip)
+        return text + ("," if ":" in text else ":") + f"{WARMUP_OPTION}={steps}"
     cfg = scheme.config
     parts = [f"{name}={decl.format(getattr(cfg, name))}"
              for name, decl in options_of(cfg).items()
@@ -212,6 +235,8 @@ def describe_options(names=None, markdown: bool = False) -> str:
                              f"{cell(decl.doc or '-')} |")
         lines.append(f"| every compressor | `{ROUTING_OPTION}` | {MIN_NUMEL.values()} | "
                      f"{_default_min_numel()} | - | {MIN_NUMEL.doc} (routing) |")
+        lines.append(f"| every compressor | `{WARMUP_OPTION}` | {WARMUP.values()} | "
+                     f"`{WARMUP.default}` | - | {WARMUP.doc} |")
         if plain:
             lines += ["", ", ".join(title(n, True) for n in plain) + " take no options."]
         lines += ["", "The first option may be given without its name (`topkc:0.1`, "
@@ -233,6 +258,8 @@ def describe_options(names=None, markdown: bool = False) -> str:
     lines.append("every compressor (routing)")
     lines.append(f"  {ROUTING_OPTION}  [{MIN_NUMEL.values()}; default {_default_min_numel()}]")
     lines.append(f"      {MIN_NUMEL.doc}")
+    lines.append(f"  {WARMUP_OPTION}={WARMUP.default}  [{WARMUP.values()}; harder: -]")
+    lines.append(f"      {WARMUP.doc}")
     return "\n".join(lines)
 
 
@@ -252,6 +279,10 @@ ROUTING_OPTION = "min_numel"
 # scheme: SMALL_DEFAULTS, else 1).
 MIN_NUMEL = Option("integer", 1, "tensors no rule names with fewer coordinates go as fp16",
                    lo=1)
+# The FP16 warm-up every scheme spec accepts (hvd_gradcomp.warmup), declared like an option.
+WARMUP_OPTION = "fp16_warmup"
+WARMUP = Option("integer", 0, "first steps of each tensor sent as fp16 before the scheme's own "
+                "payload (hvd_gradcomp.warmup)", lo=0)
 RULE_ARROW = "->"
 _SIZE_TERM = re.compile(r"numel\s*(>=|<=|>|<)\s*([0-9]+)")
 _TERMS = re.compile(r"numel\s*(?:>=|<=|>|<)\s*[0-9]+|\S+")

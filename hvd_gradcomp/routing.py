@@ -49,7 +49,32 @@ from .registry import (MIN_NUMEL, ROUTING_OPTION, RULE_ARROW, SMALL_SCHEME, Sele
                        make_scheme, parse_routing, parse_spec, small_default, split_min_numel, to_spec,
                        with_min_numel)
 
-__all__ = ["Route", "Routing", "scheme_text", "canonical_text", "NEEDS_NAME"]
+__all__ = ["Route", "Routing", "scheme_text", "canonical_text", "NEEDS_NAME", "TRANSFORMER_FP16",
+           "transformer_spec"]
+
+# Rules that keep a transformer's embeddings, norms, biases and output head on fp16, as the
+# recipes that compress transformers under Adam do (ZeRO++ qgZ, 1-bit Adam: 16 bits for these);
+# for Compression.rules(TRANSFORMER_FP16, default=...) or transformer_spec(). Names as PyTorch's
+# nn.Transformer/nn.Embedding/nn.LayerNorm and Hugging Face models give them (wte/wpe: GPT-2's
+# embeddings, ln_*: its norms, LayerNorm: BERT's; *pos: a positional table named pos, as in
+# the benchmark's LM). Why: an embedding's gradient touches the
+# rows of the batch's tokens only and a head's is dominated by a few rows (sparse, bursty under
+# Top-K and badly approximated at low rank), and norms and biases are small vectors where any
+# scheme's fixed costs outweigh its saving (docs/adam-compression.md).
+TRANSFORMER_FP16 = (
+    ("*embed*", "fp16"), ("*wte*", "fp16"), ("*wpe*", "fp16"), ("*pos", "fp16"),
+    ("*norm*", "fp16"), ("*Norm*", "fp16"), ("*ln_*", "fp16"),
+    ("*bias", "fp16"),
+    ("*head*", "fp16"),
+)
+
+
+def transformer_spec(default: str) -> str:
+    """The compressor spec ``TRANSFORMER_FP16``'s rules, then ``default`` (a scheme spec, may
+    hold ``min_numel``/``fp16_warmup``) for every other tensor, e.g.
+    ``transformer_spec("topkc:0.1,error_feedback=ef21")``. In TensorFlow, rules with globs need
+    ``compressor.route(variables)`` first (module docstring)."""
+    return "; ".join(f"{glob} {RULE_ARROW} {scheme}" for glob, scheme in TRANSFORMER_FP16) + "; " + default
 
 NEEDS_NAME = ("{routing!r}: rules match tensor names, and this tensor has none; use the compressor "
               "through Horovod's optimizers, pass name= to hvd.allreduce, or call compress(tensor, "

@@ -59,7 +59,44 @@ nothing needs agreeing: the residual is this rank's own. DGC's answers to the sa
 (Lin et al., ICLR 2018: a warm-up of the ratio, momentum correction with factor masking) are
 not implemented: a warm-up changes the payload's size with the step (one TensorFlow trace per
 size, and a rank back from ``hvd.join()`` would disagree on it), momentum correction needs
+<<<<<<< HEAD
 the optimizer's momentum turned off; ``docs/bench.md`` ("TopKC") compares them.
+=======
+the optimizer's momentum turned off; ``docs/bench.md`` (section 3) compares them. (The FP16
+warm-up, ``fp16_warmup=N`` of :mod:`hvd_gradcomp.warmup`, changes the size once, at a step
+every rank of the process set took part in and decided alike.)
+
+EF21 (``error_feedback="ef21"``; Richtarik, Sokolov, Fatkhullin, "EF21: A New, Simpler,
+Theoretically Better, and Practically Faster Error Feedback", NeurIPS 2021). Classic error
+feedback under Adam delivers each chunk as a burst of ~1/ratio steps' gradient every ~1/ratio
+steps (docs/adam-compression.md); EF21 delivers a dense running estimate instead. State:
+``h_i`` (``local``, float32 [d], this rank's) and ``H`` (``estimate``, float32 [d], the same on
+every rank), the agreed ``scores``, a ``step`` counter. Per step, with the selection of step 2:
+    - ``c = g_i - h_i``; the payload's values are ``C_i`` = ``c`` on the selected chunks (as in
+      step 3: pre-scaled by 1/n, saturating cast), then the scores, then the vote;
+    - the scores are the squared chunk norms of ``c`` with the selected chunks replaced by
+      what sending leaves of them (``g_i - h_i'``: fp16 rounding, saturation), normalised by
+      their maximum: chunks whose gradient moved away from the estimate are sent next;
+    - the vote hashes the selection *and* ``step`` (a rank that missed steps, e.g. back from
+      ``hvd.join()``, disagrees even when its selection coincides);
+    - after the all-reduce: ``H' = H + `` the decoded C's (their sum under Sum, their mean
+      under Average: linear in the payload, so the op need not be known) is the output, dense
+      and never bursty; ``h_i' = h_i + C_i`` (as decoded), ``step + 1``, scores as step 6.
+      Every rank adds the same all-reduced values, so ``H`` stays agreed; ``H`` is the sum
+      (mean) of the ``h_i`` up to the rounding of the all-reduce's own float16 additions.
+      A rank in ``hvd.join()`` contributes zeros: its ``h_i`` does not move and ``H`` still
+      counts it.
+    - a split vote: the output is 0 (never a wrong value) and every rank restarts ``h_i``,
+      ``H`` and ``step`` at 0 (the same on every rank), scores from the payload; from the
+      next step the ranks agree again (``H`` fills again as chunks are sent; ``metrics()``
+      counts it). A non-finite payload leaves everything as it was.
+    ``local`` and ``estimate`` are the rank-local fields: a checkpoint loaded on another
+    number of ranks restarts both at 0 (keeping ``H`` the sum/mean of the ``h_i``); scores and
+    step are kept. Wire: unchanged. Cost: two passes over ``d`` more than classic error
+    feedback (``H`` and ``h_i`` updates); ``residual_decay`` and ``selection="current"`` are
+    refused with it. After an FP16 warm-up (:mod:`hvd_gradcomp.warmup`) ``h_i`` starts at the
+    rank's decoded gradient and ``H`` at the aggregate (:meth:`TopKCScheme.hand_over`).
+>>>>>>> ef21
 
 ``decompress``: cast, undo the pre-scale, scatter the chunks into zeros, drop the padding.
 ``finish``: if the all-reduced payload is finite, the residual becomes ``e'`` and the agreed
@@ -89,12 +126,12 @@ High End-to-end Utility of Gradient Compression", HotNets 2024 (reconstructed; s
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from .base import EmptyState, Scheme, TensorInfo, WireBytes, payload_finite, poison, saturating_cast
+from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit, payload_finite, poison, saturating_cast
 from .primitives import itemsize
 from .options import error_feedback_option, option, ratio_option, validate, wire_dtype_option
 from .topk import num_selected
 
-__all__ = ["TopKCConfig", "TopKCState", "TopKCScheme"]
+__all__ = ["TopKCConfig", "TopKCState", "TopKCEF21State", "TopKCScheme"]
 
 # Smallest score norm used as a divisor: an all-zero tensor's max score is 0 (0/0 is NaN).
 _TINY = 1e-30
@@ -130,7 +167,9 @@ class TopKCConfig:
     ratio: float = ratio_option(0.01, doc="fraction of chunks sent per tensor and step")
     chunk: int = option(256, kind="integer", lo=1,
                         doc="coordinates per chunk (larger: fewer scores, coarser selection)")
-    error_feedback: bool = error_feedback_option()
+    error_feedback: object = error_feedback_option(
+        "keep what is not sent and add it to the next step's gradient (ef21: send the change "
+        "of a running estimate; the output is dense)", variants=("ef21",))
     payload_dtype: str = wire_dtype_option("dtype of the packed chunks and scores on the wire")
     selection: str = option("previous", kind="choice", choices=("previous", "current"),
                             harder="previous",
@@ -139,18 +178,48 @@ class TopKCConfig:
     residual_decay: float = option(1.0, kind="number", lo=0.0, hi=1.0, lo_open=True,
                                    doc="factor on the carried residual each step (1: plain error "
                                        "feedback; < 1 bounds what a rarely sent chunk owes)")
+    ef21_momentum: float = option(1.0, kind="number", lo=0.0, hi=1.0, lo_open=True,
+                                  doc="EF21-M: each rank compresses v_i = (1 - a) v_i + a g_i "
+                                      "instead of g_i (1: plain EF21; error_feedback=ef21 only)")
 
     def __post_init__(self):
         validate(self)
-        if self.residual_decay != 1.0 and not self.error_feedback:
+        if self.residual_decay != 1.0 and self.error_feedback is not True:
             raise ValueError(f"topkc: residual_decay={self.residual_decay} needs error_feedback=True "
-                             "(it decays the error feedback's residual)")
+                             f"(it decays the error feedback's residual), got "
+                             f"error_feedback={self.error_feedback!r}")
+        if self.ef21_momentum != 1.0 and self.error_feedback != "ef21":
+            raise ValueError(f"topkc: ef21_momentum={self.ef21_momentum} needs error_feedback='ef21', "
+                             f"got error_feedback={self.error_feedback!r}")
+        if self.error_feedback == "ef21" and self.selection != "previous":
+            raise ValueError("topkc: error_feedback='ef21' needs selection='previous': its rank-agreed "
+                             "estimate realigns through the payload's votes, which the blocking "
+                             "'current' form does not carry")
 
 
 class TopKCState(NamedTuple):
     residual: object  # float32 [d]: error feedback ([0] when error_feedback=False)
     scores: object  # float32 [m]: agreed chunk scores from the last step ("previous"; else [0])
     realigned: object  # int64 []: steps whose output was 0 because ranks selected differently
+
+
+class TopKCEF21State(NamedTuple):
+    local: object  # float32 [d]: h_i, this rank's running estimate of its gradient (rank-local)
+    estimate: object  # float32 [d]: H, the all-reduced estimate (sum or mean of the h_i); the output
+    scores: object  # float32 [m]: agreed chunk scores from the last step
+    step: object  # int64 []: steps since the start or the last realignment (in the vote)
+    realigned: object  # int64 []: steps whose output was 0 because ranks disagreed
+    momentum: object  # float32 [d]: EF21-M's v_i (rank-local; [0] when ef21_momentum = 1)
+
+
+class _EF21Ctx(NamedTuple):
+    idx: object  # int64 [k]: the selected chunks
+    sent: object  # float32 [k, chunk]: this rank's C(g_i - h_i) on them, as decoded
+    estimate: object  # the state's H
+    momentum: object  # EF21-M: this step's v_i (None for plain EF21)
+    split: object = None  # bool []: set by receive
+    ok: object = None  # bool []: set by receive
+    new: object = None  # float32 [d]: H + the all-reduced C's (times 0 after a split); set by receive
 
 
 class _Ctx(NamedTuple):
@@ -196,6 +265,10 @@ class TopKCScheme(Scheme):
     def __init__(self, config: TopKCConfig = TopKCConfig()):
         self.config = config
         self.blocking = config.selection == "current"
+        self.ef21 = config.error_feedback == "ef21"
+        # Classic: the residual; EF21: h_i and H together (a checkpoint loaded on another
+        # number of ranks restarts both at 0, which keeps H the sum/mean of the h_i).
+        self.rank_local_fields = ("local", "estimate", "momentum") if self.ef21 else ("residual",)
 
     # Static sizes: m chunks, k selected, padding.
     def _sizes(self, info: TensorInfo):
@@ -205,6 +278,13 @@ class TopKCScheme(Scheme):
 
     def init(self, ops, info: TensorInfo, like):
         cfg = self.config
+        if self.ef21:
+            m, _, _ = self._sizes(info)
+            zero = ops.zeros((), "int64", like)
+            return TopKCEF21State(ops.zeros((info.numel,), "float32", like),
+                                  ops.zeros((info.numel,), "float32", like),
+                                  ops.zeros((m,), "float32", like), zero, zero,
+                                  ops.zeros((info.numel if cfg.ef21_momentum != 1.0 else 0,), "float32", like))
         if not cfg.error_feedback and self.blocking:
             return EmptyState()
         m, _, _ = self._sizes(info)
@@ -216,7 +296,13 @@ class TopKCScheme(Scheme):
         return f"hvd_gradcomp.topkc.scores.{info.key}"
 
     def compress(self, ops, x, state, info, finite):
+<<<<<<< HEAD
         cfg = self.config
+=======
+        if self.ef21:
+            return self._ef21_compress(ops, x, state, info, finite)
+        cfg, n = self.config, info.world_size
+>>>>>>> ef21
         m, k, pad = self._sizes(info)
         flat = ops.reshape(x, (info.numel,))
         plan = (cfg.chunk, cfg.error_feedback, self.blocking, cfg.residual_decay)
@@ -254,7 +340,36 @@ class TopKCScheme(Scheme):
                                   self._vote(ops, idx, info, x)], 0)
         return poison(ops, payload, finite), _Ctx(idx, left, sent)
 
-    def _vote(self, ops, idx, info, like):
+    def _ef21_compress(self, ops, x, state, info, finite):
+        """EF21 (module docstring, "EF21"): payload ``[C(g_i - h_i) / n, scores, vote]``."""
+        cfg, n = self.config, info.world_size
+        m, k, pad = self._sizes(info)
+        idx = ops.argsort(state.scores)[:k]
+        g = ops.reshape(x, (info.numel,))
+        v = None
+        if cfg.ef21_momentum != 1.0:  # EF21-M: the local momentum stands in for the gradient
+            a = cfg.ef21_momentum
+            v = g = state.momentum * (1.0 - a) + g * a
+        c = g - state.local
+        if pad:
+            c = ops.concat([c, ops.zeros((pad,), "float32", c)], 0)
+        chunks = ops.reshape(c, (m, cfg.chunk))
+        picked = ops.gather(chunks, idx)
+        wire = saturating_cast(ops, picked * (1.0 / n), cfg.payload_dtype, n)
+        sent = ops.cast(wire, "float32") * float(n)
+        # Next step's scores: ||g - h_i'|| per chunk with this step's g, i.e. c with the sent
+        # chunks' remainder (fp16 rounding, saturation) in place of the selected rows.
+        norms = ops.norm(chunks, 1)
+        scores = norms * norms
+        fixed = ops.norm(picked - sent, 1)
+        scores = ops.index_add(scores, idx, fixed * fixed - ops.gather(scores, idx))
+        scores = ops.where(ops.isfinite(scores), scores, 0.0)
+        top = ops.maximum(ops.max(scores, None), _TINY)
+        payload = ops.concat([ops.reshape(wire, (k * cfg.chunk,)), ops.cast(scores / top, cfg.payload_dtype),
+                              self._vote(ops, idx, info, x, state.step)], 0)
+        return poison(ops, payload, finite), _EF21Ctx(idx, sent, state.estimate, v)
+
+    def _vote(self, ops, idx, info, like, step=None):
         """float [SLOTS]: 1 in the slot of a fingerprint of the selected chunks, 0 elsewhere.
 
         Fingerprint ``s = sum_j ((idx_j + 1) w_j mod 2**32)`` with odd weights
@@ -266,7 +381,10 @@ class TopKCScheme(Scheme):
         _, k, _ = self._sizes(info)
         weights = ops.bitwise_or(ops.bitwise_and(ops.arange(k, "int64", like) * 0x9E3779B1, 0x7FFFFFFF), 1)
         terms = ops.bitwise_and((ops.cast(idx, "int64") + 1) * weights, 0xFFFFFFFF)
-        mixed = ops.bitwise_and(ops.bitwise_and(ops.sum(terms, None), 0xFFFFFFFF) * 0x9E37, 0xFFFFFFFF)
+        total = ops.sum(terms, None)
+        if step is not None:  # EF21: the step counter too (a rank that missed steps disagrees)
+            total = total + ops.bitwise_and(step + 1, 0xFFFFFF) * 0x85EBCA6B
+        mixed = ops.bitwise_and(ops.bitwise_and(total, 0xFFFFFFFF) * 0x9E37, 0xFFFFFFFF)
         slot = ops.right_shift(mixed, 32 - 4)  # _SLOTS = 16 slots: 4 bits
         return ops.cast(ops.arange(_SLOTS, "int64", like) == slot, self.config.payload_dtype)
 
@@ -277,13 +395,26 @@ class TopKCScheme(Scheme):
         if self.blocking:  # without error feedback it keeps no state: nothing to decide
             return ctx._replace(ok=payload_finite(ops, payload)) if self.config.error_feedback else ctx
         voted = ops.cast(payload[self._votes_at(info):], "float32") != 0.0
-        return ctx._replace(split=ops.count(voted, None) > 1, ok=payload_finite(ops, payload))
+        split, ok = ops.count(voted, None) > 1, payload_finite(ops, payload)
+        if self.ef21:
+            return ctx._replace(split=split, ok=ok, new=ctx.estimate + self._dense(ops, payload, ctx.idx, split, info))
+        return ctx._replace(split=split, ok=ok)
 
     def _votes_at(self, info):
         m, k, _ = self._sizes(info)
         return k * self.config.chunk + m
 
+    def _dense(self, ops, payload, idx, split, info):
+        """float32 [d]: the all-reduced C's scattered into zeros (times 0 after a split)."""
+        cfg = self.config
+        m, k, _ = self._sizes(info)
+        rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
+        scale = ops.where(split, 0.0, float(info.world_size))
+        return ops.reshape(ops.scatter(idx, rows * scale, (m, cfg.chunk)), (m * cfg.chunk,))[:info.numel]
+
     def decompress(self, ops, payload, ctx, info):
+        if self.ef21:  # H' = H + the all-reduced C's; 0 after a split (NaN stays NaN)
+            return ctx.new * ops.where(ctx.split, 0.0, 1.0)
         cfg = self.config
         m, k, _ = self._sizes(info)
         rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
@@ -299,6 +430,8 @@ class TopKCScheme(Scheme):
         split vote each rank keeps all of ``c`` (nothing was applied) and the scores realign."""
         if not len(state):
             return state
+        if self.ef21:
+            return self._ef21_finish(ops, payload, ctx, state, info)
         cfg = self.config
         m, k, pad = self._sizes(info)
         ok, split = ctx.ok, ctx.split
@@ -318,6 +451,51 @@ class TopKCScheme(Scheme):
                 lambda: (state.scores, state.realigned))
             new = new._replace(scores=scores, realigned=realigned)
         return new
+
+    def _ef21_finish(self, ops, payload, ctx, state, info):
+        """h_i += C(g_i - h_i), H := H + the all-reduced C's, step + 1; after a split every
+        rank restarts h_i, H and the step at 0 (the same on every rank); the scores realign
+        either way; nothing moves when the payload is not finite."""
+        cfg = self.config
+        m, k, _ = self._sizes(info)
+        scores = ops.cast(payload[k * cfg.chunk:self._votes_at(info)], "float32")
+
+        momentum = state.momentum if ctx.momentum is None else ctx.momentum
+
+        def moved():
+            sent = ops.reshape(ops.scatter(ctx.idx, ctx.sent, (m, cfg.chunk)), (m * cfg.chunk,))[:info.numel]
+            return TopKCEF21State(state.local + sent, ctx.new, scores, state.step + 1, state.realigned,
+                                  momentum)
+
+        def restarted():  # v_i is this rank's own: it goes on
+            zero = state.local * 0.0
+            return TopKCEF21State(zero, zero, scores, state.step * 0, state.realigned + 1, momentum)
+
+        return commit(ops, ctx.ok, ops.select(ctx.split, restarted, moved), state)
+
+    def hand_over(self, ops, state, own, aggregate, info):
+        """The state for the first compressed step after an FP16 warm-up
+        (:mod:`hvd_gradcomp.warmup`): ``own`` (float32 [d], this rank's gradient as decoded)
+        and ``aggregate`` (float32 [d], the last all-reduced FP16 step, the same on every
+        rank). Scores: the aggregate's squared chunk norms (agreed); EF21: ``h_i = own``,
+        ``H = aggregate``; classic error feedback starts from 0."""
+        if not len(state) or self.blocking:
+            return state
+        m, _, pad = self._sizes(info)
+        flat = aggregate if not pad else ops.concat([aggregate, ops.zeros((pad,), "float32", aggregate)], 0)
+        norms = ops.norm(ops.reshape(flat, (m, self.config.chunk)), 1)
+        scores = ops.where(ops.isfinite(norms), norms * norms, 0.0)
+        scores = scores / ops.maximum(ops.max(scores, None), _TINY)
+        if self.ef21:
+            if self.config.ef21_momentum != 1.0:
+                state = state._replace(momentum=own)
+            return state._replace(local=own, estimate=aggregate, scores=scores)
+        return state._replace(scores=scores)
+
+    def residual_of(self, ops, state, info):
+        """Classic error feedback's residual (:meth:`Scheme.residual_of`); EF21 keeps none
+        (nothing is owed: H is the estimate itself)."""
+        return None if self.ef21 else super().residual_of(ops, state, info)
 
     def metrics(self, state) -> dict:
         """``{"realigned": int64 []}``: steps whose output was 0 because ranks disagreed."""

@@ -226,3 +226,63 @@ def gram_schmidt64(p, tol=1e-4):
         norm = np.linalg.norm(v)
         cols.append(v / norm if norm > norm0 * tol else v * 0.0)
     return np.stack(cols, 1)
+
+
+class RefTopKCEF21:
+    """TopKC with ``error_feedback="ef21"`` (Richtarik et al., NeurIPS 2021), every rank of
+    one tensor, written from the recursion: rank ``i`` keeps ``h_i`` and every rank the same
+    ``H``; at each step the k chunks of highest agreed score are selected (all zero at first:
+    the first k), rank ``i`` sends ``C_i`` = ``g_i - h_i`` on them (cast to the payload dtype
+    after dividing by n, decoded times n), ``h_i += C_i``, ``H += `` the all-reduced C's
+    (their sum under Sum, their mean under Average) and every rank outputs the new ``H``.
+    Each rank's scores are the squared chunk norms of ``g_i - h_i`` after the update,
+    normalised by their maximum, all-reduced with the values: the next step's agreed scores.
+    A non-finite all-reduced payload leaves everything as it was (and the output NaN).
+    """
+
+    def __init__(self, numel, n, ratio, chunk, payload="float16", momentum=1.0):
+        self.d, self.n, self.c, self.payload = numel, n, chunk, payload
+        self.a = momentum  # EF21-M: rank i compresses v_i = (1 - a) v_i + a g_i (from 0) instead of g_i
+        self.v = [np.zeros(numel) for _ in range(n)]
+        self.m = -(-numel // chunk)
+        self.k = min(self.m, max(1, math.ceil(ratio * self.m - 1e-9)))
+        self.h = [np.zeros(numel) for _ in range(n)]
+        self.H = np.zeros(numel)
+        self.prev = np.zeros(self.m)
+
+    def _cast(self, v, n=1):
+        return saturate_fp16(v, n) if self.payload == "float16" else fp32(v)
+
+    def _padded(self, flat):
+        return np.concatenate([flat, np.zeros(self.m * self.c - self.d)]).reshape(self.m, self.c)
+
+    def step(self, grads, op="average"):
+        n, k = self.n, self.k
+        idx = chunk_selection(list(self.prev), k)
+        parts, sent = [], []
+        v = [(1 - self.a) * self.v[r] + self.a * np.asarray(g, np.float64).reshape(-1) for r, g in enumerate(grads)]
+        for r, g in enumerate(v):
+            diff = self._padded(g - self.h[r])
+            with np.errstate(over="ignore", invalid="ignore"):
+                wire = self._cast(diff[idx] / n, n)
+            decoded = np.zeros_like(diff)
+            decoded[idx] = wire * n
+            sent.append(decoded.reshape(-1)[:self.d])
+            with np.errstate(over="ignore", invalid="ignore"):
+                s = ((diff - decoded) ** 2).sum(1)
+            s = np.where(np.isfinite(s), s, 0.0)
+            parts.append(np.concatenate([wire.reshape(-1), self._cast(s / max(s.max(), 1e-30))]))
+        with np.errstate(over="ignore", invalid="ignore"):
+            if self.payload == "float16":
+                agg = allreduce_fp16(parts, op)
+            else:
+                agg = sum(parts) / (n if op == "average" else 1)
+        dense = np.zeros((self.m, self.c))
+        dense[idx] = agg[:k * self.c].reshape(k, self.c) * n
+        new_H = self.H + dense.reshape(-1)[:self.d]
+        if np.isfinite(agg.sum()):
+            self.h = [h + s for h, s in zip(self.h, sent)]
+            self.H = new_H
+            self.v = v
+            self.prev = agg[k * self.c:]
+        return new_H

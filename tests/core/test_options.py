@@ -79,7 +79,10 @@ def test_seed():
 def test_shared_options_share_one_rule(config, name):
     """error_feedback, seed and ratio are refused alike in every scheme that has them."""
     fields = config.__dataclass_fields__
-    assert message(config, error_feedback="yes") == f"{name}: error_feedback must be True or False, got 'yes'"
+    # TopKC and PowerSGD offer one more form of error feedback, EF21, by name.
+    rule = "True, False or 'ef21'" if name in ("topkc", "powersgd") else "True or False"
+    assert message(config, error_feedback="yes") == f"{name}: error_feedback must be {rule}, got 'yes'"
+    assert message(config, error_feedback=1) == f"{name}: error_feedback must be {rule}, got 1"
     if "seed" in fields:
         assert message(config, seed=-1) == f"{name}: seed must be an integer >= 0, got -1"
         assert message(config, seed=1.0) == f"{name}: seed must be an integer >= 0, got 1.0"

@@ -46,7 +46,8 @@ def test_spec_round_trip():
     ("topkc:chunk=8,ratio", "topkc: expected key=value in spec 'topkc:chunk=8,ratio', got 'ratio'"),
     ("topkc:ratio", "topkc: ratio must be a number in (0, 1], got 'ratio'"),  # a bare first value is the ratio
     ("topkc:ratio=abc", "topkc: ratio must be a number in (0, 1], got 'abc'"),
-    ("topkc:error_feedback=maybe", "topkc: error_feedback must be true or false, got 'maybe'"),
+    ("topkc:error_feedback=maybe", "topkc: error_feedback must be true, false or ef21, got 'maybe'"),
+    ("thc:error_feedback=ef21", "thc: error_feedback must be true or false, got 'ef21'"),
     ("zip", "unknown compressor 'zip'"),
 ])
 def test_bad_specs_raise_value_error(spec, message):

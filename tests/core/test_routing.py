@@ -140,7 +140,7 @@ def test_compression_rules_factory(backend):
     assert Compression.thc(2, min_numel=512).spec == "thc:bits=2,min_numel=512"
     assert repr(Compression.topkc(min_numel=5)).endswith(
         "('topkc:ratio=0.01,chunk=256,error_feedback=true,payload_dtype=float16,selection=previous,"
-        "residual_decay=1.0,min_numel=5')")
+        "residual_decay=1.0,ef21_momentum=1.0,min_numel=5')")
     with pytest.raises(ValueError, match="^thc: min_numel must be an integer >= 1, got 0$"):
         Compression.thc(min_numel=0)
     assert "rules" in dir(Compression)
