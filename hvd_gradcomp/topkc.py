@@ -59,10 +59,7 @@ nothing needs agreeing: the residual is this rank's own. DGC's answers to the sa
 (Lin et al., ICLR 2018: a warm-up of the ratio, momentum correction with factor masking) are
 not implemented: a warm-up changes the payload's size with the step (one TensorFlow trace per
 size, and a rank back from ``hvd.join()`` would disagree on it), momentum correction needs
-<<<<<<< HEAD
-the optimizer's momentum turned off; ``docs/bench.md`` ("TopKC") compares them.
-=======
-the optimizer's momentum turned off; ``docs/bench.md`` (section 3) compares them. (The FP16
+the optimizer's momentum turned off; ``docs/bench.md`` ("TopKC") compares them. (The FP16
 warm-up, ``fp16_warmup=N`` of :mod:`hvd_gradcomp.warmup`, changes the size once, at a step
 every rank of the process set took part in and decided alike.)
 
@@ -96,7 +93,6 @@ every rank), the agreed ``scores``, a ``step`` counter. Per step, with the selec
     feedback (``H`` and ``h_i`` updates); ``residual_decay`` and ``selection="current"`` are
     refused with it. After an FP16 warm-up (:mod:`hvd_gradcomp.warmup`) ``h_i`` starts at the
     rank's decoded gradient and ``H`` at the aggregate (:meth:`TopKCScheme.hand_over`).
->>>>>>> ef21
 
 ``decompress``: cast, undo the pre-scale, scatter the chunks into zeros, drop the padding.
 ``finish``: if the all-reduced payload is finite, the residual becomes ``e'`` and the agreed
@@ -296,13 +292,9 @@ class TopKCScheme(Scheme):
         return f"hvd_gradcomp.topkc.scores.{info.key}"
 
     def compress(self, ops, x, state, info, finite):
-<<<<<<< HEAD
-        cfg = self.config
-=======
         if self.ef21:
             return self._ef21_compress(ops, x, state, info, finite)
-        cfg, n = self.config, info.world_size
->>>>>>> ef21
+        cfg = self.config
         m, k, pad = self._sizes(info)
         flat = ops.reshape(x, (info.numel,))
         plan = (cfg.chunk, cfg.error_feedback, self.blocking, cfg.residual_decay)
@@ -342,7 +334,7 @@ class TopKCScheme(Scheme):
 
     def _ef21_compress(self, ops, x, state, info, finite):
         """EF21 (module docstring, "EF21"): payload ``[C(g_i - h_i) / n, scores, vote]``."""
-        cfg, n = self.config, info.world_size
+        cfg = self.config
         m, k, pad = self._sizes(info)
         idx = ops.argsort(state.scores)[:k]
         g = ops.reshape(x, (info.numel,))
@@ -355,8 +347,8 @@ class TopKCScheme(Scheme):
             c = ops.concat([c, ops.zeros((pad,), "float32", c)], 0)
         chunks = ops.reshape(c, (m, cfg.chunk))
         picked = ops.gather(chunks, idx)
-        wire = saturating_cast(ops, picked * (1.0 / n), cfg.payload_dtype, n)
-        sent = ops.cast(wire, "float32") * float(n)
+        wire = saturating_cast(ops, picked * info.prescale, cfg.payload_dtype, limit=info.fp16_limit)
+        sent = ops.cast(wire, "float32") * info.unscale
         # Next step's scores: ||g - h_i'|| per chunk with this step's g, i.e. c with the sent
         # chunks' remainder (fp16 rounding, saturation) in place of the selected rows.
         norms = ops.norm(chunks, 1)
@@ -409,7 +401,7 @@ class TopKCScheme(Scheme):
         cfg = self.config
         m, k, _ = self._sizes(info)
         rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
-        scale = ops.where(split, 0.0, float(info.world_size))
+        scale = ops.where(split, 0.0, info.unscale)
         return ops.reshape(ops.scatter(idx, rows * scale, (m, cfg.chunk)), (m * cfg.chunk,))[:info.numel]
 
     def decompress(self, ops, payload, ctx, info):

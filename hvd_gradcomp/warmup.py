@@ -122,9 +122,10 @@ class WarmupScheme(Scheme):
                              f"(tensor {info.key!r} is compressed inside a tf.function)")
         n = info.world_size
         ready = 1.0 if self._done[info.key] + 1 >= self.steps else 0.0
-        half = ops.cast(ops.reshape(x, (info.numel,)) * (1.0 / n), "float16")
-        control = ops.cast(ops.constant([1.0 / n, ready / n], "float32", x), "float16")
-        own = ops.cast(half, "float32") * float(n)
+        # Pre-scaled as the fp16 scheme (1/n, or 1 where the all-reduce divides by n itself).
+        half = ops.cast(ops.reshape(x, (info.numel,)) * info.prescale, "float16")
+        control = ops.cast(ops.constant([info.prescale, ready * info.prescale], "float32", x), "float16")
+        own = ops.cast(half, "float32") * info.unscale
         return poison(ops, ops.concat([half, control], 0), finite), _Ctx(True, None, own)
 
     def receive(self, ops, payload, ctx, info):
@@ -134,7 +135,7 @@ class WarmupScheme(Scheme):
 
     def decompress(self, ops, payload, ctx, info):
         if ctx.warm:
-            return ops.cast(payload[:info.numel], "float32") * float(info.world_size)
+            return ops.cast(payload[:info.numel], "float32") * info.unscale
         return self.inner.decompress(ops, payload, ctx.inner, info)
 
     def finish(self, ops, payload, ctx, state, info):
@@ -147,10 +148,11 @@ class WarmupScheme(Scheme):
         joined, ready, ok = ops.to_host(read)
         if not ok:
             return state
-        full = {"sum": 1.0, "average": 1.0 / n}.get(info.op)
+        # The control lane's value when every rank contributed 1 * prescale.
+        full = 1.0 if info.backend_divides else {"sum": 1.0, "average": 1.0 / n}.get(info.op)
         complete = joined > full * (1.0 - 0.5 / n) if full is not None else joined > 0
         if complete and ready > 0:
-            aggregate = ops.cast(payload[:d], "float32") * float(n)
+            aggregate = ops.cast(payload[:d], "float32") * info.unscale
             inner_state = self.inner.hand_over(ops, inner_state, ctx.own, aggregate, info)
             self._done[info.key] = -1
             return type(state)(*inner_state, count * 0 - 1)
