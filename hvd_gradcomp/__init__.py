@@ -8,7 +8,6 @@ scheme catalogue and text specs. It imports no framework and no NumPy; the front
 from .base import EmptyState, Scheme, TensorInfo, WireBytes
 from .primitives import Primitives
 from .registry import SCHEMES, make_scheme, parse_spec, to_spec
-from . import auto  # noqa: F401  registers the "auto" scheme
 
 __all__ = ["EmptyState", "Scheme", "TensorInfo", "WireBytes", "Primitives", "SCHEMES",
            "make_scheme", "parse_spec", "to_spec"]

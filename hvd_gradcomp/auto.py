@@ -487,8 +487,9 @@ class AutoScheme(Scheme):
     name = "auto"
     adaptive = True  # wire() follows each tensor's current choice
 
-    def __init__(self, config: AutoConfig = AutoConfig()):
+    def __init__(self, config: AutoConfig = None):
         from .registry import make_scheme, parse_spec  # noqa: the registry imports this module
+        config = AutoConfig() if config is None else config
         self.config = config
         specs = config.specs()
         candidates = []
@@ -1027,11 +1028,3 @@ class AutoScheme(Scheme):
                 "fp16_predicted_ms": d.predicted_ms[self.fallback], "error": d.errors[d.choice],
                 "reason": d.reason, "decided_at": d.step, "speedup": d.speedup,
                 "step_penalty": self.config.step_penalty}
-
-
-def _register():
-    from .registry import register
-    register("auto", AutoConfig, AutoScheme)
-
-
-_register()

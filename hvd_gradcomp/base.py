@@ -227,7 +227,7 @@ class Scheme:
 
     def spec(self) -> str:
         """The text spec that rebuilds this scheme, e.g. ``"topkc:ratio=0.01,chunk=256"``."""
-        from .registry import to_spec  # noqa: avoid an import cycle
+        from .options import to_spec
         return to_spec(self)
 
     def init(self, ops, info: TensorInfo, like):

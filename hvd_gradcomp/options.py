@@ -70,7 +70,7 @@ import math
 import typing
 from typing import NamedTuple, Optional
 
-__all__ = ["WIRE_DTYPES", "KINDS", "Option", "option", "option_of", "declared_options",
+__all__ = ["WARMUP", "WARMUP_OPTION", "to_spec", "WIRE_DTYPES", "KINDS", "Option", "option", "option_of", "declared_options",
            "options_of", "validate", "seed_option", "ratio_option", "error_feedback_option",
            "wire_dtype_option", "check_int", "check_float", "check_bool", "check_choice"]
 
@@ -464,3 +464,26 @@ def error_feedback_option(doc: str = "keep what is not sent and add it to the ne
 def wire_dtype_option(doc: str, default: str = "float16"):
     """A float dtype on the wire, one of :data:`WIRE_DTYPES`; float16 compresses harder."""
     return option(default, kind="choice", choices=WIRE_DTYPES, harder="float16", doc=doc)
+
+
+# The routing-level warm-up every compressor accepts (hvd_gradcomp.warmup).
+WARMUP_OPTION = "fp16_warmup"
+WARMUP = Option("integer", 0, "first steps of each tensor sent as fp16 before the scheme's own "
+                "payload (hvd_gradcomp.warmup)", lo=0)
+
+
+def to_spec(scheme, full: bool = False, skip=()) -> str:
+    """The canonical spec of a scheme: options that differ from their defaults (every option
+    with ``full=True``) in declaration order, each value as its option formats it
+    (:meth:`~hvd_gradcomp.options.Option.format`: ``true``/``false``, ``0.1``), so equal
+    configs give one string and :func:`parse_spec` of it gives the config back; options named
+    in ``skip`` are left out. A warm-up (:data:`WARMUP`) comes last: ``topkc:ratio=0.1,fp16_warmup=50``."""
+    steps = getattr(scheme, "steps", None) if hasattr(scheme, "inner") else None
+    if steps is not None:
+        text = to_spec(scheme.inner, full, skip)
+        return text + ("," if ":" in text else ":") + f"{WARMUP_OPTION}={steps}"
+    cfg = scheme.config
+    parts = [f"{name}={decl.format(getattr(cfg, name))}"
+             for name, decl in options_of(cfg).items()
+             if name not in skip and (full or getattr(cfg, name) != decl.default)]
+    return scheme.name + (":" + ",".join(parts) if parts else "")

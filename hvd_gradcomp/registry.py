@@ -32,7 +32,8 @@ import re
 from typing import NamedTuple, Optional
 
 from .cast import Bf16Config, Bf16Scheme, Fp16Config, Fp16Scheme, NoneConfig, NoneScheme
-from .options import Option, options_of
+from .auto import AutoConfig, AutoScheme
+from .options import WARMUP, WARMUP_OPTION, Option, options_of, to_spec
 from .powersgd import PowerSGDConfig, PowerSGDScheme
 from .thc import THCConfig, THCScheme
 from .topk import TopKConfig, TopKScheme
@@ -52,6 +53,7 @@ SCHEMES = {
     "topkc": (TopKCConfig, TopKCScheme),
     "powersgd": (PowerSGDConfig, PowerSGDScheme),
     "thc": (THCConfig, THCScheme),
+    "auto": (AutoConfig, AutoScheme),
 }
 # Also accepted by parse_spec/make_scheme.
 ALIASES = {"fp32": "none"}
@@ -153,23 +155,6 @@ def parse_spec(spec: str):
             raise given_twice(name, key)
         options[key] = fields[key].parse(name, key, value)
     return name, options
-
-
-def to_spec(scheme, full: bool = False, skip=()) -> str:
-    """The canonical spec of a scheme: options that differ from their defaults (every option
-    with ``full=True``) in declaration order, each value as its option formats it
-    (:meth:`~hvd_gradcomp.options.Option.format`: ``true``/``false``, ``0.1``), so equal
-    configs give one string and :func:`parse_spec` of it gives the config back; options named
-    in ``skip`` are left out. A warm-up (:data:`WARMUP`) comes last: ``topkc:ratio=0.1,fp16_warmup=50``."""
-    steps = getattr(scheme, "steps", None) if hasattr(scheme, "inner") else None
-    if steps is not None:
-        text = to_spec(scheme.inner, full, skip)
-        return text + ("," if ":" in text else ":") + f"{WARMUP_OPTION}={steps}"
-    cfg = scheme.config
-    parts = [f"{name}={decl.format(getattr(cfg, name))}"
-             for name, decl in options_of(cfg).items()
-             if name not in skip and (full or getattr(cfg, name) != decl.default)]
-    return scheme.name + (":" + ",".join(parts) if parts else "")
 
 
 # ---------------------------------------------------------------- option listings
@@ -280,9 +265,6 @@ ROUTING_OPTION = "min_numel"
 MIN_NUMEL = Option("integer", 1, "tensors no rule names with fewer coordinates go as fp16",
                    lo=1)
 # The FP16 warm-up every scheme spec accepts (hvd_gradcomp.warmup), declared like an option.
-WARMUP_OPTION = "fp16_warmup"
-WARMUP = Option("integer", 0, "first steps of each tensor sent as fp16 before the scheme's own "
-                "payload (hvd_gradcomp.warmup)", lo=0)
 RULE_ARROW = "->"
 _SIZE_TERM = re.compile(r"numel\s*(>=|<=|>|<)\s*([0-9]+)")
 _TERMS = re.compile(r"numel\s*(?:>=|<=|>|<)\s*[0-9]+|\S+")
