@@ -115,3 +115,10 @@ def missing_device(backend, device):
         return None
     return (f"no GPU visible to TensorFlow {tf.__version__} (a CPU build, or no device); "
             f"tests/gpu/run_checks.sh runs these on a GPU machine")
+
+
+def scheme_of(spec: str):
+    """The scheme a text spec names, e.g. ``scheme_of("topkc:0.1")``."""
+    from hvd_gradcomp.registry import make_scheme, parse_spec
+    name, options = parse_spec(spec)
+    return make_scheme(name, **options)

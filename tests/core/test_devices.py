@@ -16,18 +16,12 @@ import pytest
 
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import one_rank
-from hvd_gradcomp.registry import make_scheme, parse_spec
-from tests.backends import BACKENDS, as_float64, backend_tensor, missing_device
+from tests.backends import BACKENDS, as_float64, backend_tensor, scheme_of, missing_device
 
 # Every scheme's default path (and PowerSGD's float16 vectors); a (64, 48) matrix for PowerSGD.
 SPECS = ("fp16", "bf16", "topk", "topkc", "thc", "powersgd", "powersgd:rank=2")
 SHAPE = (64, 48)
 STEPS = 3
-
-
-def _scheme(spec):
-    name, options = parse_spec(spec)
-    return make_scheme(name, **options)
 
 
 def _ops(backend):
@@ -70,9 +64,9 @@ def _device_of(backend, t):
 def test_round_trip_on_device(backend, spec, device):
     """Three steps on ``device`` give the CPU's payloads and outputs (THC: to its stochastic
     rounding's edge cases), and every state tensor lives on the gradient's device."""
-    ops, scheme, info, grads = _ops(backend), _scheme(spec), _info(spec), _grads()
+    ops, scheme, info, grads = _ops(backend), scheme_of(spec), _info(spec), _grads()
     outs, state = _steps(ops, scheme, backend, device, info, grads)
-    ref, _ = _steps(ops, _scheme(spec), backend, "cpu", info, grads)
+    ref, _ = _steps(ops, scheme_of(spec), backend, "cpu", info, grads)
     tol = 1e-3 if spec == "thc" else 1e-5
     for (p, out), (p_ref, out_ref) in zip(outs, ref):
         assert _device_of(backend, out) == device and _device_of(backend, p) == device
@@ -132,7 +126,7 @@ def test_no_host_reads_on_default_steps(spec, monkeypatch):
     counter = _HostReads(monkeypatch)
     ops = counter.gpu_ops(_ops("torch"))
     counter.patch_kernels(monkeypatch, ops)
-    scheme, info = _scheme(spec), _info(spec)
+    scheme, info = scheme_of(spec), _info(spec)
     xs = [backend_tensor("torch", g) for g in _grads()]
     state = scheme.init(ops, info, xs[0])
     counter.active = True
@@ -166,7 +160,7 @@ def test_no_sync_on_cuda(spec):
     if why:
         pytest.skip(why)
     import torch
-    ops, scheme, info = _ops("torch"), _scheme(spec), _info(spec)
+    ops, scheme, info = _ops("torch"), scheme_of(spec), _info(spec)
     xs = [backend_tensor("torch", g, device="cuda") for g in _grads()]
     state = scheme.init(ops, info, xs[0])
     compress_tensor(scheme, ops, xs[0], state, info)  # first call: one-time set-up allowed

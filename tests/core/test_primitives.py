@@ -17,16 +17,10 @@ import pytest
 
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import COMPILE_ENV, compile_requested, one_rank
-from hvd_gradcomp.registry import make_scheme, parse_spec
-from tests.backends import BACKENDS, as_float64, backend_tensor
+from tests.backends import BACKENDS, as_float64, backend_tensor, scheme_of
 
 SIZES = (3000, 70000)  # padded and unpadded blocks / chunks; two sizes, one compilation
 SPECS = ("thc", "topkc:ratio=0.1", "topkc:ratio=0.1,residual_decay=0.9", "thc:range=current,saturation=false")
-
-
-def _scheme(spec):
-    name, options = parse_spec(spec)
-    return make_scheme(name, **options)
 
 
 def _ops(backend):
@@ -59,9 +53,9 @@ def test_compiled_kernels_match_uncompiled(backend, spec, device):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for d in SIZES:
-            scheme = _scheme(spec)
+            scheme = scheme_of(spec)
             want, want_state = _run(scheme, eager, backend, d, device=device)
-            got, got_state = _run(_scheme(spec), compiled, backend, d, device=device)
+            got, got_state = _run(scheme_of(spec), compiled, backend, d, device=device)
             for step, ((wp, wo), (gp, go)) in enumerate(zip(want, got)):
                 if spec.startswith("thc"):
                     # int32 words: a level that rounded the other way changes one word.
@@ -83,7 +77,7 @@ def test_torch_one_compilation_for_all_sizes():
     """A second and third tensor size reuse the first size's compiled THC kernels."""
     from torch._dynamo.utils import counters
     _, compiled = _ops("torch")
-    scheme = _scheme("thc:bits=2")  # its own plan: kernels not compiled by another test
+    scheme = scheme_of("thc:bits=2")  # its own plan: kernels not compiled by another test
     _run(scheme, compiled, "torch", 5000, steps=1)
     _run(scheme, compiled, "torch", 9000, steps=1)  # dynamic dims marked from the first call
     before = counters["stats"]["unique_graphs"]
