@@ -21,35 +21,8 @@ Measured numbers (PyTorch, one thread; reproduce with ``HVD_GRADCOMP_MEASURE=1 p
 pytest tests/core/test_thc.py -k measure -s``): see :data:`ERROR_BOUNDS` (errors per variant),
 :func:`test_row_sparse_embedding` (NMSE) and :func:`test_measure_rotation_stages`.
 
-Choice of the default ``rotation_stages`` (k). ``d = 2**22``, 4-bit THC with saturation, world
-size 4 (lanes of 6 bits, 8 bits per coordinate), one rank; error = ``||out - x|| / ||x||`` of
-the second of two steps on the same tensor without error feedback (so that the per-block
-ranges, agreed from the first step's statistics, fit it), saturated coordinates in brackets
-(the target rate 1/1024 is 4096). WHT times are from a quiet machine (PyTorch, one thread,
-minimum of 12 rounds; the rotation code is unchanged since); the errors were re-measured for
-the current design with :func:`test_measure_rotation_stages`:
-
-    =====  ==================  =======  ================  ================
-    k      factors             WHT ms   error, layer      error,
-                                        grad (saturated)  Gaussian
-    =====  ==================  =======  ================  ================
-    4      16                  4.4      0.1799 (186)      0.1799 (391)
-    6      8 x 8               8.2      0.1800 (1811)     0.1801 (3263)
-    8      16 x 16             7.6      0.1802 (2637)     0.1815 (3662)
-    10     32 x 32             10.8     0.1801 (3059)     0.1833 (3183)
-    12     16 x 16 x 16        12.7     0.1801 (3265)     0.1833 (3202)
-    14     32 x 32 x 16        13.8     0.1801 (4785)     0.1833 (3160)
-    16     16 x 16 x 16 x 16   15.5     0.1804 (4646)     0.1834 (3290)
-    full   32x32x16x16x16      25.6     0.1820 (3602)     0.1832 (3225)
-    =====  ==================  =======  ================  ================
-
-"layer grad" is a linear layer's gradient ``A^T E``, 1024 x 4096 (batch 32; ReLU inputs, 30 %
-of them dead; Student-t(3) output errors), whose 4096-long rows have very different norms.
-Under the old design (one global range per tensor) blocks inside one row saturated ~7x the
-target rate and the error was 0.200-0.218 up to k = 12; with a range per block the error is
-flat in k (0.180-0.182, the differences being the quarter-octave rounding of the ranges), so
-k trades WHT time (and padding up to ``2**k - 1``, or 2x for the full rotation) against how
-many coordinates an outlier is spread over. Default: k = 10, THC's own choice.
+The choice of the default ``rotation_stages`` and its measurements: docs/thc.md, "Choice of
+``rotation_stages``".
 """
 import dataclasses
 import math
