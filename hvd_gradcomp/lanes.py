@@ -1,0 +1,141 @@
+"""Integer lanes: several small non-negative integers packed into one int32 word, so that a
+plain Sum (or Horovod's integer Average) all-reduce of the words sums each lane exactly.
+
+A :class:`LaneLayout` puts ``lanes`` lanes of ``width`` bits above ``guard`` guard bits. Every
+rank takes the same ``offset`` off each word, so any sum of up to ``n`` ranks' words stays
+inside int32 (the sign bit is used, nothing wraps); the receiver adds ``c * offset`` back for
+``c`` contributing ranks. Under Average, Horovod truncates ``W / n`` toward zero; with
+``2**guard > n`` the exact sum is recovered by :func:`exact_words`. Used by THC
+(:mod:`hvd_gradcomp.thc`, steps 5-6, which also gives the derivation); any scheme with
+integer payloads can use it the same way.
+"""
+from typing import NamedTuple
+
+__all__ = ["MAX_WORLD_SIZE", "LaneLayout", "centred_offset", "lane_layout", "wire_bits", "exact_words",
+           "pack", "unpack"]
+
+MAX_WORLD_SIZE = 1024
+
+
+class LaneLayout(NamedTuple):
+    """How values sit in an int32 word (THC's step 5, :mod:`hvd_gradcomp.thc`): ``lanes`` lanes of ``width`` bits above
+    ``guard`` guard bits; levels ``0..top`` per rank (``top = 0`` for the statistics), and
+    ``offset`` (a multiple of ``2**guard``) taken off each word by every contributing rank."""
+
+    lanes: int
+    width: int
+    guard: int
+    top: int = 0
+    offset: int = 0
+
+
+_INT32_MAX = (1 << 31) - 1
+
+
+def centred_offset(top: int, width: int, lanes: int, guard: int, n: int):
+    """The offset ``K`` that keeps any sum of ``c <= n`` words in int32 (step 5), or None."""
+    peak = top * sum(1 << (guard + j * width) for j in range(lanes))  # one rank's largest word
+    if peak > _INT32_MAX:
+        return None
+    half = (peak // 2) >> guard << guard
+    for k in (half, half + (1 << guard)):
+        if n * k <= _INT32_MAX + 1 and n * (peak - k) <= _INT32_MAX:
+            return k
+    return None
+
+
+def lane_layout(bits: int, world_size: int, lane_bits=None, op="average") -> LaneLayout:
+    """The int32 layout of the levels summed over ``world_size`` ranks (:mod:`hvd_gradcomp.thc`, step 5).
+
+    Args:
+        bits: the per-rank levels are at most ``2**bits - 1``.
+        lane_bits: None: every rank's levels are ``0..2**bits - 1`` in lanes as wide as their
+            sum needs. An int ``b``: at least ``32 // b`` lanes a word (``b`` bits a coordinate)
+            where a lane can hold the sum of ``n`` ranks' levels ``0..1``, fewer where it
+            cannot; the levels are the most that such a lane holds summed over ``n`` ranks,
+            capped at ``2**bits - 1``.
+        op: ``"sum"``: no guard bits (Horovod's Sum is exact); otherwise (``"average"`` or None,
+            unknown) ``bit_length(n)`` guard bits, for step 6.
+
+    Raises:
+        ValueError: ``world_size`` above ``MAX_WORLD_SIZE``, or no lane fits in an int32 word.
+    """
+    n = world_size
+    if n > MAX_WORLD_SIZE:
+        raise ValueError(f"thc: world size must be at most {MAX_WORLD_SIZE}, got {n}")
+    guard = 0 if op == "sum" else n.bit_length()
+    room, cap = 32 - guard, (1 << bits) - 1
+    for target in range(32 // lane_bits if lane_bits else 1, 0, -1):
+        most = min(cap, ((1 << (room // target)) - 1) // n) if lane_bits else cap
+        # The most levels, or one fewer where an odd sum fills the word (no centring fits).
+        for top in (most, most - 1) if lane_bits else (cap,):
+            width = (n * top).bit_length()
+            for lanes in range(room // width, target - 1, -1) if top >= 1 else ():
+                offset = centred_offset(top, width, lanes, guard, n)
+                if offset is not None:
+                    return LaneLayout(lanes, width, guard, top, offset)
+    raise ValueError(f"thc: bits={bits} with {n} ranks needs {guard} guard bits and lanes of "
+                     f"{(n * cap).bit_length()} bits, more than an int32 word holds; use fewer bits "
+                     f"or set lane_bits")
+
+
+def wire_bits(bits: int, world_size: int, lane_bits=None, op="average") -> float:
+    """Payload bits per (padded) coordinate: ``32 / lanes`` (statistics, control words and
+    padding not counted)."""
+    return 32.0 / lane_layout(bits, world_size, lane_bits, op).lanes
+
+
+def exact_words(ops, words, summed, world_size: int, guard: int):
+    """Step 6: the exact sums of the packed words, whichever op Horovod applied.
+
+    Args:
+        words: int64 [m], the all-reduced int32 words (sums, or Horovod's truncated averages).
+        summed: bool 0-d tensor or Python bool, True if Horovod applied Sum.
+        world_size: n.
+        guard: guard bits g of the layout (``2**g > n``; exact sums are multiples of ``2**g``).
+
+    Returns:
+        int64 [m]: ``words`` under Sum; under Average the multiple of ``2**g`` next to
+        ``n * words`` away from zero (the smallest ``>=`` it for a word ``>= 0``, the largest
+        ``<=`` it for a negative one; see :mod:`hvd_gradcomp.thc`, step 6, for why that is exact).
+    """
+    if summed is True or guard == 0:
+        return words
+    bias = 1 << 40  # a multiple of 2**g that makes every operand of the shifts non-negative
+    scaled = words * world_size + bias
+    up = ops.left_shift(ops.right_shift(scaled + ((1 << guard) - 1), guard), guard)
+    down = ops.left_shift(ops.right_shift(scaled, guard), guard)
+    recovered = ops.where(words < 0, down, up) - bias
+    if summed is False:
+        return recovered
+    return ops.where(summed, words, recovered)
+
+
+def pack(ops, values, lay: LaneLayout):
+    """int32 [w = ceil(m / lanes)]: int32 ``values`` [m] (each below ``2**width``) in lanes of
+    ``lay`` above its guard bits, planar: value ``j * w + i`` in lane ``j`` of word ``i``
+    (contiguous reads per lane). One shift and one add per lane, over that lane's slice (no
+    padded copy of ``values``); a short last lane adds into the first words only."""
+    m = ops.shape(values)[0]
+    w = -(-m // lay.lanes)
+    words = ops.left_shift(values[:w] if w < m else values, lay.guard)
+    if lay.offset:
+        words = words - lay.offset
+    for j in range(1, lay.lanes):
+        if j * w >= m:
+            break
+        part = ops.left_shift(values[j * w:(j + 1) * w], lay.guard + j * lay.width)
+        k = ops.shape(part)[0]
+        words = words + part if k == w else ops.concat([words[:k] + part, words[k:]], 0)
+    return words
+
+
+def unpack(ops, words, lay: LaneLayout):
+    """[lanes * w], the dtype of ``words``: the lane sums of exact non-negative ``words`` [w]
+    (the offsets added back), in :func:`pack`'s order."""
+    n = ops.shape(words)[0]
+    # Built on the device (arange), not copied from the host: no host-to-device copy per call.
+    shifts = ops.reshape(ops.arange(lay.lanes, ops.dtype(words), words) * lay.width + lay.guard,
+                         (lay.lanes, 1))
+    lanes = ops.bitwise_and(ops.right_shift(ops.reshape(words, (1, n)), shifts), (1 << lay.width) - 1)
+    return ops.reshape(lanes, (n * lay.lanes,))
