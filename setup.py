@@ -21,7 +21,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["hvd_gradcomp", "hvd_gradcomp.bench", "hvd_gradcomp.bench.workers",
+    packages=["hvd_gradcomp", "hvd_gradcomp.auto", "hvd_gradcomp.bench", "hvd_gradcomp.bench.workers",
               "torch_backend", "tf_backend"],
     package_data={"hvd_gradcomp.bench": ["*.json"]},
     install_requires=[],

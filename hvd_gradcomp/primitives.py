@@ -130,7 +130,7 @@ class Primitives:
     # (fn, plan) for all shapes (torch.compile with dynamic shapes; XLA in TensorFlow), which
     # fuses the elementwise passes into a few loops; otherwise ``run`` calls ``fn`` directly.
     fuse: Callable[[Callable, tuple], Callable]
-    # --- host (the one exception to rule 5; only ``auto`` uses them, see auto.py) ---
+    # --- host (the one exception to rule 5; only ``auto`` uses them, see hvd_gradcomp/auto/) ---
     # to_host(x) -> x's values as Python numbers (a float/int for 0-d, nested lists else):
     # a device sync. ``auto`` reads its measurements and agreed statistics once per decision
     # window, never on the steps between.

@@ -389,3 +389,15 @@ def test_thc_residual_in_gradient_coordinates():
     corrected = x + np.asarray(ops.to_host(before))
     np.testing.assert_allclose(np.asarray(ops.to_host(out)) + after, corrected, atol=1e-4)
     assert np.abs(after).max() > 1e-2  # 2 bits leave a real residual
+
+
+def test_decision_module_imports_no_framework():
+    """hvd_gradcomp.auto.decisions (start, decide, the link model) is pure: importing it loads
+    neither PyTorch nor TensorFlow nor NumPy."""
+    import subprocess
+    import sys
+    code = ("import sys, hvd_gradcomp.auto.decisions as d; "
+            "print(sorted(m for m in ('torch', 'tensorflow', 'numpy') if m in sys.modules)); "
+            "print(d.decide.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]" and out[1] == "hvd_gradcomp.auto.decisions", out
