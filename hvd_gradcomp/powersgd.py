@@ -1,152 +1,17 @@
 """PowerSGD: rank-r compression with error feedback, one all-reduce per tensor per step.
 
-Notation, per gradient tensor: ``W`` ranks ``i`` (the process set's size), rank ``r`` of the
-approximation, the matrix view ``M`` (``n x m``, step 1), ``K = max(n, m)``.
-
-Policy and matrix view (static: shape, options and the framework's kernel layout):
-    1. ``M`` has the output channels as its ``n`` rows in both frameworks:
-       - ``ndim <= 2``: ``n = shape[0]``, ``m = numel / n`` (a TensorFlow Dense kernel
-         ``(in, out)`` is the transpose of PyTorch's ``(out, in)``; a rank-r approximation of
-         a matrix and of its transpose are the same);
-       - ``ndim >= 3`` in PyTorch (``ops.name == "torch"``): ``(out, in, h, w)`` gives
-         ``n = out``, ``m = in h w``;
-       - ``ndim >= 3`` in TensorFlow (``ops.name == "tensorflow"``): ``(h, w, in, out)`` gives
-         ``n = out``, ``m = h w in``. The tensor's plain reshape is then ``M^T`` (``m x n``);
-         every product below is formed with the small factors transposed instead
-         (``M F = (F^T M^T)^T``), so no ``n x m`` transpose is ever made. (Before state format
-         2 TensorFlow kernels were viewed as ``h x (w in out)``, a matrix of 1 to 7 rows.)
-       A tensor is compressed iff it has >= 2 dimensions, is not empty and
-       ``r (n + m) min_compression_rate <= n m``. Every other tensor (vectors, scalars, small or
-       square-ish matrices) is sent uncompressed: float16 pre-scaled by ``1/W`` (as the
-       ``fp16`` scheme), or float32.
-
-``variant="alternating"`` (the default; ACP-SGD, Zhang, Shi, Li et al., "Evaluation and
-Optimization of Gradient Compression for Distributed Deep Learning", ICDCS 2023). State per
-tensor: residual ``E_i``, the shared bases ``P^`` (``n x r``) and ``Q^`` (``m x r``) with
-orthonormal columns, the step counter ``t`` whose parity says which factor travels, the shared
-random matrix ``U`` (``r x K``), and a count of realignments. Steps:
-    2. Error feedback: ``M_i = G_i + E_i`` (float32; ``E_i = 0`` without error feedback).
-    3. The shared basis of step ``t``: ``Q^`` on even steps, ``P^`` on odd steps. Every rank
-       holds the same one: it was computed in step 10 of the previous step from the
-       all-reduced payload. The first ``Q^`` is the orthonormalised ``U[:, :m]``; ``U``
-       (uniform in [-1, 1)) comes from :func:`hvd_gradcomp.rng.uniform` keyed by
-       ``(seed, tensor key)`` when the state is created: identical on every rank, the
-       framework's RNG untouched. (Kept in the state rather than drawn again each step: the
-       draw costs ~30 small operations.)
-    4. The travelling factor, not orthonormalised (it carries the gradient's scale):
-       even ``t``: ``P_i = M_i Q^`` (``n x r``); odd ``t``: ``Q_i = M_i^T P^`` (``m x r``).
-       The parity is a tensor; ``Primitives.select`` forms only the product it names where
-       reading it costs no device sync (PyTorch CPU, TensorFlow's ``tf.cond``): ``n m r``
-       multiply-adds, half the two-round variant's two products. On a PyTorch GPU both are
-       formed and one is kept with ``where`` (``2 n m r``), since reading the parity there would
-       sync the device once per tensor.
-    5. Control values (float32): ``[1 if t even else 0, 1 if t odd else 0, f1, f1^2, f2, f2^2]``
-       with fingerprints of the basis of step 3: ``f1 = <U, B>``, ``f2 = <U*U - 1/3, B>``
-       (``B`` the basis as ``r x K``, zero-padded; the two weightings are uncorrelated).
-    6. Payload: the travelling factor's ``r`` columns, each zero-padded to ``K``, then the 6
-       control values: ``r K + 6`` float32, the same size at every step (the shapes of
-       ``P_i`` and ``Q_i`` differ; a per-step size would need a new TensorFlow trace, and two
-       ranks on different parities would post different shapes, which Horovod refuses or
-       waits on). All NaN if this rank's gradient holds a NaN/inf
-       (:func:`~hvd_gradcomp.base.poison`).
-    7. Horovod all-reduces the payload with Sum or Average (a rank in ``hvd.join()``
-       contributes zeros everywhere, controls included).
-    8. Agreement, computed once in ``receive`` for ``decompress`` and ``finish``, from the
-       all-reduced payload only, hence the same on every rank. With ``c_e, c_o, S1, S2`` the
-       summed controls and ``c = c_e + c_o``, the ranks disagreed if ``c_e > 0`` and
-       ``c_o > 0`` (parities differ) or, for either fingerprint, ``S2 c - S1^2 > tol S2 c``:
-       the fingerprints of the contributing ranks are not all equal (``S2 c - S1^2`` is
-       ``c^2`` times their variance), ``tol = (8 W + 16) 2**-24`` being above the float32
-       rounding of the sums. Every term scales alike, so the test holds under Sum, Average
-       and Horovod's prescale/postscale factors. Causes: a checkpoint loaded on some ranks
-       only, a rank back from ``hvd.join()`` having missed steps. A basis that differs only
-       in its last bits (ranks on different hardware) passes.
-    9. Decompress: even ``t``: ``P_agg Q^^T``; odd ``t``: ``P^ Q_agg^T``, where ``P_agg`` /
-       ``Q_agg`` is the all-reduced factor. That is ``sum_i M_i Q^ Q^^T`` or
-       ``P^ P^^T sum_i M_i`` under Sum, the mean under Average: linear in the payload, so the
-       op need not be known, and the basis is orthonormal, so the scale is the gradient's.
-       On disagreement the output is exactly 0 for this tensor and step (never a wrong
-       value; a non-finite payload still gives NaN).
-    10. Finish (when the all-reduced payload is not finite, some rank failed, and the whole
-        state stays as it was on every rank):
-        - residual ``E_i' = M_i - P_i Q^^T`` (even) or ``M_i - P^ Q_i^T`` (odd): what this
-          rank's *own* contribution misses, i.e. ``M_i (I - Q^ Q^^T)`` or
-          ``(I - P^ P^^T) M_i``, as in Vogels et al. (Algorithm 2) and epfml/powersgd;
-        - new basis: even ``t``: ``P^ := basis(P_agg)``; odd ``t``: ``Q^ := basis(Q_agg)``,
-          with :func:`~hvd_gradcomp.orthogonalize.basis`: Gram-Schmidt, exactly zero columns
-          (an all-zero gradient; a dependent column zeroed the step before) replaced by
-          ``U``'s first, so the basis always has ``r`` directions. Orthonormalising drops
-          the scale (Sum or Average, the gradient's size): the factors neither grow nor
-          shrink over the steps. The basis is the next step's warm start;
-        - ``t := t + 1``;
-        - on disagreement (step 8): ``E_i' = M_i`` (the step applied nothing, so nothing is
-          lost with error feedback on; without it this tensor's gradient of that step is
-          dropped), ``Q^ := basis`` of the aggregate's first ``m`` values of each column
-          (the same data on every rank), ``P^ := 0``, ``t := 0`` and ``realigned`` + 1. From
-          the next step on every rank agrees again.
-    This is PowerSGD's subspace iteration on the summed matrix, one half per training step:
-    ``P^ = orth((sum_i M_i) Q^)``, then ``Q^ = orth((sum_i M_i)^T P^)``, with warm start.
-    The output is one step behind the two-round variant's: the basis a step projects on was
-    computed from the previous step's matrix. A repeated matrix ``A`` of rank ``<= r`` (one
-    rank): without error feedback step 0 gives ``A Q0 Q0^T`` and every later step gives ``A``
-    exactly. With error feedback step 0 is the same, and every odd step gives
-    ``P^ P^^T (A + E)`` = ``A + E`` exactly (``P^`` spans ``A``'s columns, which hold ``E``'s),
-    leaving a zero residual: the outputs summed up to any odd step equal the gradients
-    summed. The even steps project on ``Q^ = orth((A + E)^T P^)``, the rows of
-    ``A (2I - Q^' Q^'^T)`` rather than of ``A``: the residual steers the tracked subspace, and
-    the even steps' relative error falls from ~1 at step 0 to ~0.1 by step 6 and then only
-    slowly (0.07 at step 54; measured for 30 x 20, 48 x 40 and 200 x 100 matrices of rank
-    2-4), where two-round PowerSGD is exact from step 0; what an even step misses, the next
-    odd step delivers. This is ACP-SGD's trade: one non-blocking collective of
-    ``max(n, m) r`` floats per step, with a basis that lags by one step.
-    ``warm_start=False`` is refused (the alternating basis *is* the previous step's factor),
-    and so is ``start_step > 0``: an uncompressed warm-up step does not fit in the fixed
-    ``r K + 6`` payload and would need a side collective inside ``compress``.
-
-EF21 (``error_feedback="ef21"``, alternating only; Richtarik et al., NeurIPS 2021, as in
-:mod:`hvd_gradcomp.topkc`): the state keeps ``local`` (``h_i``) and ``estimate`` (``H``, agreed)
-in the plain 2-D layout instead of ``residual``. Step 2 becomes ``M_i = G_i - h_i``; steps 3-8
-are unchanged (the basis tracks the subspace of the ranks' *changes*); decompress returns
-``H + `` the decoded aggregate (step 9's product), 0 on disagreement; finish adds this rank's own
-decoded factor product to ``h_i`` and the decoded aggregate to ``H`` (so ``H`` is the sum/mean of
-the ``h_i``), and on disagreement restarts both at 0 on every rank with the basis realignment
-of step 10. The two-round variant refuses it: it has no agreement check, so a rank back from
-``hvd.join()`` could never realign its ``H``.
-
-``variant="two_round"``: the original PowerSGD (Vogels et al., Algorithm 1), ``blocking``:
-    2. ``M_i = G_i + E_i``.
-    3. ``Q`` (``m x r``): with ``warm_start`` the state's (the previous step's aggregate with
-       unit columns), otherwise a fresh one from the RNG keyed by ``(seed, key, step)``; the
-       first one is keyed by ``(seed, key)``.
-    4. ``P_i = M_i Q``; side collective inside ``compress``: all-reduce (Sum) of ``P_i``,
-       named ``hvd_gradcomp.powersgd.p.<key>``, in the tensor's process set. Every rank must
-       compress every tensor in the same order (unused parameters, rank-dependent graphs and
-       ``hvd.join()`` break it; the adapters refuse the first).
-    5. ``P^ = orthogonalize(sum_i P_i)``; ``Q_i = M_i^T P^``; payload ``Q_i`` (``r m``
-       float32), poisoned if not finite.
-    6. Decompress ``P^ Q_agg^T``; residual ``E_i' = M_i - P^ Q_i^T``; the state's ``Q``
-       becomes the aggregate with unit columns (a zero or non-finite column keeps the old
-       one). Finish keeps the whole state when the payload is not finite.
-    Warm-up (``start_step > 0``, this variant only): while ``t < start_step`` the full ``M_i``
-    goes through a side all-reduce (float16 pre-scaled by ``1/W``), named
-    ``hvd_gradcomp.powersgd.full.<key>``, and the ``r m`` payload carries ``1/W`` in every
-    coordinate (after Sum it reads 1, after Average ``1/W``; decompress multiplies the summed
-    matrix by it). The residual becomes 0, ``Q`` is untouched. The branch is
-    :func:`Primitives.cond` (a host read of ``t`` per tensor in PyTorch).
-
-Wire per compressed tensor and step (:meth:`PowerSGDScheme.wire`):
-    alternating: ``4 (r K + 6)`` bytes in the one all-reduce, nothing else. ACP-SGD proper
-    sends ``4 r n`` and ``4 r m`` bytes on alternate steps (``2 r (n + m)`` on average); the
-    fixed size pads the shorter factor, costing ``4 r |n - m|`` bytes every other step:
-    ``n = m``: half the two-round bytes; a 3x3 conv with 512 channels (``512 x 4608``):
-    ``4608 r`` floats against the two-round's ``5120 r`` (10 % fewer, and no blocking
-    collective).
-    two_round: payload ``4 r m`` bytes, one side collective of ``4 r n`` bytes.
-    Uncompressed tensors: ``2 d`` bytes (float16) or ``4 d`` (float32).
-
-State (:class:`PowerSGDState`, saved by the adapters' ``state_dict()``), format
-:data:`STATE_VERSION`. States written before format 2 (fields ``residual, q, step``) are
-refused at load with a message naming the change (:meth:`PowerSGDScheme.check_loaded`).
+A gradient is viewed as a matrix ``M`` (``n x m``, output channels as rows: :func:`matrix_view`);
+tensors rank ``r`` cannot shrink by ``min_compression_rate`` go uncompressed (float16
+pre-scaled like ``fp16``, or float32). ``variant="alternating"`` (default; ACP-SGD, Zhang, Shi,
+Li et al., ICDCS 2023) sends ``M_i Q^`` on even steps and ``M_i^T P^`` on odd ones, projected on
+the previous step's shared orthonormal basis, in one non-blocking all-reduce of
+``r max(n, m) + 6`` floats that also carries parity and basis fingerprints: ranks that disagree
+(a checkpoint loaded on one rank, a rank back from ``hvd.join()``) get 0 and realign.
+``error_feedback="ef21"`` (alternating only; Richtarik et al., NeurIPS 2021) compresses
+``G_i - h_i`` and delivers the agreed estimate ``H``. ``variant="two_round"`` (Vogels et al.,
+Algorithm 1) is ``blocking``: a side all-reduce of ``P`` inside ``compress``, then ``Q``.
+A non-finite payload leaves the state as it was on every rank. The numbered steps of the
+code's comments, the wire bytes and the state format: docs/powersgd.md.
 
 Reference: Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
 Distributed Optimization", NeurIPS 2019 (https://github.com/epfml/powersgd).
@@ -180,12 +45,10 @@ class PowerSGDConfig:
 
     Tuning ``rank`` (Vogels et al.): start at rank 1 with error feedback and warm start; double
     it while the loss trails the FP16 run's; 1 to 4 suits most vision models, language models
-    may need up to 32 (bytes per matrix: module docstring). Without ``error_feedback``
+    may need up to 32 (bytes per matrix: docs/powersgd.md). Without ``error_feedback``
     PowerSGD is biased and usually trains worse. ``start_step > 0`` and ``warm_start=False``
-    need ``variant="two_round"`` (module docstring). ``uncompressed_dtype`` is the dtype of
-    the tensors step 1 leaves uncompressed (TopKC's ``payload_dtype`` is the dtype of its
-    compressed payload); float16 is pre-scaled by 1/world_size. All ranks must use the same
-    ``seed``.
+    need ``variant="two_round"`` (docs/powersgd.md). ``uncompressed_dtype``: the dtype of the
+    tensors left uncompressed (float16 pre-scaled by 1/world_size). Every rank: the same ``seed``.
 
     Raises:
         ValueError: an option of the wrong kind or outside its range (one wording for every
@@ -351,7 +214,7 @@ def _pad(ops, x, width):
 
 
 class PowerSGDScheme(Scheme):
-    """Rank-r PowerSGD with error feedback and warm start (module docstring)."""
+    """Rank-r PowerSGD with error feedback and warm start (module docstring; steps: docs/powersgd.md)."""
 
     name = "powersgd"
 
@@ -643,7 +506,7 @@ class PowerSGDScheme(Scheme):
 
     def wire(self, info: TensorInfo, layout: str = None) -> WireBytes:
         """Bytes per step (after warm-up) under ``layout`` (``ops.name``; default: the backend
-        this scheme last ran with, else ``"torch"``); module docstring."""
+        this scheme last ran with, else ``"torch"``); docs/powersgd.md, step 1."""
         v = self._view(info, layout or self._layout or "torch")
         if v is None:
             return WireBytes((2 if self._fp16 else 4) * info.numel)
