@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 
-__all__ = ["add_common_args", "TimedCompressor", "Recorder", "rolling_mean", "PROGRESS_PREFIX",
+__all__ = ["optimizer_class", "add_common_args", "TimedCompressor", "Recorder", "rolling_mean", "PROGRESS_PREFIX",
            "process_start_time", "parse_optimizer", "OPTIMIZERS"]
 
 PROGRESS_PREFIX = "@tta "
@@ -53,6 +53,21 @@ OPTIMIZERS = {
 # Other spellings: the workers' earlier --optimizer choices (docs/optimizers.md).
 OPTIMIZER_ALIASES = {"frozen_adamw": "frozen-adamw"}
 _OPTIMIZER_TEXT = re.compile(r"^\s*([a-z][a-z0-9_-]*)\s*(?:\((.*)\))?\s*$")
+
+
+def optimizer_class(name: str, framework: str):
+    """The optimizer class ``OPTIMIZERS[name][framework]`` names, imported.
+
+    Raises:
+        ValueError: the class is not in this checkout (named, with the import error).
+    """
+    import importlib
+    module, _, attr = OPTIMIZERS[name][framework].partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"optimizer {name}: {module}.{attr} is not available in this checkout "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def parse_optimizer(text):

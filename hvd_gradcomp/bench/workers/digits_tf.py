@@ -35,7 +35,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 from tf_backend import Compression  # noqa: E402
 
 from .. import data  # noqa: E402
-from ..worker import OPTIMIZERS, Recorder, add_common_args, parse_optimizer  # noqa: E402
+from ..worker import OPTIMIZERS, Recorder, add_common_args, optimizer_class, parse_optimizer  # noqa: E402
 
 DEFAULTS = dict(target=0.96, lr=0.05, batch_size=32, eval_every=5, max_epochs=20)
 
@@ -129,13 +129,7 @@ def build_optimizer(text, lr):
     name, opts = parse_optimizer(text)
     if name is None:
         return tf.keras.optimizers.legacy.SGD(learning_rate=lr, momentum=0.9)
-    module, _, attr = OPTIMIZERS[name]["tensorflow"].partition(":")
-    try:
-        import importlib
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"optimizer {name}: {module}.{attr} is not available in this checkout "
-                         f"({type(e).__name__}: {e})") from None
+    cls = optimizer_class(name, "tensorflow")
     kwargs = {"learning_rate": lr}
     for k, v in opts.items():
         if k == "betas":
@@ -145,7 +139,7 @@ def build_optimizer(text, lr):
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"optimizer {name}: {module}.{attr} rejected its options {kwargs}: {e}") from None
+        raise ValueError(f"optimizer {name}: {OPTIMIZERS[name]['tensorflow'].replace(':', '.')} rejected its options {kwargs}: {e}") from None
 
 
 def main(argv=None):

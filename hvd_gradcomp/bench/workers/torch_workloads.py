@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import data
-from ..worker import OPTIMIZERS, Recorder, parse_optimizer
+from ..worker import OPTIMIZERS, Recorder, optimizer_class, parse_optimizer
 
 __all__ = ["DigitsWorkload", "LMWorkload", "LMCommWorkload", "WORKLOADS", "train", "versions",
            "build_optimizer", "AdamProbe"]
@@ -207,18 +207,12 @@ def build_optimizer(workload, params, lr, text, defaults=None):
     name, opts = parse_optimizer(text)
     if name is None:
         return workload.optimizer(params, lr)
-    module, _, attr = OPTIMIZERS[name]["torch"].partition(":")
-    try:
-        import importlib
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"optimizer {name}: {module}.{attr} is not available in this checkout "
-                         f"({type(e).__name__}: {e})") from None
+    cls = optimizer_class(name, "torch")
     kwargs = dict({"lr": lr}, **dict((defaults or {}).get(name, {}), **opts))
     try:
         return cls(params, **kwargs)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"optimizer {name}: {module}.{attr}({', '.join(f'{k}={v}' for k, v in kwargs.items())}) "
+        raise ValueError(f"optimizer {name}: {OPTIMIZERS[name]['torch'].replace(':', '.')}({', '.join(f'{k}={v}' for k, v in kwargs.items())}) "
                          f"rejected its options: {e}") from None
 
 
