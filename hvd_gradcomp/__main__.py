@@ -1,19 +1,24 @@
 """``python -m hvd_gradcomp``: list every compressor's options, from their declarations.
 
     python -m hvd_gradcomp --list [SCHEME ...]        plain text (the default)
-    python -m hvd_gradcomp --markdown                  the README's option table
-    python -m hvd_gradcomp --update-doc README.md      rewrite that table in a file, between
-                                                       <!-- options:start --> and <!-- options:end -->
+    python -m hvd_gradcomp --markdown                  the option table of docs/options.md
+    python -m hvd_gradcomp --update-doc [FILE]         rewrite that table in FILE (default
+                                                       docs/options.md of the source checkout),
+                                                       between <!-- options:start --> and <!-- options:end -->
 
 Everything printed comes from the ``option(...)`` declarations of the scheme configs
 (:mod:`hvd_gradcomp.options`, :func:`hvd_gradcomp.registry.describe_options`).
 """
 import argparse
+import os
 import sys
 
 from .registry import OPTIONS_BLOCK, describe_options
 
-__all__ = ["build_parser", "main", "update_block"]
+__all__ = ["OPTIONS_DOC", "build_parser", "main", "update_block"]
+
+# The page that holds the generated option table, in a source checkout.
+OPTIONS_DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "options.md")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,10 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("schemes", nargs="*", metavar="SCHEME",
                    help="schemes to list (default: all)")
     p.add_argument("--list", action="store_true", help="plain-text listing (the default)")
-    p.add_argument("--markdown", action="store_true", help="a Markdown table, as in the README")
-    p.add_argument("--update-doc", action="append", default=[], metavar="FILE",
+    p.add_argument("--markdown", action="store_true", help="a Markdown table, as in docs/options.md")
+    p.add_argument("--update-doc", action="append", default=[], nargs="?", const=OPTIONS_DOC,
+                   metavar="FILE",
                    help=f"replace the Markdown table between <!-- {OPTIONS_BLOCK}:start --> and "
-                        f"<!-- {OPTIONS_BLOCK}:end --> in FILE (repeatable)")
+                        f"<!-- {OPTIONS_BLOCK}:end --> in FILE (default {OPTIONS_DOC}; repeatable)")
     return p
 
 

@@ -1,7 +1,7 @@
 """``python -m hvd_gradcomp.bench publish``: a finished sweep's table and plots into a doc.
 
     python -m hvd_gradcomp.bench publish --results docs/tta-demo/results.json \
-        --update-doc README.md --doc-block tta-demo
+        --update-doc docs/tta.md --doc-block tta-demo
 
 Reads only what the sweep saved in its ``--out`` folder: ``results.json`` (sweep metadata,
 one summary row per run, every run's records) and the plots ``tta_<workload>.png`` beside

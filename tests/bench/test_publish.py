@@ -113,20 +113,19 @@ def test_without_doc_prints_the_block(tmp_path, capsys, monkeypatch):
 
 
 def test_committed_demo_block_is_reproduced_from_its_results(tmp_path):
-    """The README's tta-demo block is exactly what publish renders from docs/tta-demo/results.json
+    """docs/tta.md's tta-demo block is exactly what publish renders from docs/tta-demo/results.json
     (run as the CLI, on a copy, so re-rendering needs no sweep and the block was not hand-edited)."""
     shutil.copytree(os.path.join(ROOT, "docs", "tta-demo"), tmp_path / "docs" / "tta-demo",
                     ignore=shutil.ignore_patterns("logs", "runs", "*.csv"))
-    readme = os.path.join(ROOT, "README.md")
-    shutil.copy(readme, tmp_path / "README.md")
-    (tmp_path / "README.md").write_text(re.sub(r"(<!-- tta-demo:start -->\n).*?(\n<!-- tta-demo:end -->)",
-                                               r"\1stale\2", open(readme).read(), flags=re.S))
+    page = os.path.join(ROOT, "docs", "tta.md")
+    (tmp_path / "docs" / "tta.md").write_text(re.sub(r"(<!-- tta-demo:start -->\n).*?(\n<!-- tta-demo:end -->)",
+                                                     r"\1stale\2", open(page).read(), flags=re.S))
     res = subprocess.run([sys.executable, "-m", "hvd_gradcomp.bench", "publish", "--results",
-                          "docs/tta-demo/results.json", "--update-doc", "README.md"],
+                          "docs/tta-demo/results.json", "--update-doc", "docs/tta.md"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert res.returncode == 0, res.stderr
-    assert (tmp_path / "README.md").read_text() == open(readme).read()
+    assert (tmp_path / "docs" / "tta.md").read_text() == open(page).read()
 
 
 def test_block_with_the_no_comm_reference(tmp_path):

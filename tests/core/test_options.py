@@ -1,5 +1,5 @@
 """hvd_gradcomp.options: one rule per kind of option, one wording, in every scheme; each option
-declared once, and its checks, spec text, listing, README table and "harder" direction derived
+declared once, and its checks, spec text, listing, docs/options.md table and "harder" direction derived
 from that declaration."""
 import dataclasses
 import math
@@ -227,17 +227,17 @@ def test_option_declarations_and_inferred_fields():
 
 def _options_block(text):
     match = re.search(rf"<!-- {OPTIONS_BLOCK}:start -->\n(.*?)\n<!-- {OPTIONS_BLOCK}:end -->", text, re.S)
-    assert match, "README.md lacks the options block"
+    assert match, "the options block is missing"
     return match.group(1)
 
 
-def test_readme_option_table_is_generated():
-    """README.md's option table is exactly describe_options(markdown=True)."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = _options_block(f.read())
-    assert readme == describe_options(markdown=True), (
-        "README.md's option table differs from the declarations; rewrite it with "
-        "'python -m hvd_gradcomp --update-doc README.md'")
+def test_docs_option_table_is_generated():
+    """docs/options.md's option table is exactly describe_options(markdown=True)."""
+    with open(os.path.join(ROOT, "docs", "options.md")) as f:
+        table = _options_block(f.read())
+    assert table == describe_options(markdown=True), (
+        "docs/options.md's option table differs from the declarations; rewrite it with "
+        "'python -m hvd_gradcomp --update-doc'")
 
 
 def test_option_listing_command(tmp_path):
@@ -253,6 +253,8 @@ def test_option_listing_command(tmp_path):
                    capture_output=True, text=True, check=True)
     assert _options_block(doc.read_text()) == describe_options(markdown=True)
     assert doc.read_text().startswith("intro\n") and doc.read_text().endswith("end\n")
+    from hvd_gradcomp.__main__ import build_parser
+    assert build_parser().parse_args(["--update-doc"]).update_doc == [os.path.join(ROOT, "docs", "options.md")]
     bad = subprocess.run([sys.executable, "-m", "hvd_gradcomp", "zstd"], cwd=ROOT,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown compressor 'zstd'" in bad.stderr
