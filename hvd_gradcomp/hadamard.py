@@ -34,11 +34,9 @@ elements), and no transposes:
 Cost: ``sum(s_i)`` multiply-adds per coordinate in ``r`` passes over memory; a butterfly loop
 needs ``log2(B)`` passes of one add each, and on CPU and GPU the matrix units make the few
 dense passes far cheaper than the many elementwise ones. ``MAX_FACTOR = 32`` (``B = 1024`` is
-``32 x 32``; ``2**22`` is ``32 x 32 x 16 x 16 x 16``) was the fastest cap we measured (PyTorch,
-one CPU thread, ``d = 2**22``, minimum of 12 rounds), or within 0.2 ms of it, for every block
-``2**k``, k in {8, 10, ..., 18, 22}. Cap 64 costs more flops per coordinate (k = 12: 16.2 ms
-as 64 x 64 against 12.7 ms as 16 x 16 x 16; full 2**22: 32.2 against 26.3 ms), cap 16 more
-passes and factors of 8, which run badly (k = 10: 18.4 ms as 16 x 8 x 8 against 11.3 ms).
+``32 x 32``; ``2**22`` is ``32 x 32 x 16 x 16 x 16``): a larger cap costs more flops per
+coordinate, a smaller one more passes and factors of 8; the timings behind the choice are in
+docs/bench.md ("THC").
 
 Randomness: the signs come from :mod:`hvd_gradcomp.rng` (counter-based, identical on every
 rank and in both frameworks). One 32-bit draw gives 32 signs (:func:`rademacher`), so the hash
@@ -49,7 +47,7 @@ __all__ = ["MAX_FACTOR", "next_pow2", "block_size", "padded_size", "factor_sizes
 
 from . import rng
 
-# Largest dense Sylvester factor (see the module docstring for the measurement).
+# Largest dense Sylvester factor (module docstring; measured in docs/bench.md, "THC").
 MAX_FACTOR = 32
 
 

@@ -4,7 +4,7 @@ Tensor Homomorphic Compression (Li, Ben Basat, Vargaftik, Lao, Kim, Mitzenmacher
 Accelerating Distributed Deep Learning Using Tensor Homomorphic Compression", NSDI 2024) was
 built for a parameter server that adds small integers. Here the integers travel through one
 Horovod all-reduce instead, packed into int32 lanes wide enough for the sum over all ranks
-(the "simple adaptation" of Han et al., HotNets 2024; see ``shared/reference/algorithms.md``),
+(the "simple adaptation" of Han et al., HotNets 2024),
 and the quantisation grid comes from statistics that rode in the previous step's payload, so
 ``compress`` waits on no other rank.
 

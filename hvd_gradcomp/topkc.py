@@ -20,12 +20,10 @@ Steps of ``compress`` (``selection="previous"``, the default; ``d`` coordinates,
     5. Scores for the next step: the squared L2 norm of each chunk of ``g + beta e'``, the best
        guess this rank has of next step's corrected gradient (next ``c`` is next ``g`` plus
        ``beta e'``): a chunk just sent starts again from its gradient alone, and a chunk left
-       unsent keeps what it owes. Measured on the digits TTA workload (2 ranks, ratio 0.1,
-       steps to 96 %, seeds 0 and 1): this step's scores (the blocking ``"current"``) 130 and
-       145; scores of ``g + e'`` 145 and 150 (+7 %); scores of ``e'`` alone 150 (seed 0);
-       scores of ``c`` taken before sending, as the first version did, 205 (+58 %): they
-       re-select the chunks the step has just flushed. Normalised by their maximum (non-finite as 0), cast to
-       ``payload_dtype``, appended to the payload: ``m`` values.
+       unsent keeps what it owes (scores of ``c`` itself would re-select the chunks the step
+       has just flushed; the comparison of score choices: docs/bench.md, "TopKC").
+       Normalised by their maximum (non-finite as 0), cast to ``payload_dtype``, appended to
+       the payload: ``m`` values.
     6. A vote: 16 values, 1 in the slot of a hash of this rank's selected chunks (in their
        packing order), 0 elsewhere.
        Horovod all-reduces ``[values..., scores..., votes...]`` (Sum or Average; a rank in
@@ -42,19 +40,14 @@ since every rank then holds the same scores.
 Residual decay (``residual_decay`` = ``beta`` < 1): what a chunk owes is carried at ``beta``
 times its value each step, so it is at most about ``1 / (1 - beta)`` steps of its gradient (20
 at 0.95) instead of everything since the chunk was last sent. Why: at a small ratio each chunk
-is sent about every ``1 / ratio`` steps (every 60-100 steps at 0.01 on a small MLP), and plain
-error feedback then delivers those steps' gradient as one burst, applied at once and carried
-on by SGD momentum: the coordinates take one step ``1 / ratio`` times too large, long after the
-gradient that asked for it, and training oscillates or diverges. Measured (2 ranks, SGD with
-momentum 0.9; details in ``docs/bench.md``): ``examples/pytorch_digits.py`` after 10 epochs,
-ratio 0.01: 94.2 % test accuracy, 97.2 % with ``residual_decay=0.95`` (ratio 0.1 and FP16:
-97.5 %); the TTA digits workload at ratio 0.01 never reached 96 % (it fell to 25 % and 13 %
-after 440 steps, seeds 0 and 1) and reached it in 185 and 205 steps with 0.95; at ratio 0.1
-0.95 changed the steps to 96 % from 125 to 145 and 115 (seeds 0, 1). The price: a chunk that
-stays unsent loses part of its gradient (the compressor is then biased, as GRACE's residual
-memory with ``beta`` < 1, Xu et al., ICDCS 2021). Under Adam, whose per-coordinate steps
-already tame the bursts, it did not help at 0.01 (the TTA language model ended at perplexity
-11.74 against 10.94), which is why the default stays 1. Nothing on the wire changes, and
+is sent about every ``1 / ratio`` steps, and plain error feedback then delivers those steps'
+gradient as one burst, applied at once and carried on by SGD momentum: the coordinates take
+one step ``1 / ratio`` times too large, long after the gradient that asked for it, and
+training oscillates or diverges. The price: a chunk that stays unsent loses part of its
+gradient (the compressor is then biased, as GRACE's residual memory with ``beta`` < 1, Xu et
+al., ICDCS 2021). Under Adam, whose per-coordinate steps already tame the bursts, it does
+not help, which is why the default stays 1 (measurements with SGD and with Adam:
+docs/bench.md, "Small ratios and residual_decay"). Nothing on the wire changes, and
 nothing needs agreeing: the residual is this rank's own. DGC's answers to the same staleness
 (Lin et al., ICLR 2018: a warm-up of the ratio, momentum correction with factor masking) are
 not implemented: a warm-up changes the payload's size with the step (one TensorFlow trace per
@@ -116,8 +109,8 @@ tensors below ``min_numel``, default 1024, as FP16 instead: their chunk scores a
 would cost more than they save).
 
 Reference: the TopKC scheme of Han et al., "Beyond Throughput and Compression Ratios: Towards
-High End-to-end Utility of Gradient Compression", HotNets 2024 (reconstructed; see
-``shared/reference/algorithms.md``); error feedback after Stich et al., NeurIPS 2018.
+High End-to-end Utility of Gradient Compression", HotNets 2024 (reconstructed from the
+paper); error feedback after Stich et al., NeurIPS 2018.
 """
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -144,8 +137,8 @@ class TopKCConfig:
     Tuning ``ratio``: start at 0.1 with error feedback; lower it while the loss keeps up with
     the FP16 run. With SGD and momentum at ratios of 0.01 and below, set
     ``residual_decay=0.95`` (module docstring: plain error feedback then delivers bursts of
-    ~1/ratio steps' gradient; measured 94.2 % -> 97.2 % on the PyTorch example). ``chunk``: larger chunks cost fewer score values on the wire (one per chunk)
-    and select less precisely, so it moves the bytes both ways. ``payload_dtype`` is the dtype
+    ~1/ratio steps' gradient; measured in docs/bench.md). ``chunk``: larger chunks cost fewer
+    score values on the wire (one per chunk) and select less precisely, so it moves the bytes both ways. ``payload_dtype`` is the dtype
     of the compressed payload (PowerSGD's ``uncompressed_dtype`` is the dtype of the tensors
     it leaves uncompressed). ``selection="current"`` is the paper's blocking two-round form
     (module docstring).

@@ -153,11 +153,10 @@ def _bound(scalar_fn, tensor_fn):
 
 
 # A thin product [n, k] x [k, m] (k <= 32) with a large output is how PowerSGD forms its
-# outputs and residuals (P Q^T, rank r = k). On a CPU MKL's GEMM ran it at 2-3x the time of
-# writing the output once (2-core VM, one thread: 9.3 ms for 2048 x 4 x 2048, 3.2 ms for
-# 512 x 4 x 4608), and as a batch of row blocks of the output that fit in cache it ran in
-# 3.5 ms and 1.0 ms. Outputs below 2**20 elements were as fast either way. addmm (the residual
-# M - P Q^T) uses the same blocks, in place.
+# outputs and residuals (P Q^T, rank r = k). On a CPU MKL's GEMM runs it at 2-3x the time of
+# writing the output once; as a batch of row blocks of the output that fit in cache it runs
+# near that bound (timings: docs/bench.md, "PowerSGD"). Outputs below 2**20 elements run as
+# fast either way. addmm (the residual M - P Q^T) uses the same blocks, in place.
 _THIN_K, _BLOCKED_NUMEL = 32, 1 << 20
 
 
@@ -184,8 +183,7 @@ def _matmul(a, b):
 
 
 def _addmm(c, a, b, alpha):
-    # In place on the caller's temporary c; the same row blocks as _matmul (in place and
-    # blocked: 2.6 ms for 2048 x 4 x 2048 against 5.9 ms for c - a @ b).
+    # In place on the caller's temporary c; the same row blocks as _matmul.
     rows = _row_blocks(a, b) if c.is_contiguous() else 0
     if not rows:
         return c.addmm_(a, b, alpha=alpha)
@@ -262,7 +260,7 @@ OPS = Primitives(
     sum=lambda x, axis: x.sum() if axis is None else x.sum(axis),
     max=lambda x, axis: x.max() if axis is None else x.amax(axis),
     all=lambda x, axis: x.all() if axis is None else x.all(axis),
-    # count_nonzero: 2.4 ms for a 16 MiB bool mask against 8.6 ms for its sum (one thread)
+    # count_nonzero, not a sum of the mask: 3-4x faster on CPU (docs/bench.md, "THC")
     count=lambda x, axis: torch.count_nonzero(x) if axis is None else torch.count_nonzero(x, dim=axis),
     norm=lambda x, axis: torch.linalg.vector_norm(x, dim=axis),
     matmul=_full_fp32(_matmul),

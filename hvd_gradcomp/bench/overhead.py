@@ -45,15 +45,14 @@ Columns (the table prints raw numbers first, then ratios; the CSV has the same f
         cache; large values mean extra passes, copies, sorting or per-call overhead).
     wire_vs_fp16: FP16 wire bytes / this scheme's wire bytes (payload + side), > 1 = fewer bytes.
 
-Machine notes (measured on the 2-core development VM, see docs/bench.md):
+Machine settings (their effect, measured: docs/bench.md, "The machine and the method"):
     - ``--malloc keep`` (default) calls glibc ``mallopt`` so freed memory is kept by the process
       (no mmap for large blocks, no trimming). Without it every temporary tensor above the
       mmap threshold is returned to the kernel when freed and page-faulted back in when the
-      next one is allocated: on this VM ~10 us per 4 KiB page, i.e. ~0.4 GB/s, which made a
-      64 MiB elementwise op 10x slower than memory speed and would be counted against whichever
-      compressor makes the most temporaries. GPU frameworks cache their allocations anyway.
-    - ``--threads 1`` (default on CPU): other processes share the 2 cores; a 2-thread kernel
-      then waits at its barrier for a descheduled thread, which made timings vary 100x.
+      next one is allocated, which would be counted against whichever compressor makes the
+      most temporaries. GPU frameworks cache their allocations anyway.
+    - ``--threads 1`` (default on CPU): when other processes share the cores, a multi-thread
+      kernel waits at its barrier for a descheduled thread.
 
 Also writes scale-model inputs (``--model-inputs PATH``): the summed codec time and the wire
 bytes of a reference model's gradient tensors per compressor (see ``model.py``).

@@ -42,9 +42,8 @@ Default bandwidth, 500 Mbit/s per worker link: the digits model's FP32 gradient 
 so at 500 Mbit/s FP32 communication takes about 0.35 s a step and FP16 about 0.17 s, against
 roughly 0.05 s of compute on one core per worker: communication dominates, as on a GPU
 cluster with a fast network and a large model, while the whole default sweep takes a few
-minutes (its measured duration: docs/tta.md). Measured on our 2-core machines, the
-namespaces carry 500 Mbit/s within 1.2x (idle) to 1.9x (busy) of the ring model, and 1 Gbit/s
-within 1.2x on a quiet machine but about 2.4x on 2 busy cores.
+minutes. Its measured duration, and how closely the namespaces carry each rate:
+docs/tta.md ("The network").
 """
 import argparse
 import datetime
