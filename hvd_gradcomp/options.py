@@ -17,7 +17,7 @@ Everything else is derived from that declaration (:class:`Option`): validation
 (:func:`validate`), spec-string parsing (:meth:`Option.parse`, used by
 :func:`hvd_gradcomp.registry.parse_spec`), canonical spec strings (:meth:`Option.format`, used
 by :func:`hvd_gradcomp.registry.to_spec`), the listing ``python -m hvd_gradcomp --list`` and
-the README's option table (:func:`hvd_gradcomp.registry.describe_options`).
+docs/options.md's option table (:func:`hvd_gradcomp.registry.describe_options`).
 
 Every refusal reads::
 
@@ -48,11 +48,6 @@ Kinds:
 Any kind may be declared ``optional=True``: None is then accepted too (``none`` in a spec
 string, canonically ``none``), e.g. a value measured when not given.
 
-A config field without a declaration (a scheme registered from outside that has not declared
-its options yet) still parses and prints: :func:`options_of` infers its kind from the field's
-type (``bool``, ``int``, ``float``, ``str``, ``Optional[...]``), without bounds, and leaves its
-checks to the config's own ``__post_init__``.
-
 Which way compresses harder (``harder``): ``"down"`` (a lower value sends fewer bytes),
 ``"up"`` (a higher value does), one of the choices (that choice does), or None (the option
 does not move the bytes one way: it trades them against something else, or leaves them
@@ -67,10 +62,9 @@ rules themselves, usable alone.
 """
 import dataclasses
 import math
-import typing
 from typing import NamedTuple, Optional
 
-__all__ = ["WARMUP", "WARMUP_OPTION", "to_spec", "WIRE_DTYPES", "KINDS", "Option", "option", "option_of", "declared_options",
+__all__ = ["WARMUP", "WARMUP_OPTION", "to_spec", "WIRE_DTYPES", "KINDS", "Option", "option", "option_of",
            "options_of", "validate", "seed_option", "ratio_option", "error_feedback_option",
            "wire_dtype_option", "check_int", "check_float", "check_bool", "check_choice"]
 
@@ -191,7 +185,7 @@ class Option(NamedTuple):
     Attributes:
         kind: one of :data:`KINDS`.
         default: the value when none is given (also the dataclass field's default).
-        doc: one line saying what the option does, for listings and the README table.
+        doc: one line saying what the option does, for listings and docs/options.md's table.
         lo, hi: bounds of an integer (closed) or number (see ``lo_open``/``hi_open``); None
             for no bound.
         lo_open, hi_open: a number's bound itself is refused.
@@ -199,7 +193,7 @@ class Option(NamedTuple):
         harder: which way compresses harder: ``"down"``, ``"up"``, one of ``choices``, or None
             (module docstring).
         optional: None is accepted too (``none`` in a spec string).
-        declared: False for an option :func:`options_of` inferred from a field's type.
+        declared: always True (kept while :func:`hvd_gradcomp.registry.register` reads it).
     """
 
     kind: str
@@ -380,31 +374,7 @@ def option_of(field: dataclasses.Field) -> Optional[Option]:
     return field.metadata.get(_KEY)
 
 
-# Inferred kinds of undeclared fields, by type.
-_KIND_OF_TYPE = {bool: "boolean", int: "integer", float: "number", str: "text",
-                 "bool": "boolean", "int": "integer", "float": "number", "str": "text"}
-
-
-def _inferred(field: dataclasses.Field) -> Option:
-    """An undeclared field's option, from its type (module docstring)."""
-    typ, optional = field.type, False
-    if isinstance(typ, str) and typ.startswith("Optional[") and typ.endswith("]"):
-        typ, optional = typ[len("Optional["):-1], True
-    elif typing.get_origin(typ) is typing.Union and type(None) in typing.get_args(typ):
-        rest = [t for t in typing.get_args(typ) if t is not type(None)]
-        typ, optional = (rest[0] if len(rest) == 1 else str), True
-    default = field.default if field.default is not dataclasses.MISSING else None
-    return Option(_KIND_OF_TYPE.get(typ, "text"), default, "", optional=optional, declared=False)
-
-
 def options_of(config) -> dict:
-    """``{name: Option}`` of a config class or instance, in field order: each field's
-    declaration, or for a field without one an option inferred from its type
-    (``declared=False``; module docstring)."""
-    return {f.name: option_of(f) or _inferred(f) for f in dataclasses.fields(config)}
-
-
-def declared_options(config) -> dict:
     """``{name: Option}`` of a config class or instance, in field order.
 
     Raises:
@@ -433,7 +403,7 @@ def validate(config):
             ``"<scheme>: <option> must be <rule>, got <value!r>"``.
     """
     scheme = type(config).SCHEME
-    for name, decl in declared_options(config).items():
+    for name, decl in options_of(config).items():
         value = getattr(config, name)
         decl.check(scheme, name, value)
         normal = decl.normalise(value)

@@ -218,11 +218,10 @@ def test_option_declarations_and_inferred_fields():
         names: str = "a|b"
         limit: Optional[int] = None
 
-    inferred = options_of(Undeclared)
-    assert [(o.kind, o.optional, o.declared) for o in inferred.values()] == [
-        ("boolean", False, False), ("text", False, False), ("integer", True, False)]
-    assert inferred["limit"].parse("demo", "limit", "7") == 7
-    assert inferred["flag"].parse("demo", "flag", "off") is False
+    with pytest.raises(TypeError, match=r"Undeclared.flag is not declared with hvd_gradcomp.options.option"):
+        options_of(Undeclared)
+    with pytest.raises(TypeError, match="Undeclared.flag is not declared"):
+        options_of(Undeclared())
 
 
 def _options_block(text):
