@@ -73,7 +73,7 @@ def _matmul(a, b):
 
 def _allreduce(x, op, name, group=None):
     # Inside a graph the wait cannot be polled: Horovod's own stall check
-    # (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) is what stops a mismatched order (README).
+    # (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) is what stops a mismatched order (docs/usage.md).
     import horovod.tensorflow as hvd
     hop = {"sum": hvd.Sum, "max": hvd.Max}[op]
     safe = "".join(c if c.isalnum() or c in "_." else "_" for c in name)

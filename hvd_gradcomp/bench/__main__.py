@@ -4,7 +4,7 @@ Commands:
     tta       time-to-accuracy sweep over a bandwidth-limited emulated network (the main job)
     overhead  compress + decompress cost per compressor and tensor size, against FP16
     model     scale model: projected step time and TTA ratio vs FP16 for N workers and links
-    publish   a finished sweep's table and plots into a README/docs block, from its results.json
+    publish   a finished sweep's table and plots into a docs block, from its results.json
     autospeed auto against fixed fp16 on the link as it is: first window's cost, settled ratio
 
 Each command's ``--help`` lists its options.
