@@ -183,7 +183,7 @@ if ! built_ok; then
     tmp=$(mktemp -d)
     # Horovod 0.28.1 compiles as C++14; PyTorch >= 2.1 headers need C++17. Its setup.py runs
     # the cmake named by HOROVOD_CMAKE: our wrapper adds a project include that maps the C++14
-    # flag to C++17 for every target (no edits to Horovod's sources; see README).
+    # flag to C++17 for every target (no edits to Horovod's sources; see docs/setup.md).
     HOROVOD_CMAKE="$root/.ci/cmake-cxx17" \
     HVD_GRADCOMP_REAL_CMAKE="$venv/bin/cmake" \
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
