@@ -41,6 +41,7 @@ import dataclasses
 import logging
 from typing import Any, NamedTuple
 
+from . import composite
 from .registry import SCHEMES, make_scheme
 from .base import EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor, passes_through
 from .checkpoint import Checkpoints
@@ -266,7 +267,7 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
                              f"(gradient_predivide_factor / prescale_factor={call.prescale:g}, "
                              f"postscale_factor={call.postscale:g}), which corrupts {s.name}'s "
                              f"integer payload; leave these factors at 1 with this compressor")
-        if call.filled_in and s.blocks(info):
+        if call.filled_in and composite.blocks(s, info):
             raise ValueError(f"{s.spec()}: tensor {key!r} had no gradient on this rank, so Horovod's "
                              f"synchronize() fills it in, in an order that differs between ranks; "
                              f"this variant posts a blocking side all-reduce inside compress and "

@@ -1,4 +1,4 @@
-"""The contract between compression schemes (framework-neutral) and the backend adapters.
+"""The lifecycle every compression scheme keeps (framework-neutral), and the rules around it.
 
 A *scheme* is the math of one compressor, written once against :class:`~.primitives.Primitives`.
 One training step of one tensor is::
@@ -8,7 +8,7 @@ One training step of one tensor is::
     out, state = finish_tensor(scheme, ops, reduced, ctx, state, info)
     # = receive, then decompress and finish on the ctx that receive returned
 
-The scheme's methods:
+The lifecycle (methods of :class:`Scheme`):
 
 - ``init(ops, info, like) -> State``: the per-tensor state (a ``NamedTuple`` of tensors, or
   :class:`EmptyState`), created on ``like``'s device.
@@ -17,65 +17,58 @@ The scheme's methods:
   NaN/inf (None for schemes with ``guards_nonfinite = False``). ``payload`` is the one tensor
   Horovod all-reduces; ``ctx`` is whatever ``decompress`` and ``finish`` need (tensors or
   Python values), including the state this step would leave behind. **compress posts no
-  collective and waits on no other rank** (the rule that keeps a training step from hanging
-  when ranks call compress in different orders, for different tensors, or not at all). What
-  ranks must agree on (TopKC's chunk ranking, THC's ranges, PowerSGD's shared factor) is
-  computed from data every rank already holds: the previous step's all-reduced payload, kept
-  in the state by ``finish``, and functions of (seed, tensor key). The only exceptions are the
-  papers' two-round variants, which set ``blocking = True`` and are documented as such.
+  collective and waits on no other rank**, so a step cannot hang when ranks call it in
+  different orders, for different tensors, or not at all. What ranks must agree on (TopKC's
+  chunk ranking, THC's ranges, PowerSGD's shared factor) is computed from data every rank
+  already holds: the previous step's all-reduced payload, kept in the state by ``finish``,
+  and functions of (seed, tensor key). Only the papers' two-round variants post a side
+  collective; they set ``blocking = True``.
 - ``receive(ops, payload, ctx, info) -> ctx``: what both ``decompress`` and ``finish`` read
   from the all-reduced payload (the ranks' agreement check, whether the payload is finite),
-  computed once and added to ``ctx``; default: ``ctx`` unchanged. Like them it posts no
-  collective. (Before it, each of the two computed these facts again: about 40 tensor
-  operations per PowerSGD tensor and step, at ~10 us each on a CPU.)
+  computed once and added to ``ctx``; default: ``ctx`` unchanged. Posts no collective.
 - ``decompress(ops, payload, ctx, info) -> float32 tensor of info.shape``: the all-reduced
   payload mapped back. Under ``op=Sum`` it is the sum of the ranks' decoded contributions,
   under ``op=Average`` their mean.
 - ``finish(ops, payload, ctx, state, info) -> State``: the state after the step, from the
-  all-reduced payload and ``ctx``; it always returns a state (``state`` itself when nothing
-  changes). The rule every scheme keeps: if the all-reduced payload says the step failed (some
-  rank's gradient was not finite, which every rank sees in the same payload), the state stays
-  exactly as it was, on every rank (``adaptive`` schemes' call counter ``step`` aside: auto's
-  schedule counts calls, the same on every rank).
+  all-reduced payload and ``ctx`` (``state`` itself when nothing changes). If the all-reduced
+  payload says the step failed (some rank's gradient was not finite, which every rank sees
+  in the same payload), the state stays exactly as it was, on every rank (``adaptive``
+  schemes' call counter ``step`` aside: auto's schedule counts calls, the same on every rank).
 - ``wire(info) -> WireBytes``: bytes this tensor puts on the wire per step; a function of
   (shape, dtype, config, world size) only, never of values.
-- ``hand_over(ops, state, own, aggregate, info) -> State``: the state for the first
-  compressed step after an FP16 warm-up (:mod:`~hvd_gradcomp.warmup`), seeded from that last
-  FP16 step; default: unchanged.
 
-The adapters (``torch_backend``, ``tf_backend``) own the state map, the tensor identity and
-everything framework-specific; :func:`compress_tensor` and :func:`finish_tensor` hold the
-rules every scheme shares (dtype handling, non-finite input).
+Flags (class attributes of :class:`Scheme`, with their defaults):
 
-Flags a scheme may set (class attributes, all declared on :class:`Scheme`):
-
-- ``guards_nonfinite`` (default True): compress receives ``finite`` and must make the payload
-  carry a NaN/inf on one rank to every rank's output (:func:`poison` for float payloads).
-  Plain casts set it False: NaN/inf survive the cast and the sum on their own.
-- ``identity`` (default False): the adapters hand the tensor to Horovod untouched (``none``).
-- ``linear`` (default False): the payload is a linear function of the gradient, in a float
-  dtype, with no selection agreed between ranks, so Horovod's prescale/postscale factors,
+- ``guards_nonfinite`` (True): compress receives ``finite`` and must make the payload carry a
+  NaN/inf on one rank to every rank's output (:func:`poison` for float payloads). Plain casts
+  set it False: NaN/inf survive the cast and the sum on their own.
+- ``identity`` (False): the adapters hand the tensor to Horovod untouched (``none``).
+- ``linear`` (False): the payload is a linear function of the gradient, in a float dtype,
+  with no selection agreed between ranks, so Horovod's prescale/postscale factors,
   ``Min``/``Max`` and ``Adasum`` keep their meaning (the casts). Other schemes accept only
   ``Sum``/``Average`` with no scaling; the adapters refuse the rest before any collective.
-- ``scalable`` (default True): Horovod may multiply the payload by prescale/postscale
-  factors (``gradient_predivide_factor``); the decoded result is then scaled the same way,
-  as for an uncompressed tensor. Integer payloads (THC) set it False and the adapters refuse
-  any factor other than 1.
-- ``blocking`` (default False): compress posts a synchronous side collective (``ops.allreduce``);
-  only the papers' two-round variants do.
-- ``rank_local_fields`` (default ``("residual",)``): the state fields that differ between
-  ranks; the adapters reset them when a checkpoint is loaded on another number of ranks.
-- ``adaptive`` (default False): ``wire(info)`` may change between steps (``auto``: it follows
-  the tensor's current choice), so the adapters ask for it at every compress; with it the
-  state's fields may change too (the adapters store whatever ``finish`` returns, and check a
-  loaded state against ``init_like``).
+- ``scalable`` (True): Horovod may multiply the payload by prescale/postscale factors
+  (``gradient_predivide_factor``); the decoded result is then scaled the same way. Integer
+  payloads (THC) set it False and the adapters refuse any factor other than 1.
+- ``blocking`` (False): compress posts a synchronous side collective (``ops.allreduce``).
+- ``rank_local_fields`` (``("residual",)``): the state fields that differ between ranks; the
+  adapters reset them when a checkpoint is loaded on another number of ranks.
+- ``adaptive`` (False): ``wire(info)`` and the state's fields may change between steps
+  (``auto``), so the adapters ask for the bytes at every compress and store whatever
+  ``finish`` returns.
 
-Which tensors a scheme gets is decided once per tensor by the adapters' routing
-(:mod:`~hvd_gradcomp.routing`), not by the scheme.
+What composites (``auto``, the FP16 warm-up), checkpoints and reports need beyond the
+lifecycle (error feedback in the gradient's coordinates, the payload dtype, the state a loaded
+checkpoint must match, ...) is an optional protocol with defaults: :mod:`hvd_gradcomp.composite`.
+The adapters (``torch_backend``, ``tf_backend``) own the state map, the tensor identity and
+everything framework-specific; :func:`compress_tensor` and :func:`finish_tensor` hold the
+rules every scheme shares (dtype handling, non-finite input). Which tensors a scheme gets is
+decided once per tensor by the adapters' routing (:mod:`~hvd_gradcomp.routing`).
 """
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from . import composite
 from .primitives import FLOAT_DTYPES
 
 __all__ = ["EmptyState", "TensorInfo", "WireBytes", "StepBytes", "Scheme", "compress_tensor", "finish_tensor",
@@ -205,10 +198,12 @@ class StepBytes(NamedTuple):
 
 
 class Scheme:
-    """Base class of the framework-neutral schemes (see the module docstring).
+    """Base class of the framework-neutral schemes: the lifecycle and flags of the module
+    docstring.
 
     Subclasses set ``name`` and ``config`` and implement ``compress``/``decompress``/``wire``;
-    the default ``init`` returns :class:`EmptyState` and the default ``finish`` keeps the state.
+    the default ``init`` returns :class:`EmptyState`, ``receive`` keeps the ctx and ``finish``
+    the state. Optional hooks for composites and checkpoints: :mod:`hvd_gradcomp.composite`.
     """
 
     name = "scheme"
@@ -251,83 +246,10 @@ class Scheme:
     def wire(self, info: TensorInfo) -> WireBytes:
         raise NotImplementedError(f"{type(self).__name__}.wire")
 
-    def payload_dtype(self, info: TensorInfo) -> str:
-        """The dtype of the payload Horovod all-reduces for ``info`` (``auto`` prices float16
-        sums apart: Gloo adds them in scalar code); default ``"float32"``."""
-        return "float32"
-
     def bind(self, ops):
         """Called once by the adapter with its backend's primitives, before any other method
         (for facts ``wire`` needs and gets no ``ops`` for, e.g. a kernel layout); returns self."""
         return self
-
-    def init_like(self, ops, info: TensorInfo, like, loaded):
-        """The fresh state a loaded state (``loaded``: a NamedTuple-like with ``_fields``) must
-        match in fields and shapes; default :meth:`init` (``adaptive`` schemes: the fields of
-        the loaded state's choice)."""
-        return self.init(ops, info, like)
-
-    def forget(self, key: str):
-        """Called by the adapters when the state under ``key`` is replaced by a loaded one;
-        default: nothing (schemes that mirror state on the host drop the mirror)."""
-
-    def check_loaded(self, key: str, loaded):
-        """Raise ValueError, naming the reason, if ``loaded`` (a tensor's saved state: a
-        NamedTuple-like with ``_fields``) was written in a format this scheme no longer reads;
-        default: accept (the adapters check fields and shapes)."""
-
-    def hand_over(self, ops, state, own, aggregate, info: TensorInfo):
-        """The state for the first compressed step after an FP16 warm-up
-        (:mod:`hvd_gradcomp.warmup`), from the last FP16 step: ``own`` (float32 [numel], this
-        rank's gradient as decoded) and ``aggregate`` (float32 [numel], the all-reduced one,
-        the same on every rank; sum or mean as the reduction). It must derive what ranks agree
-        on from ``aggregate`` only. Default: ``state`` unchanged."""
-        return state
-
-    def blocks(self, info: TensorInfo) -> bool:
-        """True if compress posts a blocking side collective for this tensor (``blocking``
-        variants, except on the tensors they send uncompressed)."""
-        return self.blocking and self.wire(info).side_collectives > 0
-
-    def metrics(self, state) -> dict:
-        """Per-tensor diagnostics read from the state (tensors, no host sync); default none."""
-        return {}
-
-    def residual_of(self, ops, state, info: TensorInfo):
-        """This rank's pending error feedback in the gradient's own coordinates: float32
-        ``[numel]`` (what the next steps will still send), or None when the state keeps none.
-
-        Default: the state's ``residual`` field when it holds ``numel`` values in the tensor's
-        flat order (TopK, TopKC, PowerSGD's plain 2-D reshape); schemes that keep it in another
-        basis override this (THC: rotated and padded). Used by ``auto`` to flush the residual
-        into an exact step before it changes scheme.
-        """
-        residual = getattr(state, "residual", None)
-        if residual is None:
-            return None
-        n = 1
-        for s in ops.shape(residual):
-            n *= s
-        if n == 0:
-            return None
-        if n != info.numel:
-            raise NotImplementedError(f"{self.name}: residual of {n} values for a tensor of "
-                                      f"{info.numel}; override residual_of")
-        return ops.reshape(residual, (info.numel,))
-
-    def add_residual(self, ops, state, info: TensorInfo, residual):
-        """``state`` with ``residual`` (float32 ``[numel]``, the gradient's own coordinates)
-        added to its pending error feedback, or None when the state keeps none (the caller
-        must then send ``residual`` itself).
-
-        Default: the state's ``residual`` field, read as :meth:`residual_of` reads it; THC
-        rotates ``residual`` into its basis. Used by ``auto`` to carry error feedback over a
-        change of scheme (:mod:`hvd_gradcomp.auto`).
-        """
-        current = self.residual_of(ops, state, info)
-        if current is None:
-            return None
-        return state._replace(residual=ops.reshape(current + residual, ops.shape(state.residual)))
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.spec()}>"
@@ -433,7 +355,8 @@ def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo, dt
     the dtype's largest finite one would become inf in the cast (each rank's payload is capped
     at 65504 / n, so a sum of n of them, or a residual owed for many steps, may exceed 65504).
     :func:`saturate_output` clamps it there and returns the excess to the ranks' error
-    feedback (:meth:`Scheme.add_residual`), so the state commits only what was delivered.
+    feedback (:func:`~hvd_gradcomp.composite.add_residual`), so the state commits only what
+    was delivered.
     A scheme that keeps no error feedback (fp16, bf16, ``error_feedback=False``) is not
     clamped: its overflow is the sum's own, as in an uncompressed all-reduce.
     """
@@ -463,8 +386,8 @@ def saturate_output(scheme: Scheme, ops, out, state, info: TensorInfo, limit: fl
     mean); the ranks' outputs plus their pending error feedback still sum to their gradients.
     NaN/inf stay as they are (a failed step must be seen as one; its excess is 0). Unchanged
     when the state keeps no error feedback (no non-empty ``residual`` field; for ``adaptive``
-    schemes: :meth:`Scheme.add_residual` returns None). No host read for fixed schemes:
-    ``ops.select`` on whether any value was clamped.
+    schemes: :func:`~hvd_gradcomp.composite.add_residual` returns None). No host read for
+    fixed schemes: ``ops.select`` on whether any value was clamped.
     """
     lim = limit if scale is None else limit / scale
     clamped = ops.minimum(ops.maximum(out, -lim), lim)
@@ -472,13 +395,14 @@ def saturate_output(scheme: Scheme, ops, out, state, info: TensorInfo, limit: fl
     share = excess if info.op != "sum" else excess * (1.0 / info.world_size)
     flat = ops.reshape(share, (info.numel,))
     if scheme.adaptive:  # its state's fields may change (auto's carry): it decides itself
-        kept = scheme.add_residual(ops, state, info, flat)
+        kept = composite.add_residual(scheme, ops, state, info, flat)
     else:
         residual = getattr(state, "residual", None)
         if residual is None or 0 in tuple(ops.shape(residual)):
             return out, state  # no error feedback to keep the excess in
         clipped = ops.sum(ops.abs(excess), None) > 0.0
-        kept = ops.select(clipped, lambda: scheme.add_residual(ops, state, info, flat), lambda: state)
+        kept = ops.select(clipped, lambda: composite.add_residual(scheme, ops, state, info, flat),
+                          lambda: state)
     if kept is None:
         return out, state
     return ops.where(ops.isfinite(out), clamped, out), kept

@@ -6,6 +6,7 @@ gathers through the engine's ``_from_every_rank``); the same for Horovod and DDP
 """
 import logging
 
+from . import composite
 from .records import _ROUTE_MISMATCH, FieldBag as _FieldBag
 from .routing import Routing, canonical_text
 
@@ -131,11 +132,11 @@ class Checkpoints:
             route = self._routes.get(key)
             if route is not None and self._has_state(key):
                 scheme = route.scheme
-                scheme.check_loaded(key, _FieldBag(fields))
+                composite.check_loaded(scheme, key, _FieldBag(fields))
                 current = self._read_state(key)
                 if scheme.adaptive:  # the loaded state's fields follow its own choice
-                    current = scheme.init_like(self.ops, self._infos[key], current[0], _FieldBag(fields))
-                scheme.forget(key)  # the loaded state replaces what the scheme mirrors of it
+                    current = composite.init_like(scheme, self.ops, self._infos[key], current[0], _FieldBag(fields))
+                composite.forget(scheme, key)  # the loaded state replaces what the scheme mirrors of it
                 loaded = type(current)(**{f: fields.get(f) for f in current._fields}) \
                     if set(fields) == set(current._fields) else None
                 if loaded is None:

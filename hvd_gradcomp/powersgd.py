@@ -19,6 +19,7 @@ Distributed Optimization", NeurIPS 2019 (https://github.com/epfml/powersgd).
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
+from . import composite
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit, payload_finite, poison
 from .options import error_feedback_option, option, seed_option, validate, wire_dtype_option
 from .orthogonalize import basis, orthogonalize
@@ -497,7 +498,7 @@ class PowerSGDScheme(Scheme):
 
     def residual_of(self, ops, state, info):
         """Classic error feedback's residual; EF21 keeps none (H is the estimate itself)."""
-        return None if self.ef21 else super().residual_of(ops, state, info)
+        return None if self.ef21 else composite.residual_field(self, ops, state, info)
 
     # ---- reporting and checkpoints ----
     def payload_dtype(self, info: TensorInfo) -> str:

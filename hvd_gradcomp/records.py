@@ -14,6 +14,7 @@ engine's object gather.
 """
 import logging
 
+from . import composite
 from .base import StepBytes, check_state, passes_through
 from .routing import Route
 
@@ -134,14 +135,14 @@ class TensorRecords:
         """
         if loaded is None:
             return scheme.init(self.ops, info, like)
-        fresh = scheme.init_like(self.ops, info, like, loaded)
-        scheme.forget(info.key)
+        fresh = composite.init_like(scheme, self.ops, info, like, loaded)
+        composite.forget(scheme, info.key)
         self._check_loaded(scheme, info.key, loaded, fresh)
         return type(fresh)(*[self.ops.cast(self._to_device(v, like), self.ops.dtype(f))
                              for v, f in zip(loaded, fresh)])
 
     def _check_loaded(self, scheme, key, loaded, fresh):
-        scheme.check_loaded(key, loaded)
+        composite.check_loaded(scheme, key, loaded)
         check_state(loaded, fresh, key)
         for field, a, b in zip(fresh._fields, loaded, fresh):
             if tuple(self.ops.shape(a)) != tuple(self.ops.shape(b)):
@@ -239,7 +240,7 @@ class TensorRecords:
             if not (self._has_state(k) and k in self._routes):
                 continue
             scheme = self._routes[k].scheme
-            out[k] = dict(scheme.metrics(self._read_state(k)))
+            out[k] = dict(composite.metrics(scheme, self._read_state(k)))
             if scheme.adaptive:  # auto: its choice, why, and the bytes it saves against fp16
                 out[k].update(scheme.explain(k))
                 info = self._infos[k]

@@ -115,6 +115,7 @@ paper); error feedback after Stich et al., NeurIPS 2018.
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
+from . import composite
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit, payload_finite, poison, saturating_cast
 from .primitives import itemsize
 from .options import error_feedback_option, option, ratio_option, validate, wire_dtype_option
@@ -478,9 +479,9 @@ class TopKCScheme(Scheme):
         return state._replace(scores=scores)
 
     def residual_of(self, ops, state, info):
-        """Classic error feedback's residual (:meth:`Scheme.residual_of`); EF21 keeps none
-        (nothing is owed: H is the estimate itself)."""
-        return None if self.ef21 else super().residual_of(ops, state, info)
+        """Classic error feedback's residual (:func:`~hvd_gradcomp.composite.residual_of`);
+        EF21 keeps none (nothing is owed: H is the estimate itself)."""
+        return None if self.ef21 else composite.residual_field(self, ops, state, info)
 
     def metrics(self, state) -> dict:
         """``{"realigned": int64 []}``: steps whose output was 0 because ranks disagreed."""

@@ -24,7 +24,7 @@ Per tensor and step, with ``t`` the warm-up steps this rank has completed (the s
    decide alike: when the payload is finite, every rank of the process set contributed
    (``M`` is ``1`` under Sum, ``1 / n`` under Average; a rank in ``hvd.join()`` contributes
    zeros) and some rank is ready (``R > 0``), every rank hands over: the scheme's state is
-   seeded from this last FP16 step (:meth:`~hvd_gradcomp.base.Scheme.hand_over`: TopKC's
+   seeded from this last FP16 step (:func:`~hvd_gradcomp.composite.hand_over`: TopKC's
    scores from the aggregate's chunk norms; EF21's ``h_i`` from this rank's decoded gradient
    and ``H`` from the aggregate) and ``t := -1``. Otherwise ``t := t + 1`` (finite payload) or
    ``t`` stays (a failed step).
@@ -48,6 +48,7 @@ warm-up payload is float16, so a Horovod group of mixed dtypes widens as usual.
 """
 from typing import NamedTuple
 
+from . import composite
 from .base import Scheme, TensorInfo, WireBytes, payload_finite, poison
 
 __all__ = ["WarmupScheme", "WARMUP_FIELD"]
@@ -153,33 +154,34 @@ class WarmupScheme(Scheme):
         complete = joined > full * (1.0 - 0.5 / n) if full is not None else joined > 0
         if complete and ready > 0:
             aggregate = ops.cast(payload[:d], "float32") * info.unscale
-            inner_state = self.inner.hand_over(ops, inner_state, ctx.own, aggregate, info)
+            inner_state = composite.hand_over(self.inner, ops, inner_state, ctx.own, aggregate, info)
             self._done[info.key] = -1
             return type(state)(*inner_state, count * 0 - 1)
         self._done[info.key] += 1
         return type(state)(*inner_state, count * 0 + self._done[info.key])
 
-    def forget(self, key):
-        self._done.pop(key, None)
-        self.inner.forget(key)
-
-    def check_loaded(self, key, loaded):
-        self.inner.check_loaded(key, loaded)
-
-    def payload_dtype(self, info: TensorInfo) -> str:
-        return self.inner.payload_dtype(info)
-
     def wire(self, info: TensorInfo) -> WireBytes:
         """The scheme's bytes after the warm-up (warm-up steps send ``2 (d + 2)``)."""
         return self.inner.wire(info)
 
+    # ---- the composite hooks (hvd_gradcomp.composite): the scheme's, on its part of the state ----
+    def forget(self, key):
+        self._done.pop(key, None)
+        composite.forget(self.inner, key)
+
+    def check_loaded(self, key, loaded):
+        composite.check_loaded(self.inner, key, loaded)
+
+    def payload_dtype(self, info: TensorInfo) -> str:
+        return composite.payload_dtype(self.inner, info)
+
     def metrics(self, state) -> dict:
-        return self.inner.metrics(self._split(state)[0])
+        return composite.metrics(self.inner, self._split(state)[0])
 
     def residual_of(self, ops, state, info):
-        return self.inner.residual_of(ops, self._split(state)[0], info)
+        return composite.residual_of(self.inner, ops, self._split(state)[0], info)
 
     def add_residual(self, ops, state, info, residual):
         inner_state, count = self._split(state)
-        new = self.inner.add_residual(ops, inner_state, info, residual)
+        new = composite.add_residual(self.inner, ops, inner_state, info, residual)
         return None if new is None else type(state)(*new, count)

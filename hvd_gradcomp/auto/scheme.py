@@ -10,6 +10,7 @@ from collections import namedtuple
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
+from .. import composite
 from ..base import Scheme, TensorInfo, WireBytes, poison
 from ..options import option, validate
 from ..primitives import itemsize
@@ -232,7 +233,8 @@ class AutoScheme(AutoWindow, Scheme):
     def residual_of(self, ops, state, info):
         """The pending error feedback in the gradient's coordinates: the current candidate's
         plus the ``carry``; None when there is neither."""
-        own = self.candidates[int(ops.to_host(state.choice))].residual_of(ops, self._inner(state), info)
+        cand = self.candidates[int(ops.to_host(state.choice))]
+        own = composite.residual_of(cand, ops, self._inner(state), info)
         carry = getattr(state, "carry", None)
         if carry is None or own is None:
             return own if carry is None else carry
@@ -248,7 +250,7 @@ class AutoScheme(AutoWindow, Scheme):
         choice = at[1] if at is not None else int(ops.to_host(state.choice))
         inner = self._inner(state)
         carry = getattr(state, "carry", None)
-        absorbed = self.candidates[choice].add_residual(ops, inner, info, residual)
+        absorbed = composite.add_residual(self.candidates[choice], ops, inner, info, residual)
         if absorbed is not None:
             return self._pack(state.step, state.choice, absorbed, carry)
         if carry is None:
@@ -304,10 +306,10 @@ class AutoScheme(AutoWindow, Scheme):
         unsent = None
         if carry is not None:
             x = x + ops.reshape(carry, ops.shape(x))
-            if cand.scalable and cand.payload_dtype(info) == "float16":
+            if cand.scalable and composite.payload_dtype(cand, info) == "float16":
                 x, unsent = _saturate_carried(ops, x, info.world_size)
         if sync or (probe and not cand.scalable):  # the float32 flush (step 3; Agreement)
-            residual = cand.residual_of(ops, inner, info)
+            residual = composite.residual_of(cand, ops, inner, info)
             flat = ops.reshape(x, (info.numel,))
             corrected = flat if residual is None else flat + residual
             tail = self._sync_lanes(info, step, choice) if sync else self._lanes(info, step)
@@ -418,13 +420,14 @@ class AutoScheme(AutoWindow, Scheme):
                      wire[choice], wire[self.fallback])
         self._at[info.key] = (ctx.step + 1, choice, n)
         if choice != ctx.choice:  # step 6: carry the old candidate's error feedback over
-            pending = None if ctx.probe == "flush" else self.candidates[ctx.choice].residual_of(ops, new, info)
+            old = self.candidates[ctx.choice]
+            pending = None if ctx.probe == "flush" else composite.residual_of(old, ops, new, info)
             if carry is not None:
                 pending = carry if pending is None else pending + carry
             new = self.candidates[choice].init(ops, info, payload)
             carry = None
             if pending is not None:
-                absorbed = self.candidates[choice].add_residual(ops, new, info, pending)
+                absorbed = composite.add_residual(self.candidates[choice], ops, new, info, pending)
                 new, carry = (new, pending) if absorbed is None else (absorbed, None)
         return self._state(ops, payload, ctx.step + 1, choice, new, carry)
 
@@ -434,7 +437,7 @@ class AutoScheme(AutoWindow, Scheme):
         values more, or sends float32 instead, as a sync step does; neither is counted here)."""
         cand = self.candidates[self._at.get(info.key, (0, self.fallback))[1]]
         own = cand.wire(info)
-        return own._replace(payload=own.payload + itemsize(cand.payload_dtype(info)))
+        return own._replace(payload=own.payload + itemsize(composite.payload_dtype(cand, info)))
 
     def metrics(self, state) -> dict:
         return {"choice": state.choice, "step": state.step}

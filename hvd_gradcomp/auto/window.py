@@ -7,6 +7,7 @@ import dataclasses
 import math
 import time
 
+from .. import composite
 from ..base import FP16_MAX, TensorInfo, compress_tensor, finish_tensor, fp16_floor, payload_finite
 from .. import rng
 from .decisions import LANE_MAX, PRUNE_FACTOR, PRUNE_MIN_MS, REFERENCE_SHAPE, UNUSABLE, decide
@@ -157,7 +158,7 @@ class AutoWindow:
         for i, cand in enumerate(self.candidates):
             if i in pruned:
                 continue
-            before = cand.residual_of(ops, shadows[i], alone)
+            before = composite.residual_of(cand, ops, shadows[i], alone)
             out, shadows[i], elapsed = _alone_step(cand, ops, x, shadows[i], alone)
             corrected = flat if before is None else flat + before
             diff = corrected - out
@@ -200,10 +201,10 @@ class AutoWindow:
     def _comm(self, info, i):
         """Predicted ring all-reduce seconds of candidate ``i``'s wire bytes for ``info``."""
         cand = self.candidates[i]
-        return self.link.seconds(cand.wire(info).payload, info.world_size, cand.payload_dtype(info))
+        return self.link.seconds(cand.wire(info).payload, info.world_size, composite.payload_dtype(cand, info))
 
     def _dtypes(self, info):
-        return [c.payload_dtype(info) for c in self.candidates]
+        return [composite.payload_dtype(c, info) for c in self.candidates]
 
     def _local(self, key):
         """This rank's window figures for ``key``: (codec ms, errors) per candidate; the

@@ -79,7 +79,8 @@ class Emulated:
 
     def pending(self):
         """The ranks' residuals in the gradient's coordinates, summed (float64 [d])."""
-        return sum(self.scheme.residual_of(self.ops, st, info).numpy().astype(np.float64)
+        from hvd_gradcomp import composite
+        return sum(composite.residual_of(self.scheme, self.ops, st, info).numpy().astype(np.float64)
                    for st, info in zip(self.states, self.infos))
 
 

@@ -14,10 +14,14 @@ tensors go as fp16, see hvd_gradcomp/routing.py):
 - wire() matches the payload actually produced.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
-from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
+from hvd_gradcomp import composite
+from hvd_gradcomp.base import EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor
+from hvd_gradcomp.powersgd import PowerSGDState
 from hvd_gradcomp.primitives import itemsize
 from hvd_gradcomp.registry import SCHEMES, make_scheme
 from tests.backends import BACKENDS, as_float64, backend_tensor, one_rank_ops, scheme_steps
@@ -69,10 +73,10 @@ def test_shape_dtype_zeros(backend, name, options):
 
 def _gradient_basis(backend, scheme, state, x):
     """A state's residual as a flat float64 vector in the gradient's coordinates
-    (``Scheme.residual_of``: THC keeps it rotated and padded)."""
+    (``composite.residual_of``: THC keeps it rotated and padded)."""
     ops = one_rank_ops(backend)
     info = TensorInfo("t", ops.shape(x), "float32", 1, 0)
-    return _to_numpy(scheme.residual_of(ops, state, info)).reshape(-1).astype(np.float64)
+    return _to_numpy(composite.residual_of(scheme, ops, state, info)).reshape(-1).astype(np.float64)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -176,3 +180,76 @@ def test_scheme_flags():
         s = make_scheme(name)
         assert not s.linear and not s.identity and s.scalable and not s.blocking, name
     assert make_scheme("topkc", selection="current").blocking
+
+
+class _Flat(NamedTuple):
+    residual: object
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_composite_residual_defaults(backend):
+    """The defaults of hvd_gradcomp.composite for a scheme without hooks (topk): residual_of
+    is the state's ``residual`` field flattened, add_residual adds in that order and keeps the
+    field's shape; a state without a (non-empty) residual gives None for both."""
+    ops = one_rank_ops(backend)
+    scheme = make_scheme("topk")
+    info = TensorInfo("t", (4, 6), "float32", 1, 0)
+    values = _values((4, 6), 20)
+    extra = _values((24,), 21)
+    state = _Flat(_tensor(backend, values, "float32"))
+    np.testing.assert_array_equal(_to_numpy(composite.residual_of(scheme, ops, state, info)),
+                                  _to_numpy(_tensor(backend, values.reshape(-1), "float32")))
+    added = composite.add_residual(scheme, ops, state, info, _tensor(backend, extra, "float32"))
+    assert type(added) is _Flat and tuple(ops.shape(added.residual)) == (4, 6)
+    want = _to_numpy(_tensor(backend, values, "float32")) + \
+        _to_numpy(_tensor(backend, extra, "float32")).reshape(4, 6)
+    np.testing.assert_allclose(_to_numpy(added.residual), want, rtol=1e-6)
+    for keeps_none in (EmptyState(), _Flat(_tensor(backend, np.zeros(0), "float32"))):
+        assert composite.residual_of(scheme, ops, keeps_none, info) is None
+        assert composite.add_residual(scheme, ops, keeps_none, info, _tensor(backend, extra, "float32")) is None
+    with pytest.raises(NotImplementedError, match="topk: residual of 5 values for a tensor of 24; "
+                                                  "override residual_of"):
+        composite.residual_of(scheme, ops, _Flat(_tensor(backend, np.zeros(5), "float32")), info)
+    # an override is used: EF21 keeps no residual; THC's is rotated and padded (1024 values)
+    ef21 = make_scheme("topkc", error_feedback="ef21")
+    assert composite.residual_of(ef21, ops, ef21.init(ops, info, state.residual), info) is None
+    thc = make_scheme("thc").bind(ops)
+    got = composite.residual_of(thc, ops, thc.init(ops, info, state.residual), info)
+    np.testing.assert_array_equal(_to_numpy(got), np.zeros(24))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_composite_other_defaults(backend):
+    """payload_dtype, hand_over, init_like, forget, check_loaded, metrics and blocks: their
+    defaults, and the schemes' overrides where they have one."""
+    ops = one_rank_ops(backend)
+    info = TensorInfo("t", (64, 48), "float32", 1, 0)
+    like = _tensor(backend, np.zeros(1), "float32")
+    topk = make_scheme("topk")
+    state = topk.init(ops, info, like)
+    assert composite.payload_dtype(topk, info) == "float32"
+    assert composite.payload_dtype(make_scheme("fp16"), info) == "float16"
+    assert composite.payload_dtype(make_scheme("thc"), info) == "int32"
+    own = _tensor(backend, _values((64 * 48,), 22), "float32")
+    assert composite.hand_over(topk, ops, state, own, own, info) is state
+    fresh = composite.init_like(topk, ops, info, like, state)
+    assert fresh._fields == ("residual",) and (_to_numpy(fresh.residual) == 0).all()
+    assert tuple(ops.shape(fresh.residual)) == (64 * 48,)
+    assert composite.forget(topk, "t") is None and composite.check_loaded(topk, "t", state) is None
+    assert composite.metrics(topk, state) == {}
+    topkc = make_scheme("topkc")
+    assert set(composite.metrics(topkc, topkc.init(ops, info, like))) == {"realigned"}
+    with pytest.raises(ValueError, match="PowerSGD state format 7"):
+        composite.check_loaded(make_scheme("powersgd"), "t",
+                               {f: np.int64(7) for f in PowerSGDState._fields})
+    assert composite.blocks(make_scheme("topkc", selection="current"), info)
+    assert not composite.blocks(topkc, info) and not composite.blocks(topk, info)
+
+
+def test_scheme_shows_the_lifecycle_only():
+    """Scheme defines none of the composite hooks: a scheme author sees init, compress,
+    receive, decompress, finish, wire (and bind, spec, the flags)."""
+    for hook in composite.__all__:
+        assert not hasattr(Scheme, hook), hook
+    for method in ("init", "compress", "receive", "decompress", "finish", "wire", "bind", "spec"):
+        assert callable(getattr(Scheme, method)), method

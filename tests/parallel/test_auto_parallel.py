@@ -102,13 +102,14 @@ def _torch_worker():
 def _gate_run(allreduce, tensor, comp, rank):
     """GATE_STEPS steps of ``comp`` on tensor "g": outputs, choices, state fields and this
     rank's pending error feedback (float64) after each, and the decision history."""
+    from hvd_gradcomp import composite
     outs, choices, fields, owed = [], [], [], []
     for t in range(GATE_STEPS):
         outs.append(np.asarray(allreduce(tensor(t)), dtype=np.float64))
         choices.append(comp.metrics()["g"].get("scheme"))
         state = comp._read_state("g")
         fields.append(tuple(state._fields))
-        pending = comp.scheme.residual_of(comp.ops, state, comp._infos["g"])
+        pending = composite.residual_of(comp.scheme, comp.ops, state, comp._infos["g"])
         owed.append(np.zeros(SHAPE) if pending is None else
                     np.asarray(comp.ops.to_host(pending), dtype=np.float64).reshape(SHAPE))
     return {"outs": outs, "choices": choices, "fields": fields, "owed": owed,

@@ -70,11 +70,12 @@ def _step(ddp, grads, factor=1.0):
 
 def _residuals(comp):
     """{key: this rank's pending error feedback, float64, or None}."""
+    from hvd_gradcomp import composite
     from torch_backend import OPS
     out = {}
     for key, info in comp._infos.items():
         scheme = comp._routes[key].scheme
-        r = scheme.residual_of(OPS, comp._read_state(key), info) if comp._has_state(key) else None
+        r = composite.residual_of(scheme, OPS, comp._read_state(key), info) if comp._has_state(key) else None
         out[key] = None if r is None else r.double().numpy().copy()
     return out
 

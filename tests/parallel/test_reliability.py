@@ -54,6 +54,7 @@ def _spiked(rank, step):
 def _scenarios(hvd, comp_of, tensor, to_numpy, rank):
     """The four cases on one framework: ``comp_of(spec or options)`` builds a compressor,
     ``tensor(values, dtype)`` a gradient, ``to_numpy`` the float64 output."""
+    from hvd_gradcomp import composite
     res = {}
 
     def step(comp, g, dtype="float32", op=hvd.Sum, name="w"):
@@ -63,7 +64,7 @@ def _scenarios(hvd, comp_of, tensor, to_numpy, rank):
         """This rank's pending error feedback (float64, gradient coordinates)."""
         state = comp._read_state(name) if comp._has_state(name) else None
         scheme = comp._routes[name].scheme
-        owed = None if state is None else scheme.residual_of(comp.ops, state, comp._infos[name])
+        owed = None if state is None else composite.residual_of(scheme, comp.ops, state, comp._infos[name])
         return np.zeros(SHAPE) if owed is None else \
             np.asarray(comp.ops.to_host(owed), dtype=np.float64).reshape(SHAPE)
 

@@ -1,0 +1,147 @@
+"""The optional hooks a scheme may add to its lifecycle, for composites, checkpoints and reports.
+
+A scheme's contract is its lifecycle (:class:`~hvd_gradcomp.base.Scheme`: ``init``,
+``compress``, ``receive``, ``decompress``, ``finish``, ``wire`` and the flags). Beyond it,
+the composites (``auto``, :mod:`hvd_gradcomp.auto`, which changes a tensor's scheme between
+steps; the FP16 warm-up, :mod:`hvd_gradcomp.warmup`), the adapters' checkpoints
+(:mod:`hvd_gradcomp.records`, :mod:`hvd_gradcomp.checkpoint`) and the half-precision output
+(:func:`~hvd_gradcomp.base.finish_tensor`) ask a scheme a few more things. Each question is a
+function here, ``hook(scheme, ...)``: when the scheme defines a method of the same name
+(without the ``scheme`` argument) the function calls it, otherwise it answers with the default
+below. Call these functions, never the methods: a scheme without an override has none.
+
+A scheme overrides a hook only where the default is wrong for it:
+
+- :func:`residual_of` / :func:`add_residual`: error feedback kept in another basis than the
+  gradient's flat order (THC: rotated and padded), or none at all (EF21 keeps an estimate).
+- :func:`payload_dtype`: any payload that is not float32.
+- :func:`hand_over`: state seeded from the last FP16 warm-up step (TopKC's scores, EF21).
+- :func:`init_like`, :func:`forget`, :func:`check_loaded`: state whose fields change between
+  steps (``auto``), counters mirrored on the host, an old state format to refuse (PowerSGD).
+- :func:`metrics`: diagnostics to report.
+
+This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it).
+"""
+
+__all__ = ["residual_of", "residual_field", "add_residual", "payload_dtype", "hand_over", "init_like",
+           "forget", "check_loaded", "metrics", "blocks"]
+
+
+def _hook(scheme, name):
+    return getattr(scheme, name, None)
+
+
+def residual_of(scheme, ops, state, info):
+    """This rank's pending error feedback in the gradient's own coordinates: float32
+    ``[numel]`` (what the next steps will still send), or None when the state keeps none.
+
+    Called by ``auto`` to flush the residual into an exact step before it changes scheme, and
+    to measure each candidate's error; by the tests to check error feedback. Default:
+    :func:`residual_field`. Override when the residual is kept in another basis (THC) or the
+    ``residual`` field means something else.
+    """
+    hook = _hook(scheme, "residual_of")
+    return hook(ops, state, info) if hook is not None else residual_field(scheme, ops, state, info)
+
+
+def residual_field(scheme, ops, state, info):
+    """The default of :func:`residual_of`: the state's ``residual`` field, flattened to
+    float32 ``[numel]``, when it holds ``numel`` values in the tensor's flat order (TopK,
+    TopKC, PowerSGD's plain 2-D reshape); None when the state has no such field or it is empty.
+
+    Raises:
+        NotImplementedError: the field holds another number of values than ``info.numel``
+            (the scheme must override ``residual_of``).
+    """
+    residual = getattr(state, "residual", None)
+    if residual is None:
+        return None
+    n = 1
+    for s in ops.shape(residual):
+        n *= s
+    if n == 0:
+        return None
+    if n != info.numel:
+        raise NotImplementedError(f"{scheme.name}: residual of {n} values for a tensor of "
+                                  f"{info.numel}; override residual_of")
+    return ops.reshape(residual, (info.numel,))
+
+
+def add_residual(scheme, ops, state, info, residual):
+    """``state`` with ``residual`` (float32 ``[numel]``, the gradient's own coordinates) added
+    to its pending error feedback, or None when the state keeps none (the caller must then
+    send ``residual`` itself).
+
+    Called by ``auto`` to carry error feedback over a change of scheme, and by
+    :func:`~hvd_gradcomp.base.finish_tensor` to keep what a half-precision output could not
+    hold. Default: the sum with :func:`residual_of`, written back into the ``residual`` field
+    in its own shape. Override with :func:`residual_of` (THC rotates ``residual`` into its
+    basis).
+    """
+    hook = _hook(scheme, "add_residual")
+    if hook is not None:
+        return hook(ops, state, info, residual)
+    current = residual_of(scheme, ops, state, info)
+    if current is None:
+        return None
+    return state._replace(residual=ops.reshape(current + residual, ops.shape(state.residual)))
+
+
+def payload_dtype(scheme, info) -> str:
+    """The dtype of the payload Horovod all-reduces for ``info``. Called by ``auto``, which
+    prices float16 sums apart (Gloo adds them in scalar code). Default ``"float32"``."""
+    hook = _hook(scheme, "payload_dtype")
+    return hook(info) if hook is not None else "float32"
+
+
+def hand_over(scheme, ops, state, own, aggregate, info):
+    """The state for the first compressed step after an FP16 warm-up, from the last FP16
+    step: ``own`` (float32 [numel], this rank's gradient as decoded) and ``aggregate``
+    (float32 [numel], the all-reduced one, the same on every rank; sum or mean as the
+    reduction). Called once per tensor by :mod:`hvd_gradcomp.warmup`. An override must derive
+    what ranks agree on from ``aggregate`` only. Default: ``state`` unchanged."""
+    hook = _hook(scheme, "hand_over")
+    return hook(ops, state, own, aggregate, info) if hook is not None else state
+
+
+def init_like(scheme, ops, info, like, loaded):
+    """The fresh state a loaded state (``loaded``: a NamedTuple-like with ``_fields``) must
+    match in fields and shapes, on ``like``'s device. Called by the adapters when a checkpoint
+    is loaded. Default: ``scheme.init(ops, info, like)``; ``adaptive`` schemes override it
+    (``auto``: the fields of the loaded state's choice)."""
+    hook = _hook(scheme, "init_like")
+    return hook(ops, info, like, loaded) if hook is not None else scheme.init(ops, info, like)
+
+
+def forget(scheme, key: str):
+    """Tell ``scheme`` that the state under ``key`` was replaced by a loaded one. Called by the
+    adapters at each load. Default: nothing; schemes that mirror state on the host (``auto``'s
+    counters, the warm-up's step count) drop the mirror."""
+    hook = _hook(scheme, "forget")
+    if hook is not None:
+        hook(key)
+
+
+def check_loaded(scheme, key: str, loaded):
+    """Raise ValueError, naming the reason, if ``loaded`` (a tensor's saved state: a
+    NamedTuple-like with ``_fields``, or a dict) was written in a format ``scheme`` no longer
+    reads. Called by the adapters before their own checks of fields and shapes. Default:
+    accept."""
+    hook = _hook(scheme, "check_loaded")
+    if hook is not None:
+        hook(key, loaded)
+
+
+def metrics(scheme, state) -> dict:
+    """Per-tensor diagnostics read from ``state``: ``{name: tensor}`` (no host sync), e.g.
+    TopKC's ``realigned`` count. Called by the adapters' ``metrics()``. Default: ``{}``."""
+    hook = _hook(scheme, "metrics")
+    return hook(state) if hook is not None else {}
+
+
+def blocks(scheme, info) -> bool:
+    """True if ``scheme``'s compress posts a blocking side collective for ``info``'s tensor
+    (the ``blocking`` variants, except on the tensors they send uncompressed): the flag and
+    ``wire``, not a hook. Called by the adapters, which refuse such a scheme on a tensor
+    Horovod fills in."""
+    return scheme.blocking and scheme.wire(info).side_collectives > 0
