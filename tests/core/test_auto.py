@@ -2,6 +2,7 @@
 simulated in one process (each rank its own scheme object; payloads summed by hand, as Sum
 would) in both backends. Real multi-rank runs: tests/parallel/test_auto_parallel.py."""
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -162,6 +163,24 @@ def _simulate(backend, steps, poison_step=None, **options):
     schemes, states, the summed output of every step, the choice after every step, the
     state's fields after every step, and the ranks' pending error feedback summed (float64,
     gradient coordinates) after every step."""
+    with mock.patch("time.perf_counter", _TickClock()):
+        return _simulate_steps(backend, steps, poison_step, options)
+
+
+class _TickClock:
+    """A host clock that advances 0.1 ms a reading: auto's codec and step timings become
+    the same on every run, whatever the machine's load, so the simulated decisions depend on
+    bytes and the link only."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1e-4
+        return self.now
+
+
+def _simulate_steps(backend, steps, poison_step, options):
     ops = one_rank(backend_ops(backend))
     schemes = [make_scheme("auto", **{**SLOW, **options}).bind(ops) for _ in range(2)]
     infos = [TensorInfo("w", SHAPE, "float32", 2, r, "sum") for r in range(2)]
