@@ -66,6 +66,8 @@ def test_saturation_threshold():
 
 
 
+# ---------------------------------------------------------------- layout and wire size
+
 def test_control_words_fit_at_every_world_size():
     """n ranks' fingerprint s**2 < 2**(2h), shifted above the guard bits, stays below 2**31."""
     scheme = THCScheme()

@@ -22,6 +22,8 @@ from tests.core.thc_emulation import (Ranks, carried, emulate_allreduce, layout_
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+# ---------------------------------------------------------------- quantiser
+
 def _with_ranges(scheme, ops, info, like, ranges, step=0):
     """A fresh state with the agreed ranges set by hand (float32 [nb]) and the step counter."""
     import torch
@@ -147,6 +149,8 @@ def test_first_step_sends_nothing(backend, config):
         assert int(after.step) == 1 and int(after.realigned) == 0
 
 
+# ---------------------------------------------------------------- error and error feedback
+
 # Bounds on the relative L2 error of a step's output against what that step set out to
 # deliver, ||out_t - target_t|| / ||target_t||, target_t = x_t + irht(e_t)[:d] (the gradient
 # plus the residual it carried in, less what the flush bound held back; x_t itself without
@@ -246,6 +250,8 @@ def test_error_feedback_identity(backend, config):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * 6 * np.abs(want).max())
 
 
+# ---------------------------------------------------------------- per-block ranges
+
 def test_per_block_ranges():
     """Blocks 1000x apart in scale: every block's relative error is alike (per-block ranges).
 
@@ -339,6 +345,8 @@ def test_row_sparse_embedding():
         np.testing.assert_allclose(blocks(carried(st, 1024, d))[fresh], blocks(x)[fresh], rtol=0, atol=1e-5)
 
 
+# ---------------------------------------------------------------- packing and decoding
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("op", ["sum", "average"])
@@ -386,6 +394,8 @@ def test_zeros_give_zeros(backend, range_):
             levels, codes, flags, _ = split_payload(p, sim.lay)
             assert (levels == 0).all() and (codes == 0).all() and (flags == 0).all()
 
+
+# ---------------------------------------------------------------- flush bound
 
 @pytest.mark.parametrize("op", ["sum", "average"])
 def test_flush_bound_after_a_drop_in_scale(op):
