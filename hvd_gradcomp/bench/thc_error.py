@@ -1,5 +1,7 @@
-"""THC on ``n`` emulated ranks in one process: its error by world size, variant, rotation and
-block scale, and after a drop in scale (figures: docs/thc.md).
+"""THC's error on ``n`` emulated ranks in one process (figures: docs/thc.md).
+
+Commands: ``layouts`` (by world size), ``drop`` (after a drop in scale), ``variants`` (by
+variant and bits), ``stages`` (by ``rotation_stages``), ``blocks`` (per-block ranges).
 
 ``python -m hvd_gradcomp.bench.thc_error layouts``: bytes per coordinate and the one-step error
 of the averaged gradient, ``||out - mean_r g_r|| / ||mean_r g_r||``, at each world size.
