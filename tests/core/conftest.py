@@ -14,3 +14,18 @@ def device(request):
     if why:
         pytest.skip(why)
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One PyTorch intra-op thread for a module's tests (small tensors, many calls: many times
+    faster on a busy 2-core box); used by the THC tests through ``pytestmark``."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

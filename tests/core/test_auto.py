@@ -1,6 +1,6 @@
 """``auto`` without Horovod: options, the decision function, the schedule, and two ranks
 simulated in one process (each rank its own scheme object; payloads summed by hand, as Sum
-would) in both backends. Real multi-rank runs: tests/parallel/test_auto_parallel.py."""
+would) in both backends. Real multi-rank runs: tests/parallel/test_auto.py."""
 import math
 from unittest import mock
 

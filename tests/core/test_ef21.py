@@ -5,7 +5,7 @@ rank compresses with its own state, the all-reduce sums the payloads in their dt
 scales by 1/n) and checked step by step against the float64 EF21 recursion
 (tests/reference.py:RefTopKCEF21); then what the one-all-reduce contract asks of it: a failed
 step leaves every state as it was, ranks whose states differ realign, the spec round-trips.
-The real multi-rank runs are in tests/parallel/test_adam_compression.py.
+The real multi-rank runs are in tests/parallel/test_warmup.py.
 """
 import numpy as np
 import pytest

@@ -1,6 +1,6 @@
 """Half-precision gradients and large carried residuals, two ranks simulated in one process
 (each rank its own scheme object; payloads summed by hand as Sum, halved as Average), both
-backends. Real Horovod runs of the same cases: tests/parallel/test_half_parallel.py.
+backends. Real Horovod runs of the same cases: tests/parallel/test_auto_reliability.py (its part 1).
 
 1. float16/bfloat16 gradients of 2e4 per coordinate on each of 2 ranks (the sum, 4e4, fits
    float16): every step's output is finite and at most 65504, and the ranks' outputs plus

@@ -3,7 +3,7 @@ tensor simulated as in tests/core/test_topkc.py (payloads summed in their dtype,
 scaled by 1/n; a rank in ``hvd.join()`` contributes zeros and runs nothing), checked against
 float64 references: the FP16 steps, the hand-over (payload size, seeded state) and that the
 ranks hand over together when a rank joins or its count differs. The real 2-rank runs are in
-tests/parallel/test_adam_compression.py.
+tests/parallel/test_warmup.py.
 """
 import numpy as np
 import pytest

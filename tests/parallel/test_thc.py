@@ -6,7 +6,7 @@ default ``op=hvd.Average`` (which truncates int32: the scheme must recover exact
 call paths: by hand (``compress(t, name=...)``, ``hvd.allreduce(payload, op=...)``,
 ``decompress``: the op is unknown to the compressor and inferred from the count word; the
 payload is visible, so outputs are checked against the float64 reference of
-tests/core/test_thc.py computed from every rank's own levels), and through Horovod
+tests/core/thc_emulation.py computed from every rank's own levels), and through Horovod
 (``hvd.allreduce(t, compression=c)``, ``DistributedOptimizer``, ``DistributedGradientTape``:
 the adapter reads the op; the payload is not visible, so the reference is each rank's own
 decoded contribution recovered from its states, ``rht(x) + e_before - e_after``).
@@ -17,7 +17,7 @@ least two steps.
 - 2 ranks (PyTorch): decoded == the float64 reference, identical on all ranks, next ranges
   == the reference from the ranks' statistics, for the default THC and for the simple
   adaptation with the blocking ``range="current"`` (a real Max side all-reduce), Sum and
-  Average; Horovod's int32 Average == trunc(sum / n) as tests/core/test_thc.py emulates it; every
+  Average; Horovod's int32 Average == trunc(sum / n) as tests/core/thc_emulation.py emulates it; every
   coordinate at the top level; zeros -> zeros; NaN/inf on one rank -> NaN on every rank and
   every rank's whole state unchanged; a state with another step loaded on one rank -> output
   exactly 0 on both ranks, ``metrics()["realigned"] == 1``, then correct; tiny tensors as
@@ -38,8 +38,7 @@ the same initial weights; the 32x64 weight goes through THC, the rest is below `
 and goes as fp16). The simple adaptation with this step's ranges
 (``thc:rotation=full,saturation=false,range=current``, the blocking variant, whose side
 all-reduce runs inside Horovod's backward hooks here) must end within 2 % + 0.005 of the fp16
-run's full-data cross-entropy, as THC's default must in test_training.py (measured here:
-0.122464 against fp16's 0.122461).
+run's full-data cross-entropy, as THC's default must in test_training.py.
 """
 import math
 
@@ -47,8 +46,8 @@ import numpy as np
 import pytest
 
 from tests.hvdrun import run
-from tests.core.test_thc import (emulate_allreduce, fingerprint_ok, np_layout, reference_codes, reference_decode,
-                            reference_ranges, rotated, split_payload, top_level_misses_allowed, unrotated)
+from tests.core.thc_emulation import (emulate_allreduce, fingerprint_ok, np_layout, reference_codes, reference_decode,
+                                      reference_ranges, rotated, split_payload, top_level_misses_allowed, unrotated)
 
 SHAPE = (50, 100)  # the main test tensor: 5000 coordinates, not a power of two
 D = 5000
@@ -400,7 +399,7 @@ def _check_hand(records, bits, op, blocking=False, saturation=True):
         np.testing.assert_array_equal(rec["diag"], records[0]["diag"])
         np.testing.assert_array_equal(rec["out"], records[0]["out"])
     own = [rec["own"] for rec in records]
-    # What Horovod handed back is what tests/core/test_thc.py emulates: the sum, or trunc(sum / n).
+    # What Horovod handed back is what tests/core/thc_emulation.py emulates: the sum, or trunc(sum / n).
     np.testing.assert_array_equal(np.asarray(records[0]["reduced"]).astype(np.int64),
                                   emulate_allreduce(own, op, n).astype(np.int64))
     summed = np.sum([split_payload(p, lay)[0] for p in own], axis=0)
@@ -572,7 +571,6 @@ def test_distributed_optimizer_sum_and_average(torch2, op):
 
 
 def test_training_matches_fp16(torch2):
-    print("final full-data cross-entropy:", torch2[0]["losses"])
     for res in torch2:
         losses = res["losses"]
         for label in ("thc_simple_current",):

@@ -26,7 +26,7 @@ from hvd_gradcomp.thc import THCConfig, THCScheme
 from tests.backends import (BACKENDS, as_float64, as_numpy, backend_ops, native_tensor, one_rank_ops,
                             requires_backend, scheme_steps)
 from tests.core.test_powersgd import TWO, _steps
-from tests.core.test_thc import layout_of
+from tests.core.thc_emulation import layout_of
 
 pytestmark = pytest.mark.skipif(len(BACKENDS) < 2, reason="parity needs both backends")
 

@@ -71,7 +71,7 @@ def _each_spec(specs, outdir, body):
     """Worker side: ``body(spec)`` for each spec; its value (or exception) saved at once."""
     rank = _rank()
     for i, spec in enumerate(specs):
-        print(f"[test_hangs] rank {rank}: {spec} started", flush=True)
+        print(f"[test_adapter_hangs] rank {rank}: {spec} started", flush=True)
         open(os.path.join(outdir, f"start-{rank}-{i}"), "w").close()
         try:
             rec = {"ok": True, "value": body(spec)}
@@ -80,7 +80,7 @@ def _each_spec(specs, outdir, body):
         with open(os.path.join(outdir, f"done-{rank}-{i}.part"), "wb") as f:
             pickle.dump(rec, f)
         os.replace(os.path.join(outdir, f"done-{rank}-{i}.part"), os.path.join(outdir, f"done-{rank}-{i}"))
-        print(f"[test_hangs] rank {rank}: {spec} {'done' if rec['ok'] else 'raised ' + rec['error']}",
+        print(f"[test_adapter_hangs] rank {rank}: {spec} {'done' if rec['ok'] else 'raised ' + rec['error']}",
               flush=True)
 
 
