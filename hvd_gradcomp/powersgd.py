@@ -57,6 +57,7 @@ class PowerSGDConfig:
     """
 
     SCHEME: ClassVar[str] = "powersgd"
+    PRIMARY: ClassVar[str] = "rank"  # the option a bare first value sets ("powersgd:VALUE")
     rank: int = option(1, kind="integer", lo=1, harder="down",
                        doc="rank r of the low-rank approximation")
     min_compression_rate: float = option(2.0, kind="number", lo=1.0, harder="down",

@@ -8,6 +8,7 @@ scheme, docs/auto.md for the method and its measurements).
 import math
 from typing import NamedTuple
 
+from ..base import FALLBACK  # noqa: F401 (re-exported: the fallback candidate, the routing's too)
 from ..ring import ring_allreduce_seconds
 
 __all__ = ["Link", "Decision", "decide", "start_choice", "DEFAULT_CANDIDATES", "FALLBACK", "CALIBRATIONS", "UNUSABLE", "LANE_MAX"]
@@ -18,9 +19,6 @@ __all__ = ["Link", "Decision", "decide", "start_choice", "DEFAULT_CANDIDATES", "
 # widen it (e.g. "fp16|topkc:0.1|topkc:0.03|thc:2|thc:4|thc:8|powersgd:1|powersgd:4") for long
 # runs, where windows are rare.
 DEFAULT_CANDIDATES = "fp16|topkc:0.1|thc:4|powersgd:4"
-
-
-FALLBACK = "fp16"
 
 
 # A window's first (untimed) step screens the candidates: one slower than this many times

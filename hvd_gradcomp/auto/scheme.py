@@ -10,10 +10,10 @@ from collections import namedtuple
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from ..base import Scheme, TensorInfo, WireBytes, poison
+from ..base import FALLBACK, Scheme, TensorInfo, WireBytes, poison
 from ..options import option, validate
 from ..primitives import itemsize
-from .decisions import DEFAULT_CANDIDATES, Decision, FALLBACK, Link, REFERENCE_SHAPE, decide, start_choice
+from .decisions import DEFAULT_CANDIDATES, Decision, Link, REFERENCE_SHAPE, decide, start_choice
 from .window import AutoWindow, _contributors, _count_lane, _delivered, _saturate_carried
 
 __all__ = ["AutoConfig", "AutoScheme", "canonical_candidates"]
@@ -120,6 +120,9 @@ class AutoScheme(AutoWindow, Scheme):
 
     name = "auto"
     adaptive = True  # wire() follows each tensor's current choice
+    # Tensors below this many coordinates go as fp16 (routing): they skip the measurement
+    # windows, whose decision would be fp16 for them anyway.
+    min_numel = 1024
 
     def __init__(self, config: AutoConfig = None):
         from ..registry import make_scheme, parse_spec  # noqa: the registry imports this module

@@ -1,12 +1,12 @@
-"""Routing (hvd_gradcomp/routing.py) and its spec grammar (hvd_gradcomp/registry.py): decisions,
+"""Routing (hvd_gradcomp/routing.py) and its spec grammar (hvd_gradcomp/routing_spec.py): decisions,
 canonical specs, errors; no Horovod launch (the multi-rank checks are in
 tests/parallel/test_routing.py, both frameworks)."""
 import pytest
 
 from hvd_gradcomp.adapter import group_dtype
 from hvd_gradcomp.base import StepBytes
-from hvd_gradcomp.registry import Selector, format_selector, make_scheme, parse_routing, parse_selector
-from hvd_gradcomp.routing import Routing, canonical_text
+from hvd_gradcomp.registry import make_scheme
+from hvd_gradcomp.routing import Routing, Selector, canonical_text, format_selector, parse_routing, parse_selector
 from hvd_gradcomp.thc import THCConfig
 from hvd_gradcomp.topkc import TopKCConfig
 from tests.backends import BACKENDS
@@ -47,8 +47,8 @@ def test_size_terms_and_selector_text():
 
 
 def test_default_min_numel_per_scheme():
-    """1024 for thc and topkc (registry.SMALL_DEFAULTS), 1 for the others: plain compressors
-    route exactly as before the routing existed."""
+    """1024 for thc, topkc and auto (their class attribute min_numel), 1 for the others: plain
+    compressors route exactly as before the routing existed."""
     for spec, threshold in (("thc", 1024), ("topkc", 1024), ("topk", 1), ("powersgd", 1), ("fp16", 1),
                             ("thc:min_numel=7", 7), ("topk:0.1,min_numel=512", 512)):
         assert Routing.from_spec(spec).min_numel == threshold, spec
