@@ -18,8 +18,9 @@ Each instance belongs to one training run. A second optimizer (or, in TensorFlow
 variable at the same gradient position) using the same instance gets its own state.
 
 Which scheme sends a tensor is decided once, the first time the compressor sees it, by its
-:class:`~hvd_gradcomp.routing.Routing` (rules on names and sizes, a default scheme, fp16 below
-``min_numel``), and kept with the tensor's state; checkpoints record it.
+:class:`~hvd_gradcomp.routing.RouteTable` (rules on names and sizes, a default scheme, fp16
+below ``min_numel`` and for what the scheme does not accept), and kept with the tensor's
+state; checkpoints record it.
 
 TensorFlow's grouped all-reduce (``num_groups``/``groups``) sends a group in one collective,
 which takes one dtype (``HorovodGroupedAllreduce`` has one type attribute), while a group may
@@ -49,7 +50,7 @@ from .link import LinkCalibration
 from .primitives import FLOAT_DTYPES, itemsize
 from .horovod_ops import group_dtype, horovod_nccl_avg, nccl_avg_rule, op_name
 from .records import TensorRecords
-from .routing import Routing
+from .routing import RouteTable, Routing, with_min_numel
 
 __all__ = ["HorovodCompressor", "Namespace", "Factory", "Call", "op_name", "group_dtype",
            "horovod_nccl_avg", "nccl_avg_rule"]
@@ -126,20 +127,21 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         metrics() -> {key: {name: value}} diagnostics (e.g. THC's saturated count).
         routes() -> {key: scheme spec}: the route of every tensor seen.
         spec: the text spec of the compressor (its routing); scheme: the default scheme;
-        routing: the :class:`~hvd_gradcomp.routing.Routing`.
+        routing: the :class:`~hvd_gradcomp.routing.Routing`; table: its
+        :class:`~hvd_gradcomp.routing.RouteTable`.
     """
 
     __slots__ = (
         # configuration: the routing, and its default scheme
         "routing", "scheme",
+        # the route of each tensor (routing.RouteTable)
+        "table",
         # per-tensor bookkeeping, keyed by the tensor's stable identity
-        "_infos", "_wire", "_routes",
-        # states and routes loaded by load_state_dict() before the tensor was first seen
-        "_pending", "_pending_routes",
+        "_infos", "_wire",
+        # states loaded by load_state_dict() before the tensor was first seen
+        "_pending",
         # per key, the owners seen (optimizers, variables), in order of first use
         "_owners",
-        # TensorFlow: routes fixed by route(), by variable
-        "_pins",
         # sparse gradients seen: key -> backend entry of (bytes last step, steps)
         "_sparse",
         # TensorFlow grouped all-reduce: (group list, {id(tensor): (payload, ctx)}) not yet returned
@@ -157,19 +159,16 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
 
     def __init__(self, routing):
         """Args: routing: a :class:`~hvd_gradcomp.routing.Routing`, or one scheme (all tensors
-        to it, those below :func:`~hvd_gradcomp.registry.small_default` of its name as fp16,
-        as :meth:`Routing.single`)."""
+        to it, those below its ``min_numel`` as fp16, as :meth:`Routing.single`)."""
         if isinstance(routing, Scheme):
             routing = Routing.single(routing)
         self.routing = routing.bind(self.ops)
         self.scheme = self.routing.default
+        self.table = RouteTable(self.routing)
         self._infos = {}
         self._wire = {}
-        self._routes = {}
         self._pending = {}
-        self._pending_routes = {}
         self._owners = {}
-        self._pins = {}
         self._sparse = {}
         self._group = None
         self._warned = set()
@@ -320,18 +319,19 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         if passes_through(dtype, numel):
             return tensor, None, None
         key = self._key(call)
-        route = self._route(key, call, numel)
-        scheme = route.scheme
-        if key is None:
-            if type(scheme).init is not Scheme.init:
-                raise ValueError(self.no_key_message.format(scheme=scheme.name))
-            key = "<unnamed>"  # stateless: any key will do
         world_size, rank = self._world(call.process_set)
         op = call.op if call.op in ("sum", "average") else None
         # Horovod's NCCL Average divides by n before summing: schemes then skip their 1/n.
         nccl_avg = op == "average" and world_size > 1 and self._on_gpu(tensor) and \
             horovod_nccl_avg(self._horovod())
-        info = TensorInfo(key, shape, dtype, world_size, rank, op, call.process_set, nccl_avg)
+        # "<unnamed>": a tensor without a key, for stateless schemes only (any key will do).
+        info = TensorInfo("<unnamed>" if key is None else key, shape, dtype, world_size, rank, op,
+                          call.process_set, nccl_avg)
+        route = self.table.of(key, call.label if call.label is not None else call.key, call.pin, info)
+        scheme = route.scheme
+        if key is None and type(scheme).init is not Scheme.init:
+            raise ValueError(self.no_key_message.format(scheme=scheme.name))
+        key = info.key
         self._check_call(scheme, key, call, info)
         known = self._infos.get(key)
         if known is not None and (known.shape, known.dtype) != (shape, dtype):
@@ -444,7 +444,7 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         hvd = self._horovod()
         return [hvd.broadcast_object(obj, root_rank=r, name=f"{name}.{r}") for r in range(hvd.size())]
     def __repr__(self):
-        from .registry import to_spec, with_min_numel
+        from .options import to_spec
         text = (with_min_numel(to_spec(self.scheme, full=True), self.routing.min_numel)
                 if self.routing.plain else self.spec)
         return f"{type(self).__name__}({text!r})"
@@ -464,7 +464,7 @@ class Factory:
 
     def __call__(self, *args, **options):
         """A new compressor; ``min_numel`` (tensors with fewer coordinates go as fp16; an
-        integer >= 1, default :func:`~hvd_gradcomp.registry.small_default`) is a routing
+        integer >= 1, default the scheme's ``min_numel``) is a routing
         option accepted by every scheme (module :mod:`~hvd_gradcomp.routing`); the other
         options go to the scheme's config. Raises ValueError for an unknown or bad option."""
         min_numel = options.pop("min_numel", None)
@@ -497,7 +497,7 @@ class Namespace:
     def from_spec(self, spec: str):
         """A compressor from a text spec: a scheme (``"topkc:ratio=0.01,chunk=256"``) or rules
         (``"*.bias -> fp16; *embed* -> topkc:0.01; thc:min_numel=4096"``; grammar in
-        :mod:`hvd_gradcomp.registry`). Raises ValueError for a malformed spec."""
+        :mod:`hvd_gradcomp.routing_spec`). Raises ValueError for a malformed spec."""
         return self._cls(Routing.from_spec(spec))
 
     def rules(self, rules, default: str = "thc", min_numel=None):
@@ -510,7 +510,8 @@ class Namespace:
                 ``numel>=N`` / ``numel<N`` terms.
             default: scheme spec for tensors no rule names (default ``"thc"``).
             min_numel: tensors no rule names with fewer coordinates go as fp16; an integer
-                >= 1; default 1024 for ``thc``/``topkc`` as default, else 1.
+                >= 1; default: the default scheme's ``min_numel`` (1024 for ``thc``,
+                ``topkc``, ``auto``; else 1).
 
         In TensorFlow, rules with a glob need ``compressor.route(variables)`` before the first
         step (variable names may differ between ranks). Raises ValueError for a malformed

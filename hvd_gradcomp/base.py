@@ -62,8 +62,15 @@ lifecycle (error feedback in the gradient's coordinates, the payload dtype, the 
 checkpoint must match, ...) is an optional protocol with defaults: :mod:`hvd_gradcomp.composite`.
 The adapters (``torch_backend``, ``tf_backend``) own the state map, the tensor identity and
 everything framework-specific; :func:`compress_tensor` and :func:`finish_tensor` hold the
-rules every scheme shares (dtype handling, non-finite input). Which tensors a scheme gets is
-decided once per tensor by the adapters' routing (:mod:`~hvd_gradcomp.routing`).
+rules every scheme shares (dtype handling, non-finite input).
+
+Which tensors a scheme gets is decided once per tensor by the routing
+(:mod:`~hvd_gradcomp.routing`), not by the scheme. A scheme states what it can take once, in
+``accepts(info)`` (default: every float tensor; PowerSGD: the matrices it can shrink at its
+rank); the routing sends the tensors it does not accept to ``fallback_spec`` (default
+:data:`FALLBACK`), as it sends tensors below the class attribute ``min_numel`` (default 1: no
+size routing) that no rule names. Neither appears in the scheme's methods: ``compress`` never
+sees a tensor ``accepts`` refused.
 """
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -73,7 +80,11 @@ from .primitives import FLOAT_DTYPES
 
 __all__ = ["EmptyState", "TensorInfo", "WireBytes", "StepBytes", "Scheme", "compress_tensor", "finish_tensor",
            "poison", "saturating_cast", "payload_finite", "commit", "passes_through", "check_state",
-           "FP16_MAX", "HALF_MAX", "saturate_output"]
+           "FP16_MAX", "HALF_MAX", "saturate_output", "FALLBACK"]
+
+# The scheme of the tensors a routing does not compress: below ``min_numel``, or refused by
+# the chosen scheme's ``accepts``; ``auto``'s fallback candidate too (pre-scaled fp16, cast.py).
+FALLBACK = "fp16"
 
 # Largest finite float16: float payloads saturate here instead of overflowing to inf.
 FP16_MAX = 65504.0
@@ -219,6 +230,11 @@ class Scheme:
     # different number of ranks keeps the others and resets these to zero.
     rank_local_fields = ("residual",)
     adaptive = False
+    # Routing (module docstring): tensors no rule names with fewer coordinates go to the
+    # fallback when this scheme is the default (a compressor's ``min_numel`` overrides it);
+    # the scheme spec that sends the tensors ``accepts`` refuses.
+    min_numel = 1
+    fallback_spec = FALLBACK
 
     def spec(self) -> str:
         """The text spec that rebuilds this scheme, e.g. ``"topkc:ratio=0.01,chunk=256"``."""
@@ -245,6 +261,14 @@ class Scheme:
 
     def wire(self, info: TensorInfo) -> WireBytes:
         raise NotImplementedError(f"{type(self).__name__}.wire")
+
+    def accepts(self, info: TensorInfo) -> bool:
+        """True if this scheme compresses the tensor ``info`` describes; the routing sends
+        the others to :attr:`fallback_spec`, and ``auto`` never chooses a candidate that refuses
+        one. A function of ``info.shape``, ``info.dtype`` and what :meth:`bind` recorded only
+        (asked once per tensor, also by ``route()`` before training, where the world size
+        is 1). Default: True."""
+        return True
 
     def bind(self, ops):
         """Called once by the adapter with its backend's primitives, before any other method

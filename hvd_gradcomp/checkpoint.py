@@ -7,8 +7,8 @@ gathers through the engine's ``_from_every_rank``); the same for Horovod and DDP
 import logging
 
 from . import composite
-from .records import _ROUTE_MISMATCH, FieldBag as _FieldBag
-from .routing import Routing, canonical_text
+from .records import FieldBag as _FieldBag
+from .routing import Routing
 
 __all__ = ["Checkpoints"]
 
@@ -50,9 +50,7 @@ class Checkpoints:
                 tensors[key] = {f: self._export(v, portable) for f, v in zip(state._fields, state)}
         for key, state in self._pending.items():
             tensors.setdefault(key, {f: v for f, v in zip(state._fields, state)})
-        routes = {key: route.text for key, route in self._routes.items()}
-        for key, text in self._pending_routes.items():
-            routes.setdefault(key, text)
+        routes = self.table.texts()
         size, rank = self._global_world()
         return {"spec": self.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
 
@@ -114,14 +112,7 @@ class Checkpoints:
 
     def _load_part(self, part: dict, reset: bool):
         """Load one rank's state (``reset``: zero the rank-local fields)."""
-        for key, text in part.get("routes", {}).items():
-            text = canonical_text(text)
-            route = self._routes.get(key)
-            if route is not None and route.text != text:
-                raise ValueError(_ROUTE_MISMATCH.format(spec=self.spec, key=key, saved=text,
-                                                        now=route.text, why=route.why))
-            if route is None:
-                self._pending_routes[key] = text
+        self.table.load(part.get("routes", {}))
         local = set()
         for scheme in self.routing.schemes():
             local.update(scheme.rank_local_fields)
@@ -129,7 +120,7 @@ class Checkpoints:
             fields = {f: self._import(v) for f, v in fields.items()}
             if reset:
                 fields = {f: self._zeros_like(v) if f in local else v for f, v in fields.items()}
-            route = self._routes.get(key)
+            route = self.table.routes.get(key)
             if route is not None and self._has_state(key):
                 scheme = route.scheme
                 composite.check_loaded(scheme, key, _FieldBag(fields))

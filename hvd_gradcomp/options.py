@@ -64,7 +64,7 @@ import dataclasses
 import math
 from typing import NamedTuple, Optional
 
-__all__ = ["WARMUP", "WARMUP_OPTION", "to_spec", "WIRE_DTYPES", "KINDS", "Option", "option", "option_of",
+__all__ = ["WARMUP", "WARMUP_OPTION", "MIN_NUMEL", "ROUTING_OPTION", "to_spec", "WIRE_DTYPES", "KINDS", "Option", "option", "option_of",
            "options_of", "validate", "seed_option", "ratio_option", "error_feedback_option",
            "wire_dtype_option", "check_int", "check_float", "check_bool", "check_choice"]
 
@@ -440,6 +440,13 @@ def wire_dtype_option(doc: str, default: str = "float16"):
 WARMUP_OPTION = "fp16_warmup"
 WARMUP = Option("integer", 0, "first steps of each tensor sent as fp16 before the scheme's own "
                 "payload (hvd_gradcomp.warmup)", lo=0)
+# The routing's one option, every compressor accepts (hvd_gradcomp.routing): tensors no rule
+# names with fewer coordinates go to the fallback scheme. Its default is the default scheme's
+# class attribute ``min_numel`` (:class:`~hvd_gradcomp.base.Scheme`), so this declaration's
+# default (1: no size routing) is the base class's.
+ROUTING_OPTION = "min_numel"
+MIN_NUMEL = Option("integer", 1, "tensors no rule names with fewer coordinates go as fp16",
+                   lo=1)
 
 
 def to_spec(scheme, full: bool = False, skip=()) -> str:

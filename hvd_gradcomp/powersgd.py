@@ -1,8 +1,10 @@
 """PowerSGD: rank-r compression with error feedback, one all-reduce per tensor per step.
 
 A gradient is viewed as a matrix ``M`` (``n x m``, output channels as rows: :func:`matrix_view`);
-tensors rank ``r`` cannot shrink by ``min_compression_rate`` go uncompressed (float16
-pre-scaled like ``fp16``, or float32). ``variant="alternating"`` (default; ACP-SGD, Zhang, Shi,
+the scheme accepts (:meth:`PowerSGDScheme.accepts`) only the matrices rank ``r`` shrinks by
+``min_compression_rate``; the routing sends the others (vectors, scalars, small matrices)
+uncompressed: float16 pre-scaled (``fp16``), or as they are (``none``) with
+``uncompressed_dtype=float32``. ``variant="alternating"`` (default; ACP-SGD, Zhang, Shi,
 Li et al., ICDCS 2023) sends ``M_i Q^`` on even steps and ``M_i^T P^`` on odd ones, projected on
 the previous step's shared orthonormal basis, in one non-blocking all-reduce of
 ``r max(n, m) + 6`` floats that also carries parity and basis fingerprints: ranks that disagree
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from . import composite
-from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit, payload_finite, poison
+from .base import Scheme, TensorInfo, WireBytes, commit, payload_finite, poison
 from .options import error_feedback_option, option, seed_option, validate, wire_dtype_option
 from .orthogonalize import basis, orthogonalize
 from .rng import normal, step_key, stream_key, uniform
@@ -48,8 +50,9 @@ class PowerSGDConfig:
     it while the loss trails the FP16 run's; 1 to 4 suits most vision models, language models
     may need up to 32 (bytes per matrix: docs/powersgd.md). Without ``error_feedback``
     PowerSGD is biased and usually trains worse. ``start_step > 0`` and ``warm_start=False``
-    need ``variant="two_round"`` (docs/powersgd.md). ``uncompressed_dtype``: the dtype of the
-    tensors left uncompressed (float16 pre-scaled by 1/world_size). Every rank: the same ``seed``.
+    need ``variant="two_round"`` (docs/powersgd.md). ``uncompressed_dtype``: how the routing
+    sends the tensors the scheme does not accept: float16 pre-scaled by 1/world_size (``fp16``),
+    or float32 (``none``: in the gradient's own dtype). Every rank: the same ``seed``.
 
     Raises:
         ValueError: an option of the wrong kind or outside its range (one wording for every
@@ -58,6 +61,7 @@ class PowerSGDConfig:
     """
 
     SCHEME: ClassVar[str] = "powersgd"
+    PRIMARY: ClassVar[str] = "rank"  # the option a bare first value sets ("powersgd:VALUE")
     rank: int = option(1, kind="integer", lo=1, harder="down",
                        doc="rank r of the low-rank approximation")
     min_compression_rate: float = option(2.0, kind="number", lo=1.0, harder="down",
@@ -226,7 +230,8 @@ class PowerSGDScheme(Scheme):
         # number of ranks restarts both at 0, which keeps H the sum/mean of the h_i).
         self.rank_local_fields = ("local", "estimate") if self.ef21 else ("residual",)
         self.blocking = config.variant == "two_round"
-        self._fp16 = config.uncompressed_dtype == "float16"
+        # Where the routing sends the tensors accepts() refuses (hvd_gradcomp.routing).
+        self.fallback_spec = "fp16" if config.uncompressed_dtype == "float16" else "none"
         # ops.name of the backend this scheme last ran with (for wire(), which gets no ops).
         self._layout = None
 
@@ -240,16 +245,32 @@ class PowerSGDScheme(Scheme):
     # ---- Step 1: the static policy ----
     def matrix_shape(self, info: TensorInfo, layout: str = "torch"):
         """``(n, m)`` if this tensor is compressed under ``layout`` (``ops.name``), else None."""
-        v = self._view(info, layout)
+        v = self._shrinks(info, layout)
         return None if v is None else (v.n, v.m)
 
-    def _view(self, info: TensorInfo, layout: str):
+    def accepts(self, info: TensorInfo) -> bool:
+        """True for a tensor of ndim >= 2 whose matrix view ``n x m`` (under the bound layout,
+        :meth:`bind`; default PyTorch's) rank r shrinks: ``r (n + m) min_compression_rate <=
+        n m``. The routing sends the others to :attr:`fallback_spec`."""
+        return self._shrinks(info, self._layout or "torch") is not None
+
+    def _shrinks(self, info: TensorInfo, layout: str):
+        """The matrix view of ``info`` under ``layout`` if rank r shrinks it, else None."""
         if len(info.shape) < 2 or info.numel == 0:
             return None
         v = matrix_view(info.shape, layout)
         r = self.config.rank
         if r * (v.n + v.m) * self.config.min_compression_rate > v.n * v.m:
             return None
+        return v
+
+    def _view(self, info: TensorInfo, layout: str):
+        """The matrix view; ValueError for a tensor :meth:`accepts` refuses under ``layout``."""
+        v = self._shrinks(info, layout)
+        if v is None:
+            raise ValueError(f"{self.spec()}: tensor {info.key!r} ({info.dtype}{list(info.shape)}) is "
+                             f"not a matrix rank {self.config.rank} shrinks (accepts() is False); "
+                             f"route it to {self.fallback_spec}, as the compressors' routing does")
         return v
 
     def _view_of(self, ops, info):
@@ -275,8 +296,6 @@ class PowerSGDScheme(Scheme):
     # ---- init ----
     def init(self, ops, info: TensorInfo, like):
         v = self._view_of(ops, info)
-        if v is None:
-            return EmptyState()
         cfg, r = self.config, self.config.rank
         zero = ops.zeros((), "int64", like)
         residual = ops.zeros(v.natural if cfg.error_feedback else (0,), "float32", like)
@@ -295,8 +314,6 @@ class PowerSGDScheme(Scheme):
     # ---- compress ----
     def compress(self, ops, x, state, info, finite):
         v = self._view_of(ops, info)
-        if v is None:
-            return self._uncompressed(ops, x, info, finite), None
         matrix = ops.reshape(x, v.natural)
         if self.ef21:  # EF21: approximate g_i - h_i
             matrix = matrix - state.local
@@ -305,13 +322,6 @@ class PowerSGDScheme(Scheme):
         if self.config.variant == "two_round":
             return self._two_round_compress(ops, matrix, state, info, finite, v)
         return self._alternating_compress(ops, matrix, state, info, finite, v)
-
-    def _uncompressed(self, ops, x, info, finite):
-        if not self._fp16:
-            return x  # float32 carries a NaN/inf by itself
-        # No error feedback here: a value beyond float16's range becomes inf (as in the fp16
-        # baseline), every rank's payload is then non-finite and no state moves.
-        return ops.cast(x * info.prescale, "float16")  # 1/n, or 1 on NCCL's Average
 
     # Steps 2-6 (alternating).
     def _alternating_compress(self, ops, matrix, state, info, finite, v):
@@ -339,8 +349,6 @@ class PowerSGDScheme(Scheme):
         """``ctx`` with ``ok`` (the payload is finite) and, alternating, ``keep`` (float32 []:
         1.0 if the ranks agreed, else 0.0; 1.0 for a non-finite payload, whose NaN reaches the
         output anyway), read from the all-reduced payload: the same on every rank."""
-        if ctx is None:
-            return ctx  # a tensor sent uncompressed
         if isinstance(ctx, _TwoCtx):
             return ctx._replace(ok=payload_finite(ops, payload))
         v = self._view_of(ops, info)
@@ -357,10 +365,6 @@ class PowerSGDScheme(Scheme):
     def decompress(self, ops, payload, ctx, info):
         """float32 in the tensor's plain 2-D layout (finish_tensor reshapes): step 9."""
         v = self._view_of(ops, info)
-        if v is None:
-            if self._fp16:
-                return ops.cast(payload, "float32") * info.unscale
-            return payload
         r = self.config.rank
         if self.config.variant == "two_round":
             q_t = ops.reshape(payload, (r, v.m))
@@ -378,8 +382,6 @@ class PowerSGDScheme(Scheme):
         """The state after the step (step 10; two-round: step 6); unchanged if the payload
         is not finite."""
         v = self._view_of(ops, info)
-        if v is None:
-            return state
         if self.config.variant == "two_round":
             return commit(ops, ctx.ok, self._two_round_finish(ops, payload, ctx, state, v), state)
         r, width = self.config.rank, max(v.n, v.m)
@@ -501,16 +503,10 @@ class PowerSGDScheme(Scheme):
         return None if self.ef21 else composite.residual_field(self, ops, state, info)
 
     # ---- reporting and checkpoints ----
-    def payload_dtype(self, info: TensorInfo) -> str:
-        """float32, or ``uncompressed_dtype`` for the tensors sent as they are (vectors)."""
-        return self.config.uncompressed_dtype if self._view(info, self._layout or "torch") is None else "float32"
-
     def wire(self, info: TensorInfo, layout: str = None) -> WireBytes:
         """Bytes per step (after warm-up) under ``layout`` (``ops.name``; default: the backend
         this scheme last ran with, else ``"torch"``); docs/powersgd.md, step 1."""
         v = self._view(info, layout or self._layout or "torch")
-        if v is None:
-            return WireBytes((2 if self._fp16 else 4) * info.numel)
         r = self.config.rank
         if self.config.variant == "two_round":
             return WireBytes(4 * r * v.m, 4 * r * v.n, 1)

@@ -1,34 +1,25 @@
 """Per-tensor records of a compressor, whatever engine sends the payloads (Horovod, DDP).
 
 :class:`TensorRecords` keeps, per tensor key: the static facts (:class:`~hvd_gradcomp.base.TensorInfo`),
-the route (which scheme sends it, decided once by the :class:`~hvd_gradcomp.routing.Routing`,
-kept with the state and in checkpoints), the bytes it puts on the wire, and the scheme's state,
-stored by the backend (plain tensors in PyTorch, ``tf.Variable`` s in TensorFlow) behind the
-state hooks below. It also keeps the sparse gradients seen, and reports: ``wire_bytes()``,
-``bytes_per_step()``, ``metrics()``, ``routes()``, ``decisions()``. ``route()`` decides and
-compares routes across ranks before training. A mixin of
-:class:`hvd_gradcomp.adapter.HorovodCompressor`: the attributes it reads (``routing``,
-``ops``, ``spec``, ``_infos``, ``_wire``, ``_routes``, ``_pending``, ``_pending_routes``,
-``_owners``, ``_pins``, ``_sparse``) are that class's slots, and ``_from_every_rank`` is its
-engine's object gather.
+the bytes it puts on the wire, and the scheme's state, stored by the backend (plain tensors in
+PyTorch, ``tf.Variable`` s in TensorFlow) behind the state hooks below; the routes are the
+:class:`~hvd_gradcomp.routing.RouteTable`'s (``table``), which :meth:`TensorRecords.route`
+feeds with the backend's parameter names and the engine's object gather. It also keeps the
+sparse gradients seen, and reports: ``wire_bytes()``, ``bytes_per_step()``, ``metrics()``,
+``routes()``, ``decisions()``. A mixin of :class:`hvd_gradcomp.adapter.HorovodCompressor`:
+the attributes it reads (``table``, ``ops``, ``spec``, ``_infos``, ``_wire``, ``_pending``,
+``_owners``, ``_sparse``) are that class's slots, and ``_from_every_rank`` is its engine's
+object gather.
 """
 import logging
 
 from . import composite
-from .base import StepBytes, check_state, passes_through
-from .routing import Route
+from .base import StepBytes, check_state
 
 __all__ = ["TensorRecords", "FieldBag"]
 
 log = logging.getLogger("hvd_gradcomp")
 
-_NEEDS_ROUTE = ("{spec!r}: rules match variable names, which TensorFlow does not keep equal across "
-                "ranks (Keras numbers layers per process); call compressor.route(variables) on every "
-                "rank before the first step, so the ranks' routes are compared once; variable "
-                "{name!r} (gradient {key!r}) was not given to route()")
-_ROUTE_MISMATCH = ("{spec!r}: tensor {key!r} was routed to {saved!r} in the checkpoint, and this "
-                   "compressor routes it to {now!r} ({why}); load the checkpoint into a compressor "
-                   "whose rules route it alike")
 _SPARSE_WARNING = ("hvd_gradcomp: {name} has a sparse gradient (PyTorch sparse=True / TensorFlow "
                    "IndexedSlices): Horovod's sparse path sends its indices and values uncompressed, around "
                    "the compressor {spec!r}; bytes_per_step().sparse counts them. Pass "
@@ -99,25 +90,6 @@ class TensorRecords:
                 key = f"{key}@{i}"
         return key
 
-    def _route(self, key, call, numel: int) -> Route:
-        """The tensor's route: decided at its first compress, then the same at every step."""
-        route = self._routes.get(key) if key is not None else None
-        if route is not None:
-            return route
-        if call.pin is not None and self.routing.needs_names():
-            route = self._pins.get(call.pin)
-            if route is None:
-                raise ValueError(_NEEDS_ROUTE.format(spec=self.spec, name=call.label, key=key))
-        else:
-            route = self.routing.decide(call.label if call.label is not None else call.key, numel)
-        if key is not None:
-            saved = self._pending_routes.pop(key, None)
-            if saved is not None and saved != route.text:
-                raise ValueError(_ROUTE_MISMATCH.format(spec=self.spec, key=key, saved=saved,
-                                                        now=route.text, why=route.why))
-            self._routes[key] = route
-        return route
-
     def _state_for(self, scheme, info, like):
         """The state under info.key: existing, loaded, or freshly initialised; checked."""
         if self._has_state(info.key):
@@ -150,9 +122,10 @@ class TensorRecords:
                                  f"{field} of shape {list(self.ops.shape(a))}, expected "
                                  f"{list(self.ops.shape(b))}")
 
-    # ---- routing ----
+    # ---- routing (the table's; the backend gives the names, the engine the gather) ----
     def route(self, params, check: bool = True) -> list:
-        """Decide each parameter's route now, and check that every rank decides alike.
+        """Decide each parameter's route now, and check that every rank decides alike
+        (:meth:`~hvd_gradcomp.routing.RouteTable.route`).
 
         Needed in TensorFlow when rules match names (variable names may differ between ranks,
         see :mod:`~hvd_gradcomp.routing`): call it on every rank once the model's variables
@@ -175,43 +148,12 @@ class TensorRecords:
             ValueError, on every rank: the ranks route some parameter differently (naming its
             position and each rank's name and rule), or give different numbers of parameters.
         """
-        items = list(self._route_items(params))
-        table, routes = [], []
-        for name, shape, dtype, _ in items:
-            numel = 1
-            for s in shape:
-                numel *= s
-            route = None if passes_through(dtype, numel) else self.routing.decide(name, numel)
-            routes.append(route)
-            table.append((name, None if route is None else route.text,
-                          "passes through" if route is None else route.why))
-        if check:
-            tables = self._from_every_rank(table, "hvd_gradcomp.route")
-            self._check_same_routes(tables)
-        for (_, _, _, pin), route in zip(items, routes):
-            if pin is not None and route is not None:
-                self._pins[pin] = route
-        return [(name, text) for name, text, _ in table]
-
-    def _check_same_routes(self, tables):
-        """Raise ValueError (the same on every rank: each holds every table) if they differ."""
-        count = len(tables[0])
-        for r, table in enumerate(tables):
-            if len(table) != count:
-                raise ValueError(f"{self.spec!r}: route() got {count} parameters on rank 0 and "
-                                 f"{len(table)} on rank {r}; every rank must pass the same model's")
-        for i in range(count):
-            if len({table[i][1] for table in tables}) > 1:
-                detail = "; ".join(f"rank {r}: {table[i][0]!r} -> {table[i][1] or 'untouched'} "
-                                   f"({table[i][2]})" for r, table in enumerate(tables))
-                raise ValueError(f"{self.spec!r}: the ranks route parameter {i} differently ({detail}), "
-                                 f"which would pair payloads of different schemes; use rules that "
-                                 f"match the same way on every rank's names, or build the model "
-                                 f"identically on every rank")
+        gather = (lambda table: self._from_every_rank(table, "hvd_gradcomp.route")) if check else None
+        return self.table.route(self._route_items(params), gather)
 
     def routes(self) -> dict:
         """``{key: scheme spec}``: the route of every tensor seen so far."""
-        return {key: route.text for key, route in self._routes.items()}
+        return {key: route.text for key, route in self.table.routes.items()}
 
     # ---- reporting ----
     def wire_bytes(self) -> dict:
@@ -237,9 +179,9 @@ class TensorRecords:
         sync), and for sparse gradients ``sparse_bytes`` / ``sparse_steps`` (ints)."""
         out = {}
         for k in self._infos:
-            if not (self._has_state(k) and k in self._routes):
+            if not (self._has_state(k) and k in self.table.routes):
                 continue
-            scheme = self._routes[k].scheme
+            scheme = self.table.routes[k].scheme
             out[k] = dict(composite.metrics(scheme, self._read_state(k)))
             if scheme.adaptive:  # auto: its choice, why, and the bytes it saves against fp16
                 out[k].update(scheme.explain(k))
@@ -254,7 +196,7 @@ class TensorRecords:
         """Every ``auto`` decision this compressor's tensors took, oldest first (dicts of
         :meth:`hvd_gradcomp.auto.AutoScheme.history_records`); [] without ``auto``."""
         seen, out = set(), []
-        for route in self._routes.values():
+        for route in self.table.routes.values():
             scheme = route.scheme
             if scheme.adaptive and id(scheme) not in seen:
                 seen.add(id(scheme))

@@ -191,6 +191,7 @@ class THCConfig:
     """
 
     SCHEME: ClassVar[str] = "thc"
+    PRIMARY: ClassVar[str] = "bits"  # the option a bare first value sets ("thc:VALUE")
     bits: int = option(4, kind="integer", lo=1, hi=16, harder="down",
                        doc="bits per level: at most 2^bits - 1 levels above 0 (THC's 4)")
     lane_bits: Optional[int] = option(8, kind="integer", lo=2, hi=32, optional=True, harder="down",
@@ -272,6 +273,9 @@ class THCScheme(Scheme):
     """
 
     name = "thc"
+    # Tensors below this many coordinates go as fp16 (routing): THC's 4 control words and
+    # ranges outweigh its saving on them.
+    min_numel = 1024
     scalable = False  # integer payload: Horovod's scale factors would corrupt it
 
     def __init__(self, config: THCConfig = THCConfig()):

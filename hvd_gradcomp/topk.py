@@ -47,6 +47,7 @@ class TopKConfig:
     """
 
     SCHEME: ClassVar[str] = "topk"
+    PRIMARY: ClassVar[str] = "ratio"  # the option a bare first value sets ("topk:VALUE")
     ratio: float = ratio_option(0.01, doc="fraction of coordinates kept per tensor (on the wire "
                                           "TopK stays dense: it saves no bytes)")
     error_feedback: bool = error_feedback_option()

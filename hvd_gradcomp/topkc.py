@@ -154,6 +154,7 @@ class TopKCConfig:
     """
 
     SCHEME: ClassVar[str] = "topkc"
+    PRIMARY: ClassVar[str] = "ratio"  # the option a bare first value sets ("topkc:VALUE")
     ratio: float = ratio_option(0.01, doc="fraction of chunks sent per tensor and step")
     chunk: int = option(256, kind="integer", lo=1,
                         doc="coordinates per chunk (larger: fewer scores, coarser selection)")
@@ -251,6 +252,9 @@ class TopKCScheme(Scheme):
     """Chunked TopK with rank-agreed chunks (module docstring)."""
 
     name = "topkc"
+    # Tensors below this many coordinates go as fp16 (routing): TopKC's 16 vote slots and
+    # chunk padding outweigh its saving on them.
+    min_numel = 1024
 
     def __init__(self, config: TopKCConfig = TopKCConfig()):
         self.config = config

@@ -88,6 +88,7 @@ class WarmupScheme(Scheme):
         self.name, self.config = inner.name, inner.config
         self.linear, self.scalable, self.blocking = inner.linear, inner.scalable, inner.blocking
         self.rank_local_fields = inner.rank_local_fields
+        self.min_numel, self.fallback_spec = inner.min_numel, inner.fallback_spec  # the routing's
         self._done = {}  # key -> warm-up steps completed (host mirror of the state), -1 after
 
     def bind(self, ops):
@@ -159,6 +160,10 @@ class WarmupScheme(Scheme):
             return type(state)(*inner_state, count * 0 - 1)
         self._done[info.key] += 1
         return type(state)(*inner_state, count * 0 + self._done[info.key])
+
+    def accepts(self, info: TensorInfo) -> bool:
+        """The scheme's: a tensor it does not accept goes to its fallback from the first step."""
+        return self.inner.accepts(info)
 
     def wire(self, info: TensorInfo) -> WireBytes:
         """The scheme's bytes after the warm-up (warm-up steps send ``2 (d + 2)``)."""

@@ -8,6 +8,7 @@ scheme, docs/auto.md for the method and its measurements).
 import math
 from typing import NamedTuple
 
+from ..base import FALLBACK  # noqa: F401 (re-exported: the fallback candidate, the routing's too)
 from ..ring import ring_allreduce_seconds
 
 __all__ = ["Link", "Decision", "decide", "start_choice", "DEFAULT_CANDIDATES", "FALLBACK", "CALIBRATIONS", "UNUSABLE", "LANE_MAX"]
@@ -18,9 +19,6 @@ __all__ = ["Link", "Decision", "decide", "start_choice", "DEFAULT_CANDIDATES", "
 # widen it (e.g. "fp16|topkc:0.1|topkc:0.03|thc:2|thc:4|thc:8|powersgd:1|powersgd:4") for long
 # runs, where windows are rare.
 DEFAULT_CANDIDATES = "fp16|topkc:0.1|thc:4|powersgd:4"
-
-
-FALLBACK = "fp16"
 
 
 # A window's first (untimed) step screens the candidates: one slower than this many times
@@ -114,8 +112,10 @@ def start_choice(wire_bytes, reference_bytes, world_size: int, link: Link, fallb
     """The candidate a tensor starts on (docs/auto.md, step 1).
 
     Args:
-        wire_bytes: per candidate, this tensor's payload bytes.
-        reference_bytes: per candidate, the payload bytes of a :data:`REFERENCE_SHAPE` matrix.
+        wire_bytes: per candidate, this tensor's payload bytes; ``math.inf`` for a candidate
+            that does not accept the tensor (``Scheme.accepts``): never the start.
+        reference_bytes: per candidate, the payload bytes of a :data:`REFERENCE_SHAPE` matrix
+            (``math.inf`` where it does not accept that matrix).
         world_size, link: the all-reduce's ranks and the :class:`Link`.
         fallback: index of fp16; hysteresis: the least fraction to save.
         reference_ms: per candidate, its codec ms on that matrix, averaged over the ranks
@@ -133,7 +133,7 @@ def start_choice(wire_bytes, reference_bytes, world_size: int, link: Link, fallb
     of fewest ``reference_bytes`` (ties to the earlier), if the link takes at least
     :data:`START_SAVING_S` less for them than for fp16's. A pure function of agreed facts.
     """
-    lossy = [i for i in range(len(wire_bytes)) if i != fallback]
+    lossy = [i for i in range(len(wire_bytes)) if i != fallback and math.isfinite(wire_bytes[i])]
     if not lossy:
         return fallback
 
@@ -168,7 +168,8 @@ def decide(codec_ms, errors, wire_bytes, world_size: int, link: Link, current: i
     Args:
         codec_ms: per candidate, mean codec time (compress + decompress + finish), ms.
         errors: per candidate, mean one-step relative error (NaN: unknown, never chosen).
-        wire_bytes: per candidate, payload bytes each rank hands to the all-reduce.
+        wire_bytes: per candidate, payload bytes each rank hands to the all-reduce;
+            ``math.inf`` for a candidate that does not accept the tensor (never chosen).
         world_size: ranks in the all-reduce.
         link: the :class:`Link`.
         current: index of the candidate in use, or None at a tensor's first decision (its
@@ -180,7 +181,7 @@ def decide(codec_ms, errors, wire_bytes, world_size: int, link: Link, current: i
     """
     predicted = []
     for ms, nbytes, dtype in zip(codec_ms, wire_bytes, dtypes or ["float32"] * len(wire_bytes)):
-        total = ms + 1000.0 * link.seconds(nbytes, world_size, dtype)
+        total = ms + 1000.0 * link.seconds(nbytes, world_size, dtype) if math.isfinite(nbytes) else math.inf
         predicted.append(total if math.isfinite(total) else math.inf)
     allowed = [i for i, e in enumerate(errors)
                if i == fallback or (math.isfinite(errors[i]) and e <= budget and math.isfinite(predicted[i]))]

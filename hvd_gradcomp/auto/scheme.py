@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from .. import composite
-from ..base import Scheme, TensorInfo, WireBytes, poison
+from ..base import FALLBACK, Scheme, TensorInfo, WireBytes, poison
 from ..options import option, validate
 from ..primitives import itemsize
-from .decisions import DEFAULT_CANDIDATES, Decision, FALLBACK, Link, REFERENCE_SHAPE, decide, start_choice
+from .decisions import DEFAULT_CANDIDATES, Decision, Link, REFERENCE_SHAPE, decide, start_choice
 from .window import AutoWindow, _contributors, _count_lane, _delivered, _saturate_carried
 
 __all__ = ["AutoConfig", "AutoScheme", "canonical_candidates"]
@@ -121,6 +121,9 @@ class AutoScheme(AutoWindow, Scheme):
 
     name = "auto"
     adaptive = True  # wire() follows each tensor's current choice
+    # Tensors below this many coordinates go as fp16 (routing): they skip the measurement
+    # windows, whose decision would be fp16 for them anyway.
+    min_numel = 1024
 
     def __init__(self, config: AutoConfig = None):
         from ..registry import make_scheme, parse_spec  # noqa: the registry imports this module
@@ -205,8 +208,7 @@ class AutoScheme(AutoWindow, Scheme):
         reference = dataclasses.replace(info, key="auto.reference", shape=REFERENCE_SHAPE,
                                         dtype="float32")
         choice = self.fallback if self.link is None else start_choice(
-            [c.wire(info).payload for c in self.candidates],
-            [c.wire(reference).payload for c in self.candidates], info.world_size, self.link,
+            self._wires(info), self._wires(reference), info.world_size, self.link,
             self.fallback, self.config.hysteresis, self.start_costs, self.config.step_penalty,
             self._dtypes(reference))
         return self._state(ops, like, 0, choice, self.candidates[choice].init(ops, info, like))
@@ -219,6 +221,10 @@ class AutoScheme(AutoWindow, Scheme):
         if not 0 <= choice < len(self.candidates):
             raise ValueError(f"auto: loaded state for tensor {info.key!r} has no valid choice "
                              f"(got {choice}; {len(self.candidates)} candidates)")
+        if not self._fits(info)[choice]:
+            raise ValueError(f"auto: loaded state for tensor {info.key!r} chose {self.specs[choice]}, "
+                             f"which does not accept {info.dtype}{list(info.shape)}; start this "
+                             f"compressor afresh (do not load its state_dict)")
         carry = ops.zeros((info.numel,), "float32", like) if "carry" in fields else None
         return self._state(ops, like, 0, choice, self.candidates[choice].init(ops, info, like), carry)
 
@@ -384,7 +390,7 @@ class AutoScheme(AutoWindow, Scheme):
         errors = [lanes[1 + cands + i] / count for i in range(cands)]
         speedup, step_ms = lanes[1 + 2 * cands] / count, lanes[2 + 2 * cands] / count
         lead = [v / count for v in lanes[3 + 2 * cands:]]
-        wire = [c.wire(info).payload for c in self.candidates]
+        wire = self._wires(info)
         cfg = self.config
         current = None if ctx.step == cfg.warmup - 1 else ctx.choice
         choice, predicted, reason = decide(codec_ms, errors, wire, info.world_size, self.link,
@@ -397,7 +403,7 @@ class AutoScheme(AutoWindow, Scheme):
                         held.index(max(held)) if max(held) > 0.5 else None, self.fallback,
                         cfg.error_budget, cfg.hysteresis)[0]
         if leader != choice and (leader == self.fallback or errors[leader] <= cfg.error_budget) \
-                and predicted[leader] - predicted[choice] <= cfg.follow * step_ms:
+                and math.isfinite(wire[leader]) and predicted[leader] - predicted[choice] <= cfg.follow * step_ms:
             reason = (f"follows the leading tensor's choice: {predicted[leader] - predicted[choice]:.3g} ms "
                       f"more, below follow x step ({cfg.follow:.3g} x {step_ms:.3g} ms)")
             choice = leader

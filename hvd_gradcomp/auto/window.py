@@ -85,6 +85,9 @@ class AutoWindow:
                         REFERENCE_SHAPE)
         costs = []
         for cand in self.candidates:
+            if not cand.accepts(info):
+                costs.append(LANE_MAX)
+                continue
             state, runs = cand.init(ops, info, x), []
             for i in range(3):
                 _, state, ms = _alone_step(cand, ops, x, state, info)
@@ -148,7 +151,8 @@ class AutoWindow:
         shadows = self._shadows.get(key)
         first = shadows is None
         if first:
-            shadows = self._shadows[key] = [c.init(ops, alone, x) for c in self.candidates]
+            shadows = self._shadows[key] = [c.init(ops, alone, x) if ok else None
+                                            for c, ok in zip(self.candidates, self._fits(info))]
             self._samples[key] = [([], []) for _ in self.candidates]
             self._firsts[key] = [(math.nan, math.nan)] * len(self.candidates)
             self._pruned[key] = self._hopeless(info)
@@ -189,18 +193,33 @@ class AutoWindow:
         tensor's size, plus its all-reduce ms, exceeds :data:`PRUNE_FACTOR` times that figure of
         the tensor's current choice (and :data:`PRUNE_MIN_MS`). Agreed facts only. THC's first
         call on digits' 4M-coordinate weight was the largest part of the window's first step
-        (0.13-0.55 s); its figure there is about 10x PowerSGD's."""
+        (0.13-0.55 s); its figure there is about 10x PowerSGD's. Candidates that do not accept
+        the tensor (:meth:`_fits`) are never run."""
+        unfit = {i for i, ok in enumerate(self._fits(info)) if not ok}
         if self.start_costs is None:
-            return set()
+            return unfit
         scale = info.numel / math.prod(REFERENCE_SHAPE)
         guess = [ms * scale + 1000.0 * self._comm(info, i) for i, ms in enumerate(self.start_costs)]
         current = self._at.get(info.key, (0, self.fallback))[1]
-        return {i for i, g in enumerate(guess) if i not in (self.fallback, current)
-                and g > PRUNE_FACTOR * guess[current] and self.start_costs[i] * scale > PRUNE_MIN_MS}
+        return unfit | {i for i, g in enumerate(guess) if i not in (self.fallback, current)
+                        and g > PRUNE_FACTOR * guess[current] and self.start_costs[i] * scale > PRUNE_MIN_MS}
+
+    def _fits(self, info) -> list:
+        """Per candidate: it accepts ``info`` (:meth:`~hvd_gradcomp.base.Scheme.accepts`; the
+        fallback takes every tensor). A candidate that does not is never run nor chosen."""
+        return [i == self.fallback or c.accepts(info) for i, c in enumerate(self.candidates)]
+
+    def _wires(self, info) -> list:
+        """Per candidate, its payload bytes for ``info``; ``math.inf`` where it does not accept
+        the tensor (what :func:`~hvd_gradcomp.auto.decisions.decide` never chooses)."""
+        return [c.wire(info).payload if ok else math.inf for c, ok in zip(self.candidates, self._fits(info))]
 
     def _comm(self, info, i):
-        """Predicted ring all-reduce seconds of candidate ``i``'s wire bytes for ``info``."""
+        """Predicted ring all-reduce seconds of candidate ``i``'s wire bytes for ``info``
+        (inf where it does not accept the tensor)."""
         cand = self.candidates[i]
+        if not (i == self.fallback or cand.accepts(info)):
+            return math.inf
         return self.link.seconds(cand.wire(info).payload, info.world_size, composite.payload_dtype(cand, info))
 
     def _dtypes(self, info):
@@ -246,7 +265,7 @@ class AutoWindow:
         lead = (None, None)
         for key, info in self._infos.items():
             times, errors = self._local(key)
-            wire = [c.wire(info).payload for c in self.candidates]
+            wire = self._wires(info)
             at, current = self._at.get(key, (0, self.fallback, 0))[:2]
             best, predicted, _ = decide(times, errors, wire, info.world_size, self.link,
                                         None if at == cfg.warmup - 1 else current,

@@ -427,7 +427,7 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
     info = TensorInfo(f"bench.{case}", tuple(shape), "float32", world_size, 0)
     live, rows = [], []
     for spec, routing in schemes:
-        scheme = routing.decide(None, numel).scheme
+        scheme = routing.bind(runner.ops).decide(None, info).scheme  # bound: the layout accepts() reads
         row = {"framework": runner.framework, "device": runner.device, "threads": runner.threads,
                "timer": runner.timer, "case": case, "shape": "x".join(map(str, shape)) or "()",
                "numel": numel, "scheme": routing.default.name, "spec": spec, "world_size": world_size,
@@ -638,7 +638,7 @@ def model_inputs(runner, schemes, reference, *, world_size, warmup, reps, min_re
     for shape, count in counts.items():
         rows = measure(runner, schemes, "x".join(map(str, shape)), shape, **timing)
         for (spec, routing), row in zip(schemes, rows):
-            scheme = routing.decide(None, _numel(shape)).scheme
+            scheme = routing.decide(None, TensorInfo("bench", tuple(shape), "float32", 1, 0)).scheme
             if row["error"] or small[spec] is None:
                 errors[spec] = row["error"] or "failed on the 64x64 tensor"
                 continue

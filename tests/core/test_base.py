@@ -6,7 +6,8 @@ an all-reduce of one rank *is* the identity); everything multi-rank is in tests/
 Checked for every entry of ``SCHEMES`` with default options, and for the variants of
 ``EXTRA`` (TopKC's blocking form and an fp32 payload with odd chunks); every scheme is
 checked on small tensors too (a scheme has no size threshold: the routing decides which
-tensors go as fp16, see hvd_gradcomp/routing.py):
+tensors go as fp16, see hvd_gradcomp/routing.py); a tensor a scheme does not accept
+(``Scheme.accepts``: PowerSGD's vectors) runs on its fallback, as the routing sends it:
 - dtype and shape survive compress + finish (0-d, 1-d, 2-d, 4-d, fp16/bf16/fp32/fp64),
 - zeros give exact zeros,
 - error feedback: (grad + old residual) == locally decoded payload + new residual (float64),
@@ -24,6 +25,7 @@ from hvd_gradcomp.base import EmptyState, Scheme, TensorInfo, compress_tensor, f
 from hvd_gradcomp.powersgd import PowerSGDState
 from hvd_gradcomp.primitives import itemsize
 from hvd_gradcomp.registry import SCHEMES, make_scheme
+from hvd_gradcomp.routing import Routing
 from tests.backends import BACKENDS, as_float64, backend_tensor, one_rank_ops, scheme_steps
 
 SHAPES = [(), (7,), (64, 48), (8, 4, 3, 3), (5000,)]
@@ -47,6 +49,12 @@ def _values(shape, seed):
     return rng.standard_normal(shape)
 
 
+def _for(scheme, shape):
+    """The scheme the routing sends a float32 tensor of ``shape`` with, size routing off:
+    ``scheme``, or its fallback where it does not accept the tensor."""
+    return Routing.single(scheme, 1).decide("t", TensorInfo("t", tuple(shape), "float32", 1, 0)).scheme
+
+
 def _roundtrip(backend, scheme, x, key="t", steps=1):
     """``steps`` steps on ``x``; the last step's (out, payload, old state, state after, info)."""
     ops = one_rank_ops(backend)
@@ -63,11 +71,11 @@ def test_shape_dtype_zeros(backend, name, options):
     for shape in SHAPES:
         for dtype in DTYPES:
             x = _tensor(backend, _values(shape, 1), dtype)
-            out, payload, _, _, _ = _roundtrip(backend, scheme, x)
+            out, payload, _, _, _ = _roundtrip(backend, _for(scheme, shape), x)
             assert tuple(ops.shape(out)) == shape, (name, shape, dtype)
             assert ops.dtype(out) == dtype, (name, shape, dtype)
         zeros = _tensor(backend, _values(shape, 1) * 0.0, "float32")
-        out, _, _, _, _ = _roundtrip(backend, scheme, zeros, steps=2)
+        out, _, _, _, _ = _roundtrip(backend, _for(scheme, shape), zeros, steps=2)
         assert (_to_numpy(out) == 0).all(), (name, shape)
 
 
@@ -87,11 +95,12 @@ def test_error_feedback_identity(backend, name, options):
     scheme = make_scheme(name, **options)
     for shape in [(7,), (64, 48), (8, 4, 3, 3), (5000,)]:
         x = _tensor(backend, _values(shape, 2), "float32")
-        out, _, old, new, _ = _roundtrip(backend, scheme, x, steps=3)
+        routed = _for(scheme, shape)
+        out, _, old, new, _ = _roundtrip(backend, routed, x, steps=3)
         if "residual" not in getattr(new, "_fields", ()) or _to_numpy(new.residual).size == 0:
             continue
-        corrected = _to_numpy(x).reshape(-1) + _gradient_basis(backend, scheme, old, x)
-        rebuilt = _to_numpy(out).reshape(-1) + _gradient_basis(backend, scheme, new, x)
+        corrected = _to_numpy(x).reshape(-1) + _gradient_basis(backend, routed, old, x)
+        rebuilt = _to_numpy(out).reshape(-1) + _gradient_basis(backend, routed, new, x)
         np.testing.assert_allclose(rebuilt, corrected, rtol=1e-5, atol=1e-5 * np.abs(corrected).max())
 
 
@@ -102,17 +111,17 @@ def test_payload_size_is_static_and_reported(backend, name, options):
     scheme = make_scheme(name, **options)
     ops = one_rank_ops(backend)
     for shape in [(7,), (64, 48), (5000,)]:
-        sizes = set()
+        routed, sizes = _for(scheme, shape), set()
         for seed, scale in [(3, 1.0), (4, 1e-6), (5, 1e4)]:
             x = _tensor(backend, _values(shape, seed) * scale, "float32")
             # auto's first step is its sync step (float32, not the wire): its second is plain
-            _, payload, _, _, info = _roundtrip(backend, scheme, x, steps=2 if scheme.adaptive else 1)
+            _, payload, _, _, info = _roundtrip(backend, routed, x, steps=2 if routed.adaptive else 1)
             numel = 1
             for s in ops.shape(payload):
                 numel *= s
             sizes.add(numel * itemsize(ops.dtype(payload)))
         assert len(sizes) == 1, (name, shape, sizes)
-        assert scheme.wire(info).payload == sizes.pop(), (name, shape)
+        assert routed.wire(info).payload == sizes.pop(), (name, shape)
 
 
 def test_fp16_prescale_keeps_8_rank_sums_in_range():

@@ -16,6 +16,7 @@ from hvd_gradcomp.cast import Fp16Scheme
 from hvd_gradcomp.powersgd import (CONTROL, STATE_VERSION, PowerSGDConfig, PowerSGDScheme, PowerSGDState,
                                    matrix_view)
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
+from hvd_gradcomp.routing import Routing
 from tests.backends import BACKENDS, as_float64, backend_tensor, one_rank_ops, scheme_steps
 from tests.reference import gram_schmidt64
 
@@ -35,6 +36,12 @@ def _steps(backend, scheme, grads, key="w", world_size=1):
     ops = one_rank_ops(backend)
     xs = [_tensor(backend, g) for g in grads]
     return scheme_steps(ops, scheme, xs, TensorInfo(key, ops.shape(xs[0]), ops.dtype(xs[0]), world_size, 0))
+
+
+def _routed(scheme, shape, key="w"):
+    """The scheme a compressor of ``scheme`` sends a float32 tensor of ``shape`` with: the
+    routing's decision (``scheme`` itself, or its fallback where it does not accept it)."""
+    return Routing.single(scheme).decide(key, TensorInfo(key, tuple(shape), "float32", 1, 0)).scheme
 
 
 def _simulate(backend, scheme, grads, states=None, op="sum", key="w", contribute=None):
@@ -140,10 +147,13 @@ def test_policy_and_wire(shape, rank, expected):
     two = PowerSGDScheme(PowerSGDConfig(rank=rank, **TWO))
     info = TensorInfo("t", shape, "float32", 4, 0)
     assert scheme.matrix_shape(info) == expected
-    if expected is None:
-        assert scheme.wire(info) == two.wire(info) == WireBytes(2 * info.numel)
+    assert scheme.accepts(info) == two.accepts(info) == (expected is not None)
+    if expected is None:  # the routing sends it as fp16, or as it is with uncompressed_dtype=float32
+        assert _routed(scheme, shape).wire(info) == _routed(two, shape).wire(info) == WireBytes(2 * info.numel)
         wide = PowerSGDScheme(PowerSGDConfig(rank=rank, uncompressed_dtype="float32"))
-        assert wide.wire(info) == WireBytes(4 * info.numel)
+        assert not wide.accepts(info) and _routed(wide, shape).wire(info) == WireBytes(4 * info.numel)
+        with pytest.raises(ValueError, match="accepts"):
+            scheme.wire(info)
     else:
         n, m = expected
         # One all-reduce of r max(n, m) + 6 floats, no side collective; two-round: Q + P.
@@ -333,7 +343,7 @@ def test_nonfinite_keeps_whole_state_and_reaches_output(backend, variant):
     # The vector path (fp16) carries NaN/inf to the output: poisoned, not saturated.
     vec = np.ones(9)
     vec[2] = np.inf
-    out = _np(_steps(backend, scheme, [vec], key="b")[0]["out"])
+    out = _np(_steps(backend, _routed(scheme, vec.shape, "b"), [vec], key="b")[0]["out"])
     assert not np.isfinite(out).all()
 
 
@@ -343,7 +353,7 @@ def test_uncompressed_tensors_follow_fp16_or_float32(backend):
     rng = np.random.default_rng(7)
     for shape in [(), (9,), (3, 3), (2, 2, 2)]:
         g = rng.standard_normal(shape) * 100
-        log = _steps(backend, PowerSGDScheme(), [g], world_size=2)
+        log = _steps(backend, _routed(PowerSGDScheme(), shape), [g], world_size=2)
         assert len(log[0]["after"]) == 0  # no state kept for them
         out = _np(log[0]["out"])
         x = _tensor(backend, g)
@@ -352,11 +362,11 @@ def test_uncompressed_tensors_follow_fp16_or_float32(backend):
         ref = _np(fp16.decompress(ops, fp16.compress(ops, x, (), info, None)[0], None, info))
         np.testing.assert_array_equal(out, ref.reshape(shape))
         wide = PowerSGDScheme(PowerSGDConfig(uncompressed_dtype="float32"))
-        np.testing.assert_array_equal(_np(_steps(backend, wide, [g])[0]["out"]), _np(x))
+        np.testing.assert_array_equal(_np(_steps(backend, _routed(wide, shape), [g])[0]["out"]), _np(x))
     # Uncompressed tensors have no error feedback to keep an excess in: a value beyond
     # float16's range becomes inf as in the fp16 baseline (never silently clipped), so the
     # all-reduced payload is non-finite on every rank and a loss scaler skips the step.
-    out = _np(_steps(backend, PowerSGDScheme(), [np.array([1e6, -1e6, 1.0])], world_size=2)[0]["out"])
+    out = _np(_steps(backend, _routed(PowerSGDScheme(), (3,)), [np.array([1e6, -1e6, 1.0])], world_size=2)[0]["out"])
     np.testing.assert_array_equal(out, [np.inf, -np.inf, 1.0])
 
 

@@ -1,12 +1,13 @@
-"""Routing (hvd_gradcomp/routing.py) and its spec grammar (hvd_gradcomp/registry.py): decisions,
+"""Routing (hvd_gradcomp/routing.py) and its spec grammar (hvd_gradcomp/routing_spec.py): decisions,
 canonical specs, errors; no Horovod launch (the multi-rank checks are in
 tests/parallel/test_routing.py, both frameworks)."""
 import pytest
 
 from hvd_gradcomp.adapter import group_dtype
-from hvd_gradcomp.base import StepBytes
-from hvd_gradcomp.registry import Selector, format_selector, make_scheme, parse_routing, parse_selector
-from hvd_gradcomp.routing import Routing, canonical_text
+from hvd_gradcomp.base import FALLBACK, StepBytes, TensorInfo
+from hvd_gradcomp.registry import make_scheme
+from hvd_gradcomp.routing import (RouteTable, Routing, Selector, canonical_text, format_selector, parse_routing,
+                                  parse_selector)
 from hvd_gradcomp.thc import THCConfig
 from hvd_gradcomp.topkc import TopKCConfig
 from tests.backends import BACKENDS
@@ -47,8 +48,8 @@ def test_size_terms_and_selector_text():
 
 
 def test_default_min_numel_per_scheme():
-    """1024 for thc and topkc (registry.SMALL_DEFAULTS), 1 for the others: plain compressors
-    route exactly as before the routing existed."""
+    """1024 for thc, topkc and auto (their class attribute min_numel), 1 for the others: plain
+    compressors route exactly as before the routing existed."""
     for spec, threshold in (("thc", 1024), ("topkc", 1024), ("topk", 1), ("powersgd", 1), ("fp16", 1),
                             ("thc:min_numel=7", 7), ("topk:0.1,min_numel=512", 512)):
         assert Routing.from_spec(spec).min_numel == threshold, spec
@@ -144,3 +145,126 @@ def test_compression_rules_factory(backend):
     with pytest.raises(ValueError, match="^thc: min_numel must be an integer >= 1, got 0$"):
         Compression.thc(min_numel=0)
     assert "rules" in dir(Compression)
+
+
+def _info(shape, key="t"):
+    return TensorInfo(key, tuple(shape), "float32", 1, 0)
+
+
+def test_a_tensor_the_scheme_does_not_accept_goes_to_its_fallback():
+    """PowerSGD accepts the matrices rank r shrinks; the routing sends the rest to fp16 (none
+    with uncompressed_dtype=float32), from a rule as from the default; sizes-only questions
+    (an int) do not ask."""
+    r = Routing.from_spec("*.w -> powersgd:4; powersgd:1")
+    matrix, vector, square = _info((64, 48)), _info((100,)), _info((3, 3))
+    assert r.decide("a.w", matrix).text == "powersgd:rank=4"
+    route = r.decide("a.w", vector)
+    assert (route.index, route.text, route.refused) == (2, "fp16", "powersgd:rank=4")
+    assert route.why == "rule 0 '*.w': powersgd does not accept float32[100]"
+    assert r.decide("b", square).text == "fp16" and r.decide("b", matrix).text == "powersgd"
+    assert r.decide("b", 9).text == "powersgd"  # no shape: sizes only
+    wide = Routing.from_spec("powersgd:uncompressed_dtype=float32")
+    assert wide.decide("b", vector).text == "none" and wide.decide("b", matrix).text == "powersgd:uncompressed_dtype=float32"
+    assert {s.name for s in wide.schemes()} == {"powersgd", "fp16", "none"}
+    # The warm-up wrapper asks its scheme, and keeps its min_numel.
+    warm = Routing.from_spec("powersgd:fp16_warmup=3")
+    assert warm.decide("b", vector).text == "fp16" and warm.decide("b", matrix).text == "powersgd:fp16_warmup=3"
+    assert Routing.from_spec("thc:fp16_warmup=3").min_numel == 1024
+    assert make_scheme("powersgd", 4, fp16_warmup=3).accepts(vector) is False
+    # Every other scheme accepts every tensor.
+    for name in ("none", "fp16", "bf16", "topk", "topkc", "thc", "auto"):
+        assert make_scheme(name).accepts(vector), name
+
+
+def test_routing_defaults_are_declared_on_the_classes():
+    """min_numel and the first positional option come from the scheme and config classes."""
+    from hvd_gradcomp.auto import AutoScheme
+    from hvd_gradcomp.registry import PRIMARY, SCHEMES, primary
+    from hvd_gradcomp.thc import THCScheme
+    from hvd_gradcomp.topkc import TopKCScheme
+    assert THCScheme.min_numel == TopKCScheme.min_numel == AutoScheme.min_numel == 1024
+    assert {name: cls.min_numel for name, (_, cls) in SCHEMES.items() if cls.min_numel != 1} == \
+        {"thc": 1024, "topkc": 1024, "auto": 1024}
+    assert PRIMARY == {"topk": "ratio", "topkc": "ratio", "thc": "bits", "powersgd": "rank"}
+    assert primary("fp16") is None and make_scheme("thc", 2).config.bits == 2
+    assert Routing.from_spec("auto").min_numel == 1024 and Routing.from_spec("auto").decide("x", 1023).text == FALLBACK
+
+
+def test_route_table_decides_once_and_checks_ranks_and_checkpoints():
+    table = RouteTable(Routing.from_spec("*.bias -> fp16; powersgd"))
+    route = table.of("fc.w", "fc.w", None, _info((64, 48)))
+    assert table.of("fc.w", "other", None, _info((1,))) is route  # decided once per key
+    table.load({"fc.w": "powersgd", "b": "powersgd", "c.bias": "fp16"})
+    # A checkpoint that routed a vector to the scheme that now refuses it still loads.
+    assert table.of("b", "b", None, _info((10,))).text == "fp16"
+    assert table.texts() == {"fc.w": "powersgd", "b": "fp16", "c.bias": "fp16"}
+    with pytest.raises(ValueError, match="tensor 'x' was routed to 'thc' in the checkpoint, and this "
+                                         "compressor routes it to 'powersgd' \\(default\\)"):
+        table.load({"x": "thc"})
+        table.of("x", "x", None, _info((64, 48)))
+    with pytest.raises(ValueError, match="routed to 'fp16' in the checkpoint"):
+        table.load({"fc.w": "fp16"})
+    # route(): one decision per parameter, pinned; the ranks' tables compared.
+    items = [("l.bias", (8,), "float32", "pin0"), ("l.w", (64, 48), "float32", "pin1"),
+             ("steps", (1,), "int64", None)]
+    seen = []
+
+    def gather(mine):
+        seen.append(mine)
+        return [mine, mine]
+    assert table.route(items, gather) == [("l.bias", "fp16"), ("l.w", "powersgd"), ("steps", None)]
+    assert seen[0][0] == ("l.bias", "fp16", "rule 0 '*.bias'")
+    assert table.of("grad_1", "renamed", "pin1", _info((64, 48))).text == "powersgd"  # by pin
+    with pytest.raises(ValueError, match="was not given to route"):
+        table.of("grad_9", "v", "pin9", _info((64, 48)))
+    other = [("l.bias", "fp16", "rule 0"), ("l_1.w", "fp16", "default: powersgd does not accept")]
+    with pytest.raises(ValueError, match=r"the ranks route parameter 1 differently \(rank 0: 'l.w' -> "
+                                         r"powersgd \(default\); rank 1: 'l_1.w' -> fp16"):
+        table.route(items[:2], lambda mine: [mine, other])
+    with pytest.raises(ValueError, match="route\\(\\) got 2 parameters on rank 0 and 1 on rank 1"):
+        table.route(items[:2], lambda mine: [mine, mine[:1]])
+
+
+def test_auto_never_runs_nor_chooses_a_candidate_that_refuses_the_tensor():
+    """On a vector, powersgd (which refuses it) is pruned from every window and never the
+    start, whatever its bytes; decide() never picks a candidate of infinite wire bytes."""
+    import math
+    from hvd_gradcomp.auto import Link, decide, start_choice
+    link = Link(1e6, 0.0)  # a slow link: compression would pay
+    auto = make_scheme("auto", candidates="fp16|powersgd:4|topkc:0.1", bandwidth_gbit=0.001)
+    vector, matrix = _info((100000,), "v"), _info((1000, 1000), "m")
+    assert auto._fits(vector) == [True, False, True] and auto._fits(matrix) == [True, True, True]
+    assert auto._wires(vector)[1] == math.inf and 1 in auto._hopeless(vector)
+    assert start_choice([2000, math.inf, 300], [2_000_000, 10, 20_000], 2, link, 0, 0.1) == 2
+    assert start_choice([2000, math.inf], [2_000_000, 10], 2, link, 0, 0.1) == 0
+    choice, predicted, _ = decide([1.0, 0.0, 1.0], [0.0, 0.1, 0.5], [200_000, math.inf, 20_000], 2, link,
+                                  None, 0, 0.95, 0.1)
+    assert choice == 2 and predicted[1] == math.inf
+    # World size 1 (no link time at all): still never chosen.
+    assert decide([1.0, 0.0], [0.0, 0.0], [200_000, math.inf], 1, link, None, 0, 0.95, 0.1)[0] == 0
+
+
+def test_no_import_circle():
+    """base.py, the options and auto's decisions import neither the catalogue nor the routing."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2] / "hvd_gradcomp"
+    for path in ("base.py", "options.py", "auto/decisions.py"):
+        tree = ast.parse((root / path).read_text())
+        modules = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not {m for m in modules if m.split(".")[-1] in ("registry", "routing", "routing_spec")}, path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_runs_windows_on_a_vector_without_the_refusing_candidate(backend):
+    """auto's windows on a vector measure fp16 and topkc only, and decide among them."""
+    import numpy as np
+    from tests.backends import backend_tensor, one_rank_ops, scheme_steps
+    ops = one_rank_ops(backend)
+    auto = make_scheme("auto", candidates="fp16|powersgd:4|topkc:0.5", bandwidth_gbit=0.001, warmup=2,
+                       every=2, step_penalty=0.0).bind(ops)
+    grads = [backend_tensor(backend, np.random.default_rng(t).standard_normal(4096)) for t in range(6)]
+    log = scheme_steps(ops, auto, grads, TensorInfo("v", (4096,), "float32", 1, 0, "sum"))
+    assert all(np.isfinite(np.asarray(ops.to_host(step["out"]))).all() for step in log)
+    assert auto.history and all(d.spec != "powersgd:4" for d in auto.history)
+    assert all(d.predicted_ms[1] == float("inf") for d in auto.history)

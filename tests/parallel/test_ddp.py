@@ -74,7 +74,7 @@ def _residuals(comp):
     from torch_backend import OPS
     out = {}
     for key, info in comp._infos.items():
-        scheme = comp._routes[key].scheme
+        scheme = comp.table.routes[key].scheme
         r = composite.residual_of(scheme, OPS, comp._read_state(key), info) if comp._has_state(key) else None
         out[key] = None if r is None else r.double().numpy().copy()
     return out
@@ -87,7 +87,7 @@ def _agreed(comp):
     for key in comp._infos:
         if not comp._has_state(key):
             continue
-        state, scheme = comp._read_state(key), comp._routes[key].scheme
+        state, scheme = comp._read_state(key), comp.table.routes[key].scheme
         out[key] = {f: v.double().numpy().copy() for f, v in zip(state._fields, state)
                     if f not in scheme.rank_local_fields and not f.endswith("saturated")}
     return out

@@ -14,7 +14,9 @@ parameter ends at ``init - sum of decompressed outputs``.
    feedback); rank 0's per-rank dict loaded on rank 1 is refused; a gathered state of 3 ranks
    loaded on 2 keeps rank 0's agreed fields with zero residuals; a route that differs from the
    checkpoint's is refused at the tensor's first compress.
-4. ``route()`` that differs between ranks raises on every rank, naming both.
+4. ``route()`` that differs between ranks raises on every rank, naming both. A vector PowerSGD
+   does not accept goes as fp16 (bitwise what ``Compression.fp16()`` sends), also when a
+   checkpoint recorded powersgd for it.
 5. A sparse embedding gradient: one warning naming it, its bytes in ``bytes_per_step().sparse``
    and ``metrics()``; in the ``groups=`` path a clear ValueError.
 
@@ -167,6 +169,18 @@ def worker(path):
     for numel in (64, 128):
         hvd.allreduce(torch.ones(numel), name=f"t{numel}", compression=small)
     out["topk_min_numel"] = (small.routes(), {k: tuple(w) for k, w in small.wire_bytes().items()}, small.spec)
+    # PowerSGD refuses a vector (accepts): routed to fp16, bitwise what fp16 sends; a
+    # checkpoint that recorded powersgd for it still loads.
+    psgd, fp16 = Compression.powersgd(2), Compression.fp16()
+    bias = torch.arange(48, dtype=torch.float32) * (0.1 + hvd.rank())
+    out["refused"] = (hvd.allreduce(bias, name="p.bias", compression=psgd).numpy(),
+                      hvd.allreduce(bias, name="p.bias", compression=fp16).numpy(),
+                      psgd.routes(), {k: tuple(w) for k, w in psgd.wire_bytes().items()},
+                      psgd.route([("p.bias", bias), ("p.weight", torch.zeros(48, 32))]))
+    resumed = Compression.powersgd(2)
+    resumed.load_state_dict({"spec": "powersgd:rank=2", "tensors": {}, "routes": {"p.bias": "powersgd:rank=2"},
+                             "rank": hvd.rank(), "world_size": hvd.size()})
+    out["refused_resume"] = hvd.allreduce(bias, name="p.bias", compression=resumed).numpy()
 
     # 5. A sparse embedding gradient.
     torch.manual_seed(0)
@@ -262,6 +276,10 @@ def test_route_table_and_rank_dependent_routing(results):
         routes, wire, spec = r["topk_min_numel"]
         assert routes == {"t64": "fp16", "t128": "topk:ratio=0.5"} and spec == "topk:ratio=0.5,min_numel=100"
         assert wire == {"t64": (128, 0, 0), "t128": (512, 0, 0)}
+        by_psgd, by_fp16, routes, wire, table = r["refused"]
+        assert np.array_equal(by_psgd, by_fp16) and np.array_equal(r["refused_resume"], by_fp16)
+        assert routes == {"p.bias": "fp16"} and wire == {"p.bias": (96, 0, 0)}
+        assert table == [("p.bias", "fp16"), ("p.weight", "powersgd:rank=2")]
 
 
 def test_sparse_gradient_counted_and_warned_once(results):
