@@ -24,6 +24,7 @@ from typing import ClassVar, NamedTuple
 from . import composite
 from .base import Scheme, TensorInfo, WireBytes, commit, payload_finite, poison
 from .options import error_feedback_option, option, seed_option, validate, wire_dtype_option
+from .lowrank import matrix_view, minus_outer, outer, pad, times_left, times_right, transposed
 from .orthogonalize import basis, orthogonalize
 from .rng import normal, step_key, stream_key, uniform
 
@@ -130,17 +131,6 @@ class PowerSGDEF21State(NamedTuple):
     version: object
 
 
-class _View(NamedTuple):
-    n: int  # rows of M (output channels)
-    m: int  # columns of M
-    transposed: bool  # the tensor's plain reshape is M^T [m, n] (TensorFlow kernels, ndim >= 3)
-
-    @property
-    def natural(self):
-        """Shape of the tensor's plain 2-D reshape."""
-        return (self.m, self.n) if self.transposed else (self.n, self.m)
-
-
 class _AltCtx(NamedTuple):
     even: object  # bool []: P travels (the state's step is even)
     matrix: object  # M_i in the plain layout (None without error feedback)
@@ -159,63 +149,6 @@ class _TwoCtx(NamedTuple):
     full: object  # None or the summed matrix of a warm-up step ([1, 1] placeholder otherwise)
     residual: object  # the residual candidate (None without error feedback)
     ok: object = None  # bool []: the all-reduced payload is finite (set by receive)
-
-
-def matrix_view(shape, layout: str):
-    """``(n, m, transposed)`` of the matrix view (module step 1), for any shape with ndim >= 2.
-
-    ``layout`` is the backend's ``ops.name``: ``"tensorflow"`` puts ``shape[-1]`` (the output
-    channels of a kernel ``(h, w, in, out)``) as rows for ndim >= 3; anything else takes
-    ``shape[0]`` (PyTorch's ``(out, in, h, w)``).
-    """
-    numel = 1
-    for s in shape:
-        numel *= s
-    if len(shape) >= 3 and layout == "tensorflow":
-        n = shape[-1]
-        return _View(n, numel // n if n else 0, True)
-    n = shape[0]
-    return _View(n, numel // n if n else 0, False)
-
-
-# ---- products with M held in its plain layout (no n x m transpose) ----
-def _t(ops, x):
-    return ops.transpose(x, (1, 0))
-
-
-def _times_right(ops, mat, ft, v):
-    """``(M F)^T`` [r, n] for ``ft = F^T`` [r, m]."""
-    if v.transposed:  # mat = M^T [m, n]
-        return ops.matmul(ft, mat)
-    return _t(ops, ops.matmul(mat, _t(ops, ft)))
-
-
-def _times_left(ops, mat, ft, v):
-    """``(M^T F)^T = F^T M`` [r, m] for ``ft = F^T`` [r, n]."""
-    if v.transposed:
-        return _t(ops, ops.matmul(mat, _t(ops, ft)))
-    return ops.matmul(ft, mat)
-
-
-def _outer(ops, pt, qt, v):
-    """``P Q^T`` in the plain layout, from ``pt = P^T`` [r, n] and ``qt = Q^T`` [r, m]."""
-    if v.transposed:
-        return ops.matmul(_t(ops, qt), pt)
-    return ops.matmul(_t(ops, pt), qt)
-
-
-def _minus_outer(ops, mat, pt, qt, v):
-    """``mat - P Q^T`` in the plain layout; ``mat`` (a temporary of this step) may be updated
-    in place (``ops.addmm``)."""
-    if v.transposed:
-        return ops.addmm(mat, _t(ops, qt), pt, -1.0)
-    return ops.addmm(mat, _t(ops, pt), qt, -1.0)
-
-
-def _pad(ops, x, width):
-    """[r, w] zero-padded on the right to [r, width]."""
-    r, w = ops.shape(x)
-    return x if w == width else ops.concat([x, ops.zeros((r, width - w), "float32", x)], 1)
 
 
 class PowerSGDScheme(Scheme):
@@ -305,7 +238,7 @@ class PowerSGDScheme(Scheme):
             return PowerSGDState(residual, empty, self._random_q(ops, info, v.m, like), zero, empty, zero,
                                  version)
         fill = self._fill(ops, info, max(v.n, v.m), like)
-        q = _t(ops, orthogonalize(ops, _t(ops, fill[:, :v.m])))
+        q = transposed(ops, orthogonalize(ops, transposed(ops, fill[:, :v.m])))
         if self.ef21:
             return PowerSGDEF21State(residual, ops.zeros(v.natural, "float32", like),
                                      ops.zeros((r, v.n), "float32", like), q, zero, fill, zero, version)
@@ -331,8 +264,8 @@ class PowerSGDScheme(Scheme):
         # one needed is formed where the backend reads the parity for free), and step 5's
         # shared basis.
         local, shared = ops.select(
-            even, lambda: (_pad(ops, _times_right(ops, matrix, state.q, v), width), _pad(ops, state.q, width)),
-            lambda: (_pad(ops, _times_left(ops, matrix, state.p, v), width), _pad(ops, state.p, width)))
+            even, lambda: (pad(ops, times_right(ops, matrix, state.q, v), width), pad(ops, state.q, width)),
+            lambda: (pad(ops, times_left(ops, matrix, state.p, v), width), pad(ops, state.p, width)))
         # Step 5: fingerprints of this step's basis.
         weights = ops.reshape(ops.concat([state.fill, state.fill * state.fill - 1.0 / 3.0], 0), (2, r * width))
         f = ops.matmul(weights, ops.reshape(shared, (r * width, 1)))  # [f1, f2]
@@ -369,13 +302,13 @@ class PowerSGDScheme(Scheme):
         if self.config.variant == "two_round":
             q_t = ops.reshape(payload, (r, v.m))
             if ctx.warm is None:
-                return _outer(ops, ctx.p, q_t, v)
-            return ops.cond(ctx.warm, lambda: ctx.full * payload[0], lambda: _outer(ops, ctx.p, q_t, v))
+                return outer(ops, ctx.p, q_t, v)
+            return ops.cond(ctx.warm, lambda: ctx.full * payload[0], lambda: outer(ops, ctx.p, q_t, v))
         agg = ops.reshape(payload[:r * max(v.n, v.m)], (r, max(v.n, v.m)))
         a, b = ops.select(ctx.even, lambda: (agg[:, :v.n], ctx.q), lambda: (ctx.p, agg[:, :v.m]))
         if self.ef21:  # H + the decoded aggregate; 0 on disagreement (NaN stays NaN)
-            return (ctx.estimate + _outer(ops, a, b, v)) * ctx.keep
-        return _outer(ops, a * ctx.keep, b, v)  # NaN * 0 stays NaN
+            return (ctx.estimate + outer(ops, a, b, v)) * ctx.keep
+        return outer(ops, a * ctx.keep, b, v)  # NaN * 0 stays NaN
 
     # ---- finish ----
     def finish(self, ops, payload, ctx, state, info):
@@ -389,10 +322,10 @@ class PowerSGDScheme(Scheme):
         agg = ops.reshape(payload[:r * width], (r, width))
 
         def to_p():  # the n-side factor arrived: P^ := basis(P_agg), Q^ stays
-            return _t(ops, basis(ops, _t(ops, agg[:, :v.n]), _t(ops, state.fill[:, :v.n]))), state.q
+            return transposed(ops, basis(ops, transposed(ops, agg[:, :v.n]), transposed(ops, state.fill[:, :v.n]))), state.q
 
         def to_q():  # the m-side factor arrived, or the ranks disagreed (then P^ := 0)
-            q = _t(ops, basis(ops, _t(ops, agg[:, :v.m]), _t(ops, state.fill[:, :v.m])))
+            q = transposed(ops, basis(ops, transposed(ops, agg[:, :v.m]), transposed(ops, state.fill[:, :v.m])))
             return state.p * ctx.keep, q
 
         p, q = ops.select(ops.logical_and(ctx.even, agreed), to_p, to_q)
@@ -404,8 +337,8 @@ class PowerSGDScheme(Scheme):
             local_p, local_q = ops.select(ctx.even, lambda: (ctx.local[:, :v.n], state.q),
                                           lambda: (state.p, ctx.local[:, :v.m]))
             agg_a, agg_b = ops.select(ctx.even, lambda: (agg[:, :v.n], state.q), lambda: (state.p, agg[:, :v.m]))
-            local = (state.local + _outer(ops, local_p, local_q, v)) * ctx.keep
-            estimate = (state.estimate + _outer(ops, agg_a, agg_b, v)) * ctx.keep
+            local = (state.local + outer(ops, local_p, local_q, v)) * ctx.keep
+            estimate = (state.estimate + outer(ops, agg_a, agg_b, v)) * ctx.keep
             new = PowerSGDEF21State(local, estimate, p, q, step, state.fill, realigned, state.version)
             return commit(ops, ctx.ok, new, state)
         residual = state.residual
@@ -413,7 +346,7 @@ class PowerSGDScheme(Scheme):
             # This rank's own decoded contribution; none after a disagreement (E' = M).
             local_p, local_q = ops.select(ctx.even, lambda: (ctx.local[:, :v.n], state.q),
                                           lambda: (state.p, ctx.local[:, :v.m]))
-            residual = _minus_outer(ops, ctx.matrix, local_p * ctx.keep, local_q, v)
+            residual = minus_outer(ops, ctx.matrix, local_p * ctx.keep, local_q, v)
         new = PowerSGDState(residual, p, q, step, state.fill, realigned, state.version)
         return commit(ops, ctx.ok, new, state)
 
@@ -449,15 +382,15 @@ class PowerSGDScheme(Scheme):
         """Two-round steps 3-5: (payload float32 [r m], P^ transposed [r, n], residual or None)."""
         cfg = self.config
         q_t = state.q if cfg.warm_start else self._random_q(ops, info, v.m, matrix, state.step)
-        p_t = _times_right(ops, matrix, q_t, v)
+        p_t = times_right(ops, matrix, q_t, v)
         # Every rank must issue this, with this name, in the same order (blocking). Sent flat:
         # a reshape is a contiguous copy of a transposed view (Horovod refuses strided tensors).
         flat = ops.allreduce(ops.reshape(p_t, (cfg.rank * v.n,)), "sum", self._side_name("p", info), info.group)
         p_t = ops.reshape(flat, (cfg.rank, v.n))
-        p_t = _t(ops, orthogonalize(ops, _t(ops, p_t)))
-        q_local_t = _times_left(ops, matrix, p_t, v)
+        p_t = transposed(ops, orthogonalize(ops, transposed(ops, p_t)))
+        q_local_t = times_left(ops, matrix, p_t, v)
         payload = poison(ops, ops.reshape(q_local_t, (cfg.rank * v.m,)), finite)
-        residual = _minus_outer(ops, matrix, p_t, q_local_t, v) if cfg.error_feedback else None
+        residual = minus_outer(ops, matrix, p_t, q_local_t, v) if cfg.error_feedback else None
         return payload, p_t, residual
 
     def _warmup_step(self, ops, matrix, state, info, finite, v):
