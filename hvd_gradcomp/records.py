@@ -140,13 +140,8 @@ class TensorRecords:
                 broadcast per rank; every rank must call ``route()`` then); False decides
                 locally, without a collective.
 
-        Returns:
-            ``[(name, scheme spec or None), ...]`` in the order given; None for tensors that
-            pass through untouched (non-float or empty).
-
-        Raises:
-            ValueError, on every rank: the ranks route some parameter differently (naming its
-            position and each rank's name and rule), or give different numbers of parameters.
+        Returns and raises as :meth:`~hvd_gradcomp.routing.RouteTable.route`: ``[(name,
+        scheme spec or None), ...]``; ValueError on every rank if the ranks disagree.
         """
         gather = (lambda table: self._from_every_rank(table, "hvd_gradcomp.route")) if check else None
         return self.table.route(self._route_items(params), gather)
