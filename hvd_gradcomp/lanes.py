@@ -47,7 +47,8 @@ def centred_offset(top: int, width: int, lanes: int, guard: int, n: int):
     return None
 
 
-def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme="thc") -> LaneLayout:
+def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme="thc",
+                centred: bool = True) -> LaneLayout:
     """The int32 layout of the levels summed over ``world_size`` ranks (:mod:`hvd_gradcomp.thc`, step 5).
 
     Args:
@@ -60,6 +61,10 @@ def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme
         op: ``"sum"``: no guard bits (Horovod's Sum is exact); otherwise (``"average"`` or None,
             unknown) ``bit_length(n)`` guard bits, for step 6.
         scheme: the name in error messages.
+        centred: True: an offset lets the sums use int32's sign bit (most lanes). False: no
+            offset, every sum of ``n`` words stays in ``[0, 2**31)``, so the exact sums fit
+            int32 and :func:`unpack` can run on int32 (half the bytes of int64; at most one
+            lane fewer a word).
 
     Raises:
         ValueError: ``world_size`` above ``MAX_WORLD_SIZE``, or no lane fits in an int32 word.
@@ -75,7 +80,11 @@ def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme
         for top in (most, most - 1) if lane_bits else (cap,):
             width = (n * top).bit_length()
             for lanes in range(room // width, target - 1, -1) if top >= 1 else ():
-                offset = centred_offset(top, width, lanes, guard, n)
+                if centred:
+                    offset = centred_offset(top, width, lanes, guard, n)
+                else:
+                    peak = top * sum(1 << (guard + j * width) for j in range(lanes))
+                    offset = 0 if n * peak <= _INT32_MAX else None
                 if offset is not None:
                     return LaneLayout(lanes, width, guard, top, offset)
     raise ValueError(f"{scheme}: bits={bits} with {n} ranks needs {guard} guard bits and lanes of "
