@@ -15,7 +15,7 @@ from hvd_gradcomp.registry import make_scheme, parse_spec
 from tests.backends import BACKENDS, as_numpy, native_tensor, one_rank_ops
 from tests.core.test_thc import emulate_allreduce
 
-CONTROL = 4  # contributes, not finite, scale code, has data
+CONTROL = 2  # contributes, not finite
 
 
 def np_layout(n, op):
@@ -30,40 +30,66 @@ def np_layout(n, op):
     return lanes, width, guard
 
 
-def split_payload(payload, n, op, d):
-    """One rank's own int32 payload -> (bits [d], control [4]) with NumPy shifts."""
+def np_blocks(d, block):
+    """(B, nb): coordinates a scale, number of blocks."""
+    b = min(block or d, d)
+    return b, -(-d // b)
+
+
+def np_words(n, op, d, block=1024):
+    """(sign words, statistics words, control words) of a payload (module docstring)."""
+    lanes, _, guard = np_layout(n, op)
+    b, nb = np_blocks(d, block)
+    return -(-nb * b // lanes), -(-2 * nb // ((31 - guard) // (1023 * n).bit_length())), CONTROL
+
+
+def split_payload(payload, n, op, d, block=1024):
+    """One rank's own int32 payload -> (bits [d], codes [nb], flags [nb], control [2]) with
+    NumPy shifts: the sign lanes, the (code, flag) pairs in lanes of bit_length(1023 n) bits
+    above the same guard bits, then the control words."""
     lanes, width, guard = np_layout(n, op)
+    b, nb = np_blocks(d, block)
+    swidth = (1023 * n).bit_length()
+    slanes = (31 - guard) // swidth
     words = np.asarray(payload, np.int64)
-    m = -(-d // lanes)
-    assert words.size == m + CONTROL and (words >= 0).all()
+    m, ms, _ = np_words(n, op, d, block)
+    assert words.size == m + ms + CONTROL and (words >= 0).all()
     bits = np.concatenate([(words[:m] >> (guard + j * width)) & ((1 << width) - 1) for j in range(lanes)])[:d]
-    return bits, words[m:] >> guard
+    stats = words[m:m + ms]
+    pairs = np.concatenate([(stats >> (guard + j * swidth)) & ((1 << swidth) - 1) for j in range(slanes)])
+    pairs = pairs[:2 * nb].reshape(nb, 2)
+    return bits, pairs[:, 0], pairs[:, 1], words[m + ms:] >> guard
 
 
 class RefSignSGD:
     """Every rank of one tensor in float64 (float32 where the scheme rounds: ``p = g + e`` and
-    the residual are float32 tensors)."""
+    the residual are float32 tensors); one scale per block of ``block`` coordinates."""
 
-    def __init__(self, n, d, error_feedback=True):
+    def __init__(self, n, d, error_feedback=True, block=1024):
         self.n, self.d, self.ef = n, d, error_feedback
+        self.b, self.nb = np_blocks(d, block)
         self.residual = [np.zeros(d) for _ in range(n)]
 
-    @staticmethod
-    def code(p):
-        s = np.abs(p).sum() / p.size
-        if not np.isfinite(s) or s <= 1e-30:
-            return 0, 0
-        return int(np.clip(np.round(4 * np.log2(s)) + 512, 1, 1023)), 1
+    def codes(self, p):
+        """(codes [nb], flags [nb]) of one rank's p."""
+        finite = np.isfinite(np.abs(p).sum())
+        codes, flags = np.zeros(self.nb, np.int64), np.zeros(self.nb, np.int64)
+        for k in range(self.nb):
+            s = np.abs(p[k * self.b:(k + 1) * self.b]).mean()
+            if finite and s > 1e-30:
+                codes[k], flags[k] = np.clip(np.round(4 * np.log2(s)) + 512, 1, 1023), 1
+        return codes, flags
 
     def step(self, grads, op):
         ps = [np.float32(g.reshape(-1)) + np.float32(e) if self.ef else np.float32(g.reshape(-1))
               for g, e in zip(grads, self.residual)]
         ps = [p.astype(np.float64) for p in ps]
-        codes = [self.code(p) for p in ps]
-        have = sum(h for _, h in codes)
-        self.scale = 2.0 ** ((sum(c for c, _ in codes) - 512 * have) / max(have, 1) / 4) if have else 0.0
+        self.stats = [self.codes(p) for p in ps]
+        total = np.sum([c for c, _ in self.stats], axis=0)
+        have = np.sum([f for _, f in self.stats], axis=0)
+        per_block = np.where(have > 0, 2.0 ** ((total - 512.0 * have) / np.maximum(have, 1) / 4), 0.0)
+        self.scale = np.repeat(per_block, self.b)[:self.d]
         self.bits = [(p >= 0).astype(np.int64) for p in ps]
-        self.codes = codes
         if not all(np.isfinite(np.abs(p).sum()) for p in ps):
             return np.full(self.d, np.nan)
         signs = [2.0 * b - 1.0 for b in self.bits]
@@ -104,29 +130,35 @@ CASES = [(1, "average", False), (2, "average", False), (2, "sum", False), (3, "a
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n,op,infer", CASES)
-@pytest.mark.parametrize("ef", [True, False])
-def test_ranks_match_float64_reference(backend, n, op, infer, ef):
-    """Outputs (identical on every rank), each rank's bits and control words, and residuals,
-    step by step, against the reference; Average's truncated words are recovered exactly."""
-    shape = (7, 13)  # 91 coordinates: the last word's lanes are not all used
-    sim, ref = Ranks(backend, n, shape, op, infer, error_feedback=ef), RefSignSGD(n, 91, ef)
+@pytest.mark.parametrize("ef,block", [(True, 16), (True, None), (False, 16)])
+def test_ranks_match_float64_reference(backend, n, op, infer, ef, block):
+    """Outputs (identical on every rank), each rank's bits, codes, flags and control words,
+    and residuals, step by step, against the reference; Average's truncated words are
+    recovered exactly."""
+    shape, d = (7, 13), 91  # not a multiple of the block nor of the lanes
+    sim = Ranks(backend, n, shape, op, infer, error_feedback=ef, block=block)
+    ref = RefSignSGD(n, d, ef, block)
     gen = np.random.default_rng([n, int(infer), int(ef)])
     for step in range(4):
-        grads = [gen.standard_normal(shape) * gen.uniform(0.1, 3.0) for _ in range(n)]
+        # Scales that differ between coordinates, so the blocks' scales differ.
+        grads = [gen.standard_normal(shape) * gen.uniform(0.1, 3.0, shape) for _ in range(n)]
         outs = sim.step(grads)
         expected = ref.step(grads, op)
         for r in range(n):
             np.testing.assert_array_equal(outs[r], outs[0])
-            bits, control = split_payload(sim.own[r], n, None if infer else op, 91)
+            bits, codes, flags, control = split_payload(sim.own[r], n, None if infer else op, d, block)
             np.testing.assert_array_equal(bits, ref.bits[r], err_msg=f"step {step} rank {r} bits")
-            assert list(control) == [1, 0, *ref.codes[r]], (step, r)
+            np.testing.assert_array_equal(codes, ref.stats[r][0], err_msg=f"step {step} rank {r} codes")
+            np.testing.assert_array_equal(flags, ref.stats[r][1])
+            assert list(control) == [1, 0], (step, r)
             if ef:
+                top = max(ref.scale.max(), np.abs(ref.residual[r]).max())  # float32 rounding of either
                 np.testing.assert_allclose(as_numpy(sim.states[r].residual), ref.residual[r], rtol=0,
-                                           atol=1e-6 * ref.scale, err_msg=f"step {step} rank {r} residual")
+                                           atol=1e-6 * top, err_msg=f"step {step} rank {r} residual")
             else:
                 assert isinstance(sim.states[r], EmptyState)
-        assert ref.scale > 0.05
-        np.testing.assert_allclose(outs[0], expected, rtol=0, atol=1e-6 * ref.scale * n)
+        assert ref.scale.min() > 0.05
+        np.testing.assert_allclose(outs[0], expected, rtol=0, atol=1e-6 * ref.scale.max() * n)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -160,40 +192,43 @@ def test_nonfinite_on_one_rank(backend):
         grads[1][17] = bad
         outs = sim.step(grads)
         assert all(np.isnan(out).all() for out in outs)
-        assert list(split_payload(sim.own[1], n, op, d)[1][:2]) == [1, 1]
+        assert list(split_payload(sim.own[1], n, op, d)[3]) == [1, 1]
         for b, st in zip(before, sim.states):
             np.testing.assert_array_equal(as_numpy(st.residual), b)
         grads = [gen.standard_normal(d) for _ in range(n)]
         outs, expected = sim.step(grads), ref.step(grads, op)
-        np.testing.assert_allclose(outs[0], expected, rtol=0, atol=1e-6 * ref.scale * n)
+        np.testing.assert_allclose(outs[0], expected, rtol=0, atol=1e-6 * ref.scale.max() * n)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zeros_give_zeros(backend):
     """No rank has data: scale 0, output 0, residual 0, codes and flags 0."""
-    sim = Ranks(backend, 2, (300,), "average")
+    sim = Ranks(backend, 2, (300,), "average", block=64)
     for _ in range(2):
         outs = sim.step([np.zeros(300), np.zeros(300)])
         assert all((out == 0).all() for out in outs)
         assert all((as_numpy(st.residual) == 0).all() for st in sim.states)
-        assert all(list(split_payload(p, 2, "average", 300)[1]) == [1, 0, 0, 0]
-                   for p in sim.own)
+        for p in sim.own:
+            _, codes, flags, control = split_payload(p, 2, "average", 300, 64)
+            assert not codes.any() and not flags.any() and list(control) == [1, 0]
 
 
 def test_wire_matches_payload_and_bits_per_coordinate():
-    """wire() == the payload's bytes; lanes per word as the docstring states them (32/15 bits
-    a coordinate under Sum at 2 ranks, 32/14 under Average, 32/6 under Average at 8), and as
-    :func:`np_layout` finds them."""
+    """wire() == the payload's bytes == split_payload's count of words; sign lanes per word
+    as the docstring states them (32/15 bits a coordinate under Sum at 2 ranks, 32/14 under
+    Average, 32/6 under Average at 8), and as :func:`np_layout` finds them."""
     ops = one_rank_ops(BACKENDS[0])
-    scheme = make_scheme("signsgd")
     for n, op, lanes in ((2, "sum", 15), (2, "average", 14), (3, "sum", 15), (3, "average", 14),
                           (8, "average", 6), (1024, "average", 1)):
-        assert np_layout(n, op)[0] == lanes == scheme._layout(TensorInfo("w", (1,), "float32", n, 0, op)).lanes
-        for d in (1, 15, 16, 1000):
-            info = TensorInfo("w", (d,), "float32", n, 0, op)
-            x = native_tensor(BACKENDS[0], np.ones(d, np.float32))
-            payload, _ = compress_tensor(scheme, ops, x, scheme.init(ops, info, x), info)
-            assert scheme.wire(info).payload == as_numpy(payload).nbytes == 4 * (-(-d // lanes) + CONTROL)
+        for block in (1024, None, 7):
+            scheme = make_scheme("signsgd", block=block)
+            assert np_layout(n, op)[0] == lanes == scheme.layout(TensorInfo("w", (1,), "float32", n, 0, op)).signs.lanes
+            for d in (1, 15, 16, 1000, 3000):
+                info = TensorInfo("w", (d,), "float32", n, 0, op)
+                x = native_tensor(BACKENDS[0], np.ones(d, np.float32))
+                payload, _ = compress_tensor(scheme, ops, x, scheme.init(ops, info, x), info)
+                assert scheme.wire(info).payload == as_numpy(payload).nbytes
+                split_payload(as_numpy(payload), n, op, d, block)  # asserts the number of words
 
 
 def test_config_spec_and_errors():
@@ -202,6 +237,9 @@ def test_config_spec_and_errors():
     assert not make_scheme("signsgd").scalable
     with pytest.raises(ValueError, match="^signsgd: error_feedback must be"):
         make_scheme("signsgd", error_feedback="maybe")
+    with pytest.raises(ValueError, match="^signsgd: block must be"):
+        make_scheme("signsgd", block=0)
+    assert parse_spec("signsgd:block=none") == ("signsgd", {"block": None})
     ops = one_rank_ops(BACKENDS[0])
     with pytest.raises(ValueError, match="^signsgd: world size must be at most 1024, got 1025$"):
         make_scheme("signsgd").init(ops, TensorInfo("w", (4,), "float32", 1025, 0, "sum"), None)

@@ -14,11 +14,11 @@ and a direct Sum.
 import numpy as np
 import pytest
 
-from tests.core.test_signsgd import RefSignSGD
+from tests.core.test_signsgd import RefSignSGD, np_words
 from tests.core.test_thc import emulate_allreduce
 from tests.hvdrun import run
 
-SHAPE = (30, 40)
+SHAPE = (30, 40)  # 1200 coordinates: two blocks of the default 1024, the second short
 STEPS = 3
 TRAIN_STEPS = 200
 
@@ -140,7 +140,7 @@ def _check(outs, ref, grads, op):
     for got in outs:
         np.testing.assert_array_equal(got, outs[0])
         np.testing.assert_allclose(np.asarray(got, np.float64).reshape(-1), expected, rtol=0,
-                                   atol=1e-6 * ref.scale * len(grads))
+                                   atol=1e-6 * ref.scale.max() * len(grads))
 
 
 @pytest.mark.parametrize("op", ["sum", "average"])
@@ -153,7 +153,7 @@ def test_by_hand_matches_reference(torch2, op):
         np.testing.assert_array_equal(recs[0]["reduced"], emulate_allreduce([rec["own"] for rec in recs], op, 2))
         _check([rec["out"] for rec in recs], ref, [rec["x"] for rec in recs], op)
         for rec, e in zip(recs, ref.residual):
-            np.testing.assert_allclose(rec["residual"], e, rtol=0, atol=1e-6 * ref.scale)
+            np.testing.assert_allclose(rec["residual"], e, rtol=0, atol=1e-6 * max(ref.scale.max(), np.abs(e).max()))
 
 
 @pytest.mark.parametrize("op", ["sum", "average"])
@@ -162,8 +162,7 @@ def test_allreduce_with_compression_matches_reference(torch2, op):
     for t in range(STEPS):
         recs = [res[f"known_{op}"]["steps"][t] for res in torch2]
         _check([rec["out"] for rec in recs], ref, [rec["x"] for rec in recs], op)
-    lanes = 15 if op == "sum" else 14  # tests/core/test_signsgd.py's layout at 2 ranks
-    assert torch2[0][f"known_{op}"]["wire"] == 4 * (-(-int(np.prod(SHAPE)) // lanes) + 4)
+    assert torch2[0][f"known_{op}"]["wire"] == 4 * sum(np_words(2, op, int(np.prod(SHAPE))))
 
 
 def test_nonfinite_reaches_both_ranks_and_spares_the_state(torch2):
