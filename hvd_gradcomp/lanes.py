@@ -5,14 +5,17 @@ A :class:`LaneLayout` puts ``lanes`` lanes of ``width`` bits above ``guard`` gua
 rank takes the same ``offset`` off each word, so any sum of up to ``n`` ranks' words stays
 inside int32 (the sign bit is used, nothing wraps); the receiver adds ``c * offset`` back for
 ``c`` contributing ranks. Under Average, Horovod truncates ``W / n`` toward zero; with
-``2**guard > n`` the exact sum is recovered by :func:`exact_words`. Used by THC
-(:mod:`hvd_gradcomp.thc`, steps 5-6, which also gives the derivation); any scheme with
-integer payloads can use it the same way.
+``2**guard > n`` the exact sum is recovered by :func:`exact_words`. Small per-rank counts
+(a rank that contributes, a rank whose gradient was not finite, a statistic's code) travel one
+to a word above the same guard bits (:func:`control_words`, :func:`read_control`): the
+integer non-finite flag, since an integer payload cannot carry a NaN. Used by THC
+(:mod:`hvd_gradcomp.thc`, steps 5-6, which also gives the derivation) and signSGD
+(:mod:`hvd_gradcomp.signsgd`); ``docs/writing-a-scheme.md`` walks through using them.
 """
 from typing import NamedTuple
 
 __all__ = ["MAX_WORLD_SIZE", "LaneLayout", "centred_offset", "lane_layout", "wire_bits", "exact_words",
-           "pack", "unpack"]
+           "pack", "unpack", "control_words", "read_control", "says_sum"]
 
 MAX_WORLD_SIZE = 1024
 
@@ -44,7 +47,8 @@ def centred_offset(top: int, width: int, lanes: int, guard: int, n: int):
     return None
 
 
-def lane_layout(bits: int, world_size: int, lane_bits=None, op="average") -> LaneLayout:
+def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme="thc",
+                centred: bool = True) -> LaneLayout:
     """The int32 layout of the levels summed over ``world_size`` ranks (:mod:`hvd_gradcomp.thc`, step 5).
 
     Args:
@@ -56,13 +60,18 @@ def lane_layout(bits: int, world_size: int, lane_bits=None, op="average") -> Lan
             capped at ``2**bits - 1``.
         op: ``"sum"``: no guard bits (Horovod's Sum is exact); otherwise (``"average"`` or None,
             unknown) ``bit_length(n)`` guard bits, for step 6.
+        scheme: the name in error messages.
+        centred: True: an offset lets the sums use int32's sign bit (most lanes). False: no
+            offset, every sum of ``n`` words stays in ``[0, 2**31)``, so the exact sums fit
+            int32 and :func:`unpack` can run on int32 (half the bytes of int64; at most one
+            lane fewer a word).
 
     Raises:
         ValueError: ``world_size`` above ``MAX_WORLD_SIZE``, or no lane fits in an int32 word.
     """
     n = world_size
     if n > MAX_WORLD_SIZE:
-        raise ValueError(f"thc: world size must be at most {MAX_WORLD_SIZE}, got {n}")
+        raise ValueError(f"{scheme}: world size must be at most {MAX_WORLD_SIZE}, got {n}")
     guard = 0 if op == "sum" else n.bit_length()
     room, cap = 32 - guard, (1 << bits) - 1
     for target in range(32 // lane_bits if lane_bits else 1, 0, -1):
@@ -71,10 +80,14 @@ def lane_layout(bits: int, world_size: int, lane_bits=None, op="average") -> Lan
         for top in (most, most - 1) if lane_bits else (cap,):
             width = (n * top).bit_length()
             for lanes in range(room // width, target - 1, -1) if top >= 1 else ():
-                offset = centred_offset(top, width, lanes, guard, n)
+                if centred:
+                    offset = centred_offset(top, width, lanes, guard, n)
+                else:
+                    peak = top * sum(1 << (guard + j * width) for j in range(lanes))
+                    offset = 0 if n * peak <= _INT32_MAX else None
                 if offset is not None:
                     return LaneLayout(lanes, width, guard, top, offset)
-    raise ValueError(f"thc: bits={bits} with {n} ranks needs {guard} guard bits and lanes of "
+    raise ValueError(f"{scheme}: bits={bits} with {n} ranks needs {guard} guard bits and lanes of "
                      f"{(n * cap).bit_length()} bits, more than an int32 word holds; use fewer bits "
                      f"or set lane_bits")
 
@@ -139,3 +152,26 @@ def unpack(ops, words, lay: LaneLayout):
                          (lay.lanes, 1))
     lanes = ops.bitwise_and(ops.right_shift(ops.reshape(words, (1, n)), shifts), (1 << lay.width) - 1)
     return ops.reshape(lanes, (n * lay.lanes,))
+
+
+def control_words(ops, values, guard: int):
+    """int32 [k]: the int64 0-d ``values`` (this rank's small non-negative counts, each at most
+    ``2**(31 - guard) // n``: 1 for "contributes", 1 for "not finite", a code), one a word,
+    above ``guard`` zero bits, so their all-reduced sums come back exactly
+    (:func:`read_control`)."""
+    words = ops.concat([ops.reshape(v, (1,)) for v in values], 0)
+    return ops.cast(ops.left_shift(words, guard), "int32")
+
+
+def says_sum(count_word, guard: int):
+    """bool 0-d: the all-reduced "contributes" word (int64 0-d, every rank's 1 above ``guard``
+    bits) says Horovod applied Sum (``n << g``, above ``1 << g``) rather than Average (``1 << g``);
+    full participation assumed. For calls whose op the scheme is not told (``info.op`` None)."""
+    return count_word > (1 << guard)
+
+
+def read_control(ops, words, summed, world_size: int, guard: int):
+    """int64 [k]: the exact sums over the ranks of :func:`control_words`' values, from the
+    all-reduced ``words`` (int32 or int64 [k]; ``summed`` as in :func:`exact_words`)."""
+    exact = exact_words(ops, ops.cast(words, "int64"), summed, world_size, guard)
+    return ops.right_shift(exact, guard)

@@ -19,6 +19,7 @@ from .cast import Bf16Config, Bf16Scheme, Fp16Config, Fp16Scheme, NoneConfig, No
 from .auto import AutoConfig, AutoScheme
 from .options import MIN_NUMEL, ROUTING_OPTION, WARMUP, WARMUP_OPTION, options_of, to_spec
 from .powersgd import PowerSGDConfig, PowerSGDScheme
+from .signsgd import SignSGDConfig, SignSGDScheme
 from .thc import THCConfig, THCScheme
 from .topk import TopKConfig, TopKScheme
 from .topkc import TopKCConfig, TopKCScheme
@@ -35,6 +36,7 @@ SCHEMES = {
     "topkc": (TopKCConfig, TopKCScheme),
     "powersgd": (PowerSGDConfig, PowerSGDScheme),
     "thc": (THCConfig, THCScheme),
+    "signsgd": (SignSGDConfig, SignSGDScheme),
     "auto": (AutoConfig, AutoScheme),
 }
 # Also accepted by parse_spec/make_scheme.

@@ -8,7 +8,7 @@ import math
 from typing import NamedTuple
 
 from . import hadamard, rng
-from .lanes import LaneLayout, exact_words, pack as _pack, unpack as _unpack
+from .lanes import LaneLayout, control_words, exact_words, pack as _pack, read_control, says_sum, unpack as _unpack
 
 __all__ = []  # private to hvd_gradcomp.thc
 
@@ -78,8 +78,8 @@ def _receive_kernel(ops, plan: _Plan, payload):
     Sum, ``1 << g`` under Average); used only when the op is unknown (:func:`_summed`)."""
     n, g = plan.world_size, plan.levels.guard
     tail = ops.cast(payload[ops.shape(payload)[0] - _CONTROL:], "int64")
-    inferred = tail[0] > (1 << g)
-    control = ops.right_shift(exact_words(ops, tail, _summed(plan, inferred), n, g), g)
+    inferred = says_sum(tail[0], g)
+    control = read_control(ops, tail, _summed(plan, inferred), n, g)
     count, bad, s1, s2 = control[0], control[1], control[2], control[3]
     return count, bad, s2 * count != s1 * s1, inferred
 
@@ -166,8 +166,8 @@ def _quantize_kernel(ops, plan: _Plan, y, held, ranges, rows, cols, fingerprint,
     levels = _pack(ops, ops.reshape(ops.cast(q, "int32"), (nb * B,)), plan.levels)
     s = fingerprint
     bad = ops.cast(ops.where(finite, 0.0, 1.0), "int64")
-    control = ops.concat([ops.reshape(v, (1,)) for v in (s * 0 + 1, bad, s, s * s)], 0)
-    payload = ops.concat([levels, stats_words, ops.cast(ops.left_shift(control, plan.levels.guard), "int32")], 0)
+    control = control_words(ops, (s * 0 + 1, bad, s, s * s), plan.levels.guard)
+    payload = ops.concat([levels, stats_words, control], 0)
     return payload, residual, saturated
 
 

@@ -1,0 +1,224 @@
+"""signSGD with error feedback on one all-reduce of integer lanes.
+
+EF-SignSGD (Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other
+Gradient Compression Schemes", ICML 2019, Algorithm 1) sends ``Delta = (||p||_1 / d) sign(p)``
+for ``p = g + e`` and keeps ``e' = p - Delta``. Here every rank sends only the signs, one bit
+each in int32 lanes wide enough for the sum over all ranks (:mod:`hvd_gradcomp.lanes`), and
+the ranks agree on one scale ``S`` per block of coordinates and step, carried as log codes in
+the same payload, so the sum of the ranks' contributions ``S sign(p_i)`` is ``S`` times the
+summed signs: one all-reduce, no side collective, no state the ranks must agree on between
+steps. Scales per block, as in Zheng, Huang, Kwok, "Communication-Efficient Distributed
+Blockwise Momentum SGD with Error-Feedback", NeurIPS 2019, follow coordinates of different
+sizes within a tensor.
+
+Notation: ``d`` coordinates, world size ``n``, blocks of ``B`` coordinates (``block``; the
+last may be short), ``nb = ceil(d / B)``, ``P = nb B``; ``g`` guard bits (0 under a known
+Sum, else ``bit_length(n)``); sign lanes of ``w = bit_length(n)`` bits, ``lanes`` a word: as
+many as keep the sum of ``n`` words below ``2**31`` (:func:`~hvd_gradcomp.lanes.lane_layout`
+with 1-bit levels, ``centred=False``: no offset, so the ``P`` lane sums unpack in int32, at
+the cost of at most one lane a word).
+
+Steps of ``compress`` (no collective):
+    1. ``p = g + e`` (float32 [d]; ``e`` the residual, 0 without error feedback), zero-padded
+       to ``P``. This rank's gradient counts as not finite if ``sum |p|`` is not (a NaN/inf,
+       or finite values summing beyond float32).
+    2. Per block, this rank's scale ``s = ||p_block||_1 / size`` (the paper's, per block) as a
+       log code ``clamp(round(4 log2 s) + 512, 1, 1023)`` (quarter octaves over float32's
+       range) and a flag "has data" (code and flag 0 when ``s <= 1e-30`` or not finite).
+    3. Bits ``b = [p >= 0]`` (a NaN gives 0: never a carry), packed planar into the lanes
+       (:func:`~hvd_gradcomp.lanes.pack`); the (code, flag) pairs in lanes of
+       ``bit_length(1023 n)`` bits above the same guard bits; two control words
+       (:func:`~hvd_gradcomp.lanes.control_words`): 1 (contributes), 1 if not finite.
+
+Horovod all-reduces the int32 words with Sum or Average.
+
+Steps of ``decompress`` / ``finish``:
+    4. Exact sums of the control words and lanes (:func:`~hvd_gradcomp.lanes.read_control`,
+       :func:`~hvd_gradcomp.lanes.exact_words`: Average's truncated words are recovered
+       exactly). ``c`` contributing ranks, ``V`` per coordinate the ranks with ``p >= 0``, so
+       the summed signs are ``2 V - c``. When the op is unknown (a hand-made call) the count
+       word tells Sum from Average (full participation assumed).
+    5. Per block the agreed scale ``S = 2**((mean code - 512) / 4)`` over the ranks with data
+       (a geometric mean of their ``s``; 0 if none had data), the same on every rank. Output
+       ``S (2 V - c)``, divided by ``n`` under Average; NaN everywhere if some rank was not
+       finite.
+    6. ``finish``: ``e' = p - S sign(p)`` (``sign(0) = +1``), what this rank contributed
+       taken off; when some rank was not finite the state stays as it was.
+
+Why agreed scales: the paper's scale is per worker, but a sum of integer signs can carry only
+one per coordinate. The scales of this very step (from the codes in the payload) are used,
+not the previous step's, so nothing is stale and nothing needs agreeing between steps.
+Data-parallel ranks' ``s`` are close (the same model, batches from one distribution); where a
+rank's ``s`` differs from ``S``, error feedback keeps the difference and sends it later, as it
+does for the paper's own scale (its Theorem II holds for any compressor with
+``||C(p) - p||**2 <= (1 - delta) ||p||**2``; this one is such a compressor while ``S < 2 s``).
+
+Wire per tensor and step, in the one all-reduce: ``4 (ceil(P / lanes) + ceil(2 nb /
+lanes_s) + 2)`` bytes of int32, ``lanes_s = (31 - g) // bit_length(1023 n)``. The signs take
+``32 / lanes`` bits a coordinate (2.13 under Sum and 2.29 under Average at 2 ranks, 5.33
+under Average at 8); the scales ``32 / (B lanes_s / 2)`` more (0.03 at ``B = 1024``, 2 ranks).
+Integer payload: Horovod's prescale/postscale factors must stay 1 and the op must be Sum or
+Average (the adapters refuse the rest, before any collective).
+
+Errors: ValueError for a world size above 1024 (:data:`~hvd_gradcomp.lanes.MAX_WORLD_SIZE`),
+at ``init``, before any collective. Measured: ``docs/signsgd.md``.
+"""
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple, Optional
+
+from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit
+from .lanes import LaneLayout, control_words, exact_words, lane_layout, pack, read_control, says_sum, unpack
+from .options import error_feedback_option, option, validate
+
+__all__ = ["SignSGDConfig", "SignSGDState", "SignSGDScheme"]
+
+# A scale's log code (step 2): round(4 log2 s) + 512 in [1, 1023], 10 bits, so n <= 1024
+# ranks' sum stays below 2**20 and fits a lane above 11 guard bits.
+_CODE_SCALE, _CODE_OFFSET, _CODE_MAX = 4.0, 512.0, 1023
+_TINY = 1e-30  # a scale at or below this has no data (2**-127.75 is the smallest code)
+_CONTROL = 2  # contributes, not finite
+
+
+@dataclass(frozen=True)
+class SignSGDConfig:
+    """Options of :class:`SignSGDScheme` (:mod:`hvd_gradcomp.options`; ``python -m
+    hvd_gradcomp --list`` lists them).
+
+    Raises:
+        ValueError: an option of the wrong kind or outside its range, e.g. ``"signsgd:
+            error_feedback must be True or False, got 'maybe'"``.
+    """
+
+    SCHEME: ClassVar[str] = "signsgd"
+    error_feedback: bool = error_feedback_option("keep g + e - S sign(g + e) for the next step "
+                                                 "(EF-SignSGD); false: plain scaled signSGD")
+    block: Optional[int] = option(1024, kind="integer", lo=1, optional=True,
+                                  doc="coordinates that share one scale (the last block may be "
+                                      "short); none: one scale for the whole tensor")
+
+    def __post_init__(self):
+        validate(self)
+
+
+class SignSGDState(NamedTuple):
+    residual: object  # float32 [d]: this rank's error feedback e
+
+
+class Layout(NamedTuple):
+    """Static sizes of one tensor's payload."""
+
+    block: int  # B
+    blocks: int  # nb = ceil(d / B)
+    signs: LaneLayout  # 1-bit lanes
+    words: int  # int32 words of signs: ceil(nb B / lanes)
+    stats: LaneLayout  # lanes of the (code, has data) pairs
+    stats_words: int  # ceil(2 nb / stats lanes)
+
+
+class _Ctx(NamedTuple):
+    corrected: object  # float32 [nb, B]: p = g + e, zero-padded
+    nonneg: object  # int32 [nb B]: 1 where p >= 0 (the bits sent)
+    count: object = None  # int64 []: contributing ranks c (receive)
+    bad: object = None  # int64 []: ranks whose gradient was not finite
+    scale: object = None  # float32 [nb, 1]: the agreed S per block
+    summed: object = None  # Python bool (op known) or bool []: Horovod applied Sum
+
+
+class SignSGDScheme(Scheme):
+    """EF-SignSGD with agreed per-block scales (module docstring, steps 1-6)."""
+
+    name = "signsgd"
+    scalable = False  # integer payload: Horovod's scale factors would corrupt it
+
+    def __init__(self, config: SignSGDConfig = SignSGDConfig()):
+        self.config = config
+
+    def layout(self, info: TensorInfo) -> Layout:
+        """The payload's sizes; ValueError for a world size above 1024."""
+        n, d = info.world_size, max(info.numel, 1)
+        block = min(self.config.block or d, d)
+        blocks = -(-d // block)
+        signs = lane_layout(1, n, None, info.op, scheme=self.name, centred=False)
+        width = (_CODE_MAX * n).bit_length()
+        stats = LaneLayout((31 - signs.guard) // width, width, signs.guard)
+        return Layout(block, blocks, signs, -(-blocks * block // signs.lanes), stats,
+                      -(-2 * blocks // stats.lanes))
+
+    def init(self, ops, info: TensorInfo, like):
+        self.layout(info)  # ValueError now for a world size above 1024
+        if not self.config.error_feedback:
+            return EmptyState()
+        return SignSGDState(ops.zeros((info.numel,), "float32", like))
+
+    def compress(self, ops, x, state, info, finite):
+        lay, d = self.layout(info), info.numel
+        p = ops.reshape(x, (d,))
+        if self.config.error_feedback:
+            p = p + state.residual
+        if lay.blocks * lay.block > d:
+            p = ops.concat([p, ops.zeros((lay.blocks * lay.block - d,), "float32", p)], 0)
+        # Steps 1-2: per-block scales, and whether p is finite from their sum.
+        sums = ops.sum(ops.abs(ops.reshape(p, (lay.blocks, lay.block))), 1)
+        finite = ops.logical_and(finite, ops.isfinite(ops.sum(sums, None)))
+        last = d - (lay.blocks - 1) * lay.block  # coordinates of the last block
+        s = sums * ops.where(ops.arange(lay.blocks, "int64", p) == lay.blocks - 1, 1.0 / last, 1.0 / lay.block)
+        usable = ops.logical_and(finite, s > _TINY)
+        code = ops.round(ops.log2(ops.where(usable, s, 1.0)) * _CODE_SCALE) + _CODE_OFFSET
+        code = ops.where(usable, ops.clip(code, 1.0, float(_CODE_MAX)), 0.0)
+        pairs = ops.concat([ops.reshape(code, (lay.blocks, 1)),
+                            ops.reshape(ops.cast(usable, "float32"), (lay.blocks, 1))], 1)
+        stats = pack(ops, ops.cast(ops.reshape(pairs, (2 * lay.blocks,)), "int32"), lay.stats)
+        # Step 3: one bit a coordinate in the lanes, then the control words.
+        nonneg = ops.cast(p >= 0.0, "int32")
+        ok = ops.cast(finite, "int64")
+        payload = ops.concat([pack(ops, nonneg, lay.signs), stats,
+                              control_words(ops, (ok * 0 + 1, 1 - ok), lay.signs.guard)], 0)
+        return payload, _Ctx(ops.reshape(p, (lay.blocks, lay.block)), nonneg)
+
+    def receive(self, ops, payload, ctx, info):
+        """Step 4's control words and step 5's scales, read once for decompress and finish."""
+        lay, n = self.layout(info), info.world_size
+        g = lay.signs.guard
+        tail = ops.cast(payload[lay.words + lay.stats_words:], "int64")
+        summed = info.op == "sum" if info.op is not None else says_sum(tail[0], g)
+        control = read_control(ops, tail, summed, n, g)
+        words = exact_words(ops, ops.cast(payload[lay.words:lay.words + lay.stats_words], "int64"), summed, n, g)
+        pairs = ops.reshape(unpack(ops, words, lay.stats)[:2 * lay.blocks], (lay.blocks, 2))
+        codes, have = pairs[:, 0:1], pairs[:, 1:2]
+        mean = ops.cast(codes - have * int(_CODE_OFFSET), "float32") / ops.maximum(ops.cast(have, "float32"), 1.0)
+        scale = ops.where(have > 0, ops.exp2(mean * (1.0 / _CODE_SCALE)), 0.0)
+        return ctx._replace(count=control[0], bad=control[1], scale=scale, summed=summed)
+
+    def decompress(self, ops, payload, ctx, info):
+        lay, n, padded = self.layout(info), info.world_size, ops.shape(ctx.nonneg)[0]
+        exact = exact_words(ops, ops.cast(payload[:lay.words], "int64"), ctx.summed, n, lay.signs.guard)
+        # Uncentred lanes: the exact sums are below 2**31, so the lanes unpack in int32.
+        lanes = unpack(ops, ops.cast(exact, "int32"), lay.signs)
+        positive = ops.cast(lanes[:padded] if lay.signs.lanes * lay.words > padded else lanes, "float32")
+        if isinstance(ctx.summed, bool):
+            factor = ctx.scale if ctx.summed else ctx.scale * (1.0 / n)
+        else:
+            factor = ctx.scale * ops.where(ctx.summed, 1.0, 1.0 / n)
+        factor = factor + ops.where(ctx.bad > 0, float("nan"), 0.0)
+        # S (2 V - c) per block (times 1/n under Average), in two passes over the counts V.
+        out = ops.reshape(ops.reshape(positive, (lay.blocks, lay.block)) * (factor * 2.0)
+                          - factor * ops.cast(ctx.count, "float32"), (padded,))
+        return out[:info.numel] if padded > info.numel else out
+
+    def finish(self, ops, payload, ctx, state, info):
+        """Step 6: ``e' = p - S sign(p)``, kept only when every rank was finite."""
+        if not self.config.error_feedback:
+            return state
+        lay = self.layout(info)
+        # p - S (2 b - 1) = (p + S) - 2 S b, in float passes (a where on the bits is slower).
+        bits = ops.reshape(ops.cast(ctx.nonneg, "float32"), (lay.blocks, lay.block))
+        left = ops.reshape((ctx.corrected + ctx.scale) - bits * (ctx.scale * 2.0), (lay.blocks * lay.block,))
+        left = left[:info.numel] if lay.blocks * lay.block > info.numel else left
+        return commit(ops, ctx.bad == 0, SignSGDState(left), state)
+
+    def payload_dtype(self, info: TensorInfo) -> str:
+        return "int32"
+
+    def wire(self, info: TensorInfo) -> WireBytes:
+        lay = self.layout(info)
+        return WireBytes(4 * (lay.words + lay.stats_words + _CONTROL))

@@ -1,0 +1,245 @@
+"""Single-process tests of signSGD with error feedback (hvd_gradcomp/signsgd.py).
+
+As in tests/core/test_thc.py, several *simulated* ranks of one tensor run in one process
+(:class:`Ranks`): each rank compresses with its own state and TensorInfo; the one all-reduce is
+the int64 sum of the int32 payloads (``op="sum"``) or Horovod's int32 Average emulated as
+``trunc(W * (1.0 / n))`` in float64. Every output, payload and residual is checked against
+:class:`RefSignSGD`, a float64 NumPy reference written from the module docstring (the lanes
+unpacked with NumPy shifts). Real ranks: tests/parallel/test_signsgd.py.
+"""
+import numpy as np
+import pytest
+
+from hvd_gradcomp.base import EmptyState, TensorInfo, compress_tensor, finish_tensor
+from hvd_gradcomp.registry import make_scheme, parse_spec
+from tests.backends import BACKENDS, as_numpy, native_tensor, one_rank_ops
+from tests.core.thc_emulation import emulate_allreduce
+
+CONTROL = 2  # contributes, not finite
+
+
+def np_layout(n, op):
+    """(lanes, width, guard) of 1-bit lanes from the module docstring: lanes of bit_length(n)
+    bits above bit_length(n) guard bits (none under a known Sum), as many as keep the sum of
+    n all-ones words below 2**31 (no offset)."""
+    width = n.bit_length()
+    guard = 0 if op == "sum" else n.bit_length()
+    lanes = (32 - guard) // width
+    while n * sum(1 << (guard + j * width) for j in range(lanes)) >= 2 ** 31:
+        lanes -= 1
+    return lanes, width, guard
+
+
+def np_blocks(d, block):
+    """(B, nb): coordinates a scale, number of blocks."""
+    b = min(block or d, d)
+    return b, -(-d // b)
+
+
+def np_words(n, op, d, block=1024):
+    """(sign words, statistics words, control words) of a payload (module docstring)."""
+    lanes, _, guard = np_layout(n, op)
+    b, nb = np_blocks(d, block)
+    return -(-nb * b // lanes), -(-2 * nb // ((31 - guard) // (1023 * n).bit_length())), CONTROL
+
+
+def split_payload(payload, n, op, d, block=1024):
+    """One rank's own int32 payload -> (bits [d], codes [nb], flags [nb], control [2]) with
+    NumPy shifts: the sign lanes, the (code, flag) pairs in lanes of bit_length(1023 n) bits
+    above the same guard bits, then the control words."""
+    lanes, width, guard = np_layout(n, op)
+    b, nb = np_blocks(d, block)
+    swidth = (1023 * n).bit_length()
+    slanes = (31 - guard) // swidth
+    words = np.asarray(payload, np.int64)
+    m, ms, _ = np_words(n, op, d, block)
+    assert words.size == m + ms + CONTROL and (words >= 0).all()
+    bits = np.concatenate([(words[:m] >> (guard + j * width)) & ((1 << width) - 1) for j in range(lanes)])[:d]
+    stats = words[m:m + ms]
+    pairs = np.concatenate([(stats >> (guard + j * swidth)) & ((1 << swidth) - 1) for j in range(slanes)])
+    pairs = pairs[:2 * nb].reshape(nb, 2)
+    return bits, pairs[:, 0], pairs[:, 1], words[m + ms:] >> guard
+
+
+class RefSignSGD:
+    """Every rank of one tensor in float64 (float32 where the scheme rounds: ``p = g + e`` and
+    the residual are float32 tensors); one scale per block of ``block`` coordinates."""
+
+    def __init__(self, n, d, error_feedback=True, block=1024):
+        self.n, self.d, self.ef = n, d, error_feedback
+        self.b, self.nb = np_blocks(d, block)
+        self.residual = [np.zeros(d) for _ in range(n)]
+
+    def codes(self, p):
+        """(codes [nb], flags [nb]) of one rank's p."""
+        finite = np.isfinite(np.abs(p).sum())
+        codes, flags = np.zeros(self.nb, np.int64), np.zeros(self.nb, np.int64)
+        for k in range(self.nb):
+            s = np.abs(p[k * self.b:(k + 1) * self.b]).mean()
+            if finite and s > 1e-30:
+                codes[k], flags[k] = np.clip(np.round(4 * np.log2(s)) + 512, 1, 1023), 1
+        return codes, flags
+
+    def step(self, grads, op):
+        ps = [np.float32(g.reshape(-1)) + np.float32(e) if self.ef else np.float32(g.reshape(-1))
+              for g, e in zip(grads, self.residual)]
+        ps = [p.astype(np.float64) for p in ps]
+        self.stats = [self.codes(p) for p in ps]
+        total = np.sum([c for c, _ in self.stats], axis=0)
+        have = np.sum([f for _, f in self.stats], axis=0)
+        per_block = np.where(have > 0, 2.0 ** ((total - 512.0 * have) / np.maximum(have, 1) / 4), 0.0)
+        self.scale = np.repeat(per_block, self.b)[:self.d]
+        self.bits = [(p >= 0).astype(np.int64) for p in ps]
+        if not all(np.isfinite(np.abs(p).sum()) for p in ps):
+            return np.full(self.d, np.nan)
+        signs = [2.0 * b - 1.0 for b in self.bits]
+        if self.ef:
+            self.residual = [np.float32(p - self.scale * s).astype(np.float64) for p, s in zip(ps, signs)]
+        out = self.scale * np.sum(signs, axis=0)
+        return out / self.n if op != "sum" else out
+
+
+class Ranks:
+    """``n`` simulated ranks of one tensor; ``op``: Horovod's op; ``infer``: TensorInfo.op None."""
+
+    def __init__(self, backend, n, shape, op="average", infer=False, **options):
+        self.backend, self.n, self.op, self.shape = backend, n, op, tuple(shape)
+        self.ops = one_rank_ops(backend)
+        self.scheme = make_scheme("signsgd", **options)
+        self.infos = [TensorInfo("layer.w", self.shape, "float32", n, r, None if infer else op) for r in range(n)]
+        like = native_tensor(backend, np.zeros(self.shape, np.float32))
+        self.states = [self.scheme.init(self.ops, info, like) for info in self.infos]
+
+    def step(self, grads):
+        sent = [compress_tensor(self.scheme, self.ops, native_tensor(self.backend, np.float32(g).reshape(self.shape)),
+                                self.states[r], self.infos[r]) for r, g in enumerate(grads)]
+        self.own = [as_numpy(p) for p, _ in sent]
+        assert all(p.dtype == np.int32 for p in self.own)
+        reduced = native_tensor(self.backend, emulate_allreduce(self.own, self.op, self.n))
+        outs = []
+        for r in range(self.n):
+            out, self.states[r] = finish_tensor(self.scheme, self.ops, reduced, sent[r][1], self.states[r],
+                                                self.infos[r])
+            outs.append(as_numpy(out).astype(np.float64).reshape(-1))
+        return outs
+
+
+CASES = [(1, "average", False), (2, "average", False), (2, "sum", False), (3, "average", False),
+         (3, "sum", False), (2, "average", True), (3, "sum", True), (8, "average", False)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n,op,infer", CASES)
+@pytest.mark.parametrize("ef,block", [(True, 16), (True, None), (False, 16)])
+def test_ranks_match_float64_reference(backend, n, op, infer, ef, block):
+    """Outputs (identical on every rank), each rank's bits, codes, flags and control words,
+    and residuals, step by step, against the reference; Average's truncated words are
+    recovered exactly."""
+    shape, d = (7, 13), 91  # not a multiple of the block nor of the lanes
+    sim = Ranks(backend, n, shape, op, infer, error_feedback=ef, block=block)
+    ref = RefSignSGD(n, d, ef, block)
+    gen = np.random.default_rng([n, int(infer), int(ef)])
+    for step in range(4):
+        # Scales that differ between coordinates, so the blocks' scales differ.
+        grads = [gen.standard_normal(shape) * gen.uniform(0.1, 3.0, shape) for _ in range(n)]
+        outs = sim.step(grads)
+        expected = ref.step(grads, op)
+        for r in range(n):
+            np.testing.assert_array_equal(outs[r], outs[0])
+            bits, codes, flags, control = split_payload(sim.own[r], n, None if infer else op, d, block)
+            np.testing.assert_array_equal(bits, ref.bits[r], err_msg=f"step {step} rank {r} bits")
+            np.testing.assert_array_equal(codes, ref.stats[r][0], err_msg=f"step {step} rank {r} codes")
+            np.testing.assert_array_equal(flags, ref.stats[r][1])
+            assert list(control) == [1, 0], (step, r)
+            if ef:
+                top = max(ref.scale.max(), np.abs(ref.residual[r]).max())  # float32 rounding of either
+                np.testing.assert_allclose(as_numpy(sim.states[r].residual), ref.residual[r], rtol=0,
+                                           atol=1e-6 * top, err_msg=f"step {step} rank {r} residual")
+            else:
+                assert isinstance(sim.states[r], EmptyState)
+        assert ref.scale.min() > 0.05
+        np.testing.assert_allclose(outs[0], expected, rtol=0, atol=1e-6 * ref.scale.max() * n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_error_feedback_keeps_everything(backend):
+    """Under Sum, what was delivered plus what the ranks still owe is all they were given."""
+    n, d = 3, 500
+    sim = Ranks(backend, n, (d,), "sum")
+    gen = np.random.default_rng(5)
+    given = delivered = 0.0
+    for _ in range(6):
+        grads = [gen.standard_normal(d) * np.linspace(0.01, 2, d) for _ in range(n)]
+        given = given + np.sum([np.float32(g) for g in grads], axis=0)
+        delivered = delivered + sim.step(grads)[0]
+    pending = np.sum([as_numpy(st.residual) for st in sim.states], axis=0)
+    np.testing.assert_allclose(delivered + pending, given, rtol=0, atol=1e-5 * np.abs(given).max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_on_one_rank(backend):
+    """NaN or inf on rank 1: NaN in every coordinate on every rank, rank 1's "not finite" word
+    set, every rank's residual as it was; the next finite step matches the reference."""
+    n, d = 3, 200
+    for op, bad in (("sum", float("nan")), ("average", float("inf")), ("average", -float("inf"))):
+        sim, ref = Ranks(backend, n, (d,), op), RefSignSGD(n, d)
+        gen = np.random.default_rng(3)
+        for _ in range(2):
+            grads = [gen.standard_normal(d) for _ in range(n)]
+            sim.step(grads), ref.step(grads, op)
+        before = [as_numpy(st.residual) for st in sim.states]
+        grads = [gen.standard_normal(d) for _ in range(n)]
+        grads[1][17] = bad
+        outs = sim.step(grads)
+        assert all(np.isnan(out).all() for out in outs)
+        assert list(split_payload(sim.own[1], n, op, d)[3]) == [1, 1]
+        for b, st in zip(before, sim.states):
+            np.testing.assert_array_equal(as_numpy(st.residual), b)
+        grads = [gen.standard_normal(d) for _ in range(n)]
+        outs, expected = sim.step(grads), ref.step(grads, op)
+        np.testing.assert_allclose(outs[0], expected, rtol=0, atol=1e-6 * ref.scale.max() * n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zeros_give_zeros(backend):
+    """No rank has data: scale 0, output 0, residual 0, codes and flags 0."""
+    sim = Ranks(backend, 2, (300,), "average", block=64)
+    for _ in range(2):
+        outs = sim.step([np.zeros(300), np.zeros(300)])
+        assert all((out == 0).all() for out in outs)
+        assert all((as_numpy(st.residual) == 0).all() for st in sim.states)
+        for p in sim.own:
+            _, codes, flags, control = split_payload(p, 2, "average", 300, 64)
+            assert not codes.any() and not flags.any() and list(control) == [1, 0]
+
+
+def test_wire_matches_payload_and_bits_per_coordinate():
+    """wire() == the payload's bytes == split_payload's count of words; sign lanes per word
+    as the docstring states them (32/15 bits a coordinate under Sum at 2 ranks, 32/14 under
+    Average, 32/6 under Average at 8), and as :func:`np_layout` finds them."""
+    ops = one_rank_ops(BACKENDS[0])
+    for n, op, lanes in ((2, "sum", 15), (2, "average", 14), (3, "sum", 15), (3, "average", 14),
+                          (8, "average", 6), (1024, "average", 1)):
+        for block in (1024, None, 7):
+            scheme = make_scheme("signsgd", block=block)
+            assert np_layout(n, op)[0] == lanes == scheme.layout(TensorInfo("w", (1,), "float32", n, 0, op)).signs.lanes
+            for d in (1, 15, 16, 1000, 3000):
+                info = TensorInfo("w", (d,), "float32", n, 0, op)
+                x = native_tensor(BACKENDS[0], np.ones(d, np.float32))
+                payload, _ = compress_tensor(scheme, ops, x, scheme.init(ops, info, x), info)
+                assert scheme.wire(info).payload == as_numpy(payload).nbytes
+                split_payload(as_numpy(payload), n, op, d, block)  # asserts the number of words
+
+
+def test_config_spec_and_errors():
+    assert parse_spec("signsgd:error_feedback=false") == ("signsgd", {"error_feedback": False})
+    assert make_scheme("signsgd", error_feedback=False).spec() == "signsgd:error_feedback=false"
+    assert not make_scheme("signsgd").scalable
+    with pytest.raises(ValueError, match="^signsgd: error_feedback must be"):
+        make_scheme("signsgd", error_feedback="maybe")
+    with pytest.raises(ValueError, match="^signsgd: block must be"):
+        make_scheme("signsgd", block=0)
+    assert parse_spec("signsgd:block=none") == ("signsgd", {"block": None})
+    ops = one_rank_ops(BACKENDS[0])
+    with pytest.raises(ValueError, match="^signsgd: world size must be at most 1024, got 1025$"):
+        make_scheme("signsgd").init(ops, TensorInfo("w", (4,), "float32", 1025, 0, "sum"), None)
