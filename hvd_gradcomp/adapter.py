@@ -96,7 +96,7 @@ class Call(NamedTuple):
     batch: Any = None
 
 
-class _Ctx(NamedTuple):
+class _AdapterCtx(NamedTuple):
     """What ``decompress`` needs of one compress call."""
 
     info: TensorInfo
@@ -109,7 +109,7 @@ class _Cast(NamedTuple):
     """A payload widened for a TensorFlow group: cast the reduced one back to ``dtype`` first."""
 
     dtype: str
-    inner: Any  # _Ctx, or None for a tensor that passed through
+    inner: Any  # _AdapterCtx, or None for a tensor that passed through
 
 
 class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
@@ -351,7 +351,7 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
             info_x = info
         state = self._state_for(scheme, info, tensor)
         payload, ctx = compress_tensor(scheme, ops, tensor, state, info_x)
-        return payload, _Ctx(info, ctx, scale, scheme), key
+        return payload, _AdapterCtx(info, ctx, scale, scheme), key
     def _compress_grouped(self, tensor, call: Call):
         """A member of a TensorFlow grouped all-reduce: the whole group is compressed at its
         first member, with one payload dtype (module docstring); the others are returned as

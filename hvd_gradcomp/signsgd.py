@@ -115,7 +115,7 @@ class Layout(NamedTuple):
     stats_words: int  # ceil(2 nb / stats lanes)
 
 
-class _Ctx(NamedTuple):
+class _SignCtx(NamedTuple):
     corrected: object  # float32 [nb, B]: p = g + e, zero-padded
     nonneg: object  # int32 [nb B]: 1 where p >= 0 (the bits sent)
     count: object = None  # int64 []: contributing ranks c (receive)
@@ -173,7 +173,7 @@ class SignSGDScheme(Scheme):
         ok = ops.cast(finite, "int64")
         payload = ops.concat([pack(ops, nonneg, lay.signs), stats,
                               control_words(ops, (ok * 0 + 1, 1 - ok), lay.signs.guard)], 0)
-        return payload, _Ctx(ops.reshape(p, (lay.blocks, lay.block)), nonneg)
+        return payload, _SignCtx(ops.reshape(p, (lay.blocks, lay.block)), nonneg)
 
     def receive(self, ops, payload, ctx, info):
         """Step 4's control words and step 5's scales, read once for decompress and finish."""

@@ -248,7 +248,7 @@ class Layout(NamedTuple):
     fingerprint_bits: int  # h: s < 2**h
 
 
-class _Ctx(NamedTuple):
+class _THCCtx(NamedTuple):
     """What decompress and finish need from compress (and, from ``count`` on, from receive)."""
 
     ranges: object  # float32 [nb]: R used this step
@@ -345,7 +345,7 @@ class THCScheme(Scheme):
         fingerprint = ops.bitwise_and(state.step, (1 << lay.fingerprint_bits) - 1)
         payload, residual, saturated = ops.fuse(_quantize_kernel, plan)(
             y, held, ranges, rows, cols, fingerprint, finite, stats_words)
-        return payload, _Ctx(ranges, residual if self.config.error_feedback else None, y, saturated,
+        return payload, _THCCtx(ranges, residual if self.config.error_feedback else None, y, saturated,
                              state.diag, hmat, held=held if plan.flush is not None else None)
 
     def receive(self, ops, payload, ctx, info):

@@ -213,7 +213,7 @@ class _EF21Ctx(NamedTuple):
     new: object = None  # float32 [d]: H + the all-reduced C's (times 0 after a split); set by receive
 
 
-class _Ctx(NamedTuple):
+class _TopKCCtx(NamedTuple):
     idx: object  # int64 [k]: the selected chunks
     left: object  # float32 [m * chunk]: e' padded (None without error feedback)
     sent: object  # float32 [k, chunk]: what this rank sent, decoded (None without error feedback)
@@ -328,7 +328,7 @@ class TopKCScheme(Scheme):
             # Step 6: this rank's vote for the selection it made.
             payload = ops.concat([payload, ops.cast(scores / top, cfg.payload_dtype),
                                   self._vote(ops, idx, info, x)], 0)
-        return poison(ops, payload, finite), _Ctx(idx, left, sent)
+        return poison(ops, payload, finite), _TopKCCtx(idx, left, sent)
 
     def _ef21_compress(self, ops, x, state, info, finite):
         """EF21 (module docstring, "EF21"): payload ``[C(g_i - h_i) / n, scores, vote]``."""

@@ -72,7 +72,7 @@ def _wrapped_type(inner_type):
     return wrapped
 
 
-class _Ctx(NamedTuple):
+class _WarmupCtx(NamedTuple):
     warm: bool  # a warm-up step (FP16 payload)
     inner: object  # the scheme's ctx (compressed steps)
     own: object  # float32 [d]: this rank's gradient as decoded (warm-up steps)
@@ -118,7 +118,7 @@ class WarmupScheme(Scheme):
         if self._count(ops, state, info) < 0:
             payload, ctx = self.inner.compress(ops, x, inner_state, info,
                                                finite if self.inner.guards_nonfinite else None)
-            return payload, _Ctx(False, ctx, None)
+            return payload, _WarmupCtx(False, ctx, None)
         if not ops.eager():
             raise ValueError(f"{self.spec()}: fp16_warmup needs eager execution during the warm-up "
                              f"(tensor {info.key!r} is compressed inside a tf.function)")
@@ -128,7 +128,7 @@ class WarmupScheme(Scheme):
         half = ops.cast(ops.reshape(x, (info.numel,)) * info.prescale, "float16")
         control = ops.cast(ops.constant([info.prescale, ready * info.prescale], "float32", x), "float16")
         own = ops.cast(half, "float32") * info.unscale
-        return poison(ops, ops.concat([half, control], 0), finite), _Ctx(True, None, own)
+        return poison(ops, ops.concat([half, control], 0), finite), _WarmupCtx(True, None, own)
 
     def receive(self, ops, payload, ctx, info):
         if ctx.warm:

@@ -14,7 +14,6 @@ Launches: one PyTorch, two TensorFlow (TensorFlow's import costs ~10 s a rank); 
 PyTorch one 85 s of it.
 """
 import glob
-import math
 import os
 import re
 import sys
@@ -22,8 +21,8 @@ import sys
 import pytest
 
 from hvd_gradcomp.base import TensorInfo
-from hvd_gradcomp.registry import make_scheme, parse_spec
-from tests.backends import requires_backend
+from hvd_gradcomp.routing import Routing
+from tests.backends import backend_ops, requires_backend
 from tests.conftest import ROOT
 from tests.hvdrun import run_command
 
@@ -39,18 +38,14 @@ ACCURACY = re.compile(r"final test accuracy (?P<acc>[\d.]+)%")
 
 
 def expected_bytes(spec, shapes, layout):
-    """Bytes per step from the scheme's wire formula (2 ranks), as the adapter routes: tensors
-    below thc/topkc's 1024 coordinates as fp16."""
-    name, options = parse_spec(spec)
-    scheme = make_scheme(name, **options)
+    """Bytes per step (2 ranks) from the wire formula of the scheme the compressor's routing
+    gives each tensor under the backend ``layout`` (fp16 below thc/topkc's 1024 coordinates
+    and for the vectors PowerSGD does not accept)."""
+    routing = Routing.from_spec(spec).bind(backend_ops(layout))
     total = 0
     for i, shape in enumerate(shapes):
-        numel = math.prod(shape)
-        if name in ("thc", "topkc") and numel < 1024:
-            total += 2 * numel
-            continue
         info = TensorInfo(f"t{i}", tuple(shape), "float32", 2, 0, "average")
-        wire = scheme.wire(info, layout=layout) if name == "powersgd" else scheme.wire(info)
+        wire = routing.decide(info.key, info).scheme.wire(info)
         total += wire.payload + wire.side
     return total
 

@@ -106,7 +106,7 @@ def canonical_candidates(text: str) -> str:
     return "|".join(out)
 
 
-class _Ctx(NamedTuple):
+class _AutoCtx(NamedTuple):
     probe: str  # "": a plain step; "ride": lanes after the candidate's payload; "flush": float32
     choice: int
     step: int
@@ -154,7 +154,7 @@ class AutoScheme(AutoWindow, Scheme):
         self.link = None if not config.bandwidth_gbit else Link(
             config.bandwidth_gbit * 1e9 / 8, (config.latency_ms or 0.0) * 1e-3)
         self.start_costs = None  # agreed codec ms per candidate on the reference matrix
-        self._at = {}  # key -> (step, choice): the state's counters, mirrored on the host
+        self._counters = {}  # key -> (step, choice, world size): the state's counters, mirrored on the host
         self._shadows = {}  # key -> [shadow state per candidate] during a window
         self._samples = {}  # key -> [(times ms, errors)] per candidate during a window
         self._firsts = {}  # key -> [(screen ms, screen error) per candidate] of the window's first step
@@ -197,7 +197,7 @@ class AutoScheme(AutoWindow, Scheme):
         cls = self._types[tuple(state._fields)][1]
         return cls(*(v for f, v in zip(state._fields, state) if f.startswith("a_")))
 
-    def _with(self, state, inner, carry):
+    def _next_state(self, state, inner, carry):
         """``state`` with its counters moved on by one on the device (no new host tensors)."""
         return self._pack(state.step + 1, state.choice, inner, carry)
 
@@ -231,7 +231,7 @@ class AutoScheme(AutoWindow, Scheme):
     def forget(self, key):
         """Drop the host mirror of ``key``'s counters (its state was replaced by a load), and
         the window's step clock and cached step lanes (their step numbers may come again)."""
-        for table in (self._at, self._shadows, self._samples, self._firsts, self._pruned, self._infos):
+        for table in (self._counters, self._shadows, self._samples, self._firsts, self._pruned, self._infos):
             table.pop(key, None)
         self._clock.clear()
         self._gate = (None, None)
@@ -252,7 +252,7 @@ class AutoScheme(AutoWindow, Scheme):
         ``carry`` (created only when ``residual`` is not all 0: one host read). Used by
         :func:`~hvd_gradcomp.base.finish_tensor` for what a half-precision output could not
         hold."""
-        at = self._at.get(info.key)
+        at = self._counters.get(info.key)
         choice = at[1] if at is not None else int(ops.to_host(state.choice))
         inner = self._inner(state)
         carry = getattr(state, "carry", None)
@@ -270,7 +270,7 @@ class AutoScheme(AutoWindow, Scheme):
         *Agreement*): ``sync`` at the first compress after an init or a load, or when the world
         size changed (its state is not known to be the other ranks'); at a probe of the host
         mirror the state's step is read (a step some rank missed did not count)."""
-        at = self._at.get(info.key)
+        at = self._counters.get(info.key)
         if at is None or at[2] != info.world_size:
             return int(ops.to_host(state.step)), int(ops.to_host(state.choice)), True
         step, choice, world = at
@@ -278,7 +278,7 @@ class AutoScheme(AutoWindow, Scheme):
             true = int(ops.to_host(state.step))
             if true != step:
                 step = true
-                self._at[info.key] = (step, choice, world)
+                self._counters[info.key] = (step, choice, world)
         return step, choice, False
 
     def _phase(self, step: int):
@@ -320,7 +320,7 @@ class AutoScheme(AutoWindow, Scheme):
             corrected = flat if residual is None else flat + residual
             tail = self._sync_lanes(info, step, choice) if sync else self._lanes(info, step)
             payload = ops.concat([corrected, ops.constant(tail, "float32", x)], 0)
-            return poison(ops, payload, finite), _Ctx("sync" if sync else "flush", choice, step, None, (),
+            return poison(ops, payload, finite), _AutoCtx("sync" if sync else "flush", choice, step, None, (),
                                                       carry is not None, None)
         payload, ctx = cand.compress(ops, x, inner, info, finite if cand.guards_nonfinite else None)
         shape = tuple(ops.shape(payload))
@@ -330,23 +330,23 @@ class AutoScheme(AutoWindow, Scheme):
         else:  # one count lane (Agreement)
             lanes = ops.constant([_count_lane(info, dtype)], dtype, x)
         flat = ops.reshape(payload, (math.prod(shape),))
-        return ops.concat([flat, lanes], 0), _Ctx("ride" if probe else "", choice, step, ctx, shape,
+        return ops.concat([flat, lanes], 0), _AutoCtx("ride" if probe else "", choice, step, ctx, shape,
                                                   carry is not None, unsent)
 
     @staticmethod
-    def _own(ops, payload, ctx):
+    def _candidate_part(ops, payload, ctx):
         """The candidate's part of the all-reduced payload, in its own shape."""
         return ops.reshape(payload[:math.prod(ctx.shape)], ctx.shape)
 
     def receive(self, ops, payload, ctx, info):
         if ctx.probe in ("flush", "sync"):
             return ctx
-        return ctx._replace(inner=self.candidates[ctx.choice].receive(ops, self._own(ops, payload, ctx), ctx.inner, info))
+        return ctx._replace(inner=self.candidates[ctx.choice].receive(ops, self._candidate_part(ops, payload, ctx), ctx.inner, info))
 
     def decompress(self, ops, payload, ctx, info):
         if ctx.probe in ("flush", "sync"):
             return payload[:info.numel]
-        return self.candidates[ctx.choice].decompress(ops, self._own(ops, payload, ctx), ctx.inner, info)
+        return self.candidates[ctx.choice].decompress(ops, self._candidate_part(ops, payload, ctx), ctx.inner, info)
 
     def finish(self, ops, payload, ctx, state, info):
         inner = self._inner(state)
@@ -357,14 +357,14 @@ class AutoScheme(AutoWindow, Scheme):
             if ctx.probe == "sync":
                 return self._synced(ops, payload, ctx, state, info, lanes)
         else:
-            own = self._own(ops, payload, ctx)
+            own = self._candidate_part(ops, payload, ctx)
             new = self.candidates[ctx.choice].finish(ops, own, ctx.inner, inner, info)
             if ctx.carried:  # delivered: what did not fit is the new carry; a failed step keeps it
                 carry = _delivered(ops, own, carry, ctx.unsent)
             if not ctx.probe:  # the step counts only if every rank contributed (no host read)
                 count = ops.cast(payload[math.prod(ctx.shape)], "float32")
                 full = _contributors(count, info, ops.dtype(payload)) >= n - 0.5
-                self._at[info.key] = (ctx.step + 1, ctx.choice, n)  # probes read the state's step
+                self._counters[info.key] = (ctx.step + 1, ctx.choice, n)  # probes read the state's step
                 return self._pack(state.step + ops.cast(full, "int64"), state.choice, new, carry)
             lanes = ops.to_host(ops.cast(payload[math.prod(ctx.shape):], "float32"))
         count = lanes[0]
@@ -374,14 +374,14 @@ class AutoScheme(AutoWindow, Scheme):
             # count (the probe comes again); a flush delivered what this rank sent.
             if ctx.probe == "flush":
                 new, carry = self._flushed(ops, inner), None
-            self._at[info.key] = (ctx.step, ctx.choice, n)
+            self._counters[info.key] = (ctx.step, ctx.choice, n)
             return self._pack(state.step, state.choice, new, carry)
         for table in (self._shadows, self._samples, self._firsts, self._pruned, self._infos):
             table.pop(info.key, None)
         if not finite:
             # A rank failed this step: nothing decided, nothing flushed (the states stay as the
             # candidate's finish left them); the schedule moves on, and the next window decides.
-            self._at[info.key] = (ctx.step + 1, ctx.choice, n)
+            self._counters[info.key] = (ctx.step + 1, ctx.choice, n)
             return self._state(ops, payload, ctx.step + 1, ctx.choice, new, carry)
         if ctx.probe == "flush":  # exact: the residual and the carry are delivered
             new, carry = self._flushed(ops, inner), None
@@ -424,7 +424,7 @@ class AutoScheme(AutoWindow, Scheme):
                      "fp16's %d)", info.key, self.specs[ctx.choice], self.specs[choice], ctx.step,
                      reason, predicted[choice], predicted[ctx.choice], errors[choice], speedup,
                      wire[choice], wire[self.fallback])
-        self._at[info.key] = (ctx.step + 1, choice, n)
+        self._counters[info.key] = (ctx.step + 1, choice, n)
         if choice != ctx.choice:  # step 6: carry the old candidate's error feedback over
             old = self.candidates[ctx.choice]
             pending = None if ctx.probe == "flush" else composite.residual_of(old, ops, new, info)
@@ -441,7 +441,7 @@ class AutoScheme(AutoWindow, Scheme):
     def wire(self, info: TensorInfo) -> WireBytes:
         """The current choice's bytes and its count lane (a probe step adds ``2 + 5 C`` lane
         values more, or sends float32 instead, as a sync step does; neither is counted here)."""
-        cand = self.candidates[self._at.get(info.key, (0, self.fallback))[1]]
+        cand = self.candidates[self._counters.get(info.key, (0, self.fallback))[1]]
         own = cand.wire(info)
         return own._replace(payload=own.payload + itemsize(composite.payload_dtype(cand, info)))
 
@@ -466,7 +466,7 @@ class AutoScheme(AutoWindow, Scheme):
         one."""
         d = self.decisions.get(key)
         if d is None:
-            at = self._at.get(key)
+            at = self._counters.get(key)
             return {} if at is None else {"scheme": self.specs[at[1]]}
         return {"scheme": d.spec, "predicted_ms": d.predicted_ms[d.choice],
                 "fp16_predicted_ms": d.predicted_ms[self.fallback], "error": d.errors[d.choice],

@@ -118,7 +118,7 @@ class AutoWindow:
             log.info("hvd_gradcomp auto: tensor %s: realigned to rank 0's schedule (step %d, %s; "
                      "this rank was at step %d, %s)", info.key, step, self.specs[choice], ctx.step,
                      self.specs[ctx.choice])
-        self._at[info.key] = (step + 1, choice, n)
+        self._counters[info.key] = (step + 1, choice, n)
         return self._state(ops, payload, step + 1, choice, self.candidates[choice].init(ops, info, payload))
 
     def _sync_lanes(self, info, step, choice):
@@ -178,7 +178,7 @@ class AutoWindow:
                 errors.append(math.sqrt(num / den) if den > 0 else 0.0)
         if first:
             f, budget = self.fallback, self.config.error_budget
-            current = self._at.get(key, (0, f))[1]  # its real step runs anyway: never pruned
+            current = self._counters.get(key, (0, f))[1]  # its real step runs anyway: never pruned
             screened = [ms + 1000.0 * self._comm(info, i) for i, (ms, _) in enumerate(self._firsts[key])]
             admissible = [p for i, (p, (_, e)) in enumerate(zip(screened, self._firsts[key]))
                           if math.isfinite(p) and (i == f or e <= budget)]
@@ -200,7 +200,7 @@ class AutoWindow:
             return unfit
         scale = info.numel / math.prod(REFERENCE_SHAPE)
         guess = [ms * scale + 1000.0 * self._comm(info, i) for i, ms in enumerate(self.start_costs)]
-        current = self._at.get(info.key, (0, self.fallback))[1]
+        current = self._counters.get(info.key, (0, self.fallback))[1]
         return unfit | {i for i, g in enumerate(guess) if i not in (self.fallback, current)
                         and g > PRUNE_FACTOR * guess[current] and self.start_costs[i] * scale > PRUNE_MIN_MS}
 
@@ -266,7 +266,7 @@ class AutoWindow:
         for key, info in self._infos.items():
             times, errors = self._local(key)
             wire = self._wires(info)
-            at, current = self._at.get(key, (0, self.fallback, 0))[:2]
+            at, current = self._counters.get(key, (0, self.fallback, 0))[:2]
             best, predicted, _ = decide(times, errors, wire, info.world_size, self.link,
                                         None if at == cfg.warmup - 1 else current,
                                         self.fallback, cfg.error_budget, cfg.hysteresis,

@@ -93,14 +93,16 @@ class Measurement(NamedTuple):
 
     def payload_at(self, workers: int) -> float:
         """Payload bytes at ``workers`` (the by-workers table if given, nearest N not above)."""
-        return _at(self.payload_bytes_by_workers, workers, self.payload_bytes)
+        return _bytes_at_world_size(self.payload_bytes_by_workers, workers, self.payload_bytes)
 
     def side_at(self, workers: int) -> float:
         """Side-collective bytes at ``workers`` (as :meth:`payload_at`)."""
-        return _at(self.side_bytes_by_workers, workers, self.side_bytes)
+        return _bytes_at_world_size(self.side_bytes_by_workers, workers, self.side_bytes)
 
 
-def _at(table, workers, default):
+def _bytes_at_world_size(table, workers, default):
+    """``table``'s value at the largest world size <= ``workers`` (its smallest if none is; ``default``
+    for an empty table; inf where the value is None: the scheme cannot run there)."""
     if not table:
         return default
     keys = sorted(k for k in table if k <= workers)

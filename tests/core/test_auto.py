@@ -200,9 +200,9 @@ def _simulate_steps(backend, steps, poison_step, options):
             out, states[r] = finish_tensor(schemes[r], ops, summed, pcs[r][1], states[r], infos[r])
             step_outs.append(np.asarray(ops.to_host(out), dtype=np.float64))
         np.testing.assert_array_equal(step_outs[0], step_outs[1])
-        assert schemes[0]._at == schemes[1]._at
+        assert schemes[0]._counters == schemes[1]._counters
         outs.append(step_outs[0])
-        choices.append(schemes[0].specs[schemes[0]._at["w"][1]])
+        choices.append(schemes[0].specs[schemes[0]._counters["w"][1]])
         fields.append(states[0]._fields)
         owed = np.zeros(SHAPE)
         for r in range(2):
