@@ -193,7 +193,6 @@ class Option(NamedTuple):
         harder: which way compresses harder: ``"down"``, ``"up"``, one of ``choices``, or None
             (module docstring).
         optional: None is accepted too (``none`` in a spec string).
-        declared: always True (kept while :func:`hvd_gradcomp.registry.register` reads it).
     """
 
     kind: str
@@ -206,7 +205,6 @@ class Option(NamedTuple):
     choices: tuple = ()
     harder: Optional[str] = None
     optional: bool = False
-    declared: bool = True
 
     def rule(self) -> str:
         """The rule as an error message states it: ``"an integer in [1, 16]"``, ``"True or

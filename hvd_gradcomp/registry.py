@@ -24,7 +24,7 @@ from .thc import THCConfig, THCScheme
 from .topk import TopKConfig, TopKScheme
 from .topkc import TopKCConfig, TopKCScheme
 
-__all__ = ["SCHEMES", "make_scheme", "parse_spec", "to_spec", "register", "primary", "PRIMARY", "describe_options",
+__all__ = ["SCHEMES", "make_scheme", "parse_spec", "to_spec", "register", "primary", "describe_options",
            "OPTIONS_BLOCK", "WARMUP", "WARMUP_OPTION"]
 
 # name -> (config class, scheme class); register() adds to it.
@@ -49,9 +49,6 @@ def primary(name: str):
     return getattr(SCHEMES[name][0], "PRIMARY", None)
 
 
-# {name: primary option} of the catalogue's schemes that have one (read from the configs;
-# register() adds to it).
-PRIMARY = {name: primary(name) for name in SCHEMES if primary(name)}
 
 
 def _canonical_name(name: str) -> str:
@@ -62,20 +59,17 @@ def _canonical_name(name: str) -> str:
 def register(name: str, config_cls, scheme_cls):
     """Add a scheme to the catalogue (used by the scheme modules that live outside this file).
 
-    Declare the config's options with :func:`hvd_gradcomp.options.option` (fields without a
-    declaration still parse and print, by their type: :func:`hvd_gradcomp.options.options_of`).
+    Declare every config field with :func:`hvd_gradcomp.options.option`.
 
     Raises:
-        TypeError: the config declares options and its ``SCHEME`` (the name its messages use)
-            is not ``name``.
+        TypeError: a config field is not declared (:func:`~hvd_gradcomp.options.options_of`),
+            or the config declares options and its ``SCHEME`` (the name its messages use) is
+            not ``name``.
     """
-    declares = any(o.declared for o in options_of(config_cls).values())
-    if declares and getattr(config_cls, "SCHEME", None) != name:
+    if options_of(config_cls) and getattr(config_cls, "SCHEME", None) != name:
         raise TypeError(f"register: {config_cls.__name__}.SCHEME must be {name!r} (its name in "
                         f"messages), got {getattr(config_cls, 'SCHEME', None)!r}")
     SCHEMES[name] = (config_cls, scheme_cls)
-    if primary(name):
-        PRIMARY[name] = primary(name)
 
 
 def given_twice(name: str, key: str) -> ValueError:

@@ -80,10 +80,10 @@ def canonical_candidates(text: str) -> str:
     """The one way to write a candidate list (:class:`AutoConfig` stores it so, so equal lists
     give equal specs and accept each other's checkpoints): each candidate as its scheme's
     canonical spec (:func:`~hvd_gradcomp.registry.to_spec`), lower case, no blanks, its main
-    option (``PRIMARY``) written as a bare value when it is the only one, default or not:
+    option (the config's ``PRIMARY``) written as a bare value when it is the only one, default or not:
     ``"FP16 | TopKC:ratio=0.1|thc"`` -> ``"fp16|topkc:0.1|thc:4"``. A candidate the registry
     does not know, or ``auto`` itself, is kept as written (the scheme refuses it)."""
-    from ..registry import PRIMARY, make_scheme, parse_spec  # noqa: the registry imports this module
+    from ..registry import make_scheme, parse_spec, primary  # noqa: the registry imports this module
     from ..options import options_of
     out = []
     for item in text.split("|"):
@@ -96,12 +96,12 @@ def canonical_candidates(text: str) -> str:
             out.append(item.strip())
             continue
         scheme = make_scheme(name, **options)
-        primary, spec = PRIMARY.get(name), scheme.spec()
-        if primary is not None:
-            rest = [o for o in spec.partition(":")[2].split(",") if o and not o.startswith(primary + "=")]
+        first, spec = primary(name), scheme.spec()
+        if first is not None:
+            rest = [o for o in spec.partition(":")[2].split(",") if o and not o.startswith(first + "=")]
             if not rest:
-                decl = options_of(scheme.config)[primary]
-                spec = f"{name}:{decl.format(getattr(scheme.config, primary))}"
+                decl = options_of(scheme.config)[first]
+                spec = f"{name}:{decl.format(getattr(scheme.config, first))}"
         out.append(spec)
     return "|".join(out)
 
