@@ -15,7 +15,7 @@ it. Decision, for a tensor with name ``name``, ``d`` coordinates and static fact
     3. Else the default scheme.
     4. A scheme chosen in 1 or 3 that does not accept the tensor
        (:meth:`~hvd_gradcomp.base.Scheme.accepts`: PowerSGD takes only the matrices it can
-       shrink at its rank) hands it to its ``fallback_spec`` (fp16; ``none`` for PowerSGD with
+       shrink at its rank) hands it to its ``fallback_spec`` (fp16; ``none:dtype=float32`` for PowerSGD with
        ``uncompressed_dtype=float32``).
 
 This is the only place that decides by size and shape: no scheme has a threshold or a
