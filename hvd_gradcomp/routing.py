@@ -308,12 +308,16 @@ class RouteTable:
         pins: ``{pin: Route}`` fixed by :meth:`route` (TensorFlow: per variable ``ref()``).
         saved: ``{key: scheme text}`` loaded from a checkpoint for tensors not yet seen;
             compared with the decision at their first :meth:`of`.
+        superseded: keys whose checkpoint recorded the scheme that now refuses them
+            (:attr:`Route.refused`; e.g. a vector PowerSGD once passed through itself): the
+            state saved for them is that scheme's, not the fallback's, and the adapter drops it.
     """
 
-    __slots__ = ("routing", "routes", "pins", "saved")
+    __slots__ = ("routing", "routes", "pins", "saved", "superseded")
 
     def __init__(self, routing: Routing):
         self.routing, self.routes, self.pins, self.saved = routing, {}, {}, {}
+        self.superseded = set()
 
     def of(self, key, name, pin, info: TensorInfo) -> Route:
         """The route of tensor ``key`` (None: unknown, decided afresh each time): decided at
@@ -348,6 +352,8 @@ class RouteTable:
         if saved not in (route.text, route.refused):
             raise ValueError(ROUTE_MISMATCH.format(spec=self.routing.spec(), key=key, saved=saved,
                                                    now=route.text, why=route.why))
+        if saved != route.text:
+            self.superseded.add(key)
 
     def load(self, routes: dict):
         """Take a checkpoint's ``{key: scheme text}``: compared now for the tensors seen, at
