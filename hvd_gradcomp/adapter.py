@@ -327,6 +327,9 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         info = TensorInfo("<unnamed>" if key is None else key, shape, dtype, world_size, rank, op,
                           call.process_set, nccl_avg)
         route = self.table.of(key, call.label if call.label is not None else call.key, call.pin, info)
+        if key in self.table.superseded:  # a checkpoint's state of the scheme that now refuses it
+            self.table.superseded.discard(key)
+            self._pending.pop(key, None)
         scheme = route.scheme
         if key is None and type(scheme).init is not Scheme.init:
             raise ValueError(self.no_key_message.format(scheme=scheme.name))

@@ -24,16 +24,38 @@ carries it in a **float32** payload: the numerics of a BF16 gradient exchange, a
 effect of BF16 rounding side by side with the other schemes.
 """
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import Scheme, TensorInfo, WireBytes
+from .options import option, validate
 from .primitives import itemsize
 
 __all__ = ["NoneConfig", "Fp16Config", "Bf16Config", "NoneScheme", "Fp16Scheme", "Bf16Scheme"]
 
 
+# none's payload dtypes: the gradient's own (Horovod's none), or float32.
+NONE_DTYPES = ("gradient", "float32")
+
+
 @dataclass(frozen=True)
 class NoneConfig:
-    """FP32 baseline: the gradient is all-reduced as it is. No options."""
+    """FP32 baseline: the gradient is all-reduced as it is (``dtype="gradient"``, the
+    default: Horovod's own ``none``), or cast to a float32 payload (``dtype="float32"``:
+    half-precision gradients travel and are summed in float32; Horovod's PyTorch collectives
+    refuse bfloat16 tensors; PowerSGD's ``uncompressed_dtype=float32`` sends the tensors it
+    does not accept so).
+
+    Raises:
+        ValueError: ``dtype`` not one of :data:`NONE_DTYPES`.
+    """
+
+    SCHEME: ClassVar[str] = "none"
+    dtype: str = option("gradient", kind="choice", choices=NONE_DTYPES,
+                        doc="payload dtype: the gradient's own (as Horovod's none), or float32 "
+                            "(half-precision gradients summed in float32; Horovod has no bfloat16)")
+
+    def __post_init__(self):
+        validate(self)
 
 
 @dataclass(frozen=True)
@@ -47,26 +69,33 @@ class Bf16Config:
 
 
 class NoneScheme(Scheme):
-    """Identity: the payload is the gradient itself, in its own dtype (Horovod's ``none``)."""
+    """Identity: the payload is the gradient itself, in its own dtype (Horovod's ``none``);
+    with ``dtype="float32"`` the gradient as a float32 payload (a cast for float16, bfloat16
+    and float64 gradients; nothing for float32 ones), decoded back to the gradient's dtype by
+    :func:`~hvd_gradcomp.base.finish_tensor`."""
 
     name = "none"
-    guards_nonfinite = False
-    identity = True  # adapters hand the tensor to Horovod untouched, with no copy
+    guards_nonfinite = False  # NaN/inf survive the cast and the sum on their own
 
     def __init__(self, config: NoneConfig = NoneConfig()):
         self.config = config
+        self.float32 = config.dtype == "float32"
+        # As it is: adapters hand the tensor to Horovod untouched, with no copy. float32: a
+        # cast, linear (Min/Max/Adasum and Horovod's scale factors keep their meaning).
+        self.identity = not self.float32
+        self.linear = self.float32
 
     def compress(self, ops, x, state, info, finite):
-        return x, None
+        return x, None  # x: float32 (compress_tensor's cast)
 
     def decompress(self, ops, payload, ctx, info):
-        return payload
+        return payload if not self.float32 else ops.cast(payload, "float32")
 
     def wire(self, info: TensorInfo) -> WireBytes:
-        return WireBytes(info.numel * itemsize(info.dtype))
+        return WireBytes(info.numel * (4 if self.float32 else itemsize(info.dtype)))
 
     def payload_dtype(self, info: TensorInfo) -> str:
-        return info.dtype
+        return "float32" if self.float32 else info.dtype
 
 
 class Fp16Scheme(Scheme):

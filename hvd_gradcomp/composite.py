@@ -23,12 +23,49 @@ A scheme overrides a hook only where the default is wrong for it:
 This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it).
 """
 
+import inspect
+
 __all__ = ["residual_of", "residual_field", "add_residual", "payload_dtype", "hand_over", "init_like",
-           "forget", "check_loaded", "metrics", "blocks"]
+           "forget", "check_loaded", "metrics", "blocks", "HOOKS", "check_hooks"]
+
+# Each hook's method, as a scheme defines it: name -> its arguments after ``self``.
+HOOKS = {
+    "residual_of": ("ops", "state", "info"),
+    "add_residual": ("ops", "state", "info", "residual"),
+    "payload_dtype": ("info",),
+    "hand_over": ("ops", "state", "own", "aggregate", "info"),
+    "init_like": ("ops", "info", "like", "loaded"),
+    "forget": ("key",),
+    "check_loaded": ("key", "loaded"),
+    "metrics": ("state",),
+}
 
 
 def _hook(scheme, name):
     return getattr(scheme, name, None)
+
+
+def check_hooks(scheme_cls):
+    """Raise TypeError, naming the hook and the arguments it is called with, if
+    ``scheme_cls`` has an attribute of a hook's name (:data:`HOOKS`) that is not a method
+    taking those arguments positionally; the functions here would otherwise fail only when a
+    composite or a checkpoint first asks (``auto`` switching scheme, a load, ``metrics()``).
+    Called by :func:`~hvd_gradcomp.registry.register` and for the catalogue."""
+    for name, args in HOOKS.items():
+        attr = inspect.getattr_static(scheme_cls, name, None)
+        if attr is None:
+            continue
+        expected = f"{scheme_cls.__name__}.{name}(self, {', '.join(args)})"
+        func = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+        if not inspect.isfunction(func):
+            raise TypeError(f"{scheme_cls.__name__}.{name} is a {type(attr).__name__}, and "
+                            f"hvd_gradcomp.composite calls it as the hook {expected}; rename it")
+        bound = (None,) * (len(args) + (not isinstance(attr, staticmethod)) - isinstance(attr, classmethod))
+        try:
+            inspect.signature(func).bind(*bound)
+        except TypeError:
+            raise TypeError(f"{scheme_cls.__name__}.{name}{inspect.signature(func)}: "
+                            f"hvd_gradcomp.composite calls this hook as {expected}") from None
 
 
 def residual_of(scheme, ops, state, info):

@@ -3,7 +3,7 @@
 A gradient is viewed as a matrix ``M`` (``n x m``, output channels as rows: :func:`matrix_view`);
 the scheme accepts (:meth:`PowerSGDScheme.accepts`) only the matrices rank ``r`` shrinks by
 ``min_compression_rate``; the routing sends the others (vectors, scalars, small matrices)
-uncompressed: float16 pre-scaled (``fp16``), or as they are (``none``) with
+uncompressed: float16 pre-scaled (``fp16``), or as float32 (``none:dtype=float32``) with
 ``uncompressed_dtype=float32``. ``variant="alternating"`` (default; ACP-SGD, Zhang, Shi,
 Li et al., ICDCS 2023) sends ``M_i Q^`` on even steps and ``M_i^T P^`` on odd ones, projected on
 the previous step's shared orthonormal basis, in one non-blocking all-reduce of
@@ -53,7 +53,7 @@ class PowerSGDConfig:
     PowerSGD is biased and usually trains worse. ``start_step > 0`` and ``warm_start=False``
     need ``variant="two_round"`` (docs/powersgd.md). ``uncompressed_dtype``: how the routing
     sends the tensors the scheme does not accept: float16 pre-scaled by 1/world_size (``fp16``),
-    or float32 (``none``: in the gradient's own dtype). Every rank: the same ``seed``.
+    or float32 (``none:dtype=float32``: float16/bfloat16 gradients are cast). Every rank: the same ``seed``.
 
     Raises:
         ValueError: an option of the wrong kind or outside its range (one wording for every
@@ -164,7 +164,7 @@ class PowerSGDScheme(Scheme):
         self.rank_local_fields = ("local", "estimate") if self.ef21 else ("residual",)
         self.blocking = config.variant == "two_round"
         # Where the routing sends the tensors accepts() refuses (hvd_gradcomp.routing).
-        self.fallback_spec = "fp16" if config.uncompressed_dtype == "float16" else "none"
+        self.fallback_spec = "fp16" if config.uncompressed_dtype == "float16" else "none:dtype=float32"
         # ops.name of the backend this scheme last ran with (for wire(), which gets no ops).
         self._layout = None
 

@@ -15,6 +15,7 @@ value sets; its scheme class declares its routing defaults (``min_numel``, ``acc
 """
 import dataclasses
 
+from . import composite
 from .cast import Bf16Config, Bf16Scheme, Fp16Config, Fp16Scheme, NoneConfig, NoneScheme
 from .auto import AutoConfig, AutoScheme
 from .options import MIN_NUMEL, ROUTING_OPTION, WARMUP, WARMUP_OPTION, options_of, to_spec
@@ -63,12 +64,14 @@ def register(name: str, config_cls, scheme_cls):
 
     Raises:
         TypeError: a config field is not declared (:func:`~hvd_gradcomp.options.options_of`),
-            or the config declares options and its ``SCHEME`` (the name its messages use) is
-            not ``name``.
+            the config declares options and its ``SCHEME`` (the name its messages use) is
+            not ``name``, or the scheme defines a hook of :mod:`hvd_gradcomp.composite` with
+            other arguments than it is called with (:func:`~hvd_gradcomp.composite.check_hooks`).
     """
     if options_of(config_cls) and getattr(config_cls, "SCHEME", None) != name:
         raise TypeError(f"register: {config_cls.__name__}.SCHEME must be {name!r} (its name in "
                         f"messages), got {getattr(config_cls, 'SCHEME', None)!r}")
+    composite.check_hooks(scheme_cls)
     SCHEMES[name] = (config_cls, scheme_cls)
 
 

@@ -15,7 +15,7 @@ it. Decision, for a tensor with name ``name``, ``d`` coordinates and static fact
     3. Else the default scheme.
     4. A scheme chosen in 1 or 3 that does not accept the tensor
        (:meth:`~hvd_gradcomp.base.Scheme.accepts`: PowerSGD takes only the matrices it can
-       shrink at its rank) hands it to its ``fallback_spec`` (fp16; ``none`` for PowerSGD with
+       shrink at its rank) hands it to its ``fallback_spec`` (fp16; ``none:dtype=float32`` for PowerSGD with
        ``uncompressed_dtype=float32``).
 
 This is the only place that decides by size and shape: no scheme has a threshold or a
@@ -308,12 +308,16 @@ class RouteTable:
         pins: ``{pin: Route}`` fixed by :meth:`route` (TensorFlow: per variable ``ref()``).
         saved: ``{key: scheme text}`` loaded from a checkpoint for tensors not yet seen;
             compared with the decision at their first :meth:`of`.
+        superseded: keys whose checkpoint recorded the scheme that now refuses them
+            (:attr:`Route.refused`; e.g. a vector PowerSGD once passed through itself): the
+            state saved for them is that scheme's, not the fallback's, and the adapter drops it.
     """
 
-    __slots__ = ("routing", "routes", "pins", "saved")
+    __slots__ = ("routing", "routes", "pins", "saved", "superseded")
 
     def __init__(self, routing: Routing):
         self.routing, self.routes, self.pins, self.saved = routing, {}, {}, {}
+        self.superseded = set()
 
     def of(self, key, name, pin, info: TensorInfo) -> Route:
         """The route of tensor ``key`` (None: unknown, decided afresh each time): decided at
@@ -348,6 +352,8 @@ class RouteTable:
         if saved not in (route.text, route.refused):
             raise ValueError(ROUTE_MISMATCH.format(spec=self.routing.spec(), key=key, saved=saved,
                                                    now=route.text, why=route.why))
+        if saved != route.text:
+            self.superseded.add(key)
 
     def load(self, routes: dict):
         """Take a checkpoint's ``{key: scheme text}``: compared now for the tensors seen, at

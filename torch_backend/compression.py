@@ -35,6 +35,14 @@ _NO_KEY = ("{scheme}: cannot tell which parameter this gradient belongs to; use 
            "compress(tensor, name=...)")
 
 
+def _adasum_code():
+    """The code of Horovod's ``_DistributedAdasumOptimizer._allreduce_grad_async``, which calls
+    ``compress(p)`` on the parameter's delta (None if this Horovod has no such method)."""
+    from horovod.torch import optimizer
+    method = getattr(getattr(optimizer, "_DistributedAdasumOptimizer", None), "_allreduce_grad_async", None)
+    return getattr(method, "__code__", None)
+
+
 def _find_call(tensor) -> Call:
     """Horovod's name, op, scaling and process set for ``tensor``, from the calling frames.
 
@@ -56,8 +64,10 @@ def _find_call(tensor) -> Call:
                 p.grad is not None and p.grad.is_sparse)):
             param = p
         owner = loc.get("self")
-        if param is None and p is tensor and "Adasum" in type(owner).__name__:
-            # hvd.DistributedOptimizer(op=hvd.Adasum) compresses the parameter's delta itself.
+        if param is None and p is tensor and frame.f_code is _adasum_code():
+            # hvd.DistributedOptimizer(op=hvd.Adasum) compresses the parameter's delta itself;
+            # its class is named after the wrapped optimizer's ("SGD"), so the frame's code
+            # tells it apart.
             return Call(getattr(owner, "_parameter_names", {}).get(p), "adasum", owner=owner)
         names = getattr(owner, "_parameter_names", None)
         if param is not None and isinstance(names, dict) and param in names:

@@ -51,7 +51,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hvd_gradcomp.adapter import Call, _Cast, _Ctx
+from hvd_gradcomp.adapter import Call, _AdapterCtx, _Cast
 from hvd_gradcomp.base import EmptyState, finish_tensor
 
 from .compression import Compressor
@@ -116,7 +116,7 @@ def _finish_joined(comp, payload, ctx):
     ``payload``, the rank-local ones (error feedback) stay as they were."""
     if isinstance(ctx, _Cast):
         payload, ctx = comp.ops.cast(payload, ctx.dtype), ctx.inner
-    if not isinstance(ctx, _Ctx) or not comp._has_state(ctx.info.key):
+    if not isinstance(ctx, _AdapterCtx) or not comp._has_state(ctx.info.key):
         return
     info, inner, scale, scheme = ctx
     if scale is not None and info.dtype != "float32":

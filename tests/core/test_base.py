@@ -4,7 +4,7 @@ These run one process with the side collective replaced by the identity (world s
 an all-reduce of one rank *is* the identity); everything multi-rank is in tests/parallel/.
 
 Checked for every entry of ``SCHEMES`` with default options, and for the variants of
-``EXTRA`` (TopKC's blocking form and an fp32 payload with odd chunks); every scheme is
+``EXTRA`` (TopKC's blocking form, an fp32 payload with odd chunks, none's float32 payload); every scheme is
 checked on small tensors too (a scheme has no size threshold: the routing decides which
 tensors go as fp16, see hvd_gradcomp/routing.py); a tensor a scheme does not accept
 (``Scheme.accepts``: PowerSGD's vectors) runs on its fallback, as the routing sends it:
@@ -30,10 +30,12 @@ from tests.backends import BACKENDS, as_float64, backend_tensor, one_rank_ops, s
 
 SHAPES = [(), (7,), (64, 48), (8, 4, 3, 3), (5000,)]
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
-# (name, options): every scheme with its defaults, plus TopKC's blocking ("current") form and
-# an fp32 payload with chunks that do not divide the tensors.
+# (name, options): every scheme with its defaults, plus TopKC's blocking ("current") form, an
+# fp32 payload with chunks that do not divide the tensors, none's float32 payload and the
+# PowerSGD whose refused tensors go that way.
 EXTRA = [("topkc", {"selection": "current"}),
-         ("topkc", {"chunk": 7, "ratio": 0.3, "payload_dtype": "float32"})]
+         ("topkc", {"chunk": 7, "ratio": 0.3, "payload_dtype": "float32"}),
+         ("none", {"dtype": "float32"}), ("powersgd", {"uncompressed_dtype": "float32"})]
 # auto needs a link to decide from (a single rank never crosses one: it keeps fp16).
 DEFAULTS = {"auto": {"bandwidth_gbit": 1.0}}
 VARIANTS = [(name, DEFAULTS.get(name, {})) for name in sorted(SCHEMES)] + EXTRA
@@ -184,7 +186,13 @@ def test_scheme_flags():
     for name in ("fp16", "bf16"):
         s = make_scheme(name)
         assert s.linear and s.scalable and not s.identity and not s.blocking, name
-    assert make_scheme("none").identity
+    assert make_scheme("none").identity and not make_scheme("none").linear
+    cast = make_scheme("none", dtype="float32")  # a float32 cast: linear, not untouched
+    assert cast.linear and cast.scalable and not cast.identity and not cast.guards_nonfinite
+    info = TensorInfo("t", (3, 5), "bfloat16", 2, 0)
+    assert (cast.wire(info).payload, composite.payload_dtype(cast, info)) == (60, "float32")
+    assert (make_scheme("none").wire(info).payload, composite.payload_dtype(make_scheme("none"), info)) == \
+        (30, "bfloat16")
     for name in ("topk", "topkc"):
         s = make_scheme(name)
         assert not s.linear and not s.identity and s.scalable and not s.blocking, name

@@ -111,3 +111,47 @@ def test_frontends_offer_the_same_compressors():
     # Horovod's habit of passing the class attribute itself gets a clear message.
     with pytest.raises(TypeError, match=r"pass Compression.fp16\(\)"):
         torch_backend.Compression.fp16.compress(None)
+
+
+def test_hooks_with_other_arguments_refused_at_register():
+    """A scheme's composite hooks (hvd_gradcomp.composite) are found by name: one whose
+    arguments differ from the call's, or an attribute of a hook's name that is not a method,
+    is refused when the scheme is registered, not when auto or a checkpoint first calls it."""
+    from hvd_gradcomp import composite
+    from hvd_gradcomp.cast import Fp16Config, Fp16Scheme
+    from hvd_gradcomp.registry import register
+    from hvd_gradcomp.warmup import WarmupScheme
+    for _, scheme_cls in SCHEMES.values():
+        composite.check_hooks(scheme_cls)  # the catalogue's hooks take what they are given
+    composite.check_hooks(WarmupScheme)
+
+    class NoState(Fp16Scheme):
+        def metrics(self):
+            return {}
+
+    class Swapped(Fp16Scheme):
+        def add_residual(self, ops, state, residual):
+            return state
+
+    class Flag(Fp16Scheme):
+        forget = True
+
+    class Fine(Fp16Scheme):
+        def residual_of(self, ops, state, info, extra=None):
+            return None
+
+        @staticmethod
+        def payload_dtype(info):
+            return "float16"
+
+    for cls, message in ((NoState, "NoState.metrics(self): hvd_gradcomp.composite calls this hook as "
+                                   "NoState.metrics(self, state)"),
+                         (Swapped, "Swapped.add_residual(self, ops, state, residual): hvd_gradcomp.composite "
+                                   "calls this hook as Swapped.add_residual(self, ops, state, info, residual)"),
+                         (Flag, "Flag.forget is a bool, and hvd_gradcomp.composite calls it as the hook "
+                                "Flag.forget(self, key); rename it")):
+        with pytest.raises(TypeError) as err:
+            register("fp16", Fp16Config, cls)
+        assert str(err.value) == message
+        assert SCHEMES["fp16"] == (Fp16Config, Fp16Scheme)  # nothing registered
+    composite.check_hooks(Fine)

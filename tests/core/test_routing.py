@@ -152,7 +152,7 @@ def _info(shape, key="t"):
 
 
 def test_a_tensor_the_scheme_does_not_accept_goes_to_its_fallback():
-    """PowerSGD accepts the matrices rank r shrinks; the routing sends the rest to fp16 (none
+    """PowerSGD accepts the matrices rank r shrinks; the routing sends the rest to fp16 (none:dtype=float32
     with uncompressed_dtype=float32), from a rule as from the default; sizes-only questions
     (an int) do not ask."""
     r = Routing.from_spec("*.w -> powersgd:4; powersgd:1")
@@ -164,7 +164,7 @@ def test_a_tensor_the_scheme_does_not_accept_goes_to_its_fallback():
     assert r.decide("b", square).text == "fp16" and r.decide("b", matrix).text == "powersgd"
     assert r.decide("b", 9).text == "powersgd"  # no shape: sizes only
     wide = Routing.from_spec("powersgd:uncompressed_dtype=float32")
-    assert wide.decide("b", vector).text == "none" and wide.decide("b", matrix).text == "powersgd:uncompressed_dtype=float32"
+    assert wide.decide("b", vector).text == "none:dtype=float32" and wide.decide("b", matrix).text == "powersgd:uncompressed_dtype=float32"
     assert {s.name for s in wide.schemes()} == {"powersgd", "fp16", "none"}
     # The warm-up wrapper asks its scheme, and keeps its min_numel.
     warm = Routing.from_spec("powersgd:fp16_warmup=3")

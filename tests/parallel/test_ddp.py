@@ -8,7 +8,7 @@ ranks' mean pending residual is the sum of the ranks' mean gradients). Parameter
 64x64 (compressed), ``b`` 64 (fp16 below min_numel), ``v`` 32x64.
 
 Launches (each kills its process group at its timeout):
-1. two ranks, every default compressor (fp16, topkc, thc, powersgd, auto): values, ranks
+1. two ranks, every default compressor (fp16, topkc, thc, powersgd, signsgd, auto): values, ranks
    identical, one all-reduce per payload dtype per bucket with the bytes ``bytes_per_step()``
    counts, the loss scale's units, exact resume from a ``state_dict(gather=True)`` saved on
    rank 0, the state rules (another rank's per-rank state refused), and the refusals of
@@ -32,7 +32,7 @@ from tests.ddprun import _free_port, launch_command, run
 from tests.reference import RefFp16, RefTopKC
 
 SHAPES = {"w": (64, 64), "b": (64,), "v": (32, 64)}
-SPECS = ["fp16", "topkc:0.1", "thc", "powersgd:2", "auto"]
+SPECS = ["fp16", "topkc:0.1", "thc", "powersgd:2", "signsgd", "auto"]
 STEPS = 4
 RESUME = 2
 

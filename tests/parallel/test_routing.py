@@ -16,7 +16,9 @@ parameter ends at ``init - sum of decompressed outputs``.
    checkpoint's is refused at the tensor's first compress.
 4. ``route()`` that differs between ranks raises on every rank, naming both. A vector PowerSGD
    does not accept goes as fp16 (bitwise what ``Compression.fp16()`` sends), also when a
-   checkpoint recorded powersgd for it.
+   checkpoint recorded powersgd for it (and its warm-up counter: dropped); with
+   ``uncompressed_dtype=float32`` as a float32
+   payload, also for float16 and bfloat16 gradients (summed in float32, cast back).
 5. A sparse embedding gradient: one warning naming it, its bytes in ``bytes_per_step().sparse``
    and ``metrics()``; in the ``groups=`` path a clear ValueError.
 
@@ -181,6 +183,28 @@ def worker(path):
     resumed.load_state_dict({"spec": "powersgd:rank=2", "tensors": {}, "routes": {"p.bias": "powersgd:rank=2"},
                              "rank": hvd.rank(), "world_size": hvd.size()})
     out["refused_resume"] = hvd.allreduce(bias, name="p.bias", compression=resumed).numpy()
+    # A checkpoint from before the routing took refused tensors away from PowerSGD (81348b7):
+    # its warm-up wrapper kept a counter for the vector, the state of the scheme that now
+    # refuses it; it is dropped (fp16 keeps none), whether the vector was seen before the
+    # load or not, and not saved again.
+    old = {"spec": "powersgd:rank=2,fp16_warmup=2", "routes": {"p.bias": "powersgd:rank=2,fp16_warmup=2"},
+           "tensors": {"p.bias": {"warmup": torch.tensor(-1)}}, "rank": hvd.rank(), "world_size": hvd.size()}
+    out["old_warmup"] = []
+    for seen in (False, True):
+        comp = Compression.powersgd(2, fp16_warmup=2)
+        if seen:
+            hvd.allreduce(bias, name="p.bias", compression=comp)
+        comp.load_state_dict(old)
+        out["old_warmup"].append((hvd.allreduce(bias, name="p.bias", compression=comp).numpy(), comp.routes(),
+                                  sorted(comp.state_dict()["tensors"])))
+    # With uncompressed_dtype=float32 the refused vector travels as float32 whatever its dtype
+    # (Horovod's PyTorch collectives refuse bfloat16): its sum in float32, cast back; wire 4 d.
+    out["refused_float32"] = {}
+    for dtype in ("float16", "bfloat16", "float32"):
+        wide = Compression.from_spec("powersgd:2,uncompressed_dtype=float32")
+        got = hvd.allreduce(bias.to(getattr(torch, dtype)), name="p.bias", compression=wide, op=hvd.Sum)
+        out["refused_float32"][dtype] = (str(got.dtype), got.float().numpy(), wide.routes(),
+                                         {k: tuple(w) for k, w in wide.wire_bytes().items()})
 
     # 5. A sparse embedding gradient.
     torch.manual_seed(0)
@@ -280,6 +304,15 @@ def test_route_table_and_rank_dependent_routing(results):
         assert np.array_equal(by_psgd, by_fp16) and np.array_equal(r["refused_resume"], by_fp16)
         assert routes == {"p.bias": "fp16"} and wire == {"p.bias": (96, 0, 0)}
         assert table == [("p.bias", "fp16"), ("p.weight", "powersgd:rank=2")]
+        for got, routes, saved in r["old_warmup"]:
+            assert np.array_equal(got, by_fp16) and routes == {"p.bias": "fp16"} and saved == []
+        import torch
+        for dtype, (got_dtype, got, routes, wire) in r["refused_float32"].items():
+            rounded = sum((torch.arange(48, dtype=torch.float32) * (0.1 + rank)).to(getattr(torch, dtype)).double()
+                          for rank in range(2))  # float64 reference of the ranks' values
+            assert got_dtype == f"torch.{dtype}", dtype
+            np.testing.assert_array_equal(got, rounded.to(getattr(torch, dtype)).float().numpy(), err_msg=dtype)
+            assert routes == {"p.bias": "none:dtype=float32"} and wire == {"p.bias": (192, 0, 0)}, dtype
 
 
 def test_sparse_gradient_counted_and_warned_once(results):

@@ -8,7 +8,9 @@ Average, where Horovod's int32 Average must equal ``trunc(sum / n)`` as the core
 it; ``hvd.allreduce(x, compression=c)`` with the op known; NaN on one rank (NaN on both, both
 residuals kept); ``hvd.DistributedOptimizer`` (every parameter through signsgd, whose
 ``min_numel`` default is 1); and a 200-step training run of tests/parallel/test_training.py's
-workload against fp16. TensorFlow: ``DistributedGradientTape`` inside ``tf.function`` (Average)
+workload against fp16; Min/Max/Adasum and scale factors refused on every rank before any
+collective (also ``DistributedOptimizer(op=hvd.Adasum)``, which compresses parameter deltas).
+TensorFlow: ``DistributedGradientTape`` inside ``tf.function`` (Average)
 and a direct Sum.
 """
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 
 from tests.core.test_signsgd import RefSignSGD, np_words
 from tests.core.test_thc import emulate_allreduce
-from tests.hvdrun import run
+from tests.hvdrun import run, value_error
 
 SHAPE = (30, 40)  # 1200 coordinates: two blocks of the default 1024, the second short
 STEPS = 3
@@ -80,6 +82,25 @@ def worker_torch():
         local = [p.grad.numpy().copy() for p in net.parameters()]
         opt.step()
         out["opt"].append({"local": local, "synced": [p.grad.numpy().copy() for p in net.parameters()]})
+    # Ops and scale factors the integer payload cannot take: a ValueError on every rank before
+    # any collective (the next collective still pairs up), also through DistributedOptimizer
+    # (op=Adasum compresses each parameter's delta; gradient_predivide_factor scales).
+    refused = {}
+    for label, kwargs in (("min", {"op": hvd.Min}), ("max", {"op": hvd.Max}),
+                          ("prescale", {"prescale_factor": 2.0}), ("postscale", {"postscale_factor": 0.5})):
+        refused[label] = value_error(lambda: hvd.allreduce(torch.ones(8), name=f"refused_{label}",
+                                                           compression=Compression.signsgd(), **kwargs))
+    for label, kwargs in (("adasum", {"op": hvd.Adasum}), ("predivide", {"gradient_predivide_factor": 2.0})):
+        net = torch.nn.Linear(4, 2)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters(),
+                                       compression=Compression.signsgd(), **kwargs)
+
+        def step():
+            net(torch.ones(3, 4)).sum().backward()
+            opt.step()
+        refused[label] = value_error(step)
+    out["refused"] = refused
+    out["after_refusal"] = float(hvd.allreduce(torch.tensor(float(r + 1)), name="after_refusal", op=hvd.Sum))
     # Training on digits (tests/parallel/test_training.py's workload), signsgd against fp16.
     from sklearn.datasets import load_digits
     data = load_digits()
@@ -177,6 +198,19 @@ def test_distributed_optimizer(torch2):
         refs = refs or [RefSignSGD(2, g.size) for g in local[0]]
         for i, ref in enumerate(refs):
             _check([res["opt"][t]["synced"][i] for res in torch2], ref, [loc[i] for loc in local], "average")
+
+
+def test_ops_and_scale_factors_refused_before_any_collective(torch2):
+    for res in torch2:
+        for label in ("min", "max", "adasum"):
+            message = res["refused"][label]
+            assert message is not None and message.startswith("signsgd: tensor ") and \
+                f"op={label.capitalize()} cannot combine signsgd payloads" in message, (label, message)
+        for label in ("prescale", "postscale", "predivide"):
+            message = res["refused"][label]
+            assert message is not None and "corrupts signsgd's integer payload" in message, (label, message)
+        assert "tensor 'weight'" in res["refused"]["adasum"] or "tensor 'bias'" in res["refused"]["adasum"]
+        assert res["after_refusal"] == 3.0  # the ranks' collectives still pair up
 
 
 def test_training_reaches_fp16(torch2):
