@@ -84,19 +84,15 @@ FORCED = 50
 def worker_amp_training():
     import horovod.torch as hvd
     import torch
-    from sklearn.datasets import load_digits
+    from tests.digits import digits, mlp
     from torch_backend import Compression
     hvd.init()
     torch.set_num_threads(1)
-    data = load_digits()
-    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(data.target)
-    shard = slice(hvd.rank(), None, hvd.size())
+    x, y, shard = digits(hvd.rank(), hvd.size())
     results = {}
     for label, spec in SPECS.items():
         for scaled in ((False,) if label == "fp16" else (True,)):
-            torch.manual_seed(0)
-            net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+            net = mlp()
             comp = Compression.from_spec(spec)
             opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5),
                                            named_parameters=net.named_parameters(), compression=comp)

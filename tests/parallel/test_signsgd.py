@@ -102,23 +102,8 @@ def worker_torch():
     out["refused"] = refused
     out["after_refusal"] = float(hvd.allreduce(torch.tensor(float(r + 1)), name="after_refusal", op=hvd.Sum))
     # Training on digits (tests/parallel/test_training.py's workload), signsgd against fp16.
-    from sklearn.datasets import load_digits
-    data = load_digits()
-    xs, ys = torch.tensor(data.data / 16.0, dtype=torch.float32), torch.tensor(data.target)
-    shard = slice(r, None, hvd.size())
-    out["losses"] = {}
-    for spec in ("fp16", "signsgd"):
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5),
-                                       named_parameters=net.named_parameters(),
-                                       compression=Compression.from_spec(spec))
-        for _ in range(TRAIN_STEPS):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(xs[shard]), ys[shard]).backward()
-            opt.step()
-        with torch.no_grad():
-            out["losses"][spec] = float(torch.nn.functional.cross_entropy(net(xs), ys))
+    from tests.digits import train
+    out["losses"] = {spec: train(hvd, Compression.from_spec(spec), TRAIN_STEPS) for spec in ("fp16", "signsgd")}
     return out
 
 

@@ -233,24 +233,9 @@ def worker_torch():
     out.update(_drop_runs(hvd, Compression.from_spec, torch.tensor, _state_np))
 
     # 10. Training against fp16 (tests/parallel/test_training.py's workload).
-    from sklearn.datasets import load_digits
-    data = load_digits()
-    xs = torch.tensor(data.data / 16.0, dtype=torch.float32)
-    ys = torch.tensor(data.target)
-    shard = slice(r, None, n)
-    out["losses"] = {}
-    for label, spec in TRAIN_SPECS.items():
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5),
-                                       named_parameters=net.named_parameters(),
-                                       compression=Compression.from_spec(spec))
-        for _ in range(TRAIN_STEPS):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(xs[shard]), ys[shard]).backward()
-            opt.step()
-        with torch.no_grad():
-            out["losses"][label] = float(torch.nn.functional.cross_entropy(net(xs), ys))
+    from tests.digits import train
+    out["losses"] = {label: train(hvd, Compression.from_spec(spec), TRAIN_STEPS)
+                     for label, spec in TRAIN_SPECS.items()}
     return out
 
 

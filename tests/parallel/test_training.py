@@ -29,27 +29,14 @@ STEPS = 200
 def worker():
     import horovod.torch as hvd
     import torch
-    from sklearn.datasets import load_digits
+    from tests.digits import train
     from torch_backend import Compression
     hvd.init()
     torch.set_num_threads(1)
-    data = load_digits()
-    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(data.target)
-    shard = slice(hvd.rank(), None, hvd.size())
     losses, wire = {}, {}
     for label, spec in SPECS.items():
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
         comp = Compression.from_spec(spec)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5),
-                                       named_parameters=net.named_parameters(), compression=comp)
-        for _ in range(STEPS):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(x[shard]), y[shard]).backward()
-            opt.step()
-        with torch.no_grad():
-            losses[label] = float(torch.nn.functional.cross_entropy(net(x), y))
+        losses[label] = train(hvd, comp, STEPS)
         wire[label] = comp.bytes_per_step().total
     return {"losses": losses, "wire": wire}
 
