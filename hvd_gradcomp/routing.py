@@ -287,10 +287,13 @@ class Routing:
         return self._accepted(Route(len(self.rules), self.default, scheme_text(self.default), "default"), info)
 
     def _accepted(self, route: Route, info) -> Route:
-        """``route``, or its scheme's fallback if that scheme does not accept ``info``."""
+        """``route``, or its scheme's fallback if that scheme does not accept ``info`` (and
+        :data:`FALLBACK`, which takes every tensor, if the fallback does not either)."""
         if info is None or route.scheme.accepts(info):
             return route
         fallback = self.fallbacks[route.scheme.fallback_spec]
+        if not fallback.accepts(info):
+            fallback = self.fallbacks[FALLBACK]
         return Route(len(self.rules) + 1, fallback, scheme_text(fallback),
                      f"{route.why}: {route.scheme.name} does not accept {info.dtype}{list(info.shape)}",
                      route.text)

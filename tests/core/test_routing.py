@@ -176,6 +176,25 @@ def test_a_tensor_the_scheme_does_not_accept_goes_to_its_fallback():
         assert make_scheme(name).accepts(vector), name
 
 
+def test_a_fallback_that_refuses_the_tensor_too_gives_way_to_fp16():
+    """A scheme whose own fallback refuses the tensor as well (here PowerSGD, for a vector):
+    the routing sends it to FALLBACK, which takes every tensor."""
+    from hvd_gradcomp.cast import Fp16Scheme
+
+    class MatricesOnly(Fp16Scheme):
+        fallback_spec = "powersgd:rank=4"
+
+        def accepts(self, info):
+            return len(info.shape) == 2
+
+    r = Routing.single(MatricesOnly())
+    vector, matrix = _info((100,)), _info((64, 48))
+    route = r.decide("v", vector)
+    assert (route.text, route.scheme.name, route.refused) == (FALLBACK, FALLBACK, "fp16")
+    assert r.decide("m", matrix).scheme.name == "fp16" and isinstance(r.decide("m", matrix).scheme, MatricesOnly)
+    assert {s.name for s in r.schemes()} == {"fp16", "powersgd"}
+
+
 def test_routing_defaults_are_declared_on_the_classes():
     """min_numel and the first positional option come from the scheme and config classes."""
     from hvd_gradcomp.auto import AutoScheme
