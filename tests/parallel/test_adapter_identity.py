@@ -19,27 +19,15 @@ import pytest
 
 from tests.backends import requires_backend
 from tests.hvdrun import run
+from tests.reference import RefTopK
 
 SPECS = ["fp16", "topkc:ratio=0.25,chunk=8,min_numel=1", "thc:min_numel=1", "powersgd:rank=2", "topk:ratio=0.5"]
 
 
 def _topk_reference(grads_per_rank, ratio=0.5):
     """Average over ranks of TopK-with-EF outputs, step by step (float64), one tensor."""
-    n = len(grads_per_rank)
-    residual = [np.zeros(grads_per_rank[0][0].size) for _ in range(n)]
-    outs = []
-    for step in range(len(grads_per_rank[0])):
-        sent = []
-        for r in range(n):
-            c = grads_per_rank[r][step].astype(np.float64).reshape(-1) + residual[r]
-            k = max(1, int(np.ceil(ratio * c.size - 1e-9)))
-            keep = np.argsort(-np.abs(c), kind="stable")[:k]
-            s = np.zeros_like(c)
-            s[keep] = c[keep]
-            residual[r] = c - s
-            sent.append(s)
-        outs.append(sum(sent) / n)
-    return outs
+    ref = RefTopK(grads_per_rank[0][0].size, len(grads_per_rank), ratio)
+    return [ref.step([g[step] for g in grads_per_rank]) for step in range(len(grads_per_rank[0]))]
 
 
 def _grad(rank, step, shape, salt):
