@@ -16,17 +16,13 @@ the new worker realigned every tensor to rank 0's schedule, and after it every r
 same decisions.
 """
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import textwrap
-import uuid
 
 import numpy as np
 import pytest
 
-from tests.hvdrun import MARKER_ENV, ROOT, _kill_all
+from tests.hvdrun import run_command
 
 pytest.importorskip("horovod.torch")
 
@@ -100,31 +96,6 @@ TRAIN = textwrap.dedent('''
 ''')
 
 
-def _launch(argv, env, timeout):
-    """``argv`` in a session of its own; every process of it killed at the timeout."""
-    run_id = uuid.uuid4().hex
-    child_env = dict(os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    child_env.setdefault("OMP_NUM_THREADS", "1")
-    child_env.update(env)
-    child_env[MARKER_ENV] = run_id
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=child_env, stdout=out, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_all(proc, run_id)
-            out.seek(0)
-            pytest.fail(f"elastic launch hung for {timeout:g} s; killed\n{out.read()[-4000:]}")
-        except BaseException:
-            _kill_all(proc, run_id)
-            raise
-        _kill_all(proc, run_id)
-        out.seek(0)
-        return proc.returncode, out.read()
-
-
 def test_elastic_auto_survives_a_worker_joining(tmp_path):
     marker = tmp_path / "grow"
     discovery = tmp_path / "discover.sh"
@@ -134,12 +105,13 @@ def test_elastic_auto_survives_a_worker_joining(tmp_path):
     script.write_text(TRAIN)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    argv = [horovodrun, "--gloo", "-np", "2", "--min-np", "2", "--max-np", "3",
+    # run_command: horovodrun -np 2 --gloo <these>, every process of it killed at the timeout.
+    argv = ["--min-np", "2", "--max-np", "3",
             "--host-discovery-script", str(discovery), "--network-interface", "lo",
             "--start-timeout", "60", "--elastic-timeout", "60",
             sys.executable, str(script), str(out_dir), str(marker), str(STEPS)]
-    rc, output = _launch(argv, {}, TIMEOUT)
+    proc = run_command(argv, np=2, timeout=TIMEOUT)
+    rc, output = proc.returncode, proc.stdout + proc.stderr
     assert rc == 0, f"horovodrun exited with {rc}\n{output[-6000:]}"
     results = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank-*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1, 2], output[-6000:]
