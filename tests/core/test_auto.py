@@ -10,9 +10,8 @@ import pytest
 from hvd_gradcomp import composite
 from hvd_gradcomp.auto import UNUSABLE, AutoConfig, AutoScheme, Link, decide, start_choice
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
-from hvd_gradcomp.primitives import one_rank
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
-from tests.backends import BACKENDS, backend_ops, backend_tensor
+from tests.backends import BACKENDS, backend_tensor, one_rank_ops, scheme_of
 
 SHAPE = (64, 48)
 # THC sums exactly (integers), so a flush leaves no error at all; TopKC's float16 sum rounds.
@@ -181,7 +180,7 @@ class _TickClock:
 
 
 def _simulate_steps(backend, steps, poison_step, options):
-    ops = one_rank(backend_ops(backend))
+    ops = one_rank_ops(backend)
     schemes = [make_scheme("auto", **{**SLOW, **options}).bind(ops) for _ in range(2)]
     infos = [TensorInfo("w", SHAPE, "float32", 2, r, "sum") for r in range(2)]
     states = [s.init(ops, i, backend_tensor(backend, [0.0])) for s, i in zip(schemes, infos)]
@@ -239,7 +238,7 @@ def test_window_prunes_a_hopeless_candidate_the_same_way_on_every_rank(backend, 
         return run
 
     fast = dict(candidates="fp16|thc:4", bandwidth_gbit=1000.0, latency_ms=0.0, warmup=3, every=4)
-    ops = one_rank(backend_ops(backend))
+    ops = one_rank_ops(backend)
     schemes = [make_scheme("auto", **fast).bind(ops) for _ in range(2)]
     for s in schemes:
         monkeypatch.setattr(s.candidates[1], "compress", slow_thc(s.candidates[1].compress))
@@ -263,7 +262,7 @@ def test_start_costs_keep_a_hopeless_candidate_out_of_the_window(backend, monkey
     tensor, is far above the current choice's figure is never run in the window."""
     calls = {"thc": 0}
     link = dict(candidates="fp16|powersgd:4|thc:4", bandwidth_gbit=100.0, latency_ms=0.0, warmup=3, every=4)
-    ops = one_rank(backend_ops(backend))
+    ops = one_rank_ops(backend)
     schemes = [make_scheme("auto", **link).bind(ops) for _ in range(2)]
     for s in schemes:
         s.start_costs = (0.5, 1.0, 1e4)  # ms on the 1024 x 1024 reference: THC hopeless
@@ -375,9 +374,8 @@ def test_add_residual_adds_in_gradient_coordinates(spec):
     """What auto carries over a switch: add_residual(r) then residual_of gives the old
     residual plus r, in the gradient's coordinates (THC rotates it into its basis)."""
     backend = BACKENDS[0]
-    ops = one_rank(backend_ops(backend))
-    name, options = parse_spec(spec)
-    scheme = make_scheme(name, **options).bind(ops)
+    ops = one_rank_ops(backend)
+    scheme = scheme_of(spec).bind(ops)
     info = TensorInfo("t", SHAPE, "float32", 1, 0, "sum")
     state = scheme.init(ops, info, backend_tensor(backend, [0.0]))
     x = np.random.default_rng(1).standard_normal(SHAPE)
@@ -396,7 +394,7 @@ def test_thc_residual_in_gradient_coordinates():
     """THC keeps its residual rotated and padded; residual_of rotates it back: the step's
     output plus the residual is the corrected gradient."""
     backend = BACKENDS[0]
-    ops = one_rank(backend_ops(backend))
+    ops = one_rank_ops(backend)
     thc = make_scheme("thc", bits=2).bind(ops)
     info = TensorInfo("t", (1000,), "float32", 1, 0, "sum")
     state = thc.init(ops, info, backend_tensor(backend, [0.0]))

@@ -14,9 +14,7 @@ import pytest
 
 from hvd_gradcomp import composite
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
-from hvd_gradcomp.primitives import one_rank
-from hvd_gradcomp.registry import make_scheme, parse_spec
-from tests.backends import BACKENDS, backend_ops, backend_tensor
+from tests.backends import BACKENDS, backend_tensor, one_rank_ops, scheme_of
 
 SHAPE = (64, 64)
 SPECS = ("fp16", "topkc:0.1", "thc:4", "powersgd:2",
@@ -26,9 +24,8 @@ SPECS = ("fp16", "topkc:0.1", "thc:4", "powersgd:2",
 def _run(backend, spec, op, dtype, grads, steps):
     """``steps`` steps of two ranks; returns outputs as sums (float64), whether each was
     finite, and the ranks' pending error feedback summed after the last (float64)."""
-    ops = one_rank(backend_ops(backend))
-    name, options = parse_spec(spec)
-    schemes = [make_scheme(name, **options).bind(ops) for _ in range(2)]
+    ops = one_rank_ops(backend)
+    schemes = [scheme_of(spec).bind(ops) for _ in range(2)]
     infos = [TensorInfo("w", SHAPE, dtype, 2, r, op) for r in range(2)]
     like = backend_tensor(backend, [0.0])
     states = [s.init(ops, i, like) for s, i in zip(schemes, infos)]

@@ -13,8 +13,7 @@ import pytest
 
 from hvd_gradcomp.adapter import nccl_avg_rule
 from hvd_gradcomp.base import FP16_MAX, TensorInfo, compress_tensor, finish_tensor
-from hvd_gradcomp.registry import make_scheme, parse_spec
-from tests.backends import BACKENDS, as_float64, backend_tensor, one_rank_ops
+from tests.backends import BACKENDS, as_float64, backend_tensor, one_rank_ops, scheme_of
 
 D = 1 << 13
 SIGMA = 1e-4
@@ -50,11 +49,6 @@ def gloo_avg(payloads):
 REDUCE = {"nccl_avg": nccl_avg, "gloo_avg": gloo_avg, "sum": fp16_sum}
 
 
-def _make(spec):
-    name, options = parse_spec(spec)
-    return make_scheme(name, **options)
-
-
 def _grads(n, seed=0):
     return np.random.default_rng(seed).normal(0.0, SIGMA, (n, D))
 
@@ -63,7 +57,7 @@ def _scheme_mean(backend, spec, grads, path, flag):
     """One step of scheme ``spec`` on every rank's gradient, all-reduced by ``path``'s
     arithmetic; ``flag``: TensorInfo.nccl_avg as the adapter would set it. float64 [D]."""
     ops = one_rank_ops(backend)
-    scheme = _make(spec)
+    scheme = scheme_of(spec)
     n = len(grads)
     op = "sum" if path == "sum" else "average"
     infos = [TensorInfo("w", (D,), "float32", n, r, op, nccl_avg=flag) for r in range(n)]
@@ -120,7 +114,7 @@ def test_sum_and_gloo_paths_keep_the_prescale(backend):
     grads = _grads(n, seed=1)
     ref = grads.mean(0)
     ops = one_rank_ops(backend)
-    scheme = _make("fp16")
+    scheme = scheme_of("fp16")
     for op, flag in (("sum", True), ("sum", False), ("average", False)):
         info = TensorInfo("w", (D,), "float32", n, 0, op, nccl_avg=flag)
         assert info.prescale == 1.0 / n and info.unscale == n
@@ -138,7 +132,7 @@ def test_saturation_keeps_nccl_average_finite(backend, n):
     range stay finite through ncclAvg's float16 multiply and sum, and the clamp keeps most of
     the range (at least half of 65504 per rank, against 65504 / n with the 1/n pre-scale)."""
     ops = one_rank_ops(backend)
-    scheme = _make("topkc:ratio=1.0,payload_dtype=float16")
+    scheme = scheme_of("topkc:ratio=1.0,payload_dtype=float16")
     info = TensorInfo("w", (256,), "float32", n, 0, "average", nccl_avg=True)
     assert FP16_MAX / 2 <= info.fp16_limit <= FP16_MAX
     x = backend_tensor(backend, np.full(256, 1e6))
