@@ -14,36 +14,29 @@ import pytest
 from hvd_gradcomp.adapter import nccl_avg_rule
 from hvd_gradcomp.base import FP16_MAX, TensorInfo, compress_tensor, finish_tensor
 from tests.backends import BACKENDS, as_float64, backend_tensor, one_rank_ops, scheme_of
+from tests.reference import allreduce_fp16, fp16
 
 D = 1 << 13
 SIGMA = 1e-4
 
 
-def _h(x):
-    """Round to float16 (from float64), kept as float64."""
-    return np.asarray(x, np.float64).astype(np.float16).astype(np.float64)
-
-
 def nccl_avg(payloads):
     """NCCL's ncclAvg of float16 payloads: each times float16(1/n) in float16, then summed."""
     n = len(payloads)
-    s = _h(1.0 / n)
-    acc = _h(payloads[0] * s)
+    s = fp16(1.0 / n)
+    acc = fp16(payloads[0] * s)
     for p in payloads[1:]:
-        acc = _h(acc + _h(p * s))
+        acc = fp16(acc + fp16(p * s))
     return acc
 
 
 def fp16_sum(payloads):
-    acc = payloads[0]
-    for p in payloads[1:]:
-        acc = _h(acc + p)
-    return acc
+    return allreduce_fp16(payloads, "sum")
 
 
 def gloo_avg(payloads):
     """Gloo/MPI (and NCCL's hierarchical path): the float16 sum, then times 1/n into float16."""
-    return _h(fp16_sum(payloads) * (1.0 / len(payloads)))
+    return fp16(fp16_sum(payloads) * (1.0 / len(payloads)))
 
 
 REDUCE = {"nccl_avg": nccl_avg, "gloo_avg": gloo_avg, "sum": fp16_sum}
@@ -80,7 +73,7 @@ def _rel(out, ref):
 
 def _horovod_fp16(grads, path):
     """Horovod's own Compression.fp16: cast, all-reduce, cast back."""
-    out = REDUCE[path]([_h(g) for g in grads])
+    out = REDUCE[path]([fp16(g) for g in grads])
     return out / len(grads) if path == "sum" else out
 
 
@@ -119,7 +112,7 @@ def test_sum_and_gloo_paths_keep_the_prescale(backend):
         info = TensorInfo("w", (D,), "float32", n, 0, op, nccl_avg=flag)
         assert info.prescale == 1.0 / n and info.unscale == n
         payload, _ = compress_tensor(scheme, ops, backend_tensor(backend, grads[0]), (), info)
-        np.testing.assert_array_equal(as_float64(payload), _h(np.float32(grads[0]) * np.float32(1.0 / n)))
+        np.testing.assert_array_equal(as_float64(payload), fp16(np.float32(grads[0]) * np.float32(1.0 / n)))
     for path in ("sum", "gloo_avg"):
         err = _rel(_scheme_mean(backend, "fp16", grads, path, path == "sum"), ref)
         assert err < 0.02, (path, err)
