@@ -151,20 +151,41 @@ def run_command(argv, np=2, env=None, timeout=None, transport="gloo"):
         ``subprocess.CompletedProcess`` with ``returncode``, ``stdout`` and ``stderr`` (text;
         horovodrun prefixes each rank's lines with ``[<rank>]<stdout>:`` / ``<stderr>:``).
     """
-    timeout = default_timeout() if timeout is None else float(timeout)
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     if transport not in ("gloo", "mpi"):
         raise ValueError(f"transport must be 'gloo' or 'mpi', got {transport!r}")
     cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(np), f"--{transport}"]
     if transport == "mpi":
         cmd += ["--mpi-args=--allow-run-as-root --oversubscribe"]
     cmd += [str(a) for a in argv]
+    defaults = {k: v for k, v in (("TF_CPP_MIN_LOG_LEVEL", "2"), ("OMP_NUM_THREADS", "1")) if k not in os.environ}
+    return run_process(cmd, env={**defaults, **(env or {})}, timeout=timeout, what="hvdrun")
+
+
+def run_process(cmd, env=None, timeout=None, what=None):
+    """Run ``cmd`` from the repository root in a session of its own, with a timeout that kills
+    every process it started, wherever they went (their own sessions too: each carries this
+    launch's marker in its environment). For commands that launch workers themselves:
+    horovodrun (:func:`run_command`), the benchmark's sweeps.
+
+    Args:
+        cmd: the argv list.
+        env: extra environment variables (the caller's are passed too, with the repository
+            root first on PYTHONPATH).
+        timeout: seconds, as :func:`run_command`'s.
+        what: the name in the TimeoutError's message (default: the program).
+
+    Returns:
+        ``subprocess.CompletedProcess`` with ``returncode``, ``stdout`` and ``stderr`` (text).
+
+    Raises:
+        TimeoutError: at the timeout, once every process is killed, with the output so far.
+    """
+    timeout = default_timeout() if timeout is None else float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     run_id = uuid.uuid4().hex
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    child_env.setdefault("OMP_NUM_THREADS", "1")
     child_env.update(env or {})
     child_env[MARKER_ENV] = run_id
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -176,8 +197,8 @@ def run_command(argv, np=2, env=None, timeout=None, transport="gloo"):
             killed = _kill_all(proc, run_id)
             out.seek(0)
             err.seek(0)
-            raise TimeoutError(f"hvdrun: `{' '.join(cmd)}` hung for {timeout:g} s; ranks killed ({killed} "
-                               f"processes)\n--- stdout (end) ---\n{out.read()[-3000:]}\n"
+            raise TimeoutError(f"{what or os.path.basename(cmd[0])}: `{' '.join(cmd)}` hung for {timeout:g} s; "
+                               f"ranks killed ({killed} processes)\n--- stdout (end) ---\n{out.read()[-3000:]}\n"
                                f"--- stderr (end) ---\n{err.read()[-3000:]}") from None
         except BaseException:
             _kill_all(proc, run_id)

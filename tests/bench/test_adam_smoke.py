@@ -8,15 +8,13 @@ tta-adam block written into a doc.
 """
 import csv
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 
 from hvd_gradcomp.bench import report
+from tests.hvdrun import ROOT, run_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 6
 
 
@@ -29,8 +27,7 @@ def sweep(tmp_path_factory):
            "--bandwidth", "200", "--out", str(out), "--no-progress", "--skip-link-check",
            "--update-doc", str(out / "doc.md"), "--doc-block", "tta-adam",
            "--worker-args", f"--max-steps {STEPS} --eval-every 2 --adam-log-every 3 --batch-size 4"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+    res = run_process(cmd, timeout=600)
     return out, res
 
 

@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from hvd_gradcomp.bench import netem, report
+from tests.hvdrun import ROOT, run_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, STEPS = 128, 6
 
 
@@ -29,8 +29,7 @@ def sweep(tmp_path_factory):
            "--ddp-hooks", "off", "--repeats", "2", "--workers", "2", "--bandwidth", "200", "--out", str(out), "--no-progress",
            "--update-doc", str(out / "doc.md"), "--doc-block", "smoke",
            "--worker-args", f"--max-steps {STEPS} --hidden {HIDDEN} --eval-every 3 --target 0.5"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+    res = run_process(cmd, timeout=600, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     return out, res
 
 
