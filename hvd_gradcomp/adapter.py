@@ -47,12 +47,11 @@ from .base import EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor
 from .checkpoint import Checkpoints
 from .link import LinkCalibration
 from .primitives import FLOAT_DTYPES, itemsize
-from .horovod_ops import group_dtype, horovod_nccl_avg, nccl_avg_rule, op_name
+from .horovod_ops import group_dtype, horovod_nccl_avg
 from .records import TensorRecords
 from .routing import RouteTable, Routing, with_min_numel
 
-__all__ = ["HorovodCompressor", "Call", "op_name", "group_dtype",
-           "horovod_nccl_avg", "nccl_avg_rule"]
+__all__ = ["HorovodCompressor", "Call"]
 
 log = logging.getLogger("hvd_gradcomp")
 
