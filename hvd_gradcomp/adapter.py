@@ -150,7 +150,7 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         "_sparse",
         # TensorFlow grouped all-reduce: (group list, {id(tensor): (payload, ctx)}) not yet returned
         "_group",
-        # warnings already given (group compositions)
+        # warnings already given (group compositions; DDP: a joined rank's dropped error feedback)
         "_warned",
         # loss scale source (GradScaler / LossScaleOptimizer), see set_loss_scale()
         "_scale_source",

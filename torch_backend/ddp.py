@@ -128,14 +128,11 @@ def _finish_joined(comp, payload, ctx):
         new = new._replace(**{f: getattr(old, f) for f in local})
     else:  # an adaptive scheme changed the tensor's scheme on the agreed figures
         new = new._replace(**{f: torch.zeros_like(getattr(new, f)) for f in local})
-        if info.key not in _DROPPED:
-            _DROPPED.add(info.key)
+        if ("joined", info.key) not in comp._warned:  # once per tensor and compressor
+            comp._warned.add(("joined", info.key))
             log.warning("hvd_gradcomp DDP hook: %s changed scheme while this rank had joined; its "
                         "pending error feedback on this rank is dropped", info.key)
     comp._write_state(info.key, new)
-
-
-_DROPPED = set()
 
 
 def hook(state: HookState, bucket):
