@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from hvd_gradcomp.adapter import Call, scheme_info
-from hvd_gradcomp.base import EmptyState, finish_tensor
+from hvd_gradcomp.base import finish_tensor
 
 from .compression import Compressor
 
