@@ -47,12 +47,11 @@ from .base import EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor
 from .checkpoint import Checkpoints
 from .link import LinkCalibration
 from .primitives import FLOAT_DTYPES, itemsize
-from .horovod_ops import group_dtype, horovod_nccl_avg, nccl_avg_rule, op_name
+from .horovod_ops import group_dtype, horovod_nccl_avg
 from .records import TensorRecords
 from .routing import RouteTable, Routing, with_min_numel
 
-__all__ = ["HorovodCompressor", "Call", "op_name", "group_dtype",
-           "horovod_nccl_avg", "nccl_avg_rule"]
+__all__ = ["HorovodCompressor", "Call"]
 
 log = logging.getLogger("hvd_gradcomp")
 
@@ -112,6 +111,12 @@ class _Cast(NamedTuple):
     inner: Any  # _AdapterCtx, or None for a tensor that passed through
 
 
+def scheme_info(info: TensorInfo, scale) -> TensorInfo:
+    """The :class:`TensorInfo` the scheme works under: with a loss ``scale`` (not None) the
+    gradient is divided by it in float32, so ``info`` as float32; else ``info`` itself."""
+    return info if scale is None or info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
+
+
 class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
     """Base of ``torch_backend.Compressor`` and ``tf_backend.Compressor``.
 
@@ -145,7 +150,7 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         "_sparse",
         # TensorFlow grouped all-reduce: (group list, {id(tensor): (payload, ctx)}) not yet returned
         "_group",
-        # warnings already given (group compositions)
+        # warnings already given (group compositions; DDP: a joined rank's dropped error feedback)
         "_warned",
         # loss scale source (GradScaler / LossScaleOptimizer), see set_loss_scale()
         "_scale_source",
@@ -349,11 +354,8 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         if self._scale_source is not None:
             scale = self._scale_of(self._scale_source)
             tensor = ops.cast(tensor, "float32") * (1.0 / scale)
-            info_x = info if info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
-        else:
-            info_x = info
         state = self._state_for(scheme, info, tensor)
-        payload, ctx = compress_tensor(scheme, ops, tensor, state, info_x)
+        payload, ctx = compress_tensor(scheme, ops, tensor, state, scheme_info(info, scale))
         return payload, _AdapterCtx(info, ctx, scale, scheme), key
     def _compress_grouped(self, tensor, call: Call):
         """A member of a TensorFlow grouped all-reduce: the whole group is compressed at its
@@ -416,12 +418,8 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         info, scheme_ctx, scale, scheme = ctx
         has_state = self._has_state(info.key)
         state = self._read_state(info.key) if has_state else EmptyState()
-        if scale is None:
-            out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info)
-        else:
-            info_x = info if info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
-            out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state, info_x,
-                                           dtype=info.dtype, scale=scale)
+        out, new_state = finish_tensor(scheme, self.ops, payload, scheme_ctx, state,
+                                       scheme_info(info, scale), dtype=info.dtype, scale=scale)
         if has_state and new_state is not state:
             self._write_state(info.key, new_state)
         return out

@@ -7,7 +7,7 @@ gathers through the engine's ``_from_every_rank``); the same for Horovod and DDP
 import logging
 
 from . import composite
-from .records import FieldBag as _FieldBag
+from .records import FieldBag
 from .routing import Routing
 
 __all__ = ["Checkpoints"]
@@ -123,10 +123,10 @@ class Checkpoints:
             route = self.table.routes.get(key)
             if route is not None and self._has_state(key):
                 scheme = route.scheme
-                composite.check_loaded(scheme, key, _FieldBag(fields))
+                composite.check_loaded(scheme, key, FieldBag(fields))
                 current = self._read_state(key)
                 if scheme.adaptive:  # the loaded state's fields follow its own choice
-                    current = composite.init_like(scheme, self.ops, self._infos[key], current[0], _FieldBag(fields))
+                    current = composite.init_like(scheme, self.ops, self._infos[key], current[0], FieldBag(fields))
                 composite.forget(scheme, key)  # the loaded state replaces what the scheme mirrors of it
                 loaded = type(current)(**{f: fields.get(f) for f in current._fields}) \
                     if set(fields) == set(current._fields) else None
@@ -137,4 +137,4 @@ class Checkpoints:
                 self._write_state(key, type(current)(*[
                     self.ops.cast(self._to_device(v, c), self.ops.dtype(c)) for v, c in zip(loaded, current)]))
             else:
-                self._pending[key] = _FieldBag(fields)
+                self._pending[key] = FieldBag(fields)

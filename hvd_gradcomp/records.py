@@ -216,5 +216,3 @@ class FieldBag(tuple):
         obj._fields = tuple(fields)
         return obj
 
-
-_FieldBag = FieldBag

@@ -241,12 +241,3 @@ def describe_options(names=None, markdown: bool = False) -> str:
     lines.append(f"  {WARMUP_OPTION}={WARMUP.default}  [{WARMUP.values()}; harder: -]")
     lines.append(f"      {WARMUP.doc}")
     return "\n".join(lines)
-
-
-def __getattr__(name):
-    """The routing's names that used to live here (``Selector``, ``parse_routing``, ...), from
-    their module, :mod:`hvd_gradcomp.routing_spec` (imported on use: it imports this one)."""
-    from . import routing_spec
-    if name in routing_spec.__all__:
-        return getattr(routing_spec, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

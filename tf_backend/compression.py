@@ -32,7 +32,8 @@ import sys
 import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
-from hvd_gradcomp.adapter import Call, HorovodCompressor, op_name
+from hvd_gradcomp.adapter import Call, HorovodCompressor
+from hvd_gradcomp.horovod_ops import op_name
 from hvd_gradcomp.namespace import Namespace
 
 from .ops import OPS

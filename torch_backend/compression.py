@@ -23,7 +23,8 @@ import sys
 
 import torch
 
-from hvd_gradcomp.adapter import Call, HorovodCompressor, op_name
+from hvd_gradcomp.adapter import Call, HorovodCompressor
+from hvd_gradcomp.horovod_ops import op_name
 from hvd_gradcomp.namespace import Namespace
 
 from .ops import OPS

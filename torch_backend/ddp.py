@@ -51,8 +51,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hvd_gradcomp.adapter import Call, _AdapterCtx, _Cast
-from hvd_gradcomp.base import EmptyState, finish_tensor
+from hvd_gradcomp.adapter import Call, scheme_info
+from hvd_gradcomp.base import finish_tensor
 
 from .compression import Compressor
 
@@ -114,14 +114,10 @@ def _joined() -> bool:
 def _finish_joined(comp, payload, ctx):
     """The state step of a joined rank: the agreed fields move on from the all-reduced
     ``payload``, the rank-local ones (error feedback) stay as they were."""
-    if isinstance(ctx, _Cast):
-        payload, ctx = comp.ops.cast(payload, ctx.dtype), ctx.inner
-    if not isinstance(ctx, _AdapterCtx) or not comp._has_state(ctx.info.key):
+    if ctx is None or not comp._has_state(ctx.info.key):  # passed through, or stateless
         return
     info, inner, scale, scheme = ctx
-    if scale is not None and info.dtype != "float32":
-        import dataclasses
-        info = dataclasses.replace(info, dtype="float32")
+    info = scheme_info(info, scale)
     old = comp._read_state(info.key)
     _, new = finish_tensor(scheme, comp.ops, payload, inner, old, info)
     if new is old:
@@ -132,14 +128,11 @@ def _finish_joined(comp, payload, ctx):
         new = new._replace(**{f: getattr(old, f) for f in local})
     else:  # an adaptive scheme changed the tensor's scheme on the agreed figures
         new = new._replace(**{f: torch.zeros_like(getattr(new, f)) for f in local})
-        if info.key not in _DROPPED:
-            _DROPPED.add(info.key)
+        if ("joined", info.key) not in comp._warned:  # once per tensor and compressor
+            comp._warned.add(("joined", info.key))
             log.warning("hvd_gradcomp DDP hook: %s changed scheme while this rank had joined; its "
                         "pending error feedback on this rank is dropped", info.key)
     comp._write_state(info.key, new)
-
-
-_DROPPED = set()
 
 
 def hook(state: HookState, bucket):

@@ -11,7 +11,7 @@ emulated. Gradients ~ N(0, 1e-4^2): the case where a second 1/n flushed everythi
 import numpy as np
 import pytest
 
-from hvd_gradcomp.adapter import nccl_avg_rule
+from hvd_gradcomp.horovod_ops import nccl_avg_rule
 from hvd_gradcomp.base import FP16_MAX, TensorInfo, compress_tensor, finish_tensor
 from tests.backends import BACKENDS, as_float64, backend_tensor, one_rank_ops, scheme_of
 from tests.reference import allreduce_fp16, fp16

@@ -3,7 +3,7 @@ canonical specs, errors; no Horovod launch (the multi-rank checks are in
 tests/parallel/test_routing.py, both frameworks)."""
 import pytest
 
-from hvd_gradcomp.adapter import group_dtype
+from hvd_gradcomp.horovod_ops import group_dtype
 from hvd_gradcomp.base import FALLBACK, StepBytes, TensorInfo
 from hvd_gradcomp.registry import make_scheme
 from hvd_gradcomp.routing import (RouteTable, Routing, Selector, canonical_text, format_selector, parse_routing,
