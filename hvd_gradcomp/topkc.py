@@ -395,25 +395,21 @@ class TopKCScheme(Scheme):
         return k * self.config.chunk + m
 
     def _dense(self, ops, payload, idx, split, info):
-        """float32 [d]: the all-reduced C's scattered into zeros (times 0 after a split)."""
+        """float32 [d]: the all-reduced chunks (EF21: the C's) scattered into zeros, times 0
+        after a split (``split`` None: no vote, ``selection="current"``). Times 0, not a plain
+        0: a NaN from a failed rank must still reach the output."""
         cfg = self.config
         m, k, _ = self._sizes(info)
         rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
-        scale = ops.where(split, 0.0, info.unscale)
+        scale = info.unscale if split is None else ops.where(split, 0.0, info.unscale)
         return ops.reshape(ops.scatter(idx, rows * scale, (m, cfg.chunk)), (m * cfg.chunk,))[:info.numel]
 
     def decompress(self, ops, payload, ctx, info):
         if self.ef21:  # H' = H + the all-reduced C's; 0 after a split (NaN stays NaN)
             return ctx.new * ops.where(ctx.split, 0.0, 1.0)
-        cfg = self.config
-        m, k, _ = self._sizes(info)
-        rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
-        scale = info.unscale
-        if not self.blocking:  # ranks that selected different chunks: 0, never a wrong sum
-            # (times 0, not a plain 0: a NaN from a failed rank must still reach the output)
-            scale = ops.where(ctx.split, 0.0, scale)
-        dense = ops.scatter(ctx.idx, rows * scale, (m, cfg.chunk))
-        return ops.reshape(dense, (m * cfg.chunk,))[:info.numel]
+        # Ranks that selected different chunks ("previous"): 0, never a wrong sum; "current"
+        # sets no split.
+        return self._dense(ops, payload, ctx.idx, ctx.split, info)
 
     def finish(self, ops, payload, ctx, state, info):
         """Residual and agreed scores move on iff the all-reduced payload is finite; after a
