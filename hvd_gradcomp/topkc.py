@@ -248,6 +248,20 @@ def _correct_kernel(ops, plan, flat, residual):
     return chunks, guess, scores
 
 
+def _rescored(ops, scores, idx, rows):
+    """``scores`` (float32 [m]) with the selected chunks ``idx`` (int64 [k]) scored as
+    ``rows`` (float32 [k, chunk]), their squared norms: an O(k chunk) fix-up."""
+    fixed = ops.norm(rows, 1)
+    return ops.index_add(scores, idx, fixed * fixed - ops.gather(scores, idx))
+
+
+def _unit_scores(ops, scores):
+    """The scores a rank sends (float32 [m]): non-finite ones as 0, over their largest (at
+    least ``_TINY``)."""
+    scores = ops.where(ops.isfinite(scores), scores, 0.0)
+    return scores / ops.maximum(ops.max(scores, None), _TINY)
+
+
 class TopKCScheme(Scheme):
     """Chunked TopK with rank-agreed chunks (module docstring)."""
 
@@ -320,13 +334,9 @@ class TopKCScheme(Scheme):
             # g + g scores every chunk alike, 4 ||g||^2).
             if cfg.error_feedback:
                 owed = sent * cfg.residual_decay if cfg.residual_decay != 1.0 else sent
-                rows = ops.gather(guess, idx) - owed
-                fixed = ops.norm(rows, 1)
-                scores = ops.index_add(scores, idx, fixed * fixed - ops.gather(scores, idx))
-            scores = ops.where(ops.isfinite(scores), scores, 0.0)
-            top = ops.maximum(ops.max(scores, None), _TINY)
+                scores = _rescored(ops, scores, idx, ops.gather(guess, idx) - owed)
             # Step 6: this rank's vote for the selection it made.
-            payload = ops.concat([payload, ops.cast(scores / top, cfg.payload_dtype),
+            payload = ops.concat([payload, ops.cast(_unit_scores(ops, scores), cfg.payload_dtype),
                                   self._vote(ops, idx, info, x)], 0)
         return poison(ops, payload, finite), _TopKCCtx(idx, left, sent)
 
@@ -350,12 +360,8 @@ class TopKCScheme(Scheme):
         # Next step's scores: ||g - h_i'|| per chunk with this step's g, i.e. c with the sent
         # chunks' remainder (fp16 rounding, saturation) in place of the selected rows.
         norms = ops.norm(chunks, 1)
-        scores = norms * norms
-        fixed = ops.norm(picked - sent, 1)
-        scores = ops.index_add(scores, idx, fixed * fixed - ops.gather(scores, idx))
-        scores = ops.where(ops.isfinite(scores), scores, 0.0)
-        top = ops.maximum(ops.max(scores, None), _TINY)
-        payload = ops.concat([ops.reshape(wire, (k * cfg.chunk,)), ops.cast(scores / top, cfg.payload_dtype),
+        scores = _unit_scores(ops, _rescored(ops, norms * norms, idx, picked - sent))
+        payload = ops.concat([ops.reshape(wire, (k * cfg.chunk,)), ops.cast(scores, cfg.payload_dtype),
                               self._vote(ops, idx, info, x, state.step)], 0)
         return poison(ops, payload, finite), _EF21Ctx(idx, sent, state.estimate, v)
 
