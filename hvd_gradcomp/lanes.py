@@ -14,6 +14,7 @@ the ranks agree on their geometric mean. Used by THC
 (:mod:`hvd_gradcomp.thc`, steps 5-6, which also gives the derivation) and signSGD
 (:mod:`hvd_gradcomp.signsgd`); ``docs/writing-a-scheme.md`` walks through using them.
 """
+from functools import lru_cache
 from typing import NamedTuple
 
 __all__ = ["MAX_WORLD_SIZE", "LaneLayout", "centred_offset", "lane_layout", "wire_bits", "exact_words",
@@ -50,6 +51,7 @@ def centred_offset(top: int, width: int, lanes: int, guard: int, n: int):
     return None
 
 
+@lru_cache(maxsize=None)  # host work the schemes' layout() would redo for every tensor and step
 def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme="thc",
                 centred: bool = True) -> LaneLayout:
     """The int32 layout of the levels summed over ``world_size`` ranks (:mod:`hvd_gradcomp.thc`, step 5).
