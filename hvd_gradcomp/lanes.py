@@ -17,7 +17,7 @@ the ranks agree on their geometric mean. Used by THC
 from functools import lru_cache
 from typing import NamedTuple
 
-__all__ = ["MAX_WORLD_SIZE", "LaneLayout", "centred_offset", "lane_layout", "wire_bits", "exact_words",
+__all__ = ["MAX_WORLD_SIZE", "LaneLayout", "centred_offset", "lane_layout", "wire_bits", "exact_words", "as_reduced",
            "pack", "unpack", "control_words", "read_control", "says_sum", "stats_layout", "pack_scales",
            "agreed_scales"]
 
@@ -127,6 +127,14 @@ def exact_words(ops, words, summed, world_size: int, guard: int):
     if summed is False:
         return recovered
     return ops.where(summed, words, recovered)
+
+
+def as_reduced(ops, x, summed, world_size: int):
+    """``x`` (the decoded sum's factor) for the op Horovod applied: ``x`` under Sum, ``x / n``
+    under Average (``summed`` as in :func:`exact_words`: a Python bool costs no op)."""
+    if isinstance(summed, bool):
+        return x if summed else x * (1.0 / world_size)
+    return x * ops.where(summed, 1.0, 1.0 / world_size)
 
 
 def pack(ops, values, lay: LaneLayout):

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit
-from .lanes import (TINY_SCALE, LaneLayout, agreed_scales, control_words, exact_words, lane_layout, pack,
+from .lanes import (TINY_SCALE, LaneLayout, agreed_scales, as_reduced, control_words, exact_words, lane_layout, pack,
                     pack_scales, read_control, says_sum, stats_layout, unpack)
 from .options import error_feedback_option, option, validate
 
@@ -183,11 +183,7 @@ class SignSGDScheme(Scheme):
         # Uncentred lanes: the exact sums are below 2**31, so the lanes unpack in int32.
         lanes = unpack(ops, ops.cast(exact, "int32"), lay.signs)
         positive = ops.cast(lanes[:padded] if lay.signs.lanes * lay.words > padded else lanes, "float32")
-        if isinstance(ctx.summed, bool):
-            factor = ctx.scale if ctx.summed else ctx.scale * (1.0 / n)
-        else:
-            factor = ctx.scale * ops.where(ctx.summed, 1.0, 1.0 / n)
-        factor = factor + ops.where(ctx.bad > 0, float("nan"), 0.0)
+        factor = as_reduced(ops, ctx.scale, ctx.summed, n) + ops.where(ctx.bad > 0, float("nan"), 0.0)
         # S (2 V - c) per block (times 1/n under Average), in two passes over the counts V.
         out = ops.reshape(ops.reshape(positive, (lay.blocks, lay.block)) * (factor * 2.0)
                           - factor * ops.cast(ctx.count, "float32"), (padded,))

@@ -8,7 +8,7 @@ import math
 from typing import NamedTuple
 
 from . import hadamard, rng
-from .lanes import (TINY_SCALE, LaneLayout, agreed_scales, control_words, exact_words, pack as _pack,
+from .lanes import (TINY_SCALE, LaneLayout, agreed_scales, as_reduced, control_words, exact_words, pack as _pack,
                     pack_scales, read_control, says_sum, unpack as _unpack)
 
 __all__ = []  # private to hvd_gradcomp.thc
@@ -174,11 +174,7 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mi
     total = ops.reshape(ops.cast(lanes[:padded] if lay.lanes * words > padded else lanes, "float32"), (nb, B))
     # One scale and one offset per block: the decoded sum S delta - c R, times 1/n under
     # Average, times 0 after a fingerprint mismatch, plus NaN when a rank failed.
-    scale = ops.where(mismatch, 0.0, 1.0)
-    if isinstance(summed, bool):
-        scale = scale if summed else scale * (1.0 / n)
-    else:
-        scale = scale * ops.where(summed, 1.0, 1.0 / n)
+    scale = as_reduced(ops, ops.where(mismatch, 0.0, 1.0), summed, n)
     # (S - c R / delta) delta = S delta - c R, with R / delta = top_level / 2 the same for every
     # block: the offset is taken off the integer sums first, not off the scaled values (n R
     # against a small difference: float32 cancellation at large n).
