@@ -289,8 +289,8 @@ def check_state(state, expected, key: str):
     """Raise ValueError unless ``state`` has the fields of ``expected`` (shapes: the adapter).
 
     Both are NamedTuples of tensors; ``expected`` is a freshly initialised state. Used when a
-    state is loaded and on each compress, so a wrong checkpoint is refused on every rank before
-    any collective is posted.
+    state is loaded (:mod:`hvd_gradcomp.records`), so a wrong checkpoint is refused on every
+    rank before any collective is posted.
     """
     if tuple(state._fields) != tuple(expected._fields):
         raise ValueError(f"state for tensor {key!r}: expected fields {list(expected._fields)} "

@@ -8,14 +8,18 @@ inside int32 (the sign bit is used, nothing wraps); the receiver adds ``c * offs
 ``2**guard > n`` the exact sum is recovered by :func:`exact_words`. Small per-rank counts
 (a rank that contributes, a rank whose gradient was not finite, a statistic's code) travel one
 to a word above the same guard bits (:func:`control_words`, :func:`read_control`): the
-integer non-finite flag, since an integer payload cannot carry a NaN. Used by THC
+integer non-finite flag, since an integer payload cannot carry a NaN. Positive per-block
+scales travel as log codes summed in lanes (:func:`pack_scales`, :func:`agreed_scales`), so
+the ranks agree on their geometric mean. Used by THC
 (:mod:`hvd_gradcomp.thc`, steps 5-6, which also gives the derivation) and signSGD
 (:mod:`hvd_gradcomp.signsgd`); ``docs/writing-a-scheme.md`` walks through using them.
 """
+from functools import lru_cache
 from typing import NamedTuple
 
-__all__ = ["MAX_WORLD_SIZE", "LaneLayout", "centred_offset", "lane_layout", "wire_bits", "exact_words",
-           "pack", "unpack", "control_words", "read_control", "says_sum"]
+__all__ = ["MAX_WORLD_SIZE", "LaneLayout", "centred_offset", "lane_layout", "wire_bits", "exact_words", "as_reduced",
+           "pack", "unpack", "control_words", "read_control", "says_sum", "stats_layout", "pack_scales",
+           "agreed_scales"]
 
 MAX_WORLD_SIZE = 1024
 
@@ -47,6 +51,7 @@ def centred_offset(top: int, width: int, lanes: int, guard: int, n: int):
     return None
 
 
+@lru_cache(maxsize=None)  # host work the schemes' layout() would redo for every tensor and step
 def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme="thc",
                 centred: bool = True) -> LaneLayout:
     """The int32 layout of the levels summed over ``world_size`` ranks (:mod:`hvd_gradcomp.thc`, step 5).
@@ -124,6 +129,14 @@ def exact_words(ops, words, summed, world_size: int, guard: int):
     return ops.where(summed, words, recovered)
 
 
+def as_reduced(ops, x, summed, world_size: int):
+    """``x`` (the decoded sum's factor) for the op Horovod applied: ``x`` under Sum, ``x / n``
+    under Average (``summed`` as in :func:`exact_words`: a Python bool costs no op)."""
+    if isinstance(summed, bool):
+        return x if summed else x * (1.0 / world_size)
+    return x * ops.where(summed, 1.0, 1.0 / world_size)
+
+
 def pack(ops, values, lay: LaneLayout):
     """int32 [w = ceil(m / lanes)]: int32 ``values`` [m] (each below ``2**width``) in lanes of
     ``lay`` above its guard bits, planar: value ``j * w + i`` in lane ``j`` of word ``i``
@@ -175,3 +188,42 @@ def read_control(ops, words, summed, world_size: int, guard: int):
     all-reduced ``words`` (int32 or int64 [k]; ``summed`` as in :func:`exact_words`)."""
     exact = exact_words(ops, ops.cast(words, "int64"), summed, world_size, guard)
     return ops.right_shift(exact, guard)
+
+
+# A scale's log code: round(4 log2 s) + 512 in [1, 1023], 10 bits: quarter octaves over all of
+# float32's normal range; code 0 (with flag 0): no data. n <= 1024 ranks' sums stay below 2**20.
+CODE_SCALE, CODE_OFFSET, CODE_MAX = 4.0, 512.0, 1023
+TINY_SCALE = 1e-30  # a scale at or below this has no data (2**-127.75 is the smallest code)
+
+
+def stats_layout(world_size: int, guard: int) -> LaneLayout:
+    """The lanes of the (code, has data) pairs summed over ``world_size`` ranks, uncentred,
+    above ``guard`` guard bits (those of the payload's other words)."""
+    width = (CODE_MAX * world_size).bit_length()
+    return LaneLayout((31 - guard) // width, width, guard)
+
+
+def pack_scales(ops, scales, usable, lay: LaneLayout):
+    """int32 [ceil(2 nb / lanes)]: this rank's float32 ``scales`` [nb] as (log code, has
+    data) pairs in the lanes of ``lay`` (:func:`stats_layout`); a pair is (0, 0) where the
+    bool ``usable`` [nb] is false (no data, a scale not above :data:`TINY_SCALE`, or a
+    non-finite gradient)."""
+    nb = ops.shape(scales)[0]
+    code = ops.round(ops.log2(ops.where(usable, scales, 1.0)) * CODE_SCALE) + CODE_OFFSET
+    code = ops.clip(code, 1.0, float(CODE_MAX))
+    pairs = ops.concat([ops.reshape(ops.where(usable, code, 0.0), (nb, 1)),
+                        ops.reshape(ops.cast(usable, "float32"), (nb, 1))], 1)
+    return pack(ops, ops.cast(ops.reshape(pairs, (2 * nb,)), "int32"), lay)
+
+
+def agreed_scales(ops, words, summed, world_size: int, lay: LaneLayout, blocks: int):
+    """float32 [blocks]: from the all-reduced words of :func:`pack_scales` (int32 or int64;
+    ``summed`` as in :func:`exact_words`), per block ``2**((mean code - 512) / 4)`` over the
+    ranks with data (a geometric mean of their scales), 0 where none had data; the same on
+    every rank."""
+    exact = exact_words(ops, ops.cast(words, "int64"), summed, world_size, lay.guard)
+    stats = ops.cast(ops.reshape(unpack(ops, exact, lay)[:2 * blocks], (blocks, 2)), "float32")
+    code_sum, have = stats[:, 0], stats[:, 1]
+    # The offset comes off the integer sum first (exact), so the mean is rounded once.
+    mean = (code_sum - have * CODE_OFFSET) / ops.maximum(have, 1.0)
+    return ops.where(have > 0.5, ops.exp2(mean * (1.0 / CODE_SCALE)), 0.0)

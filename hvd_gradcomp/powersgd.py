@@ -141,6 +141,7 @@ class _AltCtx(NamedTuple):
     keep: object = None  # float32 []: 1.0 if the ranks agreed (or the payload is NaN), else 0.0
     ok: object = None  # bool []: the all-reduced payload is finite
     estimate: object = None  # EF21: the state's H
+    new: object = None  # EF21: H' = (H + the decoded aggregate) * keep, set by receive
 
 
 class _TwoCtx(NamedTuple):
@@ -292,7 +293,13 @@ class PowerSGDScheme(Scheme):
         # > 0 where the ranks differ: parities (c_e c_o), fingerprints (S2 c (1 - tol) - S1^2).
         spread = s2 * ((ce + co) * (1.0 - tol)) - s1 * s1
         bad = ops.max(ops.concat([ops.reshape(ce * co, (1,)), spread], 0), None) > 0.0
-        return ctx._replace(keep=1.0 - ops.cast(bad, "float32"), ok=payload_finite(ops, payload))
+        ctx = ctx._replace(keep=1.0 - ops.cast(bad, "float32"), ok=payload_finite(ops, payload))
+        if self.ef21:  # H' once, for decompress (the output) and finish (the state)
+            r, width = self.config.rank, max(v.n, v.m)
+            agg = ops.reshape(payload[:r * width], (r, width))
+            a, b = ops.select(ctx.even, lambda: (agg[:, :v.n], ctx.q), lambda: (ctx.p, agg[:, :v.m]))
+            ctx = ctx._replace(new=(ctx.estimate + outer(ops, a, b, v)) * ctx.keep)
+        return ctx
 
     # ---- decompress ----
     def decompress(self, ops, payload, ctx, info):
@@ -304,10 +311,10 @@ class PowerSGDScheme(Scheme):
             if ctx.warm is None:
                 return outer(ops, ctx.p, q_t, v)
             return ops.cond(ctx.warm, lambda: ctx.full * payload[0], lambda: outer(ops, ctx.p, q_t, v))
+        if self.ef21:  # H' (receive): H + the decoded aggregate, 0 on disagreement (NaN stays
+            return ctx.new * 1.0  # NaN); a copy, so that the output never aliases the state's H
         agg = ops.reshape(payload[:r * max(v.n, v.m)], (r, max(v.n, v.m)))
         a, b = ops.select(ctx.even, lambda: (agg[:, :v.n], ctx.q), lambda: (ctx.p, agg[:, :v.m]))
-        if self.ef21:  # H + the decoded aggregate; 0 on disagreement (NaN stays NaN)
-            return (ctx.estimate + outer(ops, a, b, v)) * ctx.keep
         return outer(ops, a * ctx.keep, b, v)  # NaN * 0 stays NaN
 
     # ---- finish ----
@@ -336,10 +343,8 @@ class PowerSGDScheme(Scheme):
             # at 0 on disagreement (keep = 0), the same on every rank.
             local_p, local_q = ops.select(ctx.even, lambda: (ctx.local[:, :v.n], state.q),
                                           lambda: (state.p, ctx.local[:, :v.m]))
-            agg_a, agg_b = ops.select(ctx.even, lambda: (agg[:, :v.n], state.q), lambda: (state.p, agg[:, :v.m]))
             local = (state.local + outer(ops, local_p, local_q, v)) * ctx.keep
-            estimate = (state.estimate + outer(ops, agg_a, agg_b, v)) * ctx.keep
-            new = PowerSGDEF21State(local, estimate, p, q, step, state.fill, realigned, state.version)
+            new = PowerSGDEF21State(local, ctx.new, p, q, step, state.fill, realigned, state.version)
             return commit(ops, ctx.ok, new, state)
         residual = state.residual
         if self.config.error_feedback:

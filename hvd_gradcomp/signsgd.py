@@ -24,7 +24,8 @@ Steps of ``compress`` (no collective):
        or finite values summing beyond float32).
     2. Per block, this rank's scale ``s = ||p_block||_1 / size`` (the paper's, per block) as a
        log code ``clamp(round(4 log2 s) + 512, 1, 1023)`` (quarter octaves over float32's
-       range) and a flag "has data" (code and flag 0 when ``s <= 1e-30`` or not finite).
+       range) and a flag "has data" (code and flag 0 when ``s <= 1e-30`` or not finite;
+       :func:`~hvd_gradcomp.lanes.pack_scales`).
     3. Bits ``b = [p >= 0]`` (a NaN gives 0: never a carry), packed planar into the lanes
        (:func:`~hvd_gradcomp.lanes.pack`); the (code, flag) pairs in lanes of
        ``bit_length(1023 n)`` bits above the same guard bits; two control words
@@ -67,15 +68,12 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit
-from .lanes import LaneLayout, control_words, exact_words, lane_layout, pack, read_control, says_sum, unpack
+from .lanes import (TINY_SCALE, LaneLayout, agreed_scales, as_reduced, control_words, exact_words, lane_layout, pack,
+                    pack_scales, read_control, says_sum, stats_layout, unpack)
 from .options import error_feedback_option, option, validate
 
 __all__ = ["SignSGDConfig", "SignSGDState", "SignSGDScheme"]
 
-# A scale's log code (step 2): round(4 log2 s) + 512 in [1, 1023], 10 bits, so n <= 1024
-# ranks' sum stays below 2**20 and fits a lane above 11 guard bits.
-_CODE_SCALE, _CODE_OFFSET, _CODE_MAX = 4.0, 512.0, 1023
-_TINY = 1e-30  # a scale at or below this has no data (2**-127.75 is the smallest code)
 _CONTROL = 2  # contributes, not finite
 
 
@@ -139,8 +137,7 @@ class SignSGDScheme(Scheme):
         block = min(self.config.block or d, d)
         blocks = -(-d // block)
         signs = lane_layout(1, n, None, info.op, scheme=self.name, centred=False)
-        width = (_CODE_MAX * n).bit_length()
-        stats = LaneLayout((31 - signs.guard) // width, width, signs.guard)
+        stats = stats_layout(n, signs.guard)
         return Layout(block, blocks, signs, -(-blocks * block // signs.lanes), stats,
                       -(-2 * blocks // stats.lanes))
 
@@ -162,12 +159,7 @@ class SignSGDScheme(Scheme):
         finite = ops.logical_and(finite, ops.isfinite(ops.sum(sums, None)))
         last = d - (lay.blocks - 1) * lay.block  # coordinates of the last block
         s = sums * ops.where(ops.arange(lay.blocks, "int64", p) == lay.blocks - 1, 1.0 / last, 1.0 / lay.block)
-        usable = ops.logical_and(finite, s > _TINY)
-        code = ops.round(ops.log2(ops.where(usable, s, 1.0)) * _CODE_SCALE) + _CODE_OFFSET
-        code = ops.where(usable, ops.clip(code, 1.0, float(_CODE_MAX)), 0.0)
-        pairs = ops.concat([ops.reshape(code, (lay.blocks, 1)),
-                            ops.reshape(ops.cast(usable, "float32"), (lay.blocks, 1))], 1)
-        stats = pack(ops, ops.cast(ops.reshape(pairs, (2 * lay.blocks,)), "int32"), lay.stats)
+        stats = pack_scales(ops, s, ops.logical_and(finite, s > TINY_SCALE), lay.stats)
         # Step 3: one bit a coordinate in the lanes, then the control words.
         nonneg = ops.cast(p >= 0.0, "int32")
         ok = ops.cast(finite, "int64")
@@ -182,12 +174,8 @@ class SignSGDScheme(Scheme):
         tail = ops.cast(payload[lay.words + lay.stats_words:], "int64")
         summed = info.op == "sum" if info.op is not None else says_sum(tail[0], g)
         control = read_control(ops, tail, summed, n, g)
-        words = exact_words(ops, ops.cast(payload[lay.words:lay.words + lay.stats_words], "int64"), summed, n, g)
-        pairs = ops.reshape(unpack(ops, words, lay.stats)[:2 * lay.blocks], (lay.blocks, 2))
-        codes, have = pairs[:, 0:1], pairs[:, 1:2]
-        mean = ops.cast(codes - have * int(_CODE_OFFSET), "float32") / ops.maximum(ops.cast(have, "float32"), 1.0)
-        scale = ops.where(have > 0, ops.exp2(mean * (1.0 / _CODE_SCALE)), 0.0)
-        return ctx._replace(count=control[0], bad=control[1], scale=scale, summed=summed)
+        scale = agreed_scales(ops, payload[lay.words:lay.words + lay.stats_words], summed, n, lay.stats, lay.blocks)
+        return ctx._replace(count=control[0], bad=control[1], scale=ops.reshape(scale, (lay.blocks, 1)), summed=summed)
 
     def decompress(self, ops, payload, ctx, info):
         lay, n, padded = self.layout(info), info.world_size, ops.shape(ctx.nonneg)[0]
@@ -195,11 +183,7 @@ class SignSGDScheme(Scheme):
         # Uncentred lanes: the exact sums are below 2**31, so the lanes unpack in int32.
         lanes = unpack(ops, ops.cast(exact, "int32"), lay.signs)
         positive = ops.cast(lanes[:padded] if lay.signs.lanes * lay.words > padded else lanes, "float32")
-        if isinstance(ctx.summed, bool):
-            factor = ctx.scale if ctx.summed else ctx.scale * (1.0 / n)
-        else:
-            factor = ctx.scale * ops.where(ctx.summed, 1.0, 1.0 / n)
-        factor = factor + ops.where(ctx.bad > 0, float("nan"), 0.0)
+        factor = as_reduced(ops, ctx.scale, ctx.summed, n) + ops.where(ctx.bad > 0, float("nan"), 0.0)
         # S (2 V - c) per block (times 1/n under Average), in two passes over the counts V.
         out = ops.reshape(ops.reshape(positive, (lay.blocks, lay.block)) * (factor * 2.0)
                           - factor * ops.cast(ctx.count, "float32"), (padded,))

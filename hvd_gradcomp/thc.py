@@ -142,9 +142,9 @@ from typing import ClassVar, NamedTuple, Optional
 
 from . import hadamard, rng
 from .base import Scheme, TensorInfo, WireBytes
-from .lanes import MAX_WORLD_SIZE, LaneLayout, exact_words, lane_layout, wire_bits
+from .lanes import MAX_WORLD_SIZE, LaneLayout, exact_words, lane_layout, stats_layout, wire_bits
 from .thc_kernels import (_CONTROL, _Plan, _decode_kernel, _finish_kernel, _noise_bits, _pad, _quantize_kernel,
-                          _receive_kernel, _rotate_kernel, _stats_layout)
+                          _receive_kernel, _rotate_kernel)
 from .options import error_feedback_option, option, seed_option, validate
 
 __all__ = ["THCConfig", "THCState", "THCScheme", "saturation_threshold", "lane_layout",
@@ -291,7 +291,7 @@ class THCScheme(Scheme):
         block = hadamard.block_size(info.numel, None if cfg.rotation == "full" else cfg.rotation_stages)
         padded = hadamard.padded_size(info.numel, block)
         levels = lane_layout(cfg.bits, n, cfg.lane_bits, info.op)
-        stats = _stats_layout(n, levels.guard)
+        stats = stats_layout(n, levels.guard)
         stats_words = 0 if self.blocking else -(-2 * (padded // block) // stats.lanes)
         h = min(13, (31 - levels.guard - n.bit_length()) // 2)
         return Layout(block, padded, padded // block, levels, -(-padded // levels.lanes),

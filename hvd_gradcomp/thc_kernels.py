@@ -8,27 +8,20 @@ import math
 from typing import NamedTuple
 
 from . import hadamard, rng
-from .lanes import LaneLayout, control_words, exact_words, pack as _pack, read_control, says_sum, unpack as _unpack
+from .lanes import (TINY_SCALE, LaneLayout, agreed_scales, as_reduced, control_words, exact_words, pack as _pack,
+                    pack_scales, read_control, says_sum, unpack as _unpack)
 
 __all__ = []  # private to hvd_gradcomp.thc
 
 # Floor of the range in the grid step: keeps L / (2 R) finite for an all-zero block.
 _TINY_RANGE = 1e-30
-# Log codes of the per-block ranges (step 2): code = round(4 log2 r) + 512 in [1, 1023], 10 bits:
-# quarter octaves over all of float32's normal range (an 8-bit code stopped at 2**23.75, which
-# gradients under loss scaling pass).
-_CODE_SCALE, _CODE_OFFSET, _CODE_MAX, _CODE_BITS = 4.0, 512.0, 1023, 10
+# The per-block ranges travel as log codes of lanes.pack_scales (step 2): 10 bits cover
+# all of float32's normal range (an 8-bit code stopped at 2**23.75, which gradients under loss
+# scaling pass).
 # Control words (step 5): contributing, not finite, fingerprint s, s**2.
 _CONTROL = 4
 # float32 1.0: its sign and exponent bits above 23 random mantissa bits read as 1 + U (step 3).
 _ONE_BITS = 0x3F800000
-
-
-def _stats_layout(world_size: int, guard: int) -> LaneLayout:
-    """The statistics' lanes (codes ``0..1023`` and flags summed over ``n`` ranks), unsigned,
-    above the levels' guard bits."""
-    width = (_CODE_MAX * world_size).bit_length()
-    return LaneLayout((31 - guard) // width, width, guard)
 
 
 class _Plan(NamedTuple):
@@ -117,13 +110,8 @@ def _rotate_kernel(ops, plan: _Plan, x, residual, diag, hmat, finite):
     finite = ops.logical_and(finite, ops.all(ops.isfinite(wanted), None))
     if plan.stats is None:
         return y, held, wanted, ops.zeros((0,), "int32", x), finite
-    usable = ops.logical_and(wanted > _TINY_RANGE, finite)
-    code = ops.round(ops.log2(ops.where(usable, wanted, 1.0)) * _CODE_SCALE) + _CODE_OFFSET
-    code = ops.clip(code, 1.0, float(_CODE_MAX))
-    nb = padded // B
-    stats = ops.concat([ops.reshape(ops.where(usable, code, 0.0), (nb, 1)),
-                        ops.reshape(ops.cast(usable, "float32"), (nb, 1))], 1)
-    return y, held, wanted, _pack(ops, ops.cast(ops.reshape(stats, (2 * nb,)), "int32"), plan.stats), finite
+    usable = ops.logical_and(wanted > TINY_SCALE, finite)
+    return y, held, wanted, pack_scales(ops, wanted, usable, plan.stats), finite
 
 
 def _noise_bits(ops, key, blocks: int, block: int, like):
@@ -186,11 +174,7 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mi
     total = ops.reshape(ops.cast(lanes[:padded] if lay.lanes * words > padded else lanes, "float32"), (nb, B))
     # One scale and one offset per block: the decoded sum S delta - c R, times 1/n under
     # Average, times 0 after a fingerprint mismatch, plus NaN when a rank failed.
-    scale = ops.where(mismatch, 0.0, 1.0)
-    if isinstance(summed, bool):
-        scale = scale if summed else scale * (1.0 / n)
-    else:
-        scale = scale * ops.where(summed, 1.0, 1.0 / n)
+    scale = as_reduced(ops, ops.where(mismatch, 0.0, 1.0), summed, n)
     # (S - c R / delta) delta = S delta - c R, with R / delta = top_level / 2 the same for every
     # block: the offset is taken off the integer sums first, not off the scaled values (n R
     # against a small difference: float32 cancellation at large n).
@@ -211,13 +195,8 @@ def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated
     if plan.stats is not None:
         nb, lay = ops.shape(ranges)[0], plan.stats
         stop = ops.shape(payload)[0] - _CONTROL
-        words = ops.cast(payload[stop - (-(-2 * nb // lay.lanes)):stop], "int64")
-        exact = exact_words(ops, words, _summed(plan, inferred), plan.world_size, lay.guard)
-        stats = ops.cast(ops.reshape(_unpack(ops, exact, lay)[:2 * nb], (nb, 2)), "float32")
-        code_sum, have = stats[:, 0], stats[:, 1]
-        # The offset comes off the integer sum first (exact), so the mean is rounded once.
-        mean = (code_sum - have * _CODE_OFFSET) / ops.maximum(have, 1.0)
-        new_ranges = ops.where(have > 0.5, ops.exp2(mean * (1.0 / _CODE_SCALE)), 0.0)
+        words = payload[stop - (-(-2 * nb // lay.lanes)):stop]
+        new_ranges = agreed_scales(ops, words, _summed(plan, inferred), plan.world_size, lay, nb)
     return (ops.where(ok, new_ranges, ranges),
             ops.where(ok, ops.where(mismatch, step * 0, step + 1), step),
             ops.where(ok, realigned + ops.cast(mismatch, "int64"), realigned),

@@ -248,6 +248,20 @@ def _correct_kernel(ops, plan, flat, residual):
     return chunks, guess, scores
 
 
+def _rescored(ops, scores, idx, rows):
+    """``scores`` (float32 [m]) with the selected chunks ``idx`` (int64 [k]) scored as
+    ``rows`` (float32 [k, chunk]), their squared norms: an O(k chunk) fix-up."""
+    fixed = ops.norm(rows, 1)
+    return ops.index_add(scores, idx, fixed * fixed - ops.gather(scores, idx))
+
+
+def _unit_scores(ops, scores):
+    """The scores a rank sends (float32 [m]): non-finite ones as 0, over their largest (at
+    least ``_TINY``)."""
+    scores = ops.where(ops.isfinite(scores), scores, 0.0)
+    return scores / ops.maximum(ops.max(scores, None), _TINY)
+
+
 class TopKCScheme(Scheme):
     """Chunked TopK with rank-agreed chunks (module docstring)."""
 
@@ -320,13 +334,9 @@ class TopKCScheme(Scheme):
             # g + g scores every chunk alike, 4 ||g||^2).
             if cfg.error_feedback:
                 owed = sent * cfg.residual_decay if cfg.residual_decay != 1.0 else sent
-                rows = ops.gather(guess, idx) - owed
-                fixed = ops.norm(rows, 1)
-                scores = ops.index_add(scores, idx, fixed * fixed - ops.gather(scores, idx))
-            scores = ops.where(ops.isfinite(scores), scores, 0.0)
-            top = ops.maximum(ops.max(scores, None), _TINY)
+                scores = _rescored(ops, scores, idx, ops.gather(guess, idx) - owed)
             # Step 6: this rank's vote for the selection it made.
-            payload = ops.concat([payload, ops.cast(scores / top, cfg.payload_dtype),
+            payload = ops.concat([payload, ops.cast(_unit_scores(ops, scores), cfg.payload_dtype),
                                   self._vote(ops, idx, info, x)], 0)
         return poison(ops, payload, finite), _TopKCCtx(idx, left, sent)
 
@@ -350,12 +360,8 @@ class TopKCScheme(Scheme):
         # Next step's scores: ||g - h_i'|| per chunk with this step's g, i.e. c with the sent
         # chunks' remainder (fp16 rounding, saturation) in place of the selected rows.
         norms = ops.norm(chunks, 1)
-        scores = norms * norms
-        fixed = ops.norm(picked - sent, 1)
-        scores = ops.index_add(scores, idx, fixed * fixed - ops.gather(scores, idx))
-        scores = ops.where(ops.isfinite(scores), scores, 0.0)
-        top = ops.maximum(ops.max(scores, None), _TINY)
-        payload = ops.concat([ops.reshape(wire, (k * cfg.chunk,)), ops.cast(scores / top, cfg.payload_dtype),
+        scores = _unit_scores(ops, _rescored(ops, norms * norms, idx, picked - sent))
+        payload = ops.concat([ops.reshape(wire, (k * cfg.chunk,)), ops.cast(scores, cfg.payload_dtype),
                               self._vote(ops, idx, info, x, state.step)], 0)
         return poison(ops, payload, finite), _EF21Ctx(idx, sent, state.estimate, v)
 
@@ -395,25 +401,21 @@ class TopKCScheme(Scheme):
         return k * self.config.chunk + m
 
     def _dense(self, ops, payload, idx, split, info):
-        """float32 [d]: the all-reduced C's scattered into zeros (times 0 after a split)."""
+        """float32 [d]: the all-reduced chunks (EF21: the C's) scattered into zeros, times 0
+        after a split (``split`` None: no vote, ``selection="current"``). Times 0, not a plain
+        0: a NaN from a failed rank must still reach the output."""
         cfg = self.config
         m, k, _ = self._sizes(info)
         rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
-        scale = ops.where(split, 0.0, info.unscale)
+        scale = info.unscale if split is None else ops.where(split, 0.0, info.unscale)
         return ops.reshape(ops.scatter(idx, rows * scale, (m, cfg.chunk)), (m * cfg.chunk,))[:info.numel]
 
     def decompress(self, ops, payload, ctx, info):
         if self.ef21:  # H' = H + the all-reduced C's; 0 after a split (NaN stays NaN)
             return ctx.new * ops.where(ctx.split, 0.0, 1.0)
-        cfg = self.config
-        m, k, _ = self._sizes(info)
-        rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
-        scale = info.unscale
-        if not self.blocking:  # ranks that selected different chunks: 0, never a wrong sum
-            # (times 0, not a plain 0: a NaN from a failed rank must still reach the output)
-            scale = ops.where(ctx.split, 0.0, scale)
-        dense = ops.scatter(ctx.idx, rows * scale, (m, cfg.chunk))
-        return ops.reshape(dense, (m * cfg.chunk,))[:info.numel]
+        # Ranks that selected different chunks ("previous"): 0, never a wrong sum; "current"
+        # sets no split.
+        return self._dense(ops, payload, ctx.idx, ctx.split, info)
 
     def finish(self, ops, payload, ctx, state, info):
         """Residual and agreed scores move on iff the all-reduced payload is finite; after a

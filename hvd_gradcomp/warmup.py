@@ -75,7 +75,7 @@ def _wrapped_type(inner_type):
 class _WarmupCtx(NamedTuple):
     warm: bool  # a warm-up step (FP16 payload)
     inner: object  # the scheme's ctx (compressed steps)
-    own: object  # float32 [d]: this rank's gradient as decoded (warm-up steps)
+    half: object  # float16 [d]: this rank's pre-scaled gradient as sent (warm-up steps)
 
 
 class WarmupScheme(Scheme):
@@ -127,8 +127,7 @@ class WarmupScheme(Scheme):
         # Pre-scaled as the fp16 scheme (1/n, or 1 where the all-reduce divides by n itself).
         half = ops.cast(ops.reshape(x, (info.numel,)) * info.prescale, "float16")
         control = ops.cast(ops.constant([info.prescale, ready * info.prescale], "float32", x), "float16")
-        own = ops.cast(half, "float32") * info.unscale
-        return poison(ops, ops.concat([half, control], 0), finite), _WarmupCtx(True, None, own)
+        return poison(ops, ops.concat([half, control], 0), finite), _WarmupCtx(True, None, half)
 
     def receive(self, ops, payload, ctx, info):
         if ctx.warm:
@@ -155,7 +154,8 @@ class WarmupScheme(Scheme):
         complete = joined > full * (1.0 - 0.5 / n) if full is not None else joined > 0
         if complete and ready > 0:
             aggregate = ops.cast(payload[:d], "float32") * info.unscale
-            inner_state = composite.hand_over(self.inner, ops, inner_state, ctx.own, aggregate, info)
+            own = ops.cast(ctx.half, "float32") * info.unscale  # decoded at the hand-over only
+            inner_state = composite.hand_over(self.inner, ops, inner_state, own, aggregate, info)
             self._done[info.key] = -1
             return type(state)(*inner_state, count * 0 - 1)
         self._done[info.key] += 1
