@@ -1,0 +1,271 @@
+"""hvd-gradcomp's compressors on FSDP2's all-reduce across replicas (HSDP).
+
+Usage, for a model already sharded by ``fully_shard``::
+
+    from torch.distributed.fsdp import fully_shard
+    from torch_backend import Compression
+    from torch_backend.fsdp import install
+    mesh = init_device_mesh("cuda", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    comp = install(model, Compression.thc())      # every rank, before the first backward
+
+or with a shard-only mesh and the replicas' process group given separately:
+``fully_shard(..., mesh=mesh["shard"])`` then ``install(model, comp,
+replicate_group=mesh.get_group("replicate"))``.
+
+**Where it acts.** FSDP2 reduce-scatters each parameter group's gradient within the shard group
+and then, under HSDP, all-reduces the shard across the replicas (``foreach_reduce`` in
+``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, PyTorch 2.13). That all-reduce
+over the slow link is replaced by our compressor: :func:`install` sets
+``FSDPModule.set_all_reduce_hook`` on every FSDP module. The hook receives the flat,
+reduce-scattered shard gradient (the group's parameters' dim-0 shards, padded, concatenated;
+the reduce dtype), compresses it under the shard's key (:meth:`Compressor.encode`), sums the
+payload with one ``dist.all_reduce`` on the replicas' group, decodes and writes the result in
+place; FSDP then divides and writes the parameters' ``.grad``. On a 2-D mesh FSDP would run its
+own all-reduce *before* the hook, so :func:`install` turns it off by giving each parameter
+group a shard-only mesh description over the same mesh (the parameters and gradients stay
+DTensors on the 2-D mesh, ``(Replicate(), Shard(0))``): a private attribute of PyTorch 2.13
+(``FSDPParamGroup.mesh_info``), checked at install (a clear error on versions without it).
+
+**Divide factors.** FSDP divides the reduce-scattered shard by the shard group's size (or a
+pre- and post-divide pair for float16 reduction); the hook then divides the replicas' decoded
+sum by the number of replicas R, so the gradient is the mean over all S x R ranks, as native
+HSDP's. With ``set_gradient_divide_factor(f)`` FSDP applies ``f`` alone and the hook sums (the
+total is the sum over all ranks / f, as native HSDP's); ``set_force_sum_reduction_for_comms``
+changes nothing here (the hook always sums).
+
+**Identity.** Each FSDP parameter group's shard (a flat vector; a group of one matrix
+parameter sharded on dim 0: its rows, ``[rows, width]``, so PowerSGD takes it) is keyed ``"<module path>[shard i/S]"`` (the
+root module's path is ``<root>``): equal on every replica, stable across steps, distinct per
+shard rank. Routing rules (``Compression.rules``) match the parameter's name where the group
+holds one parameter (``"head.weight"``), else the module's path (``"layers.0"``); each shard
+keeps its own state (error feedback, scores, ranges, bases, ``auto``'s choice).
+
+**Accumulation.** ``set_requires_gradient_sync(False)`` skips FSDP's reduction altogether (no
+hook call). ``set_requires_all_reduce(False)`` (reduce-scatter each micro-batch, all-reduce
+once): the hook keeps the reduce-scattered shards and hands FSDP zeros, then compresses their
+sum at the step whose all-reduce is on again, as native HSDP does.
+
+**Mixed precision and offload.** ``MixedPrecisionPolicy(reduce_dtype=torch.float16 or
+bfloat16)`` (or half-precision parameters without a reduce dtype): the shard is compressed in
+that dtype, decoded and divided in float32 and cast back with the excess beyond float16's
+range kept in error feedback (:meth:`Compressor.decode`). ``CPUOffloadPolicy``: the hook runs on
+the compute device before FSDP copies the gradient to the CPU; the compressor's state lives on
+that device.
+
+**Checkpoints.** The compressor is bound to the replicas' group
+(:class:`~torch_backend.engine.ProcessGroupEngine`): ``comp.state_dict()`` is this rank's
+state (its shards' error feedback), saved with the rank's model and optimizer shards and
+loaded on the same rank after :func:`install` (``comp.load_state_dict(sd)``); resumes exactly.
+
+Refused with a clear error, before any collective, on every rank: a model that is not an
+``FSDPModule``, a compressor that is a factory or is bound already, blocking two-round
+variants, a shard-only mesh without ``replicate_group``, a ``replicate_group`` other than the
+2-D mesh's, a module with several parameter groups (``shard_placement_fn`` with several
+meshes) or with an all-reduce hook already, and replicas whose shard ranks or shard sizes
+differ (checked by one ``all_gather_object`` on the replicas' group at install).
+"""
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .compression import Compressor
+from .engine import ProcessGroupEngine
+
+__all__ = ["install", "shard_key"]
+
+
+def shard_key(path: str, shard_rank: int, shard_size: int) -> str:
+    """The key of an FSDP module's shard: ``"<path>[shard <rank>/<size>]"`` (root: ``<root>``)."""
+    return f"{path or '<root>'}[shard {shard_rank}/{shard_size}]"
+
+
+def _fsdp_api():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    except ImportError as e:  # pragma: no cover - PyTorch < 2.6
+        raise RuntimeError(f"torch_backend.fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, "
+                           f"PyTorch >= 2.6; tested with 2.13); this PyTorch is {torch.__version__}: {e}")
+    return FSDPModule, FSDPMeshInfo, HSDPMeshInfo
+
+
+def _param_groups(module, where):
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None or any(not hasattr(g, "mesh_info") or not hasattr(g, "_all_reduce_hook") for g in groups):
+        raise RuntimeError(f"install: FSDP module {where!r}: this PyTorch ({torch.__version__}) has no "
+                           f"FSDPParamGroup.mesh_info/_all_reduce_hook (written against 2.13)")
+    return groups
+
+
+def _same_ranks(a, b) -> bool:
+    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
+class _Shard(NamedTuple):
+    """One FSDP module's parameter group as :func:`install` finds it."""
+    path: str
+    module: object
+    fsdp_group: object  # FSDPParamGroup
+    rank: int  # shard rank
+    size: int  # shard group's size
+    label: str  # what routing rules match
+    replicas: object  # the replicas' process group
+    width: Optional[int]  # a one-matrix group's row width, else None
+
+
+class _ShardHook:
+    """The all-reduce hook of one FSDP parameter group: compress the shard, sum the payload
+    across replicas, decode, divide, write in place (module docstring)."""
+
+    def __init__(self, comp, group, fsdp_group, key, label, replicas, width):
+        self.comp, self.group, self.fsdp_group = comp, group, fsdp_group
+        self.key, self.label, self.replicas = key, label, replicas
+        self.width = width  # a one-matrix group's row width: its shard is encoded as [rows, width]
+        self.partial = None  # reduce-scattered shards kept while all-reduce is off
+
+    def __call__(self, output: torch.Tensor) -> None:
+        with torch.no_grad():
+            if not self.fsdp_group.all_reduce_grads:  # set_requires_all_reduce(False)
+                self.partial = output.clone() if self.partial is None else self.partial + output
+                output.zero_()
+                return
+            if self.partial is not None:
+                output.add_(self.partial)
+                self.partial = None
+            shard = output if self.width is None else output.view(-1, self.width)
+            payload, ctx = self.comp.encode(shard, self.key, op="sum", group=self.group, label=self.label)
+            if payload is shard:  # an identity route: sum a copy, write it back below
+                payload = payload.clone()
+            dist.all_reduce(payload, group=self.group)
+            # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
+            divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
+            out = self.comp.decode(payload, ctx, divide=divide)
+            output.copy_(out.reshape(output.shape))
+
+
+def install(model, compressor, replicate_group=None):
+    """Compress FSDP2's all-reduce across replicas with ``compressor``.
+
+    Args:
+        model: the root module, ``fully_shard``-ed (an ``FSDPModule``), with its sub-modules
+            sharded before it; on a 2-D ``(replicate, shard)`` DeviceMesh, or on a shard-only
+            mesh with ``replicate_group``.
+        compressor: a compressor from ``torch_backend.Compression`` (any spec, rules and
+            ``auto`` included), new or loaded from nothing yet, used by no other model.
+        replicate_group: the process group of this rank's replicas (the ranks holding the same
+            shards): required with a shard-only mesh; with a 2-D mesh None or the mesh's own
+            replicate group.
+
+    Every rank calls it at the same point (one ``all_gather_object`` on the replicas' group
+    checks that they agree on the shards; ``auto`` without ``bandwidth_gbit`` measures the
+    link there). Returns the compressor, bound to the replicas' group: ranks, world size
+    (the number of replicas R), ``state_dict``/``load_state_dict``.
+
+    Raises:
+        TypeError: ``model`` is not an FSDP module, ``compressor`` not a PyTorch compressor
+            (or a factory such as ``Compression.fp16`` without the call).
+        ValueError: the compressor is bound already or routes a tensor to a blocking variant;
+            no replicas' group (shard-only mesh without ``replicate_group``), a
+            ``replicate_group`` that is not the mesh's, an FSDP module with several parameter
+            groups or an all-reduce hook already, replicas that disagree on shard ranks, sizes
+            or layout. Raised on every rank before the hook is set.
+        RuntimeError: a PyTorch without FSDP2 or without the internals named above.
+    """
+    FSDPModule, FSDPMeshInfo, HSDPMeshInfo = _fsdp_api()
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"install: expected a module sharded by fully_shard (an FSDPModule), got "
+                        f"{type(model).__name__}; call fully_shard(model, mesh=...) first")
+    if not isinstance(compressor, Compressor):
+        what = repr(compressor)
+        hint = f"; pass {what}() (with options, if any)" if what.startswith("Compression.") else ""
+        raise TypeError(f"install: expected a compressor from torch_backend.Compression, got {what}{hint}")
+    if compressor.engine is not None:
+        raise ValueError(f"install: compressor {compressor.spec!r} is already bound to "
+                         f"{compressor.engine!r}; each model needs its own (its state is kept per shard)")
+    blocking = sorted({s.spec() for s in compressor.routing.schemes() if s.blocking})
+    if blocking:
+        raise ValueError(f"install: {compressor.spec!r} routes tensors to {blocking}, blocking "
+                         f"two-round variants whose side all-reduce is Horovod's; use the "
+                         f"scheme's default single-collective variant on FSDP")
+    names = {p: n for n, p in model.named_parameters()}
+    entries = []
+    for path, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = _param_groups(module, path or "<root>")
+        if not groups:
+            continue  # no parameters of its own
+        if len(groups) > 1:
+            raise ValueError(f"install: FSDP module {path or '<root>'!r} has {len(groups)} parameter "
+                             f"groups (shard_placement_fn with several meshes); FSDP's all-reduce "
+                             f"hook takes one per module")
+        (g,) = groups
+        if g._all_reduce_hook is not None:
+            raise ValueError(f"install: FSDP module {path or '<root>'!r} has an all-reduce hook "
+                             f"already (install called twice, or set_all_reduce_hook by hand)")
+        info = g.mesh_info
+        if not isinstance(info, FSDPMeshInfo):
+            raise ValueError(f"install: FSDP module {path or '<root>'!r} is replicated, not sharded "
+                             f"({type(info).__name__}); install needs fully_shard")
+        if isinstance(info, HSDPMeshInfo):
+            group = info.replicate_process_group
+            if replicate_group is not None and not _same_ranks(group, replicate_group):
+                raise ValueError(f"install: replicate_group holds ranks "
+                                 f"{dist.get_process_group_ranks(replicate_group)}, but FSDP module "
+                                 f"{path or '<root>'!r} is replicated over "
+                                 f"{dist.get_process_group_ranks(group)} by its 2-D mesh; pass "
+                                 f"replicate_group=None")
+        else:
+            if replicate_group is None:
+                raise ValueError(f"install: FSDP module {path or '<root>'!r} is on a shard-only mesh "
+                                 f"of {info.shard_mesh_size} ranks; pass replicate_group= (the "
+                                 f"ranks holding the same shards, e.g. mesh2d.get_group('replicate')) "
+                                 f"or shard on a 2-D (replicate, shard) mesh")
+            group = replicate_group
+        members = [fp.sharded_param for fp in g.fsdp_params]
+        label = names.get(members[0], path) if len(members) == 1 else (path or "<root>")
+        width = None
+        if len(members) == 1 and members[0].ndim >= 2 and g.fsdp_params[0].fsdp_placement.dim == 0:
+            width = members[0].numel() // members[0].shape[0]
+        entries.append(_Shard(path, module, g, info.shard_mesh_rank, info.shard_mesh_size, label, group, width))
+    if not entries:
+        raise ValueError("install: the model has no FSDP module holding parameters")
+    group = entries[0].replicas
+    for e in entries[1:]:
+        if not _same_ranks(e.replicas, group):
+            raise ValueError(f"install: FSDP module {e.path or '<root>'!r} is replicated over ranks "
+                             f"{dist.get_process_group_ranks(e.replicas)}, others over "
+                             f"{dist.get_process_group_ranks(group)}; one compressor needs one "
+                             f"replicas' group")
+    layout = [(e.path, e.rank, e.size, sum(fp.sharded_param.to_local().numel() for fp in e.fsdp_group.fsdp_params))
+              for e in entries]
+    engine = ProcessGroupEngine(group)
+    seen = engine.gather(layout)
+    if any(other != layout for other in seen):
+        bad = next(i for i, other in enumerate(seen) if other != layout)
+        raise ValueError(f"install: replica {bad} of this rank's replicas' group "
+                         f"{dist.get_process_group_ranks(group)} holds other shards "
+                         f"{seen[bad][:3]} than this rank {layout[:3]} (module path, shard rank, "
+                         f"shard size, numel): replicate_group must join the ranks with the same "
+                         f"shard rank of equal shard meshes")
+    compressor.bind_engine(engine)
+    replicas, _ = engine.world()
+    if any(s.adaptive and s.link is None for s in compressor.routing.schemes()):
+        like = entries[0].fsdp_group.fsdp_params[0].sharded_param.to_local()
+        compressor.calibrate(like=like.detach())
+    for e in entries:
+        g = e.fsdp_group
+        if isinstance(g.mesh_info, HSDPMeshInfo):  # turn FSDP's own all-reduce off (docstring)
+            old = g.mesh_info
+            new = FSDPMeshInfo(old.mesh, shard_mesh_dim=old.shard_mesh_dim, dp_mesh_dims=old.dp_mesh_dims,
+                               spmd_mesh=old.spmd_mesh)
+            new.reduce_scatter_process_group = old.reduce_scatter_process_group
+            g.mesh_info = new
+        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, shard_key(e.path, e.rank, e.size),
+                                                e.label, replicas, e.width))
+    return compressor
