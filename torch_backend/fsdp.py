@@ -21,8 +21,9 @@ and then, under HSDP, all-reduces the shard across the replicas (``foreach_reduc
 over the slow link is replaced by our compressor: :func:`install` sets
 ``FSDPModule.set_all_reduce_hook`` on every FSDP module. The hook receives the flat,
 reduce-scattered shard gradient (the group's parameters' dim-0 shards, padded, concatenated;
-the reduce dtype), compresses it under the shard's key (:meth:`Compressor.encode`), sums the
-payload with one ``dist.all_reduce`` on the replicas' group, decodes and writes the result in
+the reduce dtype), compresses each part (see Identity) under its key
+(:meth:`Compressor.encode`), sums the payloads with one ``dist.all_reduce`` per payload dtype
+on the replicas' group, decodes and writes the results in
 place; FSDP then divides and writes the parameters' ``.grad``. On a 2-D mesh FSDP would run its
 own all-reduce *before* the hook, so :func:`install` turns it off by giving each parameter
 group a shard-only mesh description over the same mesh (the parameters and gradients stay
@@ -36,12 +37,15 @@ HSDP's. With ``set_gradient_divide_factor(f)`` FSDP applies ``f`` alone and the 
 total is the sum over all ranks / f, as native HSDP's); ``set_force_sum_reduction_for_comms``
 changes nothing here (the hook always sums).
 
-**Identity.** Each FSDP parameter group's shard (a flat vector; a group of one matrix
-parameter sharded on dim 0: its rows, ``[rows, width]``, so PowerSGD takes it) is keyed ``"<module path>[shard i/S]"`` (the
-root module's path is ``<root>``): equal on every replica, stable across steps, distinct per
-shard rank. Routing rules (``Compression.rules``) match the parameter's name where the group
-holds one parameter (``"head.weight"``), else the module's path (``"layers.0"``); each shard
-keeps its own state (error feedback, scores, ranges, bases, ``auto``'s choice).
+**Identity.** ``per="param"`` (default): each parameter's shard is one tensor, viewed in its
+padded shard shape (``[rows, ...]``: PowerSGD takes matrices), keyed ``"<parameter
+name>[shard i/S]"`` and routed by the parameter's name (``"*.bias -> fp16"``), as the DDP hook
+routes. ``per="group"``: the FSDP module's whole flat shard is one tensor (fewer, larger
+tensors: one codec call per module; a group of several parameters is a vector, which PowerSGD
+refuses, so it is sent as fp16), keyed ``"<module path>[shard i/S]"`` (the root: ``<root>``)
+and routed by the module's path (``"layers.0"``), or by the parameter's name where the group
+holds one. Either key is equal on every replica, stable across steps and distinct per shard
+rank; each keeps its own state (error feedback, scores, ranges, bases, ``auto``'s choice).
 
 **Accumulation.** ``set_requires_gradient_sync(False)`` skips FSDP's reduction altogether (no
 hook call). ``set_requires_all_reduce(False)`` (reduce-scatter each micro-batch, all-reduce
@@ -67,7 +71,8 @@ variants, a shard-only mesh without ``replicate_group``, a ``replicate_group`` o
 meshes) or with an all-reduce hook already, and replicas whose shard ranks or shard sizes
 differ (checked by one ``all_gather_object`` on the replicas' group at install).
 """
-from typing import NamedTuple, Optional
+import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -113,19 +118,43 @@ class _Shard(NamedTuple):
     fsdp_group: object  # FSDPParamGroup
     rank: int  # shard rank
     size: int  # shard group's size
-    label: str  # what routing rules match
+    names: list  # its parameters' names, in the group's (and the flat shard's) order
     replicas: object  # the replicas' process group
-    width: Optional[int]  # a one-matrix group's row width, else None
+
+
+class _Segment(NamedTuple):
+    """A part of the flat shard gradient that is compressed as one tensor."""
+    key: str
+    label: str  # what routing rules match
+    offset: int
+    shape: tuple  # its view: a parameter's padded shard shape, or flat
+
+
+def _segments(shard: _Shard, per: str) -> list:
+    """The flat shard's layout (``foreach_reduce``: each parameter's padded dim-0 shard, in the
+    group's order) cut into what is compressed as one tensor: per parameter, or the whole
+    group (a group of one parameter: that parameter's shape)."""
+    params = shard.fsdp_group.fsdp_params
+    shapes = [tuple(fp.padded_sharded_param_size) for fp in params]
+    if per == "group":
+        label = shard.names[0] if len(params) == 1 else (shard.path or "<root>")
+        shape = shapes[0] if len(params) == 1 else (sum(math.prod(s) for s in shapes),)
+        return [_Segment(shard_key(shard.path, shard.rank, shard.size), label, 0, shape)]
+    out, offset = [], 0
+    for name, shape in zip(shard.names, shapes):
+        out.append(_Segment(shard_key(name, shard.rank, shard.size), name, offset, shape))
+        offset += math.prod(shape)
+    return out
 
 
 class _ShardHook:
-    """The all-reduce hook of one FSDP parameter group: compress the shard, sum the payload
-    across replicas, decode, divide, write in place (module docstring)."""
+    """The all-reduce hook of one FSDP parameter group: compress each segment of the shard, sum
+    the payloads across replicas (one all-reduce per payload dtype), decode, divide, write in
+    place (module docstring)."""
 
-    def __init__(self, comp, group, fsdp_group, key, label, replicas, width):
+    def __init__(self, comp, group, fsdp_group, segments, replicas):
         self.comp, self.group, self.fsdp_group = comp, group, fsdp_group
-        self.key, self.label, self.replicas = key, label, replicas
-        self.width = width  # a one-matrix group's row width: its shard is encoded as [rows, width]
+        self.segments, self.replicas = segments, replicas
         self.partial = None  # reduce-scattered shards kept while all-reduce is off
 
     def __call__(self, output: torch.Tensor) -> None:
@@ -137,18 +166,27 @@ class _ShardHook:
             if self.partial is not None:
                 output.add_(self.partial)
                 self.partial = None
-            shard = output if self.width is None else output.view(-1, self.width)
-            payload, ctx = self.comp.encode(shard, self.key, op="sum", group=self.group, label=self.label)
-            if payload is shard:  # an identity route: sum a copy, write it back below
-                payload = payload.clone()
-            dist.all_reduce(payload, group=self.group)
+            entries, by_dtype = [], {}
+            for seg in self.segments:
+                view = output[seg.offset:seg.offset + math.prod(seg.shape)].view(seg.shape)
+                payload, ctx = self.comp.encode(view, seg.key, op="sum", group=self.group, label=seg.label)
+                by_dtype.setdefault(payload.dtype, []).append(len(entries))
+                entries.append((payload, ctx, view))
             # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
             divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
-            out = self.comp.decode(payload, ctx, divide=divide)
-            output.copy_(out.reshape(output.shape))
+            for dtype in sorted(by_dtype, key=str):
+                members = by_dtype[dtype]
+                flat = torch.cat([entries[i][0].reshape(-1) for i in members])  # a copy
+                dist.all_reduce(flat, group=self.group)
+                offset = 0
+                for i in members:
+                    payload, ctx, view = entries[i]
+                    summed = flat[offset:offset + payload.numel()].view(payload.shape)
+                    offset += payload.numel()
+                    view.copy_(self.comp.decode(summed, ctx, divide=divide).reshape(view.shape))
 
 
-def install(model, compressor, replicate_group=None):
+def install(model, compressor, replicate_group=None, per="param"):
     """Compress FSDP2's all-reduce across replicas with ``compressor``.
 
     Args:
@@ -160,6 +198,9 @@ def install(model, compressor, replicate_group=None):
         replicate_group: the process group of this rank's replicas (the ranks holding the same
             shards): required with a shard-only mesh; with a 2-D mesh None or the mesh's own
             replicate group.
+        per: ``"param"`` (default): one compressed tensor per parameter shard, keyed and routed
+            by the parameter's name; ``"group"``: one per FSDP module's shard (module
+            docstring, Identity).
 
     Every rank calls it at the same point (one ``all_gather_object`` on the replicas' group
     checks that they agree on the shards; ``auto`` without ``bandwidth_gbit`` measures the
@@ -169,7 +210,8 @@ def install(model, compressor, replicate_group=None):
     Raises:
         TypeError: ``model`` is not an FSDP module, ``compressor`` not a PyTorch compressor
             (or a factory such as ``Compression.fp16`` without the call).
-        ValueError: the compressor is bound already or routes a tensor to a blocking variant;
+        ValueError: ``per`` is neither; the compressor is bound already or routes a tensor to a
+            blocking variant;
             no replicas' group (shard-only mesh without ``replicate_group``), a
             ``replicate_group`` that is not the mesh's, an FSDP module with several parameter
             groups or an all-reduce hook already, replicas that disagree on shard ranks, sizes
@@ -177,6 +219,8 @@ def install(model, compressor, replicate_group=None):
         RuntimeError: a PyTorch without FSDP2 or without the internals named above.
     """
     FSDPModule, FSDPMeshInfo, HSDPMeshInfo = _fsdp_api()
+    if per not in ("param", "group"):
+        raise ValueError(f"install: per must be 'param' or 'group', got {per!r}")
     if not isinstance(model, FSDPModule):
         raise TypeError(f"install: expected a module sharded by fully_shard (an FSDPModule), got "
                         f"{type(model).__name__}; call fully_shard(model, mesh=...) first")
@@ -227,12 +271,11 @@ def install(model, compressor, replicate_group=None):
                                  f"ranks holding the same shards, e.g. mesh2d.get_group('replicate')) "
                                  f"or shard on a 2-D (replicate, shard) mesh")
             group = replicate_group
-        members = [fp.sharded_param for fp in g.fsdp_params]
-        label = names.get(members[0], path) if len(members) == 1 else (path or "<root>")
-        width = None
-        if len(members) == 1 and members[0].ndim >= 2 and g.fsdp_params[0].fsdp_placement.dim == 0:
-            width = members[0].numel() // members[0].shape[0]
-        entries.append(_Shard(path, module, g, info.shard_mesh_rank, info.shard_mesh_size, label, group, width))
+        members = [names.get(fp.sharded_param) for fp in g.fsdp_params]
+        if None in members:
+            raise ValueError(f"install: FSDP module {path or '<root>'!r} holds a parameter that "
+                             f"model.named_parameters() does not name; install on the root module")
+        entries.append(_Shard(path, module, g, info.shard_mesh_rank, info.shard_mesh_size, members, group))
     if not entries:
         raise ValueError("install: the model has no FSDP module holding parameters")
     group = entries[0].replicas
@@ -266,6 +309,5 @@ def install(model, compressor, replicate_group=None):
                                spmd_mesh=old.spmd_mesh)
             new.reduce_scatter_process_group = old.reduce_scatter_process_group
             g.mesh_info = new
-        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, shard_key(e.path, e.rank, e.size),
-                                                e.label, replicas, e.width))
+        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, _segments(e, per), replicas))
     return compressor

@@ -3,9 +3,10 @@ processes.
 
 The workers shard a probe model whose loss is ``sum(p * G_r[p])``, so rank ``r``'s gradient of
 parameter ``p`` at step ``t`` is ``G_r[p]``, a seeded normal tensor every process can rebuild.
-Its FSDP modules: ``blk`` (``w`` 64x64 and ``b`` 64: a group of two, keyed and routed by the
-module path), ``head`` (``v`` 33x64: one matrix, routed by its name ``head.v``, 33 rows so the
-last shard is padded) and the root (``s``, 10 values: fp16 below ``min_numel``). Ranks
+Its FSDP modules: ``blk`` (``w`` 64x64 and ``b`` 64: a group of two), ``head`` (``v`` 33x64:
+one matrix, 33 rows so the last shard is padded) and the root (``s``, 10 values: fp16 below
+``min_numel``). Each scheme runs with ``per="param"`` (a key per parameter shard), TopKC and
+PowerSGD also with ``per="group"`` (a key per module shard: ``blk``'s is a vector). Ranks
 ``q * S + s`` of an R x S mesh hold shard ``s`` of replica ``q``; FSDP reduce-scatters (and
 averages) within a replica, the hook compresses across replicas.
 
@@ -13,14 +14,15 @@ Checks, against float64 recomputed here: every rank ends with the same full grad
 parameters (SGD); fp16 and TopKC equal the reference (tests/reference.py, on each replica's
 flat shard) to float16 rounding; for every scheme error feedback's balance (what the steps
 delivered plus the replicas' mean pending residual, mapped back from the shards to the
-parameters, is the sum of the mean gradients over all ranks); exact resume of model,
+parameters, is the sum of the mean gradients over all ranks); keys and routes per shard;
+exact resume of model,
 optimizer and compressor from per-rank checkpoints; identical keys and routes on every
 replica; the uncompressed route (fp32) equal to native HSDP bit for bit.
 
 Launches (each kills its process group at its timeout):
 1. two ranks, a shard-only mesh of one rank per replica and the replicas' group given
-   (``replicate_group=``): the six default schemes; routing rules by parameter name and module
-   path; ``set_gradient_divide_factor``; ``set_requires_all_reduce(False)`` accumulation;
+   (``replicate_group=``): the six default schemes; routing rules by parameter name (and by
+   module path, per group); ``set_gradient_divide_factor``; ``set_requires_all_reduce(False)`` accumulation;
    ``MixedPrecisionPolicy(reduce_dtype=float16)``; ``CPUOffloadPolicy``; the refusals;
 2. four ranks, a 2 x 2 (replicate, shard) DeviceMesh: the six schemes, fp32 against native
    HSDP, resume.
@@ -37,6 +39,7 @@ from tests.reference import RefFp16, RefTopKC
 SHAPES = {"s": (10,), "blk.w": (64, 64), "blk.b": (64,), "head.v": (33, 64)}
 GROUPS = {"": ["s"], "blk": ["blk.w", "blk.b"], "head": ["head.v"]}  # FSDP module -> its parameters
 SPECS = ["fp16", "topkc:0.1", "thc", "powersgd:2", "signsgd", "auto"]
+GROUP_SPECS = ["topkc:0.1", "powersgd:2"]  # also run with per="group"
 STEPS = 4
 RESUME = 2
 LR = 0.1
@@ -117,8 +120,8 @@ def _residuals(comp):
     return out
 
 
-def _train(mesh, spec, tmp, replicate_group=None, resume=True):
-    """STEPS steps of ``spec``; then, from per-rank checkpoints of model, optimizer and
+def _train(mesh, spec, tmp, replicate_group=None, resume=True, per="param"):
+    """STEPS steps of ``spec`` (``per`` as install takes it); then, from per-rank checkpoints of model, optimizer and
     compressor, RESUME more steps of the continued and of a rebuilt run."""
     import torch
     import torch.distributed as dist
@@ -126,16 +129,16 @@ def _train(mesh, spec, tmp, replicate_group=None, resume=True):
     from torch_backend.fsdp import install
     rank = dist.get_rank()
     model, opt = _build(mesh)
-    comp = install(model, Compression.from_spec(spec), replicate_group=replicate_group)
+    comp = install(model, Compression.from_spec(spec), replicate_group=replicate_group, per=per)
     outs = [_step(model, opt, grads_of(rank, t)) for t in range(STEPS)]
     rec = {"outs": outs, "residuals": _residuals(comp), "routes": comp.routes(), "params": _params(model),
            "worlds": sorted({(i.world_size, i.rank) for i in comp._infos.values()})}
     if resume:
-        path = os.path.join(tmp, f"{spec}-rank{rank}.pt")
+        path = os.path.join(tmp, f"{spec}-{per}-rank{rank}.pt")
         torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "comp": comp.state_dict()}, path)
         dist.barrier()
         model2, opt2 = _build(mesh)
-        comp2 = install(model2, Compression.from_spec(spec), replicate_group=replicate_group)
+        comp2 = install(model2, Compression.from_spec(spec), replicate_group=replicate_group, per=per)
         ckpt = torch.load(path, weights_only=False)
         model2.load_state_dict(ckpt["model"])
         opt2.load_state_dict(ckpt["optim"])
@@ -160,11 +163,15 @@ def two_worker(tmp):
     mesh2d = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     shard, group = mesh2d["shard"], mesh2d.get_group("replicate")
     out = {spec: _train(shard, spec, tmp, replicate_group=group) for spec in SPECS}
-    # routing rules: by parameter name where a group holds one, by module path otherwise
-    model, opt = _build(shard)
-    comp = install(model, Compression.from_spec("head.v -> topkc:0.1; blk -> thc; fp16"), replicate_group=group)
-    _step(model, opt, grads_of(rank, 0))
-    out["rules"] = comp.routes()
+    for spec in GROUP_SPECS:
+        out[f"{spec} per group"] = _train(shard, spec, tmp, replicate_group=group, per="group")
+    # routing rules: by parameter name; per group: by module path where a group holds several
+    for per, rules in (("param", "head.v -> topkc:0.1; *.w -> thc; fp16"),
+                       ("group", "head.v -> topkc:0.1; blk -> thc; fp16")):
+        model, opt = _build(shard)
+        comp = install(model, Compression.from_spec(rules), replicate_group=group, per=per)
+        _step(model, opt, grads_of(rank, 0))
+        out[f"rules {per}"] = comp.routes()
     # set_gradient_divide_factor(1): the sum over all ranks, as native HSDP's
     model, opt = _build(shard)
     model.set_gradient_divide_factor(1.0)
@@ -216,6 +223,8 @@ def four_worker(tmp):
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {spec: _train(mesh, spec, tmp) for spec in SPECS}
+    for spec in GROUP_SPECS:
+        out[f"{spec} per group"] = _train(mesh, spec, tmp, per="group")
     out["none"] = _train(mesh, "none", tmp, resume=False)
     model, opt = _build(mesh)  # native HSDP, no hook
     out["native"] = [_step(model, opt, grads_of(rank, t)) for t in range(STEPS)]
@@ -258,8 +267,11 @@ def _unshard(name, parts, size):
     return full.reshape(SHAPES[name])
 
 
-def _segments(name, flat, size):
-    """The segment of parameter ``name`` in its group's flat shard ``flat``."""
+def _segments(name, flat, size, per="param"):
+    """The segment of parameter ``name`` in the flat tensor of its key: per parameter the
+    whole; per group its part of the module's flat shard."""
+    if per == "param":
+        return flat
     module = name.rpartition(".")[0]
     offset = 0
     for other in GROUPS[module]:
@@ -270,29 +282,33 @@ def _segments(name, flat, size):
     raise KeyError(name)
 
 
-def _key(name, shard, size):
-    module = name.rpartition(".")[0]
-    return f"{module or '<root>'}[shard {shard}/{size}]"
+def _key(name, shard, size, per="param"):
+    """The compressor's key of parameter ``name``'s shard (per="group": its module's)."""
+    owner = name if per == "param" else (name.rpartition(".")[0] or "<root>")
+    return f"{owner}[shard {shard}/{size}]"
 
 
 def check_values(results, spec, replicas, size):
     world = replicas * size
+    per = "group" if spec.endswith(" per group") else "param"
     recs = [r[spec] for r in results]
+    spec = spec.removesuffix(" per group")
     for rec in recs[1:]:  # every rank: the same full gradients and parameters
         for a, b in zip(recs[0]["outs"], rec["outs"]):
             for n in SHAPES:
                 np.testing.assert_array_equal(a[n], b[n], err_msg=n)
         for n in SHAPES:
             np.testing.assert_array_equal(recs[0]["params"][n], rec["params"][n], err_msg=n)
-    for rank, rec in enumerate(recs):  # bound to the replicas' group
+    for rank, rec in enumerate(recs):  # bound to the replicas' group, keys per shard
         assert rec["worlds"] == [(replicas, rank // size)], rec["worlds"]
-        assert set(rec["routes"]) == {f"{m or '<root>'}[shard {rank % size}/{size}]" for m in GROUPS}
+        assert set(rec["routes"]) == {_key(n, rank % size, size, per) for n in SHAPES}
         assert rec["routes"] == recs[rank % size]["routes"]  # replicas agree
     truth = _truth(world, range(STEPS))
     np.testing.assert_allclose(recs[0]["params"]["blk.w"], -LR * sum(recs[0]["outs"][t]["blk.w"] for t in range(STEPS)),
                                rtol=1e-5, atol=1e-6)
-    if spec in ("fp16", "topkc:0.1"):  # the reference on each replica's flat shard
-        for module, names in GROUPS.items():
+    if spec in ("fp16", "topkc:0.1"):  # the reference on each replica's shard of each key
+        tensors = [[n] for n in SHAPES] if per == "param" else list(GROUPS.values())
+        for names in tensors:
             for shard in range(size):
                 numel = sum(_shard_input(n, 0, shard, size, 0).size for n in names)
                 ref = RefFp16(replicas) if spec == "fp16" or numel < 1024 else RefTopKC(numel, replicas, 0.1, 256)
@@ -306,7 +322,7 @@ def check_values(results, spec, replicas, size):
                         padded = np.zeros((rows * size, full.shape[1]))
                         padded[:SHAPES[n][0]] = full
                         mine = padded[shard * rows:(shard + 1) * rows].reshape(-1)
-                        np.testing.assert_allclose(mine, _segments(n, want, size), rtol=2e-3, atol=1e-6,
+                        np.testing.assert_allclose(mine, _segments(n, want, size, per), rtol=2e-3, atol=1e-6,
                                                    err_msg=f"{spec} {n} shard {shard} step {t}")
     # error feedback's balance, float64: delivered + the replicas' mean pending residual = the
     # sum over steps of the mean gradient over all ranks
@@ -315,15 +331,17 @@ def check_values(results, spec, replicas, size):
         delivered = sum(o[n] for o in recs[0]["outs"])
         pending = []
         for shard in range(size):
-            parts = [recs[q * size + shard]["residuals"].get(_key(n, shard, size)) for q in range(replicas)]
-            pending.append(None if parts[0] is None else sum(_segments(n, p, size) for p in parts) / replicas)
+            parts = [recs[q * size + shard]["residuals"].get(_key(n, shard, size, per)) for q in range(replicas)]
+            pending.append(None if parts[0] is None else sum(_segments(n, p, size, per) for p in parts) / replicas)
         if pending[0] is not None:
             delivered = delivered + _unshard(n, pending, size)
         bound = STEPS * 2.0 ** -10 * np.abs(want).max() + 1e-5
         assert np.abs(delivered - want).max() <= bound, (spec, n, np.abs(delivered - want).max())
     if spec not in ("fp16", "auto"):  # compressed (head.v's shard is a matrix: every scheme takes it)
-        assert not recs[0]["routes"][_key("head.v", 0, size)].startswith("fp16")
+        assert not recs[0]["routes"][_key("head.v", 0, size, per)].startswith("fp16")
         assert np.abs(recs[0]["outs"][0]["head.v"] - truth["head.v"][0]).max() > 1e-2
+    if spec == "powersgd:2":  # per parameter the 64x64 matrix too; per group its module is a vector
+        assert recs[0]["routes"][_key("blk.w", 0, size, per)] == ("fp16" if per == "group" else "powersgd:rank=2")
 
 
 def check_resume(results, spec, replicas, size):
@@ -351,22 +369,25 @@ def check_resume(results, spec, replicas, size):
             np.testing.assert_array_equal(rec["resume_params"][0][n], rec["resume_params"][1][n])
 
 
-@pytest.mark.parametrize("spec", SPECS)
+ALL = SPECS + [f"{s} per group" for s in GROUP_SPECS]
+
+
+@pytest.mark.parametrize("spec", ALL)
 def test_two_ranks_values(two, spec):
     check_values(two, spec, replicas=2, size=1)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", ALL)
 def test_two_ranks_resume(two, spec):
     check_resume(two, spec, replicas=2, size=1)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", ALL)
 def test_four_ranks_values(four, spec):
     check_values(four, spec, replicas=2, size=2)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", ALL)
 def test_four_ranks_resume(four, spec):
     check_resume(four, spec, replicas=2, size=2)
 
@@ -379,9 +400,11 @@ def test_uncompressed_is_native_hsdp(four):
 
 
 def test_rules(two):
-    for rank, r in enumerate(two):
-        assert r["rules"] == {"<root>[shard 0/1]": "fp16", "blk[shard 0/1]": "thc",
-                              "head[shard 0/1]": "topkc:ratio=0.1"}, r["rules"]
+    for r in two:
+        assert r["rules param"] == {"s[shard 0/1]": "fp16", "blk.w[shard 0/1]": "thc", "blk.b[shard 0/1]": "fp16",
+                                    "head.v[shard 0/1]": "topkc:ratio=0.1"}, r["rules param"]
+        assert r["rules group"] == {"<root>[shard 0/1]": "fp16", "blk[shard 0/1]": "thc",
+                                    "head[shard 0/1]": "topkc:ratio=0.1"}, r["rules group"]
 
 
 def test_divide_factor(two):
