@@ -29,6 +29,9 @@ own all-reduce *before* the hook, so :func:`install` turns it off by giving each
 group a shard-only mesh description over the same mesh (the parameters and gradients stay
 DTensors on the 2-D mesh, ``(Replicate(), Shard(0))``): a private attribute of PyTorch 2.13
 (``FSDPParamGroup.mesh_info``), checked at install (a clear error on versions without it).
+On CUDA the hook runs on FSDP's all-reduce stream, which FSDP makes wait for the
+reduce-scatter; the codec's kernels and the blocking ``all_reduce`` are issued there, and FSDP's
+divide and copy into ``.grad`` follow on the same stream (written for it, untested on GPUs here).
 
 **Divide factors.** FSDP divides the reduce-scattered shard by the shard group's size (or a
 pre- and post-divide pair for float16 reduction); the hook then divides the replicas' decoded
@@ -84,7 +87,8 @@ __all__ = ["install", "shard_key"]
 
 
 def shard_key(path: str, shard_rank: int, shard_size: int) -> str:
-    """The key of an FSDP module's shard: ``"<path>[shard <rank>/<size>]"`` (root: ``<root>``)."""
+    """The compressor's key of a shard: ``"<path>[shard <rank>/<size>]"``, ``path`` a parameter's
+    name (``per="param"``) or an FSDP module's path (``per="group"``; the root: ``<root>``)."""
     return f"{path or '<root>'}[shard {shard_rank}/{shard_size}]"
 
 
@@ -193,8 +197,9 @@ def install(model, compressor, replicate_group=None, per="param"):
         model: the root module, ``fully_shard``-ed (an ``FSDPModule``), with its sub-modules
             sharded before it; on a 2-D ``(replicate, shard)`` DeviceMesh, or on a shard-only
             mesh with ``replicate_group``.
-        compressor: a compressor from ``torch_backend.Compression`` (any spec, rules and
-            ``auto`` included), new or loaded from nothing yet, used by no other model.
+        compressor: a new compressor from ``torch_backend.Compression`` (any spec, rules and
+            ``auto`` included), used by no other model; load a checkpoint into it after
+            ``install`` (it needs the replicas' group to know its rank).
         replicate_group: the process group of this rank's replicas (the ranks holding the same
             shards): required with a shard-only mesh; with a 2-D mesh None or the mesh's own
             replicate group.
