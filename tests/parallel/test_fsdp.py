@@ -200,6 +200,7 @@ def two_worker(tmp):
     errors = {}
     model, _ = _build(shard)
     errors["no group"] = value_error(lambda: install(model, Compression.fp16()))
+    errors["per"] = value_error(lambda: install(model, Compression.fp16(), replicate_group=group, per="bucket"))
     try:
         install(model, Compression.topkc, replicate_group=group)
     except TypeError as e:
@@ -464,6 +465,7 @@ def test_refusals(two):
     for r in two:
         e = r["errors"]
         assert "shard-only mesh of 1 ranks; pass replicate_group=" in e["no group"]
+        assert e["per"] == "install: per must be 'param' or 'group', got 'bucket'"
         assert "pass Compression.topkc() (with options, if any)" in e["factory"]
         assert "expected a module sharded by fully_shard (an FSDPModule), got Linear" in e["not fsdp"]
         assert "blocking two-round variants" in e["blocking"]
