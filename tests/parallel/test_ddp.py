@@ -69,25 +69,25 @@ def _step(ddp, grads, factor=1.0):
 
 
 def _residuals(comp):
-    """{key: this rank's pending error feedback, float64, or None}."""
-    from hvd_gradcomp import composite
-    from torch_backend import OPS
+    """{key: this rank's pending error feedback, float64, or None} of every parameter seen
+    (``error_feedback``: the parameter's own state, or its slice of a bucket group's)."""
     out = {}
-    for key, info in comp._infos.items():
-        scheme = comp.table.routes[key].scheme
-        r = composite.residual_of(scheme, OPS, comp._read_state(key), info) if comp._has_state(key) else None
+    for key in comp.routes():
+        r = comp.error_feedback(key)
         out[key] = None if r is None else r.double().numpy().copy()
     return out
 
 
 def _agreed(comp):
-    """{key: {field: array}} of the state fields the ranks agree on: all but the rank-local
-    ones (error feedback) and THC's per-rank diagnostic ``saturated``."""
+    """{key: {field: array}} of the state fields the ranks agree on (per tensor, or per bucket
+    group): all but the rank-local ones (error feedback) and THC's per-rank diagnostic
+    ``saturated``."""
     out = {}
     for key in comp._infos:
         if not comp._has_state(key):
             continue
-        state, scheme = comp._read_state(key), comp.table.routes[key].scheme
+        state = comp._read_state(key)
+        scheme = comp._group_scheme(key) if key in comp._groups else comp.table.routes[key].scheme
         out[key] = {f: v.double().numpy().copy() for f, v in zip(state._fields, state)
                     if f not in scheme.rank_local_fields and not f.endswith("saturated")}
     return out
@@ -121,11 +121,12 @@ def values_worker(tmp):
     rank = dist.get_rank()
     Probe = _probe_cls()
     out = {}
-    for spec in SPECS + ["topkc:0.1 scaled"]:
+    for spec in SPECS + [s + " per-tensor" for s in SPECS] + ["topkc:0.1 scaled"]:
         scaled = spec.endswith(" scaled")
+        per_tensor = spec.endswith(" per-tensor")
         text = spec.split()[0]
         ddp = DDP(Probe())
-        comp = register_comm_hook(ddp, Compression.from_spec(text))
+        comp = register_comm_hook(ddp, Compression.from_spec(text), per_tensor=per_tensor)
         factor = 1.0
         if scaled:
             comp.set_loss_scale(torch.tensor(256.0))
@@ -137,7 +138,8 @@ def values_worker(tmp):
             calls.append(c.calls)
         rec = {"outs": outs, "calls": calls, "bytes": comp.bytes_per_step().payload,
                "residuals": _residuals(comp), "routes": comp.routes(),
-               "worlds": sorted({(i.world_size, i.rank) for i in comp._infos.values()})}
+               "worlds": sorted({(i.world_size, i.rank) for i in comp._infos.values()}),
+               "groups": sorted(comp._groups)}
         if not scaled:  # exact resume from a checkpoint saved on rank 0
             path = os.path.join(tmp, f"{text}.pt")
             state = comp.state_dict(gather=True)
@@ -145,7 +147,7 @@ def values_worker(tmp):
                 torch.save(state, path)
             dist.barrier()
             ddp2 = DDP(Probe())
-            comp2 = register_comm_hook(ddp2, Compression.from_spec(text))
+            comp2 = register_comm_hook(ddp2, Compression.from_spec(text), per_tensor=per_tensor)
             comp2.load_state_dict(torch.load(path, weights_only=False))
             rec["resume"] = [(_step(ddp, grads_of(rank, t)), _step(ddp2, grads_of(rank, t)))
                              for t in range(STEPS, STEPS + RESUME)]
@@ -209,17 +211,21 @@ def _expected(spec, steps, n=2, ranks=None, shapes=SHAPES, joined=None):
 
 @pytest.fixture(scope="module")
 def values(tmp_path_factory):
-    return run(values_worker, np=2, args=(str(tmp_path_factory.mktemp("ckpt")),), timeout=400)
+    return run(values_worker, np=2, args=(str(tmp_path_factory.mktemp("ckpt")),), timeout=600)
 
 
+MODES = ["", " per-tensor"]  # one codec call per bucket and route (default); per tensor
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["bucketed", "per-tensor"])
 @pytest.mark.parametrize("spec", SPECS)
-def test_values(values, spec):
-    r0, r1 = values[0][spec], values[1][spec]
+def test_values(values, spec, mode):
+    r0, r1 = values[0][spec + mode], values[1][spec + mode]
     for a, b in zip(r0["outs"], r1["outs"]):  # every rank applies the same gradient
         for n in SHAPES:
             np.testing.assert_array_equal(a[n], b[n])
     assert r0["worlds"] == [(2, 0)] and r1["worlds"] == [(2, 1)]
-    if spec in ("fp16", "topkc:0.1"):
+    if spec == "fp16" or (spec == "topkc:0.1" and mode):  # float64 references, per tensor
         for n, (seq, _) in _expected(spec, range(STEPS)).items():
             for t in range(STEPS):
                 # float32 (ours) against float64 (reference) before each rounding to float16
@@ -247,9 +253,27 @@ def test_values(values, spec):
         assert all(len(c) == 1 for c in r0["calls"])
     if spec == "thc":  # int32 words and the fp16 of the small bias: two
         assert sorted(d for d, _ in r0["calls"][0]) == ["torch.float16", "torch.int32"]
+    # the bucket's tensors of one route (fp16: all three; else w and v) go as one flat group where the scheme's
+    # math is over a vector; PowerSGD's matrices and auto's tensors go one by one
+    assert len(r0["groups"]) == (0 if mode or spec in ("powersgd:2", "auto") else 1), r0["groups"]
 
 
 @pytest.mark.parametrize("spec", SPECS)
+def test_bucketed_against_per_tensor(values, spec):
+    """The casts give the same bits bucketed and per tensor; every scheme's bucketed output
+    stays within its error of the plain mean (error feedback's balance is test_values')."""
+    for r in values:
+        bucketed, alone = r[spec], r[spec + " per-tensor"]
+        if spec == "fp16":
+            for a, b in zip(bucketed["outs"], alone["outs"]):
+                for n in SHAPES:
+                    np.testing.assert_array_equal(a[n], b[n])
+        # a group pads once, not per tensor (signSGD pads the group's last block of 1024:
+        # 1024 signs in 16-bit lanes... at most 256 bytes)
+        assert bucketed["bytes"] <= alone["bytes"] * 1.05 + 256
+
+
+@pytest.mark.parametrize("spec", SPECS + [s + " per-tensor" for s in SPECS])
 def test_resume(values, spec):
     """A state_dict(gather=True) saved on rank 0 and loaded on every rank resumes exactly; for
     ``auto``, whose first step after a load is a float32 sync step (every rank flushes what it
@@ -258,11 +282,11 @@ def test_resume(values, spec):
         rec = r[spec]
         assert rec["gathered_ranks"] == 2
         assert r[spec]["routes"] == values[0][spec]["routes"]
-        if spec != "auto":
+        if not spec.startswith("auto"):
             for before, after in rec["resume"]:
                 for n in SHAPES:
                     np.testing.assert_array_equal(before[n], after[n])
-    if spec == "auto":
+    if spec.startswith("auto"):
         check_resumed_totals([r[spec] for r in values], len(values))
 
 
@@ -341,8 +365,9 @@ def features_worker():
     Probe = _probe_cls()
     out = {}
     # no_sync accumulation on gradient_as_bucket_view buckets
+    # (per tensor: the checks compare with tests/reference.py's per-tensor TopKC)
     ddp = DDP(Probe(), gradient_as_bucket_view=True)
-    comp = register_comm_hook(ddp, Compression.topkc(0.1))
+    comp = register_comm_hook(ddp, Compression.topkc(0.1), per_tensor=True)
     outs = []
     for t in range(2):
         for p in ddp.parameters():
@@ -356,7 +381,7 @@ def features_worker():
     # Join with uneven inputs
     for spec in JOIN_SPECS:
         ddp = DDP(Probe())
-        comp = register_comm_hook(ddp, Compression.from_spec(spec))
+        comp = register_comm_hook(ddp, Compression.from_spec(spec), per_tensor=True)
         outs, residual_at_join = [], None
         records = LogRecords()
         logging.getLogger("hvd_gradcomp").addHandler(records)
@@ -371,7 +396,7 @@ def features_worker():
     sub = dist.new_group([0, 2])
     if rank != 1:
         ddp = DDP(Probe(), process_group=sub)
-        comp = register_comm_hook(ddp, Compression.topkc(0.1))
+        comp = register_comm_hook(ddp, Compression.topkc(0.1), per_tensor=True)
         outs = [_step(ddp, grads_of(rank, t)) for t in range(3)]
         state = comp.state_dict(gather=True)
         out["group"] = {"outs": outs, "worlds": sorted({(i.world_size, i.rank) for i in comp._infos.values()}),
@@ -503,7 +528,7 @@ def test_example(tmp_path):
     stats = [m for m in (STATS.search(line) for line in out.splitlines()) if m]
     assert stats, out[-3000:]
     sent = int(stats[-1]["sent"].replace(",", ""))
-    assert sent == expected_bytes("topkc:0.1", TORCH_SHAPES, None)
+    assert sent == expected_bytes("topkc:0.1", TORCH_SHAPES, None, bucketed=True)
     assert int(stats[-1]["fp16"].replace(",", "")) == 2 * PARAMS
     checkpoint = torch.load(path, weights_only=False)
     comp = Compression.topkc(0.1)
