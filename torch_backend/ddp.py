@@ -266,7 +266,10 @@ def hook(state: HookState, bucket):
         x = buffer[unit.start:unit.stop] if unit.contiguous else buffer.index_select(0, unit.index)
         if len(unit.members) == 1:
             x = x.view(unit.info.shape)
-        encoded.append(comp.encode_unit(unit, x))
+        payload, ctx = comp.encode_unit(unit, x)
+        if ctx is None:  # sent as it is (none): divided first, as DDP's own all-reduce does, so
+            payload = payload / n  # a float16 bucket's sum cannot overflow where its mean fits
+        encoded.append((payload, ctx))
     payloads = [p for p, _ in encoded]
     counted = None
     if state.tracks_unused:  # users per parameter, and whether DDP writes its result anyway
@@ -314,7 +317,7 @@ def hook(state: HookState, bucket):
                 dropped = (counts[:, 0] == 0) & (counts[:, 1] == 0)
             outs = []
             for unit, members, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
-                out = comp.decode(payload, ctx, divide=n)
+                out = payload if ctx is None else comp.decode(payload, ctx, divide=n)
                 if dropped is not None:
                     comp.add_error_feedback(ctx, _dropped_part(out, dropped, members, plan))
                 outs.append(out)
