@@ -8,12 +8,13 @@ Usage::
     trainer = pl.Trainer(strategy="ddp", callbacks=[CompressionCallback(Compression.topkc(0.1))])
     trainer.fit(module)
 
-Why a callback: ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers a bare
-``(state, hook)`` pair that cannot know the parameters' names, and Lightning 2.x registers it on
-CUDA only (``DDPStrategy._register_ddp_hooks``; on CPU the option is silently dropped). The
-callback calls :func:`torch_backend.ddp.register_comm_hook` in ``on_fit_start``, when the
-strategy has wrapped the module in ``DistributedDataParallel`` and before the first backward,
-so gradients are keyed and routed by the LightningModule's parameter names, on any device.
+Why a callback: Lightning 2.x registers ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)``
+on CUDA only (``DDPStrategy._register_ddp_hooks``; on CPU the option is silently dropped;
+where it is registered, :func:`torch_backend.ddp.comm_state` makes the state). The callback
+calls :func:`torch_backend.ddp.register_comm_hook` in ``on_fit_start``, when the strategy has
+wrapped the module in ``DistributedDataParallel`` and before the first backward, so gradients
+are keyed and routed by the LightningModule's parameter names, on any device, and it carries
+the compressor's state in Lightning's checkpoints.
 
 Checkpoints: Lightning saves callbacks' ``state_dict()`` in its checkpoint (built on every
 rank, written by rank 0); here that is ``compressor.state_dict(gather=True)`` (every rank's
