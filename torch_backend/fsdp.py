@@ -40,10 +40,12 @@ HSDP's. With ``set_gradient_divide_factor(f)`` FSDP applies ``f`` alone and the 
 total is the sum over all ranks / f, as native HSDP's); ``set_force_sum_reduction_for_comms``
 changes nothing here (the hook always sums).
 
-**Identity.** ``per="param"`` (default): each parameter's shard is one tensor, viewed in its
+**Identity.** ``per="param"`` (default): each parameter's shard is a tensor of its own, in its
 padded shard shape (``[rows, ...]``: PowerSGD takes matrices), keyed ``"<parameter
 name>[shard i/S]"`` and routed by the parameter's name (``"*.bias -> fp16"``), as the DDP hook
-routes. ``per="group"``: the FSDP module's whole flat shard is one tensor (fewer, larger
+routes; the module's tensors that share a route whose math is over a vector are compressed in
+one codec call, as DDP's buckets (:mod:`hvd_gradcomp.buckets`; error feedback and checkpoints
+stay per tensor). ``per="group"``: the FSDP module's whole flat shard is one tensor (fewer, larger
 tensors: one codec call per module; a group of several parameters is a vector, which PowerSGD
 refuses, so it is sent as fp16), keyed ``"<module path>[shard i/S]"`` (the root: ``<root>``)
 and routed by the module's path (``"layers.0"``), or by the parameter's name where the group
@@ -79,6 +81,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from hvd_gradcomp.buckets import Member
 
 from .compression import Compressor
 from .engine import ProcessGroupEngine
@@ -126,39 +130,32 @@ class _Shard(NamedTuple):
     replicas: object  # the replicas' process group
 
 
-class _Segment(NamedTuple):
-    """A part of the flat shard gradient that is compressed as one tensor."""
-    key: str
-    label: str  # what routing rules match
-    offset: int
-    shape: tuple  # its view: a parameter's padded shard shape, or flat
-
-
-def _segments(shard: _Shard, per: str) -> list:
+def _members(shard: _Shard, per: str) -> list:
     """The flat shard's layout (``foreach_reduce``: each parameter's padded dim-0 shard, in the
-    group's order) cut into what is compressed as one tensor: per parameter, or the whole
-    group (a group of one parameter: that parameter's shape)."""
+    group's order) as the tensors the compressor keys (:class:`~hvd_gradcomp.buckets.Member`):
+    per parameter, or the whole group as one (a group of one parameter: in its shape)."""
     params = shard.fsdp_group.fsdp_params
     shapes = [tuple(fp.padded_sharded_param_size) for fp in params]
     if per == "group":
         label = shard.names[0] if len(params) == 1 else (shard.path or "<root>")
         shape = shapes[0] if len(params) == 1 else (sum(math.prod(s) for s in shapes),)
-        return [_Segment(shard_key(shard.path, shard.rank, shard.size), label, 0, shape)]
+        return [Member(shard_key(shard.path, shard.rank, shard.size), label, shape, 0, math.prod(shape))]
     out, offset = [], 0
     for name, shape in zip(shard.names, shapes):
-        out.append(_Segment(shard_key(name, shard.rank, shard.size), name, offset, shape))
+        out.append(Member(shard_key(name, shard.rank, shard.size), name, shape, offset, math.prod(shape)))
         offset += math.prod(shape)
     return out
 
 
 class _ShardHook:
-    """The all-reduce hook of one FSDP parameter group: compress each segment of the shard, sum
-    the payloads across replicas (one all-reduce per payload dtype), decode, divide, write in
-    place (module docstring)."""
+    """The all-reduce hook of one FSDP parameter group: the shard's tensors routed and cut into
+    codec units (:meth:`Compressor.plan_bucket`: one call per route), each compressed, the
+    payloads summed across replicas (one all-reduce per payload dtype), decoded, divided and
+    written back in place (module docstring)."""
 
-    def __init__(self, comp, group, fsdp_group, segments, replicas):
+    def __init__(self, comp, group, fsdp_group, members, replicas):
         self.comp, self.group, self.fsdp_group = comp, group, fsdp_group
-        self.segments, self.replicas = segments, replicas
+        self.members, self.replicas = members, replicas
         self.partial = None  # reduce-scattered shards kept while all-reduce is off
 
     def __call__(self, output: torch.Tensor) -> None:
@@ -170,24 +167,30 @@ class _ShardHook:
             if self.partial is not None:
                 output.add_(self.partial)
                 self.partial = None
+            dtype = str(output.dtype).removeprefix("torch.")
+            plan = self.comp.plan_bucket(self.members, dtype, "sum", self.group, output)
             entries, by_dtype = [], {}
-            for seg in self.segments:
-                view = output[seg.offset:seg.offset + math.prod(seg.shape)].view(seg.shape)
-                payload, ctx = self.comp.encode(view, seg.key, op="sum", group=self.group, label=seg.label)
+            for unit in plan.units:
+                x = output[unit.start:unit.stop] if unit.contiguous else output.index_select(0, unit.index)
+                payload, ctx = self.comp.encode_unit(unit, x.view(unit.info.shape))
                 by_dtype.setdefault(payload.dtype, []).append(len(entries))
-                entries.append((payload, ctx, view))
+                entries.append((unit, payload, ctx))
             # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
             divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
             for dtype in sorted(by_dtype, key=str):
                 members = by_dtype[dtype]
-                flat = torch.cat([entries[i][0].reshape(-1) for i in members])  # a copy
+                flat = torch.cat([entries[i][1].reshape(-1) for i in members])  # a copy
                 dist.all_reduce(flat, group=self.group)
                 offset = 0
                 for i in members:
-                    payload, ctx, view = entries[i]
+                    unit, payload, ctx = entries[i]
                     summed = flat[offset:offset + payload.numel()].view(payload.shape)
                     offset += payload.numel()
-                    view.copy_(self.comp.decode(summed, ctx, divide=divide).reshape(view.shape))
+                    out = self.comp.decode(summed, ctx, divide=divide).reshape(-1).to(output.dtype)
+                    if unit.contiguous:
+                        output[unit.start:unit.stop].copy_(out)
+                    else:
+                        output.index_copy_(0, unit.index, out)
 
 
 def install(model, compressor, replicate_group=None, per="param"):
@@ -314,5 +317,5 @@ def install(model, compressor, replicate_group=None, per="param"):
                                spmd_mesh=old.spmd_mesh)
             new.reduce_scatter_process_group = old.reduce_scatter_process_group
             g.mesh_info = new
-        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, _segments(e, per), replicas))
+        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, _members(e, per), replicas))
     return compressor

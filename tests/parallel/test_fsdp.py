@@ -112,13 +112,11 @@ def _params(model):
 
 
 def _residuals(comp):
-    """{key: this rank's pending error feedback, float64, flat, or None}."""
-    from hvd_gradcomp import composite
-    from torch_backend import OPS
+    """{key: this rank's pending error feedback, float64, flat, or None} of every shard seen
+    (``error_feedback``: the tensor's own state, or its slice of a codec group's)."""
     out = {}
-    for key, info in comp._infos.items():
-        scheme = comp.table.routes[key].scheme
-        r = composite.residual_of(scheme, OPS, comp._read_state(key), info) if comp._has_state(key) else None
+    for key in comp.routes():
+        r = comp.error_feedback(key)
         out[key] = None if r is None else r.double().numpy().reshape(-1).copy()
     return out
 
@@ -192,7 +190,7 @@ def two_worker(tmp):
     model, opt = _build(shard, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16))
     comp = install(model, Compression.thc(), replicate_group=group)
     out["reduce fp16"] = ([_step(model, opt, grads_of(rank, t)) for t in range(STEPS)], _residuals(comp),
-                          {k: i.dtype for k, i in comp._infos.items()})
+                          {k: i.dtype for k, i in comp._infos.items() if k in comp.routes()})
     model, opt = _build(shard, offload_policy=CPUOffloadPolicy(pin_memory=False))
     install(model, Compression.topkc(0.1), replicate_group=group)
     out["offload"] = [_step(model, opt, grads_of(rank, t)) for t in range(2)]
