@@ -354,7 +354,7 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         return TensorInfo("<unnamed>" if key is None else key, shape, dtype, world_size, rank, op,
                           call.process_set, nccl_avg)
 
-    def _encode_info(self, tensor, info: TensorInfo, scheme: Scheme):
+    def _encode_info(self, tensor, info: TensorInfo, scheme: Scheme, detach: bool = True):
         """``(payload, ctx)`` of ``tensor`` under ``info`` and its route's ``scheme``: the
         records (static facts, wire bytes), the loss scale, the state, the scheme's compress.
         Shared by one tensor (:meth:`_compress_one`) and a bucket's flat group
@@ -369,7 +369,8 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         self._infos[key] = info
         if scheme.identity:
             return tensor, None
-        tensor = self._detach(tensor)
+        if detach:  # (a bucket's buffer has no autograd history)
+            tensor = self._detach(tensor)
         scale = None
         if self._scale_source is not None:
             scale = self._scale_of(self._scale_source)
