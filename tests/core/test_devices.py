@@ -16,7 +16,7 @@ import pytest
 
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.primitives import one_rank
-from tests.backends import BACKENDS, as_float64, backend_tensor, scheme_of, missing_device
+from tests.backends import BACKENDS, as_float64, backend_tensor, missing_device, requires_backend, scheme_of
 
 # Every scheme's default path (and PowerSGD's float16 vectors); a (64, 48) matrix for PowerSGD.
 SPECS = ("fp16", "bf16", "topk", "topkc", "thc", "powersgd", "powersgd:rank=2")
@@ -349,7 +349,7 @@ def _tf32(x):
     return keep.astype(np.uint32).view(np.float32)
 
 
-@pytest.mark.skipif("tensorflow" not in BACKENDS, reason="TensorFlow backend not under test")
+@requires_backend("tensorflow")
 def test_tf32_split_matmul_is_float32_accurate_under_tf32():
     """TensorFlow's TF32 switch is global and read at run time, so its codec products are
     split in three TF32-exact products (tf_backend.ops._matmul). Emulating TF32 rounding of
