@@ -150,6 +150,41 @@ def test_host_read_counter_sees_reads(monkeypatch):
     assert counter.reads == ["__bool__", "item", "constant"]
 
 
+def _auto_host_reads(monkeypatch, dtype, steps=12):
+    """Host reads of ``auto`` (fp16|bf16, neither keeps error feedback) over ``steps`` steps
+    of a ``dtype`` gradient, counted as in :func:`test_no_host_reads_on_default_steps`."""
+    counter = _HostReads(monkeypatch)
+    ops = counter.gpu_ops(_ops("torch"))
+    counter.patch_kernels(monkeypatch, ops)
+    scheme = scheme_of("auto:candidates=fp16|bf16,bandwidth_gbit=1,latency_ms=0.1,warmup=2,every=4").bind(ops)
+    info = TensorInfo("dev.auto", SHAPE, dtype, 1, 0, "average")
+    grads = [backend_tensor("torch", g, dtype) for g in _grads() * (steps // STEPS)]
+    state = scheme.init(ops, info, grads[0])
+    counter.active = True
+    for x in grads:
+        payload, ctx = compress_tensor(scheme, ops, x, state, info)
+        _, state = finish_tensor(scheme, ops, payload, ctx, state, info, dtype=dtype)
+    counter.active = False
+    return counter.reads
+
+
+@pytest.mark.skipif("torch" not in BACKENDS, reason="PyTorch backend not under test")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_auto_half_gradients_add_no_host_reads(dtype, monkeypatch):
+    """Issue 35, risk 5: ``auto`` reads the host at its decision steps only; a half-precision
+    gradient adds no read (it added one per tensor and step, to see whether its saturated
+    output owed a carry), and no carry appears in its state."""
+    from hvd_gradcomp import composite
+    full = _auto_host_reads(monkeypatch, "float32")
+    half = _auto_host_reads(monkeypatch, dtype)
+    assert len(full) > 0 and half == full, (full, half)
+    ops = _ops("torch")
+    scheme = scheme_of("auto:candidates=fp16|bf16,bandwidth_gbit=1,latency_ms=0.1").bind(ops)
+    info = TensorInfo("dev.auto", SHAPE, dtype, 1, 0, "average")
+    state = scheme.init(ops, info, backend_tensor("torch", [0.0]))
+    assert composite.add_residual(scheme, ops, state, info, ops.zeros((info.numel,), "float32", None)) is None
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_no_sync_on_cuda(spec):
     """Under ``torch.cuda.set_sync_debug_mode("error")`` every default step runs on CUDA
