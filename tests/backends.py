@@ -149,12 +149,12 @@ def missing_device(backend, device):
         if torch.cuda.is_available():
             return None
         return (f"no CUDA device for PyTorch {torch.__version__} (torch.cuda.is_available() is False); "
-                f"tests/gpu/run_checks.sh runs these on a GPU machine")
+                f"`make gpu-check` runs these on a GPU machine")
     import tensorflow as tf
     if tf.config.list_physical_devices("GPU"):
         return None
     return (f"no GPU visible to TensorFlow {tf.__version__} (a CPU build, or no device); "
-            f"tests/gpu/run_checks.sh runs these on a GPU machine")
+            f"`make gpu-check` runs these on a GPU machine")
 
 
 def scheme_of(spec: str):

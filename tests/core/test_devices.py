@@ -118,8 +118,14 @@ class _HostReads:
         monkeypatch.setattr(module, "OPS", ops)
 
 
+# Every scheme variant whose steady step must not read the host (the GPU check runs each under
+# torch.cuda.set_sync_debug_mode("error"), captures it in a CUDA graph and runs it in
+# deterministic mode).
+VARIANTS = SPECS + ("topkc:payload_dtype=float16", "thc:bits=2", "powersgd:uncompressed_dtype=float16", "signsgd")
+
+
 @pytest.mark.skipif("torch" not in BACKENDS, reason="PyTorch backend not under test")
-@pytest.mark.parametrize("spec", SPECS + ("topkc:payload_dtype=float16", "thc:bits=2", "powersgd:uncompressed_dtype=float16"))
+@pytest.mark.parametrize("spec", VARIANTS)
 def test_no_host_reads_on_default_steps(spec, monkeypatch):
     """No value reaches the host, and no host constant reaches the device, in any step of a
     default path (counted on the CPU, as a GPU would run it: module docstring)."""
@@ -185,7 +191,7 @@ def test_auto_half_gradients_add_no_host_reads(dtype, monkeypatch):
     assert composite.add_residual(scheme, ops, state, info, ops.zeros((info.numel,), "float32", None)) is None
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", VARIANTS)
 def test_no_sync_on_cuda(spec):
     """Under ``torch.cuda.set_sync_debug_mode("error")`` every default step runs on CUDA
     without a synchronising call (a host read, a blocking copy)."""
@@ -208,6 +214,73 @@ def test_no_sync_on_cuda(spec):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def _same(a, b):
+    """``a`` and ``b`` (tensors, or named tuples of tensors and None) equal bit for bit."""
+    import torch
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+@pytest.mark.skipif("torch" not in BACKENDS, reason="PyTorch backend not under test")
+@pytest.mark.parametrize("spec", VARIANTS)
+def test_cuda_graph_replay_equals_eager(spec):
+    """A whole steady codec step (compress, the one-rank all-reduce, decompress, finish)
+    captured in a CUDA graph after two warm-up steps (first-call set-up, allocator), replayed
+    on a new gradient copied into the captured input: its payload, output and next state equal
+    the eager step's from the same state, bit for bit. A host read or sync inside the step
+    fails the capture."""
+    why = missing_device("torch", "cuda")
+    if why:
+        pytest.skip(why)
+    import torch
+    ops, scheme, info = _ops("torch"), scheme_of(spec), _info(spec)
+    xs = [backend_tensor("torch", g, device="cuda") for g in _grads()]
+    state = scheme.init(ops, info, xs[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in xs[:2]:
+            payload, ctx = compress_tensor(scheme, ops, x, state, info)
+            _, state = finish_tensor(scheme, ops, payload, ctx, state, info)
+    torch.cuda.current_stream().wait_stream(side)
+    static_x = xs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        payload, ctx = compress_tensor(scheme, ops, static_x, state, info)
+        out, after = finish_tensor(scheme, ops, payload, ctx, state, info)
+    static_x.copy_(xs[2])
+    graph.replay()
+    ref_payload, ref_ctx = compress_tensor(scheme, ops, xs[2], state, info)
+    ref_out, ref_after = finish_tensor(scheme, ops, ref_payload, ref_ctx, state, info)
+    torch.cuda.synchronize()
+    assert _same(payload, ref_payload) and _same(out, ref_out), spec
+    assert _same(after, ref_after), spec
+
+
+@pytest.mark.skipif("torch" not in BACKENDS, reason="PyTorch backend not under test")
+@pytest.mark.parametrize("spec", VARIANTS)
+def test_deterministic_mode(spec, device, monkeypatch):
+    """Under ``torch.use_deterministic_algorithms(True)`` every step runs (no operation lacks a
+    deterministic implementation on this device: PyTorch would raise) and two runs of the
+    same steps give the same payloads, outputs and states, bit for bit."""
+    import torch
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic workspace
+    ops, info, grads = _ops("torch"), _info(spec), _grads()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = _steps(ops, scheme_of(spec), "torch", device, info, grads)
+        second = _steps(ops, scheme_of(spec), "torch", device, info, grads)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for (p1, o1), (p2, o2) in zip(first[0], second[0]):
+        assert _same(p1, p2) and _same(o1, o2), spec
+    assert _same(first[1], second[1]), spec
 
 
 # Each way a user turns reduced float32 products on, through PyTorch's legacy and new APIs,

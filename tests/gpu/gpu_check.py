@@ -40,6 +40,7 @@ failed; 2: no CUDA outside a dry run):
     6. with Horovod: the 1-rank Horovod NCCL test (tests/parallel/test_gpu.py).
 """
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -48,6 +49,8 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # this checkout's hvd_gradcomp, not an installed one (step 5's look-up)
+    sys.path.insert(0, ROOT)
 MAX_FILES = 8
 # Seconds per step; with the start-up, 3 + 4 + 5 + 6 stay under 9 minutes on one H200.
 TIMEOUTS = {"pytest": 240, "overhead": 90, "codec": 40, "horovod_test": 70, "build_wait": 40}
@@ -127,6 +130,33 @@ def probe(code, env=None):
 
 
 # ---------------------------------------------------------------- step 1
+# One child process reports each framework (one line each), in the children's environment.
+FRAMEWORKS_PROBE = """
+import json
+found = {}
+def line(name, fn):
+    try:
+        found[name] = fn()
+    except Exception as exc:
+        found[name] = f"{type(exc).__name__}: {exc}"
+def torch_line():
+    import torch
+    cuda = torch.cuda.is_available()
+    return (f"torch {torch.__version__} cuda {torch.version.cuda} available {cuda} gpus "
+            f"{torch.cuda.device_count()} name {torch.cuda.get_device_name(0) if cuda else '-'}")
+def tf_line():
+    import tensorflow as tf
+    return f"tensorflow {tf.__version__}"
+def hvd_line():
+    import horovod, horovod.torch as hvd
+    return f"horovod {horovod.__version__} nccl_built {hvd.nccl_built()}"
+line("torch", torch_line)
+line("tensorflow", tf_line)
+line("horovod", hvd_line)
+print(json.dumps(found))
+"""
+
+
 def environment(check):
     """Step 1: what this machine has; returns {"cuda": bool, "horovod": reason or None, ...}."""
     facts = {}
@@ -144,20 +174,19 @@ def environment(check):
         lines.append("nvidia-smi: " + (q.stdout.strip() or q.stderr.strip()))
     else:
         lines.append("nvidia-smi: not on PATH")
-    code, torch_line = probe("import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, "
-                             "'available', torch.cuda.is_available(), 'gpus', torch.cuda.device_count(), "
-                             "'name', torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')")
-    facts["torch"] = code == 0
-    facts["cuda"] = code == 0 and "available True" in torch_line
-    lines.append(torch_line if code == 0 else f"torch: cannot be imported ({torch_line})")
-    code, tf_line = probe("import tensorflow as tf; print('tensorflow', tf.__version__)")
-    facts["tensorflow"] = None if code == 0 else f"TensorFlow cannot be imported ({tf_line})"
-    lines.append(tf_line if code == 0 else facts["tensorflow"] + ": its tests skip")
-    code, hvd_line = probe("import horovod, horovod.torch as hvd; print('horovod', horovod.__version__, "
-                           "'nccl_built', hvd.nccl_built())")
-    facts["horovod"] = None if code == 0 else f"Horovod cannot be imported ({hvd_line})"
-    facts["horovod_nccl"] = code == 0 and "nccl_built 0" not in hvd_line
-    lines.append(hvd_line if code == 0 else facts["horovod"])
+    code, found = probe(FRAMEWORKS_PROBE)
+    found = json.loads(found) if code == 0 else {"torch": f"the probe failed: {found}"}
+    torch_line = found.get("torch", "")
+    facts["torch"] = torch_line.startswith("torch ")
+    facts["cuda"] = facts["torch"] and "available True" in torch_line
+    lines.append(torch_line if facts["torch"] else f"torch: cannot be imported ({torch_line})")
+    tf_line = found.get("tensorflow", "")
+    facts["tensorflow"] = None if tf_line.startswith("tensorflow ") else f"TensorFlow cannot be imported ({tf_line})"
+    lines.append(tf_line if facts["tensorflow"] is None else facts["tensorflow"] + ": its tests skip")
+    hvd_line = found.get("horovod", "")
+    facts["horovod"] = None if hvd_line.startswith("horovod ") else f"Horovod cannot be imported ({hvd_line})"
+    facts["horovod_nccl"] = facts["horovod"] is None and "nccl_built 0" not in hvd_line
+    lines.append(hvd_line if facts["horovod"] is None else facts["horovod"])
     with open(check.path("env.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     for line in lines:
@@ -375,6 +404,14 @@ def start_build(check, facts):
 
 
 # ---------------------------------------------------------------- steps 3-6
+def pytest_summary(check, log):
+    """The last non-empty line of a pytest log in the report (its counts), and its skips."""
+    with open(check.path(log)) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    skips = [line for line in lines if line.startswith("SKIPPED")]
+    return (lines[-1] if lines else "") + (f"; {len(skips)} skip reasons in {log}" if skips else "")
+
+
 def pytest_step(check, facts):
     if facts["no_tests"]:
         check.result("3. pytest", "FAILED", facts["no_tests"])
@@ -384,9 +421,7 @@ def pytest_step(check, facts):
     if check.dry:
         argv.append("--collect-only")
     code = check.run("3. pytest", argv, "pytest.txt", TIMEOUTS["pytest"])
-    with open(check.path("pytest.txt")) as f:
-        tail = [line for line in f.read().splitlines() if line.strip()][-1:]
-    why = tail[0] if tail else ""
+    why = pytest_summary(check, "pytest.txt")
     if check.dry:
         why = "dry run: collected, not run; " + why
     check.result("3. pytest", "ok" if code == 0 else "FAILED", why)
@@ -422,7 +457,7 @@ def codec_step(check):
     if importlib.util.find_spec("hvd_gradcomp.bench.codec") is None:
         check.result("5. codec bench (optional)", "skipped", "hvd_gradcomp.bench.codec does not exist yet")
         return
-    args = os.environ.get("HVD_GRADCOMP_GPU_CHECK_CODEC_ARGS", "--help" if check.dry else "--device cuda").split()
+    args = os.environ.get("HVD_GRADCOMP_GPU_CHECK_CODEC_ARGS", "--help" if check.dry else "").split()
     code = check.run("5. codec bench (optional)", [sys.executable, "-m", "hvd_gradcomp.bench", "codec"] + args,
                      "codec.txt", TIMEOUTS["codec"])
     check.result("5. codec bench (optional)", "ok" if code == 0 else "FAILED", "codec.txt")
@@ -453,7 +488,7 @@ def horovod_step(check, facts, build):
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/parallel/test_gpu.py"]
     env = child_env(extra)
     code = check.run("6. horovod test", argv, "horovod.txt", TIMEOUTS["horovod_test"], env=env)
-    check.result("6. horovod test", "ok" if code == 0 else "FAILED", "horovod.txt")
+    check.result("6. horovod test", "ok" if code == 0 else "FAILED", pytest_summary(check, "horovod.txt"))
 
 
 def main():
