@@ -1,7 +1,10 @@
 """Device-correct codecs (issue 26): each scheme on the CPU and on CUDA (``device`` fixture,
 skipped with the reason where there is none), no host reads or host-to-device constants on any
-default step, no synchronising call under ``torch.cuda.set_sync_debug_mode("error")``, and
-codec products in full float32 whatever the user's TF32/bfloat16 matmul setting.
+default step, no synchronising call under ``torch.cuda.set_sync_debug_mode("error")``, each
+steady step captured in a CUDA graph and replayed equal to eager, deterministic mode, and
+codec products in full float32 whatever the user's TF32/bfloat16 matmul setting, on several
+threads and compiled too (issue 35). The CUDA parameters run in the GPU check
+(``make gpu-check``, docs/gpu.md).
 
 Host reads are counted on the CPU by wrapping every ``torch.Tensor`` method that moves a
 value to the host (``item``, ``tolist``, ``numpy``, ``cpu``, ``__bool__``, ``__float__``,
@@ -402,7 +405,7 @@ def test_codec_products_on_two_threads_leave_the_setting_alone(way, user_precisi
     from torch_backend.ops import OPS
     PRECISION_WAYS[way][0](torch)
     user = _precision_snapshot()
-    ops, errors, stop, failures = one_rank(OPS), [], threading.Event(), []
+    ops, errors, failures = one_rank(OPS), [], []
 
     def work(seed):
         try:
