@@ -251,9 +251,10 @@ def _exact_matmul(a, b, force=False):
     rounded to float32 once (at least as exact as an IEEE float32 product); otherwise the
     product is the plain one. Nothing global is changed, so the user's setting is never
     altered, not even for a moment: products on Gloo's or DDP's callback threads can run
-    while the user's threads run theirs, and mixing PyTorch's legacy and new precision APIs
-    cannot trip its consistency check inside our products (issue 35; saving and restoring the
-    setting around each product could do both). Cost, only under a reduced setting: two
+    while the user's threads run theirs, and no mix of PyTorch's legacy and new precision APIs
+    is ever made here, so its consistency check raises in our products only where it raises
+    in the user's own (issue 35; saving and restoring the setting around each product broke
+    both: a user's legacy ``allow_tf32`` against our new-API ``"ieee"`` is such a mix). Cost, only under a reduced setting: two
     casts in, one out and a float64 product (on an H100/H200 about float32's throughput, on
     CPUs about half). Shapes and errors as ``torch.matmul``.
     """
