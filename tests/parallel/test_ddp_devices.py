@@ -7,8 +7,9 @@ Launch 1 (2 ranks, Gloo): per device and scheme, 3 training steps of a small MLP
 a few buckets: ``bucket_cap_mb`` 4 KB), each rank its own data. Checked: every rank
 ends with the same parameters, bit for bit (the hook's all-reduced outputs are the same on
 every rank); they are finite; and CUDA's equal the CPU's within each scheme's error.
-Launch 2 (1 rank, CUDA only): the same steps over an NCCL group and over Gloo, equal bit for
-bit (one rank: the all-reduce is the identity on both).
+Launch 2 (1 rank, CUDA only): the same steps over an NCCL group, its stream kept busy before
+each backward (issue 35, risk 1: the buckets' all-reduces run late, after backward has gone
+on allocating), and over Gloo; equal bit for bit (one rank: the all-reduce is the identity).
 """
 import numpy as np
 import pytest
@@ -31,8 +32,9 @@ def _cuda():
         return False
 
 
-def _train(device, spec, group=None):
-    """Parameters (float64 NumPy, flattened) after STEPS steps of DDP with ``spec``'s hook."""
+def _train(device, spec, group=None, delay=None):
+    """Parameters (float64 NumPy, flattened) after STEPS steps of DDP with ``spec``'s hook;
+    ``delay()`` runs before each backward."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -49,7 +51,10 @@ def _train(device, spec, group=None):
         x = torch.randn(16, 48, generator=gen).to(device)
         y = torch.randint(0, 10, (16,), generator=gen).to(device)
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        if delay is not None:
+            delay()
+        loss.backward()
         opt.step()
     return np.concatenate([p.detach().double().cpu().numpy().ravel() for p in model.parameters()])
 
@@ -59,10 +64,19 @@ def gloo_worker(devices):
 
 
 def nccl_worker():
+    import torch
     import torch.distributed as dist
     nccl = dist.new_group(backend="nccl")
-    return {(name, spec): _train("cuda", spec, group) for name, group in (("nccl", nccl), ("gloo", None))
-            for spec in SPECS}
+    pad = torch.zeros(1 << 26, device="cuda")  # 256 MiB
+
+    def busy_nccl():
+        # Queue 8 large all-reduces on the NCCL stream first: the buckets' all-reduces then run
+        # milliseconds after their hooks return, while backward goes on allocating on the
+        # current stream (what frees and reuses a payload the hook did not keep alive).
+        for _ in range(8):
+            dist.all_reduce(pad, group=nccl, async_op=True)
+    return {(name, spec): _train("cuda", spec, group, delay)
+            for name, group, delay in (("nccl", nccl, busy_nccl), ("gloo", None, None)) for spec in SPECS}
 
 
 @pytest.fixture(scope="module")
