@@ -224,8 +224,10 @@ def _same(a, b):
     import torch
     if a is None or b is None:
         return a is b
-    if isinstance(a, tuple):
+    if isinstance(a, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if not isinstance(a, torch.Tensor):
+        return a == b
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
