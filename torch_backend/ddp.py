@@ -322,6 +322,11 @@ def hook(state: HookState, bucket):
                 dropped = (counts[:, 0] == 0) & (counts[:, 1] == 0)
             outs = []
             for unit, members, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
+                factor = comp.linear_decode(ctx) if unit.contiguous else None
+                if factor is not None:  # a cast: its mean written into the bucket in one pass
+                    torch.mul(payload.reshape(-1), factor / n, out=buffer[unit.start:unit.stop])
+                    outs.append(None)
+                    continue
                 out = payload if ctx is None else comp.decode(payload, ctx, divide=n)
                 if dropped is not None:
                     comp.add_error_feedback(ctx, _dropped_part(out, dropped, members, plan))
@@ -329,6 +334,8 @@ def hook(state: HookState, bucket):
             # Written into the bucket's buffer (one copy per unit) and the buffer returned: DDP
             # then sees its own views and copies nothing more per parameter.
             for unit, out in zip(plan.units, outs):
+                if out is None:
+                    continue
                 if unit.contiguous:
                     buffer[unit.start:unit.stop].copy_(out.reshape(-1))
                 else:
