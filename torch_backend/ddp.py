@@ -51,39 +51,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hvd_gradcomp.adapter import Call, scheme_info
-from hvd_gradcomp.base import finish_tensor
-
 from .compression import Compressor
+from .engine import ProcessGroupEngine
 
 __all__ = ["register_comm_hook", "make_comm_hook", "hook", "HookState", "DDPEngine"]
 
 log = logging.getLogger("hvd_gradcomp")
 
 
-class DDPEngine:
-    """The collectives a compressor needs outside compress, on a ``torch.distributed`` group.
-
-    world() -> (size, rank) in the group; gather(obj) -> [obj of rank 0, 1, ...] on every rank
-    (``dist.all_gather_object``); allreduce(x, average) -> x summed (or averaged) over the
-    group, blocking.
-    """
-
-    def __init__(self, group=None):
-        self.group = group
-
-    def world(self):
-        return dist.get_world_size(self.group), dist.get_rank(self.group)
-
-    def gather(self, obj):
-        out = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def allreduce(self, x, average: bool):
-        y = x.clone()
-        dist.all_reduce(y, group=self.group)
-        return y / dist.get_world_size(self.group) if average else y
+DDPEngine = ProcessGroupEngine  # the name it had before torch_backend.engine
 
 
 class HookState:
@@ -109,30 +85,6 @@ def _joined() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def _finish_joined(comp, payload, ctx):
-    """The state step of a joined rank: the agreed fields move on from the all-reduced
-    ``payload``, the rank-local ones (error feedback) stay as they were."""
-    if ctx is None or not comp._has_state(ctx.info.key):  # passed through, or stateless
-        return
-    info, inner, scale, scheme = ctx
-    info = scheme_info(info, scale)
-    old = comp._read_state(info.key)
-    _, new = finish_tensor(scheme, comp.ops, payload, inner, old, info)
-    if new is old:
-        return
-    local = [f for f in scheme.rank_local_fields if f in new._fields]
-    if tuple(new._fields) == tuple(old._fields) and all(
-            tuple(getattr(old, f).shape) == tuple(getattr(new, f).shape) for f in local):
-        new = new._replace(**{f: getattr(old, f) for f in local})
-    else:  # an adaptive scheme changed the tensor's scheme on the agreed figures
-        new = new._replace(**{f: torch.zeros_like(getattr(new, f)) for f in local})
-        if ("joined", info.key) not in comp._warned:  # once per tensor and compressor
-            comp._warned.add(("joined", info.key))
-            log.warning("hvd_gradcomp DDP hook: %s changed scheme while this rank had joined; its "
-                        "pending error feedback on this rank is dropped", info.key)
-    comp._write_state(info.key, new)
 
 
 def hook(state: HookState, bucket):
@@ -162,8 +114,7 @@ def hook(state: HookState, bucket):
                              f"parameter of shape {list(p.shape)} that the DDP model's "
                              f"named_parameters() does not name; register the hook on the DDP "
                              f"model that owns it")
-        call = Call(key=name, op="sum", process_set=state.group, label=name)
-        payload, ctx, _ = comp._compress_one(g, call)
+        payload, ctx = comp.encode(g, name, op="sum", group=state.group)
         entries.append((payload, ctx, g))
     by_dtype = {}
     for i, (payload, _, _) in enumerate(entries):
@@ -190,7 +141,7 @@ def hook(state: HookState, bucket):
                     offset += numel
                     ctx, g = entries[i][1], entries[i][2]
                     if joined:
-                        _finish_joined(comp, payload, ctx)
+                        comp.decode_joined(payload, ctx)
                         continue
                     out = comp.decompress(payload, ctx)
                     g.copy_(out.reshape(g.shape).to(g.dtype) / n)
@@ -214,7 +165,7 @@ def make_comm_hook(ddp_model, compressor):
         hint = f"; pass {what}() (with options, if any)" if what.startswith("Compression.") else ""
         raise TypeError(f"register_comm_hook: expected a compressor from torch_backend.Compression, "
                         f"got {what}{hint}")
-    if compressor._engine is not None:
+    if compressor.engine is not None:
         raise ValueError(f"register_comm_hook: compressor {compressor.spec!r} is already bound to a "
                          f"DDP model; each model needs its own (its state is kept per parameter name)")
     blocking = sorted({s.spec() for s in compressor.routing.schemes() if s.blocking})
@@ -224,8 +175,8 @@ def make_comm_hook(ddp_model, compressor):
                          f"the scheme's default single-collective variant on DDP")
     group = ddp_model.process_group
     names = {p: name for name, p in ddp_model.module.named_parameters()}
-    compressor._engine = DDPEngine(group)
-    world_size, _ = compressor._engine.world()
+    compressor.bind_engine(ProcessGroupEngine(group))
+    world_size, _ = compressor.engine.world()
     if any(s.adaptive and s.link is None for s in compressor.routing.schemes()):
         like = next(iter(names), None)
         compressor.calibrate(like=None if like is None else like.detach())
