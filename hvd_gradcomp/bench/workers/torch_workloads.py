@@ -24,7 +24,7 @@ from .. import data
 from ..worker import OPTIMIZERS, Recorder, optimizer_class, parse_optimizer
 
 __all__ = ["DigitsWorkload", "LMWorkload", "LMCommWorkload", "WORKLOADS", "train", "versions",
-           "build_optimizer", "AdamProbe", "LRSchedule", "lr_factor", "decay_groups", "RECIPES"]
+           "build_optimizer", "AdamProbe", "LRSchedule", "add_recipe_args", "make_schedule", "lr_factor", "decay_groups", "RECIPES"]
 
 
 def versions():
@@ -370,6 +370,30 @@ class AdamProbe:
 
 
 WORKLOADS = {"digits": DigitsWorkload, "lm": LMWorkload, "lm-comm": LMCommWorkload}
+
+
+def add_recipe_args(parser, cls):
+    """``--recipe`` and ``--schedule-steps`` for a workload with a recipe (``cls.schedule``);
+    nothing for the others."""
+    if getattr(cls, "schedule", None) is None:
+        return
+    g = parser.add_argument_group("recipe")
+    g.add_argument("--recipe", choices=sorted(RECIPES), default=cls.recipe,
+                   help=f"training recipe (default {cls.recipe}; torch_workloads.LMCommWorkload)")
+    g.add_argument("--schedule-steps", type=int, default=0,
+                   help="length of the learning-rate schedule in steps (micro-batches); 0: this "
+                        "run's own step budget (the harness gives the rows after FP16 FP16's)")
+
+
+def make_schedule(workload, optimizer, args):
+    """The workload's learning-rate schedule for ``optimizer`` (None without a recipe or under
+    a constant one), over ``--schedule-steps`` steps, or this run's own budget (``--max-epochs``
+    x steps per epoch, capped by ``--max-steps``)."""
+    if getattr(workload, "schedule", None) is None:
+        return None
+    budget = math.ceil(args.max_epochs * workload.steps_per_epoch)
+    total = args.schedule_steps or (min(budget, args.max_steps) if args.max_steps else budget)
+    return workload.schedule(optimizer, total)
 
 
 def train(workload, model, trainer, args, rank, world_size, meta, bytes_fn):
