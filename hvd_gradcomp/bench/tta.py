@@ -478,6 +478,8 @@ def _command(run, args, out_json, extra=()):
     cmd += list(WORKLOAD_FLAGS.get(run.workload, ())) if run.system != "ddp" else []
     if args.max_seconds:
         cmd += ["--max-seconds", str(args.max_seconds)]
+    if getattr(args, "budget_epochs", None):
+        cmd += ["--max-epochs", f"{args.budget_epochs:g}"]
     cmd += list(extra)
     cmd += args.worker_args.split() if args.worker_args else []
     return cmd
@@ -688,6 +690,10 @@ def build_parser():
                    help="workloads whose target is relative to FP16 (lm-comm): every row after FP16 "
                         "stops at the target or when its training clock passes this multiple of "
                         f"FP16's TTA (default {FP16_TTA_CAP['lm-comm']:g})")
+    p.add_argument("--budget-epochs", type=float, default=None,
+                   help="every run's epoch budget (--max-epochs), before the stop flags: so for "
+                        "workloads whose target is relative to FP16 (lm-comm, default 1.75) it sets "
+                        "FP16's budget, and the rows after it still run to the target or --tta-cap")
     p.add_argument("--recipe", choices=("adamw-cosine", "adam-constant"), default=None,
                    help="lm-comm's training recipe for every row: adamw-cosine (the default: AdamW "
                         "(0.9, 0.95), weight decay 0.1 on matrices, 5%% linear warm-up, cosine decay "
@@ -774,6 +780,8 @@ def plan_sweep(args) -> SweepPlan:
         if getattr(args, key, None) is None:
             setattr(args, key, defaults[key])
     device.check_sweep(args, [WORKLOADS[w][0] for w in workloads if w in WORKLOADS])
+    if getattr(args, "budget_epochs", None) is not None and not args.budget_epochs > 0:
+        raise ValueError(f"--budget-epochs must be > 0, got {args.budget_epochs:g}")
     if getattr(args, "tta_cap", None) is not None and not args.tta_cap > 0:
         raise ValueError(f"--tta-cap must be > 0 (a multiple of FP16's TTA), got {args.tta_cap:g}")
     unavailable = {}

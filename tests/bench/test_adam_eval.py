@@ -273,6 +273,12 @@ def test_rows_after_fp16_stop_at_its_target_or_a_multiple_of_its_tta():
     args = tta.build_parser().parse_args(["--worker-args", "--max-seconds 4"])
     cmd = tta._command(plan[1], args, "o.json", tta.stop_flags(plan[1], stops))
     assert cmd[-2:] == ["--max-seconds", "4"] and cmd.index("--target") < len(cmd) - 2
+    args = tta.build_parser().parse_args(["--budget-epochs", "0.5"])  # FP16's budget; the others: 1e9
+    cmd = tta._command(plan[1], args, "o.json", tta.stop_flags(plan[1], stops))
+    assert cmd[cmd.index("--max-epochs") + 1] == "0.5" and cmd[len(cmd) - 1 - cmd[::-1].index("--max-epochs") + 1] == "1e9"
+    assert tta._command(plan[0], args, "o.json")[-2:] == ["--max-epochs", "0.5"]
+    with pytest.raises(ValueError, match="--budget-epochs must be > 0"):
+        tta.plan_sweep(tta.build_parser().parse_args(["--workloads", "lm-comm", "--budget-epochs", "0"]))
     with pytest.raises(ValueError, match="--tta-cap must be > 0"):
         tta.plan_sweep(tta.build_parser().parse_args(["--workloads", "lm-comm", "--tta-cap", "0"]))
 
