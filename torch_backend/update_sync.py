@@ -127,7 +127,7 @@ class UpdateSync:
             hint = (" UpdateSync synchronises the parameters itself: use it instead of "
                     "hvd.DistributedOptimizer, never inside it" if isinstance(optimizer, (list, tuple)) else "")
             raise TypeError(f"UpdateSync: expected a torch.optim.Optimizer, got {type(optimizer).__name__}.{hint}")
-        if _is_horovod_optimizer(optimizer) or _is_horovod_optimizer(self):
+        if _is_horovod_optimizer(optimizer):
             raise TypeError("UpdateSync: the optimizer is wrapped by hvd.DistributedOptimizer, which "
                             "all-reduces the gradients, and UpdateSync would then sync the parameters "
                             "too (two synchronisations); pass the plain optimizer")

@@ -64,7 +64,8 @@ from .worker import PROGRESS_PREFIX
 
 __all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "SweepOutcome",
            "default_specs", "parse_compressors", "plan_runs", "interleave", "RunSpec", "WORKLOADS",
-           "NOCOMM_SPEC", "NOCOMM_LABEL", "network_for"]
+           "NOCOMM_SPEC", "NOCOMM_LABEL", "network_for", "Row", "parse_row", "parse_update_sync",
+           "note_fp16", "stop_flags", "ADAM_ROWS", "FP16_TTA_CAP"]
 
 # workload key -> (framework, worker module, workload name inside the worker, DDP-capable)
 WORKLOADS = {
@@ -651,9 +652,11 @@ def build_parser():
     p.add_argument("--workloads", default="digits",
                    help=f"comma-separated, some of {sorted(WORKLOADS)}")
     p.add_argument("--compressors", default=None,
-                   help="';'-separated rows: compressor specs, each optionally 'SPEC with "
-                        "OPTIMIZER(k=v,...)' (optimizers: adam, adamw, sgd, frozen-adamw; "
-                        "e.g. 'topkc:ratio=0.1 with adam(lr=6.3e-3)'). Default: every registered "
+                   help="';'-separated rows: compressor specs, each optionally followed by 'with "
+                        "CLAUSE' clauses: an optimizer OPTIMIZER(k=v,...) (adam, adamw, sgd, "
+                        "frozen-adamw; e.g. 'topkc:ratio=0.1 with adam(lr=6.3e-3)'), accumulate(K) "
+                        "(K micro-batches per all-reduce), update-sync(every=H,...) (compressed "
+                        "update sync, torch_backend.UpdateSync). Default: every registered "
                         f"default, from {'; '.join(DEFAULT_CANDIDATES)}; for lm-comm alone: "
                         f"{'; '.join(ADAM_ROWS)}. Every scheme's options: python -m hvd_gradcomp --list")
     p.add_argument("--ddp-hooks", default=None,

@@ -13,6 +13,12 @@ shards by rank, seeds are fixed (``--seed``). Each step is timed and split into:
 - communication: the rest of ``optimizer.synchronize()`` (waiting for the all-reduces that
   backward started) plus any synchronous side collective issued inside ``compress``.
 
+``--accumulate K``: K micro-batches per optimizer step and all-reduce (a step of the records
+is a micro-batch). ``--update-sync every=H``: no gradient all-reduce; each rank steps its own
+optimizer and every H steps the ranks average the compressed parameter change
+(:class:`UpdateSyncTrainer`, ``torch_backend.UpdateSync``). ``--recipe`` (``lm-comm``): the
+training recipe and its learning-rate schedule (``torch_workloads.LMCommWorkload``).
+
 With ``--out PATH`` rank 0 writes the records as JSON (the harness
 ``python -m hvd_gradcomp.bench tta`` runs this module and collects them).
 """
@@ -113,7 +119,8 @@ class UpdateSyncTrainer:
     compressor sends each parameter's change since the last sync), timed: compute = forward,
     backward, the optimizer step; codec = the sync's encode and decode; communication = its
     all-reduces (``UpdateSync.timings``). ``sync_options``: UpdateSync's ``every``,
-    ``outer_lr``, ``outer_momentum``, ``nesterov``."""
+    ``outer_lr``, ``outer_momentum``, ``nesterov``. The Adam probe's ``update_rms`` here is the
+    change over the step and its sync (the parameters after a sync are the synced ones)."""
 
     def __init__(self, workload, model, lr, spec, optimizer="", adam_log_every=0, optimizer_defaults=None,
                  device="cpu", sync_options=None):
@@ -159,9 +166,6 @@ class UpdateSyncTrainer:
         w = self.sync.bytes_per_step()
         return {"payload": w.payload, "side": w.side, "side_collectives": w.side_collectives,
                 "every": self.sync.every}
-
-    def close(self):
-        pass
 
 
 # --optimizer: the workload's own optimizer, or AdamW / FrozenVarianceAdamW (docs/optimizers.md).
