@@ -671,11 +671,12 @@ def plot_path(out_dir, workload):
 def converged_levels(rows):
     """``{"FP16": level, "FP32": level}``: the median final rolling metric of the Horovod rows
     ``fp16`` and ``none`` (FP32) among ``rows``, for those present (None where no repeat has a
-    final metric). DDP rows and the no-communication reference (also spec ``none``) are not
-    levels."""
+    final metric). DDP rows, the no-communication reference (also spec ``none``) and rows
+    with another optimizer, gradient accumulation or update sync are not levels."""
     finals = {}
     for r in rows:
-        if r.get("system") != "ddp" and not is_reference(r) and r.get("spec") in ("fp16", "none"):
+        plain = not r.get("optimizer") and (r.get("accumulate") or 1) == 1 and not r.get("update_sync")
+        if r.get("system") != "ddp" and not is_reference(r) and plain and r.get("spec") in ("fp16", "none"):
             name = "FP16" if r["spec"] == "fp16" else "FP32"
             finals.setdefault(name, [])
             if r.get("final_metric") is not None:

@@ -339,6 +339,7 @@ def test_accumulate_and_update_sync_rows():
     report.apply_targets(rows, res)
     assert [r["target"] for r in rows] == [pytest.approx(5.1)] * 3  # from row a alone
     assert len(report.aggregate(rows)) == 3
+    assert report.converged_levels(rows) == {"FP16": pytest.approx(5.0)}  # row a's level only
     text = report.markdown_table(rows, NET)
     assert "accumulate(K) rows: K micro-batches" in text and "update-sync rows: each rank steps" in text
 
