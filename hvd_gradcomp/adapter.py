@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 from . import composite
 from .base import (HALF_MAX, EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor, passes_through,
                    saturate_output)
+from .buckets import Buckets
 from .checkpoint import Checkpoints
 from .link import LinkCalibration
 from .primitives import FLOAT_DTYPES, itemsize
@@ -118,7 +119,7 @@ def scheme_info(info: TensorInfo, scale) -> TensorInfo:
     return info if scale is None or info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
 
 
-class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
+class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
     """Base of ``torch_backend.Compressor`` and ``tf_backend.Compressor``.
 
     Public methods (both frameworks):
@@ -158,6 +159,9 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         # None: Horovod's collectives; else the engine whose collectives the compressor uses
         # outside compress (world, checkpoints, route checks, calibrate), e.g. DDP's
         "_engine",
+        # the bucketed codec (buckets.Buckets): flat groups, where each tensor's error feedback
+        # is, bucket plans, a checkpoint's group fields, member infos, groups being left
+        "_groups", "_members", "_plans", "_pending_groups", "_member_infos", "_leaving", "_holders",
         "__weakref__",
     )
     ops = None  # the backend's Primitives (class attribute of the subclass)
@@ -179,6 +183,8 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         self._warned = set()
         self._scale_source = None
         self._engine = None
+        self._groups, self._members, self._plans = {}, {}, {}
+        self._pending_groups, self._member_infos, self._leaving, self._holders = {}, {}, {}, {}
         if any(s.adaptive and s.link is None for s in self.routing.schemes()) and \
                 self._global_world()[0] is not None:
             self.calibrate(cached=True)  # an adaptive scheme without a given link: measured once per process

@@ -75,6 +75,7 @@ class NoneScheme(Scheme):
     :func:`~hvd_gradcomp.base.finish_tensor`."""
 
     name = "none"
+    flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
     guards_nonfinite = False  # NaN/inf survive the cast and the sum on their own
 
     def __init__(self, config: NoneConfig = NoneConfig()):
@@ -102,6 +103,7 @@ class Fp16Scheme(Scheme):
     """float16 payload pre-scaled by 1/world_size (module docstring, steps 1-4)."""
 
     name = "fp16"
+    flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
     guards_nonfinite = False  # NaN/inf survive the cast and the sum on their own
     linear = True  # Min/Max/Adasum and Horovod's scale factors keep their meaning
 
@@ -128,6 +130,7 @@ class Bf16Scheme(Scheme):
     """Values rounded to bfloat16, carried in a float32 payload (Horovod has no bf16 dtype)."""
 
     name = "bf16"
+    flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
     guards_nonfinite = False
     linear = True
 
