@@ -102,10 +102,11 @@ class HorovodTrainer:
         """Bytes per step (micro-batch) as of now; for ``auto``, also ``choices`` ({tensor: scheme spec}, what
         each ended on) and ``decisions`` (every decision: ``compressor.decisions()``)."""
         w = self.compressor.bytes_per_step()
-        k = self.accumulate  # a step is a micro-batch: one all-reduce per k of them
-        out = {"payload": w.payload // k, "side": w.side // k, "side_collectives": w.side_collectives / k}
-        if k > 1:
-            out["accumulate"] = k
+        out = {"payload": w.payload, "side": w.side, "side_collectives": w.side_collectives}
+        k = self.accumulate
+        if k > 1:  # a step is a micro-batch: one all-reduce per k of them
+            out = {"payload": w.payload // k, "side": w.side // k, "side_collectives": w.side_collectives / k,
+                   "accumulate": k}
         chosen = {k: m["scheme"] for k, m in self.compressor.inner.metrics().items() if "scheme" in m}
         if chosen:
             out["choices"] = chosen
