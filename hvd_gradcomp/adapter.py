@@ -354,7 +354,7 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         return TensorInfo("<unnamed>" if key is None else key, shape, dtype, world_size, rank, op,
                           call.process_set, nccl_avg)
 
-    def _encode_info(self, tensor, info: TensorInfo, scheme: Scheme):
+    def _encode_info(self, tensor, info: TensorInfo, scheme: Scheme, detach: bool = True):
         """``(payload, ctx)`` of ``tensor`` under ``info`` and its route's ``scheme``: the
         records (static facts, wire bytes), the loss scale, the state, the scheme's compress.
         Shared by one tensor (:meth:`_compress_one`) and a bucket's flat group
@@ -369,7 +369,8 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         self._infos[key] = info
         if scheme.identity:
             return tensor, None
-        tensor = self._detach(tensor)
+        if detach:  # (a bucket's buffer has no autograd history)
+            tensor = self._detach(tensor)
         scale = None
         if self._scale_source is not None:
             scale = self._scale_of(self._scale_source)
@@ -463,6 +464,14 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         if has_state and new_state is not state:
             self._write_state(info.key, new_state)
         return out
+
+    def linear_decode(self, ctx):
+        """The factor ``f`` when decoding ``ctx``'s payload is its float32 cast times ``f`` and
+        moves no state (the casts, without a loss scale), so an engine may fuse the cast, the
+        scaling and the write into its own buffer; else None."""
+        if ctx is None or ctx.scale is not None or self._has_state(ctx.info.key):
+            return None
+        return composite.decode_factor(ctx.scheme, scheme_info(ctx.info, ctx.scale))
 
     def decode_joined(self, payload, ctx):
         """The state step of a rank that contributed zeros (DDP's ``Join``): the fields every

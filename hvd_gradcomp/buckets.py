@@ -208,8 +208,9 @@ class Buckets:
     def encode_unit(self, unit: Unit, x):
         """``(payload, ctx)`` of one unit of a plan, as :meth:`encode` of one tensor: ``x`` holds
         the unit's coordinates (a group: its members' flat coordinates in buffer order, shape
-        ``unit.info.shape``). Decode with :meth:`decode`. Posts no collective."""
-        return self._encode_info(x, unit.info, unit.scheme)
+        ``unit.info.shape``; a view of the engine's buffer, without autograd history). Decode
+        with :meth:`decode`. Posts no collective."""
+        return self._encode_info(x, unit.info, unit.scheme, detach=False)
 
     def add_error_feedback(self, ctx, amount):
         """Keep ``amount`` owed: add it to the error feedback of the tensor (or group) ``ctx``
@@ -275,6 +276,12 @@ class Buckets:
         ops = self.ops
         grp = self._groups[info.key]
         state = scheme.init(ops, info, like)
+        if not len(state):  # a stateless scheme (the casts): nothing to move, at its first step
+            if self._members.get(grp.keys[0]) != info.key:  # only release the earlier holders
+                for key in grp.keys:
+                    self._take_error_feedback(key, scheme, self._member_infos.get(key), like)
+                    self._members[key] = info.key
+            return state
         saved = self._pending_groups.pop(info.key, None)
         if saved is not None and tuple(saved["members"]) == grp.keys:
             state = self._with_agreed(scheme, state, saved["fields"], like)
@@ -445,7 +452,8 @@ class Buckets:
         grp = self._groups.get(gkey)
         if grp is not None and self._has_state(gkey):
             if tuple(saved["members"]) == grp.keys:
-                state = self._read_state(gkey)
-                self._write_state(gkey, self._with_agreed(self._group_scheme(gkey), state, saved["fields"], state[0]))
+                state, scheme = self._read_state(gkey), self._group_scheme(gkey)
+                composite.forget(scheme, gkey)  # what the scheme mirrors on the host (warm-up counts)
+                self._write_state(gkey, self._with_agreed(scheme, state, saved["fields"], state[0]))
             return
         self._pending_groups[gkey] = {"members": list(saved["members"]), "fields": dict(saved["fields"])}

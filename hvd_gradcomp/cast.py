@@ -92,6 +92,9 @@ class NoneScheme(Scheme):
     def decompress(self, ops, payload, ctx, info):
         return payload if not self.float32 else ops.cast(payload, "float32")
 
+    def decode_factor(self, info: TensorInfo) -> float:
+        return 1.0
+
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(info.numel * (4 if self.float32 else itemsize(info.dtype)))
 
@@ -113,11 +116,15 @@ class Fp16Scheme(Scheme):
     def compress(self, ops, x, state, info, finite):
         # Step 1-2: 1/n keeps the n-rank fp16 sum from overflowing (DDP's fp16 hook does the
         # same); 1.0 where NCCL's Average divides by n itself (TensorInfo.prescale).
-        return ops.cast(x * info.prescale, "float16"), None
+        return ops.scaled_cast(x, info.prescale, "float16"), None
 
     def decompress(self, ops, payload, ctx, info):
         # Step 4: undo the pre-scale; linear, so right under Sum and Average alike.
-        return ops.cast(payload, "float32") * info.unscale
+        out = ops.cast(payload, "float32")
+        return out if info.unscale == 1.0 else out * info.unscale
+
+    def decode_factor(self, info: TensorInfo) -> float:
+        return info.unscale
 
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(2 * info.numel)
@@ -142,6 +149,9 @@ class Bf16Scheme(Scheme):
 
     def decompress(self, ops, payload, ctx, info):
         return payload
+
+    def decode_factor(self, info: TensorInfo) -> float:
+        return 1.0
 
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(4 * info.numel)

@@ -181,16 +181,20 @@ def _joined() -> bool:
 
 
 def _plan(state: HookState, bucket, buffer, params):
-    """The bucket's :class:`~hvd_gradcomp.buckets.BucketPlan`, cached per layout (DDP's
-    rebuilt buckets after the first step are new layouts)."""
+    """``(plan, members of each unit)`` of the bucket (:class:`~hvd_gradcomp.buckets.BucketPlan`),
+    cached per layout (DDP's rebuilt buckets after the first step are new layouts); None for a
+    sparse gradient's bucket. The step's path reads no gradient view on a cached layout."""
     sig = (bucket.index(), id(params[0]), id(params[-1]), len(params), buffer.numel())
-    hit = state._plans.get(sig)
-    if hit is not None:
-        return hit
+    if sig in state._plans:
+        return state._plans[sig]
     comp = state.compressor
     members, offset = [], 0
     base = buffer.storage_offset()
-    for p, g in zip(params, bucket.gradients()):
+    grads = bucket.gradients()
+    if not grads:  # DDP's bucket of a sparse gradient (its buffer may still look dense)
+        state._plans[sig] = None
+        return None
+    for p, g in zip(params, grads):
         name = state.names.get(p)
         if name is None:
             raise ValueError(f"hvd_gradcomp DDP hook {comp.spec!r}: bucket {bucket.index()} holds a "
@@ -230,8 +234,8 @@ def hook(state: HookState, bucket):
     all-reduce the payloads (one collective per payload dtype), decode, average (module
     docstring).
 
-    Returns a ``torch.futures.Future`` holding the bucket's averaged, decoded gradients (the
-    bucket's buffer, or a new tensor of its shape).
+    Returns a ``torch.futures.Future`` holding ``bucket.buffer()`` with the averaged, decoded
+    gradients written into it.
 
     Raises:
         TypeError: ``state`` is not a :class:`HookState` (e.g. the compressor itself).
@@ -256,11 +260,12 @@ def hook(state: HookState, bucket):
     buffer = bucket.buffer()
     n = state.world_size
     params = bucket.parameters()
-    if buffer.is_sparse or not bucket.gradients():  # a sparse gradient's bucket: uncompressed
+    hit = None if buffer.is_sparse else _plan(state, bucket, buffer, params)
+    if hit is None:  # a sparse gradient's bucket: uncompressed, averaged
         buffer.div_(n)
         fut = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
-    plan, slots = _plan(state, bucket, buffer, params)
+    plan, slots = hit
     encoded = []
     for unit in plan.units:
         x = buffer[unit.start:unit.stop] if unit.contiguous else buffer.index_select(0, unit.index)
@@ -317,14 +322,20 @@ def hook(state: HookState, bucket):
                 dropped = (counts[:, 0] == 0) & (counts[:, 1] == 0)
             outs = []
             for unit, members, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
+                factor = comp.linear_decode(ctx) if unit.contiguous else None
+                if factor is not None:  # a cast: its mean written into the bucket in one pass
+                    torch.mul(payload.reshape(-1), factor / n, out=buffer[unit.start:unit.stop])
+                    outs.append(None)
+                    continue
                 out = payload if ctx is None else comp.decode(payload, ctx, divide=n)
                 if dropped is not None:
                     comp.add_error_feedback(ctx, _dropped_part(out, dropped, members, plan))
                 outs.append(out)
-            if len(plan.units) == 1 and plan.units[0].start == 0 and plan.units[0].stop == buffer.numel() \
-                    and outs[0].dtype == buffer.dtype:
-                return outs[0].reshape(buffer.shape)  # the whole bucket: DDP copies it in
+            # Written into the bucket's buffer (one copy per unit) and the buffer returned: DDP
+            # then sees its own views and copies nothing more per parameter.
             for unit, out in zip(plan.units, outs):
+                if out is None:
+                    continue
                 if unit.contiguous:
                     buffer[unit.start:unit.stop].copy_(out.reshape(-1))
                 else:
