@@ -84,7 +84,7 @@ import torch.distributed as dist
 
 from hvd_gradcomp.buckets import Member
 
-from .compression import Compressor
+from .compression import check_compressor
 from .engine import ProcessGroupEngine
 
 __all__ = ["install", "shard_key"]
@@ -232,18 +232,7 @@ def install(model, compressor, replicate_group=None, per="param"):
     if not isinstance(model, FSDPModule):
         raise TypeError(f"install: expected a module sharded by fully_shard (an FSDPModule), got "
                         f"{type(model).__name__}; call fully_shard(model, mesh=...) first")
-    if not isinstance(compressor, Compressor):
-        what = repr(compressor)
-        hint = f"; pass {what}() (with options, if any)" if what.startswith("Compression.") else ""
-        raise TypeError(f"install: expected a compressor from torch_backend.Compression, got {what}{hint}")
-    if compressor.engine is not None:
-        raise ValueError(f"install: compressor {compressor.spec!r} is already bound to "
-                         f"{compressor.engine!r}; each model needs its own (its state is kept per shard)")
-    blocking = sorted({s.spec() for s in compressor.routing.schemes() if s.blocking})
-    if blocking:
-        raise ValueError(f"install: {compressor.spec!r} routes tensors to {blocking}, blocking "
-                         f"two-round variants whose side all-reduce is Horovod's; use the "
-                         f"scheme's default single-collective variant on FSDP")
+    check_compressor(compressor, "install", "FSDP")
     names = {p: n for n, p in model.named_parameters()}
     entries = []
     for path, module in model.named_modules():

@@ -67,7 +67,7 @@ import torch
 
 from hvd_gradcomp.base import StepBytes
 
-from .compression import Compressor
+from .compression import check_compressor
 
 __all__ = ["UpdateSync"]
 
@@ -186,21 +186,13 @@ class UpdateSync:
         from .compression import Compression
         if isinstance(compression, str):
             compression = Compression.from_spec(compression)
-        if not isinstance(compression, Compressor):
-            what = repr(compression)
-            hint = f"; pass {what}() (with options, if any)" if what.startswith("Compression.") else ""
-            raise TypeError(f"UpdateSync: expected a compressor from torch_backend.Compression or a spec "
-                            f"string, got {what}{hint}")
+        check_compressor(compression, "UpdateSync", "torch.distributed" if self.backend == _TORCH else "Horovod",
+                         unbound=False)
         if compression.routes():
             raise ValueError(f"UpdateSync: compressor {compression.spec!r} has already compressed "
                              f"tensors {sorted(compression.routes())[:3]}...; give UpdateSync a compressor "
                              f"of its own (its state is kept per parameter name)")
         if self.backend == _TORCH:
-            blocking = sorted({s.spec() for s in compression.routing.schemes() if s.blocking})
-            if blocking:
-                raise ValueError(f"UpdateSync: {compression.spec!r} routes tensors to {blocking}, "
-                                 f"blocking two-round variants whose side all-reduce is Horovod's; use "
-                                 f"the scheme's default single-collective variant on torch.distributed")
             from .engine import ProcessGroupEngine
             compression.bind_engine(ProcessGroupEngine(self.group))
         elif compression.engine is not None:
