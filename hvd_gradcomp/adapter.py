@@ -30,7 +30,10 @@ frame holds it), and if the payload dtypes differ it casts each to the narrowest
 holds every member's values and sums exactly (float16 + float32: float32; with int32 or
 float64: float64), and back before ``decompress``: one collective per group as Horovod meant,
 the same numbers as without groups, more bytes (``wire_bytes()`` counts them, a warning names
-the tensors once). PyTorch's grouped all-reduce takes mixed dtypes as they are.
+the tensors once). PyTorch's grouped all-reduce (``groups=``/``num_groups``) sends each group
+as a bucket (:mod:`~hvd_gradcomp.buckets`, one codec call per route): the payloads are shared
+out as one piece per tensor, views of one buffer per payload dtype that Horovod sums in place,
+and the group's first ``decompress`` decodes every unit (docs/usage.md, "Grouped all-reduce").
 
 Sparse gradients (PyTorch ``sparse=True`` embeddings without ``sparse_as_dense``, TensorFlow
 ``IndexedSlices``) never reach ``compress``: Horovod's sparse path gathers their indices and values. The
@@ -81,6 +84,9 @@ class Call(NamedTuple):
         one dtype); None otherwise.
     batch: TensorFlow ``allreduce_grads``: its ``(grads, vars)``, where sparse gradients
         (``IndexedSlices``, which bypass compress) are found; None otherwise.
+    bucket: PyTorch ``hvd.DistributedOptimizer(groups=...)``: the group's ``(key, gradient)``
+        pairs in Horovod's order (one grouped all-reduce), compressed as one bucket
+        (:mod:`~hvd_gradcomp.buckets`); None otherwise.
     """
 
     key: Any = None
@@ -95,6 +101,26 @@ class Call(NamedTuple):
     pin: Any = None
     group: Any = None
     batch: Any = None
+    bucket: Any = None
+
+
+class _Piece(NamedTuple):
+    """The ctx of one tensor of a PyTorch grouped all-reduce sent as a bucket: its share of the
+    bucket's payloads (``index`` in the batch's pieces) and the batch."""
+
+    index: int
+    batch: Any  # _GroupBatch
+
+
+class _GroupBatch:
+    """One grouped all-reduce's bucket: the plan, each unit's ctx, the payload buffers (one per
+    dtype) that the members' pieces are views of, and the decoded gradients once decoded."""
+
+    __slots__ = ("plan", "ctxs", "spans", "pieces", "outs", "left")
+
+    def __init__(self, plan, ctxs, spans, pieces):
+        self.plan, self.ctxs, self.spans, self.pieces = plan, ctxs, spans, pieces
+        self.outs, self.left = None, len(pieces)
 
 
 class _AdapterCtx(NamedTuple):
@@ -162,6 +188,8 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         # the bucketed codec (buckets.Buckets): flat groups, where each tensor's error feedback
         # is, bucket plans, a checkpoint's group fields, member infos, groups being left
         "_groups", "_members", "_plans", "_pending_groups", "_member_infos", "_leaving", "_holders",
+        # PyTorch grouped all-reduce sent as a bucket: {id(gradient): (piece, ctx)} not yet returned
+        "_pieces",
         "__weakref__",
     )
     ops = None  # the backend's Primitives (class attribute of the subclass)
@@ -185,6 +213,7 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         self._engine = None
         self._groups, self._members, self._plans = {}, {}, {}
         self._pending_groups, self._member_infos, self._leaving, self._holders = {}, {}, {}, {}
+        self._pieces = None
         if any(s.adaptive and s.link is None for s in self.routing.schemes()) and \
                 self._global_world()[0] is not None:
             self.calibrate(cached=True)  # an adaptive scheme without a given link: measured once per process
@@ -314,6 +343,10 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
             self._watch_sparse(call)
         if call.group is not None and len(call.group) > 1:
             return self._compress_grouped(tensor, call)
+        if call.bucket is not None and len(call.bucket) > 1:
+            done = self._compress_bucket(tensor, call)
+            if done is not None:
+                return done
         payload, ctx, _ = self._compress_one(tensor, call)
         return payload, ctx
     def _compress_one(self, tensor, call: Call):
@@ -547,9 +580,111 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         mine = results.pop(id(tensor))
         self._group = (group, results) if results else None
         return mine
+    def _compress_bucket(self, tensor, call: Call):
+        """A member of a PyTorch grouped all-reduce (``groups=``/``num_groups``): at the first
+        member the whole group is compressed as one bucket (one codec call per route,
+        :mod:`~hvd_gradcomp.buckets`) and its payloads are shared out as one piece per member
+        (views of one buffer per payload dtype, which Horovod's in-place grouped all-reduce
+        sums); the others get their piece. None when the group cannot go as a bucket (mixed
+        dtypes, a gradient that is not a float tensor): then each member is compressed alone."""
+        ops = self.ops
+        if self._pieces is not None:
+            done = self._pieces.pop(id(tensor), None)
+            if done is not None:
+                return done
+        grads = [g for _, g in call.bucket]
+        dtypes = {ops.dtype(g) for g in grads}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES or \
+                any(self._is_sparse(g) for g in grads) or all(g is not tensor for g in grads):
+            return None
+        from .buckets import Member
+        dtype = dtypes.pop()
+        members, offset = [], 0
+        for (name, g) in call.bucket:
+            key = self._key(Call(key=name, owner=call.owner))
+            shape = tuple(ops.shape(g))
+            numel = 1
+            for s in shape:
+                numel *= s
+            members.append(Member(key, name, shape, offset, numel))
+            offset += numel
+        flat = ops.concat([ops.reshape(self._detach(g), (-1,)) for g in grads], 0)
+        plan = self.plan_bucket(members, dtype, call.op if call.op in ("sum", "average") else None,
+                                call.process_set, flat)
+        for unit in plan.units:  # what Horovod would do to each payload, as for one tensor
+            self._check_call(unit.scheme, unit.key, call, unit.info)
+        encoded = [self.encode_unit(unit, flat[unit.start:unit.stop] if unit.contiguous
+                                    else ops.gather(flat, unit.index)) for unit in plan.units]
+        by_dtype = {}
+        for i, (payload, _) in enumerate(encoded):
+            by_dtype.setdefault(ops.dtype(payload), []).append(i)
+        buffers, spans = [], []  # spans: per unit (buffer, offset, numel, shape)
+        for d in sorted(by_dtype):
+            parts = [ops.reshape(encoded[i][0], (-1,)) for i in by_dtype[d]]
+            buf = parts[0] if len(parts) == 1 else ops.concat(parts, 0)
+            at = 0
+            for i in by_dtype[d]:
+                n = 1
+                for s in ops.shape(encoded[i][0]):
+                    n *= s
+                spans.append((i, len(buffers), at, n, tuple(ops.shape(encoded[i][0]))))
+                at += n
+            buffers.append(buf)
+        spans = [s[1:] for s in sorted(spans)]
+        sizes = [ops.shape(b)[0] for b in buffers]
+        if len(grads) < len(buffers) or sum(sizes) < len(grads):
+            return None  # (a tiny group: fewer elements than members) compressed one by one
+        # one piece per member: every buffer one, the rest cut from the largest
+        counts = [1] * len(buffers)
+        counts[sizes.index(max(sizes))] += len(grads) - len(buffers)
+        if max(sizes) < counts[sizes.index(max(sizes))]:
+            return None
+        pieces = []
+        for buf, size, k in zip(buffers, sizes, counts):
+            bounds = [size * j // k for j in range(k + 1)]
+            pieces.extend(buf[bounds[j]:bounds[j + 1]] for j in range(k))
+        batch = _GroupBatch(plan, [c for _, c in encoded], (buffers, spans), pieces)
+        results = {id(g): (piece, _Piece(j, batch)) for j, (g, piece) in enumerate(zip(grads, pieces))}
+        mine = results.pop(id(tensor))
+        self._pieces = results or None
+        return mine
+
+    def _decompress_piece(self, payload, ctx: "_Piece"):
+        """A grouped member's decoded gradient: at the batch's first decompress every unit is
+        decoded from the summed buffers (Horovod's grouped all-reduce sums the pieces in place,
+        so the buffers hold every member's sum by then)."""
+        batch = ctx.batch
+        if payload is not batch.pieces[ctx.index]:
+            raise RuntimeError(f"{self.spec}: a grouped all-reduce returned a new tensor for piece "
+                               f"{ctx.index} instead of summing it in place (Horovod's "
+                               f"grouped_allreduce_async_ does); the bucket cannot be decoded")
+        if batch.outs is None:
+            ops, plan = self.ops, batch.plan
+            buffers, spans = batch.spans
+            outs = []
+            for uctx, (b, at, n, shape) in zip(batch.ctxs, spans):
+                outs.append(ops.reshape(self.decompress(ops.reshape(buffers[b][at:at + n], shape), uctx), (-1,)))
+            if all(u.contiguous for u in plan.units):  # the units partition the flat vector
+                order = sorted(range(len(outs)), key=lambda i: plan.units[i].start)
+                full = outs[order[0]] if len(order) == 1 else ops.concat([outs[i] for i in order], 0)
+            else:
+                total = plan.members[-1].offset + plan.members[-1].numel
+                full = ops.zeros((total,), plan.dtype, outs[0])
+                for unit, out in zip(plan.units, outs):
+                    index = unit.index if not unit.contiguous else ops.arange(unit.stop - unit.start, "int64", out) + unit.start
+                    full = ops.index_add(full, index, out)
+            batch.outs = [ops.reshape(full[m.offset:m.offset + m.numel], m.shape) for m in plan.members]
+        batch.left -= 1
+        out = batch.outs[ctx.index]
+        if batch.left == 0:
+            batch.outs = batch.pieces = None
+        return out
+
     def decompress(self, payload, ctx):
         """The all-reduced payload mapped back to the gradient's shape and dtype; the tensor's
         state moves on (or stays, if the payload says some rank failed this step)."""
+        if isinstance(ctx, _Piece):
+            return self._decompress_piece(payload, ctx)
         if isinstance(ctx, _Cast):
             payload = self.ops.cast(payload, ctx.dtype)
             ctx = ctx.inner

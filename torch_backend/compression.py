@@ -72,15 +72,24 @@ def _find_call(tensor) -> Call:
             return Call(getattr(owner, "_parameter_names", {}).get(p), "adasum", owner=owner)
         names = getattr(owner, "_parameter_names", None)
         if param is not None and isinstance(names, dict) and param in names:
-            grouped = frame.f_code.co_name.startswith("_grouped")
+            # the grouped call's frame (its list comprehension, where p is, has a frame of its
+            # own before Python 3.12)
+            gframe = next((f for f in (frame, frame.f_back) if f is not None
+                           and f.f_code.co_name.startswith("_grouped")), None)
+            grouped = gframe is not None
             op = op_name(hvd, getattr(owner, "op", None))
             factor = 1.0 if grouped else float(getattr(owner, "gradient_predivide_factor", 1.0))
             pre, post = (1.0 / factor, factor) if op == "average" and factor != 1.0 else (1.0, 1.0)
             caller = frame.f_back
             filled_in = caller is not None and caller.f_code.co_name == "synchronize" and \
                 param in caller.f_locals.get("missing_p", ())
+            bucket = None
+            if grouped and isinstance(gframe.f_locals.get("ps"), (list, tuple)):  # groups=: a bucket
+                bucket = tuple((names.get(q), q.grad) for q in gframe.f_locals["ps"])
+                if any(n is None or g is None for n, g in bucket):
+                    bucket = None
             return Call(names[param], op, pre, post, getattr(owner, "process_set", None), owner,
-                        filled_in)
+                        filled_in, bucket=bucket)
         # hvd.allreduce(tensor, name=..., compression=c); not grouped_allreduce, whose one
         # name covers every tensor of the group.
         if param is None and frame.f_code.co_name == "allreduce" and "compression" in loc:
