@@ -199,7 +199,7 @@ class Routing:
         MIN_NUMEL.check(default.name, ROUTING_OPTION, min_numel)
         self.rules = tuple(rules)
         self.default = default
-        self.min_numel = min_numel
+        self.min_numel = MIN_NUMEL.normalise(min_numel)
         self.fallbacks = {}
         for spec in [FALLBACK] + [s.fallback_spec for s in [r.scheme for r in self.rules] + [default]]:
             if spec not in self.fallbacks:

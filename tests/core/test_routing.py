@@ -138,9 +138,9 @@ def test_rules_take_compressors_of_one_scheme(backend):
     """A compressor as a rule's scheme or the default gives its spec (a default keeps its
     min_numel); one with rules of its own, or a rule's with a min_numel, is refused."""
     C = _compression(backend)
-    comp = C.rules([("*.bias", C.fp16()), ("*embed*", C.topkc(0.01)), ("numel>=1e6", "powersgd:4")],
+    comp = C.rules([("*.bias", C.fp16()), ("*embed*", C.topkc(0.05)), ("numel>=1e6", "powersgd:4")],
                    default=C.thc(bits=2, min_numel=64))
-    assert comp.spec == ("*.bias -> fp16; *embed* -> topkc:ratio=0.01; numel>=1000000 -> powersgd:rank=4; "
+    assert comp.spec == ("*.bias -> fp16; *embed* -> topkc:ratio=0.05; numel>=1000000 -> powersgd:rank=4; "
                          "thc:bits=2,min_numel=64")
     assert C.rules([("*.w", C.topkc(0.1, fp16_warmup=3))], C.fp16()).spec == \
         "*.w -> topkc:ratio=0.1,fp16_warmup=3; fp16"
