@@ -87,8 +87,21 @@ class Checkpoints:
         for key, state in self._pending.items():
             tensors.setdefault(key, {f: v for f, v in zip(state._fields, state)})
         routes = self.table.texts()
-        size, rank = self._global_world()
+        size, rank = self._job_world()
         return {"spec": self.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
+
+    def _job_world(self):
+        """(world size, rank) of this process: the bound engine's group (DDP) or Horovod's
+        global set (:meth:`_global_world`), else the framework's own process group
+        (:meth:`_process_world`: ``torch.distributed``'s default group, so a checkpoint loads
+        before ``register_comm_hook``); (None, None) when none is initialised."""
+        size, rank = self._global_world()
+        return (size, rank) if size is not None else self._process_world()
+
+    def _process_world(self):
+        """(world size, rank) of the framework's own initialised process group, without
+        Horovod; default (None, None). PyTorch: ``torch.distributed``'s default group."""
+        return None, None
 
     def _same_config(self, spec) -> bool:
         """True if the text ``spec`` describes this compressor's routing, schemes and configs."""
@@ -103,7 +116,9 @@ class Checkpoints:
         Args:
             state_dict: per rank, or gathered (``state_dict(gather=True)``, e.g. saved by
                 rank 0 and loaded on every rank).
-            rank: which saved rank's state to load; default this process's Horovod rank.
+            rank: which saved rank's state to load; default this process's rank
+                (:meth:`_job_world`: the bound DDP group's, Horovod's, else, before
+                ``register_comm_hook`` in a job without Horovod, ``torch.distributed``'s).
                 Gathered: that rank's part. Per rank: the dict must be that rank's (a
                 per-rank dict of rank 0 loaded on rank 1 would resume rank 1 with rank 0's
                 error feedback: refused unless ``rank=0`` is given on purpose).
@@ -132,7 +147,7 @@ class Checkpoints:
         if not self._same_config(state_dict.get("spec")):
             raise ValueError(f"state_dict was saved by compressor {state_dict.get('spec')!r}, "
                              f"this one is {self.spec!r}")
-        size, me = self._global_world()
+        size, me = self._job_world()
         if rank is None:
             rank = me
         if "ranks" in state_dict:
@@ -149,7 +164,8 @@ class Checkpoints:
                 return
             if rank is None or not 0 <= rank < len(parts):
                 raise ValueError(f"load_state_dict: rank must be in [0, {len(parts)}) for a state "
-                                 f"gathered from {len(parts)} ranks, got {rank!r} (is hvd.init() done?)")
+                                 f"gathered from {len(parts)} ranks, got {rank!r} (is hvd.init() or "
+                                 f"torch.distributed.init_process_group() done? else pass rank=)")
             self._load_part(parts[rank], reset=False)
             return
         _check_part(state_dict, "state_dict")

@@ -4,7 +4,7 @@ multi-rank rules (resume, another rank's state, both engines) are in
 tests/parallel/test_checkpoint.py."""
 import pytest
 
-from tests.backends import BACKENDS, native_tensor
+from tests.backends import BACKENDS, native_tensor, requires_backend
 
 SPEC = "topkc:ratio=0.1"
 
@@ -78,3 +78,37 @@ def test_damaged_checkpoints_raise_value_error(backend):
             comp.load_state_dict(damaged, rank=0)
         assert str(err.value).startswith(message), (what, str(err.value))
         assert not comp._pending and not comp.table.saved, what  # nothing loaded
+
+
+@requires_backend("torch")
+def test_rank_unknown_without_any_process_group():
+    """Neither Horovod nor torch.distributed initialised: a gathered state needs rank=, and
+    CompressionStats needs rank= (both say so); with rank= given both work. The same calls in
+    a torch.distributed job take its rank: tests/parallel/test_checkpoint.py."""
+    import torch.distributed as dist
+    from torch_backend import Compression
+    from torch_backend.stats import CompressionStats
+    if dist.is_initialized():
+        pytest.skip("a torch.distributed group is initialised in this process")
+    state = _per_rank("torch")
+    gathered = {"spec": SPEC, "world_size": 2, "ranks": [state, {**state, "rank": 1}]}
+    comp = Compression.from_spec(SPEC)
+    assert comp._job_world() == (None, None)
+    with pytest.raises(ValueError, match=r"load_state_dict: rank must be in \[0, 2\) for a state gathered from "
+                                         r"2 ranks, got None \(is hvd.init\(\) or "
+                                         r"torch.distributed.init_process_group\(\) done\? else pass rank=\)"):
+        comp.load_state_dict(gathered)
+    comp.load_state_dict(gathered, rank=1)
+    assert set(comp._pending) == {"w"}
+    params = [torch_param()]
+    with pytest.raises(ValueError, match=r"CompressionStats: this process's rank is unknown: neither hvd.init\(\) "
+                                         r"nor torch.distributed.init_process_group\(\) is done; pass rank="):
+        CompressionStats(comp, params)
+    assert CompressionStats(comp, params, rank=1).rank == 1
+    with pytest.raises(TypeError):
+        CompressionStats(object(), params)
+
+
+def torch_param():
+    import torch
+    return torch.nn.Parameter(torch.zeros(3))
