@@ -82,7 +82,12 @@ def layout_of(scheme, info):
     """:func:`np_layout` for a scheme and tensor (block from hadamard.block_size)."""
     cfg = scheme.config
     block = hadamard.block_size(info.numel, None if cfg.rotation == "full" else cfg.rotation_stages)
-    return np_layout(cfg.bits, info.world_size, info.numel, block, cfg.range == "current", cfg.lane_bits,
+    lane_bits = cfg.lane_bits
+    # bits other than 4 is honoured: the default lane_bits=8 widens where it would shrink the levels
+    if cfg.bits != 4 and lane_bits == 8 and np_lanes(cfg.bits, info.world_size, 8, info.op or "average")[0] \
+            < 2 ** cfg.bits - 1:
+        lane_bits = None
+    return np_layout(cfg.bits, info.world_size, info.numel, block, cfg.range == "current", lane_bits,
                      info.op)
 
 
