@@ -46,7 +46,7 @@ import numpy as np
 import pytest
 
 from tests.hvdrun import run
-from tests.core.thc_emulation import (emulate_allreduce, fingerprint_ok, np_layout, reference_codes, reference_decode,
+from tests.core.thc_emulation import (effective_lane_bits, emulate_allreduce, fingerprint_ok, np_layout, reference_codes, reference_decode,
                                       reference_ranges, rotated, split_payload, top_level_misses_allowed, unrotated)
 
 SHAPE = (50, 100)  # the main test tensor: 5000 coordinates, not a power of two
@@ -368,7 +368,7 @@ def tf2():
 def _layout(rec, bits, n, blocking=False):
     """np_layout of a recorded tensor (block from its diagonal's +-1/sqrt(B))."""
     block = int(round(1.0 / float(np.abs(rec["diag"][0])) ** 2))
-    return np_layout(bits, n, rec["x"].size if "x" in rec else D, block, blocking)
+    return np_layout(bits, n, rec["x"].size if "x" in rec else D, block, blocking, effective_lane_bits(bits, n))
 
 
 def _check_hand(records, bits, op, blocking=False, saturation=True):
