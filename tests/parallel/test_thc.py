@@ -573,6 +573,7 @@ def test_wide_worlds(torch3, torch4, bits, op):
         assert [res["size"] for res in results] == [n] * n
         _, lay, summed = _check_hand([res[f"top_{bits}_{op}"][1] for res in results], bits, op, saturation=False)
         top = lay["L"]
+        assert top == 2 ** bits - 1  # an explicit bits is honoured at every world size (issue 36)
         assert summed.max() == n * top and (summed < n * top).sum() <= top_level_misses_allowed(n, bits, summed.size)
         assert summed.min() >= n * (top - 1) and n * top < 2 ** lay["width"]
         for t in range(STEPS):
