@@ -336,7 +336,8 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
             self.table.superseded.discard(key)
             self._pending.pop(key, None)
         scheme = route.scheme
-        if key is None and type(scheme).init is not Scheme.init:
+        unnamed = key is None
+        if unnamed and type(scheme).init is not Scheme.init and not scheme.state_optional:
             raise ValueError(self.no_key_message.format(scheme=scheme.name))
         key = info.key
         self._check_call(scheme, key, call, info)
@@ -354,7 +355,7 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         if self._scale_source is not None:
             scale = self._scale_of(self._scale_source)
             tensor = ops.cast(tensor, "float32") * (1.0 / scale)
-        state = self._state_for(scheme, info, tensor)
+        state = EmptyState() if unnamed else self._state_for(scheme, info, tensor)
         payload, ctx = compress_tensor(scheme, ops, tensor, state, scheme_info(info, scale))
         return payload, _AdapterCtx(info, ctx, scale, scheme), key
     def _compress_grouped(self, tensor, call: Call):
