@@ -6,7 +6,7 @@ export VENV
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONDONTWRITEBYTECODE = 1
 
-.PHONY: setup test demo clean gpu-check
+.PHONY: setup test demo clean gpu-check gpu-check-dry
 
 setup:
 	bash .ci/setup.sh
@@ -17,10 +17,15 @@ test: setup
 demo: setup
 	$(PY) -m hvd_gradcomp.bench tta $(DEMO_ARGS)
 
-# On a machine with a CUDA GPU: the GPU tests, the overhead bench and a short TTA sweep on the
-# device (tests/gpu/run_checks.sh, docs/gpu.md).
-gpu-check: setup
-	PY=$(PY) bash tests/gpu/run_checks.sh
+# On a machine with a CUDA GPU, network or not: the GPU tests, the overhead bench and, with
+# Horovod (or HVD_GRADCOMP_HOROVOD_SDIST=<sdist>), its NCCL test; no set-up of its own (with
+# network, `make setup` first makes .venv, which it then uses). gpu-check-dry: the same logic
+# on a CPU machine. Report: runs/gpu-check/ (tests/gpu/gpu_check.py, docs/gpu.md).
+gpu-check:
+	bash tests/gpu/run_checks.sh
+
+gpu-check-dry:
+	HVD_GRADCOMP_GPU_CHECK_DRY_RUN=1 bash tests/gpu/run_checks.sh
 
 clean:
 	rm -rf $(VENV) runs

@@ -43,7 +43,9 @@ import logging
 from typing import Any, NamedTuple
 
 from . import composite
-from .base import EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor, passes_through
+from .base import (HALF_MAX, EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor, passes_through,
+                   saturate_output)
+from .buckets import Buckets
 from .checkpoint import Checkpoints
 from .link import LinkCalibration
 from .primitives import FLOAT_DTYPES, itemsize
@@ -117,7 +119,7 @@ def scheme_info(info: TensorInfo, scale) -> TensorInfo:
     return info if scale is None or info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
 
 
-class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
+class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
     """Base of ``torch_backend.Compressor`` and ``tf_backend.Compressor``.
 
     Public methods (both frameworks):
@@ -157,6 +159,9 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         # None: Horovod's collectives; else the engine whose collectives the compressor uses
         # outside compress (world, checkpoints, route checks, calibrate), e.g. DDP's
         "_engine",
+        # the bucketed codec (buckets.Buckets): flat groups, where each tensor's error feedback
+        # is, bucket plans, a checkpoint's group fields, member infos, groups being left
+        "_groups", "_members", "_plans", "_pending_groups", "_member_infos", "_leaving", "_holders",
         "__weakref__",
     )
     ops = None  # the backend's Primitives (class attribute of the subclass)
@@ -178,6 +183,8 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         self._warned = set()
         self._scale_source = None
         self._engine = None
+        self._groups, self._members, self._plans = {}, {}, {}
+        self._pending_groups, self._member_infos, self._leaving, self._holders = {}, {}, {}, {}
         if any(s.adaptive and s.link is None for s in self.routing.schemes()) and \
                 self._global_world()[0] is not None:
             self.calibrate(cached=True)  # an adaptive scheme without a given link: measured once per process
@@ -323,14 +330,7 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         if passes_through(dtype, numel):
             return tensor, None, None
         key = self._key(call)
-        world_size, rank = self._world(call.process_set)
-        op = call.op if call.op in ("sum", "average") else None
-        # Horovod's NCCL Average divides by n before summing: schemes then skip their 1/n.
-        nccl_avg = op == "average" and world_size > 1 and self._on_gpu(tensor) and \
-            horovod_nccl_avg(self._horovod())
-        # "<unnamed>": a tensor without a key, for stateless schemes only (any key will do).
-        info = TensorInfo("<unnamed>" if key is None else key, shape, dtype, world_size, rank, op,
-                          call.process_set, nccl_avg)
+        info = self._info(key, shape, dtype, call, tensor)
         route = self.table.of(key, call.label if call.label is not None else call.key, call.pin, info)
         if key in self.table.superseded:  # a checkpoint's state of the scheme that now refuses it
             self.table.superseded.discard(key)
@@ -339,25 +339,158 @@ class HorovodCompressor(TensorRecords, Checkpoints, LinkCalibration):
         unnamed = key is None
         if unnamed and type(scheme).init is not Scheme.init and not scheme.state_optional:
             raise ValueError(self.no_key_message.format(scheme=scheme.name))
-        key = info.key
-        self._check_call(scheme, key, call, info)
+        self._check_call(scheme, info.key, call, info)
+        payload, ctx = self._encode_info(tensor, info, scheme)
+        return payload, ctx, info.key
+
+    def _info(self, key, shape, dtype, call: Call, tensor) -> TensorInfo:
+        """The :class:`TensorInfo` of a tensor sent under ``key`` by ``call``."""
+        world_size, rank = self._world(call.process_set)
+        op = call.op if call.op in ("sum", "average") else None
+        # Horovod's NCCL Average divides by n before summing: schemes then skip their 1/n.
+        # (An engine's all-reduce, e.g. DDP's, divides nothing: schemes pre-scale themselves.)
+        nccl_avg = self._engine is None and op == "average" and world_size > 1 and \
+            self._on_gpu(tensor) and horovod_nccl_avg(self._horovod())
+        # "<unnamed>": a tensor without a key, for stateless schemes only (any key will do).
+        return TensorInfo("<unnamed>" if key is None else key, shape, dtype, world_size, rank, op,
+                          call.process_set, nccl_avg)
+
+    def _encode_info(self, tensor, info: TensorInfo, scheme: Scheme, detach: bool = True):
+        """``(payload, ctx)`` of ``tensor`` under ``info`` and its route's ``scheme``: the
+        records (static facts, wire bytes), the loss scale, the state, the scheme's compress.
+        Shared by one tensor (:meth:`_compress_one`) and a bucket's flat group
+        (:mod:`~hvd_gradcomp.buckets`)."""
+        ops, key = self.ops, info.key
         known = self._infos.get(key)
-        if known is not None and (known.shape, known.dtype) != (shape, dtype):
+        if known is not None and (known.shape, known.dtype) != (info.shape, info.dtype):
             raise ValueError(f"{scheme.name}: tensor {key!r} was {known.dtype}{list(known.shape)} "
-                             f"in earlier steps, got {dtype}{list(shape)}; one key, one shape")
+                             f"in earlier steps, got {info.dtype}{list(info.shape)}; one key, one shape")
         if known != info or scheme.adaptive:  # static per tensor, except for adaptive schemes
             self._wire[key] = scheme.wire(info)
         self._infos[key] = info
         if scheme.identity:
-            return tensor, None, key
-        tensor = self._detach(tensor)
+            return tensor, None
+        if detach:  # (a bucket's buffer has no autograd history)
+            tensor = self._detach(tensor)
         scale = None
         if self._scale_source is not None:
             scale = self._scale_of(self._scale_source)
             tensor = ops.cast(tensor, "float32") * (1.0 / scale)
         state = EmptyState() if unnamed else self._state_for(scheme, info, tensor)
         payload, ctx = compress_tensor(scheme, ops, tensor, state, scheme_info(info, scale))
-        return payload, _AdapterCtx(info, ctx, scale, scheme), key
+        return payload, _AdapterCtx(info, ctx, scale, scheme)
+
+    # ---- the engine-neutral entry points (DDP, FSDP, update sync: any engine but Horovod's) ----
+    def bind_engine(self, engine):
+        """Use ``engine``'s collectives outside compress instead of Horovod's.
+
+        Args:
+            engine: an object with ``world() -> (size, rank)``, ``gather(obj) -> [obj of rank
+                0, 1, ...]`` and ``allreduce(x, average) -> tensor`` (blocking), e.g.
+                ``torch_backend.engine.ProcessGroupEngine(group)``. The world size and rank of
+                every tensor, ``state_dict(gather=True)``, the route check and ``calibrate()``
+                then follow it.
+
+        Returns self. Raises ValueError if another engine is already bound (a compressor
+        belongs to one training run: its state is kept per tensor key).
+        """
+        if self._engine is not None and self._engine is not engine:
+            raise ValueError(f"compressor {self.spec!r} is already bound to {self._engine!r}; each "
+                             f"model needs its own compressor (its state is kept per tensor key)")
+        self._engine = engine
+        return self
+
+    @property
+    def engine(self):
+        """The engine bound by :meth:`bind_engine`, or None (Horovod's collectives)."""
+        return self._engine
+
+    def encode(self, tensor, key: str, op: str = "sum", group=None, label=None):
+        """Compress one gradient under an explicit key, for an engine that posts the all-reduce
+        itself (no Horovod calling frame is read).
+
+        Args:
+            tensor: the gradient (any shape, a float dtype; other dtypes and empty tensors are
+                returned as their own payload with ctx None).
+            key: its stable identity, equal on every rank (a parameter name, a shard's path).
+            op: ``"sum"`` or ``"average"``: how the engine combines the ranks' payloads.
+            group: the engine's process group (recorded in the tensor's info; not its identity).
+            label: the name routing rules match (default ``key``).
+
+        Returns ``(payload, ctx)``: the engine all-reduces ``payload`` (in its dtype, elementwise,
+        with ``op``) and hands the result to :meth:`decode` with ``ctx``. Posts no collective.
+
+        Raises:
+            ValueError: what :meth:`compress` refuses (a shape change under one key, a route
+                that differs from a loaded checkpoint's, ...), before any collective.
+        """
+        if op not in ("sum", "average"):
+            raise ValueError(f"{self.spec}: encode({key!r}): op must be 'sum' or 'average', got {op!r}")
+        if self._is_sparse(tensor):
+            raise ValueError(f"{self.spec}: tensor {key!r} has a sparse gradient; all-reduce it "
+                             f"uncompressed (or make it dense) instead of encoding it")
+        payload, ctx, _ = self._compress_one(tensor, Call(key=key, op=op, process_set=group,
+                                                          label=label if label is not None else key))
+        return payload, ctx
+
+    def decode(self, payload, ctx, divide=None):
+        """The all-reduced ``payload`` of :meth:`encode` mapped back; the tensor's state moves on.
+
+        Args:
+            payload: the all-reduced payload (same shape and dtype as encode returned).
+            ctx: encode's ctx.
+            divide: None: the sum (op ``"sum"``) or mean (``"average"``) in the gradient's dtype,
+                as :meth:`decompress`. A number n: the decoded value divided by n in float32
+                before the cast to the gradient's dtype (DDP's mean of a sum), so a float16
+                gradient's mean is never formed from an overflowing float16 sum; a finite value
+                beyond a half dtype's range is clamped and the excess kept in error feedback.
+        """
+        if divide is None:
+            return self.decompress(payload, ctx)
+        if ctx is None:
+            return payload / divide
+        info, inner, scale, scheme = ctx
+        sinfo = scheme_info(info, scale)
+        has_state = self._has_state(info.key)
+        state = self._read_state(info.key) if has_state else EmptyState()
+        out, new_state = finish_tensor(scheme, self.ops, payload, inner, state, sinfo, dtype="float32")
+        out = out * (1.0 / divide)
+        if info.dtype in HALF_MAX:  # clamp the mean: each rank keeps the excess (Average's share)
+            out, new_state = saturate_output(scheme, self.ops, out, new_state,
+                                             dataclasses.replace(sinfo, op="average"), HALF_MAX[info.dtype], scale)
+        if scale is not None:
+            out = out * scale
+        if info.dtype != "float32":
+            out = self.ops.cast(out, info.dtype)
+        if has_state and new_state is not state:
+            self._write_state(info.key, new_state)
+        return out
+
+    def decode_joined(self, payload, ctx):
+        """The state step of a rank that contributed zeros (DDP's ``Join``): the fields every
+        rank agrees on move on from the all-reduced ``payload``, this rank's own fields
+        (:attr:`~hvd_gradcomp.base.Scheme.rank_local_fields`: its error feedback) stay as they
+        were. Nothing is returned (the joined rank has no gradient to write)."""
+        if ctx is None or not self._has_state(ctx.info.key):  # passed through, or stateless
+            return
+        info, inner, scale, scheme = ctx
+        info = scheme_info(info, scale)
+        old = self._read_state(info.key)
+        _, new = finish_tensor(scheme, self.ops, payload, inner, old, info)
+        if new is old:
+            return
+        local = [f for f in scheme.rank_local_fields if f in new._fields]
+        if tuple(new._fields) == tuple(old._fields) and all(
+                tuple(self.ops.shape(getattr(old, f))) == tuple(self.ops.shape(getattr(new, f))) for f in local):
+            new = new._replace(**{f: getattr(old, f) for f in local})
+        else:  # an adaptive scheme changed the tensor's scheme on the agreed figures
+            new = new._replace(**{f: 0.0 * getattr(new, f) for f in local})
+            if ("joined", info.key) not in self._warned:  # once per tensor and compressor
+                self._warned.add(("joined", info.key))
+                log.warning("hvd_gradcomp: %s changed scheme while this rank had joined; its pending "
+                            "error feedback on this rank is dropped", info.key)
+        self._write_state(info.key, new)
+
     def _compress_grouped(self, tensor, call: Call):
         """A member of a TensorFlow grouped all-reduce: the whole group is compressed at its
         first member, with one payload dtype (module docstring); the others are returned as

@@ -57,6 +57,10 @@ Flags (class attributes of :class:`Scheme`, with their defaults):
 - ``adaptive`` (False): ``wire(info)`` and the state's fields may change between steps
   (``auto``), so the adapters ask for the bytes at every compress and store whatever
   ``finish`` returns.
+- ``flattens`` (False): the math is over the tensor's flat vector (no use of its shape), so a
+  bucket's tensors of this scheme may be compressed as one vector of their concatenated
+  coordinates (:mod:`~hvd_gradcomp.buckets`): the casts, TopK, TopKC (not EF21, which keeps
+  per-tensor estimates), THC, signSGD. Not PowerSGD (matrices) or ``auto`` (per tensor).
 
 What composites (``auto``, the FP16 warm-up), checkpoints and reports need beyond the
 lifecycle (error feedback in the gradient's coordinates, the payload dtype, the state a loaded
@@ -235,6 +239,7 @@ class Scheme:
     # tensor is refused when the scheme keeps state.
     state_optional = False
     adaptive = False
+    flattens = False
     # Routing (module docstring): tensors no rule names with fewer coordinates go to the
     # fallback when this scheme is the default (a compressor's ``min_numel`` overrides it);
     # the scheme spec that sends the tensors ``accepts`` refuses.

@@ -108,6 +108,7 @@ class NoneScheme(Scheme):
     :func:`~hvd_gradcomp.base.finish_tensor`."""
 
     name = "none"
+    flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
     guards_nonfinite = False  # NaN/inf survive the cast and the sum on their own
 
     def __init__(self, config: NoneConfig = NoneConfig()):
@@ -149,6 +150,7 @@ class Fp16Scheme(Scheme):
     agreed power of two (module docstring, steps 1-5)."""
 
     name = "fp16"
+    flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
     guards_nonfinite = False  # NaN/inf survive the cast and the sum on their own
     linear = True  # Min/Max/Adasum and Horovod's scale factors keep their meaning
     # The scale is agreed, not rank-local; listed so that a checkpoint loaded on another number
@@ -218,6 +220,7 @@ class Bf16Scheme(Scheme):
     """Values rounded to bfloat16, carried in a float32 payload (Horovod has no bf16 dtype)."""
 
     name = "bf16"
+    flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
     guards_nonfinite = False
     linear = True
 

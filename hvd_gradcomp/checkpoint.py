@@ -7,6 +7,7 @@ gathers through the engine's ``_from_every_rank``); the same for Horovod and DDP
 import logging
 
 from . import composite
+from .buckets import ERROR_FEEDBACK
 from .records import FieldBag
 from .routing import Routing
 
@@ -79,16 +80,19 @@ class Checkpoints:
         return {"spec": self.spec, "world_size": len(parts), "ranks": list(parts)}
 
     def _local_state(self, portable: bool) -> dict:
-        tensors = {}
+        tensors, buckets = self._group_entries(portable)
         for key in self._infos:
-            if self._has_state(key):
+            if self._has_state(key) and key not in self._groups:
                 state = self._read_state(key)
                 tensors[key] = {f: self._export(v, portable) for f, v in zip(state._fields, state)}
         for key, state in self._pending.items():
             tensors.setdefault(key, {f: v for f, v in zip(state._fields, state)})
         routes = self.table.texts()
         size, rank = self._job_world()
-        return {"spec": self.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
+        out = {"spec": self.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
+        if buckets:
+            out["buckets"] = buckets
+        return out
 
     def _job_world(self):
         """(world size, rank) of this process: the bound engine's group (DDP) or Horovod's
@@ -190,13 +194,27 @@ class Checkpoints:
         tensors = {key: {f: self._import_field(key, f, v) for f, v in fields.items()}
                    for key, fields in part["tensors"].items()}  # all, before anything is loaded
         self.table.load(part.get("routes", {}))
-        local = set()
+        local = {ERROR_FEEDBACK}
         for scheme in self.routing.schemes():
             local.update(scheme.rank_local_fields)
+        for gkey, saved in part.get("buckets", {}).items():
+            self._load_group(gkey, saved)
         for key, fields in tensors.items():
             if reset:
                 fields = {f: self._zeros_like(v) if f in local else v for f, v in fields.items()}
             route = self.table.routes.get(key)
+            if set(fields) == {ERROR_FEEDBACK}:  # a bucketed run's: into whatever holds it now
+                self._load_error_feedback(key, fields[ERROR_FEEDBACK])
+                continue
+            held = self._members.get(key)
+            if route is not None and held is not None and self._has_state(held):
+                # a per-tensor entry for a tensor a bucket group holds now: its error feedback
+                info = self._member_infos[key]
+                state = self._initial_state(route.scheme, info, self._read_state(held)[0], FieldBag(fields))
+                flat = composite.residual_of(route.scheme, self.ops, state, info)
+                if flat is not None:
+                    self._load_error_feedback(key, flat)
+                continue
             if route is not None and self._has_state(key):
                 scheme = route.scheme
                 composite.check_loaded(scheme, key, FieldBag(fields))

@@ -46,6 +46,10 @@ class TensorRecords:
     def _has_state(self, key) -> bool:
         raise NotImplementedError
 
+    def _drop_state(self, key):
+        """Forget the state under ``key`` (its error feedback moved into a bucket group)."""
+        raise NotImplementedError
+
     def _export(self, tensor, portable=False):
         """A host-side copy of a state tensor for state_dict(); ``portable``: an object that
         pickles without the framework's graph or device (for ``gather=True``)."""
@@ -153,8 +157,32 @@ class TensorRecords:
     # ---- reporting ----
     def wire_bytes(self) -> dict:
         """``{key: WireBytes}`` for every tensor seen: bytes per step, per rank, as routed
-        (and widened for a TensorFlow group, see the module docstring)."""
-        return dict(self._wire)
+        (and widened for a TensorFlow group, see the module docstring). A bucket group's bytes
+        (:mod:`~hvd_gradcomp.buckets`) are shared out among its tensors by size; their sum is
+        the group's."""
+        out = {}
+        for key, w in self._live_wire().items():
+            grp = self._groups.get(key)
+            if grp is None:
+                out[key] = w
+                continue
+            total, given = sum(grp.numels), [0, 0]
+            for i, (k, n) in enumerate(zip(grp.keys, grp.numels)):
+                if i == len(grp.keys) - 1:
+                    out[k] = type(w)(w.payload - given[0], w.side - given[1], 0)
+                else:
+                    share = type(w)(w.payload * n // total, w.side * n // total, 0)
+                    given = [given[0] + share.payload, given[1] + share.side]
+                    out[k] = share
+        return out
+
+    def _live_wire(self) -> dict:
+        """``_wire`` of the units that send now: a bucket group of an earlier layout (DDP's
+        first-step buckets) holds no tensor's bytes any more (:mod:`~hvd_gradcomp.buckets`)."""
+        if not self._holders:
+            return self._wire
+        live = set(self._holders.values())
+        return {k: w for k, w in self._wire.items() if k in live or k not in self._groups}
 
     def sparse_bytes(self) -> dict:
         """``{key: bytes}`` of each sparse gradient seen (indices and values this rank handed
@@ -165,7 +193,7 @@ class TensorRecords:
         """:meth:`wire_bytes` summed over tensors, plus the sparse gradients' own collectives
         (:class:`~hvd_gradcomp.base.StepBytes`; ``total`` counts everything)."""
         payload = side = collectives = 0
-        for w in self._wire.values():
+        for w in self._live_wire().values():
             payload, side, collectives = payload + w.payload, side + w.side, collectives + w.side_collectives
         return StepBytes(payload, side, collectives, sum(self.sparse_bytes().values()), 2 * len(self._sparse))
 
@@ -174,6 +202,9 @@ class TensorRecords:
         sync), and for sparse gradients ``sparse_bytes`` / ``sparse_steps`` (ints)."""
         out = {}
         for k in self._infos:
+            if k in self._groups and self._has_state(k):  # a bucket group: its own diagnostics
+                out[k] = dict(composite.metrics(self._group_scheme(k), self._read_state(k)))
+                continue
             if not (self._has_state(k) and k in self.table.routes):
                 continue
             scheme = self.table.routes[k].scheme

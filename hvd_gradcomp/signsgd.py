@@ -126,6 +126,7 @@ class SignSGDScheme(Scheme):
     """EF-SignSGD with agreed per-block scales (module docstring, steps 1-6)."""
 
     name = "signsgd"
+    flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
     scalable = False  # integer payload: Horovod's scale factors would corrupt it
 
     def __init__(self, config: SignSGDConfig = SignSGDConfig()):

@@ -283,6 +283,7 @@ class THCScheme(Scheme):
     """
 
     name = "thc"
+    flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
     # Tensors below this many coordinates go as fp16 (routing): THC's 4 control words and
     # ranges outweigh its saving on them.
     min_numel = 1024

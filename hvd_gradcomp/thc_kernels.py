@@ -165,11 +165,16 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mi
     nb, padded = ops.shape(ranges)[0], ops.shape(diag)[0]
     summed = _summed(plan, inferred)
     words = -(-padded // lay.lanes)
-    # int64: n times a truncated average leaves int32, and so does a sum with the offsets
-    # added back (up to 2**32 - 1 without guard bits).
+    # int64 for the words: n times a truncated average leaves int32, and so does a sum with the
+    # offsets added back (up to 2**32 - 1 without guard bits); the lanes unpack in int32.
     exact = exact_words(ops, ops.cast(payload[:words], "int64"), summed, n, lay.guard)
     if lay.offset:
         exact = exact + count * lay.offset
+    if lay.width < 32:
+        # The exact sums lie in [0, 2**32): their int32 two's-complement patterns unpack to the
+        # same lanes (each lane's shift and mask read bits 0..31 only, and a mask below 2**31
+        # drops the sign's copies), on half the bytes of int64 over the whole [P] output.
+        exact = ops.cast(ops.where(exact >= 2 ** 31, exact - 2 ** 32, exact), "int32")
     lanes = _unpack(ops, exact, lay)
     total = ops.reshape(ops.cast(lanes[:padded] if lay.lanes * words > padded else lanes, "float32"), (nb, B))
     # One scale and one offset per block: the decoded sum S delta - c R, times 1/n under

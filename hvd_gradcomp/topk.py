@@ -64,6 +64,7 @@ class TopKScheme(Scheme):
     """Magnitude TopK with error feedback, dense masked payload (module docstring)."""
 
     name = "topk"
+    flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
 
     def __init__(self, config: TopKConfig = TopKConfig()):
         self.config = config

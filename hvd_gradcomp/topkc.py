@@ -274,6 +274,9 @@ class TopKCScheme(Scheme):
         self.config = config
         self.blocking = config.selection == "current"
         self.ef21 = config.error_feedback == "ef21"
+        # A bucket's tensors go as one vector (buckets.py), except under EF21, whose estimates
+        # are kept per tensor.
+        self.flattens = not self.ef21
         # Classic: the residual; EF21: h_i and H together (a checkpoint loaded on another
         # number of ranks restarts both at 0, which keeps H the sum/mean of the h_i).
         self.rank_local_fields = ("local", "estimate", "momentum") if self.ef21 else ("residual",)

@@ -88,6 +88,7 @@ class WarmupScheme(Scheme):
         self.name, self.config = inner.name, inner.config
         self.linear, self.scalable, self.blocking = inner.linear, inner.scalable, inner.blocking
         self.rank_local_fields = inner.rank_local_fields
+        self.flattens = inner.flattens
         self.min_numel, self.fallback_spec = inner.min_numel, inner.fallback_spec  # the routing's
         self._done = {}  # key -> warm-up steps completed (host mirror of the state), -1 after
 

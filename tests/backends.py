@@ -15,9 +15,49 @@ if _unknown:
     raise pytest.UsageError(f"HVD_GRADCOMP_BACKENDS names unknown backend(s) {_unknown}; known: {KNOWN_BACKENDS}")
 
 
+_FRAMEWORKS = {"torch": "torch", "tensorflow": "tensorflow"}
+_UNUSABLE = {}
+
+
 def requires_backend(name):
-    """Skip a test unless backend ``name`` is under test."""
-    return pytest.mark.skipif(name not in BACKENDS, reason=f"backend {name} not under test")
+    """Mark a test as needing backend ``name``: skipped unless it is under test and its
+    framework imports here (tests/conftest.py, ``pytest_runtest_setup``)."""
+    return pytest.mark.requires_backend(name)
+
+
+def backend_unusable(name):
+    """None if backend ``name`` is under test and its framework imports in this process, else
+    the reason to skip (the import is tried once per process and remembered)."""
+    if name not in BACKENDS:
+        return f"backend {name} not under test (HVD_GRADCOMP_BACKENDS)"
+    if name not in _UNUSABLE:
+        import importlib
+        try:
+            importlib.import_module(_FRAMEWORKS[name])
+            _UNUSABLE[name] = None
+        except Exception as exc:  # noqa: BLE001 - any import failure: the backend is unusable here
+            _UNUSABLE[name] = (f"backend {name}: `import {_FRAMEWORKS[name]}` fails here "
+                               f"({type(exc).__name__}: {exc})")
+    return _UNUSABLE[name]
+
+
+def usable_backends():
+    """The backends under test whose framework imports here, in ``BACKENDS`` order."""
+    return tuple(b for b in BACKENDS if backend_unusable(b) is None)
+
+
+def backends_of(item):
+    """The backends a collected test needs: its ``requires_backend`` marks, and every parameter
+    whose value names a backend ("tensorflow", "torch"; "tf" under a ``framework`` or
+    ``backend`` parameter), fixture parameters included."""
+    names = [m.args[0] for m in item.iter_markers("requires_backend")]
+    callspec = getattr(item, "callspec", None)
+    for key, value in (callspec.params.items() if callspec else ()):
+        if value == "tf" and key in ("framework", "backend"):
+            value = "tensorflow"
+        if isinstance(value, str) and value in KNOWN_BACKENDS:
+            names.append(value)
+    return list(dict.fromkeys(names))
 
 
 def backend_ops(name):
@@ -109,12 +149,12 @@ def missing_device(backend, device):
         if torch.cuda.is_available():
             return None
         return (f"no CUDA device for PyTorch {torch.__version__} (torch.cuda.is_available() is False); "
-                f"tests/gpu/run_checks.sh runs these on a GPU machine")
+                f"`make gpu-check` runs these on a GPU machine")
     import tensorflow as tf
     if tf.config.list_physical_devices("GPU"):
         return None
     return (f"no GPU visible to TensorFlow {tf.__version__} (a CPU build, or no device); "
-            f"tests/gpu/run_checks.sh runs these on a GPU machine")
+            f"`make gpu-check` runs these on a GPU machine")
 
 
 def scheme_of(spec: str):

@@ -1,5 +1,8 @@
 """Test configuration: the repository root on ``sys.path`` (``ROOT``), quiet TensorFlow logs,
-and the backends under test.
+and the backends under test: a test that needs a backend (a ``backend``/``framework``
+parameter naming it, a fixture parameter, or ``requires_backend``) is skipped, with the reason,
+where that backend is not under test or its framework cannot be imported (a GPU machine
+without TensorFlow, say), before any of its fixtures run.
 
 The helpers for backend tensors live in tests/backends.py; they are imported here too, so
 ``from tests.conftest import BACKENDS`` keeps working.
@@ -12,5 +15,21 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import pytest  # noqa: E402
+
 from tests.backends import (BACKENDS, KNOWN_BACKENDS, as_float64, as_numpy, backend_ops,  # noqa: E402,F401
-                            backend_tensor, native_tensor, one_rank_ops, requires_backend, scheme_steps)
+                            backend_tensor, backend_unusable, backends_of, native_tensor,
+                            one_rank_ops, requires_backend, scheme_steps)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires_backend(name): the test needs backend `name` "
+                                       "(skipped where it is not under test or does not import)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    for name in backends_of(item):
+        why = backend_unusable(name)
+        if why:
+            pytest.skip(why)

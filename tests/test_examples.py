@@ -37,15 +37,23 @@ STATS = re.compile(r"(?P<spec>\S+): (?P<sent>[\d,]+) B/step sent, FP16 (?P<fp16>
 ACCURACY = re.compile(r"final test accuracy (?P<acc>[\d.]+)%")
 
 
-def expected_bytes(spec, shapes, layout):
+def expected_bytes(spec, shapes, layout, bucketed=False):
     """Bytes per step (2 ranks) from the wire formula of the scheme the compressor's routing
     gives each tensor under the backend ``layout`` (fp16 below thc/topkc's 1024 coordinates
-    and for the vectors PowerSGD does not accept)."""
+    and for the vectors PowerSGD does not accept). ``bucketed``: all ``shapes`` in one DDP
+    bucket, the tensors of one route whose scheme flattens sent as one vector (buckets.py)."""
     routing = Routing.from_spec(spec).bind(backend_ops(layout))
-    total = 0
+    total, groups = 0, {}
     for i, shape in enumerate(shapes):
-        info = TensorInfo(f"t{i}", tuple(shape), "float32", 2, 0, "average")
-        wire = routing.decide(info.key, info).scheme.wire(info)
+        info = TensorInfo(f"t{i}", tuple(shape), "float32", 2, 0, "sum" if bucketed else "average")
+        scheme = routing.decide(info.key, info).scheme
+        if bucketed and scheme.flattens:
+            groups.setdefault(id(scheme), [scheme, 0])[1] += info.numel
+            continue
+        wire = scheme.wire(info)
+        total += wire.payload + wire.side
+    for scheme, numel in groups.values():
+        wire = scheme.wire(TensorInfo("group", (numel,), "float32", 2, 0, "sum"))
         total += wire.payload + wire.side
     return total
 

@@ -133,6 +133,9 @@ class Compressor(HorovodCompressor):
     def _write_state(self, key, state):
         self._states[key] = state
 
+    def _drop_state(self, key):
+        del self._states[key]
+
     def _export(self, tensor, portable=False):
         return tensor.detach().cpu().clone()
 

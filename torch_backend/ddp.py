@@ -9,6 +9,11 @@ Usage::
     comp = Compression.topkc(0.1)            # any spec, rules and auto included
     register_comm_hook(ddp_model, comp)      # calls ddp_model.register_comm_hook(state, hook)
 
+Trainers that wrap the model themselves (PyTorch Lightning's ``DDPStrategy(ddp_comm_state=...,
+ddp_comm_hook=...)``) take the state made from the module before wrapping:
+``state = comm_state(model, comp)`` and :func:`hook` (the compressor is bound to the DDP
+model's process group at the first backward, on every rank alike).
+
 The compressor object is the one Horovod users pass as ``compression=``; everything it offers
 (``state_dict``/``load_state_dict``, ``bytes_per_step``, ``metrics``, ``routes``,
 ``set_loss_scale``, :class:`~torch_backend.stats.CompressionStats`) behaves as with Horovod,
@@ -20,15 +25,33 @@ name in the wrapped module (``ddp_model.module.named_parameters()``, the names H
 pass as ``named_parameters``), equal on every rank and stable across DDP's bucket rebuild, so
 routing rules match those names and each parameter keeps its own state.
 
-**One collective per bucket.** Each gradient is compressed as Horovod's adapter does it
-(routing, loss scale, error feedback, checks). The bucket's payloads are flattened and
-concatenated, one tensor per payload dtype (sorted by name: e.g. THC's int32 words and the
-float16 of its small tensors travel in two), each summed by one ``dist.all_reduce(...,
-async_op=True)`` on the DDP process group; the future's ``then`` scatters the sums back,
-decompresses each (the tensor's state moves on) and writes the result, divided by the process
-group's size (DDP expects the average), into the bucket's gradients. The schemes are told
-``op=Sum``: decoding the sum and dividing it is exact for every scheme (an Average would need
-Horovod's scaling of integer words).
+**One codec call per bucket and route** (:mod:`hvd_gradcomp.buckets`). The bucket's tensors
+that share a route whose scheme's math is over a vector (the casts, TopK, TopKC, THC, signSGD)
+are compressed as one flat vector, read from DDP's flat bucket buffer as a view where they are
+contiguous in it; PowerSGD's matrices and ``auto``'s tensors are compressed one by one. Error
+feedback is one flat buffer per group; checkpoints, routes and reports stay per parameter.
+``per_tensor=True`` compresses every gradient alone (the reference the bucketed path is tested
+against; bit for bit equal for ``none``/``fp16``/``bf16``). The payloads are concatenated, one
+tensor per payload dtype (sorted by name: e.g. THC's int32 words and the float16 of its small
+tensors travel in two), each summed by one ``dist.all_reduce(..., async_op=True)`` on the DDP
+process group; the future's ``then`` decodes each unit (its state moves on), divides by the
+process group's size in float32 (DDP expects the average; a float16 model's mean is never
+formed from an overflowing float16 sum) and writes the result into the bucket. The schemes
+are told ``op=Sum``: decoding the sum and dividing it is exact for every scheme (an Average
+would need Horovod's scaling of integer words). The tensors made at compress time stay
+referenced by the future's callback until it has run, so the all-reduce on the process
+group's stream never reads freed memory (ProcessGroupNCCL also records its streams on them).
+
+**Unused parameters** (``find_unused_parameters=True`` or ``static_graph=True``): DDP keeps a
+parameter that no rank used in a step untouched, dropping what the hook delivered for it
+(unless its ``.grad`` is a bucket view already, which DDP does write). The hook counts each
+parameter's users in the same all-reduce (an int32 count per parameter, from gradient hooks
+on every parameter) and keeps what DDP drops in the parameter's error feedback, so error
+feedback's balance (delivered + owed = the sum of the mean gradients) holds in every DDP
+configuration.
+
+**Sparse gradients** (``nn.Embedding(sparse=True)``): DDP gives them a bucket of their own;
+it is all-reduced uncompressed and averaged, as PyTorch's default hook does.
 
 **Joined ranks** (``torch.distributed.algorithms.Join`` with uneven inputs): a rank that has
 joined shadows each bucket's all-reduce with a zero gradient. Here it compresses that zero
@@ -36,14 +59,16 @@ gradient only to learn the payloads' shapes, sends zero payloads (contributing n
 rank in ``hvd.join()`` does: THC's and auto's count lanes see it) and keeps its rank-local
 state (:attr:`~hvd_gradcomp.base.Scheme.rank_local_fields`: its error feedback) as it was,
 while the fields the ranks agree on move on from the same all-reduced payload as everywhere
-else. (When ``auto`` changes a tensor's scheme during those steps, the fields no longer fit,
-and that rank's pending error feedback for the tensor is dropped, with a warning.) The result is divided by the process group's size, as
-``Join(..., divide_by_initial_world_size=True)`` (the default) does; ``False`` is refused.
+else (:meth:`~hvd_gradcomp.adapter.HorovodCompressor.decode_joined`). The result is divided by
+the process group's size, as ``Join(..., divide_by_initial_world_size=True)`` (the default)
+does; ``False`` is refused.
 
 Refused with a ValueError, before any collective and on every rank: a compressor already
 bound to a DDP model, a parameter DDP hands over that the model does not name, the papers'
 blocking two-round variants (their side all-reduce is Horovod's), and everything the Horovod
-adapter refuses (a shape change under one key, a checkpoint routed differently, ...).
+adapter refuses (a shape change under one key, a checkpoint routed differently, ...). A
+compressor passed as the state itself (``ddp_model.register_comm_hook(comp, hook)``) is
+refused with a TypeError that names :func:`comm_state`.
 """
 import logging
 import sys
@@ -51,51 +76,95 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hvd_gradcomp.adapter import Call, scheme_info
-from hvd_gradcomp.base import finish_tensor
+from hvd_gradcomp.buckets import BucketPlan, Member
 
 from .compression import Compressor
+from .engine import ProcessGroupEngine
 
-__all__ = ["register_comm_hook", "make_comm_hook", "hook", "HookState", "DDPEngine"]
+__all__ = ["register_comm_hook", "make_comm_hook", "comm_state", "hook", "HookState", "DDPEngine"]
 
 log = logging.getLogger("hvd_gradcomp")
 
 
-class DDPEngine:
-    """The collectives a compressor needs outside compress, on a ``torch.distributed`` group.
-
-    world() -> (size, rank) in the group; gather(obj) -> [obj of rank 0, 1, ...] on every rank
-    (``dist.all_gather_object``); allreduce(x, average) -> x summed (or averaged) over the
-    group, blocking.
-    """
-
-    def __init__(self, group=None):
-        self.group = group
-
-    def world(self):
-        return dist.get_world_size(self.group), dist.get_rank(self.group)
-
-    def gather(self, obj):
-        out = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def allreduce(self, x, average: bool):
-        y = x.clone()
-        dist.all_reduce(y, group=self.group)
-        return y / dist.get_world_size(self.group) if average else y
+DDPEngine = ProcessGroupEngine  # the name it had before torch_backend.engine
 
 
 class HookState:
-    """What :func:`hook` needs: the compressor, the parameters' names, the DDP model's process
-    group and its size."""
+    """What :func:`hook` needs: the compressor, the parameters' names, the process group.
 
-    def __init__(self, compressor, names: dict, group, world_size: int, ddp_model):
+    Attributes:
+        compressor: the bound compressor.
+        names: {parameter tensor: name} (parameters hash by identity).
+        group: the process group (None: the default one, or the DDP model's once bound).
+        world_size: its size (None until bound).
+        ddp_model: the DDP model, or None for a state made from the module (:func:`comm_state`).
+        per_tensor: compress every gradient alone instead of one call per bucket and route.
+        used: ids of the parameters that got a gradient since their bucket was last sent
+            (kept only where DDP drops unused parameters' results: :attr:`tracks_unused`).
+    """
+
+    def __init__(self, compressor, names: dict, group, world_size, ddp_model, per_tensor=False):
         self.compressor = compressor
-        self.names = names  # parameter tensor -> name (parameters hash by identity)
+        self.names = names
         self.group = group
         self.world_size = world_size
         self.ddp_model = ddp_model
+        self.per_tensor = per_tensor
+        self.used = set()
+        self.tracks_unused = False
+        self._plans = {}  # (bucket index, first and last parameter, count) -> (plan, params)
+        self._hooks = []
+
+    def bind(self, ddp_model=None):
+        """Bind the compressor to the process group (at registration, or at the first backward
+        for a state made by :func:`comm_state`) and, where DDP drops unused parameters'
+        results, start counting each parameter's users."""
+        comp = self.compressor
+        if ddp_model is not None:
+            self.ddp_model = ddp_model
+            self.group = ddp_model.process_group
+        comp.bind_engine(ProcessGroupEngine(self.group))
+        self.world_size, _ = comp.engine.world()
+        model = self.ddp_model
+        self.tracks_unused = model is None or bool(getattr(model, "find_unused_parameters", False)) or \
+            bool(getattr(model, "static_graph", False))
+        if self.tracks_unused and not self._hooks:
+            used = self.used
+            for p in self.names:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        lambda param, used=used: used.add(id(param))))
+        if any(s.adaptive and s.link is None for s in comp.routing.schemes()):
+            like = next(iter(self.names), None)
+            comp.calibrate(like=None if like is None else like.detach())
+        return self
+
+
+def comm_state(module, compressor, process_group=None, per_tensor=False) -> HookState:
+    """The state of :func:`hook` for a module not yet wrapped in DDP (trainers that wrap it
+    themselves: Lightning's ``DDPStrategy(ddp_comm_state=comm_state(model, comp),
+    ddp_comm_hook=hook)``). Names are the module's ``named_parameters()``; the compressor is
+    bound to ``process_group`` (default: the default group) at the first backward, on every
+    rank alike. Raises TypeError / ValueError as :func:`register_comm_hook`."""
+    _check_compressor(compressor)
+    names = {p: name for name, p in module.named_parameters()}
+    return HookState(compressor, names, process_group, None, None, per_tensor)
+
+
+def _check_compressor(compressor):
+    if not isinstance(compressor, Compressor):
+        what = repr(compressor)
+        hint = f"; pass {what}() (with options, if any)" if what.startswith("Compression.") else ""
+        raise TypeError(f"register_comm_hook: expected a compressor from torch_backend.Compression, "
+                        f"got {what}{hint}")
+    if compressor.engine is not None:
+        raise ValueError(f"register_comm_hook: compressor {compressor.spec!r} is already bound to a "
+                         f"DDP model; each model needs its own (its state is kept per parameter name)")
+    blocking = sorted({s.spec() for s in compressor.routing.schemes() if s.blocking})
+    if blocking:
+        raise ValueError(f"register_comm_hook: {compressor.spec!r} routes tensors to {blocking}, "
+                         f"blocking two-round variants whose side all-reduce is Horovod's; use "
+                         f"the scheme's default single-collective variant on DDP")
 
 
 def _joined() -> bool:
@@ -111,89 +180,159 @@ def _joined() -> bool:
     return False
 
 
-def _finish_joined(comp, payload, ctx):
-    """The state step of a joined rank: the agreed fields move on from the all-reduced
-    ``payload``, the rank-local ones (error feedback) stay as they were."""
-    if ctx is None or not comp._has_state(ctx.info.key):  # passed through, or stateless
-        return
-    info, inner, scale, scheme = ctx
-    info = scheme_info(info, scale)
-    old = comp._read_state(info.key)
-    _, new = finish_tensor(scheme, comp.ops, payload, inner, old, info)
-    if new is old:
-        return
-    local = [f for f in scheme.rank_local_fields if f in new._fields]
-    if tuple(new._fields) == tuple(old._fields) and all(
-            tuple(getattr(old, f).shape) == tuple(getattr(new, f).shape) for f in local):
-        new = new._replace(**{f: getattr(old, f) for f in local})
-    else:  # an adaptive scheme changed the tensor's scheme on the agreed figures
-        new = new._replace(**{f: torch.zeros_like(getattr(new, f)) for f in local})
-        if ("joined", info.key) not in comp._warned:  # once per tensor and compressor
-            comp._warned.add(("joined", info.key))
-            log.warning("hvd_gradcomp DDP hook: %s changed scheme while this rank had joined; its "
-                        "pending error feedback on this rank is dropped", info.key)
-    comp._write_state(info.key, new)
-
-
-def hook(state: HookState, bucket):
-    """DDP communication hook: compress every gradient of ``bucket``, all-reduce the payloads
-    (one collective per payload dtype), decompress, average (module docstring).
-
-    Returns a ``torch.futures.Future`` holding ``bucket.buffer()`` with the averaged,
-    decompressed gradients written into it.
-
-    Raises:
-        ValueError: a gradient whose parameter the model does not name, ``Join`` with
-            ``divide_by_initial_world_size=False``, or what the compressor refuses (on every
-            rank, before the collective).
-    """
+def _plan(state: HookState, bucket, buffer, params):
+    """``(plan, members of each unit)`` of the bucket (:class:`~hvd_gradcomp.buckets.BucketPlan`),
+    cached per layout (DDP's rebuilt buckets after the first step are new layouts); None for a
+    sparse gradient's bucket. The step's path reads no gradient view on a cached layout."""
+    sig = (bucket.index(), id(params[0]), id(params[-1]), len(params), buffer.numel())
+    if sig in state._plans:
+        return state._plans[sig]
     comp = state.compressor
-    joined = _joined()
-    if not getattr(state.ddp_model, "_divide_by_initial_world_size", True):
-        raise ValueError(f"hvd_gradcomp DDP hook {comp.spec!r}: Join(..., "
-                         f"divide_by_initial_world_size=False) is not supported (the hook divides "
-                         f"by the process group's size); use the default True")
+    members, offset = [], 0
+    base = buffer.storage_offset()
     grads = bucket.gradients()
-    entries = []
-    for p, g in zip(bucket.parameters(), grads):
+    if not grads:  # DDP's bucket of a sparse gradient (its buffer may still look dense)
+        state._plans[sig] = None
+        return None
+    for p, g in zip(params, grads):
         name = state.names.get(p)
         if name is None:
             raise ValueError(f"hvd_gradcomp DDP hook {comp.spec!r}: bucket {bucket.index()} holds a "
                              f"parameter of shape {list(p.shape)} that the DDP model's "
                              f"named_parameters() does not name; register the hook on the DDP "
                              f"model that owns it")
-        call = Call(key=name, op="sum", process_set=state.group, label=name)
-        payload, ctx, _ = comp._compress_one(g, call)
-        entries.append((payload, ctx, g))
+        if g.is_contiguous() and g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+            offset = g.storage_offset() - base  # where DDP put it (consecutive, in bucket order)
+        members.append(Member(name, name, tuple(g.shape), offset, g.numel()))
+        offset += g.numel()
+    dtype = str(buffer.dtype).removeprefix("torch.")
+    if state.per_tensor:
+        units = []
+        for m in members:
+            sub = comp.plan_bucket([m._replace(offset=0)], dtype, "sum", state.group, buffer)
+            units.extend(u._replace(start=m.offset, stop=m.offset + m.numel) for u in sub.units)
+        plan = BucketPlan(tuple(members), tuple(units), dtype)
+    else:
+        plan = comp.plan_bucket(members, dtype, "sum", state.group, buffer)
+    slots = [[i for i in u.members] for u in plan.units]
+    state._plans[sig] = hit = (plan, slots)
+    return hit
+
+
+def _dropped_part(out, dropped, members, plan):
+    """``out`` (a unit's decoded mean) where DDP drops it (``dropped``: bool per parameter of
+    the bucket), zero elsewhere, flat float32."""
+    flat = out.reshape(-1).float()
+    if len(members) == 1:
+        return flat * dropped[members[0]].float()
+    sizes = torch.tensor([plan.members[i].numel for i in members], device=flat.device)
+    return flat * torch.repeat_interleave(dropped[members].float(), sizes, output_size=flat.numel())
+
+
+def hook(state: HookState, bucket):
+    """DDP communication hook: compress ``bucket`` (one codec call per route, or per tensor),
+    all-reduce the payloads (one collective per payload dtype), decode, average (module
+    docstring).
+
+    Returns a ``torch.futures.Future`` holding ``bucket.buffer()`` with the averaged, decoded
+    gradients written into it.
+
+    Raises:
+        TypeError: ``state`` is not a :class:`HookState` (e.g. the compressor itself).
+        ValueError: a gradient whose parameter the model does not name, ``Join`` with
+            ``divide_by_initial_world_size=False``, or what the compressor refuses (on every
+            rank, before the collective).
+    """
+    if not isinstance(state, HookState):
+        raise TypeError(f"hvd_gradcomp DDP hook: the state must be a HookState, got "
+                        f"{type(state).__name__}; use register_comm_hook(ddp_model, compressor), or "
+                        f"pass torch_backend.ddp.comm_state(model, compressor) as the state (e.g. "
+                        f"Lightning's DDPStrategy(ddp_comm_state=comm_state(model, comp), "
+                        f"ddp_comm_hook=hook))")
+    comp = state.compressor
+    if comp.engine is None:  # a state made by comm_state(): bound at the first backward
+        state.bind()
+    joined = _joined()
+    if state.ddp_model is not None and not getattr(state.ddp_model, "_divide_by_initial_world_size", True):
+        raise ValueError(f"hvd_gradcomp DDP hook {comp.spec!r}: Join(..., "
+                         f"divide_by_initial_world_size=False) is not supported (the hook divides "
+                         f"by the process group's size); use the default True")
+    buffer = bucket.buffer()
+    n = state.world_size
+    params = bucket.parameters()
+    hit = None if buffer.is_sparse else _plan(state, bucket, buffer, params)
+    if hit is None:  # a sparse gradient's bucket: uncompressed, averaged
+        buffer.div_(n)
+        fut = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+    plan, slots = hit
+    encoded = []
+    for unit in plan.units:
+        x = buffer[unit.start:unit.stop] if unit.contiguous else buffer.index_select(0, unit.index)
+        if len(unit.members) == 1:
+            x = x.view(unit.info.shape)
+        payload, ctx = comp.encode_unit(unit, x)
+        if ctx is None:  # sent as it is (none): divided first, as DDP's own all-reduce does, so
+            payload = payload / n  # a float16 bucket's sum cannot overflow where its mean fits
+        encoded.append((payload, ctx))
+    payloads = [p for p, _ in encoded]
+    counted = None
+    if state.tracks_unused:  # users per parameter, and whether DDP writes its result anyway
+        view = state.ddp_model is not None and state.ddp_model.gradient_as_bucket_view
+        flags = [[0 if joined else int(id(p) in state.used), int(view and p.grad is not None)] for p in params]
+        state.used.difference_update(id(p) for p in params)
+        counted = torch.tensor(flags, dtype=torch.int32, device=buffer.device)
+        payloads = payloads + [counted]
     by_dtype = {}
-    for i, (payload, _, _) in enumerate(entries):
+    for i, payload in enumerate(payloads):
         by_dtype.setdefault(payload.dtype, []).append(i)
-    order = sorted(by_dtype, key=str)
-    futures, layouts = [], []
-    for dtype in order:
+    futures, layouts, flats = [], [], []
+    for dtype in sorted(by_dtype, key=str):
         members = by_dtype[dtype]
-        flat = torch.cat([entries[i][0].reshape(-1) for i in members])
+        flat = payloads[members[0]].reshape(-1) if len(members) == 1 else \
+            torch.cat([payloads[i].reshape(-1) for i in members])
         if joined:
             flat = torch.zeros_like(flat)
-        layouts.append([(i, entries[i][0].shape, entries[i][0].numel()) for i in members])
+        flats.append(flat)
+        layouts.append([(i, payloads[i].shape, payloads[i].numel()) for i in members])
         futures.append(dist.all_reduce(flat, group=state.group, async_op=True).get_future())
-    n = state.world_size
-    buffer = bucket.buffer()
 
     def unpack(fut):
+        try:
+            return _unpack(fut)
+        finally:
+            flats.clear()  # the payloads sent stay alive until here (the all-reduce's stream reads them)
+
+    def _unpack(fut):
         results = [f.value()[0] for f in fut.value()] if len(futures) > 1 else [fut.value()[0]]
+        reduced = [None] * len(payloads)
+        for flat, layout in zip(results, layouts):
+            offset = 0
+            for i, shape, numel in layout:
+                reduced[i] = flat[offset:offset + numel].view(shape)
+                offset += numel
         with torch.no_grad():
-            for flat, layout in zip(results, layouts):
-                offset = 0
-                for i, shape, numel in layout:
-                    payload = flat[offset:offset + numel].reshape(shape)
-                    offset += numel
-                    ctx, g = entries[i][1], entries[i][2]
-                    if joined:
-                        _finish_joined(comp, payload, ctx)
-                        continue
-                    out = comp.decompress(payload, ctx)
-                    g.copy_(out.reshape(g.shape).to(g.dtype) / n)
+            if joined:
+                for unit, (_, ctx), payload in zip(plan.units, encoded, reduced):
+                    comp.decode_joined(payload, ctx)
+                return buffer
+            dropped = None
+            if counted is not None:  # no rank used it, and DDP will not write its .grad
+                counts = reduced[-1]
+                dropped = (counts[:, 0] == 0) & (counts[:, 1] == 0)
+            outs = []
+            for unit, members, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
+                out = payload if ctx is None else comp.decode(payload, ctx, divide=n)
+                if dropped is not None:
+                    comp.add_error_feedback(ctx, _dropped_part(out, dropped, members, plan))
+                outs.append(out)
+            # Written into the bucket's buffer (one copy per unit) and the buffer returned: DDP
+            # then sees its own views and copies nothing more per parameter.
+            for unit, out in zip(plan.units, outs):
+                if unit.contiguous:
+                    buffer[unit.start:unit.stop].copy_(out.reshape(-1))
+                else:
+                    buffer.index_copy_(0, unit.index, out.reshape(-1).to(buffer.dtype))
         return buffer
 
     if len(futures) == 1:
@@ -201,38 +340,22 @@ def hook(state: HookState, bucket):
     return torch.futures.collect_all(futures).then(unpack)
 
 
-def make_comm_hook(ddp_model, compressor):
+def make_comm_hook(ddp_model, compressor, per_tensor: bool = False):
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``, with ``compressor``
     bound to the model's process group: what :func:`register_comm_hook` registers, for callers
-    that wrap the hook (e.g. to time it). Arguments and errors as there."""
+    that wrap the hook (e.g. to time it). Arguments and errors as there; the compressor is
+    bound here (register_comm_hook binds only once DDP has accepted the hook)."""
     from torch.nn.parallel import DistributedDataParallel
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_comm_hook: expected a DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}")
-    if not isinstance(compressor, Compressor):
-        what = repr(compressor)
-        hint = f"; pass {what}() (with options, if any)" if what.startswith("Compression.") else ""
-        raise TypeError(f"register_comm_hook: expected a compressor from torch_backend.Compression, "
-                        f"got {what}{hint}")
-    if compressor._engine is not None:
-        raise ValueError(f"register_comm_hook: compressor {compressor.spec!r} is already bound to a "
-                         f"DDP model; each model needs its own (its state is kept per parameter name)")
-    blocking = sorted({s.spec() for s in compressor.routing.schemes() if s.blocking})
-    if blocking:
-        raise ValueError(f"register_comm_hook: {compressor.spec!r} routes tensors to {blocking}, "
-                         f"blocking two-round variants whose side all-reduce is Horovod's; use "
-                         f"the scheme's default single-collective variant on DDP")
-    group = ddp_model.process_group
+    _check_compressor(compressor)
     names = {p: name for name, p in ddp_model.module.named_parameters()}
-    compressor._engine = DDPEngine(group)
-    world_size, _ = compressor._engine.world()
-    if any(s.adaptive and s.link is None for s in compressor.routing.schemes()):
-        like = next(iter(names), None)
-        compressor.calibrate(like=None if like is None else like.detach())
-    return HookState(compressor, names, group, world_size, ddp_model), hook
+    state = HookState(compressor, names, ddp_model.process_group, None, ddp_model, per_tensor)
+    return state.bind(ddp_model), hook
 
 
-def register_comm_hook(ddp_model, compressor):
+def register_comm_hook(ddp_model, compressor, per_tensor: bool = False):
     """Install ``compressor`` as ``ddp_model``'s communication hook.
 
     Args:
@@ -240,18 +363,29 @@ def register_comm_hook(ddp_model, compressor):
         compressor: a compressor from ``torch_backend.Compression`` (``Compression.topkc(0.1)``,
             ``from_spec``, ``rules``, ``auto``), new or loaded from a checkpoint, used by no
             other model.
+        per_tensor: compress each gradient alone instead of one codec call per bucket and
+            route (module docstring); the same numbers for the casts, more operations.
 
-    Binds the compressor to the model's process group (ranks, world size, checkpoints), and
-    for ``auto`` without ``bandwidth_gbit`` measures the link there (``calibrate()``: a
-    collective, so every rank calls ``register_comm_hook`` at the same point). Returns the
-    compressor.
+    Binds the compressor to the model's process group (ranks, world size, checkpoints) once
+    DDP has accepted the hook, and for ``auto`` without ``bandwidth_gbit`` measures the link
+    there (``calibrate()``: a collective, so every rank calls ``register_comm_hook`` at the
+    same point). Returns the compressor.
 
     Raises:
         TypeError: ``compressor`` is a factory (``Compression.fp16`` without the call) or not a
             PyTorch compressor; ``ddp_model`` is not a DDP model.
         ValueError: the compressor is already bound to a DDP model, or routes some tensor to a
             blocking two-round variant.
+        RuntimeError: DDP's own refusal (e.g. the model has a hook already); the compressor is
+            then left unbound.
     """
-    state, fn = make_comm_hook(ddp_model, compressor)
-    ddp_model.register_comm_hook(state, fn)
+    from torch.nn.parallel import DistributedDataParallel
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"register_comm_hook: expected a DistributedDataParallel model, got "
+                        f"{type(ddp_model).__name__}")
+    _check_compressor(compressor)
+    names = {p: name for name, p in ddp_model.module.named_parameters()}
+    state = HookState(compressor, names, ddp_model.process_group, None, ddp_model, per_tensor)
+    ddp_model.register_comm_hook(state, hook)  # DDP's checks first: nothing bound if it refuses
+    state.bind(ddp_model)
     return compressor

@@ -65,14 +65,28 @@ def _fuse_eager(fn, plan):
 def _fuse_compiled(fn, plan):
     """``Primitives.fuse`` through Inductor (C++/OpenMP loops on CPU, Triton on GPU).
 
-    One ``torch.compile`` per (fn, plan), every tensor dimension dynamic from the first call,
-    so all tensor sizes share one compiled kernel (Dynamo still specialises sizes 0 and 1); the
-    plan's ints stay constants. Dynamo caches compiled code per code object and caps the entries
-    of each, so each (fn, plan) gets its own copy of the wrapper's code object: kernels never
-    evict one another. If the first compiled call fails (no C++ compiler, an unsupported build)
-    the kernel runs uncompiled from then on and one warning says why.
+    One ``torch.compile`` per (fn, plan, exact), every tensor dimension dynamic from the first
+    call, so all tensor sizes share one compiled kernel (Dynamo still specialises sizes 0 and
+    1); the plan's ints stay constants. Dynamo caches compiled code per code object and caps the
+    entries of each, so each kernel gets its own copy of the wrapper's code object: kernels
+    never evict one another. If the first compiled call fails (no C++ compiler, an unsupported
+    build) the kernel runs uncompiled from then on and one warning says why.
+
+    ``exact``: the user's float32 matmul setting, read at each call outside the compiled code
+    (:func:`_reduced_fp32`; Dynamo cannot trace those getters). Under a reduced setting (TF32,
+    bfloat16) the kernel's variant whose products run in float64 is called
+    (:func:`_exact_matmul` with ``force``), so the compiled rotation stays exact whatever the
+    setting; otherwise the plain variant, whose products read the (full) setting when they run.
     """
-    key = (fn, plan)
+    def run(*tensors):
+        cuda = any(getattr(t, "is_cuda", False) for t in tensors)
+        return _compiled_kernel(fn, plan, _reduced_fp32(cuda))(*tensors)
+    return run
+
+
+def _compiled_kernel(fn, plan, exact):
+    """The compiled kernel of :func:`_fuse_compiled` for one (fn, plan, exact)."""
+    key = (fn, plan, exact)
     run = _KERNELS.get(key)
     if run is not None:
         return run
@@ -80,7 +94,7 @@ def _fuse_compiled(fn, plan):
     import warnings
 
     def call(*tensors):
-        return fn(OPS, plan, *tensors)
+        return fn(EXACT_OPS if exact else OPS, plan, *tensors)
 
     code = call.__code__.replace(co_name=f"hvd_gradcomp_{fn.__name__}_{len(_KERNELS)}")
     compiled_fn = torch.compile(types.FunctionType(code, call.__globals__, code.co_name, None,
@@ -196,32 +210,67 @@ def _addmm(c, a, b, alpha):
     return c
 
 
-def _full_fp32(fn):
-    """``fn`` (a matmul) with float32 products in full precision, whatever the user chose.
+def _reduced_fp32(cuda: bool) -> bool:
+    """True where PyTorch may run a float32 product below full float32 precision on this
+    device: TF32 (10-bit mantissas) on a GPU, bfloat16 or TF32 through oneDNN on a CPU.
 
-    ``torch.set_float32_matmul_precision("high")`` / ``allow_tf32`` (TF32 on Ampere and later:
-    10-bit mantissas) or ``"medium"`` (bfloat16 through oneDNN on CPUs) would round the codecs'
-    products: THC's rotation round trip and PowerSGD's orthogonalisation need float32. The
-    backend's own ``fp32_precision`` (PyTorch's per-backend API: ``cuda.matmul`` or
-    ``mkldnn.matmul``) is set to ``"ieee"`` for the call and restored after it, only when it
-    is not already full precision; the user's setting is never left changed. Inside
-    ``torch.compile`` (``HVD_GRADCOMP_COMPILE``) the setting in force when the kernel compiles
-    applies (docs/gpu.md).
+    Read-only. PyTorch >= 2.9: the per-backend ``fp32_precision`` (``cuda.matmul``, or
+    ``mkldnn.matmul`` then ``mkldnn``), then ``torch.backends.fp32_precision``; the first that
+    is not ``"none"`` decides, reduced unless ``"ieee"``. The legacy setters
+    (``torch.set_float32_matmul_precision``, ``torch.backends.cuda.matmul.allow_tf32``) write
+    these too. The legacy *getters* are never called: PyTorch raises from them once the new API
+    has been used (its consistency check). Older PyTorch: ``allow_tf32`` on a GPU,
+    ``get_float32_matmul_precision() == "medium"`` on a CPU.
     """
-    def run(*args):
-        if torch.compiler.is_compiling():
-            return fn(*args)
-        backend = torch.backends.cuda.matmul if args[0].is_cuda else torch.backends.mkldnn.matmul
-        prev = backend.fp32_precision
-        if prev == "ieee" or (prev == "none" and torch.backends.fp32_precision in ("ieee", "none")):
-            return fn(*args)
-        backend.fp32_precision = "ieee"
-        try:
-            return fn(*args)
-        finally:
-            backend.fp32_precision = prev
-    run.__name__ = fn.__name__
-    return run
+    backends = torch.backends
+    if hasattr(backends, "fp32_precision"):
+        chain = (backends.cuda.matmul,) if cuda else (backends.mkldnn.matmul, backends.mkldnn)
+        for node in chain + (backends,):
+            precision = node.fp32_precision
+            if precision != "none":
+                return precision != "ieee"
+        return False
+    if cuda:
+        return bool(backends.cuda.matmul.allow_tf32)
+    return torch.get_float32_matmul_precision() == "medium"
+
+
+def _float64_product(a, b):
+    return _matmul(a.to(torch.float64), b.to(torch.float64))
+
+
+def _exact_matmul(a, b, force=False):
+    """``ops.matmul`` with float32 products in full precision, whatever the user chose.
+
+    The user's TF32 (``torch.set_float32_matmul_precision("high")``, ``allow_tf32``,
+    ``fp32_precision = "tf32"``) or bfloat16 (``"medium"`` on CPUs with oneDNN) setting would
+    round the codecs' products: THC's rotation round trip and PowerSGD's orthogonalisation need
+    float32 (TF32 leaves a 4e-4 error in ``irht(rht(x))``). Where :func:`_reduced_fp32` says
+    the setting is reduced (or ``force``: the compiled kernels' exact variant,
+    :func:`_fuse_compiled`), float32 operands are multiplied in float64 and the product
+    rounded to float32 once (at least as exact as an IEEE float32 product); otherwise the
+    product is the plain one. Nothing global is changed, so the user's setting is never
+    altered, not even for a moment: products on Gloo's or DDP's callback threads can run
+    while the user's threads run theirs, and no mix of PyTorch's legacy and new precision APIs
+    is ever made here, so its consistency check raises in our products only where it raises
+    in the user's own (issue 35; saving and restoring the setting around each product broke
+    both: a user's legacy ``allow_tf32`` against our new-API ``"ieee"`` is such a mix). Cost, only under a reduced setting: two
+    casts in, one out and a float64 product (on an H100/H200 about float32's throughput, on
+    CPUs about half). Shapes and errors as ``torch.matmul``.
+    """
+    if a.dtype == torch.float32 and b.dtype == torch.float32 and (
+            force or (not torch.compiler.is_compiling() and _reduced_fp32(a.is_cuda))):
+        return _float64_product(a, b).to(torch.float32)
+    return _matmul(a, b)
+
+
+def _exact_addmm(c, a, b, alpha, force=False):
+    """``ops.addmm`` (``c + alpha * a @ b``, in place on ``c``) with the product exact as in
+    :func:`_exact_matmul` (there: the float64 product rounded to ``c``'s dtype, then added)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32 and (
+            force or (not torch.compiler.is_compiling() and _reduced_fp32(a.is_cuda))):
+        return c.add_(_float64_product(a, b).to(c.dtype), alpha=alpha)
+    return _addmm(c, a, b, alpha)
 
 
 def _select(pred, true_fn, false_fn):
@@ -263,8 +312,8 @@ OPS = Primitives(
     # count_nonzero, not a sum of the mask: 3-4x faster on CPU (docs/bench.md, "THC")
     count=lambda x, axis: torch.count_nonzero(x) if axis is None else torch.count_nonzero(x, dim=axis),
     norm=lambda x, axis: torch.linalg.vector_norm(x, dim=axis),
-    matmul=_full_fp32(_matmul),
-    addmm=_full_fp32(_addmm),
+    matmul=_exact_matmul,
+    addmm=_exact_addmm,
     top_k=lambda x, k: torch.topk(x, k, sorted=True).indices,
     argsort=lambda x: torch.sort(x, descending=True, stable=True).indices,
     gather=lambda x, idx: x.index_select(0, idx),
@@ -288,3 +337,8 @@ OPS = Primitives(
 # The same primitives with every fused kernel compiled, whatever the environment says (the
 # overhead benchmark times both side by side).
 COMPILED_OPS = dataclasses.replace(OPS, fuse=_fuse_compiled)
+
+# The primitives a compiled kernel's exact variant traces: float32 products always in float64
+# (_fuse_compiled; the user's setting is reduced when that variant runs).
+EXACT_OPS = dataclasses.replace(OPS, matmul=lambda a, b: _exact_matmul(a, b, force=True),
+                                addmm=lambda c, a, b, alpha: _exact_addmm(c, a, b, alpha, force=True))

@@ -249,9 +249,13 @@ class AutoScheme(AutoWindow, Scheme):
     def add_residual(self, ops, state, info, residual):
         """``state`` with ``residual`` (float32 ``[numel]``, the gradient's coordinates) added
         to the current candidate's error feedback, or, for one that keeps none, to the
-        ``carry`` (created only when ``residual`` is not all 0: one host read). Used by
+        ``carry`` when there is one; None when there is neither (the state keeps no error
+        feedback: :func:`~hvd_gradcomp.composite.add_residual`'s rule). Used by
         :func:`~hvd_gradcomp.base.finish_tensor` for what a half-precision output could not
-        hold."""
+        hold: with neither, the output is then not clamped, exactly as for the fixed fp16 and
+        bf16 schemes (its overflow is the sum's own). Never reads the device: a carry made
+        here only when ``residual`` is not all 0 would take a host read (a device sync on a
+        GPU) per tensor and step of every float16/bfloat16 gradient (issue 35)."""
         at = self._counters.get(info.key)
         choice = at[1] if at is not None else int(ops.to_host(state.choice))
         inner = self._inner(state)
@@ -260,9 +264,7 @@ class AutoScheme(AutoWindow, Scheme):
         if absorbed is not None:
             return self._pack(state.step, state.choice, absorbed, carry)
         if carry is None:
-            if not ops.to_host(ops.max(ops.abs(residual), None)) > 0:
-                return state
-            return self._pack(state.step, state.choice, inner, residual)
+            return None
         return self._pack(state.step, state.choice, inner, carry + residual)
 
     def _position(self, ops, state, info):

@@ -3,6 +3,7 @@
 Commands:
     tta       time-to-accuracy sweep over a bandwidth-limited emulated network (the main job)
     overhead  compress + decompress cost per compressor and tensor size, against FP16
+    codec     ops and codec time per step of the DDP hooks: a 147-tensor model against one flat tensor
     model     scale model: projected step time and TTA ratio vs FP16 for N workers and links
     publish   a finished sweep's table and plots into a docs block, from its results.json
     autospeed auto against fixed fp16 on the link as it is: first window's cost, settled ratio
@@ -13,6 +14,7 @@ import importlib
 import sys
 
 COMMANDS = {"tta": "hvd_gradcomp.bench.tta", "overhead": "hvd_gradcomp.bench.overhead",
+            "codec": "hvd_gradcomp.bench.codec",
             "model": "hvd_gradcomp.bench.model", "publish": "hvd_gradcomp.bench.publish",
             "autospeed": "hvd_gradcomp.bench.autospeed"}
 

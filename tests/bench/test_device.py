@@ -3,7 +3,7 @@
 Where CUDA is absent, ``--device cuda`` is refused before anything starts, with a message that
 says why, by the harness (exit status 2) and by each worker run on its own (argparse's status
 2); the NCCL environment that keeps a GPU run on the rate-limited links is set only where it
-applies. The runs themselves on CUDA are in tests/gpu/run_checks.sh.
+applies. The runs themselves on CUDA: docs/gpu.md (the GPU check).
 """
 import os
 import subprocess

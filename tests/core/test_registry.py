@@ -6,7 +6,7 @@ import pytest
 
 from hvd_gradcomp.registry import SCHEMES, make_scheme, parse_spec, to_spec
 from hvd_gradcomp.routing import Routing
-from tests.backends import BACKENDS
+from tests.backends import requires_backend
 
 
 def test_spec_round_trip():
@@ -92,7 +92,8 @@ def test_an_option_given_twice_is_refused_with_one_message_everywhere():
     assert str(err.value) == "thc: min_numel given twice"
 
 
-@pytest.mark.skipif(len(BACKENDS) < 2, reason="needs both backends")
+@requires_backend("torch")
+@requires_backend("tensorflow")
 def test_frontends_offer_the_same_compressors():
     import tf_backend
     import torch_backend

@@ -417,3 +417,28 @@ def test_flush_bound_after_a_drop_in_scale(op):
         np.testing.assert_allclose(delivered + pending, given, rtol=0, atol=1e-5 * np.abs(given).max())
         found[flush] = ratios[6:]
     assert max(found[1.0]) < 8.0 and min(found[None]) > 100.0, found
+
+
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_decode_unpacks_lanes_in_int32(op, monkeypatch):
+    """Issue 35, risk 5: the decode recovers the exact word sums in int64 ([P / lanes] words:
+    n times a truncated average, and the offsets, overflow int32) but unpacks the lanes ([P]
+    coordinates) from their int32 patterns: no int64 [P] reaches the lanes' mask, and the output
+    is the int64 decode's (test_top_level_lanes_do_not_carry fills the words' sign bit)."""
+    import torch_backend.ops as module
+    masked = []
+
+    def bitwise_and(a, b):
+        masked.append((str(a.dtype), a.numel()))
+        return torch_and(a, b)
+    torch_and = module.OPS.bitwise_and
+    # The fused kernels run with the module's OPS (torch_backend.ops._fuse_eager).
+    monkeypatch.setattr(module, "OPS", dataclasses.replace(module.OPS, bitwise_and=bitwise_and))
+    sim = Ranks("torch", 2, (4096,), THCConfig(bits=4), op=op, infer=True)
+    x = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    sim.step([x, -x])
+    masked.clear()
+    log = sim.step([x, 0.5 * x])
+    lanes = [dtype for dtype, numel in masked if numel >= 4096]  # the lanes of P = 4096 coordinates
+    assert lanes and set(lanes) == {"torch.int32"}, masked
+    sim.check_reference(log)

@@ -12,7 +12,7 @@ chosen and why; TensorFlow's ``tf.function`` is refused with a clear error.
 import numpy as np
 import pytest
 
-from tests.backends import BACKENDS
+from tests.backends import backend_unusable
 from tests.hvdrun import run
 
 SHAPE = (64, 64)
@@ -204,15 +204,17 @@ def _check_gate(ranks):
 
 @pytest.fixture(scope="module")
 def torch_results():
-    if "torch" not in BACKENDS:
-        pytest.skip("torch backend not under test")
+    why = backend_unusable("torch")
+    if why:
+        pytest.skip(why)
     return run(_torch_worker, np=2, timeout=240)
 
 
 @pytest.fixture(scope="module")
 def tf_results():
-    if "tensorflow" not in BACKENDS:
-        pytest.skip("tensorflow backend not under test")
+    why = backend_unusable("tensorflow")
+    if why:
+        pytest.skip(why)
     return run(_tf_worker, np=2, timeout=240)
 
 

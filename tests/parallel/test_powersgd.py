@@ -10,7 +10,7 @@ import pytest
 
 from hvd_gradcomp.base import WireBytes
 from hvd_gradcomp.powersgd import CONTROL
-from tests.backends import BACKENDS
+from tests.backends import backend_unusable
 from tests.hvdrun import run
 from tests.reference import gram_schmidt64
 
@@ -289,15 +289,17 @@ def _tf_worker():
 # ------------------------------------------------------------------ launches
 @pytest.fixture(scope="module")
 def torch_results():
-    if "torch" not in BACKENDS:
-        pytest.skip("backend torch not under test")
+    why = backend_unusable("torch")
+    if why:
+        pytest.skip(why)
     return run(_torch_worker, np=SIZE)
 
 
 @pytest.fixture(scope="module")
 def tf_results():
-    if "tensorflow" not in BACKENDS:
-        pytest.skip("backend tensorflow not under test")
+    why = backend_unusable("tensorflow")
+    if why:
+        pytest.skip(why)
     return run(_tf_worker, np=SIZE)
 
 

@@ -23,12 +23,12 @@ from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.powersgd import PowerSGDConfig, PowerSGDScheme, PowerSGDState
 from hvd_gradcomp.registry import SCHEMES, make_scheme
 from hvd_gradcomp.thc import THCConfig, THCScheme
-from tests.backends import (BACKENDS, as_float64, as_numpy, backend_ops, native_tensor, one_rank_ops,
+from tests.backends import (as_float64, as_numpy, backend_ops, native_tensor, one_rank_ops,
                             requires_backend, scheme_steps)
 from tests.core.test_powersgd import TWO, _steps
 from tests.core.thc_emulation import layout_of
 
-pytestmark = pytest.mark.skipif(len(BACKENDS) < 2, reason="parity needs both backends")
+pytestmark = [requires_backend("torch"), requires_backend("tensorflow")]  # parity needs both
 
 VARIANTS = [(name, {"bandwidth_gbit": 1.0} if name == "auto" else {}) for name in sorted(SCHEMES)] + [
     ("topkc", {"selection": "current"}),
@@ -176,7 +176,6 @@ def _tf_graph_steps(scheme, grads, key="w"):
     return outs, state
 
 
-@pytest.mark.skipif(set(BACKENDS) != {"torch", "tensorflow"}, reason="needs both backends")
 def test_torch_tensorflow_parity_eager_and_tf_function():
     rng = np.random.default_rng(11)
     grads = [rng.standard_normal((40, 12)) for _ in range(5)]

@@ -1,0 +1,189 @@
+"""Codec cost per step for a many-tensor model against one flat tensor of the same size.
+
+``python -m hvd_gradcomp.bench codec [--specs fp16,thc,...] [--steps 8] [--threads 1]``
+
+What it measures, per hook, on a one-process ``torch.distributed`` group (Gloo, world size 1:
+the all-reduce is a copy, so what differs between hooks is the codec):
+
+- Model A: a 12-layer ``nn.TransformerEncoder`` (width 256, 4 heads, feed-forward 1024) with an
+  embedding and a head over 256 tokens: 147 tensors, 9.61M parameters. Model B: one flat
+  parameter of the same size (its gradient is a fixed vector).
+- **ops**: ATen operations the PyTorch profiler records (all threads) during one training step
+  (forward, backward and the hook), minus those of the same step under DDP's plain all-reduce
+  (no hook): what the hook adds. On a GPU each is a kernel launch or a host-side dispatch.
+- **codec ms**: the median step time minus the plain all-reduce's median step time, both
+  timed round-robin in the same run (the same background load), per step and per million
+  parameters.
+
+Rows: our compressors through :func:`torch_backend.ddp.register_comm_hook` (one codec call per
+bucket and route), the same with ``per_tensor=True`` (one codec call per tensor: what the
+Horovod path without groups does per gradient), and DDP's own ``fp16_compress_hook`` and
+``powerSGD_hook`` (rank 4). The last columns are ratios: A's ops over B's, and our codec time
+over DDP's own fp16 hook's.
+
+Timings follow the machine's load: run it on a quiet machine, and read the ratios measured
+side by side in one run rather than the absolute figures.
+"""
+import argparse
+import os
+import socket
+import statistics
+import time
+
+__all__ = ["main", "model_a", "model_b"]
+
+DEFAULT_SPECS = "none,fp16,bf16,topkc:0.1,thc,signsgd,powersgd:4,auto"
+
+
+def model_a():
+    """The 147-tensor transformer (module docstring) and a batch for it: ``(module, loss_fn)``."""
+    import torch
+    from torch import nn
+
+    class LM(nn.Module):
+        def __init__(self, vocab=256, width=256, layers=12):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(width, vocab)
+
+        def forward(self, tokens):
+            return self.head(self.encoder(self.embed(tokens)))
+
+    torch.manual_seed(0)
+    model = LM()
+    tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+
+    def loss(m):
+        out = m(tokens)
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), tokens.reshape(-1))
+    return model, loss
+
+
+def model_b(numel: int):
+    """One flat parameter of ``numel`` coordinates whose gradient is a fixed normal vector."""
+    import torch
+    from torch import nn
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.flat = nn.Parameter(torch.zeros(numel))
+
+        def forward(self, g):
+            return (self.flat * g).sum()
+
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+    return Flat(), lambda m: m(g)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make(kind, spec, build):
+    """A fresh DDP model of ``build()`` with the hook ``kind`` ('ours', 'per-tensor', 'ddp',
+    'plain') and ``spec``; returns (ddp model, loss function)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch_backend import Compression
+    from torch_backend.ddp import register_comm_hook
+    module, loss = build()
+    ddp = DDP(module)
+    if kind in ("ours", "per-tensor"):
+        register_comm_hook(ddp, Compression.from_spec(spec), per_tensor=kind == "per-tensor")
+    elif kind == "ddp" and spec == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif kind == "ddp":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                            start_powerSGD_iter=2, min_compression_rate=0.5,
+                                            use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp, loss
+
+
+def _step(ddp, loss):
+    for p in ddp.parameters():
+        p.grad = None
+    loss(ddp).backward()
+
+
+def _ops(ddp, loss) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _step(ddp, loss)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+
+
+def measure(rows, build, steps: int, warmup: int):
+    """{(kind, spec): (ops, median step s)} for each row of ``rows``, timed round-robin."""
+    models = {row: _make(*row, build) for row in rows}
+    for row, (ddp, loss) in models.items():
+        for _ in range(warmup):  # DDP rebuilds its buckets after the first step; auto settles
+            _step(ddp, loss)
+    ops = {row: _ops(*models[row]) for row in rows}
+    times = {row: [] for row in rows}
+    for _ in range(steps):
+        for row, (ddp, loss) in models.items():
+            t0 = time.perf_counter()
+            _step(ddp, loss)
+            times[row].append(time.perf_counter() - t0)
+    return {row: (ops[row], statistics.median(times[row])) for row in rows}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m hvd_gradcomp.bench codec", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--specs", default=DEFAULT_SPECS, help=f"comma-separated specs (default {DEFAULT_SPECS})")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per row (median; default 8)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--no-per-tensor", action="store_true", help="skip the per_tensor=True rows")
+    args = ap.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    specs = [s.strip() for s in args.specs.split(",") if s.strip()]
+    rows = [("plain", "-"), ("ddp", "fp16"), ("ddp", "powersgd:4")]
+    for spec in specs:
+        rows.append(("ours", spec))
+        if not args.no_per_tensor:
+            rows.append(("per-tensor", spec))
+    a_module, _ = model_a()
+    numel = sum(p.numel() for p in a_module.parameters())
+    tensors = sum(1 for _ in a_module.parameters())
+    res_a = measure(rows, model_a, args.steps, args.warmup)
+    res_b = measure(rows, lambda: model_b(numel), args.steps, args.warmup)
+    try:
+        import subprocess
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip() or "?"
+    except OSError:
+        commit = "?"
+    mparams = numel / 1e6
+    print(f"codec cost per step, model A ({tensors} tensors, {mparams:.2f}M parameters) against "
+          f"model B (1 tensor, same size); {args.threads} thread(s); commit {commit}")
+    print("ops: ATen operations the hook adds to a step (profiler, all threads); codec ms: step "
+          "time minus the plain all-reduce's (medians, timed round-robin)")
+    base_a, base_b = res_a[("plain", "-")], res_b[("plain", "-")]
+    ref_a = res_a[("ddp", "fp16")][1] - base_a[1]
+    header = (f"{'hook':<12} {'spec':<14} {'ops A':>8} {'ops B':>7} {'A/B':>7} {'codec ms A':>10} "
+              f"{'ms/Mparam':>9} {'codec ms B':>10} {'vs DDP fp16':>11}")
+    print(header)
+    print("-" * len(header))
+    for row in rows[1:]:
+        ops_a, ops_b = res_a[row][0] - base_a[0], res_b[row][0] - base_b[0]
+        ms_a = 1e3 * (res_a[row][1] - base_a[1])
+        ms_b = 1e3 * (res_b[row][1] - base_b[1])
+        ratio = f"{ops_a / ops_b:.1f}x" if ops_b > 0 else "-"
+        vs = f"{ms_a / (1e3 * ref_a):.2f}x" if ref_a > 0 else "-"
+        print(f"{row[0]:<12} {row[1]:<14} {ops_a:>8d} {ops_b:>7d} {ratio:>7} {ms_a:>10.1f} "
+              f"{ms_a / mparams:>9.2f} {ms_b:>10.1f} {vs:>11}")
+    dist.destroy_process_group()
+    return 0
