@@ -125,7 +125,7 @@ def _load_before_register(spec, path, other, rank):
     stats_rank = CompressionStats(comp, _probe_cls()().parameters()).rank
     comp.load_state_dict(torch.load(path, weights_only=False))
     ddp = DDP(_probe_cls()())
-    register_comm_hook(ddp, comp)
+    register_comm_hook(ddp, comp, per_tensor=True)  # the saved run's layout (make() above)
     resumed = [_step(ddp, grads_of(rank, t)) for t in range(STEPS, STEPS + RESUME)]
     return {"load_first": resumed, "load_first_world": comp._job_world(), "stats_rank": stats_rank,
             "stats_rank_bound": CompressionStats(comp, ddp.parameters()).rank,
