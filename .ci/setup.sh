@@ -12,6 +12,7 @@
 #    PyTorch, TensorFlow and Python versions (plus -nccl<version>-cuda<version> for a GPU
 #    build), so a fresh clone installs it in seconds.
 # 5. This package, editable, with its dev extras.
+# 6. Lightning and Accelerate for the trainer recipes' tests (pinned, --no-deps).
 # A second run only checks each step and skips it when done.
 #
 # GPU: HVD_GRADCOMP_GPU=auto (default) builds for the GPU when `nvidia-smi -L` lists one and the
@@ -208,5 +209,12 @@ log "horovod ok ($key)"
 if ! "$py" -c "import hvd_gradcomp, torch_backend, tf_backend, pytest, sklearn, matplotlib, tqdm" >/dev/null 2>&1; then
   log "installing hvd-gradcomp (editable) with dev extras"
   pip_install --no-build-isolation -e ".[dev]"
+fi
+# Step 6: the trainers of the recipes' tests (Lightning, Accelerate), --no-deps from their pins
+# (.ci/pins.txt says why).
+if ! "$py" -c "import lightning, accelerate" >/dev/null 2>&1; then
+  log "installing Lightning and Accelerate (the trainer recipes' tests)"
+  "$py" -m pip install --disable-pip-version-check -q --no-deps \
+    $(sed -n '/^# trainers:start/,/^# trainers:end/{/^[^#]/p}' "$pins")
 fi
 log "ready: $py"

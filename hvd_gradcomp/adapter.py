@@ -467,6 +467,14 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
             self._write_state(info.key, new_state)
         return out
 
+    def linear_decode(self, ctx):
+        """The factor ``f`` when decoding ``ctx``'s payload is its float32 cast times ``f`` and
+        moves no state (the casts, without a loss scale), so an engine may fuse the cast, the
+        scaling and the write into its own buffer; else None."""
+        if ctx is None or ctx.scale is not None or self._has_state(ctx.info.key):
+            return None
+        return composite.decode_factor(ctx.scheme, scheme_info(ctx.info, ctx.scale))
+
     def decode_joined(self, payload, ctx):
         """The state step of a rank that contributed zeros (DDP's ``Join``): the fields every
         rank agrees on move on from the all-reduced ``payload``, this rank's own fields

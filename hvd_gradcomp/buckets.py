@@ -452,7 +452,8 @@ class Buckets:
         grp = self._groups.get(gkey)
         if grp is not None and self._has_state(gkey):
             if tuple(saved["members"]) == grp.keys:
-                state = self._read_state(gkey)
-                self._write_state(gkey, self._with_agreed(self._group_scheme(gkey), state, saved["fields"], state[0]))
+                state, scheme = self._read_state(gkey), self._group_scheme(gkey)
+                composite.forget(scheme, gkey)  # what the scheme mirrors on the host (warm-up counts)
+                self._write_state(gkey, self._with_agreed(scheme, state, saved["fields"], state[0]))
             return
         self._pending_groups[gkey] = {"members": list(saved["members"]), "fields": dict(saved["fields"])}

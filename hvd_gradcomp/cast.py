@@ -125,6 +125,9 @@ class NoneScheme(Scheme):
     def decompress(self, ops, payload, ctx, info):
         return payload if not self.float32 else ops.cast(payload, "float32")
 
+    def decode_factor(self, info: TensorInfo) -> float:
+        return 1.0
+
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(info.numel * (4 if self.float32 else itemsize(info.dtype)))
 
@@ -183,16 +186,23 @@ class Fp16Scheme(Scheme):
 
     def compress(self, ops, x, state, info, finite):
         # Step 1-2: 1/n keeps the n-rank fp16 sum from overflowing (DDP's fp16 hook does the
-        # same); 1.0 where NCCL's Average divides by n itself (TensorInfo.prescale); from
-        # SCALED_FROM ranks on, the agreed power of two (step 5).
+        # same); 1.0 where NCCL's Average divides by n itself (TensorInfo.prescale), in one pass
+        # (scaled_cast); from SCALED_FROM ranks on, the agreed power of two (step 5).
         s = self._scale(ops, state, info, x)
+        if isinstance(s, float):
+            return ops.scaled_cast(x, s, "float16"), s
         return ops.cast(x * s, "float16"), s
 
     def decompress(self, ops, payload, ctx, info):
         # Step 4: undo the pre-scale; linear, so right under Sum and Average alike.
-        if ctx is None:  # called without compress's ctx (PowerSGD's fp16 rounds): the 1/n pre-scale
-            return ops.cast(payload, "float32") * info.unscale
-        return ops.cast(payload, "float32") * (1.0 / ctx)  # ctx: the pre-scale s (float or 0-d)
+        out = ops.cast(payload, "float32")
+        if ctx is None or isinstance(ctx, float):  # the 1/n (or 1.0) pre-scale; ctx None: called
+            return out if info.unscale == 1.0 else out * info.unscale  # without compress's ctx
+        return out * (1.0 / ctx)  # ctx: the agreed scale s (0-d)
+
+    def decode_factor(self, info: TensorInfo) -> float:
+        # Asked only where the tensor keeps no state (adapter.linear_decode): the 1/n pre-scale.
+        return info.unscale
 
     def finish(self, ops, payload, ctx, state, info):
         """Step 5: next step's agreed scale, from the all-reduced payload."""
@@ -232,6 +242,9 @@ class Bf16Scheme(Scheme):
 
     def decompress(self, ops, payload, ctx, info):
         return payload
+
+    def decode_factor(self, info: TensorInfo) -> float:
+        return 1.0
 
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(4 * info.numel)

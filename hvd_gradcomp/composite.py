@@ -19,6 +19,8 @@ A scheme overrides a hook only where the default is wrong for it:
 - :func:`init_like`, :func:`forget`, :func:`check_loaded`: state whose fields change between
   steps (``auto``), counters mirrored on the host, an old state format to refuse (PowerSGD).
 - :func:`metrics`: diagnostics to report.
+- :func:`decode_factor`: decoding is the payload's cast times a constant (the casts), so an
+  engine may fuse the cast, the scaling and the write into its buffer.
 
 This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it).
 """
@@ -26,7 +28,7 @@ This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it
 import inspect
 
 __all__ = ["residual_of", "residual_field", "add_residual", "payload_dtype", "hand_over", "init_like",
-           "forget", "check_loaded", "metrics", "blocks", "HOOKS", "check_hooks"]
+           "forget", "check_loaded", "metrics", "decode_factor", "blocks", "HOOKS", "check_hooks"]
 
 # Each hook's method, as a scheme defines it: name -> its arguments after ``self``.
 HOOKS = {
@@ -38,6 +40,7 @@ HOOKS = {
     "forget": ("key",),
     "check_loaded": ("key", "loaded"),
     "metrics": ("state",),
+    "decode_factor": ("info",),
 }
 
 
@@ -174,6 +177,15 @@ def metrics(scheme, state) -> dict:
     TopKC's ``realigned`` count. Called by the adapters' ``metrics()``. Default: ``{}``."""
     hook = _hook(scheme, "metrics")
     return hook(state) if hook is not None else {}
+
+
+def decode_factor(scheme, info):
+    """The factor ``f`` when ``scheme.decompress`` is ``cast(payload, float32) * f`` and keeps no
+    state (the casts: fp16's ``info.unscale``, 1 for bf16 and ``none:dtype=float32``), else None.
+    Called by the DDP hook, which then writes ``payload * f / n`` into the bucket in one pass.
+    Default: None."""
+    hook = _hook(scheme, "decode_factor")
+    return hook(info) if hook is not None else None
 
 
 def blocks(scheme, info) -> bool:

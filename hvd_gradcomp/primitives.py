@@ -54,6 +54,10 @@ class Primitives:
     arange: Callable[[int, str, Any], Any]  # arange(n, dtype, like) -> [0, 1, ..., n-1]
     constant: Callable[[list, str, Any], Any]  # constant(nested Python list, dtype, like)
     cast: Callable[[Any, str], Any]  # cast(x, dtype): round-to-nearest for floats
+    # scaled_cast(x float32, factor Python float, dtype) -> cast(x * factor, dtype): the product
+    # rounded to float32, then to dtype (the bits of the two operations), in one pass where
+    # the backend can; factor 1.0 is just the cast
+    scaled_cast: Callable[[Any, float, str], Any]
     # --- elementwise math ---
     abs: Callable[[Any], Any]
     sqrt: Callable[[Any], Any]

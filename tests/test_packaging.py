@@ -10,6 +10,10 @@ runs from it.
    hvd_gradcomp.bench.workers.digits_torch --help``.
 3. The core (``hvd_gradcomp/*.py`` outside ``bench/``) never imports the harness, nor a
    framework or NumPy, and every public module lists ``__all__``.
+4. The DDP/FSDP path without Horovod (the ``ddp`` extra: PyTorch only): the wheel's metadata
+   says so, the PyTorch modules import without importing Horovod, and
+   ``examples/ddp_digits.py`` trains under ``torchrun`` with ``import horovod`` made to fail
+   in every process (a ``sitecustomize`` that blocks it).
 """
 import ast
 import os
@@ -32,7 +36,7 @@ def wheel(tmp_path_factory):
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("hvd_gradcomp", "torch_backend", "tf_backend", "examples", "tests"):
         shutil.copytree(os.path.join(ROOT, name), src / name, ignore=ignore)
-    for name in ("setup.py", "README.md"):
+    for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), src / name)
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                           "--disable-pip-version-check", "-q", "-w", str(out), str(src)],
@@ -133,3 +137,39 @@ def test_no_racy_temporary_names():
                          if isinstance(node, ast.Attribute) and node.attr == "mktemp"
                          or isinstance(node, ast.alias) and node.name == "mktemp"]
                 assert not calls, (os.path.relpath(path, ROOT), calls)
+
+
+def test_wheel_extras(wheel):
+    """pyproject.toml's metadata reaches the wheel; the ddp extra needs PyTorch, not Horovod."""
+    (meta,) = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA")]
+    lines = zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+    assert "Name: hvd-gradcomp" in lines and "Requires-Python: >=3.9" in lines
+    extras = {line.split(": ", 1)[1] for line in lines if line.startswith("Provides-Extra: ")}
+    assert {"ddp", "torch", "tf", "tf-cpu", "bench", "dev", "trainers"} <= extras, extras
+    ddp = [line for line in lines if line.startswith("Requires-Dist: ") and "extra == 'ddp'" in line]
+    assert ddp and all("torch" in line for line in ddp) and not any("horovod" in line for line in ddp), ddp
+
+
+_BLOCK_HOROVOD = """import sys
+sys.modules["horovod"] = None  # every "import horovod..." raises ImportError
+"""
+
+
+def test_ddp_path_without_horovod(tmp_path):
+    code = ("import sys, torch_backend, torch_backend.ddp, torch_backend.engine, torch_backend.fsdp,"
+            " torch_backend.lightning, torch_backend.stats;"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'horovod'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+    from tests.ddprun import _free_port, launch_command
+    from tests.test_examples import ACCURACY
+    (tmp_path / "sitecustomize.py").write_text(_BLOCK_HOROVOD)
+    check = subprocess.run([sys.executable, "-c", "import horovod"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert check.returncode != 0 and "ModuleNotFoundError: import of horovod halted" in check.stderr, check.stderr
+    code, out = launch_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--master_port", str(_free_port()), "examples/ddp_digits.py",
+                                "--compression", "thc", "--epochs", "2"],
+                               env={"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}, timeout=300)
+    assert code == 0, out[-3000:]
+    assert float(ACCURACY.findall(out)[-1]) >= 80.0, out[-3000:]

@@ -119,6 +119,7 @@ OPS = Primitives(
     arange=lambda n, dtype, like: tf.range(n, dtype=_DTYPES[dtype]),
     constant=lambda value, dtype, like: tf.constant(value, dtype=_DTYPES[dtype]),
     cast=lambda x, dtype: tf.cast(x, _DTYPES[dtype]),
+    scaled_cast=lambda x, factor, dtype: tf.cast(x if factor == 1.0 else x * factor, _DTYPES[dtype]),
     abs=tf.abs,
     sqrt=tf.sqrt,
     floor=tf.floor,

@@ -29,7 +29,7 @@ from hvd_gradcomp.namespace import Namespace
 
 from .ops import OPS
 
-__all__ = ["Compressor", "Compression"]
+__all__ = ["Compressor", "Compression", "check_compressor"]
 
 _NO_KEY = ("{scheme}: cannot tell which parameter this gradient belongs to; use the compressor "
            "through hvd.DistributedOptimizer, pass name= to hvd.allreduce, or call "
@@ -191,3 +191,31 @@ class Compressor(HorovodCompressor):
 
 
 Compression = Namespace(Compressor)
+
+
+def check_compressor(compressor, caller: str, engine: str, unbound: bool = True) -> Compressor:
+    """``compressor`` if an engine other than Horovod (``caller``: the function's name for
+    messages; ``engine``: where it runs, e.g. ``"DDP"``) can use it, else an error saying what
+    to pass instead.
+
+    Raises:
+        TypeError: not a PyTorch compressor (a factory such as ``Compression.fp16`` without the
+            call is named so).
+        ValueError: ``unbound`` and the compressor is bound to an engine already (its state is
+            kept per tensor key: each model needs its own); a route to a blocking two-round
+            variant (its side all-reduce is Horovod's).
+    """
+    if not isinstance(compressor, Compressor):
+        what = repr(compressor)
+        hint = f"; pass {what}() (with options, if any)" if what.startswith("Compression.") else ""
+        raise TypeError(f"{caller}: expected a compressor from torch_backend.Compression, got {what}{hint}")
+    if unbound and compressor.engine is not None:
+        raise ValueError(f"{caller}: compressor {compressor.spec!r} is already bound to "
+                         f"{compressor.engine!r}; each model needs its own (its state is kept per "
+                         f"tensor key)")
+    blocking = sorted({s.spec() for s in compressor.routing.schemes() if s.blocking})
+    if blocking:
+        raise ValueError(f"{caller}: {compressor.spec!r} routes tensors to {blocking}, blocking "
+                         f"two-round variants whose side all-reduce is Horovod's; use the scheme's "
+                         f"default single-collective variant on {engine}")
+    return compressor

@@ -78,7 +78,7 @@ import torch.distributed as dist
 
 from hvd_gradcomp.buckets import BucketPlan, Member
 
-from .compression import Compressor
+from .compression import check_compressor
 from .engine import ProcessGroupEngine
 
 __all__ = ["register_comm_hook", "make_comm_hook", "comm_state", "hook", "HookState", "DDPEngine"]
@@ -152,19 +152,7 @@ def comm_state(module, compressor, process_group=None, per_tensor=False) -> Hook
 
 
 def _check_compressor(compressor):
-    if not isinstance(compressor, Compressor):
-        what = repr(compressor)
-        hint = f"; pass {what}() (with options, if any)" if what.startswith("Compression.") else ""
-        raise TypeError(f"register_comm_hook: expected a compressor from torch_backend.Compression, "
-                        f"got {what}{hint}")
-    if compressor.engine is not None:
-        raise ValueError(f"register_comm_hook: compressor {compressor.spec!r} is already bound to a "
-                         f"DDP model; each model needs its own (its state is kept per parameter name)")
-    blocking = sorted({s.spec() for s in compressor.routing.schemes() if s.blocking})
-    if blocking:
-        raise ValueError(f"register_comm_hook: {compressor.spec!r} routes tensors to {blocking}, "
-                         f"blocking two-round variants whose side all-reduce is Horovod's; use "
-                         f"the scheme's default single-collective variant on DDP")
+    check_compressor(compressor, "register_comm_hook", "DDP")
 
 
 def _joined() -> bool:
@@ -322,6 +310,11 @@ def hook(state: HookState, bucket):
                 dropped = (counts[:, 0] == 0) & (counts[:, 1] == 0)
             outs = []
             for unit, members, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
+                factor = comp.linear_decode(ctx) if unit.contiguous else None
+                if factor is not None:  # a cast: its mean written into the bucket in one pass
+                    torch.mul(payload.reshape(-1), factor / n, out=buffer[unit.start:unit.stop])
+                    outs.append(None)
+                    continue
                 out = payload if ctx is None else comp.decode(payload, ctx, divide=n)
                 if dropped is not None:
                     comp.add_error_feedback(ctx, _dropped_part(out, dropped, members, plan))
@@ -329,6 +322,8 @@ def hook(state: HookState, bucket):
             # Written into the bucket's buffer (one copy per unit) and the buffer returned: DDP
             # then sees its own views and copies nothing more per parameter.
             for unit, out in zip(plan.units, outs):
+                if out is None:
+                    continue
                 if unit.contiguous:
                     buffer[unit.start:unit.stop].copy_(out.reshape(-1))
                 else:

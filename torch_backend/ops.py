@@ -150,6 +150,16 @@ def _cast(x, dtype):
     return x if x.dtype == dt else x.to(dt)
 
 
+def _scaled_cast(x, factor, dtype):
+    dt = _DTYPES[dtype]
+    if factor == 1.0:
+        return _cast(x, dtype)
+    if x.dtype == dt or torch.compiler.is_compiling():
+        return (x * factor).to(dt)
+    out = torch.empty(x.shape, dtype=dt, device=x.device)
+    return torch.mul(x, factor, out=out)  # computed in float32, rounded once to dt on store
+
+
 def _reshape(x, shape):
     # (Inside torch.compile the comparison would add shape guards: reshape as it is.)
     if not torch.compiler.is_compiling() and tuple(x.shape) == tuple(shape):
@@ -294,6 +304,7 @@ OPS = Primitives(
     constant=lambda value, dtype, like: torch.tensor(
         value, dtype=_DTYPES[dtype], device=None if like is None else like.device),
     cast=_cast,
+    scaled_cast=_scaled_cast,
     abs=torch.abs,
     sqrt=torch.sqrt,
     floor=torch.floor,

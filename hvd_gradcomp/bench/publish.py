@@ -78,7 +78,7 @@ def render_block(sweep, rows, results, out_dir, doc_path):
               f"{link_check['seconds']:.3f} s against {link_check['model_seconds']:.3f} s for the ring "
               f"model (ratio {link_check['ratio']:.2f}).")
     elapsed = sweep["elapsed_s"]
-    return (report.markdown_table(rows, network) + "\n\n"
+    return (report.markdown_table(rows, network, results) + "\n\n"
             + "\n".join(f"![{os.path.basename(p)}]({p})" for p in rel)
             + f"\n\nRun of {sweep['date']} at commit `{sweep['git_commit']}`: {len(rows)} runs in "
               f"{elapsed / 60:.1f} min, {network['world_size']} workers, {sweep['cpu_count']} cores; "

@@ -38,12 +38,12 @@ import statistics
 
 from .worker import rolling_mean
 
-__all__ = ["time_to_target", "first_reached", "apply_targets", "adam_ratios", "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
+__all__ = ["stop_note", "time_to_target", "first_reached", "apply_targets", "adam_ratios", "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
            "SUMMARY_COLUMNS", "STEP_COLUMNS", "EVAL_COLUMNS", "write_summary_csv", "write_csvs", "write_json", "format_table", "markdown_table", "plot",
            "plot_rows", "plot_path", "update_doc"]
 
 RUN_COLUMNS = [
-    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "optimizer", "status", "stop_reason",
+    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "optimizer", "accumulate", "update_sync", "status", "stop_reason",
     "network_mode", "bandwidth_mbit", "latency_ms", "world_size", "seed", "params", "target", "target_vs_fp16",
     "higher_is_better", "steps", "epochs", "clock_s", "wall_s", "tta_s", "tta_steady_s", "startup_s", "first_step_s", "tta_vs_fp16", "tta_vs_best_ddp",
     "steps_to_target", "steps_vs_fp16", "step_time_vs_fp16",
@@ -118,6 +118,7 @@ def summarize(run_id, result, network, git_commit=None):
     row.update(run_id=run_id, repeat=int(meta.get("repeat", 1)), workload=meta.get("workload"), framework=meta.get("framework"),
                system=meta.get("system"), reference=bool(meta.get("reference", False)),
                label=meta.get("label"), spec=meta.get("compression"), optimizer=meta.get("optimizer") or None,
+               accumulate=int(meta.get("accumulate") or 1), update_sync=meta.get("update_sync") or None,
                status=result.get("status", "ok"), stop_reason=meta.get("stop_reason"),
                network_mode=network.get("mode"), bandwidth_mbit=network.get("bandwidth_mbit"),
                latency_ms=network.get("latency_ms"), world_size=meta.get("world_size"),
@@ -254,9 +255,12 @@ def _choice_notes(rows):
 
 
 def _is_fp16(row):
-    """FP16 with the workload's own optimizer (a row naming another one is not the baseline)."""
+    """FP16 with the workload's own optimizer, one micro-batch a step and the gradient
+    all-reduce (a row naming another optimizer, ``accumulate`` or ``update_sync`` is not the
+    baseline)."""
     spec = row.get("spec") or ""
-    return (spec in ("fp16", "ddp:fp16") or spec.startswith("fp16:")) and not row.get("optimizer")
+    return ((spec in ("fp16", "ddp:fp16") or spec.startswith("fp16:")) and not row.get("optimizer")
+            and (row.get("accumulate") or 1) == 1 and not row.get("update_sync"))
 
 
 def is_reference(row):
@@ -306,10 +310,10 @@ def _median_or_none(values):
 
 def _row_key(r):
     """What makes runs repeats of one table row: (workload, framework, system, spec,
-    optimizer, reference), so the FP32 row and the no-communication reference (also spec
+    optimizer, accumulate, update_sync, reference), so the FP32 row and the no-communication reference (also spec
     ``none``) stay apart, and so do rows of one spec under different optimizers."""
     return (r.get("workload"), r.get("framework"), r.get("system"), r.get("spec"), r.get("optimizer"),
-            is_reference(r))
+            r.get("accumulate") or 1, r.get("update_sync"), is_reference(r))
 
 
 def aggregate(rows):
@@ -526,8 +530,37 @@ def _cells(row, columns=_TABLE):
     return out
 
 
-def table_header(network, rows):
-    """The lines above the table: network, definitions."""
+def stop_note(rows, results):
+    """A sentence per workload whose rows after FP16 were stopped by the harness at FP16's
+    target or a cap (``tta.stop_flags``), read from the runs' saved records: the time cap
+    (``meta["stop_cap"]``: cap x FP16's TTA) or, for sweeps saved before it, the step cap
+    (``--max-steps N`` in the worker's ``argv``); "" when there is none."""
+    out = []
+    for w in dict.fromkeys(workload_name(r) for r in rows):
+        fp16 = next((r for r in rows if workload_name(r) == w and _is_fp16(r) and not is_reference(r)
+                     and r.get("system") != "ddp"), None)
+        for r in rows:
+            if workload_name(r) != w or r is fp16 or r.get("status") != "ok":
+                continue
+            meta = (results.get(r.get("run_id")) or {}).get("meta") or {}
+            cap = meta.get("stop_cap")
+            if cap:
+                out.append(f"{w}: every row after FP16 stopped at the target or when its training "
+                           f"clock passed {cap['cap']:g} x FP16's TTA ({cap['fp16_tta_s']:.1f} s), "
+                           f"i.e. {cap['max_seconds']:.1f} s (checked at each evaluation).")
+                break
+            argv = [str(a) for a in meta.get("argv") or []]
+            if "--max-steps" in argv and meta.get("target") is not None and meta.get("target_vs_fp16"):
+                n = argv[len(argv) - 1 - argv[::-1].index("--max-steps") + 1]
+                base = f" ({int(n) / fp16['steps']:.2f} x FP16's {fp16['steps']} steps)" if fp16 and fp16.get("steps") else ""
+                out.append(f"{w}: every row after FP16 stopped at the target or after {n} steps{base}.")
+                break
+    return " ".join(out)
+
+
+def table_header(network, rows, results=None):
+    """The lines above the table: network, definitions (and, given the runs' ``results``,
+    what stopped the rows after FP16: :func:`stop_note`)."""
     mode = network.get("mode")
     if mode == "loopback":
         net = f"Network: {network.get('note')}"
@@ -550,6 +583,17 @@ def table_header(network, rows):
                   "FP16 step/ours = FP16's median step time over ours (> 1: faster steps, the "
                   "speed), so FP16 TTA/ours is about FP16 step/ours divided by the steps ratio. "
                   "codec = compress+decompress share of the clock (the overhead)."]
+    note = stop_note(rows, results) if results else ""
+    if note:
+        lines[1] += " " + note
+    if any((r.get("accumulate") or 1) > 1 for r in rows):
+        lines[1] += (" accumulate(K) rows: K micro-batches (of the usual size) per optimizer step "
+                     "and all-reduce; their steps are micro-batches, so steps compare with FP16's "
+                     "at equal data, and step ms is a micro-batch's median.")
+    if any(r.get("update_sync") for r in rows):
+        lines[1] += (" update-sync rows: each rank steps its own optimizer on its own gradient and "
+                     "the ranks all-reduce the compressed parameter change every H steps "
+                     "(torch_backend.UpdateSync; H > 1: local steps with an outer Nesterov step).")
     if any(r.get("startup_s") is not None for r in rows):
         lines[1] += (" steady TTA = clock from the end of the first step to target; start = wall "
                      "seconds from the worker's process start to the end of its first step "
@@ -568,26 +612,28 @@ def table_header(network, rows):
     return lines
 
 
-def format_table(rows, network):
+def format_table(rows, network, results=None):
     """The summary as fixed-width text (printed at the end of a sweep): one line per run, or
-    per row over its repeats (:func:`aggregate`) when the sweep repeated its runs."""
+    per row over its repeats (:func:`aggregate`) when the sweep repeated its runs; ``results``
+    (run id -> record) adds :func:`stop_note` to the header."""
     columns = _columns(rows)
     header = [h for h, _, _ in columns]
     body = [_cells(r, columns) for r in (aggregate(rows) if repeated(rows) else rows)]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.rjust(w) if i > 1 else c.ljust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))
-    out = table_header(network, rows) + ["", line(header), line(["-" * w for w in widths])]
+    out = table_header(network, rows, results) + ["", line(header), line(["-" * w for w in widths])]
     out += [line(b) for b in body]
     notes = _choice_notes(aggregate(rows) if repeated(rows) else rows)
     return "\n".join(out + ([""] + notes if notes else []))
 
 
-def markdown_table(rows, network):
-    """The summary as a Markdown table with the same columns and rows (for docs)."""
+def markdown_table(rows, network, results=None):
+    """The summary as a Markdown table with the same columns and rows (for docs); ``results``
+    as in :func:`format_table`."""
     columns = _columns(rows)
     header = [h for h, _, _ in columns]
-    out = ["\n\n".join(table_header(network, rows)), "",
+    out = ["\n\n".join(table_header(network, rows, results)), "",
            "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(_cells(r, columns)) + " |" for r in (aggregate(rows) if repeated(rows) else rows)]
     notes = _choice_notes(aggregate(rows) if repeated(rows) else rows)
@@ -625,11 +671,12 @@ def plot_path(out_dir, workload):
 def converged_levels(rows):
     """``{"FP16": level, "FP32": level}``: the median final rolling metric of the Horovod rows
     ``fp16`` and ``none`` (FP32) among ``rows``, for those present (None where no repeat has a
-    final metric). DDP rows and the no-communication reference (also spec ``none``) are not
-    levels."""
+    final metric). DDP rows, the no-communication reference (also spec ``none``) and rows
+    with another optimizer, gradient accumulation or update sync are not levels."""
     finals = {}
     for r in rows:
-        if r.get("system") != "ddp" and not is_reference(r) and r.get("spec") in ("fp16", "none"):
+        plain = not r.get("optimizer") and (r.get("accumulate") or 1) == 1 and not r.get("update_sync")
+        if r.get("system") != "ddp" and not is_reference(r) and plain and r.get("spec") in ("fp16", "none"):
             name = "FP16" if r["spec"] == "fp16" else "FP32"
             finals.setdefault(name, [])
             if r.get("final_metric") is not None:

@@ -64,7 +64,8 @@ from .worker import PROGRESS_PREFIX
 
 __all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "SweepOutcome",
            "default_specs", "parse_compressors", "plan_runs", "interleave", "RunSpec", "WORKLOADS",
-           "NOCOMM_SPEC", "NOCOMM_LABEL", "network_for"]
+           "NOCOMM_SPEC", "NOCOMM_LABEL", "network_for", "Row", "parse_row", "parse_update_sync",
+           "note_fp16", "stop_flags", "ADAM_ROWS", "FP16_TTA_CAP"]
 
 # workload key -> (framework, worker module, workload name inside the worker, DDP-capable)
 WORKLOADS = {
@@ -89,13 +90,21 @@ DEFAULT_CANDIDATES = (
     "powersgd:rank=4,variant=two_round",  # Vogels et al.'s two rounds (blocking P all-reduce)
 )
 DEFAULT_DDP_HOOKS = "fp16;powersgd:rank=4"
-# lm-comm's default rows (issue 25): the fixed compressors and auto as they are, then the
-# Adam-configured ones: EF21 error feedback with an FP16 warm-up of each tensor's first 100
-# steps, and a frozen-variance AdamW (second moment frozen after 100 steps; weight decay 0,
-# as Adam's) under classic error feedback. A row is "SPEC" or "SPEC with OPTIMIZER(k=v,...)"
-# (:func:`parse_row`). Rows whose spec this checkout cannot build run as failed rows that
-# say why (:class:`RunSpec` ``unavailable``); an optimizer class it lacks fails its own run.
+# lm-comm's default rows (issue 34), all under the users' recipe (AdamW, warm-up and cosine
+# decay: workers.torch_workloads.LMCommWorkload): FP16 (the baseline, it sets the target), what
+# users do instead of compressing (gradient accumulation over 4 micro-batches; local steps:
+# DiLoCo-style update sync every 8 steps, the averaged change in FP16), the gradient compressors,
+# and compressed update sync every step (each rank steps AdamW on its own gradient; the
+# compressed parameter change is averaged: torch_backend.update_sync). A row is "SPEC" or "SPEC
+# with CLAUSE[ with CLAUSE]" (:func:`parse_row`). Rows whose spec this checkout cannot build run
+# as failed rows that say why (:class:`RunSpec` ``unavailable``).
 ADAM_ROWS = (
+    "fp16", "fp16 with accumulate(4)", "fp16 with update-sync(every=8)",
+    "thc", "topkc:ratio=0.1", "powersgd:rank=4",
+    "topkc:ratio=0.1 with update-sync(every=1)", "powersgd:rank=4 with update-sync(every=1)",
+)
+# The rows of issue 25's sweep (Adam 2e-3 constant: ``--recipe adam-constant``), kept for comparison.
+ADAM_ROWS_ISSUE25 = (
     "fp16", "thc", "topkc:ratio=0.1", "powersgd:rank=4", "auto",
     "topkc:ratio=0.1,error_feedback=ef21,fp16_warmup=100",
     "powersgd:rank=4,error_feedback=ef21,fp16_warmup=100",
@@ -112,10 +121,13 @@ WORKLOAD_SWEEP_DEFAULTS = {
 # Workloads whose target is relative to FP16 (the worker's ``target_vs_fp16``): once the
 # FP16 row (Horovod, the workload's own optimizer) has run its step budget, every later row of
 # the workload stops when it reaches that target (factor x FP16's final rolling metric), or
-# after this many times FP16's steps, so that a row needing more steps than FP16 is still
-# measured while rows that reach the target sooner do not run on. The report measures every
-# row against the same target again (report.apply_targets), from the saved evaluations.
-FP16_STEPS_CAP = {"lm-comm": 1.5}
+# when its training clock passes this many times FP16's TTA (``--tta-cap``), so that a row
+# needing more steps than FP16 is still measured as long as it can still win or tie on time,
+# while rows that reach the target sooner do not run on. The report measures every row against
+# the same target again (report.apply_targets), from the saved evaluations.
+FP16_TTA_CAP = {"lm-comm": 1.5}
+# Workloads whose worker takes ``--recipe`` (the sweep's ``--recipe`` is passed on).
+RECIPE_WORKLOADS = ("lm-comm",)
 SWEEP_DEFAULTS = {"bandwidth": 500.0, "max_seconds": 120.0, "compressors": None,
                   "ddp_hooks": DEFAULT_DDP_HOOKS, "no_comm_reference": "on"}
 # The no-communication reference: FP32 (Horovod's own path) on an unthrottled loopback link.
@@ -134,26 +146,37 @@ class RunSpec:
     :data:`NOCOMM_LABEL`, row id ``<workload>-horovod-none-nocomm``.
 
     ``optimizer``: the row's optimizer text (``adamw(lr=1e-3)``, passed to the worker as
-    ``--optimizer``; None: the workload's own); it joins the label (``SPEC with OPT``) and the
-    row id. ``unavailable``: why this checkout cannot run the row (it is then reported as
-    failed, ``not run: <why>``, without a launch).
+    ``--optimizer``; None: the workload's own). ``accumulate``: micro-batches per optimizer
+    step and all-reduce (``--accumulate``; 1: none). ``update_sync``: the options of compressed
+    update sync (``every=8``, passed as ``--update-sync``; None: the gradient all-reduce). They
+    join the label (``SPEC with accumulate(4)``, ``SPEC with update-sync(every=8)``, ``SPEC with
+    OPT``, in this order: :meth:`Row.text`) and the row id. ``unavailable``: why this checkout
+    cannot run the row (it is then reported as failed, ``not run: <why>``, without a launch).
     """
 
     def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1, reference=False,
-                 optimizer=None, unavailable=None):
+                 optimizer=None, unavailable=None, accumulate=1, update_sync=None):
         self.workload, self.system, self.spec = workload, system, spec
         self.reference = bool(reference)
         self.optimizer = optimizer or None
+        self.accumulate = int(accumulate or 1)
+        self.update_sync = update_sync
         self.unavailable = unavailable
         self.framework = WORKLOADS[workload][0]
+        tail = Row(spec, self.optimizer, self.accumulate, update_sync).text()[len(spec):]
         self.label = label or (NOCOMM_LABEL if self.reference else
                                {"none": "fp32 (none)"}.get(spec, spec) if system == "horovod" else f"DDP {spec}")
-        if self.optimizer and not label:
-            self.label += f" with {self.optimizer}"
-        slug = re.sub(r"[^A-Za-z0-9]+", "-", spec + (f" with {self.optimizer}" if self.optimizer else "")).strip("-")
+        if tail and not label:
+            self.label += tail
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", spec + tail).strip("-")
         self.row_id = f"{workload}-{system}-{slug}" + ("-nocomm" if self.reference else "")
         self.repeat, self.repeats = repeat, repeats
         self.run_id = self.row_id if repeats == 1 else f"{self.row_id}-r{repeat}"
+
+    def again(self, repeat, repeats):
+        """This run as round ``repeat`` of ``repeats`` (:func:`interleave`)."""
+        return RunSpec(self.workload, self.system, self.spec, self.label, repeat, repeats, self.reference,
+                       self.optimizer, self.unavailable, self.accumulate, self.update_sync)
 
     def __repr__(self):
         return f"RunSpec({self.run_id})"
@@ -180,22 +203,113 @@ def default_specs():
     return ok, skipped
 
 
-def parse_row(text):
-    """``"topkc:ratio=0.1 with frozen-adamw(freeze_step=100)"`` -> ``("topkc:ratio=0.1",
-    "frozen-adamw(freeze_step=100)")``; a row without `` with `` -> ``(spec, None)``. ``fp32``
-    means ``none``. Only the optimizer's syntax and name are checked here
-    (:func:`hvd_gradcomp.bench.worker.parse_optimizer`), not the spec.
+class Row(NamedTuple):
+    """A parsed row of ``--compressors`` (:func:`parse_row`)."""
+
+    spec: str
+    optimizer: Optional[str] = None  # NAME(k=v,...) text; None: the workload's own
+    accumulate: int = 1  # micro-batches per optimizer step and all-reduce
+    update_sync: Optional[str] = None  # update-sync options ("every=8"); None: off
+
+    def text(self):
+        """The canonical row: ``SPEC[ with accumulate(K)][ with update-sync(...)][ with OPT]``."""
+        parts = [self.spec]
+        if self.accumulate > 1:
+            parts.append(f"accumulate({self.accumulate})")
+        if self.update_sync is not None:
+            parts.append(f"update-sync({self.update_sync})")
+        if self.optimizer:
+            parts.append(self.optimizer)
+        return " with ".join(parts)
+
+
+_ACCUMULATE = re.compile(r"^accumulate\s*\((.*)\)$")
+_UPDATE_SYNC = re.compile(r"^update-sync\s*(?:\((.*)\))?$")
+# Row options of update sync -> type (torch_backend.update_sync.UpdateSync's arguments).
+UPDATE_SYNC_OPTIONS = {"every": int, "outer_lr": float, "outer_momentum": float, "nesterov": bool}
+
+
+def parse_update_sync(body):
+    """``"every=8,outer_lr=0.7"`` -> ``{"every": 8, "outer_lr": 0.7}``: the options of
+    ``torch_backend.update_sync.UpdateSync`` a row may give (:data:`UPDATE_SYNC_OPTIONS`:
+    ``every`` int >= 1, ``outer_lr`` > 0, ``outer_momentum`` in [0, 1), ``nesterov``
+    true/false); ``""`` -> ``{}``.
 
     Raises:
-        ValueError: an empty spec or a bad optimizer text (the message says which).
+        ValueError: an unknown option, or a value of the wrong type or range (named).
+    """
+    out = {}
+    for item in (x.strip() for x in (body or "").split(",")):
+        if not item:
+            continue
+        key, eq, val = (x.strip() for x in item.partition("="))
+        kind = UPDATE_SYNC_OPTIONS.get(key)
+        if kind is None or not eq or not val:
+            raise ValueError(f"update-sync: expected key=value with key one of "
+                             f"{sorted(UPDATE_SYNC_OPTIONS)}, got {item!r}")
+        try:
+            if kind is bool:
+                if val.lower() not in ("true", "false"):
+                    raise ValueError(val)
+                out[key] = val.lower() == "true"
+            else:
+                out[key] = kind(val)
+        except ValueError:
+            raise ValueError(f"update-sync: option {key} must be {'true/false' if kind is bool else kind.__name__}, "
+                             f"got {val!r}") from None
+    if out.get("every", 1) < 1:
+        raise ValueError(f"update-sync: every must be >= 1, got {out['every']}")
+    if out.get("outer_lr", 1.0) <= 0:
+        raise ValueError(f"update-sync: outer_lr must be > 0, got {out['outer_lr']}")
+    if not 0 <= out.get("outer_momentum", 0.0) < 1:
+        raise ValueError(f"update-sync: outer_momentum must be in [0, 1), got {out['outer_momentum']}")
+    return out
+
+
+def parse_row(text):
+    """``"topkc:ratio=0.1 with frozen-adamw(freeze_step=100)"`` -> ``Row("topkc:ratio=0.1",
+    "frozen-adamw(freeze_step=100)")``.
+
+    A row is ``SPEC`` followed by ``with CLAUSE`` clauses, each kind at most once:
+    ``accumulate(K)`` (K >= 1 micro-batches of the usual size per optimizer step and
+    all-reduce), ``update-sync(every=H,...)`` (compressed update sync instead of the gradient
+    all-reduce, :func:`parse_update_sync`; ``update-sync`` alone: every=1), or an optimizer
+    ``NAME(k=v,...)`` (:func:`hvd_gradcomp.bench.worker.parse_optimizer`). ``fp32`` means
+    ``none``. Only the clauses' syntax is checked here, not the spec.
+
+    Raises:
+        ValueError: an empty spec, a bad or repeated clause, or accumulate with update-sync
+            (update sync already communicates once per ``every`` steps).
     """
     from .worker import parse_optimizer
-    spec, sep, opt = (x.strip() for x in text.partition(" with "))
+    parts = [x.strip() for x in text.split(" with ")]
+    spec = parts[0]
     if not spec:
         raise ValueError(f"expected a compressor spec before 'with', got {text!r}")
-    if sep:
-        parse_optimizer(opt)
-    return ("none" if spec == "fp32" else spec), (opt if sep and opt else None)
+    opt = accumulate = sync = None
+    for clause in parts[1:]:
+        m, u = _ACCUMULATE.match(clause), _UPDATE_SYNC.match(clause)
+        if m:
+            if accumulate is not None:
+                raise ValueError(f"row {text!r}: accumulate given twice")
+            k = m.group(1).strip()
+            if not k.isdigit() or int(k) < 1:
+                raise ValueError(f"row {text!r}: accumulate(K) takes an integer K >= 1, got {k!r}")
+            accumulate = int(k)
+        elif u:
+            if sync is not None:
+                raise ValueError(f"row {text!r}: update-sync given twice")
+            opts = dict({"every": 1}, **parse_update_sync(u.group(1)))
+            sync = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in opts.items())
+        elif clause:
+            if opt is not None:
+                raise ValueError(f"row {text!r}: a second optimizer clause {clause!r}")
+            parse_optimizer(clause)
+            opt = clause
+    if (accumulate or 1) > 1 and sync is not None:
+        raise ValueError(f"row {text!r}: accumulate and update-sync together are not supported "
+                         f"(update-sync(every=H) already communicates once per H steps)")
+    return Row("none" if spec == "fp32" else spec, opt, accumulate or 1, sync)
 
 
 def parse_compressors(text):
@@ -213,9 +327,9 @@ def parse_compressors(text):
         raise ValueError(f"expected at least one compressor spec, got {text!r}")
     out = []
     for row in rows:
-        spec, opt = parse_row(row)
-        _check_spec(spec)
-        out.append(spec + (f" with {opt}" if opt else ""))
+        parsed = parse_row(row)
+        _check_spec(parsed.spec)
+        out.append(parsed.text())
     return out
 
 
@@ -226,12 +340,12 @@ def check_rows(rows):
     out = []
     for row in rows:
         try:
-            spec, opt = parse_row(row)
-            _check_spec(spec)
+            parsed = parse_row(row)
+            _check_spec(parsed.spec)
         except ValueError as e:
             out.append((row, str(e)))
         else:
-            out.append((spec + (f" with {opt}" if opt else ""), None))
+            out.append((parsed.text(), None))
     return out
 
 
@@ -275,14 +389,19 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None):
         if w not in WORKLOADS:
             raise ValueError(f"unknown workload {w!r}; expected some of {sorted(WORKLOADS)}")
         for row in specs:
-            s, opt = parse_row(row)
+            parsed = parse_row(row)
+            s = parsed.spec
             why = unavailable.get(row)
+            if (parsed.accumulate > 1 or parsed.update_sync is not None) and WORKLOADS[w][0] != "torch":
+                raise ValueError(f"row {row!r}: accumulate and update-sync rows run on the PyTorch "
+                                 f"workloads only, not on {w}")
             if why is None and WORKLOADS[w][0] == "tensorflow" and "--eager" not in WORKLOAD_FLAGS.get(w, ()) \
                     and _eager_only(s):
                 print(f"tta: {s} skipped on {w}: auto runs eagerly only, and this worker's step "
                       f"is a tf.function (workload digits-tf-eager runs it)", file=sys.stderr)
                 continue
-            plan.append(RunSpec(w, "horovod", s, optimizer=opt, unavailable=why))
+            plan.append(RunSpec(w, "horovod", s, optimizer=parsed.optimizer, unavailable=why,
+                                accumulate=parsed.accumulate, update_sync=parsed.update_sync))
         if WORKLOADS[w][3]:
             for h in ddp_hooks:
                 name = h.split(":")[0]
@@ -305,8 +424,7 @@ def interleave(plan, repeats):
     """
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"--repeats must be an integer >= 1, got {repeats!r}")
-    return [RunSpec(r.workload, r.system, r.spec, r.label, k, repeats, r.reference, r.optimizer, r.unavailable)
-            for k in range(1, repeats + 1) for r in plan]
+    return [r.again(k, repeats) for k in range(1, repeats + 1) for r in plan]
 
 
 def _git_commit():
@@ -349,12 +467,20 @@ def _command(run, args, out_json, extra=()):
         cmd += ["--compression", run.spec]
     if run.optimizer:
         cmd += ["--optimizer", run.optimizer]
+    if run.accumulate > 1:
+        cmd += ["--accumulate", str(run.accumulate)]
+    if run.update_sync is not None:
+        cmd += ["--update-sync", run.update_sync]
+    if getattr(args, "recipe", None) and run.workload in RECIPE_WORKLOADS:
+        cmd += ["--recipe", args.recipe]
     cmd += ["--seed", str(args.seed), "--out", out_json, "--progress"]
     if getattr(args, "device", "cpu") != "cpu":
         cmd += ["--device", args.device]
     cmd += list(WORKLOAD_FLAGS.get(run.workload, ())) if run.system != "ddp" else []
     if args.max_seconds:
         cmd += ["--max-seconds", str(args.max_seconds)]
+    if getattr(args, "budget_epochs", None):
+        cmd += ["--max-epochs", f"{args.budget_epochs:g}"]
     cmd += list(extra)
     cmd += args.worker_args.split() if args.worker_args else []
     return cmd
@@ -364,44 +490,57 @@ def _stub_result(run, status, error="", network=None):
     out = {"status": status, "error": error,
            "meta": {"workload": WORKLOADS[run.workload][2], "framework": WORKLOADS[run.workload][0],
                     "system": run.system, "label": run.label, "compression": run.spec,
-                    "optimizer": run.optimizer, "repeat": run.repeat, "reference": run.reference}}
+                    "optimizer": run.optimizer, "accumulate": run.accumulate, "update_sync": run.update_sync,
+                    "repeat": run.repeat, "reference": run.reference}}
     if network is not None:
         out["network"] = network
     return out
 
 
 def _is_fp16_baseline(run):
-    return run.system == "horovod" and run.spec == "fp16" and not run.optimizer and not run.reference
+    return (run.system == "horovod" and run.spec == "fp16" and not run.optimizer and not run.reference
+            and run.accumulate == 1 and run.update_sync is None)
 
 
-def note_fp16(run, result, stops):
+def note_fp16(run, result, stops, cap=None):
     """After a run: when it is the FP16 baseline (Horovod ``fp16``, the workload's own
-    optimizer) of a workload in :data:`FP16_STEPS_CAP` and recorded ``target_vs_fp16``,
-    store in ``stops[workload]`` the target (factor x its final rolling metric) and the step
-    cap (:data:`FP16_STEPS_CAP` x its steps) for the later rows (:func:`stop_flags`). The
-    first FP16 run of the sweep sets them (with repeats: round 1's)."""
+    optimizer) of a workload in :data:`FP16_TTA_CAP` and recorded ``target_vs_fp16``,
+    store in ``stops[workload]`` what the later rows stop at (:func:`stop_flags`): the target
+    (factor x its final rolling metric), FP16's TTA to it (``fp16_tta_s``, training clock,
+    :func:`.report.time_to_target`), the cap (``cap``, default :data:`FP16_TTA_CAP`'s) and
+    ``max_seconds`` = cap x FP16's TTA, and FP16's steps (``fp16_steps``: the learning-rate
+    schedule's length for the later rows). The first FP16 run of the sweep sets them (with
+    repeats: round 1's)."""
     meta, evals = result.get("meta") or {}, result.get("evals") or {}
-    if run.workload in stops or run.workload not in FP16_STEPS_CAP or not _is_fp16_baseline(run):
+    if run.workload in stops or run.workload not in FP16_TTA_CAP or not _is_fp16_baseline(run):
         return
     if result.get("status") != "ok" or not meta.get("target_vs_fp16") or not evals.get("metric"):
         return
     from .worker import rolling_mean
-    final = rolling_mean(evals["metric"], int(meta.get("window", 5)))[-1]
+    window = int(meta.get("window", 5))
+    final = rolling_mean(evals["metric"], window)[-1]
+    target = meta["target_vs_fp16"] * final
+    tta_s = report.time_to_target(evals["t"], evals["metric"], target, bool(meta.get("higher_is_better")), window)
+    if tta_s is None:  # a factor below 1 (or a higher-is-better metric): FP16 never got there
+        tta_s = evals["t"][-1]
     steps = int(meta.get("steps_run") or len((result.get("steps") or {}).get("step", [])))
-    stops[run.workload] = {"target": meta["target_vs_fp16"] * final,
-                           "max_steps": int(FP16_STEPS_CAP[run.workload] * steps)}
+    factor = FP16_TTA_CAP[run.workload] if cap is None else float(cap)
+    stops[run.workload] = {"target": target, "fp16_tta_s": tta_s, "cap": factor,
+                           "max_seconds": factor * tta_s, "fp16_steps": steps}
 
 
 def stop_flags(run, stops):
-    """Worker flags that stop ``run`` at its workload's FP16-relative target
-    (:func:`note_fp16`): ``--target T --epochs-past-target 0 --max-steps N --max-epochs
-    1e9`` (the step cap, not the epoch budget, ends it); none for the FP16 baseline itself or
-    before FP16 has run."""
+    """Worker flags that stop ``run`` at its workload's FP16-relative target or time cap
+    (:func:`note_fp16`): ``--target T --epochs-past-target 0 --max-seconds S --max-epochs 1e9
+    --schedule-steps N`` (the training-clock cap S = cap x FP16's TTA, not a step or epoch
+    budget, ends it; N = FP16's steps, so the learning-rate schedule is FP16's); none for the
+    FP16 baseline itself or before FP16 has run."""
     stop = stops.get(run.workload)
     if stop is None or _is_fp16_baseline(run):
         return []
     return ["--target", f"{stop['target']:.6g}", "--epochs-past-target", "0",
-            "--max-steps", str(stop["max_steps"]), "--max-epochs", "1e9"]
+            "--max-seconds", f"{stop['max_seconds']:.6g}", "--max-epochs", "1e9",
+            "--schedule-steps", str(stop["fp16_steps"])]
 
 
 def network_for(net, run):
@@ -448,7 +587,9 @@ def execute(net, run, args, out_dir, progress=True, extra=()):
     rnd = f" r{run.repeat}/{run.repeats}" if run.repeats > 1 else ""
     bar = tqdm(total=None, desc=f"{run.workload} {run.label}"[:48 - len(rnd)] + rnd, unit="step", leave=True,
                disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    timeout = args.run_timeout or (3 * args.max_seconds + 300 if args.max_seconds else 1800)
+    capped = max([float(extra[i + 1]) for i, f in enumerate(extra[:-1]) if f == "--max-seconds"] or [0.0])
+    limit = capped or args.max_seconds
+    timeout = args.run_timeout or (3 * limit + 300 if limit else 1800)
     deadline = time.monotonic() + timeout
     code, eof = None, False
     with open(os.path.join(log_dir, "rank0.stdout"), "w") as raw:
@@ -486,6 +627,8 @@ def execute(net, run, args, out_dir, progress=True, extra=()):
         result["status"] = "ok"
         result["meta"]["label"] = run.label
         result["meta"]["optimizer"] = run.optimizer
+        result["meta"]["accumulate"] = run.accumulate
+        result["meta"]["update_sync"] = run.update_sync
         result["meta"]["repeat"] = run.repeat
         result["meta"]["reference"] = run.reference
         if run.reference:
@@ -509,9 +652,11 @@ def build_parser():
     p.add_argument("--workloads", default="digits",
                    help=f"comma-separated, some of {sorted(WORKLOADS)}")
     p.add_argument("--compressors", default=None,
-                   help="';'-separated rows: compressor specs, each optionally 'SPEC with "
-                        "OPTIMIZER(k=v,...)' (optimizers: adam, adamw, sgd, frozen-adamw; "
-                        "e.g. 'topkc:ratio=0.1 with adam(lr=6.3e-3)'). Default: every registered "
+                   help="';'-separated rows: compressor specs, each optionally followed by 'with "
+                        "CLAUSE' clauses: an optimizer OPTIMIZER(k=v,...) (adam, adamw, sgd, "
+                        "frozen-adamw; e.g. 'topkc:ratio=0.1 with adam(lr=6.3e-3)'), accumulate(K) "
+                        "(K micro-batches per all-reduce), update-sync(every=H,...) (compressed "
+                        "update sync, torch_backend.UpdateSync). Default: every registered "
                         f"default, from {'; '.join(DEFAULT_CANDIDATES)}; for lm-comm alone: "
                         f"{'; '.join(ADAM_ROWS)}. Every scheme's options: python -m hvd_gradcomp --list")
     p.add_argument("--ddp-hooks", default=None,
@@ -544,6 +689,18 @@ def build_parser():
     p.add_argument("--max-seconds", type=float, default=None,
                    help="cap on each run's training clock (s); 0 = none (default 120; lm-comm "
                         "alone: 0, its step budget ends every run)")
+    p.add_argument("--tta-cap", type=float, default=None,
+                   help="workloads whose target is relative to FP16 (lm-comm): every row after FP16 "
+                        "stops at the target or when its training clock passes this multiple of "
+                        f"FP16's TTA (default {FP16_TTA_CAP['lm-comm']:g})")
+    p.add_argument("--budget-epochs", type=float, default=None,
+                   help="every run's epoch budget (--max-epochs), before the stop flags: so for "
+                        "workloads whose target is relative to FP16 (lm-comm, default 1.75) it sets "
+                        "FP16's budget, and the rows after it still run to the target or --tta-cap")
+    p.add_argument("--recipe", choices=("adamw-cosine", "adam-constant"), default=None,
+                   help="lm-comm's training recipe for every row: adamw-cosine (the default: AdamW "
+                        "(0.9, 0.95), weight decay 0.1 on matrices, 5%% linear warm-up, cosine decay "
+                        "to 10%%) or adam-constant (issue 25's: Adam, constant 2e-3)")
     p.add_argument("--run-timeout", type=float, default=0.0,
                    help="wall-clock limit per run (s); 0 = 3 x max-seconds + 300")
     p.add_argument("--worker-args", default="",
@@ -588,7 +745,8 @@ class SweepOutcome(NamedTuple):
     results: run id -> result dict (runs not reached are absent). network: the network's
     ``describe()``. link_check: :func:`.linkcheck.verify_link`'s dict, or None when skipped.
     link_failed: the link check stopped the sweep (no run was started). interrupted: Ctrl-C or
-    SIGTERM ended it early.
+    SIGTERM ended it early. stops: per workload with an FP16-relative target, what the rows
+    after FP16 stopped at (:func:`note_fp16`).
     """
 
     results: dict
@@ -596,6 +754,7 @@ class SweepOutcome(NamedTuple):
     link_check: Optional[dict]
     link_failed: bool
     interrupted: bool
+    stops: dict = {}
 
 
 def sweep_defaults(workloads):
@@ -624,6 +783,10 @@ def plan_sweep(args) -> SweepPlan:
         if getattr(args, key, None) is None:
             setattr(args, key, defaults[key])
     device.check_sweep(args, [WORKLOADS[w][0] for w in workloads if w in WORKLOADS])
+    if getattr(args, "budget_epochs", None) is not None and not args.budget_epochs > 0:
+        raise ValueError(f"--budget-epochs must be > 0, got {args.budget_epochs:g}")
+    if getattr(args, "tta_cap", None) is not None and not args.tta_cap > 0:
+        raise ValueError(f"--tta-cap must be > 0 (a multiple of FP16's TTA), got {args.tta_cap:g}")
     unavailable = {}
     if args.compressors:
         specs, skipped = parse_compressors(args.compressors), []
@@ -673,7 +836,7 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
         print(f"tta: WARNING: running on LOOPBACK ({net.reason}); no rate limit, communication is "
               "nearly free, and every output says so.", file=sys.stderr)
     previous = _install_sigterm()
-    results, link_check = {}, None
+    results, link_check, stops = {}, None, {}
     interrupted = link_failed = False
     try:
         net.setup()
@@ -689,11 +852,13 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
             else:
                 _print_link_check(link_check, args.link_factor)
         if not link_failed:
-            stops = {}
             for run in plan.runs:
+                extra = stop_flags(run, stops)
                 results[run.run_id] = execute(net, run, args, plan.out_dir, progress=not args.no_progress,
-                                              extra=stop_flags(run, stops))
-                note_fp16(run, results[run.run_id], stops)
+                                              extra=extra)
+                if extra:  # what stopped it, for the report (report.stop_note)
+                    results[run.run_id].setdefault("meta", {})["stop_cap"] = dict(stops[run.workload])
+                note_fp16(run, results[run.run_id], stops, getattr(args, "tta_cap", None))
     except KeyboardInterrupt:
         interrupted = True
         print("tta: interrupted; tearing down and writing what finished", file=sys.stderr)
@@ -702,7 +867,7 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     desc = dict(net.describe(), malloc=args.malloc)
-    return SweepOutcome(results, desc, link_check, link_failed, interrupted)
+    return SweepOutcome(results, desc, link_check, link_failed, interrupted, stops)
 
 
 def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
@@ -721,7 +886,7 @@ def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
              "git_commit": commit, "versions": _versions(), "cpu_count": os.cpu_count(),
              "network": desc, "link_check": link_check, "workloads": plan.workloads,
              "skipped_defaults": plan.skipped, "elapsed_s": time.time() - t_start,
-             "interrupted": outcome.interrupted}
+             "interrupted": outcome.interrupted, "stops": outcome.stops}
     rows = [report.summarize(rid, res, desc, commit) for rid, res in results.items()]
     report.apply_targets(rows, results)
     report.add_baseline_ratios(rows)
@@ -738,8 +903,8 @@ def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
         if auto_rows:
             report.plot_choices(report.choices_plot_path(plan.out_dir, w), auto_rows, results,
                                 f"{w}: what auto sent each tensor with, step by step")
-    table = report.format_table(rows, desc)
-    md = report.markdown_table(rows, desc)
+    table = report.format_table(rows, desc, results)
+    md = report.markdown_table(rows, desc, results)
     elapsed = time.time() - t_start
     with open(os.path.join(plan.out_dir, "summary.md"), "w") as f:
         f.write(md + "\n")

@@ -158,7 +158,7 @@ def test_rows_with_an_optimizer_are_planned_labelled_and_passed_on(tmp_path):
     rows = tta.parse_compressors("fp16; topkc:ratio=0.1 with adam(lr=6.3e-3) ;fp32 with sgd")
     assert rows == ["fp16", "topkc:ratio=0.1 with adam(lr=6.3e-3)", "none with sgd"]
     assert tta.parse_row("topkc:ratio=0.1 with frozen-adamw(freeze_step=100)") == (
-        "topkc:ratio=0.1", "frozen-adamw(freeze_step=100)")
+        "topkc:ratio=0.1", "frozen-adamw(freeze_step=100)", 1, None)
     with pytest.raises(ValueError, match="unknown name 'lamb'"):
         tta.parse_compressors("fp16 with lamb")
     with pytest.raises(ValueError, match="unknown option 'colour'"):
@@ -179,6 +179,12 @@ def test_rows_with_an_optimizer_are_planned_labelled_and_passed_on(tmp_path):
 def test_build_optimizer_imports_lazily_and_fails_clearly():
     model = torch.nn.Linear(3, 2)
     wl = torch_workloads.LMCommWorkload.__new__(torch_workloads.LMCommWorkload)  # optimizer() needs no data
+    # the users' recipe (the default): AdamW (0.9, 0.95), weight decay 0.1 on the matrix only
+    own = torch_workloads.build_optimizer(wl, model.parameters(), 1e-3, "")
+    assert type(own) is torch.optim.AdamW and own.defaults["betas"] == (0.9, 0.95)
+    assert [(g["weight_decay"], [tuple(p.shape) for p in g["params"]]) for g in own.param_groups] == [
+        (0.1, [(2, 3)]), (0.0, [(2,)])]
+    wl.recipe = "adam-constant"  # issue 25's
     assert type(torch_workloads.build_optimizer(wl, model.parameters(), 1e-3, "")) is torch.optim.Adam
     opt = torch_workloads.build_optimizer(wl, model.parameters(), 1e-3, "adamw(weight_decay=0,betas=0.8/0.9)")
     assert type(opt) is torch.optim.AdamW and opt.defaults["betas"] == (0.8, 0.9) and opt.defaults["lr"] == 1e-3
@@ -214,9 +220,10 @@ def test_lm_comm_sweep_defaults_and_rows_this_checkout_cannot_run(capsys):
     assert (args.bandwidth, args.max_seconds, args.ddp_hooks, args.no_comm_reference) == (50.0, 0.0, "off", "off")
     assert plan.link.bandwidth_mbit == 50.0
     labels = [r.label for r in plan.runs]
-    assert labels[:5] == ["fp16", "thc", "topkc:ratio=0.1", "powersgd:rank=4", "auto"]
+    assert labels[:3] == ["fp16", "fp16 with accumulate(4)", "fp16 with update-sync(every=8)"]
+    assert "topkc:ratio=0.1 with update-sync(every=1)" in labels and "thc" in labels
     assert len(labels) == len(tta.ADAM_ROWS) and all(r.system == "horovod" and not r.reference for r in plan.runs)
-    assert "topkc:ratio=0.1 with frozen-adamw(weight_decay=0,freeze_step=100)" in labels
+    assert plan.runs[1].accumulate == 4 and plan.runs[2].update_sync == "every=8"
     for r in plan.runs:  # a spec this checkout cannot build is planned as a row that says why
         if r.unavailable:
             assert "error_feedback" in r.unavailable or "fp16_warmup" in r.unavailable, r.unavailable
@@ -235,28 +242,126 @@ def test_lm_comm_sweep_defaults_and_rows_this_checkout_cannot_run(capsys):
     assert args.bandwidth == 100.0 and [r.label for r in plan.runs] == ["fp16"]
 
 
-def test_rows_after_fp16_stop_at_its_target_or_a_step_cap():
-    plan = tta.plan_runs(["lm-comm", "lm"], ["fp16", "thc", "fp16 with adamw"], [])
+def test_rows_after_fp16_stop_at_its_target_or_a_multiple_of_its_tta():
+    plan = tta.plan_runs(["lm-comm", "lm"], ["fp16", "thc", "fp16 with adamw", "fp16 with accumulate(2)"], [])
     stops = {}
     assert tta.stop_flags(plan[1], stops) == []  # FP16 has not run yet
-    fp16 = _lm_result("fp16", [100, 20, 10, 8, 6, 5.5, 5.2, 5.1, 5.0, 5.0])
+    # window 1, an evaluation every 10 steps of 0.1 s: final 5.0 -> target 5.1, reached at step 80 (8 s)
+    fp16 = _lm_result("fp16", [100, 20, 10, 8, 6, 5.5, 5.2, 5.15, 5.05, 5.0])
     tta.note_fp16(plan[1], fp16, stops)  # not the baseline: nothing noted
+    tta.note_fp16(plan[3], fp16, stops)  # fp16 with accumulation is not the baseline either
     assert stops == {}
     tta.note_fp16(plan[0], dict(fp16, status="failed (exit 1)"), stops)
     assert stops == {}
     tta.note_fp16(plan[0], fp16, stops)
-    assert stops["lm-comm"]["target"] == pytest.approx(5.1) and stops["lm-comm"]["max_steps"] == 135
+    stop = stops["lm-comm"]
+    assert stop["target"] == pytest.approx(5.1) and stop["fp16_tta_s"] == pytest.approx(8.0)
+    assert stop["cap"] == 1.5 and stop["max_seconds"] == pytest.approx(12.0) and stop["fp16_steps"] == 90
     assert tta.stop_flags(plan[1], stops) == ["--target", "5.1", "--epochs-past-target", "0",
-                                              "--max-steps", "135", "--max-epochs", "1e9"]
+                                              "--max-seconds", "12", "--max-epochs", "1e9",
+                                              "--schedule-steps", "90"]
     assert tta.stop_flags(plan[2], stops)[:2] == ["--target", "5.1"]  # fp16 under another optimizer
+    assert tta.stop_flags(plan[3], stops)[:2] == ["--target", "5.1"]  # and with accumulation
     assert tta.stop_flags(plan[0], stops) == []  # the baseline runs its budget
+    other = {}
+    tta.note_fp16(plan[0], fp16, other, cap=2.0)  # --tta-cap 2
+    assert other["lm-comm"]["max_seconds"] == pytest.approx(16.0)
     lm_fp16 = _lm_result("fp16", [100, 10])
     lm_fp16["meta"]["target_vs_fp16"] = None
-    tta.note_fp16(plan[3], lm_fp16, stops)  # lm has an absolute target
-    assert "lm" not in stops and tta.stop_flags(plan[4], stops) == []
-    args = tta.build_parser().parse_args(["--worker-args", "--max-steps 4"])
+    tta.note_fp16(plan[4], lm_fp16, stops)  # lm has an absolute target
+    assert "lm" not in stops and tta.stop_flags(plan[5], stops) == []
+    args = tta.build_parser().parse_args(["--worker-args", "--max-seconds 4"])
     cmd = tta._command(plan[1], args, "o.json", tta.stop_flags(plan[1], stops))
-    assert cmd[-2:] == ["--max-steps", "4"] and cmd.index("--target") < cmd.index("--max-steps")
+    assert cmd[-2:] == ["--max-seconds", "4"] and cmd.index("--target") < len(cmd) - 2
+    args = tta.build_parser().parse_args(["--budget-epochs", "0.5"])  # FP16's budget; the others: 1e9
+    cmd = tta._command(plan[1], args, "o.json", tta.stop_flags(plan[1], stops))
+    assert cmd[cmd.index("--max-epochs") + 1] == "0.5" and cmd[len(cmd) - 1 - cmd[::-1].index("--max-epochs") + 1] == "1e9"
+    assert tta._command(plan[0], args, "o.json")[-2:] == ["--max-epochs", "0.5"]
+    with pytest.raises(ValueError, match="--budget-epochs must be > 0"):
+        tta.plan_sweep(tta.build_parser().parse_args(["--workloads", "lm-comm", "--budget-epochs", "0"]))
+    with pytest.raises(ValueError, match="--tta-cap must be > 0"):
+        tta.plan_sweep(tta.build_parser().parse_args(["--workloads", "lm-comm", "--tta-cap", "0"]))
+
+
+def test_the_table_says_what_stopped_the_rows_after_fp16():
+    rows, results = _sweep()
+    assert report.stop_note(rows, results) == ""  # nothing recorded: nothing said
+    results["lm-comm-horovod-thc"]["meta"]["stop_cap"] = {"target": 5.1, "fp16_tta_s": 14.0, "cap": 1.5,
+                                                          "max_seconds": 21.0, "fp16_steps": 90}
+    note = "lm-comm: every row after FP16 stopped at the target or when its training clock passed 1.5 x FP16's TTA (14.0 s), i.e. 21.0 s"
+    assert note in report.stop_note(rows, results) and note in report.markdown_table(rows, NET, results)
+    assert note not in report.markdown_table(rows, NET)
+    del results["lm-comm-horovod-thc"]["meta"]["stop_cap"]  # a sweep of the step cap (issue 25's)
+    results["lm-comm-horovod-thc"]["meta"].update(target=5.1, argv=["w", "--max-steps", "135"])
+    assert report.stop_note(rows, results) == (
+        "lm-comm: every row after FP16 stopped at the target or after 135 steps (1.50 x FP16's 90 steps).")
+
+
+# ---- rows that accumulate gradients or sync compressed updates; the recipe ----
+
+def test_accumulate_and_update_sync_rows():
+    row = tta.parse_row("topkc:ratio=0.1 with update-sync(every=8, outer_lr=0.5) with adamw(lr=1e-3)")
+    assert row == ("topkc:ratio=0.1", "adamw(lr=1e-3)", 1, "every=8,outer_lr=0.5")
+    assert row.text() == "topkc:ratio=0.1 with update-sync(every=8,outer_lr=0.5) with adamw(lr=1e-3)"
+    assert tta.parse_row("fp16 with update-sync").update_sync == "every=1"
+    assert tta.parse_row("fp16 with accumulate( 4 )").accumulate == 4
+    for bad, words in (("fp16 with accumulate(0)", r"accumulate\(K\) takes an integer K >= 1"),
+                       ("fp16 with accumulate(2) with accumulate(3)", "accumulate given twice"),
+                       ("fp16 with accumulate(2) with update-sync(every=2)", "not supported"),
+                       ("fp16 with update-sync(every=0)", "every must be >= 1"),
+                       ("fp16 with update-sync(often=2)", "key one of"),
+                       ("fp16 with update-sync(nesterov=maybe)", "nesterov must be true/false"),
+                       ("fp16 with update-sync(outer_momentum=1)", r"outer_momentum must be in \[0, 1\)"),
+                       ("fp16 with adam with sgd", "a second optimizer clause")):
+        with pytest.raises(ValueError, match=words):
+            tta.parse_compressors(bad)
+    rows = tta.parse_compressors("fp16; fp16 with accumulate(4); fp16 with update-sync(every=8); "
+                                 "topkc:ratio=0.1 with update-sync(every=1)")
+    plan = tta.plan_runs(["lm-comm"], rows, [])
+    assert [r.run_id for r in plan] == ["lm-comm-horovod-fp16", "lm-comm-horovod-fp16-with-accumulate-4",
+                                        "lm-comm-horovod-fp16-with-update-sync-every-8",
+                                        "lm-comm-horovod-topkc-ratio-0-1-with-update-sync-every-1"]
+    assert [r.label for r in plan][1:3] == ["fp16 with accumulate(4)", "fp16 with update-sync(every=8)"]
+    args = tta.build_parser().parse_args(["--recipe", "adam-constant"])
+    cmd = tta._command(plan[1], args, "o.json")
+    assert cmd[cmd.index("--accumulate") + 1] == "4" and cmd[cmd.index("--recipe") + 1] == "adam-constant"
+    cmd = tta._command(plan[3], args, "o.json")
+    assert cmd[cmd.index("--update-sync") + 1] == "every=1" and "--accumulate" not in cmd
+    assert "--recipe" not in tta._command(tta.plan_runs(["lm"], ["fp16"], [])[0], args, "o.json")
+    assert tta.interleave(plan, 2)[6].update_sync == "every=8"
+    with pytest.raises(ValueError, match="PyTorch workloads only, not on digits-tf"):
+        tta.plan_runs(["digits-tf"], ["fp16 with accumulate(2)"], [])
+    # in the report: neither is the FP16 baseline, and each is a row of its own
+    res = {"a": _lm_result("fp16", [10, 5.0]), "b": _lm_result("fp16", [10, 4.0]), "c": _lm_result("fp16", [10, 4.5])}
+    res["b"]["meta"]["accumulate"] = 4
+    res["c"]["meta"]["update_sync"] = "every=8"
+    rows = [report.summarize(k, v, NET) for k, v in res.items()]
+    report.apply_targets(rows, res)
+    assert [r["target"] for r in rows] == [pytest.approx(5.1)] * 3  # from row a alone
+    assert len(report.aggregate(rows)) == 3
+    assert report.converged_levels(rows) == {"FP16": pytest.approx(5.0)}  # row a's level only
+    text = report.markdown_table(rows, NET)
+    assert "accumulate(K) rows: K micro-batches" in text and "update-sync rows: each rank steps" in text
+
+
+def test_lr_schedule_warms_up_and_decays_to_a_tenth():
+    f = torch_workloads.lr_factor
+    assert [f(s, 100) for s in (1, 3, 5)] == [pytest.approx(0.2), pytest.approx(0.6), 1.0]  # W = 5
+    assert f(100, 100) == pytest.approx(0.1) and f(500, 100) == pytest.approx(0.1)
+    mid = 5 + (100 - 5) / 2  # half way through the decay: (1 + 0.1) / 2
+    assert f(mid, 100) == pytest.approx(0.55)
+    assert all(f(s, 100) >= f(s + 1, 100) for s in range(5, 120))
+    with pytest.raises(ValueError, match="total must be >= 1"):
+        f(1, 0)
+    model = torch.nn.Linear(3, 2)
+    wl = torch_workloads.LMCommWorkload.__new__(torch_workloads.LMCommWorkload)
+    opt = wl.optimizer(model.parameters(), 2e-3)
+    schedule = wl.schedule(opt, 40)
+    assert schedule.set(1) == pytest.approx(0.5) and [g["lr"] for g in opt.param_groups] == [pytest.approx(1e-3)] * 2
+    schedule.set(40)
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-4)
+    wl.recipe = "adam-constant"
+    assert wl.schedule(opt, 40) is None
 
 
 # ---- the optimizer probe and its ratios ----

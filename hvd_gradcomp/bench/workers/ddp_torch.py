@@ -94,6 +94,7 @@ class DDPTrainer:
         self.model = DDP(model, bucket_cap_mb=64,  # broadcasts rank 0's parameters
                          device_ids=None if torch.device(device).type == "cpu" else [torch.device(device).index])
         self.opt = torch_workloads.build_optimizer(workload, self.model.parameters(), lr, optimizer)
+        self.schedule = None  # the recipe's learning-rate schedule (torch_workloads.make_schedule)
         self.hook_s = 0.0
         self.calib, self.calib_every, self.steps = [], calib_every, 0
         self.compressor = None
@@ -138,6 +139,8 @@ class DDPTrainer:
         loss = self.workload.loss(self.model, x, y)
         loss.backward()  # DDP all-reduces buckets during backward and waits at its end
         t1 = self.clock()
+        if self.schedule is not None:
+            self.schedule.set(self.steps)
         self.opt.step()
         t2 = self.clock()
         fb = statistics.median(self.calib[-5:])
@@ -161,6 +164,7 @@ def main(argv=None):
     if known.workload == "digits":
         parser.add_argument("--hidden", type=int, default=2048)
     devices.add_device_arg(parser)
+    torch_workloads.add_recipe_args(parser, cls)
     args = parser.parse_args(argv)
     try:
         devices.check_device(args.device)
@@ -175,8 +179,11 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     extra = {"hidden": args.hidden} if known.workload == "digits" else {}
     wl = devices.place_workload(cls(rank, size, args.seed, args.batch_size, **extra), device)
+    if getattr(args, "recipe", None):
+        wl.recipe = args.recipe
     model = wl.model().to(device)
     trainer = DDPTrainer(wl, model, args.lr, hook, hook_rank, args.seed, args.eval_every, device, args.optimizer)
+    trainer.schedule = torch_workloads.make_schedule(wl, trainer.opt, args)
     label = {"none": "DDP fp32", "fp16": "DDP fp16_compress_hook",
              "powersgd": f"DDP powerSGD_hook rank={hook_rank}", "ours": f"{hook_rank} on DDP"}[hook]
     meta = {"framework": "torch", "system": "ddp", "label": label, "hook": args.hook,

@@ -13,6 +13,12 @@ shards by rank, seeds are fixed (``--seed``). Each step is timed and split into:
 - communication: the rest of ``optimizer.synchronize()`` (waiting for the all-reduces that
   backward started) plus any synchronous side collective issued inside ``compress``.
 
+``--accumulate K``: K micro-batches per optimizer step and all-reduce (a step of the records
+is a micro-batch). ``--update-sync every=H``: no gradient all-reduce; each rank steps its own
+optimizer and every H steps the ranks average the compressed parameter change
+(:class:`UpdateSyncTrainer`, ``torch_backend.UpdateSync``). ``--recipe`` (``lm-comm``): the
+training recipe and its learning-rate schedule (``torch_workloads.LMCommWorkload``).
+
 With ``--out PATH`` rank 0 writes the records as JSON (the harness
 ``python -m hvd_gradcomp.bench tta`` runs this module and collects them).
 """
@@ -32,11 +38,19 @@ from . import torch_workloads
 
 
 class HorovodTrainer:
-    """One ``hvd.DistributedOptimizer`` step, timed (module docs)."""
+    """One ``hvd.DistributedOptimizer`` step, timed (module docs).
+
+    ``accumulate`` = K > 1: each call of :meth:`step` is one micro-batch; the gradients of K
+    micro-batches are summed (each loss divided by K, so the step sees their mean) and Horovod
+    all-reduces them once, on the K-th backward (``backward_passes_per_step=K``), before the
+    one optimizer step. ``schedule``: an :class:`~.torch_workloads.LRSchedule` set before each
+    optimizer step with the number of micro-batches so far (None: a constant rate)."""
 
     def __init__(self, workload, model, lr, spec, optimizer="", adam_log_every=0, optimizer_defaults=None,
-                 device="cpu"):
+                 device="cpu", accumulate=1):
         self.workload, self.model = workload, model
+        self.accumulate = int(accumulate)
+        self.schedule = None
         self.device, self.clock = device, devices.clock(device)
         # The optimizer first: a row naming one this checkout lacks fails before any collective.
         opt = torch_workloads.build_optimizer(workload, model.parameters(), lr, optimizer, optimizer_defaults)
@@ -45,7 +59,8 @@ class HorovodTrainer:
         self.compressor = TimedCompressor(Compression.from_spec(spec), torch_backend.ops, "_allreduce",
                                           sync=devices.sync_fn(device))
         self.opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                            compression=self.compressor, op=hvd.Average)
+                                            compression=self.compressor, op=hvd.Average,
+                                            backward_passes_per_step=self.accumulate)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
         # Adam's per-tensor statistics, off the clock (adam_log_every = 0: none).
@@ -55,12 +70,19 @@ class HorovodTrainer:
     def step(self, x, y):
         # self.clock: perf_counter, after draining the GPU under --device cuda (device.clock).
         t0 = self.clock()
-        self.opt.zero_grad()
+        self.steps += 1  # micro-batches (= optimizer steps without accumulation)
+        if (self.steps - 1) % self.accumulate == 0:
+            self.opt.zero_grad()
         loss = self.workload.loss(self.model, x, y)
-        loss.backward()  # Horovod's hooks compress each gradient and start its all-reduce
+        # Horovod's hooks compress each gradient and start its all-reduce (with accumulation:
+        # on the K-th backward only)
+        (loss / self.accumulate if self.accumulate > 1 else loss).backward()
         t1 = self.clock()
+        if self.steps % self.accumulate:  # a micro-batch: no communication, no step
+            return loss.detach(), t1 - t0, 0.0, 0.0
         self.opt.synchronize()  # wait for the all-reduces, decompress into p.grad
-        self.steps += 1
+        if self.schedule is not None:
+            self.schedule.set(self.steps)
         self.probe.before(self.steps)  # off the clock
         t2 = self.clock()
         with self.opt.skip_synchronize():
@@ -77,15 +99,74 @@ class HorovodTrainer:
         return out.tolist()
 
     def bytes_per_step(self):
-        """Bytes per step as of now; for ``auto``, also ``choices`` ({tensor: scheme spec}, what
+        """Bytes per step (micro-batch) as of now; for ``auto``, also ``choices`` ({tensor: scheme spec}, what
         each ended on) and ``decisions`` (every decision: ``compressor.decisions()``)."""
         w = self.compressor.bytes_per_step()
         out = {"payload": w.payload, "side": w.side, "side_collectives": w.side_collectives}
+        k = self.accumulate
+        if k > 1:  # a step is a micro-batch: one all-reduce per k of them
+            out = {"payload": w.payload // k, "side": w.side // k, "side_collectives": w.side_collectives / k,
+                   "accumulate": k}
         chosen = {k: m["scheme"] for k, m in self.compressor.inner.metrics().items() if "scheme" in m}
         if chosen:
             out["choices"] = chosen
             out["decisions"] = self.compressor.inner.decisions()
         return out
+
+
+class UpdateSyncTrainer:
+    """One local optimizer step on this rank's gradient and, every ``every`` steps, the
+    compressed update sync (:class:`torch_backend.UpdateSync`: no gradient all-reduce; the
+    compressor sends each parameter's change since the last sync), timed: compute = forward,
+    backward, the optimizer step; codec = the sync's encode and decode; communication = its
+    all-reduces (``UpdateSync.timings``). ``sync_options``: UpdateSync's ``every``,
+    ``outer_lr``, ``outer_momentum``, ``nesterov``. The Adam probe's ``update_rms`` here is the
+    change over the step and its sync (the parameters after a sync are the synced ones)."""
+
+    def __init__(self, workload, model, lr, spec, optimizer="", adam_log_every=0, optimizer_defaults=None,
+                 device="cpu", sync_options=None):
+        from torch_backend import UpdateSync
+        self.workload, self.model = workload, model
+        self.device, self.clock = device, devices.clock(device)
+        self.schedule = None
+        self.opt = torch_workloads.build_optimizer(workload, model.parameters(), lr, optimizer,
+                                                   optimizer_defaults)
+        self.compressor = Compression.from_spec(spec)
+        self.sync = UpdateSync(self.opt, compression=self.compressor, model=model, backend="horovod",
+                               **(sync_options or {}))  # broadcasts rank 0's parameters
+        self.probe = torch_workloads.AdamProbe(model.named_parameters(), self.opt, adam_log_every)
+        self.steps = 0
+        self._times = self.sync.timings()
+
+    def step(self, x, y):
+        t0 = self.clock()
+        self.sync.zero_grad()
+        loss = self.workload.loss(self.model, x, y)
+        loss.backward()
+        self.steps += 1
+        if self.schedule is not None:
+            self.schedule.set(self.steps)
+        self.probe.before(self.steps)  # off the clock
+        t1 = self.clock()
+        self.sync.step()  # the local step; every H steps the sync
+        t2 = self.clock()
+        self.probe.after(self.steps)
+        now = self.sync.timings()
+        codec = (now["encode_s"] - self._times["encode_s"]) + (now["decode_s"] - self._times["decode_s"])
+        comm = now["comm_s"] - self._times["comm_s"]
+        self._times = now
+        return loss.detach(), (t1 - t0) + (t2 - t1 - codec - comm), codec, comm
+
+    def allreduce_sum(self, values):
+        out = hvd.allreduce(torch.tensor(values, dtype=torch.float64, device=self.device),
+                            op=hvd.Sum, name="tta.eval")
+        return out.tolist()
+
+    def bytes_per_step(self):
+        """Bytes per optimizer step (a sync's bytes / every)."""
+        w = self.sync.bytes_per_step()
+        return {"payload": w.payload, "side": w.side, "side_collectives": w.side_collectives,
+                "every": self.sync.every}
 
 
 # --optimizer: the workload's own optimizer, or AdamW / FrozenVarianceAdamW (docs/optimizers.md).
@@ -135,8 +216,28 @@ def main(argv=None, workload="digits"):
                         help="log Adam's per-tensor update RMS and second moment every this many "
                              "steps (over the 10 steps before; 0: off)")
     add_optimizer_args(parser, with_name=False)  # --optimizer is a common flag (worker.py)
+    g = parser.add_argument_group("instead of compressing each step's gradient")
+    g.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches (of --batch-size) per optimizer step and all-reduce (default 1)")
+    g.add_argument("--update-sync", default=None, metavar="OPTIONS",
+                   help="compressed update sync (torch_backend.UpdateSync) instead of the gradient "
+                        "all-reduce, e.g. 'every=8' or 'every=1,outer_lr=0.7' (options: every, "
+                        "outer_lr, outer_momentum, nesterov); the --compression spec compresses the "
+                        "parameter change")
+    torch_workloads.add_recipe_args(parser, cls)
     devices.add_device_arg(parser)
     args = parser.parse_args(argv)
+    if args.accumulate < 1:
+        parser.error(f"--accumulate must be >= 1, got {args.accumulate}")
+    sync_options = None
+    if args.update_sync is not None:
+        from ..tta import parse_update_sync
+        try:
+            sync_options = parse_update_sync(args.update_sync)
+        except ValueError as e:
+            parser.error(str(e))
+        if args.accumulate > 1:
+            parser.error("--accumulate and --update-sync together are not supported")
     try:
         devices.check_device(args.device)
     except devices.DeviceUnavailable as e:
@@ -152,11 +253,17 @@ def main(argv=None, workload="digits"):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     extra = {"hidden": args.hidden} if workload == "digits" else {}
     wl = devices.place_workload(cls(hvd.rank(), hvd.size(), args.seed, args.batch_size, **extra), device)
+    if getattr(args, "recipe", None):
+        wl.recipe = args.recipe
     model = wl.model().to(device)
     try:
-        trainer = HorovodTrainer(wl, model, args.lr, args.compression, args.optimizer, args.adam_log_every,
-                                 optimizer_defaults(args), device)
-    except ValueError as e:  # a bad or missing optimizer or spec: the same message on every rank
+        if sync_options is not None:
+            trainer = UpdateSyncTrainer(wl, model, args.lr, args.compression, args.optimizer, args.adam_log_every,
+                                        optimizer_defaults(args), device, sync_options)
+        else:
+            trainer = HorovodTrainer(wl, model, args.lr, args.compression, args.optimizer, args.adam_log_every,
+                                     optimizer_defaults(args), device, args.accumulate)
+    except (ValueError, TypeError) as e:  # a bad or missing optimizer or spec: the same message on every rank
         print(f"{workload} worker: {e}", file=sys.stderr, flush=True)
         hvd.shutdown()
         return 2
@@ -164,12 +271,17 @@ def main(argv=None, workload="digits"):
     # its first parameter group's options (Horovod's wrapper re-initialises ``defaults``).
     built = {k: list(v) if isinstance(v, tuple) else v for k, v in trainer.opt.param_groups[0].items()
              if k != "params" and isinstance(v, (bool, int, float, tuple))}
+    trainer.schedule = torch_workloads.make_schedule(wl, trainer.opt, args)  # the recipe's
     meta = {"framework": "torch", "system": "horovod", "label": args.compression, "device": str(device),
+            "accumulate": args.accumulate, "update_sync": args.update_sync,
+            "recipe": getattr(args, "recipe", None),
+            "schedule_steps": None if trainer.schedule is None else trainer.schedule.total,
             "optimizer_class": type(trainer.opt).__name__,  # Horovod's wrapper keeps the name
             "optimizer_options": built}
     torch_workloads.train(wl, model, trainer, args, hvd.rank(), hvd.size(), meta,
                           trainer.bytes_per_step)
-    trainer.compressor.close()
+    if hasattr(trainer.compressor, "close"):
+        trainer.compressor.close()
     hvd.shutdown()
     return 0
 

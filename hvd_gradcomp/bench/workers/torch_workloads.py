@@ -24,7 +24,7 @@ from .. import data
 from ..worker import OPTIMIZERS, Recorder, optimizer_class, parse_optimizer
 
 __all__ = ["DigitsWorkload", "LMWorkload", "LMCommWorkload", "WORKLOADS", "train", "versions",
-           "build_optimizer", "AdamProbe"]
+           "build_optimizer", "AdamProbe", "LRSchedule", "add_recipe_args", "make_schedule", "lr_factor", "decay_groups", "RECIPES"]
 
 
 def versions():
@@ -172,8 +172,68 @@ class LMWorkload:
                 "corpus": self.corpus, "valid_windows": self.valid_windows}
 
 
+def decay_groups(named_parameters, weight_decay):
+    """Parameter groups for AdamW with decoupled weight decay on matrices only: ``[{"params":
+    tensors of 2 or more dimensions (weights, the embeddings), "weight_decay": weight_decay},
+    {"params": the rest (biases, LayerNorm gains), "weight_decay": 0.0}]`` (empty groups left
+    out), as GPT-style recipes do."""
+    decay, rest = [], []
+    for _, p in named_parameters:
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else rest).append(p)
+    return [g for g in ({"params": decay, "weight_decay": float(weight_decay)},
+                        {"params": rest, "weight_decay": 0.0}) if g["params"]]
+
+
+def lr_factor(step, total, warmup=0.05, final=0.1):
+    """The learning-rate multiplier of optimizer step ``step`` (1-based) of a ``total``-step
+    run: linear warm-up from 1/W to 1 over the first W = max(1, round(warmup x total)) steps,
+    then a cosine decay from 1 to ``final`` at step ``total``, and ``final`` after it (rows
+    that run past FP16's budget keep the last rate).
+
+    Raises:
+        ValueError: total < 1, warmup not in [0, 1), final not in [0, 1].
+    """
+    if total < 1:
+        raise ValueError(f"lr_factor: total must be >= 1 steps, got {total}")
+    if not 0 <= warmup < 1 or not 0 <= final <= 1:
+        raise ValueError(f"lr_factor: warmup must be in [0, 1) and final in [0, 1], got {warmup}, {final}")
+    w = max(1, round(warmup * total))
+    if step <= w:
+        return step / w
+    if step >= total:
+        return final
+    progress = (step - w) / max(1, total - w)
+    return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LRSchedule:
+    """Sets every parameter group's ``lr`` to its initial value times :func:`lr_factor` before
+    each optimizer step: ``schedule.set(step)`` with the 1-based number of the step about to be
+    taken (``total``: the schedule's length in steps; FP16's budget in an lm-comm sweep)."""
+
+    def __init__(self, optimizer, total, warmup=0.05, final=0.1):
+        self.opt, self.total, self.warmup, self.final = optimizer, int(total), warmup, final
+        self.base = [g["lr"] for g in optimizer.param_groups]
+        lr_factor(1, self.total, warmup, final)  # checks the arguments
+
+    def set(self, step):
+        f = lr_factor(step, self.total, self.warmup, self.final)
+        for g, lr in zip(self.opt.param_groups, self.base):
+            g["lr"] = lr * f
+        return f
+
+
+# lm-comm's recipes: the users' (the default) and issue 25's, kept for comparison.
+RECIPES = {
+    "adamw-cosine": {"betas": (0.9, 0.95), "weight_decay": 0.1, "warmup": 0.05, "final": 0.1},
+    "adam-constant": None,  # Adam (0.9, 0.999), no weight decay, constant learning rate
+}
+
+
 class LMCommWorkload(LMWorkload):
-    """``lm-comm``: the LM made communication-bound and trained until FP16 flattens (issue 25).
+    """``lm-comm``: the LM made communication-bound and trained until FP16 flattens (issue 25),
+    under the recipe users train transformers with (issue 34).
 
     The same byte-level transformer and corpus as ``lm``, narrower (width 128: 470,528
     parameters, about half ``lm``'s compute per step) and trained for a fixed budget of
@@ -183,6 +243,13 @@ class LMCommWorkload(LMWorkload):
     (``hvd_gradcomp.bench.tta.WORKLOAD_SWEEP_DEFAULTS``) so that FP16's step is mostly
     communication. Logs Adam's per-tensor statistics every ``adam_log_every`` steps
     (:class:`AdamProbe`).
+
+    Recipe (``recipe``, the workers' ``--recipe``; :data:`RECIPES`): ``adamw-cosine`` (the
+    default) is AdamW with betas (0.9, 0.95) and decoupled weight decay 0.1 on matrices only
+    (:func:`decay_groups`), peak learning rate ``lr``, a linear warm-up over the first 5% of
+    FP16's step budget and a cosine decay to 10% of the peak at its end (:class:`LRSchedule`,
+    set by the trainer before every step; a row naming its own optimizer keeps the schedule);
+    ``adam-constant`` is issue 25's Adam at a constant ``lr``, no decay.
     """
 
     name = "lm-comm"
@@ -190,6 +257,21 @@ class LMCommWorkload(LMWorkload):
                     max_epochs=1.75)
     width, layers = 128, 2
     adam_log_every = 100
+    recipe = "adamw-cosine"
+
+    def optimizer(self, params, lr):
+        """``params``: ``named_parameters()`` pairs or bare tensors (bare tensors: matrices
+        are told by their dimensions alike)."""
+        r = RECIPES[self.recipe]
+        if r is None:
+            return torch.optim.Adam(params, lr=lr)
+        named = [(None, p) if isinstance(p, torch.Tensor) else p for p in params]
+        return torch.optim.AdamW(decay_groups(named, r["weight_decay"]), lr=lr, betas=r["betas"])
+
+    def schedule(self, optimizer, total):
+        """The recipe's :class:`LRSchedule` over ``total`` steps, or None (constant rate)."""
+        r = RECIPES[self.recipe]
+        return None if r is None else LRSchedule(optimizer, total, r["warmup"], r["final"])
 
 
 def build_optimizer(workload, params, lr, text, defaults=None):
@@ -288,6 +370,30 @@ class AdamProbe:
 
 
 WORKLOADS = {"digits": DigitsWorkload, "lm": LMWorkload, "lm-comm": LMCommWorkload}
+
+
+def add_recipe_args(parser, cls):
+    """``--recipe`` and ``--schedule-steps`` for a workload with a recipe (``cls.schedule``);
+    nothing for the others."""
+    if getattr(cls, "schedule", None) is None:
+        return
+    g = parser.add_argument_group("recipe")
+    g.add_argument("--recipe", choices=sorted(RECIPES), default=cls.recipe,
+                   help=f"training recipe (default {cls.recipe}; torch_workloads.LMCommWorkload)")
+    g.add_argument("--schedule-steps", type=int, default=0,
+                   help="length of the learning-rate schedule in steps (micro-batches); 0: this "
+                        "run's own step budget (the harness gives the rows after FP16 FP16's)")
+
+
+def make_schedule(workload, optimizer, args):
+    """The workload's learning-rate schedule for ``optimizer`` (None without a recipe or under
+    a constant one), over ``--schedule-steps`` steps, or this run's own budget (``--max-epochs``
+    x steps per epoch, capped by ``--max-steps``)."""
+    if getattr(workload, "schedule", None) is None:
+        return None
+    budget = math.ceil(args.max_epochs * workload.steps_per_epoch)
+    total = args.schedule_steps or (min(budget, args.max_steps) if args.max_steps else budget)
+    return workload.schedule(optimizer, total)
 
 
 def train(workload, model, trainer, args, rank, world_size, meta, bytes_fn):
