@@ -369,10 +369,11 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
             self.table.superseded.discard(key)
             self._pending.pop(key, None)
         scheme = route.scheme
-        if key is None and type(scheme).init is not Scheme.init:
+        unnamed = key is None
+        if unnamed and type(scheme).init is not Scheme.init and not scheme.state_optional:
             raise ValueError(self.no_key_message.format(scheme=scheme.name))
         self._check_call(scheme, info.key, call, info)
-        payload, ctx = self._encode_info(tensor, info, scheme)
+        payload, ctx = self._encode_info(tensor, info, scheme, keyed=not unnamed)
         return payload, ctx, info.key
 
     def _info(self, key, shape, dtype, call: Call, tensor) -> TensorInfo:
@@ -387,9 +388,10 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         return TensorInfo("<unnamed>" if key is None else key, shape, dtype, world_size, rank, op,
                           call.process_set, nccl_avg)
 
-    def _encode_info(self, tensor, info: TensorInfo, scheme: Scheme, detach: bool = True):
+    def _encode_info(self, tensor, info: TensorInfo, scheme: Scheme, detach: bool = True, keyed: bool = True):
         """``(payload, ctx)`` of ``tensor`` under ``info`` and its route's ``scheme``: the
-        records (static facts, wire bytes), the loss scale, the state, the scheme's compress.
+        records (static facts, wire bytes), the loss scale, the state (none for a tensor
+        without a key, ``keyed=False``: a ``state_optional`` scheme's), the scheme's compress.
         Shared by one tensor (:meth:`_compress_one`) and a bucket's flat group
         (:mod:`~hvd_gradcomp.buckets`)."""
         ops, key = self.ops, info.key
@@ -408,7 +410,7 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         if self._scale_source is not None:
             scale = self._scale_of(self._scale_source)
             tensor = ops.cast(tensor, "float32") * (1.0 / scale)
-        state = self._state_for(scheme, info, tensor)
+        state = self._state_for(scheme, info, tensor) if keyed else EmptyState()
         payload, ctx = compress_tensor(scheme, ops, tensor, state, scheme_info(info, scale))
         return payload, _AdapterCtx(info, ctx, scale, scheme)
 

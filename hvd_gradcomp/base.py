@@ -234,6 +234,10 @@ class Scheme:
     # is equal on all ranks (agreed ranges, scores, bases, counters). A checkpoint loaded on a
     # different number of ranks keeps the others and resets these to zero.
     rank_local_fields = ("residual",)
+    # True: the scheme also works without its state (EmptyState), which the adapters then hand
+    # it for a tensor they cannot name (fp16: its agreed scale, module cast.py); False: such a
+    # tensor is refused when the scheme keeps state.
+    state_optional = False
     adaptive = False
     flattens = False
     # Routing (module docstring): tensors no rule names with fewer coordinates go to the

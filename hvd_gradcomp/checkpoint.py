@@ -16,6 +16,42 @@ __all__ = ["Checkpoints"]
 log = logging.getLogger("hvd_gradcomp")
 
 
+def _what(value) -> str:
+    """A value in a message: its type and a short repr."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _check_part(part, where: str):
+    """Refuse a per-rank state that is not shaped as :meth:`Checkpoints.state_dict` writes it
+    (before anything is loaded). Raises ValueError naming ``where`` and the entry."""
+    if not isinstance(part, dict):
+        raise ValueError(f"load_state_dict: {where} must be a dict (one rank's state), got {_what(part)}")
+    if "tensors" not in part:
+        raise ValueError(f"load_state_dict: {where} has no 'tensors' (the per-tensor state; keys "
+                         f"{sorted(map(str, part))}): is it truncated, or not a compressor's state_dict()?")
+    tensors = part["tensors"]
+    if not isinstance(tensors, dict):
+        raise ValueError(f"load_state_dict: {where}['tensors'] must be a dict of tensor -> fields, "
+                         f"got {_what(tensors)}")
+    for key, fields in tensors.items():
+        if not isinstance(fields, dict) or not fields:
+            raise ValueError(f"load_state_dict: {where}['tensors'][{key!r}] must be a non-empty dict of "
+                             f"field -> tensor, got {_what(fields)}")
+        for field, value in fields.items():
+            if not isinstance(field, str) or value is None or isinstance(value, (str, bytes, dict)):
+                raise ValueError(f"load_state_dict: {where}['tensors'][{key!r}][{field!r}] must be a "
+                                 f"tensor, got {_what(value)}")
+    routes = part.get("routes", {})
+    if not isinstance(routes, dict) or not all(isinstance(t, str) for t in routes.values()):
+        raise ValueError(f"load_state_dict: {where}['routes'] must be a dict of tensor -> scheme spec "
+                         f"text, got {_what(routes)}")
+    for name in ("rank", "world_size"):
+        value = part.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"load_state_dict: {where}[{name!r}] must be an integer or None, got {_what(value)}")
+
+
 class Checkpoints:
     """``state_dict()`` / ``load_state_dict()`` (module docstring)."""
 
@@ -52,11 +88,24 @@ class Checkpoints:
         for key, state in self._pending.items():
             tensors.setdefault(key, {f: v for f, v in zip(state._fields, state)})
         routes = self.table.texts()
-        size, rank = self._global_world()
+        size, rank = self._job_world()
         out = {"spec": self.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
         if buckets:
             out["buckets"] = buckets
         return out
+
+    def _job_world(self):
+        """(world size, rank) of this process: the bound engine's group (DDP) or Horovod's
+        global set (:meth:`_global_world`), else the framework's own process group
+        (:meth:`_process_world`: ``torch.distributed``'s default group, so a checkpoint loads
+        before ``register_comm_hook``); (None, None) when none is initialised."""
+        size, rank = self._global_world()
+        return (size, rank) if size is not None else self._process_world()
+
+    def _process_world(self):
+        """(world size, rank) of the framework's own initialised process group, without
+        Horovod; default (None, None). PyTorch: ``torch.distributed``'s default group."""
+        return None, None
 
     def _same_config(self, spec) -> bool:
         """True if the text ``spec`` describes this compressor's routing, schemes and configs."""
@@ -71,7 +120,9 @@ class Checkpoints:
         Args:
             state_dict: per rank, or gathered (``state_dict(gather=True)``, e.g. saved by
                 rank 0 and loaded on every rank).
-            rank: which saved rank's state to load; default this process's Horovod rank.
+            rank: which saved rank's state to load; default this process's rank
+                (:meth:`_job_world`: the bound DDP group's, Horovod's, else, before
+                ``register_comm_hook`` in a job without Horovod, ``torch.distributed``'s).
                 Gathered: that rank's part. Per rank: the dict must be that rank's (a
                 per-rank dict of rank 0 loaded on rank 1 would resume rank 1 with rank 0's
                 error feedback: refused unless ``rank=0`` is given on purpose).
@@ -86,16 +137,30 @@ class Checkpoints:
             ValueError: the spec differs from this compressor's, the dict is another rank's,
                 a tensor's route differs from this compressor's decision, or its state has
                 the wrong fields or shapes (checked now for tensors already seen, else at
-                their first compress, before any collective).
+                their first compress, before any collective); a truncated or damaged dict
+                (not a dict, no ``"tensors"`` or one that is not a dict of dicts of tensors,
+                ``"ranks"`` empty or not a list, a field holding a string or None, routes
+                that are not texts), saying which entry is wrong, before anything is loaded.
         """
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"load_state_dict: expected the dict state_dict() returned, got "
+                             f"{type(state_dict).__name__}")
+        if "spec" not in state_dict:
+            raise ValueError(f"load_state_dict: state_dict has no 'spec' (keys {sorted(map(str, state_dict))}); "
+                             f"is it truncated, or not a compressor's state_dict()?")
         if not self._same_config(state_dict.get("spec")):
             raise ValueError(f"state_dict was saved by compressor {state_dict.get('spec')!r}, "
                              f"this one is {self.spec!r}")
-        size, me = self._global_world()
+        size, me = self._job_world()
         if rank is None:
             rank = me
         if "ranks" in state_dict:
             parts = state_dict["ranks"]
+            if not isinstance(parts, (list, tuple)) or not parts:
+                raise ValueError(f"load_state_dict: a gathered state_dict's 'ranks' must be a non-empty "
+                                 f"list of per-rank states, got {_what(parts)}")
+            for i, part in enumerate(parts):
+                _check_part(part, f"'ranks'[{i}]")
             if size is not None and len(parts) != size:
                 log.warning("hvd_gradcomp: state of %d ranks loaded on %d: every rank takes rank 0's, "
                             "with its residuals reset to zero (agreed statistics kept)", len(parts), size)
@@ -103,9 +168,11 @@ class Checkpoints:
                 return
             if rank is None or not 0 <= rank < len(parts):
                 raise ValueError(f"load_state_dict: rank must be in [0, {len(parts)}) for a state "
-                                 f"gathered from {len(parts)} ranks, got {rank!r} (is hvd.init() done?)")
+                                 f"gathered from {len(parts)} ranks, got {rank!r} (is hvd.init() or "
+                                 f"torch.distributed.init_process_group() done? else pass rank=)")
             self._load_part(parts[rank], reset=False)
             return
+        _check_part(state_dict, "state_dict")
         saved = state_dict.get("rank")
         if saved is not None and rank is not None and saved != rank:
             raise ValueError(f"load_state_dict: this state_dict holds rank {saved}'s state (its "
@@ -114,16 +181,25 @@ class Checkpoints:
                              f"rank={saved} to load it here anyway")
         self._load_part(state_dict, reset=False)
 
+    def _import_field(self, key, field, value):
+        """A saved field as the backend's tensor; ValueError naming it if it is none."""
+        try:
+            return self._import(value)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"load_state_dict: tensor {key!r} field {field!r} holds {_what(value)}, "
+                             f"not a tensor ({err})") from None
+
     def _load_part(self, part: dict, reset: bool):
         """Load one rank's state (``reset``: zero the rank-local fields)."""
+        tensors = {key: {f: self._import_field(key, f, v) for f, v in fields.items()}
+                   for key, fields in part["tensors"].items()}  # all, before anything is loaded
         self.table.load(part.get("routes", {}))
         local = {ERROR_FEEDBACK}
         for scheme in self.routing.schemes():
             local.update(scheme.rank_local_fields)
         for gkey, saved in part.get("buckets", {}).items():
             self._load_group(gkey, saved)
-        for key, fields in part["tensors"].items():
-            fields = {f: self._import(v) for f, v in fields.items()}
+        for key, fields in tensors.items():
             if reset:
                 fields = {f: self._zeros_like(v) if f in local else v for f, v in fields.items()}
             route = self.table.routes.get(key)

@@ -61,22 +61,25 @@ class Namespace:
         :mod:`hvd_gradcomp.routing_spec`). Raises ValueError for a malformed spec."""
         return self._cls(Routing.from_spec(spec))
 
-    def rules(self, rules, default: str = "thc", min_numel=None):
+    def rules(self, rules, default="thc", min_numel=None):
         """A compressor that routes each tensor by name and size (:mod:`hvd_gradcomp.routing`).
 
         Args:
-            rules: ``[(selector, scheme spec), ...]`` tried in order, e.g.
-                ``[("*.bias", "fp16"), ("*embed*", "topkc:0.01"), ("numel>=1000000",
+            rules: ``[(selector, scheme), ...]`` tried in order, e.g.
+                ``[("*.bias", "fp16"), ("*embed*", Compression.topkc(0.01)), ("numel>=1e6",
                 "powersgd:4")]``; a selector is an fnmatch glob on the tensor's name and/or
-                ``numel>=N`` / ``numel<N`` terms.
-            default: scheme spec for tensors no rule names (default ``"thc"``).
+                ``numel>=N`` / ``numel<N`` terms; a scheme is a spec string or a compressor of
+                one scheme, whose spec is used (not its state).
+            default: scheme spec or compressor of one scheme for tensors no rule names
+                (default ``"thc"``).
             min_numel: tensors no rule names with fewer coordinates go as fp16; an integer
                 >= 1; default: the default scheme's ``min_numel`` (1024 for ``thc``,
                 ``topkc``, ``auto``; else 1).
 
         In TensorFlow, rules with a glob need ``compressor.route(variables)`` before the first
         step (variable names may differ between ranks). Raises ValueError for a malformed
-        rule, naming it.
+        rule, naming it: a value of another type, a ``;`` or ``->`` inside a pair, a
+        compressor with rules of its own (:meth:`hvd_gradcomp.routing.Routing.from_rules`).
         """
         return self._cls(Routing.from_rules(rules, default, min_numel))
 

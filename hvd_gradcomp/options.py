@@ -23,6 +23,8 @@ Every refusal reads::
 
     ValueError: <scheme>: <option> must be <rule>, got <value!r>
 
+with the value's type added when it is not a Python one (``got tensor(0.1000) (torch.Tensor)``),
+
 e.g. ``"thc: bits must be an integer in [1, 16], got 17"``, ``"topkc: ratio must be a number
 in (0, 1], got 1.5"``, ``"powersgd: error_feedback must be True or False, got 1"``,
 ``"topkc: selection must be 'previous' or 'current', got 'lagged'"``; a spec string's value
@@ -30,9 +32,13 @@ that does not parse reads the same with the text as given (``"thc: bits must be 
 [1, 16], got 'four'"``).
 
 Kinds:
-    integer: a Python ``int`` that is not a ``bool`` (``2.0``, ``True`` and NumPy integers are
-        refused), optionally bounded by closed bounds ``[lo, hi]``.
-    number: an ``int`` or ``float`` that is not a ``bool`` (strings are refused), bounded by
+    integer: an integer that is not a ``bool``: a Python ``int`` or another
+        :class:`numbers.Integral` such as a NumPy integer, kept as a Python ``int`` (``2.0``,
+        ``True``, strings and tensors are refused), optionally bounded by closed bounds
+        ``[lo, hi]``.
+    number: a :class:`numbers.Real` that is not a ``bool``: ``int``, ``float``, NumPy scalars
+        (strings, tensors and ``numpy.bool_`` are refused), kept as a Python ``float``
+        (:func:`plain_number`: ``np.float32(0.1)`` is kept as ``0.1``), bounded by
         ``lo``/``hi``, each closed or open; NaN fails every bound. Without an upper bound
         ``inf`` is accepted (e.g. PowerSGD's ``min_compression_rate=inf``: never compress).
         A config keeps it as a ``float`` (``ratio=1`` is stored as ``1.0``), so equal configs
@@ -62,11 +68,12 @@ rules themselves, usable alone.
 """
 import dataclasses
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 __all__ = ["WARMUP", "WARMUP_OPTION", "MIN_NUMEL", "ROUTING_OPTION", "to_spec", "WIRE_DTYPES", "KINDS", "Option", "option", "option_of",
            "options_of", "validate", "seed_option", "ratio_option", "error_feedback_option",
-           "wire_dtype_option", "check_int", "check_float", "check_bool", "check_choice"]
+           "wire_dtype_option", "plain_number", "check_int", "check_float", "check_bool", "check_choice"]
 
 # Float dtypes an option may put on the wire: Horovod all-reduces both in every framework
 # (it has no bfloat16, see cast.py).
@@ -80,12 +87,46 @@ _FALSE = ("0", "false", "no", "off")
 _KEY = "hvd_gradcomp.option"
 
 
+# Types whose repr says what they are; any other value's type is named in a refusal.
+_PLAIN_TYPES = (int, float, bool, str, type(None))
+
+
 def _fail(scheme: str, name: str, rule: str, value):
-    raise ValueError(f"{scheme}: {name} must be {rule}, got {value!r}")
+    kind = type(value)
+    typed = "" if kind in _PLAIN_TYPES else f" ({kind.__module__}.{kind.__qualname__})"
+    raise ValueError(f"{scheme}: {name} must be {rule}, got {value!r}{typed}")
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def plain_number(value):
+    """The Python ``int`` or ``float`` a number given as an option stands for.
+
+    An :class:`numbers.Integral` (NumPy integers) -> ``int``. Another real (``np.float32``,
+    ``np.float64``, ``Fraction``) -> the shortest decimal that is the same value in the
+    value's own type, as a ``float``: ``np.float32(0.1)`` -> ``0.1`` (not
+    ``0.10000000149011612``, its exact value, which would move a ``ratio`` of 1000
+    coordinates from 100 to 101 kept); when the type cannot say (``Fraction(1, 3)``), its
+    exact ``float``. Python ``int``/``float`` as they are.
+    """
+    if type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    exact = float(value)
+    try:
+        short = float(str(value))
+        if type(value)(short) == value:
+            return short
+    except (ValueError, TypeError, OverflowError):
+        pass
+    return exact
 
 
 def _number(value) -> str:
@@ -122,8 +163,8 @@ def check_int(scheme: str, name: str, value, lo=None, hi=None):
         lo, hi: smallest and largest accepted value (ints); None for no bound.
 
     Raises:
-        ValueError: ``value`` is not an ``int`` (a ``bool`` or ``2.0`` is refused) or lies
-            outside the bounds, e.g. ``"thc: bits must be an integer in [1, 16], got 17"``,
+        ValueError: ``value`` is not an integer (:class:`numbers.Integral`: a ``bool`` or
+            ``2.0`` is refused) or lies outside the bounds, e.g. ``"thc: bits must be an integer in [1, 16], got 17"``,
             ``"topkc: chunk must be an integer >= 1, got 0"``.
     """
     if not _is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -131,7 +172,8 @@ def check_int(scheme: str, name: str, value, lo=None, hi=None):
 
 
 def check_float(scheme: str, name: str, value, lo=None, hi=None, lo_open=False, hi_open=False):
-    """Check that an option is a number (``int`` or ``float``) within the bounds.
+    """Check that an option is a number (:class:`numbers.Real`: ``int``, ``float``, NumPy
+    scalars) within the bounds.
 
     Args:
         scheme: the scheme's name, first word of the message.
@@ -147,7 +189,7 @@ def check_float(scheme: str, name: str, value, lo=None, hi=None, lo_open=False, 
             the bounds, e.g. ``"thc: saturation_rate must be a number in (0, 0.5], got 0.7"``,
             ``"powersgd: min_compression_rate must be a number >= 1, got 0.5"``.
     """
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = _is_number(value)
     if ok and lo is not None:
         ok = value > lo if lo_open else value >= lo
     if ok and hi is not None:
@@ -279,10 +321,13 @@ class Option(NamedTuple):
             check_choice(scheme, name, value, self.choices)
 
     def normalise(self, value):
-        """The value a config keeps: a number's ``int`` becomes a ``float`` (``1`` -> ``1.0``);
-        anything else as it is. Call after :meth:`check`."""
-        if self.kind == "number" and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
+        """The value a config keeps: a number becomes a Python ``float`` (``1`` -> ``1.0``,
+        ``np.float32(0.1)`` -> ``0.1``: :func:`plain_number`), an integer a Python ``int``
+        (``np.int64(4)`` -> ``4``); anything else as it is. Call after :meth:`check`."""
+        if self.kind == "number" and _is_number(value):
+            return float(plain_number(value))
+        if self.kind == "integer" and _is_int(value):
+            return int(value)
         return value
 
     def parse(self, scheme: str, name: str, text: str):

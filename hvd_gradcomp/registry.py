@@ -90,6 +90,7 @@ def make_scheme(name: str, *args, **options):
     name = _canonical_name(name)
     warmup = options.pop(WARMUP_OPTION, 0)
     WARMUP.check(name, WARMUP_OPTION, warmup)
+    warmup = WARMUP.normalise(warmup)
     scheme = _make(name, *args, **options)
     if not warmup or name in ("fp16", "none"):
         return scheme

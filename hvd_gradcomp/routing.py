@@ -146,6 +146,38 @@ def _build(spec: str) -> Scheme:
     return make_scheme(name, **options)
 
 
+def _no_separator(text: str, what: str, where: str):
+    """Refuse a ``;`` or ``->`` inside one part of a Python rule (they would split it)."""
+    for sep in (";", RULE_ARROW):
+        if sep in text:
+            role = "between rules" if sep == ";" else "between a selector and its scheme"
+            raise ValueError(f"{where}: the {what} holds {sep!r}, a separator of the spec text "
+                             f"({role}); give each rule as its own (selector, scheme spec) pair")
+
+
+def _text_of(spec, what: str, where: str, rule: bool) -> str:
+    """The spec text of a rule's scheme or the default (``rule=False``): a spec string as it
+    is, a compressor of one scheme as its spec (a rule's without ``min_numel``). Raises
+    ValueError (:meth:`Routing.from_rules`)."""
+    routing = getattr(spec, "routing", None)
+    if isinstance(routing, Routing):
+        if routing.rules:
+            raise ValueError(f"{where}: compressor {routing.spec()!r} routes by rules of its own; "
+                             f"the {what} must be one scheme (list its rules here instead)")
+        if rule and routing.min_numel != routing.default.min_numel:
+            raise ValueError(f"{where}: compressor {routing.spec()!r} has min_numel={routing.min_numel}, "
+                             f"the default's threshold; in a rule use a size term "
+                             f"('numel>={routing.min_numel}') and a compressor without min_numel")
+        return scheme_text(routing.default) if rule else routing.spec()
+    if not isinstance(spec, str):
+        factory = callable(spec) and repr(spec).startswith("Compression.")  # namespace.Factory
+        raise ValueError(f"{where}: the {what} must be a scheme spec string ('fp16') or a compressor "
+                         f"of one scheme (Compression.fp16()), got {type(spec).__name__} {spec!r}"
+                         + (f"; call it: {spec!r}()" if factory else ""))
+    _no_separator(spec, what, where)
+    return spec
+
+
 class Routing:
     """Rules, default scheme and size threshold (module docstring); decides routes.
 
@@ -167,7 +199,7 @@ class Routing:
         MIN_NUMEL.check(default.name, ROUTING_OPTION, min_numel)
         self.rules = tuple(rules)
         self.default = default
-        self.min_numel = min_numel
+        self.min_numel = MIN_NUMEL.normalise(min_numel)
         self.fallbacks = {}
         for spec in [FALLBACK] + [s.fallback_spec for s in [r.scheme for r in self.rules] + [default]]:
             if spec not in self.fallbacks:
@@ -193,29 +225,47 @@ class Routing:
         """Routing from Python values.
 
         Args:
-            rules: sequence of ``(selector, scheme_spec)`` pairs, both strings, e.g.
+            rules: a list (any iterable) of ``(selector, scheme)`` pairs, tried in order, e.g.
                 ``("*.bias", "fp16")``, ``("*embed* numel>=4096", "topkc:0.01")``,
-                ``("numel>=1000000", "powersgd:4")`` (selector grammar:
-                :mod:`hvd_gradcomp.routing_spec`), tried in order.
-            default: scheme spec for tensors no rule names; may hold ``min_numel=N``.
+                ``("numel>=1e6", "powersgd:4")`` (selector grammar:
+                :mod:`hvd_gradcomp.routing_spec`). A selector is a string or a
+                :class:`Selector`; a scheme is a spec string or a compressor of one scheme
+                (``Compression.fp16()``, ``Compression.topkc(0.01)``), whose spec is used (its
+                options; not its state, which stays with that object).
+            default: scheme spec (may hold ``min_numel=N``) or compressor of one scheme (its
+                ``min_numel`` kept) for tensors no rule names.
             min_numel: tensors no rule names with fewer coordinates go as fp16; an integer
                 >= 1; default: the default scheme's ``min_numel``.
 
         Raises:
-            ValueError: a malformed selector or spec, ``min_numel`` given twice or inside a
-                rule's spec.
+            ValueError: naming the rule (its index and pair): ``rules`` is a string, dict or
+                non-iterable, or holds something other than pairs; a selector, scheme or default of another type (None, a number, a
+                factory such as ``Compression.fp16`` without the call); a compressor with rules
+                of its own, or one with a ``min_numel`` of its own as a rule's scheme; a ``;``
+                or ``->`` inside a selector, scheme or default (they separate rules in a spec:
+                one pair is one rule); a malformed selector or spec; ``min_numel`` given twice
+                or inside a rule's spec.
         """
-        text, inner = split_min_numel(default)
+        if isinstance(rules, (str, bytes, dict)) or not hasattr(rules, "__iter__"):
+            raise ValueError(f"routing: rules must be a list of (selector, scheme spec) pairs, "
+                             f"got {type(rules).__name__} {rules!r}")
+        text, inner = split_min_numel(_text_of(default, "default", "routing", rule=False))
         if inner is not None and min_numel is not None:
             raise ValueError(f"routing: min_numel given twice (min_numel={min_numel} and in "
                              f"default {default!r})")
         items = []
         for i, rule in enumerate(rules):
-            if isinstance(rule, (str, bytes)) or len(rule) != 2:
+            if isinstance(rule, (str, bytes)) or not isinstance(rule, (list, tuple)) or len(rule) != 2:
                 raise ValueError(f"routing: rule {i} must be a (selector, scheme spec) pair, got {rule!r}")
             selector, spec = rule
-            items.append(f"{selector if isinstance(selector, str) else format_selector(selector)} "
-                         f"{RULE_ARROW} {spec}")
+            where = f"routing: rule {i} {tuple(rule)!r}"
+            if isinstance(selector, Selector):
+                selector = format_selector(selector)
+            elif not isinstance(selector, str):
+                raise ValueError(f"{where}: the selector must be a string (a glob and/or numel "
+                                 f"bounds) or a Selector, got {type(selector).__name__}")
+            _no_separator(selector, "selector", where)
+            items.append(f"{selector} {RULE_ARROW} {_text_of(spec, 'scheme', where, rule=True)}")
         threshold = min_numel if min_numel is not None else inner
         items.append(text if threshold is None else with_min_numel(text, threshold))
         return cls.from_spec("; ".join(items))

@@ -7,7 +7,9 @@ with routing (:mod:`hvd_gradcomp.routing`): which scheme sends which tensor. Gra
     rule       := selector "->" scheme-spec
     selector   := term [whitespace term]...
     term       := glob                                     (at most one; fnmatch, case-sensitive)
-                | "numel" (">=" | ">" | "<" | "<=") integer  (coordinates of the tensor)
+                | "numel" (">=" | ">" | "<" | "<=") size     (coordinates of the tensor)
+    size       := a whole number >= 0: digits, with "_" between them (1_000_000), or in
+                  exponent form (1e6, 1E6, 2.5e5); written back as digits (numel>=1000000)
     default    := scheme-spec, which may also hold min_numel=N
 
 Example: ``"*.bias -> fp16; *embed* -> topkc:0.01; numel>=1000000 -> powersgd:4;
@@ -24,17 +26,46 @@ plain scheme spec.
 """
 import fnmatch
 import re
+from decimal import Decimal, InvalidOperation
 from typing import NamedTuple, Optional
 
 from .options import MIN_NUMEL, ROUTING_OPTION
 from .registry import given_twice, parse_spec
 
-__all__ = ["RULE_ARROW", "Selector", "parse_selector", "format_selector", "split_min_numel", "with_min_numel",
+__all__ = ["RULE_ARROW", "Selector", "parse_size", "parse_selector", "format_selector", "split_min_numel", "with_min_numel",
            "RoutingSpec", "parse_routing"]
 
 RULE_ARROW = "->"
-_SIZE_TERM = re.compile(r"numel\s*(>=|<=|>|<)\s*([0-9]+)")
-_TERMS = re.compile(r"numel\s*(?:>=|<=|>|<)\s*[0-9]+|\S+")
+# A size term takes everything up to the next whitespace as its number (parse_size checks it),
+# so "numel>=1e6" is one term, never "numel>=1" and a glob "e6".
+_SIZE_TERM = re.compile(r"numel\s*(>=|<=|>|<)\s*(\S*)")
+_TERMS = re.compile(r"numel\s*(?:>=|<=|>|<)\s*\S*|\S+")
+_SIZE_DIGITS = 18  # a bound has at most 19 digits (1e19 coordinates is no tensor's size)
+_SIZE_TEXT = re.compile(r"[0-9](?:_?[0-9])*(?:\.[0-9]+)?(?:[eE][+]?[0-9]+)?")
+
+
+def parse_size(text: str, where: str) -> int:
+    """The number of a size term: ``"4096"``, ``"1_000_000"``, ``"1e6"``, ``"1E6"``,
+    ``"2.5e5"`` -> an ``int`` (exact: decimal arithmetic, no float rounding).
+
+    Args:
+        text: the term's number as written.
+        where: the selector, for the message.
+
+    Raises:
+        ValueError: not a whole number in [0, 1e19) in one of those forms (``"1.5"``,
+            ``"-1"``, ``"1e-3"``, ``"1e30"``, ``"abc"``, empty), naming the selector.
+    """
+    value = None
+    if _SIZE_TEXT.fullmatch(text):
+        try:
+            value = Decimal(text.replace("_", ""))
+        except InvalidOperation:
+            value = None
+    if value is None or value.adjusted() > _SIZE_DIGITS or value != value.to_integral_value():
+        raise ValueError(f"routing: selector {where!r}: numel bound must be a whole number in "
+                         f"[0, 1e{_SIZE_DIGITS + 1}) (4096, 1_000_000 or 1e6), got {text!r}")
+    return int(value)
 
 
 class Selector(NamedTuple):
@@ -60,7 +91,8 @@ def parse_selector(text: str) -> Selector:
     """``"*embed* numel>=4096"`` -> ``Selector("*embed*", 4096, None)``.
 
     Raises:
-        ValueError: two globs, an empty selector, or bounds that select nothing.
+        ValueError: two globs, an empty selector, a bound that is not a whole number
+            (:func:`parse_size`), or bounds that select nothing.
     """
     pattern, low, high = None, 0, None
     terms = _TERMS.findall(text)
@@ -74,7 +106,7 @@ def parse_selector(text: str) -> Selector:
                                  f"expected at most one")
             pattern = term
             continue
-        op, value = size.group(1), int(size.group(2))
+        op, value = size.group(1), parse_size(size.group(2), text)
         if op in (">=", ">"):
             low = max(low, value + (op == ">"))
         else:

@@ -71,7 +71,11 @@ Steps of ``compress`` (no collective):
        to ``bit_length(n L)`` (more of them a word where ``bits`` caps ``L``); where not even
        ``L = 1`` fits (Average from 64 ranks on with ``b = 8``), one lane fewer a word.
        ``lane_bits=None``: ``L = 2**bits - 1`` at every world size, lanes as wide as its sum
-       needs. The statistics (code, flag) go unsigned in lanes of ``bit_length(1023 n)`` bits
+       needs. The trade is the default's (``bits`` at 4): a ``bits`` set to another value is
+       honoured, ``L = 2**bits - 1`` at every world size, so where the default ``lane_bits=8``
+       would shrink it the lanes widen instead (``lane_bits=None``'s layout), and another
+       ``lane_bits`` that cannot hold it is refused at the first compress, naming both
+       (:meth:`THCScheme.layout`). The statistics (code, flag) go unsigned in lanes of ``bit_length(1023 n)`` bits
        above the same ``g``; and four control words: ``1`` (a contributing rank), ``1`` if
        this rank's gradient was not finite, and a fingerprint ``s, s**2`` of this rank's step
        counter (``s`` its low ``h`` bits: ranks ``k`` steps apart always disagree for
@@ -193,11 +197,12 @@ class THCConfig:
     SCHEME: ClassVar[str] = "thc"
     PRIMARY: ClassVar[str] = "bits"  # the option a bare first value sets ("thc:VALUE")
     bits: int = option(4, kind="integer", lo=1, hi=16, harder="down",
-                       doc="bits per level: at most 2^bits - 1 levels above 0 (THC's 4)")
+                       doc="bits per level: 2^bits - 1 levels above 0 (THC's 4, which may shrink "
+                           "under lane_bits); any other value is kept at every world size")
     lane_bits: Optional[int] = option(8, kind="integer", lo=2, hi=32, optional=True, harder="down",
-                       doc="int32 bits a coordinate takes: levels shrink with the world size to "
-                           "keep 32 // lane_bits lanes a word where n ranks' 1-bit levels fit; "
-                           "none: lanes as wide as 2^bits - 1 levels summed over n ranks need")
+                       doc="int32 bits a coordinate takes: levels of bits=4 shrink with the world "
+                           "size to keep 32 // lane_bits lanes a word; other bits widen the default "
+                           "8 (refused with other values); none: lanes as wide as the levels need")
     rotation: str = option("partial", kind="choice", choices=("partial", "full"),
                            doc="Hadamard rotation in blocks of 2^rotation_stages (partial) or in "
                                "one block of next_pow2(d), up to 2x padding (full)")
@@ -224,6 +229,11 @@ class THCConfig:
 
     def __post_init__(self):
         validate(self)
+
+    def fixed_levels(self) -> bool:
+        """True if the levels are ``2**bits - 1`` at every world size: ``bits`` is not its
+        default 4 (a choice made, to be honoured), or ``lane_bits`` is None."""
+        return self.bits != type(self).bits or self.lane_bits is None
 
 
 class THCState(NamedTuple):
@@ -287,11 +297,32 @@ class THCScheme(Scheme):
 
     # ---- static sizes ----
     def layout(self, info: TensorInfo) -> Layout:
-        """The payload layout of a tensor; ValueError if no lane fits (module docstring)."""
+        """The payload layout of a tensor (module docstring, step 5).
+
+        ``bits`` other than its default 4 is honoured at every world size: where the lanes of
+        the default ``lane_bits`` (8) cannot hold ``2**bits - 1`` levels summed over ``n``
+        ranks, they widen (``lane_bits=None``'s layout); with another ``lane_bits`` that cannot,
+        the pair is refused.
+
+        Raises:
+            ValueError: no lane fits; or ``bits`` other than 4 with a ``lane_bits`` other than
+                8 whose lanes cannot hold ``2**bits - 1`` levels at this world size and op
+                (neither option is weakened), naming both options.
+        """
         cfg, n = self.config, info.world_size
         block = hadamard.block_size(info.numel, None if cfg.rotation == "full" else cfg.rotation_stages)
         padded = hadamard.padded_size(info.numel, block)
         levels = lane_layout(cfg.bits, n, cfg.lane_bits, info.op)
+        if cfg.fixed_levels() and levels.top < (1 << cfg.bits) - 1:
+            wide = lane_layout(cfg.bits, n, None, info.op)
+            if cfg.lane_bits != type(cfg).lane_bits:
+                raise ValueError(
+                    f"thc: bits={cfg.bits} ({(1 << cfg.bits) - 1} levels a rank) and lane_bits={cfg.lane_bits} "
+                    f"({32 // cfg.lane_bits} lanes a word) do not fit together at {n} ranks under "
+                    f"{info.op or 'an unknown op'}: those lanes hold at most {levels.top} levels here; set "
+                    f"lane_bits=none or leave it unset (lanes widen for bits: {32 / wide.lanes:.2f} bits a "
+                    f"coordinate), or leave bits at its default {type(cfg).bits} (levels follow the world size)")
+            levels = wide  # lane_bits at its default gives way to the bits asked for
         stats = stats_layout(n, levels.guard)
         stats_words = 0 if self.blocking else -(-2 * (padded // block) // stats.lanes)
         h = min(13, (31 - levels.guard - n.bit_length()) // 2)

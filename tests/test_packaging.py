@@ -122,6 +122,23 @@ def test_every_public_module_lists_all():
         assert hasattr(mod, "__all__"), m.name
 
 
+def test_no_racy_temporary_names():
+    """``tempfile.mktemp`` hands out a name another process may take first (Python's docs
+    deprecate it); the package and its harness use ``mkdtemp``/``mkstemp`` instead."""
+    for folder in ("hvd_gradcomp", "torch_backend", "tf_backend"):
+        for here, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(here, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read())
+                calls = [node.lineno for node in ast.walk(tree)
+                         if isinstance(node, ast.Attribute) and node.attr == "mktemp"
+                         or isinstance(node, ast.alias) and node.name == "mktemp"]
+                assert not calls, (os.path.relpath(path, ROOT), calls)
+
+
 def test_wheel_extras(wheel):
     """pyproject.toml's metadata reaches the wheel; the ddp extra needs PyTorch, not Horovod."""
     (meta,) = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA")]

@@ -127,6 +127,12 @@ class Compressor(HorovodCompressor):
     def _on_gpu(self, tensor):
         return tensor.device.type == "cuda"
 
+    def _process_world(self):
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank()
+        return None, None
+
     def _has_state(self, key):
         return key in self._states
 

@@ -33,17 +33,22 @@ class CompressionStats(StatsLogger):
         logger: a :class:`logging.Logger` (default ``hvd_gradcomp.stats``); lines are INFO.
         log_dir: a folder for TensorBoard scalars (``torch.utils.tensorboard``, which needs the
             ``tensorboard`` package), written by rank 0 at each log; None: none.
-        rank: this process's rank; default ``horovod.torch.rank()`` (after ``hvd.init()``).
+        rank: this process's rank; default: the compressor's (the DDP group's once
+            ``register_comm_hook`` bound it, else Horovod's after ``hvd.init()``, else
+            ``torch.distributed``'s default group's).
 
     Raises:
         TypeError: ``compression`` is not an hvd-gradcomp compressor.
-        ValueError: ``every`` is negative.
+        ValueError: ``every`` is negative, or ``rank`` is not given and no process group is
+            initialised (neither ``hvd.init()`` nor ``torch.distributed.init_process_group()``).
     """
 
     def __init__(self, compression, parameters, *, every=0, logger=None, log_dir=None, rank=None):
-        if rank is None:
-            import horovod.torch as hvd
-            rank = hvd.rank()
+        if rank is None and callable(getattr(compression, "_job_world", None)):
+            rank = compression._job_world()[1]
+            if rank is None:
+                raise ValueError("CompressionStats: this process's rank is unknown: neither hvd.init() "
+                                 "nor torch.distributed.init_process_group() is done; pass rank=")
         coordinates = sum(p.numel() for p in parameters if p.requires_grad)
         super().__init__(compression, coordinates, every=every, logger=logger, log_dir=log_dir,
                          rank=rank)

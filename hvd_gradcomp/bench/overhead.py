@@ -316,6 +316,8 @@ class DDPHook:
     """
 
     def __init__(self, spec: str, grad, world_size: int):
+        import atexit
+        import shutil
         import tempfile
         import torch
         import torch.distributed as dist
@@ -324,7 +326,10 @@ class DDPHook:
         if grad.device.type != "cpu":
             raise ValueError("DDP hook rows run on CPU only (one-rank Gloo group)")
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(prefix="hvd-gradcomp-ddp-"),
+            # the file store's file, in a folder only this process made (mkdtemp: no name race)
+            folder = tempfile.mkdtemp(prefix="hvd-gradcomp-ddp-")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, "store"),
                                     rank=0, world_size=1)
         name, options = parse_spec(spec)
         shape, numel = tuple(grad.shape), grad.numel()

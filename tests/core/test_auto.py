@@ -54,7 +54,8 @@ def test_spec_round_trip_and_tuple_candidates():
     assert scheme.specs == ("fp16", "topkc:ratio=0.1", "thc")
     assert scheme.fallback == 0
     assert not scheme.scalable  # THC's integer payload is among the candidates
-    assert set(scheme.rank_local_fields) == {"a_residual", "carry"}
+    # fp16's agreed scale (a_fp16_scale) is reset with them on a load at another world size
+    assert set(scheme.rank_local_fields) == {"a_residual", "a_fp16_scale", "carry"}
 
 
 def test_equal_candidate_lists_are_one_configuration():

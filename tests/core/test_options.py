@@ -57,6 +57,46 @@ def test_float():
             check_float("s", "x", bad, 0.0, 1.0, lo_open=True)
 
 
+def test_numpy_scalars_are_numbers_and_other_types_are_named():
+    """NumPy scalars are accepted and kept as the Python number they stand for
+    (``np.float32(0.1)`` as 0.1, so equal configs print one spec); a tensor or an array is
+    refused with its type named."""
+    np = pytest.importorskip("numpy")
+    from torch_backend import Compression
+    topkc = Compression.topkc(np.float32(0.1), chunk=np.int64(64))
+    cfg = topkc.scheme.config
+    assert (cfg.ratio, type(cfg.ratio), cfg.chunk, type(cfg.chunk)) == (0.1, float, 64, int)
+    assert topkc.spec == Compression.topkc(0.1, chunk=64).spec == "topkc:ratio=0.1,chunk=64"
+    assert make_scheme("thc", bits=np.int32(2)).config == THCConfig(bits=2)
+    assert type(make_scheme("thc", bits=np.int32(2)).config.bits) is int
+    assert make_scheme("topk", np.float64(1 / 3)).config.ratio == 1 / 3
+    assert Compression.topkc(min_numel=np.int64(512)).routing.min_numel == 512
+    assert type(Compression.topkc(min_numel=np.int64(512)).routing.min_numel) is int
+    with pytest.raises(ValueError, match=r"^topkc: ratio must be a number in \(0, 1\], got .*1\.5.* \(numpy\.float32\)$"):
+        Compression.topkc(np.float32(1.5))
+    with pytest.raises(ValueError, match=r"^thc: bits must be an integer in \[1, 16\], got .*2\.0.* \(numpy\.float64\)$"):
+        make_scheme("thc", bits=np.float64(2.0))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError) as err:
+        Compression.topkc(torch.tensor(0.1))
+    assert str(err.value) == "topkc: ratio must be a number in (0, 1], got tensor(0.1000) (torch.Tensor)"
+    assert message(check_int, "s", "n", np.array(3)) == "s: n must be an integer, got array(3) (numpy.ndarray)"
+    assert message(check_bool, "s", "b", np.bool_(True)).endswith("(numpy.bool_)")
+    check_int("s", "n", np.uint8(3), 1, 16)
+    check_float("s", "x", np.float16(0.5), 0.0, 1.0)
+
+
+def test_plain_number():
+    np = pytest.importorskip("numpy")
+    from fractions import Fraction
+    from hvd_gradcomp.options import plain_number
+    assert plain_number(np.float32(0.1)) == 0.1 and plain_number(np.float16(0.1)) == 0.1
+    assert plain_number(np.float32(1 / 3)) == 0.33333334  # the same float32, shortest digits
+    assert plain_number(np.float64(0.1)) == 0.1 and plain_number(np.int64(7)) == 7
+    assert plain_number(Fraction(1, 4)) == 0.25 and plain_number(Fraction(1, 3)) == 1 / 3
+    assert plain_number(np.float32(np.inf)) == math.inf
+
+
 def test_bool_and_choice():
     check_bool("s", "b", False)
     for bad in (1, 0, "yes", None):

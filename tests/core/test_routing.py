@@ -80,6 +80,28 @@ def test_canonical_specs_round_trip():
     assert canonical_text("zip:1") == "zip:1"
 
 
+def test_size_bounds_in_exponent_and_underscore_forms():
+    """``numel>=1e6``, ``1E6`` and ``1_000_000`` are one size term each (not ``numel>=1`` and a
+    glob ``e6``), read exactly and written back as digits."""
+    for text in ("numel>=1e6", "numel>=1E6", "numel>=1_000_000", "numel >= 1e+6", "numel>=1000000"):
+        assert parse_selector(text) == Selector("*", 1_000_000, None), text
+    assert parse_selector("*.w numel>=2.5e5 numel<1e7") == Selector("*.w", 250_000, 10_000_000)
+    assert parse_selector("numel<9999999999999999999").max_numel == 9_999_999_999_999_999_999  # exact
+    r = Routing.from_spec("numel>=1e6 -> powersgd:4; fp16")
+    assert r.spec() == "numel>=1000000 -> powersgd:rank=4; fp16"
+    assert r.decide("w", 1_000_000).text == "powersgd:rank=4" and r.decide("w", 999_999).text == "fp16"
+    assert Routing.from_rules([("numel>=1E6", "powersgd:4")], "fp16").spec() == r.spec()
+
+
+@pytest.mark.parametrize("bound", ["1.5", "-1", "1e-3", "1e19", "1e999999999", "abc", "", "1__0", "_1",
+                                   "1e6x", "0x10", "inf", "nan"])
+def test_malformed_size_bound_raises(bound):
+    with pytest.raises(ValueError) as err:
+        Routing.from_spec(f"*.w numel>={bound} -> fp16; thc")
+    assert str(err.value) == (f"routing: selector '*.w numel>={bound}': numel bound must be a whole number "
+                              f"in [0, 1e19) (4096, 1_000_000 or 1e6), got {bound!r}")
+
+
 @pytest.mark.parametrize("spec,message", [
     ("*.bias -> fp16", "routing: no default scheme in '*.bias -> fp16'; add one item without '->'"),
     ("thc; fp16", "routing: two defaults in 'thc; fp16'"),
@@ -109,6 +131,71 @@ def test_bad_python_rules_raise_value_error():
         Routing.from_rules(RULES, min_numel=0)
     with pytest.raises(ValueError, match="rules match tensor names, and this tensor has none"):
         Routing.from_rules(RULES).decide(None, 10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rules_take_compressors_of_one_scheme(backend):
+    """A compressor as a rule's scheme or the default gives its spec (a default keeps its
+    min_numel); one with rules of its own, or a rule's with a min_numel, is refused."""
+    C = _compression(backend)
+    comp = C.rules([("*.bias", C.fp16()), ("*embed*", C.topkc(0.05)), ("numel>=1e6", "powersgd:4")],
+                   default=C.thc(bits=2, min_numel=64))
+    assert comp.spec == ("*.bias -> fp16; *embed* -> topkc:ratio=0.05; numel>=1000000 -> powersgd:rank=4; "
+                         "thc:bits=2,min_numel=64")
+    assert C.rules([("*.w", C.topkc(0.1, fp16_warmup=3))], C.fp16()).spec == \
+        "*.w -> topkc:ratio=0.1,fp16_warmup=3; fp16"
+    assert C.rules((r for r in [("*.w", "fp16")]), "thc").spec == "*.w -> fp16; thc"  # any iterable
+    with pytest.raises(ValueError, match=r"routing: rule 0 \('\*\.b', Compressor\('\*\.x -> fp16; thc'\)\): "
+                                         r"compressor '\*\.x -> fp16; thc' routes by rules of its own"):
+        C.rules([("*.b", C.from_spec("*.x -> fp16; thc"))])
+    with pytest.raises(ValueError, match="routing: compressor '\\*\\.x -> fp16; thc' routes by rules of its own; "
+                                         "the default must be one scheme"):
+        C.rules([], default=C.from_spec("*.x -> fp16; thc"))
+    with pytest.raises(ValueError, match=r"compressor 'topkc:min_numel=5' has min_numel=5, the default's "
+                                         r"threshold; in a rule use a size term \('numel>=5'\)"):
+        C.rules([("*.b", C.topkc(min_numel=5))])
+
+
+def _compression(backend):
+    if backend == "torch":
+        from torch_backend import Compression
+    else:
+        from tf_backend import Compression
+    return Compression
+
+
+@pytest.mark.parametrize("rules,default,message", [
+    ([("*.bias", "fp16")], None, "routing: the default must be a scheme spec string ('fp16') or a compressor "
+                                 "of one scheme (Compression.fp16()), got NoneType None"),
+    ([("*.bias", "fp16")], 4, "routing: the default must be a scheme spec string"),
+    ("*.bias -> fp16", "thc", "routing: rules must be a list of (selector, scheme spec) pairs, got str"),
+    ({"*.bias": "fp16"}, "thc", "routing: rules must be a list of (selector, scheme spec) pairs, got dict"),
+    (None, "thc", "routing: rules must be a list of (selector, scheme spec) pairs, got NoneType None"),
+    ([(3, "fp16")], "thc", "routing: rule 0 (3, 'fp16'): the selector must be a string (a glob and/or numel "
+                           "bounds) or a Selector, got int"),
+    ([("*.w", "fp16"), ("*.b", None)], "thc", "routing: rule 1 ('*.b', None): the scheme must be a scheme "
+                                              "spec string ('fp16') or a compressor of one scheme"),
+    ([("*.b; *.w", "fp16")], "thc", "routing: rule 0 ('*.b; *.w', 'fp16'): the selector holds ';', a separator "
+                                    "of the spec text (between rules); give each rule as its own"),
+    ([("*.b", "fp16; *.w -> thc")], "thc", "routing: rule 0 ('*.b', 'fp16; *.w -> thc'): the scheme holds ';'"),
+    ([("*.b -> fp16", "thc")], "thc", "routing: rule 0 ('*.b -> fp16', 'thc'): the selector holds '->', a "
+                                      "separator of the spec text (between a selector and its scheme)"),
+    ([], "fp16; *.w -> thc", "routing: the default holds ';'"),
+])
+def test_bad_rule_types_and_separators(rules, default, message):
+    with pytest.raises(ValueError) as err:
+        Routing.from_rules(rules, default)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rules_refuse_a_factory(backend):
+    C = _compression(backend)
+    with pytest.raises(ValueError) as err:
+        C.rules([("*.bias", C.fp16)])
+    assert str(err.value) == ("routing: rule 0 ('*.bias', Compression.fp16): the scheme must be a scheme spec "
+                              "string ('fp16') or a compressor of one scheme (Compression.fp16()), got Factory "
+                              "Compression.fp16; call it: Compression.fp16()")
 
 
 def test_group_dtype():

@@ -408,3 +408,48 @@ def test_compression_namespace(backend):
     assert "thc" in Compression.names()
     compressor = Compression.from_spec("thc:bits=2,rotation_stages=8,range=current")
     assert compressor.scheme.config == THCConfig(bits=2, rotation_stages=8, range="current")
+
+
+@pytest.mark.parametrize("op", ["sum", "average"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_explicit_bits_are_honoured(n, op):
+    """``thc:bits=8`` keeps 255 levels at every world size: the default lane_bits=8 (whose
+    lanes hold 63 at 2 ranks) widens, so the run is the one of ``lane_bits=None``, bit for bit,
+    and its error after 4 steps is ``lane_bits=None``'s, well below the shrunk levels' (the
+    default, bits unset, keeps its trade). Emulated ranks, the same gradients for each."""
+    from torch_backend import Compression
+    shape, gen = (4096,), np.random.default_rng(3)
+    grads = [[gen.standard_normal(shape) for _ in range(n)] for _ in range(4)]
+    sims = {label: Ranks("torch", n, shape, Compression.from_spec(spec).scheme.config, op=op)
+            for label, spec in (("bits", "thc:bits=8"), ("wide", "thc:bits=8,lane_bits=none"),
+                                ("shrunk", "thc:bits=6"))}
+    assert sims["bits"].scheme.layout(sims["bits"].infos[0]).levels.top == 255
+    assert sims["bits"].lay == sims["wide"].lay
+    errors = {}
+    for label, sim in sims.items():
+        for step in grads:
+            log = sim.step(step)
+            sim.check_reference(log)
+        target = np.mean(grads[-1], axis=0) * (n if op == "sum" else 1)
+        errors[label] = np.linalg.norm(log["outs"][0].reshape(-1) - target.reshape(-1)) / np.linalg.norm(target)
+        if label != "shrunk":
+            sims[label].last = log["outs"][0]
+    np.testing.assert_array_equal(sims["bits"].last, sims["wide"].last)
+    assert errors["bits"] == errors["wide"] < errors["shrunk"], errors
+
+
+@pytest.mark.parametrize("spec,n,op,levels", [("thc:bits=8,lane_bits=16", 128, "average", 31),
+                                              ("thc:bits=8,lane_bits=4", 2, "sum", 7)])
+def test_explicit_bits_and_lane_bits_that_do_not_fit_are_refused(spec, n, op, levels):
+    from hvd_gradcomp.registry import make_scheme as make
+    name, options = parse_spec(spec)
+    scheme = make(name, **options)
+    bits, lane_bits = options["bits"], options["lane_bits"]
+    with pytest.raises(ValueError) as err:
+        scheme.layout(TensorInfo("w", (4096,), "float32", n, 0, op))
+    assert str(err.value).startswith(
+        f"thc: bits={bits} ({2 ** bits - 1} levels a rank) and lane_bits={lane_bits} ({32 // lane_bits} lanes a "
+        f"word) do not fit together at {n} ranks under {op}: those lanes hold at most {levels} levels here; set "
+        f"lane_bits=none or leave it unset (lanes widen for bits: "), str(err.value)
+    if lane_bits == 16:  # where they fit, both are kept: 16-bit lanes hold 255 levels at 2 ranks
+        assert scheme.layout(TensorInfo("w", (4096,), "float32", 2, 0, op)).levels.top == 255

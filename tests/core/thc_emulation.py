@@ -82,8 +82,16 @@ def layout_of(scheme, info):
     """:func:`np_layout` for a scheme and tensor (block from hadamard.block_size)."""
     cfg = scheme.config
     block = hadamard.block_size(info.numel, None if cfg.rotation == "full" else cfg.rotation_stages)
-    return np_layout(cfg.bits, info.world_size, info.numel, block, cfg.range == "current", cfg.lane_bits,
-                     info.op)
+    return np_layout(cfg.bits, info.world_size, info.numel, block, cfg.range == "current",
+                     effective_lane_bits(cfg.bits, info.world_size, cfg.lane_bits, info.op), info.op)
+
+
+def effective_lane_bits(bits, n, lane_bits=8, op="average"):
+    """The lane_bits the layout follows: bits other than 4 is honoured, so the default
+    lane_bits=8 widens (None) where its lanes would shrink the levels (thc.py, step 5)."""
+    if bits != 4 and lane_bits == 8 and np_lanes(bits, n, 8, op or "average")[0] < 2 ** bits - 1:
+        return None
+    return lane_bits
 
 
 def np_unpack(words, lanes, width, guard, count):

@@ -104,7 +104,32 @@ def engine_worker(engine, tmp):
             "wrong_rank": value_error(lambda: comp.load_state_dict(other)),
             "wrong_spec": value_error(lambda: Compression.from_spec("thc:bits=2").load_state_dict(mine)),
         }
+        if engine == "ddp":
+            out[spec].update(_load_before_register(spec, path, other, rank))
     return out
+
+
+def _load_before_register(spec, path, other, rank):
+    """Build, load, then register (Lightning's order: ``on_load_checkpoint`` runs before the
+    model is wrapped), in a job without Horovod: the gathered state resumes as when loaded
+    after registering, another rank's per-rank state is refused, and CompressionStats takes
+    torch.distributed's rank, before and after binding."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch_backend import Compression
+    from torch_backend.ddp import register_comm_hook
+    from torch_backend.stats import CompressionStats
+    from tests.hvdrun import value_error
+    from tests.parallel.test_ddp import _step
+    comp = Compression.from_spec(spec)
+    stats_rank = CompressionStats(comp, _probe_cls()().parameters()).rank
+    comp.load_state_dict(torch.load(path, weights_only=False))
+    ddp = DDP(_probe_cls()())
+    register_comm_hook(ddp, comp, per_tensor=True)  # the saved run's layout (make() above)
+    resumed = [_step(ddp, grads_of(rank, t)) for t in range(STEPS, STEPS + RESUME)]
+    return {"load_first": resumed, "load_first_world": comp._job_world(), "stats_rank": stats_rank,
+            "stats_rank_bound": CompressionStats(comp, ddp.parameters()).rank,
+            "wrong_rank_unbound": value_error(lambda: Compression.from_spec(spec).load_state_dict(other))}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +155,20 @@ def test_checkpoint_rules(engines, engine, spec):
         assert set(rec["worlds"].values()) == {(2, rank)}
     if spec == "auto":
         check_resumed_totals([r[spec] for r in engines[engine]], 2)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_load_before_register(engines, spec):
+    """DDP, load_state_dict before register_comm_hook: the rank is torch.distributed's."""
+    for rank, result in enumerate(engines["ddp"]):
+        rec = result[spec]
+        assert (rec["stats_rank"], rec["stats_rank_bound"], rec["load_first_world"]) == (rank, rank, (2, rank))
+        assert rec["wrong_rank_unbound"].startswith(f"load_state_dict: this state_dict holds rank {1 - rank}'s "
+                                                    f"state (its error feedback), and this is rank {rank}")
+        if spec != "auto":  # auto's first step after a load is a sync step
+            for (_, loaded_after), loaded_first in zip(rec["resume"], rec["load_first"]):
+                for n in SHAPES:
+                    np.testing.assert_array_equal(loaded_first[n], loaded_after[n], err_msg=f"{spec} {n}")
 
 
 # Schemes whose payload size follows the op: DDP's hook all-reduces with Sum (no guard bits in

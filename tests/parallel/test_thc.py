@@ -46,7 +46,7 @@ import numpy as np
 import pytest
 
 from tests.hvdrun import run
-from tests.core.thc_emulation import (emulate_allreduce, fingerprint_ok, np_layout, reference_codes, reference_decode,
+from tests.core.thc_emulation import (effective_lane_bits, emulate_allreduce, fingerprint_ok, np_layout, reference_codes, reference_decode,
                                       reference_ranges, rotated, split_payload, top_level_misses_allowed, unrotated)
 
 SHAPE = (50, 100)  # the main test tensor: 5000 coordinates, not a power of two
@@ -368,7 +368,7 @@ def tf2():
 def _layout(rec, bits, n, blocking=False):
     """np_layout of a recorded tensor (block from its diagonal's +-1/sqrt(B))."""
     block = int(round(1.0 / float(np.abs(rec["diag"][0])) ** 2))
-    return np_layout(bits, n, rec["x"].size if "x" in rec else D, block, blocking)
+    return np_layout(bits, n, rec["x"].size if "x" in rec else D, block, blocking, effective_lane_bits(bits, n))
 
 
 def _check_hand(records, bits, op, blocking=False, saturation=True):
@@ -573,6 +573,7 @@ def test_wide_worlds(torch3, torch4, bits, op):
         assert [res["size"] for res in results] == [n] * n
         _, lay, summed = _check_hand([res[f"top_{bits}_{op}"][1] for res in results], bits, op, saturation=False)
         top = lay["L"]
+        assert top == 2 ** bits - 1  # an explicit bits is honoured at every world size (issue 36)
         assert summed.max() == n * top and (summed < n * top).sum() <= top_level_misses_allowed(n, bits, summed.size)
         assert summed.min() >= n * (top - 1) and n * top < 2 ** lay["width"]
         for t in range(STEPS):

@@ -53,6 +53,15 @@ def worker_fp16_large_and_tiny():
     for op_name, op in (("sum", hvd.Sum), ("average", hvd.Average)):
         out[f"big_{op_name}"] = hvd.allreduce(big, name=f"big_{op_name}", op=op, compression=Compression.fp16()).numpy()
         out[f"tiny_{op_name}"] = hvd.allreduce(tiny, name=f"tiny_{op_name}", op=op, compression=Compression.fp16()).numpy()
+    # Three steps with one compressor each: from the second on, fp16's agreed power-of-two
+    # scale (cast.py, step 5; 8 ranks and more) keeps the tiny values normal, the big ones in range.
+    for op_name, op in (("sum", hvd.Sum), ("average", hvd.Average)):
+        comp = Compression.fp16()
+        for label, x in (("tiny", tiny), ("big", big)):
+            out[f"{label}_{op_name}_steps"] = [
+                hvd.allreduce(x, name=f"{label}_{op_name}_steps", op=op, compression=comp).numpy()
+                for _ in range(3)]
+        out[f"scale_{op_name}"] = {k: float(comp._read_state(k).fp16_scale) for k in comp._infos}
     # Horovod's own fp16 (no pre-scale) overflows on the same sum: why the pre-scale exists.
     out["horovod_big_sum"] = hvd.allreduce(big, name="hvd_big", op=hvd.Sum, compression=hvd.Compression.fp16).numpy()
     return out
@@ -117,3 +126,11 @@ def test_fp16_eight_ranks_no_overflow_tiny_values_kept():
         assert np.all(np.abs(r["tiny_sum"] - tiny_sum) <= tiny_bound) and np.all(r["tiny_sum"] > 0)
         assert np.all(np.abs(r["tiny_average"] - tiny_sum / n) <= tiny_bound / n * 2)
         assert not np.isfinite(r["horovod_big_sum"]).all()
+        for op_name, div in (("sum", 1), ("average", n)):
+            tiny_steps, big_steps = r[f"tiny_{op_name}_steps"], r[f"big_{op_name}_steps"]
+            np.testing.assert_array_equal(tiny_steps[0], r[f"tiny_{op_name}"])  # step 1: 1/n, as before
+            for t in (1, 2):  # the agreed scale: relative error of float16 rounding, not the bound above
+                np.testing.assert_allclose(tiny_steps[t], tiny_sum / div, rtol=2e-3)
+                np.testing.assert_allclose(big_steps[t], big_sum / div, rtol=2e-3)
+            assert r[f"scale_{op_name}"] == results[0][f"scale_{op_name}"]  # agreed on every rank
+            assert all(s > 0 and np.log2(s).is_integer() for s in r[f"scale_{op_name}"].values())
