@@ -112,7 +112,7 @@ class HookState:
         self.per_tensor = per_tensor
         self.used = set()
         self.tracks_unused = False
-        self._plans = {}  # (bucket index, first and last parameter, count) -> (plan, params)
+        self._plans = {}  # (bucket index, its parameters' ids, buffer size) -> (plan, slots)
         self._hooks = []
 
     def bind(self, ddp_model=None):
@@ -184,7 +184,9 @@ def _plan(state: HookState, bucket, buffer, params):
     """``(plan, members of each unit)`` of the bucket (:class:`~hvd_gradcomp.buckets.BucketPlan`),
     cached per layout (DDP's rebuilt buckets after the first step are new layouts); None for a
     sparse gradient's bucket. The step's path reads no gradient view on a cached layout."""
-    sig = (bucket.index(), id(params[0]), id(params[-1]), len(params), buffer.numel())
+    # every parameter's identity, in order: DDP's rebuilt bucket may keep the first layout's
+    # index, first and last parameter and size while ordering the others otherwise
+    sig = (bucket.index(), tuple(map(id, params)), buffer.numel())
     if sig in state._plans:
         return state._plans[sig]
     comp = state.compressor
