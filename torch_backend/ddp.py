@@ -210,9 +210,11 @@ def _plan(state: HookState, bucket, buffer, params):
     dtype = str(buffer.dtype).removeprefix("torch.")
     if state.per_tensor:
         units = []
-        for m in members:
+        for j, m in enumerate(members):
             sub = comp.plan_bucket([m._replace(offset=0)], dtype, "sum", state.group, buffer)
-            units.extend(u._replace(start=m.offset, stop=m.offset + m.numel) for u in sub.units)
+            # members: the index in this bucket (the sub-plan's is 0: every unit would read the
+            # first parameter's unused flag)
+            units.extend(u._replace(start=m.offset, stop=m.offset + m.numel, members=(j,)) for u in sub.units)
         plan = BucketPlan(tuple(members), tuple(units), dtype)
     else:
         plan = comp.plan_bucket(members, dtype, "sum", state.group, buffer)

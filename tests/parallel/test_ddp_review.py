@@ -99,6 +99,9 @@ def review_worker(tmp):
                 for n, p in ddp.module.named_parameters()}
 
     def owed(comp):
+        return globals_owed(comp)
+
+    def globals_owed(comp):
         out = {}
         for key in comp.routes():
             r = comp.error_feedback(key)
@@ -119,6 +122,15 @@ def review_worker(tmp):
 
     out = {}
     errors = {}
+
+    def _bf16(spec):
+        ddp = DDP(Net(MANY, FORWARD).to(torch.bfloat16), bucket_cap_mb=CAP)
+        comp = tddp.register_comm_hook(ddp, Compression.from_spec(spec))
+        outs = []
+        for t in range(STEPS):
+            g = {n: v.to(torch.bfloat16) for n, v in grads_of(rank, t, MANY).items()}
+            outs.append(step(ddp, g))
+        return {"outs": outs, "owed": owed(comp)}
 
     def attempt(name, fn):
         try:
@@ -170,6 +182,10 @@ def review_worker(tmp):
             attempt(("unused", spec, view), lambda spec=spec, view=view: train(
                 *make(spec, bucket_cap_mb=CAP, find_unused_parameters=True, gradient_as_bucket_view=view)[:2],
                 STEPS, skip_odd=SKIPPED))
+    for spec in ("topkc:0.1", "thc"):  # per tensor: each unit's own parameter's flag
+        attempt(("unused per-tensor", spec), lambda spec=spec: train(
+            *make(spec, bucket_cap_mb=CAP, find_unused_parameters=True, per_tensor=True)[:2],
+            STEPS, skip_odd=SKIPPED))
     # 8. Join with uneven inputs on the bucketed path
     for spec in ("topkc:0.1", "thc"):
         def joined(spec=spec):
@@ -262,6 +278,40 @@ def review_worker(tmp):
         ddp, comp, _ = make("thc", bucket_cap_mb=CAP, find_unused_parameters=True)
         return train(ddp, comp, STEPS, skip_odd=SKIPPED if rank == 1 else ())
     attempt(("unused rank 1", "thc"), one_rank_unused)
+    # 15. a bfloat16 model
+    for spec in ("topkc:0.1", "thc", "fp16"):
+        attempt(("bf16", spec), lambda spec=spec: _bf16(spec))
+    # 16. a loss scale that changes between steps (a GradScaler's), with unused parameters
+    def rescaled():
+        ddp, comp, _ = make("topkc:0.1", bucket_cap_mb=CAP, find_unused_parameters=True)
+        scale = torch.tensor(256.0)
+        comp.set_loss_scale(scale)
+        outs = []
+        for t in range(STEPS):
+            scale.fill_(256.0 * 4 ** t)
+            got = step(ddp, _grads(rank, t, MANY), SKIPPED if t % 2 else (), float(scale))
+            outs.append({n: v / float(scale) for n, v in got.items()})
+        return {"outs": outs, "owed": owed(comp)}
+    attempt(("rescaled", "topkc:0.1"), rescaled)
+    attempt(("unused plain", "topkc:0.1"), lambda: train(
+        *make("topkc:0.1", bucket_cap_mb=CAP, find_unused_parameters=True)[:2], STEPS, skip_odd=SKIPPED))
+    # 17. Join with find_unused_parameters on the bucketed path
+    def join_unused(spec="thc", per_tensor=False, hooked=True):
+        if hooked:
+            ddp, comp, _ = make(spec, bucket_cap_mb=CAP, find_unused_parameters=True, per_tensor=per_tensor)
+        else:
+            ddp, comp = DDP(Net(MANY, FORWARD), bucket_cap_mb=CAP, find_unused_parameters=True), None
+        owed = (lambda c: {n: None for n in MANY}) if comp is None else globals_owed
+        outs = []
+        with Join([ddp]):
+            for t in range(JOIN_BATCHES[rank]):
+                outs.append(step(ddp, _grads(rank, t, MANY), SKIPPED if t % 2 else ()))
+            at_join = owed(comp)
+        return {"outs": outs, "at_join": at_join, "owed": owed(comp)}
+    attempt(("join unused", "thc"), join_unused)
+    attempt(("join unused", "thc per-tensor"), lambda: join_unused(per_tensor=True))
+    attempt(("join unused", "fp16"), lambda: join_unused("fp16"))
+    attempt(("join unused", "plain DDP"), lambda: join_unused(hooked=False))
     # 11. mixed precision under loss scaling
     def mixed_scaled():
         ddp, comp, _ = make("thc", bucket_cap_mb=CAP, half=HALF, frozen=FROZEN)
@@ -409,6 +459,13 @@ def test_unused_in_group(review, spec, view):
 
 
 @pytest.mark.parametrize("spec", ["topkc:0.1", "thc"])
+def test_unused_per_tensor(review, spec):
+    recs = _rec(review, ("unused per-tensor", spec))
+    _check_ranks_equal(recs, MANY)
+    _check_balance(recs, MANY, _truth(MANY, STEPS, skip_odd=SKIPPED))
+
+
+@pytest.mark.parametrize("spec", ["topkc:0.1", "thc"])
 def test_join_bucketed(review, spec):
     recs = _rec(review, ("join", spec))
     assert [len(r["outs"]) for r in recs] == [JOIN_BATCHES[0], JOIN_BATCHES[1]]
@@ -506,3 +563,38 @@ def test_unused_on_one_rank(review):
         truth[n] = sum((grads_of(0, t, MANY)[n] + (0 if (t % 2 and n in SKIPPED) else grads_of(1, t, MANY)[n]))
                        .double().numpy() / 2 for t in range(STEPS))
     _check_balance(recs, MANY, truth)
+
+
+@pytest.mark.parametrize("spec", ["topkc:0.1", "thc", "fp16"])
+def test_bfloat16_model(review, spec):
+    import torch
+    recs = _rec(review, ("bf16", spec))
+    _check_ranks_equal(recs, MANY)
+    truth = {n: sum(sum(grads_of(r, t, MANY)[n].to(torch.bfloat16).double().numpy() for r in (0, 1)) / 2
+                    for t in range(STEPS)) for n in MANY}
+    for n, shape in MANY.items():  # bfloat16 outputs: 2**-8 relative rounding per step
+        total = sum(o[n] for o in recs[0]["outs"])
+        pending = [r["owed"].get(n) for r in recs]
+        if pending[0] is not None:
+            total = total + (pending[0] + pending[1]).reshape(shape) / 2
+        assert np.abs(total - truth[n]).max() <= STEPS * 2.0 ** -7 * np.abs(truth[n]).max(), n
+
+
+def test_changing_loss_scale_with_unused(review):
+    plain, scaled = _rec(review, ("unused plain", "topkc:0.1")), _rec(review, ("rescaled", "topkc:0.1"))
+    for p, s in zip(plain, scaled):
+        for a, b in zip(p["outs"], s["outs"]):
+            for n in MANY:
+                np.testing.assert_array_equal(b[n], a[n], err_msg=n)
+        for n, res in p["owed"].items():
+            if res is not None:
+                np.testing.assert_array_equal(s["owed"][n], res, err_msg=n)
+
+
+@pytest.mark.parametrize("what", ["thc", "thc per-tensor", "fp16", "plain DDP"])
+def test_join_with_unused(review, what):
+    recs = _rec(review, ("join unused", what))
+    for n in MANY:
+        if recs[0]["at_join"][n] is not None:
+            np.testing.assert_array_equal(recs[0]["owed"][n], recs[0]["at_join"][n], err_msg=n)
+    _check_balance(recs, MANY, _truth(MANY, 4, skip_odd=SKIPPED, batches=JOIN_BATCHES), steps=4)
