@@ -111,6 +111,7 @@ class HookState:
         self.ddp_model = ddp_model
         self.per_tensor = per_tensor
         self.used = set()
+        self.last_used = {}  # id(plan) -> int32 [params]: 1 where some rank used it last step
         self.tracks_unused = False
         self._plans = {}  # (bucket index, its parameters' ids, buffer size) -> (plan, slots)
         self._hooks = []
@@ -283,10 +284,19 @@ def hook(state: HookState, bucket):
     counted = None
     if state.tracks_unused:  # users per parameter, and whether DDP writes its result anyway
         view = state.ddp_model is not None and state.ddp_model.gradient_as_bucket_view
-        flags = [[0 if joined else int(id(p) in state.used), int(view and p.grad is not None)] for p in params]
+        # A joined rank counts what DDP's Join shadow contributes to its used map: the previous
+        # step's all-reduced map (sticky while joined), not zeros, so "dropped" below is DDP's
+        used = state.last_used.get(id(plan)) if joined else None
+        if used is None:
+            used = torch.tensor([0 if joined else int(id(p) in state.used) for p in params],
+                                dtype=torch.int32, device=buffer.device)
+        views = torch.tensor([int(view and p.grad is not None) for p in params], dtype=torch.int32,
+                             device=buffer.device)
         state.used.difference_update(id(p) for p in params)
-        counted = torch.tensor(flags, dtype=torch.int32, device=buffer.device)
+        counted = torch.stack([used, views], 1)
         payloads = payloads + [counted]
+    if joined:  # zero payloads (the counts travel as they are)
+        payloads = [torch.zeros_like(p) for p in payloads[:len(encoded)]] + payloads[len(encoded):]
     by_dtype = {}
     for i, payload in enumerate(payloads):
         by_dtype.setdefault(payload.dtype, []).append(i)
@@ -295,8 +305,6 @@ def hook(state: HookState, bucket):
         members = by_dtype[dtype]
         flat = payloads[members[0]].reshape(-1) if len(members) == 1 else \
             torch.cat([payloads[i].reshape(-1) for i in members])
-        if joined:
-            flat = torch.zeros_like(flat)
         flats.append(flat)
         layouts.append([(i, payloads[i].shape, payloads[i].numel()) for i in members])
         futures.append(dist.all_reduce(flat, group=state.group, async_op=True).get_future())
@@ -316,6 +324,8 @@ def hook(state: HookState, bucket):
                 reduced[i] = flat[offset:offset + numel].view(shape)
                 offset += numel
         with torch.no_grad():
+            if counted is not None:
+                state.last_used[id(plan)] = (reduced[-1][:, 0] > 0).to(torch.int32)
             if joined:
                 for unit, (_, ctx), payload in zip(plan.units, encoded, reduced):
                     comp.decode_joined(payload, ctx)
