@@ -46,8 +46,9 @@ group's stream never reads freed memory (ProcessGroupNCCL also records its strea
 parameter that no rank used in a step untouched, dropping what the hook delivered for it
 (unless its ``.grad`` is a bucket view already, which DDP does write). The hook counts each
 parameter's users in the same all-reduce (an int32 count per parameter, from gradient hooks
-on every parameter) and keeps what DDP drops in the parameter's error feedback, so error
-feedback's balance (delivered + owed = the sum of the mean gradients) holds in every DDP
+on every parameter; a rank joined under ``Join`` counts the previous step's all-reduced
+users, as DDP's Join shadow does for its used map) and keeps what DDP drops in the
+parameter's error feedback, so error feedback's balance (delivered + owed = the sum of the mean gradients) holds in every DDP
 configuration.
 
 **Sparse gradients** (``nn.Embedding(sparse=True)``): DDP gives them a bucket of their own;
