@@ -46,8 +46,9 @@ group's stream never reads freed memory (ProcessGroupNCCL also records its strea
 parameter that no rank used in a step untouched, dropping what the hook delivered for it
 (unless its ``.grad`` is a bucket view already, which DDP does write). The hook counts each
 parameter's users in the same all-reduce (an int32 count per parameter, from gradient hooks
-on every parameter) and keeps what DDP drops in the parameter's error feedback, so error
-feedback's balance (delivered + owed = the sum of the mean gradients) holds in every DDP
+on every parameter; a rank joined under ``Join`` counts the previous step's all-reduced
+users, as DDP's Join shadow does for its used map) and keeps what DDP drops in the
+parameter's error feedback, so error feedback's balance (delivered + owed = the sum of the mean gradients) holds in every DDP
 configuration.
 
 **Sparse gradients** (``nn.Embedding(sparse=True)``): DDP gives them a bucket of their own;
@@ -111,8 +112,9 @@ class HookState:
         self.ddp_model = ddp_model
         self.per_tensor = per_tensor
         self.used = set()
+        self.last_used = {}  # id(plan) -> int32 [params]: 1 where some rank used it last step
         self.tracks_unused = False
-        self._plans = {}  # (bucket index, first and last parameter, count) -> (plan, params)
+        self._plans = {}  # (bucket index, its parameters' ids, buffer size) -> (plan, slots)
         self._hooks = []
 
     def bind(self, ddp_model=None):
@@ -172,7 +174,9 @@ def _plan(state: HookState, bucket, buffer, params):
     """``(plan, members of each unit)`` of the bucket (:class:`~hvd_gradcomp.buckets.BucketPlan`),
     cached per layout (DDP's rebuilt buckets after the first step are new layouts); None for a
     sparse gradient's bucket. The step's path reads no gradient view on a cached layout."""
-    sig = (bucket.index(), id(params[0]), id(params[-1]), len(params), buffer.numel())
+    # every parameter's identity, in order: DDP's rebuilt bucket may keep the first layout's
+    # index, first and last parameter and size while ordering the others otherwise
+    sig = (bucket.index(), tuple(map(id, params)), buffer.numel())
     if sig in state._plans:
         return state._plans[sig]
     comp = state.compressor
@@ -196,9 +200,11 @@ def _plan(state: HookState, bucket, buffer, params):
     dtype = str(buffer.dtype).removeprefix("torch.")
     if state.per_tensor:
         units = []
-        for m in members:
+        for j, m in enumerate(members):
             sub = comp.plan_bucket([m._replace(offset=0)], dtype, "sum", state.group, buffer)
-            units.extend(u._replace(start=m.offset, stop=m.offset + m.numel) for u in sub.units)
+            # members: the index in this bucket (the sub-plan's is 0: every unit would read the
+            # first parameter's unused flag)
+            units.extend(u._replace(start=m.offset, stop=m.offset + m.numel, members=(j,)) for u in sub.units)
         plan = BucketPlan(tuple(members), tuple(units), dtype)
     else:
         plan = comp.plan_bucket(members, dtype, "sum", state.group, buffer)
@@ -267,10 +273,19 @@ def hook(state: HookState, bucket):
     counted = None
     if state.tracks_unused:  # users per parameter, and whether DDP writes its result anyway
         view = state.ddp_model is not None and state.ddp_model.gradient_as_bucket_view
-        flags = [[0 if joined else int(id(p) in state.used), int(view and p.grad is not None)] for p in params]
+        # A joined rank counts what DDP's Join shadow contributes to its used map: the previous
+        # step's all-reduced map (sticky while joined), not zeros, so "dropped" below is DDP's
+        used = state.last_used.get(id(plan)) if joined else None
+        if used is None:
+            used = torch.tensor([0 if joined else int(id(p) in state.used) for p in params],
+                                dtype=torch.int32, device=buffer.device)
+        views = torch.tensor([int(view and p.grad is not None) for p in params], dtype=torch.int32,
+                             device=buffer.device)
         state.used.difference_update(id(p) for p in params)
-        counted = torch.tensor(flags, dtype=torch.int32, device=buffer.device)
+        counted = torch.stack([used, views], 1)
         payloads = payloads + [counted]
+    if joined:  # zero payloads (the counts travel as they are)
+        payloads = [torch.zeros_like(p) for p in payloads[:len(encoded)]] + payloads[len(encoded):]
     by_dtype = {}
     for i, payload in enumerate(payloads):
         by_dtype.setdefault(payload.dtype, []).append(i)
@@ -279,8 +294,6 @@ def hook(state: HookState, bucket):
         members = by_dtype[dtype]
         flat = payloads[members[0]].reshape(-1) if len(members) == 1 else \
             torch.cat([payloads[i].reshape(-1) for i in members])
-        if joined:
-            flat = torch.zeros_like(flat)
         flats.append(flat)
         layouts.append([(i, payloads[i].shape, payloads[i].numel()) for i in members])
         futures.append(dist.all_reduce(flat, group=state.group, async_op=True).get_future())
@@ -300,6 +313,8 @@ def hook(state: HookState, bucket):
                 reduced[i] = flat[offset:offset + numel].view(shape)
                 offset += numel
         with torch.no_grad():
+            if counted is not None:
+                state.last_used[id(plan)] = (reduced[-1][:, 0] > 0).to(torch.int32)
             if joined:
                 for unit, (_, ctx), payload in zip(plan.units, encoded, reduced):
                     comp.decode_joined(payload, ctx)
