@@ -282,11 +282,20 @@ class Buckets:
                     self._take_error_feedback(key, scheme, self._member_infos.get(key), like)
                     self._members[key] = info.key
             return state
+        olds = self._holders_of(grp.keys)
         saved = self._pending_groups.pop(info.key, None)
-        if saved is not None and tuple(saved["members"]) == grp.keys:
+        exact = False
+        if saved is not None and tuple(saved["members"]) == grp.keys and not olds:
             state = self._with_agreed(scheme, state, saved["fields"], like)
+            if saved.get("local"):  # this rank's own fields of the same group: taken as saved
+                state = self._with_agreed(scheme, state, saved["local"], like, local=True)
+                exact = True  # (no tensor of it has moved on since the save: nothing holds one)
+        elif olds:  # what the earlier holders agreed on that a fresh state would lose
+            state = composite.carry_over(scheme, ops, state, olds, info)
         parts, found = [], False
         for key, numel in zip(grp.keys, grp.numels):
+            if exact and self._saved_error_feedback(key):
+                del self._pending[key]  # already in the group's own fields
             part = self._take_error_feedback(key, scheme, self._member_infos.get(key), like)
             found = found or part is not None
             parts.append(ops.zeros((numel,), "float32", like) if part is None else part)
@@ -299,14 +308,28 @@ class Buckets:
             return self._read_state(info.key)
         return state
 
-    def _with_agreed(self, scheme, state, fields: dict, like):
+    def _holders_of(self, keys) -> list:
+        """``[(key, state)]`` of the groups and per-tensor states that hold the tensors ``keys``
+        now (before a new group takes them over), each once."""
+        out, seen = [], set()
+        for key in keys:
+            holder = self._members.get(key)
+            holder = holder if holder is not None and self._has_state(holder) else \
+                (key if self._has_state(key) else None)
+            if holder is not None and holder not in seen:
+                seen.add(holder)
+                out.append((holder, self._read_state(holder)))
+        return out
+
+    def _with_agreed(self, scheme, state, fields: dict, like, local: bool = False):
         """``state`` with the fields every rank agrees on taken from a checkpoint's ``fields``
-        (those whose shape matches; the rank-local ones stay)."""
-        ops, local = self.ops, set(scheme.rank_local_fields)
+        (those whose shape matches; the rank-local ones stay), or with ``local``, the rank-local
+        ones."""
+        ops, rank_local = self.ops, set(scheme.rank_local_fields)
         values = []
         for f, v in zip(state._fields, state):
             loaded = fields.get(f)
-            if f not in local and loaded is not None:
+            if (f in rank_local) == local and loaded is not None:
                 loaded = self._import(loaded)
                 if tuple(ops.shape(loaded)) == tuple(ops.shape(v)):
                     v = ops.cast(self._to_device(loaded, like), ops.dtype(v))
@@ -396,9 +419,13 @@ class Buckets:
                 if self._members.get(key) == gkey and flat is not None:
                     tensors[key] = {ERROR_FEEDBACK: self._export(flat[off:off + n], portable)}
             local = set(scheme.rank_local_fields)
+            # "local": this rank's own fields as they are (THC's rotated residual with its
+            # padding), so the same group resumes bit for bit; other layouts take the slices
             buckets[gkey] = {"members": list(grp.keys),
                              "fields": {f: self._export(v, portable) for f, v in zip(state._fields, state)
-                                        if f not in local}}
+                                        if f not in local},
+                             "local": {f: self._export(v, portable) for f, v in zip(state._fields, state)
+                                       if f in local}}
         for gkey, saved in self._pending_groups.items():
             buckets.setdefault(gkey, saved)
         return tensors, buckets
@@ -442,18 +469,22 @@ class Buckets:
         if moved is not None:
             self._write_state(holder, moved)
 
-    def _load_group(self, gkey, saved: dict):
-        """A checkpoint's agreed fields of group ``gkey``: into the group now, or kept until it is
-        first sent (loaded only into a group of the same tensors)."""
+    def _load_group(self, gkey, saved: dict, reset: bool = False):
+        """A checkpoint's fields of group ``gkey``: into the group now, or kept until it is first
+        sent (loaded only into a group of the same tensors; ``reset``: without this rank's own
+        fields, as on another number of ranks)."""
         if not isinstance(saved, dict) or not isinstance(saved.get("members"), (list, tuple)) or \
                 not isinstance(saved.get("fields"), dict):
             raise ValueError(f"load_state_dict: bucket entry {gkey!r} must be a dict with 'members' "
                              f"(a list of tensor keys) and 'fields' (a dict), got {saved!r:.120}")
+        own = {} if reset or not isinstance(saved.get("local"), dict) else dict(saved["local"])
         grp = self._groups.get(gkey)
         if grp is not None and self._has_state(gkey):
             if tuple(saved["members"]) == grp.keys:
                 state, scheme = self._read_state(gkey), self._group_scheme(gkey)
                 composite.forget(scheme, gkey)  # what the scheme mirrors on the host (warm-up counts)
-                self._write_state(gkey, self._with_agreed(scheme, state, saved["fields"], state[0]))
+                state = self._with_agreed(scheme, state, saved["fields"], state[0])
+                self._write_state(gkey, self._with_agreed(scheme, state, own, state[0], local=True))
             return
-        self._pending_groups[gkey] = {"members": list(saved["members"]), "fields": dict(saved["fields"])}
+        self._pending_groups[gkey] = {"members": list(saved["members"]), "fields": dict(saved["fields"]),
+                                      "local": own}

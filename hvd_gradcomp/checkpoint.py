@@ -198,7 +198,7 @@ class Checkpoints:
         for scheme in self.routing.schemes():
             local.update(scheme.rank_local_fields)
         for gkey, saved in part.get("buckets", {}).items():
-            self._load_group(gkey, saved)
+            self._load_group(gkey, saved, reset)
         for key, fields in tensors.items():
             if reset:
                 fields = {f: self._zeros_like(v) if f in local else v for f, v in fields.items()}

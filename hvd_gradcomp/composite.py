@@ -19,6 +19,8 @@ A scheme overrides a hook only where the default is wrong for it:
 - :func:`init_like`, :func:`forget`, :func:`check_loaded`: state whose fields change between
   steps (``auto``), counters mirrored on the host, an old state format to refuse (PowerSGD).
 - :func:`metrics`: diagnostics to report.
+- :func:`carry_over`: a new bucket group's state from its tensors' earlier holders (the FP16
+  warm-up's step count).
 - :func:`decode_factor`: decoding is the payload's cast times a constant (the casts), so an
   engine may fuse the cast, the scaling and the write into its buffer.
 
@@ -28,7 +30,8 @@ This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it
 import inspect
 
 __all__ = ["residual_of", "residual_field", "add_residual", "payload_dtype", "hand_over", "init_like",
-           "forget", "check_loaded", "metrics", "decode_factor", "blocks", "HOOKS", "check_hooks"]
+           "forget", "check_loaded", "metrics", "decode_factor", "carry_over", "blocks", "HOOKS",
+           "check_hooks"]
 
 # Each hook's method, as a scheme defines it: name -> its arguments after ``self``.
 HOOKS = {
@@ -41,6 +44,7 @@ HOOKS = {
     "check_loaded": ("key", "loaded"),
     "metrics": ("state",),
     "decode_factor": ("info",),
+    "carry_over": ("ops", "state", "olds", "info"),
 }
 
 
@@ -177,6 +181,17 @@ def metrics(scheme, state) -> dict:
     TopKC's ``realigned`` count. Called by the adapters' ``metrics()``. Default: ``{}``."""
     hook = _hook(scheme, "metrics")
     return hook(state) if hook is not None else {}
+
+
+def carry_over(scheme, ops, state, olds, info):
+    """A new bucket group's fresh ``state`` with what its tensors' earlier holders agreed on
+    that a fresh state would lose (``olds``: ``[(key, state)]`` of the groups or per-tensor
+    states the group takes its tensors from, after DDP's bucket rebuild; every rank has the
+    same). Called by :mod:`hvd_gradcomp.buckets` once per new group; error feedback moves
+    apart. Default: ``state`` (agreed fields such as TopKC's scores restart, equally on every
+    rank); the FP16 warm-up keeps its step count."""
+    hook = _hook(scheme, "carry_over")
+    return hook(ops, state, olds, info) if hook is not None else state
 
 
 def decode_factor(scheme, info):

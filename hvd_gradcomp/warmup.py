@@ -171,6 +171,19 @@ class WarmupScheme(Scheme):
         return self.inner.wire(info)
 
     # ---- the composite hooks (hvd_gradcomp.composite): the scheme's, on its part of the state ----
+    def carry_over(self, ops, state, olds, info):
+        """A new bucket group keeps its tensors' warm-up count (DDP's rebuilt buckets must not
+        restart it): the least advanced of the earlier holders' counts, or handed over (-1)
+        when all were; one host read per earlier holder without a host mirror, once."""
+        counts = []
+        for key, old in olds:
+            t = self._done.get(key)
+            counts.append(int(ops.to_host(old[-1])) if t is None else t)
+        running = [t for t in counts if t >= 0]
+        t = min(running) if running else -1
+        self._done[info.key] = t
+        return state._replace(**{WARMUP_FIELD: ops.constant(t, "int64", state[-1])})
+
     def forget(self, key):
         self._done.pop(key, None)
         composite.forget(self.inner, key)

@@ -49,7 +49,8 @@ parameter's users in the same all-reduce (an int32 count per parameter, from gra
 on every parameter; a rank joined under ``Join`` counts the previous step's all-reduced
 users, as DDP's Join shadow does for its used map) and keeps what DDP drops in the
 parameter's error feedback, so error feedback's balance (delivered + owed = the sum of the mean gradients) holds in every DDP
-configuration.
+configuration. These counts (8 bytes a parameter, in the bucket's int32 all-reduce) are the
+hook's own and not in ``bytes_per_step()``, which counts the compressors' payloads.
 
 **Sparse gradients** (``nn.Embedding(sparse=True)``): DDP gives them a bucket of their own;
 it is all-reduced uncompressed and averaged, as PyTorch's default hook does.
