@@ -356,14 +356,18 @@ def make_comm_hook(ddp_model, compressor, per_tensor: bool = False):
     bound to the model's process group: what :func:`register_comm_hook` registers, for callers
     that wrap the hook (e.g. to time it). Arguments and errors as there; the compressor is
     bound here (register_comm_hook binds only once DDP has accepted the hook)."""
+    return _model_state(ddp_model, compressor, per_tensor).bind(ddp_model), hook
+
+
+def _model_state(ddp_model, compressor, per_tensor) -> HookState:
+    """The unbound :class:`HookState` of a DDP model, its arguments checked."""
     from torch.nn.parallel import DistributedDataParallel
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_comm_hook: expected a DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}")
     _check_compressor(compressor)
     names = {p: name for name, p in ddp_model.module.named_parameters()}
-    state = HookState(compressor, names, ddp_model.process_group, None, ddp_model, per_tensor)
-    return state.bind(ddp_model), hook
+    return HookState(compressor, names, ddp_model.process_group, None, ddp_model, per_tensor)
 
 
 def register_comm_hook(ddp_model, compressor, per_tensor: bool = False):
@@ -390,13 +394,7 @@ def register_comm_hook(ddp_model, compressor, per_tensor: bool = False):
         RuntimeError: DDP's own refusal (e.g. the model has a hook already); the compressor is
             then left unbound.
     """
-    from torch.nn.parallel import DistributedDataParallel
-    if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(f"register_comm_hook: expected a DistributedDataParallel model, got "
-                        f"{type(ddp_model).__name__}")
-    _check_compressor(compressor)
-    names = {p: name for name, p in ddp_model.module.named_parameters()}
-    state = HookState(compressor, names, ddp_model.process_group, None, ddp_model, per_tensor)
+    state = _model_state(ddp_model, compressor, per_tensor)
     ddp_model.register_comm_hook(state, hook)  # DDP's checks first: nothing bound if it refuses
     state.bind(ddp_model)
     return compressor

@@ -98,15 +98,7 @@ def review_worker(tmp):
         return {n: (np.zeros(p.shape) if p.grad is None else p.grad.detach().double().numpy().copy())
                 for n, p in ddp.module.named_parameters()}
 
-    def owed(comp):
-        return globals_owed(comp)
-
-    def globals_owed(comp):
-        out = {}
-        for key in comp.routes():
-            r = comp.error_feedback(key)
-            out[key] = None if r is None else r.double().numpy().copy()
-        return out
+    from tests.parallel.test_ddp import _residuals as owed
 
     def train(ddp, comp, steps, shapes=MANY, half=(), skip_odd=(), factor=1.0, first=0):
         outs, calls, reports = [], [], []
@@ -301,13 +293,13 @@ def review_worker(tmp):
             ddp, comp, _ = make(spec, bucket_cap_mb=CAP, find_unused_parameters=True, per_tensor=per_tensor)
         else:
             ddp, comp = DDP(Net(MANY, FORWARD), bucket_cap_mb=CAP, find_unused_parameters=True), None
-        owed = (lambda c: {n: None for n in MANY}) if comp is None else globals_owed
+        owe = (lambda c: {n: None for n in MANY}) if comp is None else owed
         outs = []
         with Join([ddp]):
             for t in range(JOIN_BATCHES[rank]):
                 outs.append(step(ddp, _grads(rank, t, MANY), SKIPPED if t % 2 else ()))
-            at_join = owed(comp)
-        return {"outs": outs, "at_join": at_join, "owed": owed(comp)}
+            at_join = owe(comp)
+        return {"outs": outs, "at_join": at_join, "owed": owe(comp)}
     attempt(("join unused", "thc"), join_unused)
     attempt(("join unused", "thc per-tensor"), lambda: join_unused(per_tensor=True))
     attempt(("join unused", "fp16"), lambda: join_unused("fp16"))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.hvdrun import run
-from tests.parallel.test_ddp import SHAPES, _probe_cls, grads_of
+from tests.parallel.test_ddp import SHAPES, _probe_cls, _residuals as _owed, grads_of
 
 SPECS = ["none", "fp16", "topkc:0.1", "thc", "signsgd", "powersgd:2", "topk:0.1"]
 STEPS = 4
@@ -39,14 +39,6 @@ def _train(hvd, torch, comp, groups, steps, start=0, run=None):
         with opt.skip_synchronize():
             opt.step()
     return outs, run
-
-
-def _owed(comp):
-    out = {}
-    for key in comp.routes():
-        r = comp.error_feedback(key)
-        out[key] = None if r is None else r.double().numpy().copy()
-    return out
 
 
 def worker(tmp):
