@@ -373,7 +373,10 @@ class Buckets:
         return composite.residual_of(scheme, ops, state, info)
 
     def _release_group(self, gkey):
-        """Forget group ``gkey`` once none of its tensors' error feedback is in it any more."""
+        """Drop group ``gkey``'s state once none of its tensors' error feedback is in it any
+        more (its layout record stays: a cached plan that sends it again, e.g. Horovod's
+        group after a step whose fill-ins sent its tensors alone, starts it afresh, moving
+        their error feedback back in)."""
         grp = self._groups.get(gkey)
         if grp is None or any(self._members.get(k) == gkey for k in grp.keys):
             return
@@ -382,7 +385,6 @@ class Buckets:
         self._leaving.pop(gkey, None)
         self._infos.pop(gkey, None)
         self._wire.pop(gkey, None)
-        del self._groups[gkey]
 
     # ---- reporting and checkpoints, per tensor ----
     def error_feedback(self, key):
