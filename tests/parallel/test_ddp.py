@@ -139,7 +139,7 @@ def values_worker(tmp):
         rec = {"outs": outs, "calls": calls, "bytes": comp.bytes_per_step().payload,
                "residuals": _residuals(comp), "routes": comp.routes(),
                "worlds": sorted({(i.world_size, i.rank) for i in comp._infos.values()}),
-               "groups": sorted(comp._groups)}
+               "groups": sorted(set(comp._groups) & set(comp._holders.values()))}  # those sending now
         if not scaled:  # exact resume from a checkpoint saved on rank 0
             path = os.path.join(tmp, f"{text}.pt")
             state = comp.state_dict(gather=True)
