@@ -22,18 +22,9 @@ Which scheme sends a tensor is decided once, the first time the compressor sees 
 below ``min_numel`` and for what the scheme does not accept), and kept with the tensor's
 state; checkpoints record it.
 
-TensorFlow's grouped all-reduce (``num_groups``/``groups``) sends a group in one collective,
-which takes one dtype (``HorovodGroupedAllreduce`` has one type attribute), while a group may
-hold payloads of several (THC's int32 words, fp16 for small tensors, PowerSGD's float32
-factors). At the first member's ``compress`` the adapter compresses the whole group (Horovod's
-frame holds it), and if the payload dtypes differ it casts each to the narrowest dtype that
-holds every member's values and sums exactly (float16 + float32: float32; with int32 or
-float64: float64), and back before ``decompress``: one collective per group as Horovod meant,
-the same numbers as without groups, more bytes (``wire_bytes()`` counts them, a warning names
-the tensors once). PyTorch's grouped all-reduce (``groups=``/``num_groups``) sends each group
-as a bucket (:mod:`~hvd_gradcomp.buckets`, one codec call per route): the payloads are shared
-out as one piece per tensor, views of one buffer per payload dtype that Horovod sums in place,
-and the group's first ``decompress`` decodes every unit (docs/usage.md, "Grouped all-reduce").
+Grouped all-reduces (TensorFlow's one-dtype groups, PyTorch's groups sent as buckets):
+:mod:`~hvd_gradcomp.grouped`. The entry points of other engines (DDP, FSDP, update sync):
+:mod:`~hvd_gradcomp.engine_codec`.
 
 Sparse gradients (PyTorch ``sparse=True`` embeddings without ``sparse_as_dense``, TensorFlow
 ``IndexedSlices``) never reach ``compress``: Horovod's sparse path gathers their indices and values. The
@@ -41,111 +32,27 @@ adapter notices them (PyTorch: in ``decompress``; TensorFlow: in the same ``allr
 call), logs a warning naming the tensor once, and counts their bytes in
 ``bytes_per_step().sparse`` and ``metrics()``.
 """
-import dataclasses
 import logging
-from typing import Any, NamedTuple
 
 from . import composite
-from .base import (HALF_MAX, EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor, passes_through,
-                   saturate_output)
+from .base import EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor, passes_through
 from .buckets import Buckets
+from .calls import AdapterCtx as _AdapterCtx, Call, scheme_info
 from .checkpoint import Checkpoints
+from .engine_codec import EngineCodec
+from .grouped import GroupedAllreduce, WidenedCtx, PieceCtx
 from .link import LinkCalibration
-from .primitives import FLOAT_DTYPES, itemsize
-from .horovod_ops import group_dtype, horovod_nccl_avg
+from .primitives import FLOAT_DTYPES
+from .horovod_ops import horovod_nccl_avg
 from .records import TensorRecords
 from .routing import RouteTable, Routing, with_min_numel
 
-__all__ = ["HorovodCompressor", "Call"]
+__all__ = ["HorovodCompressor", "Call", "scheme_info"]
 
 log = logging.getLogger("hvd_gradcomp")
 
 
-class Call(NamedTuple):
-    """What the adapters learn from Horovod's calling frame about one compress call.
-
-    key: Horovod's name for the tensor (parameter name, variable position, ``name=``), or None.
-    op: ``"sum" "average" "adasum" "min" "max" "product"``, or None when unknown.
-    prescale, postscale: the factors Horovod will multiply the payload by before and after the
-        reduction (``gradient_predivide_factor`` f gives 1/f and f under Average); 1.0 when none.
-    process_set: the framework's process set of the all-reduce, or None for the global one.
-    owner: what the key belongs to, stable across steps: the PyTorch optimizer, or the
-        TensorFlow variable; a second owner under the same key gets its own state
-        (``key@1``, ``key@2``, ... in order of first use), or None.
-    filled_in: True when Horovod's ``synchronize()`` is filling in a gradient this rank never
-        computed (an unused parameter): its collectives run in an order that differs between
-        ranks.
-    shape: the static shape of the tensor's variable, when the gradient's own shape has
-        unknown dimensions (TensorFlow ``sparse_as_dense``); None otherwise.
-    label: the name routing rules match (:mod:`~hvd_gradcomp.routing`); None: ``key``.
-    pin: TensorFlow: the variable's ``ref()``, under which ``route()`` stored the decision
-        (variable names may differ between ranks); None: decide from ``label``.
-    group: TensorFlow ``grouped_allreduce``: the list of the group's tensors (one collective,
-        one dtype); None otherwise.
-    batch: TensorFlow ``allreduce_grads``: its ``(grads, vars)``, where sparse gradients
-        (``IndexedSlices``, which bypass compress) are found; None otherwise.
-    bucket: PyTorch ``hvd.DistributedOptimizer(groups=...)``: the group's ``(key, gradient)``
-        pairs in Horovod's order (one grouped all-reduce), compressed as one bucket
-        (:mod:`~hvd_gradcomp.buckets`); None otherwise.
-    """
-
-    key: Any = None
-    op: Any = None
-    prescale: float = 1.0
-    postscale: float = 1.0
-    process_set: Any = None
-    owner: Any = None
-    filled_in: bool = False
-    shape: Any = None
-    label: Any = None
-    pin: Any = None
-    group: Any = None
-    batch: Any = None
-    bucket: Any = None
-
-
-class _Piece(NamedTuple):
-    """The ctx of one tensor of a PyTorch grouped all-reduce sent as a bucket: its share of the
-    bucket's payloads (``index`` in the batch's pieces) and the batch."""
-
-    index: int
-    batch: Any  # _GroupBatch
-
-
-class _GroupBatch:
-    """One grouped all-reduce's bucket: the plan, each unit's ctx, the payload buffers (one per
-    dtype) that the members' pieces are views of, and the decoded gradients once decoded."""
-
-    __slots__ = ("plan", "ctxs", "spans", "pieces", "outs", "left")
-
-    def __init__(self, plan, ctxs, spans, pieces):
-        self.plan, self.ctxs, self.spans, self.pieces = plan, ctxs, spans, pieces
-        self.outs, self.left = None, len(pieces)
-
-
-class _AdapterCtx(NamedTuple):
-    """What ``decompress`` needs of one compress call."""
-
-    info: TensorInfo
-    inner: Any  # the scheme's ctx
-    scale: Any  # the loss scale divided out (0-d float32 tensor), or None
-    scheme: Scheme  # the route's scheme
-
-
-class _Cast(NamedTuple):
-    """A payload widened for a TensorFlow group: cast the reduced one back to ``dtype`` first."""
-
-    dtype: str
-    inner: Any  # _AdapterCtx, or None for a tensor that passed through
-
-
-def scheme_info(info: TensorInfo, scale) -> TensorInfo:
-    """The :class:`TensorInfo` the scheme works under: with a loss ``scale`` (not None) the
-    gradient is divided by it in float32, so ``info`` as float32; else ``info`` itself."""
-    return info if scale is None or info.dtype == "float32" else dataclasses.replace(info, dtype="float32")
-
-
-class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
+class HorovodCompressor(EngineCodec, GroupedAllreduce, Buckets, TensorRecords, Checkpoints, LinkCalibration):
     """Base of ``torch_backend.Compressor`` and ``tf_backend.Compressor``.
 
     Public methods (both frameworks):
@@ -414,280 +321,12 @@ class HorovodCompressor(Buckets, TensorRecords, Checkpoints, LinkCalibration):
         payload, ctx = compress_tensor(scheme, ops, tensor, state, scheme_info(info, scale))
         return payload, _AdapterCtx(info, ctx, scale, scheme)
 
-    # ---- the engine-neutral entry points (DDP, FSDP, update sync: any engine but Horovod's) ----
-    def bind_engine(self, engine):
-        """Use ``engine``'s collectives outside compress instead of Horovod's.
-
-        Args:
-            engine: an object with ``world() -> (size, rank)``, ``gather(obj) -> [obj of rank
-                0, 1, ...]`` and ``allreduce(x, average) -> tensor`` (blocking), e.g.
-                ``torch_backend.engine.ProcessGroupEngine(group)``. The world size and rank of
-                every tensor, ``state_dict(gather=True)``, the route check and ``calibrate()``
-                then follow it.
-
-        Returns self. Raises ValueError if another engine is already bound (a compressor
-        belongs to one training run: its state is kept per tensor key).
-        """
-        if self._engine is not None and self._engine is not engine:
-            raise ValueError(f"compressor {self.spec!r} is already bound to {self._engine!r}; each "
-                             f"model needs its own compressor (its state is kept per tensor key)")
-        self._engine = engine
-        return self
-
-    @property
-    def engine(self):
-        """The engine bound by :meth:`bind_engine`, or None (Horovod's collectives)."""
-        return self._engine
-
-    def encode(self, tensor, key: str, op: str = "sum", group=None, label=None):
-        """Compress one gradient under an explicit key, for an engine that posts the all-reduce
-        itself (no Horovod calling frame is read).
-
-        Args:
-            tensor: the gradient (any shape, a float dtype; other dtypes and empty tensors are
-                returned as their own payload with ctx None).
-            key: its stable identity, equal on every rank (a parameter name, a shard's path).
-            op: ``"sum"`` or ``"average"``: how the engine combines the ranks' payloads.
-            group: the engine's process group (recorded in the tensor's info; not its identity).
-            label: the name routing rules match (default ``key``).
-
-        Returns ``(payload, ctx)``: the engine all-reduces ``payload`` (in its dtype, elementwise,
-        with ``op``) and hands the result to :meth:`decode` with ``ctx``. Posts no collective.
-
-        Raises:
-            ValueError: what :meth:`compress` refuses (a shape change under one key, a route
-                that differs from a loaded checkpoint's, ...), before any collective.
-        """
-        if op not in ("sum", "average"):
-            raise ValueError(f"{self.spec}: encode({key!r}): op must be 'sum' or 'average', got {op!r}")
-        if self._is_sparse(tensor):
-            raise ValueError(f"{self.spec}: tensor {key!r} has a sparse gradient; all-reduce it "
-                             f"uncompressed (or make it dense) instead of encoding it")
-        payload, ctx, _ = self._compress_one(tensor, Call(key=key, op=op, process_set=group,
-                                                          label=label if label is not None else key))
-        return payload, ctx
-
-    def decode(self, payload, ctx, divide=None):
-        """The all-reduced ``payload`` of :meth:`encode` mapped back; the tensor's state moves on.
-
-        Args:
-            payload: the all-reduced payload (same shape and dtype as encode returned).
-            ctx: encode's ctx.
-            divide: None: the sum (op ``"sum"``) or mean (``"average"``) in the gradient's dtype,
-                as :meth:`decompress`. A number n: the decoded value divided by n in float32
-                before the cast to the gradient's dtype (DDP's mean of a sum), so a float16
-                gradient's mean is never formed from an overflowing float16 sum; a finite value
-                beyond a half dtype's range is clamped and the excess kept in error feedback.
-        """
-        if divide is None:
-            return self.decompress(payload, ctx)
-        if ctx is None:
-            return payload / divide
-        info, inner, scale, scheme = ctx
-        sinfo = scheme_info(info, scale)
-        has_state = self._has_state(info.key)
-        state = self._read_state(info.key) if has_state else EmptyState()
-        out, new_state = finish_tensor(scheme, self.ops, payload, inner, state, sinfo, dtype="float32")
-        out = out * (1.0 / divide)
-        if info.dtype in HALF_MAX:  # clamp the mean: each rank keeps the excess (Average's share)
-            out, new_state = saturate_output(scheme, self.ops, out, new_state,
-                                             dataclasses.replace(sinfo, op="average"), HALF_MAX[info.dtype], scale)
-        if scale is not None:
-            out = out * scale
-        if info.dtype != "float32":
-            out = self.ops.cast(out, info.dtype)
-        if has_state and new_state is not state:
-            self._write_state(info.key, new_state)
-        return out
-
-    def linear_decode(self, ctx):
-        """The factor ``f`` when decoding ``ctx``'s payload is its float32 cast times ``f`` and
-        moves no state (the casts, without a loss scale), so an engine may fuse the cast, the
-        scaling and the write into its own buffer; else None."""
-        if ctx is None or ctx.scale is not None or self._has_state(ctx.info.key):
-            return None
-        return composite.decode_factor(ctx.scheme, scheme_info(ctx.info, ctx.scale))
-
-    def decode_joined(self, payload, ctx):
-        """The state step of a rank that contributed zeros (DDP's ``Join``): the fields every
-        rank agrees on move on from the all-reduced ``payload``, this rank's own fields
-        (:attr:`~hvd_gradcomp.base.Scheme.rank_local_fields`: its error feedback) stay as they
-        were. Nothing is returned (the joined rank has no gradient to write)."""
-        if ctx is None or not self._has_state(ctx.info.key):  # passed through, or stateless
-            return
-        info, inner, scale, scheme = ctx
-        info = scheme_info(info, scale)
-        old = self._read_state(info.key)
-        _, new = finish_tensor(scheme, self.ops, payload, inner, old, info)
-        if new is old:
-            return
-        local = [f for f in scheme.rank_local_fields if f in new._fields]
-        if tuple(new._fields) == tuple(old._fields) and all(
-                tuple(self.ops.shape(getattr(old, f))) == tuple(self.ops.shape(getattr(new, f))) for f in local):
-            new = new._replace(**{f: getattr(old, f) for f in local})
-        else:  # an adaptive scheme changed the tensor's scheme on the agreed figures
-            new = new._replace(**{f: 0.0 * getattr(new, f) for f in local})
-            if ("joined", info.key) not in self._warned:  # once per tensor and compressor
-                self._warned.add(("joined", info.key))
-                log.warning("hvd_gradcomp: %s changed scheme while this rank had joined; its pending "
-                            "error feedback on this rank is dropped", info.key)
-        self._write_state(info.key, new)
-
-    def _compress_grouped(self, tensor, call: Call):
-        """A member of a TensorFlow grouped all-reduce: the whole group is compressed at its
-        first member, with one payload dtype (module docstring); the others are returned as
-        Horovod asks for them."""
-        group = call.group
-        if self._group is not None and self._group[0] is group:
-            done = self._group[1].pop(id(tensor), None)
-            if done is not None:
-                if not self._group[1]:
-                    self._group = None
-                return done
-        results, keys = {}, {}
-        for member in group:
-            if id(member) in results:
-                continue
-            member_call = call if member is tensor else self._find_call(member)
-            payload, ctx, key = self._compress_one(member, member_call)
-            results[id(member)], keys[id(member)] = (payload, ctx), key
-        dtypes = {i: self.ops.dtype(p) for i, (p, _) in results.items()}
-        try:
-            common = group_dtype(dtypes.values())
-        except ValueError as e:
-            raise ValueError(f"{self.spec}: grouped all-reduce of "
-                             f"{[keys[i] for i in results]}: {e}; use groups=None") from None
-        if common is not None:
-            extra = 0
-            for i, (payload, ctx) in list(results.items()):
-                if dtypes[i] == common:
-                    continue
-                results[i] = (self.ops.cast(payload, common), _Cast(dtypes[i], ctx))
-                key = keys[i]
-                if key is not None and key in self._wire:
-                    w = self._wire[key]
-                    wide = w.payload * itemsize(common) // itemsize(dtypes[i])
-                    extra += wide - w.payload
-                    self._wire[key] = w._replace(payload=wide)
-            members = tuple(sorted((str(keys[i]), dtypes[i]) for i in results))
-            if members not in self._warned:
-                self._warned.add(members)
-                hint = ("route the group's small tensors to thc as well ('thc:min_numel=1')"
-                        if "int32" in dtypes.values() else "route a group's tensors to schemes of one "
-                        "payload dtype")
-                log.warning("hvd_gradcomp: TensorFlow grouped all-reduce of %s: Horovod's grouped "
-                            "all-reduce takes one dtype, so these payloads travel as %s (exact; %d more "
-                            "bytes per step). To avoid it, %s, or use groups lists that keep them apart.",
-                            ", ".join(f"{k} ({d})" for k, d in members), common, extra, hint)
-        mine = results.pop(id(tensor))
-        self._group = (group, results) if results else None
-        return mine
-    def _compress_bucket(self, tensor, call: Call):
-        """A member of a PyTorch grouped all-reduce (``groups=``/``num_groups``): at the first
-        member the whole group is compressed as one bucket (one codec call per route,
-        :mod:`~hvd_gradcomp.buckets`) and its payloads are shared out as one piece per member
-        (views of one buffer per payload dtype, which Horovod's in-place grouped all-reduce
-        sums); the others get their piece. None when the group cannot go as a bucket (mixed
-        dtypes, a gradient that is not a float tensor): then each member is compressed alone."""
-        ops = self.ops
-        if self._pieces is not None:
-            done = self._pieces.pop(id(tensor), None)
-            if done is not None:
-                return done
-        grads = [g for _, g in call.bucket]
-        dtypes = {ops.dtype(g) for g in grads}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES or \
-                any(self._is_sparse(g) for g in grads) or all(g is not tensor for g in grads):
-            return None
-        from .buckets import Member
-        dtype = dtypes.pop()
-        members, offset = [], 0
-        for (name, g) in call.bucket:
-            key = self._key(Call(key=name, owner=call.owner))
-            shape = tuple(ops.shape(g))
-            numel = 1
-            for s in shape:
-                numel *= s
-            members.append(Member(key, name, shape, offset, numel))
-            offset += numel
-        flat = ops.concat([ops.reshape(self._detach(g), (-1,)) for g in grads], 0)
-        plan = self.plan_bucket(members, dtype, call.op if call.op in ("sum", "average") else None,
-                                call.process_set, flat)
-        for unit in plan.units:  # what Horovod would do to each payload, as for one tensor
-            self._check_call(unit.scheme, unit.key, call, unit.info)
-        encoded = [self.encode_unit(unit, flat[unit.start:unit.stop] if unit.contiguous
-                                    else ops.gather(flat, unit.index)) for unit in plan.units]
-        by_dtype = {}
-        for i, (payload, _) in enumerate(encoded):
-            by_dtype.setdefault(ops.dtype(payload), []).append(i)
-        buffers, spans = [], []  # spans: per unit (buffer, offset, numel, shape)
-        for d in sorted(by_dtype):
-            parts = [ops.reshape(encoded[i][0], (-1,)) for i in by_dtype[d]]
-            buf = parts[0] if len(parts) == 1 else ops.concat(parts, 0)
-            at = 0
-            for i in by_dtype[d]:
-                n = 1
-                for s in ops.shape(encoded[i][0]):
-                    n *= s
-                spans.append((i, len(buffers), at, n, tuple(ops.shape(encoded[i][0]))))
-                at += n
-            buffers.append(buf)
-        spans = [s[1:] for s in sorted(spans)]
-        sizes = [ops.shape(b)[0] for b in buffers]
-        if len(grads) < len(buffers) or sum(sizes) < len(grads):
-            return None  # (a tiny group: fewer elements than members) compressed one by one
-        # one piece per member: every buffer one, the rest cut from the largest
-        counts = [1] * len(buffers)
-        counts[sizes.index(max(sizes))] += len(grads) - len(buffers)
-        if max(sizes) < counts[sizes.index(max(sizes))]:
-            return None
-        pieces = []
-        for buf, size, k in zip(buffers, sizes, counts):
-            bounds = [size * j // k for j in range(k + 1)]
-            pieces.extend(buf[bounds[j]:bounds[j + 1]] for j in range(k))
-        batch = _GroupBatch(plan, [c for _, c in encoded], (buffers, spans), pieces)
-        results = {id(g): (piece, _Piece(j, batch)) for j, (g, piece) in enumerate(zip(grads, pieces))}
-        mine = results.pop(id(tensor))
-        self._pieces = results or None
-        return mine
-
-    def _decompress_piece(self, payload, ctx: "_Piece"):
-        """A grouped member's decoded gradient: at the batch's first decompress every unit is
-        decoded from the summed buffers (Horovod's grouped all-reduce sums the pieces in place,
-        so the buffers hold every member's sum by then)."""
-        batch = ctx.batch
-        if payload is not batch.pieces[ctx.index]:
-            raise RuntimeError(f"{self.spec}: a grouped all-reduce returned a new tensor for piece "
-                               f"{ctx.index} instead of summing it in place (Horovod's "
-                               f"grouped_allreduce_async_ does); the bucket cannot be decoded")
-        if batch.outs is None:
-            ops, plan = self.ops, batch.plan
-            buffers, spans = batch.spans
-            outs = []
-            for uctx, (b, at, n, shape) in zip(batch.ctxs, spans):
-                outs.append(ops.reshape(self.decompress(ops.reshape(buffers[b][at:at + n], shape), uctx), (-1,)))
-            if all(u.contiguous for u in plan.units):  # the units partition the flat vector
-                order = sorted(range(len(outs)), key=lambda i: plan.units[i].start)
-                full = outs[order[0]] if len(order) == 1 else ops.concat([outs[i] for i in order], 0)
-            else:
-                total = plan.members[-1].offset + plan.members[-1].numel
-                full = ops.zeros((total,), plan.dtype, outs[0])
-                for unit, out in zip(plan.units, outs):
-                    index = unit.index if not unit.contiguous else ops.arange(unit.stop - unit.start, "int64", out) + unit.start
-                    full = ops.index_add(full, index, out)
-            batch.outs = [ops.reshape(full[m.offset:m.offset + m.numel], m.shape) for m in plan.members]
-        batch.left -= 1
-        out = batch.outs[ctx.index]
-        if batch.left == 0:
-            batch.outs = batch.pieces = None
-        return out
-
     def decompress(self, payload, ctx):
         """The all-reduced payload mapped back to the gradient's shape and dtype; the tensor's
         state moves on (or stays, if the payload says some rank failed this step)."""
-        if isinstance(ctx, _Piece):
+        if isinstance(ctx, PieceCtx):
             return self._decompress_piece(payload, ctx)
-        if isinstance(ctx, _Cast):
+        if isinstance(ctx, WidenedCtx):
             payload = self.ops.cast(payload, ctx.dtype)
             ctx = ctx.inner
         if ctx is None:

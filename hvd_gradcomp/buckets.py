@@ -142,7 +142,7 @@ class Buckets:
         Raises:
             ValueError: what :meth:`encode` refuses for any member (before any collective).
         """
-        from .adapter import Call
+        from .calls import Call
         members = tuple(members)
         sig = (tuple((m.key, tuple(m.shape), m.offset) for m in members), dtype, op, id(group))
         plan = self._plans.get(sig)

@@ -209,19 +209,25 @@ def _plan(state: HookState, bucket, buffer, params):
         plan = BucketPlan(tuple(members), tuple(units), dtype)
     else:
         plan = comp.plan_bucket(members, dtype, "sum", state.group, buffer)
-    slots = [[i for i in u.members] for u in plan.units]
+    # per unit, where DDP may drop a parameter's result: its parameters' indices in the bucket
+    # and sizes (device tensors made once per layout, read by _dropped_part)
+    slots = [None] * len(plan.units)
+    if state.tracks_unused:
+        slots = [(torch.tensor(u.members, device=buffer.device),
+                  torch.tensor([plan.members[i].numel for i in u.members], device=buffer.device))
+                 for u in plan.units]
     state._plans[sig] = hit = (plan, slots)
     return hit
 
 
-def _dropped_part(out, dropped, members, plan):
+def _dropped_part(out, dropped, slot):
     """``out`` (a unit's decoded mean) where DDP drops it (``dropped``: bool per parameter of
-    the bucket), zero elsewhere, flat float32."""
+    the bucket), zero elsewhere, flat float32; ``slot``: the unit's (indices, sizes)."""
     flat = out.reshape(-1).float()
-    if len(members) == 1:
-        return flat * dropped[members[0]].float()
-    sizes = torch.tensor([plan.members[i].numel for i in members], device=flat.device)
-    return flat * torch.repeat_interleave(dropped[members].float(), sizes, output_size=flat.numel())
+    index, sizes = slot
+    if index.numel() == 1:
+        return flat * dropped[index].float()
+    return flat * torch.repeat_interleave(dropped[index].float(), sizes, output_size=flat.numel())
 
 
 def hook(state: HookState, bucket):
@@ -325,7 +331,7 @@ def hook(state: HookState, bucket):
                 counts = reduced[-1]
                 dropped = (counts[:, 0] == 0) & (counts[:, 1] == 0)
             outs = []
-            for unit, members, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
+            for unit, slot, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
                 factor = comp.linear_decode(ctx) if unit.contiguous else None
                 if factor is not None:  # a cast: its mean written into the bucket in one pass
                     torch.mul(payload.reshape(-1), factor / n, out=buffer[unit.start:unit.stop])
@@ -333,7 +339,7 @@ def hook(state: HookState, bucket):
                     continue
                 out = payload if ctx is None else comp.decode(payload, ctx, divide=n)
                 if dropped is not None:
-                    comp.add_error_feedback(ctx, _dropped_part(out, dropped, members, plan))
+                    comp.add_error_feedback(ctx, _dropped_part(out, dropped, slot))
                 outs.append(out)
             # Written into the bucket's buffer (one copy per unit) and the buffer returned: DDP
             # then sees its own views and copies nothing more per parameter.

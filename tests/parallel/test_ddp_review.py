@@ -189,6 +189,13 @@ def review_worker(tmp):
                 at_join = owed(comp)
             return {"outs": outs, "at_join": at_join, "owed": owed(comp)}
         attempt(("join", spec), joined)
+    def save_gathered(comp, path):
+        """Every rank's state gathered, saved by rank 0, the others waiting for the file."""
+        state = comp.state_dict(gather=True)
+        if rank == 0:
+            torch.save(state, path)
+        dist.barrier()
+
     # 9. a checkpoint saved under one bucket size, loaded under another, per tensor, and into a
     # fresh compressor with rank= before it is bound (weights_only=True everywhere)
     for spec in ("topkc:0.1", "thc"):
@@ -196,10 +203,7 @@ def review_worker(tmp):
             path = os.path.join(tmp, f"{spec}.pt")
             ddp, comp, _ = make(spec, bucket_cap_mb=CAP)
             train(ddp, comp, 3)
-            state = comp.state_dict(gather=True)
-            if rank == 0:
-                torch.save(state, path)
-            dist.barrier()
+            save_gathered(comp, path)
             rec = {"continued": train(ddp, comp, 2, first=3)}
             loaded = torch.load(path, weights_only=True)
             for name, kw in (("cap", {"bucket_cap_mb": 0.05}), ("per_tensor", {"per_tensor": True}),
@@ -232,10 +236,7 @@ def review_worker(tmp):
             path = os.path.join(tmp, f"early-{spec}.pt")
             ddp, comp, _ = make(spec, bucket_cap_mb=CAP)
             train(ddp, comp, 1)
-            state = comp.state_dict(gather=True)
-            if rank == 0:
-                torch.save(state, path)
-            dist.barrier()
+            save_gathered(comp, path)
             rec = {"continued": train(ddp, comp, 2, first=1)}
             d2, c2, _ = make(spec, bucket_cap_mb=CAP)
             c2.load_state_dict(torch.load(path, weights_only=True))
