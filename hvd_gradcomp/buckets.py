@@ -109,7 +109,7 @@ def group_key(keys) -> str:
 
 
 def _flattens(scheme) -> bool:
-    return getattr(scheme, "flattens", False) and not scheme.adaptive and not scheme.blocking
+    return scheme.flattens and not scheme.adaptive and not scheme.blocking
 
 
 class Buckets:
@@ -133,7 +133,8 @@ class Buckets:
         Args:
             members: the bucket's tensors (:class:`Member`), in buffer order.
             dtype: the buffer's dtype string (one float dtype for the whole bucket).
-            op: ``"sum"`` or ``"average"``, as :meth:`encode`.
+            op: the reduction the engine applies (``"sum"``, ``"average"``; another Horovod op
+                name is checked against each member's scheme, which refuses what it cannot take).
             group: the engine's process group.
             like: a tensor on the buffer's device.
 
