@@ -5,7 +5,9 @@ import torch
 
 from hvd_gradcomp.primitives import Primitives, compile_requested
 
-__all__ = ["OPS", "COMPILED_OPS", "to_torch_dtype"]
+from . import kernels
+
+__all__ = ["OPS", "COMPILED_OPS", "REFERENCE_OPS", "to_torch_dtype"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -122,9 +124,12 @@ def _compiled_kernel(fn, plan, exact):
 
 
 def _fuse(fn, plan):
-    """``Primitives.fuse``: compiled when ``HVD_GRADCOMP_COMPILE`` asks for it
+    """``Primitives.fuse``: a hand-written fused form of ``fn`` where one is registered for the
+    tensors' device type (:mod:`torch_backend.kernels`: Triton on CUDA, compiled loops on the
+    CPU), else the reference composition, compiled when ``HVD_GRADCOMP_COMPILE`` asks for it
     (:func:`hvd_gradcomp.primitives.compile_requested`), else op by op."""
-    return (_fuse_compiled if compile_requested() else _fuse_eager)(fn, plan)
+    reference = (_fuse_compiled if compile_requested() else _fuse_eager)(fn, plan)
+    return kernels.dispatch(fn, plan, reference)
 
 
 def _cond(pred, true_fn, false_fn):
@@ -344,6 +349,11 @@ OPS = Primitives(
     to_host=lambda x: x.detach().cpu().tolist(),
     eager=lambda: True,
 )
+
+# The primitives with every kernel as the core's reference composition, op by op: no
+# hand-written fused form (torch_backend.kernels), no compiler. Tests and benchmarks compare
+# the fused forms against it.
+REFERENCE_OPS = dataclasses.replace(OPS, fuse=_fuse_eager)
 
 # The same primitives with every fused kernel compiled, whatever the environment says (the
 # overhead benchmark times both side by side).
