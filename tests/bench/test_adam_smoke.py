@@ -95,6 +95,10 @@ def test_adam_records_csv_ratios_and_block(sweep):
         adam = res["adam"]
         # accumulate(2) steps the optimizer at micro-batches 2, 4, 6: only 6 ends a window of 3
         expect = [6] if res["meta"]["accumulate"] == 2 else [3, 6]
+        if res["meta"].get("stop_reason") != "max_steps":
+            # a row after FP16 that stopped at its target or at the time cap (which follows the
+            # machine's load) logged a prefix of the windows
+            expect = expect[:len(adam["steps"])] or [None]
         assert adam["steps"] == expect and adam["every"] == 3 and len(adam["tensors"]) == 29
         for t in adam["tensors"].values():
             assert all(v > 0 for v in t["update_rms"] + t["v_mean"] + t["grad_rms"])
