@@ -117,7 +117,28 @@ def _make(name: str, *args, **options):
     unknown = sorted(set(options) - fields)
     if unknown:
         raise ValueError(f"{name}: unknown option(s) {unknown}; expected some of {sorted(fields)}")
-    return scheme_cls(config_cls(**options))
+    config = config_cls(**options)
+    if issubclass(scheme_cls, AutoScheme):
+        return scheme_cls(config, _candidates(config))
+    return scheme_cls(config)
+
+
+def _candidates(config):
+    """``auto``'s candidates built from its config's specs, in order: the catalogue builds
+    them and hands them over (as :func:`make_scheme` hands the warm-up its inner scheme), so
+    :mod:`hvd_gradcomp.auto` never imports this module.
+
+    Raises:
+        ValueError: a spec :func:`parse_spec` or :func:`make_scheme` refuses, or ``auto``
+            itself (``"auto: candidates must not include auto, got 'auto'"``).
+    """
+    built = []
+    for text in config.specs():
+        name, options = parse_spec(text)
+        if name == "auto":
+            raise ValueError(f"auto: candidates must not include auto, got {text!r}")
+        built.append(make_scheme(name, **options))
+    return tuple(built)
 
 
 def parse_spec(spec: str):

@@ -9,7 +9,8 @@ Steps of ``compress`` (``selection="previous"``, the default; ``d`` coordinates,
        descending sort). The agreed scores are the all-reduced scores of the previous step
        (step 6), which every rank received in the same payload and kept in its state, so
        every rank selects the same chunks without any collective inside ``compress``. Before
-       the first step all scores are 0 and the first ``k`` chunks go.
+       the first step all scores are 0 and the first ``k`` chunks go. With ``max_age`` (below)
+       the chunks left unsent for ``max_age`` steps go first.
     3. Payload values: the selected chunks packed densely, ``k * chunk`` values pre-scaled by
        1/n (so n ranks' float16 sum stays in range, as in ``fp16``; not where NCCL's Average
        divides by n itself, :attr:`~hvd_gradcomp.base.TensorInfo.prescale`) and cast to
@@ -36,6 +37,39 @@ what it sent (its residual becomes all of ``c``), the scores realign to the all-
 on every rank, and ``metrics()["realigned"]`` counts the step. Two different selections go
 unseen only when their hashes share a slot (1 in 16); the next step realigns them anyway,
 since every rank then holds the same scores.
+
+Age bound (``max_age`` = ``A`` > 0; 0, the default, is off and changes nothing). A chunk of
+low agreed score can go unsent for hundreds of steps while its residual grows, then arrive as
+one burst (on ``lm-comm`` at ratio 0.1 the longest wait was 287 steps, though half the chunks
+went within 6); issue 34 asked whether bounding that delay is what TopKC lacks under Adam.
+Measured there (docs/adam.md, "TopKC's age bound"): at ``A = 2 / ratio`` the longest wait fell
+to 25 steps for 11% of the slots, and the steps to FP16's perplexity did not move, hence off
+by default. Each chunk's *age*
+(int64 [m], the state's ``age``) counts the completed steps since it was last sent (0 at the
+start). Step 2 then ranks the chunks of age >= ``A`` first, oldest first (ties by lower
+index), then the rest by agreed score (ties by lower index), and takes the first ``k``: one
+stable descending sort of the key ``age + max(scores) + 1`` for a due chunk and its agreed
+score otherwise (exact in float32 while ages and the summed scores stay below 2**24). After
+the all-reduce (a finite payload, one selection): the selected chunks' ages become 0, every
+other chunk's grows by 1. The ages follow from the agreed selection alone, so they are the same
+on every rank without any collective and without a byte on the wire; a non-finite step leaves
+them as they were (with the residual and the scores), and a split vote (ranks that selected
+differently, hence held different ages or scores) restarts every rank's ages at 0, as the
+scores realign to the all-reduced ones: agreed again from the next step. The bound: a chunk
+due at age ``A`` has at most ``m - 1`` chunks ahead of it, only those leave the order ahead of
+it (a chunk sent restarts at 0, below it; a younger chunk stays younger), and ``k`` of them go
+each step it is not taken, so it is sent at age at most ``A + ceil(m / k) - 1``, and at age
+``A`` when at most ``k`` chunks are due at once (the start, where every chunk's age counts from
+0 together, is the worst case). ``A`` about ``2 / ratio`` leaves at least half of the ``k`` slots
+to the scores in the steady state (each chunk needs a slot every ``A`` steps at most: ``m / A``
+= ``k / 2`` a step). The steps of an FP16 warm-up and of a failed step are not counted; after a
+realignment the count restarts. Composes with ``residual_decay`` (which bounds what a chunk
+owes, where this bounds how long it waits) and with the FP16 warm-up (the ages start at 0 at
+the hand-over); refused with EF21 and with ``selection="current"``. The selection is what the
+other ranks see, so ranks must all run with the same ``max_age`` (the vote catches a rank that
+does not, like any other disagreement). Not in the papers followed here: a round-robin floor
+under a score-based sparsifier, in the spirit of the bounded staleness that error-feedback
+analyses assume (Stich et al., NeurIPS 2018, bound the delay through the contraction instead).
 
 Residual decay (``residual_decay`` = ``beta`` < 1): what a chunk owes is carried at ``beta``
 times its value each step, so it is at most about ``1 / (1 - beta)`` steps of its gradient (20
@@ -121,7 +155,7 @@ from .primitives import itemsize
 from .options import error_feedback_option, option, ratio_option, validate, wire_dtype_option
 from .topk import num_selected
 
-__all__ = ["TopKCConfig", "TopKCState", "TopKCEF21State", "TopKCScheme"]
+__all__ = ["TopKCConfig", "TopKCState", "TopKCAgedState", "TopKCEF21State", "TopKCScheme"]
 
 # Smallest score norm used as a divisor: an all-zero tensor's max score is 0 (0/0 is NaN).
 _TINY = 1e-30
@@ -142,7 +176,10 @@ class TopKCConfig:
     score values on the wire (one per chunk) and select less precisely, so it moves the bytes both ways. ``payload_dtype`` is the dtype
     of the compressed payload (PowerSGD's ``uncompressed_dtype`` is the dtype of the tensors
     it leaves uncompressed). ``selection="current"`` is the paper's blocking two-round form
-    (module docstring).
+    (module docstring). ``max_age``: a hard bound on how long a chunk waits, at no cost in bytes;
+    about ``2 / ratio`` (20 at 0.1) leaves most of the chunks sent to the scores (module
+    docstring, "Age bound"), ``1 / ratio`` or less turns the selection into a round-robin. 0
+    (the default) is off: on the LM under Adam it did not change the steps (docs/adam.md).
 
     The size threshold below which tensors go as FP16 (``min_numel``) is a routing option,
     not one of these (:mod:`hvd_gradcomp.routing`).
@@ -172,6 +209,9 @@ class TopKCConfig:
     ef21_momentum: float = option(1.0, kind="number", lo=0.0, hi=1.0, lo_open=True,
                                   doc="EF21-M: each rank compresses v_i = (1 - a) v_i + a g_i "
                                       "instead of g_i (1: plain EF21; error_feedback=ef21 only)")
+    max_age: int = option(0, kind="integer", lo=0,
+                          doc="chunks unsent for this many steps go first, oldest first (0: off; "
+                              "about 2/ratio bounds every chunk's wait)")
 
     def __post_init__(self):
         validate(self)
@@ -182,6 +222,11 @@ class TopKCConfig:
         if self.ef21_momentum != 1.0 and self.error_feedback != "ef21":
             raise ValueError(f"topkc: ef21_momentum={self.ef21_momentum} needs error_feedback='ef21', "
                              f"got error_feedback={self.error_feedback!r}")
+        if self.max_age and (self.error_feedback == "ef21" or self.selection != "previous"):
+            raise ValueError(f"topkc: max_age={self.max_age} needs selection='previous' and classic "
+                             f"error feedback (the ages follow the agreed selection of the previous "
+                             f"step's scores), got selection={self.selection!r}, "
+                             f"error_feedback={self.error_feedback!r}")
         if self.error_feedback == "ef21" and self.selection != "previous":
             raise ValueError("topkc: error_feedback='ef21' needs selection='previous': its rank-agreed "
                              "estimate realigns through the payload's votes, which the blocking "
@@ -192,6 +237,16 @@ class TopKCState(NamedTuple):
     residual: object  # float32 [d]: error feedback ([0] when error_feedback=False)
     scores: object  # float32 [m]: agreed chunk scores from the last step ("previous"; else [0])
     realigned: object  # int64 []: steps whose output was 0 because ranks selected differently
+
+
+class TopKCAgedState(NamedTuple):
+    """:class:`TopKCState` with the chunks' ages (``max_age`` > 0: module docstring, "Age
+    bound"); a state of its own so that checkpoints without ``max_age`` keep their fields."""
+
+    residual: object  # float32 [d]: error feedback ([0] when error_feedback=False)
+    scores: object  # float32 [m]: agreed chunk scores from the last step
+    realigned: object  # int64 []: steps whose output was 0 because ranks selected differently
+    age: object  # int64 [m]: completed steps since each chunk was last sent (agreed on every rank)
 
 
 class TopKCEF21State(NamedTuple):
@@ -299,9 +354,10 @@ class TopKCScheme(Scheme):
         if not cfg.error_feedback and self.blocking:
             return EmptyState()
         m, _, _ = self._sizes(info)
-        return TopKCState(ops.zeros((info.numel if cfg.error_feedback else 0,), "float32", like),
-                          ops.zeros((0 if self.blocking else m,), "float32", like),
-                          ops.zeros((), "int64", like))
+        state = TopKCState(ops.zeros((info.numel if cfg.error_feedback else 0,), "float32", like),
+                           ops.zeros((0 if self.blocking else m,), "float32", like),
+                           ops.zeros((), "int64", like))
+        return TopKCAgedState(*state, ops.zeros((m,), "int64", like)) if cfg.max_age else state
 
     def _side_name(self, info):
         return f"hvd_gradcomp.topkc.scores.{info.key}"
@@ -314,7 +370,7 @@ class TopKCScheme(Scheme):
         flat = ops.reshape(x, (info.numel,))
         plan = (cfg.chunk, cfg.error_feedback, self.blocking, cfg.residual_decay)
         if not self.blocking:  # step 2 first: the selection is known before the pass over c
-            idx = ops.argsort(state.scores)[:k]
+            idx = self._select(ops, state, k)
         # Step 1 (and the scores, step 5 or the blocking step 2) in one fused kernel.
         chunks, guess, scores = ops.fuse(_correct_kernel, plan)(flat, state.residual if cfg.error_feedback else flat)
         if self.blocking:
@@ -342,6 +398,23 @@ class TopKCScheme(Scheme):
             payload = ops.concat([payload, ops.cast(_unit_scores(ops, scores), cfg.payload_dtype),
                                   self._vote(ops, idx, info, x)], 0)
         return poison(ops, payload, finite), _TopKCCtx(idx, left, sent)
+
+    def _select(self, ops, state, k):
+        """int64 [k]: step 2's chunks, from the agreed ``scores`` (float32 [m]) and, with
+        ``max_age``, the agreed ``age`` (int64 [m]): due chunks first, oldest first, then by
+        score; ties by lower index (the stable descending argsort)."""
+        if not self.config.max_age:
+            return ops.argsort(state.scores)[:k]
+        due = state.age >= self.config.max_age
+        above = ops.max(state.scores, None) + 1.0  # every due key ranks above every score
+        key = ops.where(due, ops.cast(state.age, "float32") + above, state.scores)
+        return ops.argsort(key)[:k]
+
+    def _aged(self, ops, age, idx, split):
+        """int64 [m]: the ages after a step that sent chunks ``idx``: 0 for them, + 1 for the
+        others; all 0 after a split vote (``split`` bool [])."""
+        grown = ops.index_add(age + 1, idx, ops.gather(age, idx) * -1 - 1)
+        return ops.where(split, grown * 0, grown)
 
     def _ef21_compress(self, ops, x, state, info, finite):
         """EF21 (module docstring, "EF21"): payload ``[C(g_i - h_i) / n, scores, vote]``."""
@@ -421,8 +494,9 @@ class TopKCScheme(Scheme):
         return self._dense(ops, payload, ctx.idx, ctx.split, info)
 
     def finish(self, ops, payload, ctx, state, info):
-        """Residual and agreed scores move on iff the all-reduced payload is finite; after a
-        split vote each rank keeps all of ``c`` (nothing was applied) and the scores realign."""
+        """Residual, agreed scores and (``max_age``) ages move on iff the all-reduced payload
+        is finite; after a split vote each rank keeps all of ``c`` (nothing was applied), the
+        scores realign and the ages restart at 0."""
         if not len(state):
             return state
         if self.ef21:
@@ -445,6 +519,9 @@ class TopKCScheme(Scheme):
                              state.realigned + ops.cast(split, "int64")),
                 lambda: (state.scores, state.realigned))
             new = new._replace(scores=scores, realigned=realigned)
+            if cfg.max_age:
+                new = new._replace(age=ops.select(ok, lambda: self._aged(ops, state.age, ctx.idx, split),
+                                                  lambda: state.age))
         return new
 
     def _ef21_finish(self, ops, payload, ctx, state, info):
@@ -473,7 +550,8 @@ class TopKCScheme(Scheme):
         (:mod:`hvd_gradcomp.warmup`): ``own`` (float32 [d], this rank's gradient as decoded)
         and ``aggregate`` (float32 [d], the last all-reduced FP16 step, the same on every
         rank). Scores: the aggregate's squared chunk norms (agreed); EF21: ``h_i = own``,
-        ``H = aggregate``; classic error feedback starts from 0."""
+        ``H = aggregate``; classic error feedback starts from 0, and the ages (``max_age``)
+        from 0 as at init (the warm-up does not touch this state)."""
         if not len(state) or self.blocking:
             return state
         m, _, pad = self._sizes(info)

@@ -68,11 +68,14 @@ class RefTopKC:
     at the largest float16 <= 65504 / n cut stays there); when the all-reduced payload is not
     finite, every rank's residual and the agreed scores stay as they were. ``residual_decay``
     (beta): the carried residual enters as ``c = g + beta e`` and the scores guess
-    ``g + beta e'``.
+    ``g + beta e'``. ``max_age`` (A > 0, "previous"): each chunk's age counts the steps since it
+    was last sent (0 at first; kept only when the all-reduced payload is finite: sent -> 0,
+    others + 1); the chunks of age >= A are taken first, oldest first, ties by lower index, then
+    the rest by agreed score as above (written as two lists, not as the scheme's one sort key).
     """
 
     def __init__(self, numel, n, ratio, chunk, error_feedback=True, payload="float16",
-                 selection="previous", residual_decay=1.0):
+                 selection="previous", residual_decay=1.0, max_age=0):
         self.d, self.n, self.c = numel, n, chunk
         self.m = -(-numel // chunk)
         self.k = min(self.m, max(1, math.ceil(ratio * self.m - 1e-9)))
@@ -80,11 +83,18 @@ class RefTopKC:
         self.beta = residual_decay
         self.residual = [np.zeros(numel) for _ in range(n)]
         self.prev = np.zeros(self.m)
+        self.max_age = max_age
+        self.age = np.zeros(self.m, np.int64)
         self.last_payload = None  # the all-reduced payload of the last step (float64 values)
         self.last_idx = None  # the chunks selected in the last step
 
     def _cast(self, v, n=1):
         return saturate_fp16(v, n) if self.payload == "float16" else fp32(v)
+
+    def _aged_selection(self, k):
+        due = sorted((i for i in range(self.m) if self.age[i] >= self.max_age), key=lambda i: (-self.age[i], i))
+        rest = [i for i in chunk_selection(list(self.prev), self.m) if i not in due]
+        return np.array((due + rest)[:k], dtype=np.int64)
 
     def _allreduce(self, parts, op):
         if self.payload == "float16":
@@ -109,7 +119,10 @@ class RefTopKC:
             ranking = sum(fp32(self._scores(p)) for p in padded)
         else:
             ranking = self.prev
-        idx = self.last_idx = chunk_selection(list(ranking), k)
+        if self.max_age:
+            idx = self.last_idx = self._aged_selection(k)
+        else:
+            idx = self.last_idx = chunk_selection(list(ranking), k)
         with np.errstate(over="ignore", invalid="ignore"):
             sent = [self._cast(p[idx] / n, n) for p in padded]
         # Residual e' = c - (decoded values sent), on the selected chunks only.
@@ -137,6 +150,8 @@ class RefTopKC:
                 self.residual = new_residual
             if self.selection == "previous":
                 self.prev = agg[k * self.c:]
+            self.age += 1
+            self.age[idx] = 0
         return out.reshape(-1)[:self.d]
 
 
@@ -205,7 +220,8 @@ def reference_for_spec(spec, numel, n):
                         error_feedback=opts.get("error_feedback", "true") == "true",
                         payload=opts.get("payload_dtype", "float16"),
                         selection=opts.get("selection", "previous"),
-                        residual_decay=float(opts.get("residual_decay", 1.0)))
+                        residual_decay=float(opts.get("residual_decay", 1.0)),
+                        max_age=int(opts.get("max_age", 0)))
     if name == "topk":
         return RefTopK(numel, n, float(opts["ratio"]))
     return None

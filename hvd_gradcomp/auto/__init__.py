@@ -19,7 +19,7 @@ The method step by step, and the measurements behind each rule: docs/auto.md.
 """
 from .decisions import (CALIBRATIONS, DEFAULT_CANDIDATES, FALLBACK, LANE_MAX, UNUSABLE, Decision, Link, decide,
                      start_choice)
-from .scheme import AutoConfig, AutoScheme, canonical_candidates
+from .scheme import OPTION_JOIN, AutoConfig, AutoScheme
 
-__all__ = ["AutoConfig", "AutoScheme", "Link", "Decision", "decide", "start_choice", "canonical_candidates",
+__all__ = ["AutoConfig", "AutoScheme", "Link", "Decision", "decide", "start_choice", "OPTION_JOIN",
            "DEFAULT_CANDIDATES", "FALLBACK", "CALIBRATIONS", "LANE_MAX", "UNUSABLE"]

@@ -12,12 +12,16 @@ from typing import ClassVar, NamedTuple
 
 from .. import composite
 from ..base import FALLBACK, Scheme, TensorInfo, WireBytes, poison
-from ..options import option, validate
+from ..options import option, options_of, validate
 from ..primitives import itemsize
 from .decisions import DEFAULT_CANDIDATES, Decision, Link, REFERENCE_SHAPE, decide, start_choice
 from .window import AutoWindow, _contributors, _count_lane, _delivered, _saturate_carried
 
-__all__ = ["AutoConfig", "AutoScheme", "canonical_candidates"]
+__all__ = ["AutoConfig", "AutoScheme", "OPTION_JOIN"]
+
+# Joins the options of one candidate in the ``candidates`` text ("topkc:ratio=0.1&max_age=20"):
+# a spec's own separator, the comma, separates auto's options.
+OPTION_JOIN = "&"
 
 log = logging.getLogger("hvd_gradcomp")
 
@@ -39,14 +43,24 @@ class AutoConfig:
     whole step at least ``1 + step_penalty`` times faster than fp16 everywhere; 0 turns the
     gate off.
 
+    ``candidates`` is ``|``-separated scheme specs, the options of one joined by ``&`` (the
+    comma separates auto's own options): ``"fp16|topkc:ratio=0.1&max_age=20|powersgd:8"``; a
+    tuple or list of specs may use commas (``("fp16", "topkc:ratio=0.1,max_age=20")``). The
+    config keeps the text as given (stripped); the scheme built from it
+    (:func:`hvd_gradcomp.registry.make_scheme`) holds the canonical list
+    (:meth:`AutoScheme.canonical`), so equal lists give equal specs and accept each other's
+    checkpoints.
+
     Raises:
         ValueError: an option outside its rule (``"auto: every must be ..."``), ``every`` below
-            ``warmup``; the scheme raises for bad candidates (unknown, blocking, no fp16).
+            ``warmup``; the registry and the scheme raise for bad candidates (unknown, auto,
+            blocking, no fp16, equal).
     """
 
     SCHEME: ClassVar[str] = "auto"
     candidates: str = option(DEFAULT_CANDIDATES, kind="text",
-                             doc="'|'-separated scheme specs to choose from, fp16 among them")
+                             doc="'|'-separated scheme specs to choose from, fp16 among them (one "
+                                 "candidate's options joined by '&')")
     error_budget: float = option(0.95, kind="number", lo=0.0, lo_open=True,
                                  doc="largest one-step relative error a candidate may have")
     warmup: int = option(3, kind="integer", lo=2, doc="steps per measurement window (the first is not timed)")
@@ -65,45 +79,17 @@ class AutoConfig:
 
     def __post_init__(self):
         if isinstance(self.candidates, (tuple, list)):
-            object.__setattr__(self, "candidates", "|".join(self.candidates))
+            object.__setattr__(self, "candidates", "|".join(
+                c.replace(",", OPTION_JOIN) if isinstance(c, str) else c for c in self.candidates))
         validate(self)
-        object.__setattr__(self, "candidates", canonical_candidates(self.candidates))
+        object.__setattr__(self, "candidates", "|".join(s.strip() for s in self.candidates.split("|")))
         if self.every < self.warmup:
             raise ValueError(f"auto: every must be an integer >= warmup ({self.warmup}), got {self.every!r}")
 
     def specs(self) -> tuple:
-        """The candidate specs, stripped."""
-        return tuple(s.strip() for s in self.candidates.split("|"))
-
-
-def canonical_candidates(text: str) -> str:
-    """The one way to write a candidate list (:class:`AutoConfig` stores it so, so equal lists
-    give equal specs and accept each other's checkpoints): each candidate as its scheme's
-    canonical spec (:func:`~hvd_gradcomp.registry.to_spec`), lower case, no blanks, its main
-    option (the config's ``PRIMARY``) written as a bare value when it is the only one, default or not:
-    ``"FP16 | TopKC:ratio=0.1|thc"`` -> ``"fp16|topkc:0.1|thc:4"``. A candidate the registry
-    does not know, or ``auto`` itself, is kept as written (the scheme refuses it)."""
-    from ..registry import make_scheme, parse_spec, primary  # noqa: the registry imports this module
-    from ..options import options_of
-    out = []
-    for item in text.split("|"):
-        try:
-            name, options = parse_spec(item)
-        except ValueError:
-            out.append(item.strip())
-            continue
-        if name == "auto":
-            out.append(item.strip())
-            continue
-        scheme = make_scheme(name, **options)
-        first, spec = primary(name), scheme.spec()
-        if first is not None:
-            rest = [o for o in spec.partition(":")[2].split(",") if o and not o.startswith(first + "=")]
-            if not rest:
-                decl = options_of(scheme.config)[first]
-                spec = f"{name}:{decl.format(getattr(scheme.config, first))}"
-        out.append(spec)
-    return "|".join(out)
+        """The candidate specs as scheme specs (stripped, options joined by commas):
+        ``"fp16 | topkc:ratio=0.1&max_age=20"`` -> ``("fp16", "topkc:ratio=0.1,max_age=20")``."""
+        return tuple(s.strip().replace(OPTION_JOIN, ",") for s in self.candidates.split("|"))
 
 
 class _AutoCtx(NamedTuple):
@@ -125,22 +111,29 @@ class AutoScheme(AutoWindow, Scheme):
     # windows, whose decision would be fp16 for them anyway.
     min_numel = 1024
 
-    def __init__(self, config: AutoConfig = None):
-        from ..registry import make_scheme, parse_spec  # noqa: the registry imports this module
-        config = AutoConfig() if config is None else config
-        self.config = config
+    def __init__(self, config: AutoConfig, candidates):
+        """``candidates``: the schemes of ``config.specs()``, built, in that order (the registry
+        builds them: :func:`hvd_gradcomp.registry.make_scheme`, as it builds the warm-up's inner
+        scheme, so this module never imports the catalogue). The scheme keeps ``config`` with
+        its list written canonically (:meth:`canonical`).
+
+        Raises:
+            ValueError: not one candidate per spec of ``config``, a candidate that is adaptive
+                (``auto``) or blocking, two equal candidates, or no ``fp16`` among them.
+        """
+        candidates = tuple(candidates)
         specs = config.specs()
-        candidates = []
-        for text in specs:
-            name, options = parse_spec(text)
-            if name == "auto":
+        if len(candidates) != len(specs):
+            raise ValueError(f"auto: {len(specs)} candidate specs {list(specs)} but {len(candidates)} "
+                             f"candidate schemes given")
+        for text, scheme in zip(specs, candidates):
+            if scheme.adaptive:
                 raise ValueError(f"auto: candidates must not include auto, got {text!r}")
-            scheme = make_scheme(name, **options)
             if scheme.blocking:
                 raise ValueError(f"auto: candidate {text!r} is a blocking variant (a side "
                                  f"collective inside compress); use the single-collective default")
-            candidates.append(scheme)
-        self.candidates = tuple(candidates)
+        self.config = dataclasses.replace(config, candidates=self.canonical(candidates))
+        self.candidates = candidates
         self.specs = tuple(c.spec() for c in candidates)
         if len(set(self.specs)) != len(self.specs):
             raise ValueError(f"auto: candidates must differ, got {list(self.specs)}")
@@ -165,6 +158,26 @@ class AutoScheme(AutoWindow, Scheme):
         self._types = {}  # field names -> (AutoState class, candidate state class)
         self.decisions = {}  # key -> the last Decision
         self.history = []  # every Decision of this process, in order (host values)
+
+    @staticmethod
+    def canonical(candidates) -> str:
+        """The one way to write a list of built candidates (equal lists give equal specs and
+        accept each other's checkpoints): each as its canonical spec (``scheme.spec()``: lower
+        case, no blanks, options that differ from their defaults), its main option (the
+        config's ``PRIMARY``) written as a bare value when it is the only one, default or
+        not, and a candidate's options joined by ``&``: ``"FP16 | TopKC:ratio=0.1|thc"`` ->
+        ``"fp16|topkc:0.1|thc:4"``, ``"topkc:max_age=20,ratio=0.1"`` ->
+        ``"topkc:ratio=0.1&max_age=20"``."""
+        out = []
+        for scheme in candidates:
+            spec = scheme.spec()
+            name, _, rest = spec.partition(":")
+            first = getattr(type(scheme.config), "PRIMARY", None)
+            if first is not None and all(o.startswith(first + "=") for o in rest.split(",") if o):
+                decl = options_of(scheme.config)[first]
+                spec = f"{name}:{decl.format(getattr(scheme.config, first))}"
+            out.append(spec.replace(",", OPTION_JOIN))
+        return "|".join(out)
 
     def bind(self, ops):
         for c in self.candidates:

@@ -420,3 +420,78 @@ def test_decision_module_imports_no_framework():
             "print(d.decide.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == "[]" and out[1] == "hvd_gradcomp.auto.decisions", out
+
+
+# ---------------------------------------------------------------- issue 34's codecs as candidates
+NEW_ROWS = "fp16|topkc:ratio=0.1&max_age=20|topkc:ratio=0.1&residual_decay=0.95|powersgd:8|powersgd:16"
+
+
+def test_new_rows_codecs_are_candidates_where_listed():
+    """TopKC with max_age or residual_decay and PowerSGD at rank 8-16 (issue 34's rows) are
+    candidates where the list names them: one candidate's options joined by '&' (the comma
+    separates auto's own options), built as written, listed canonically (the options in
+    declaration order), in a spec that round-trips; a tuple may use commas; bad options are
+    refused with the candidate scheme's own message; the default list does not change."""
+    from hvd_gradcomp.auto import DEFAULT_CANDIDATES
+    from hvd_gradcomp.routing import Routing
+    scheme = make_scheme("auto", candidates="FP16 | topkc:max_age=20&ratio=0.1|TopKC:0.1&residual_decay=0.95|"
+                                            "powersgd:rank=8|powersgd:16", every=100)
+    assert scheme.config.candidates == NEW_ROWS
+    assert scheme.specs == ("fp16", "topkc:ratio=0.1,max_age=20", "topkc:ratio=0.1,residual_decay=0.95",
+                            "powersgd:rank=8", "powersgd:rank=16")
+    topkc_age, topkc_decay, rank8, rank16 = scheme.candidates[1:]
+    assert (topkc_age.config.max_age, topkc_age.config.residual_decay) == (20, 1.0)
+    assert (topkc_decay.config.max_age, topkc_decay.config.residual_decay) == (0, 0.95)
+    assert (rank8.config.rank, rank16.config.rank) == (8, 16)
+    spec = to_spec(scheme)
+    assert spec == f"auto:candidates={NEW_ROWS},every=100"
+    name, options = parse_spec(spec)
+    assert make_scheme(name, **options).config == scheme.config
+    assert Routing.from_spec(spec).default.config == scheme.config
+    listed = make_scheme("auto", candidates=("fp16", "topkc:ratio=0.1,max_age=20", "topkc:0.1,residual_decay=0.95",
+                                             "powersgd:8", "powersgd:rank=16"), every=100)
+    assert listed.config == scheme.config and listed.spec() == spec
+    with pytest.raises(ValueError, match=r"^topkc: max_age must be an integer >= 0, got -1$"):
+        make_scheme("auto", candidates="fp16|topkc:0.1&max_age=-1")
+    with pytest.raises(ValueError, match="blocking variant"):
+        make_scheme("auto", candidates="fp16|topkc:0.1&selection=current")
+    assert make_scheme("auto").config.candidates == DEFAULT_CANDIDATES
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_simulated_new_rows_candidates_are_measured_and_decided(backend):
+    """Two simulated ranks with the four new candidates on a 64 x 48 matrix: the first window
+    measures the ones that take it (finite error and predicted time, the same on both ranks)
+    and the probe decides among them. PowerSGD at rank 16 does not take it (16 x (64 + 48) x
+    min_compression_rate 2 > 64 x 48: it would not compress), so it is never run nor chosen
+    there; on a 1024 x 1024 matrix it is, at about twice rank 8's bytes."""
+    schemes, states, outs, choices, fields, pending = _simulate(
+        backend, 3, candidates=NEW_ROWS, step_penalty=0.0, error_budget=2.0)
+    d = schemes[0].history[0]
+    assert d.step == 2 and d.spec in schemes[0].specs[:4] and len(d.errors) == 5
+    assert all(0.0 <= e < 1.0 for e in d.errors[:4]) and all(math.isfinite(p) for p in d.predicted_ms[:4])
+    assert d.errors[4] == UNUSABLE and d.predicted_ms[4] == math.inf
+    assert d.predicted_ms[1] < d.predicted_ms[0]  # the slow link: TopKC's bytes pay
+    assert schemes[0].history_records() == schemes[1].history_records()
+    big = TensorInfo("big", (1024, 1024), "float32", 2, 0, "sum")
+    assert schemes[0]._fits(big) == [True] * 5
+    wires = schemes[0]._wires(big)
+    assert 1.99 * wires[3] < wires[4] < 2 * wires[3]  # P or Q of rank 16 against rank 8, and a few fixed bytes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_simulated_aged_topkc_candidate_keeps_agreed_ages(backend):
+    """auto on TopKC with max_age: it starts (the one lossy candidate, on the slow link) and
+    stays; its state carries the ages as ``a_age``, the same on both ranks and within the
+    bound (A + ceil(m / k) - 1 = 3 + 6 - 1 for 12 chunks, k = 2); outputs plus what is owed
+    are the gradients (fp16's rounding of the sums aside)."""
+    schemes, states, outs, choices, fields, pending = _simulate(
+        backend, 9, candidates="fp16|topkc:ratio=0.1&max_age=3", step_penalty=0.0, error_budget=2.0)
+    assert choices == ["topkc:ratio=0.1,max_age=3"] * 9
+    assert "a_age" in fields[-1] and "a_residual" in fields[-1]
+    ops = one_rank_ops(backend)
+    ages = [np.asarray(ops.to_host(s.a_age)) for s in states]
+    np.testing.assert_array_equal(ages[0], ages[1])
+    assert ages[0].shape == (12,) and 0 < ages[0].max() <= 3 + 6 - 1
+    for t in range(9):
+        assert _owed_error(outs, pending, t) < 2e-3, t

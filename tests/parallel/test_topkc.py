@@ -36,6 +36,8 @@ SCENARIOS = {
     "topkc_predivide": (TOPKC, {"gradient_predivide_factor": 4.0}, True, "average"),
     "topkc_current": ("topkc:ratio=0.25,chunk=8,min_numel=1,selection=current", {}, True, "average"),
     "topkc_decay": ("topkc:ratio=0.25,chunk=8,min_numel=1,residual_decay=0.8", {}, True, "average"),
+    "topkc_age": ("topkc:ratio=0.25,chunk=8,min_numel=1,max_age=1", {}, True, "average"),
+    "topkc_age_decay": ("topkc:ratio=0.25,chunk=8,min_numel=1,max_age=2,residual_decay=0.8", {}, True, "sum"),
     "topkc_min100": ("topkc:ratio=0.25,chunk=8,min_numel=100", {}, True, "average"),
     "topkc_fp32_noef": ("topkc:ratio=0.3,chunk=4,payload_dtype=float32,error_feedback=false,min_numel=1",
                         {}, True, "average"),
@@ -108,6 +110,8 @@ def worker():
         params, comp = _train(hvd, torch, Compression, spec, kw, set_to_none, op, dense=label in DENSE)
         out[label] = {"params": params, "wire": {k: tuple(v) for k, v in comp.wire_bytes().items()},
                       "state_keys": sorted(comp.state_dict()["tensors"])}
+        if "max_age" in spec:  # the agreed ages of every tensor after the run
+            out[label]["ages"] = {k: v["age"].numpy().copy() for k, v in comp.state_dict()["tensors"].items()}
 
     # 2. Checkpoint: 3 steps, save, fresh objects, load, 3 more == 6 uninterrupted.
     spec = TOPKC
@@ -117,6 +121,15 @@ def worker():
     resumed, _ = _train(hvd, torch, Compression, spec, {}, True, "average", steps=3, start=3,
                         params=half, state=saved)
     out["resume_equal"] = all(np.array_equal(full[k], resumed[k]) for k in full)
+    # The same with max_age: the ages are in the checkpoint, so the selections resume exactly.
+    aged = TOPKC + ",max_age=2"
+    full, comp_full = _train(hvd, torch, Compression, aged, {}, True, "average", steps=6)
+    half_aged, comp_half = _train(hvd, torch, Compression, aged, {}, True, "average", steps=3)
+    resumed, comp_resumed = _train(hvd, torch, Compression, aged, {}, True, "average", steps=3, start=3,
+                                   params=half_aged, state=comp_half.state_dict())
+    out["resume_equal_age"] = all(np.array_equal(full[k], resumed[k]) for k in full) and all(
+        torch.equal(comp_full.state_dict()["tensors"][k]["age"], comp_resumed.state_dict()["tensors"][k]["age"])
+        for k in SHAPES)
 
     # 3. A state of the wrong shape is refused on every rank, before any collective.
     bad = {"spec": saved["spec"], "tensors": {k: dict(v) for k, v in saved["tensors"].items()}}
@@ -229,11 +242,14 @@ def results():
     return run(worker, np=2)
 
 
-def _reference(spec, kw, set_to_none, op):
+def _reference(spec, kw, set_to_none, op, refs=None):
+    """The float64 parameters after STEPS steps; ``refs`` (a dict), if given, receives the
+    reference simulator of each tensor."""
     name = spec.partition(":")[0]
     passes = kw.get("backward_passes_per_step", 1)
     params = {k: init_of(k).astype(np.float64).reshape(-1) for k in SHAPES}
-    refs = {k: reference_for_spec(spec, int(np.prod(SHAPES[k])), 2) for k in SHAPES}
+    refs = {} if refs is None else refs
+    refs.update({k: reference_for_spec(spec, int(np.prod(SHAPES[k])), 2) for k in SHAPES})
     for step in range(STEPS):
         for k in SHAPES:
             grads = []
@@ -310,6 +326,22 @@ def test_wire_bytes(results):
 
 def test_checkpoint_resume_equals_uninterrupted(results):
     assert all(r["resume_equal"] for r in results)
+    assert all(r["resume_equal_age"] for r in results)
+
+
+@pytest.mark.parametrize("label", ["topkc_age", "topkc_age_decay"])
+def test_max_age_ages_agree_on_every_rank(results, label):
+    """max_age: every rank ends with the same ages (no collective carries them: each rank
+    derives them from the agreed selection), those of the float64 reference's selections, and
+    some chunk was taken for its age (the run differs from the one without max_age)."""
+    refs = {}
+    _reference(*SCENARIOS[label], refs=refs)
+    for k in SHAPES:
+        for r in results:
+            np.testing.assert_array_equal(r[label]["ages"][k], refs[k].age, err_msg=f"{label} {k} rank {r['rank']}")
+    if label == "topkc_age":
+        assert any(not np.array_equal(results[0][label]["params"][k], results[0]["topkc_none"]["params"][k])
+                   for k in SHAPES)
 
 
 def test_bad_state_refused_on_every_rank(results):
