@@ -198,11 +198,13 @@ def check_values(results, spec, replicas, size):
                 err = np.abs(outs[t] - truth[n][t]).max() / np.abs(truth[n][t]).max()
                 assert err <= STEP_ERROR[route], (spec, n, t, err)
             continue
-        for t in range(2, STEPS) if route in STEP_L2 else ():
+        for t in range(2, STEPS) if route in STEP_L2 and not spec.endswith(" both") else ():
             err = np.linalg.norm(outs[t] - truth[n][t]) / np.linalg.norm(truth[n][t])
             assert err <= STEP_L2[route], (spec, n, t, err)
         err = np.linalg.norm(sum(outs) - sum(truth[n])) / np.linalg.norm(sum(truth[n]))
-        assert 1e-3 < err <= TOTAL_L2[route], (spec, n, err)  # compressed, within its error
+        # compressed, within its error (compressed twice, "both": each compression's error
+        # feedback holds back its part, THC's first step sends nothing on either collective)
+        assert 1e-3 < err <= TOTAL_L2[route] * (2 if spec.endswith(" both") else 1), (spec, n, err)
     # error feedback's balance, float64: delivered + the senders' mean pending residual = the sum
     # over steps of the mean gradient over all ranks (with install's all-reduce compressed too,
     # its own residuals would join: checked in test_fsdp.py)
