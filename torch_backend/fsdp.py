@@ -1,4 +1,6 @@
-"""hvd-gradcomp's compressors on FSDP2's all-reduce across replicas (HSDP).
+"""hvd-gradcomp's compressors on FSDP2's all-reduce across replicas (HSDP, :func:`install`) and
+on its reduce-scatter within the shard group (:func:`install_reduce_scatter`; "The
+reduce-scatter" below).
 
 Usage, for a model already sharded by ``fully_shard``::
 
@@ -75,6 +77,65 @@ variants, a shard-only mesh without ``replicate_group``, a ``replicate_group`` o
 2-D mesh's, a module with several parameter groups (``shard_placement_fn`` with several
 meshes) or with an all-reduce hook already, and replicas whose shard ranks or shard sizes
 differ (checked by one ``all_gather_object`` on the replicas' group at install).
+
+**The reduce-scatter.** :func:`install_reduce_scatter` sets ``FSDPModule.set_custom_reduce_scatter``
+on every FSDP module (PyTorch 2.13's ``ReduceScatter`` protocol of
+``torch/distributed/fsdp/_fully_shard/_fsdp_api.py``: ``allocate(size, dtype=, device=)`` and
+``__call__(output_tensor, input_tensor, group, op, async_op)``). ``foreach_reduce``
+(``_fsdp_collectives.py``) hands it the parameter group's flat gradient ``[S * C]`` in the reduce
+dtype, laid out as S chunks (``input.view(S, C)[j]``: the padded dim-0 shards of every parameter
+for rank ``j``, in the group's order, exactly what the all-reduce hook of rank ``j`` receives),
+already divided by FSDP's pre-divide factor; rank ``r`` must write into ``output_tensor`` ``[C]``
+the reduction of every rank's chunk ``r``, with ``op`` Avg (float32/bfloat16: the mean over
+the S ranks), PreMulSum(1/f) (``set_gradient_divide_factor(f)``) or Sum (float16 reduction with
+a pre- and post-divide pair, or a forced sum). It is called on FSDP's reduce-scatter stream only
+when S > 1. Under HSDP FSDP's all-reduce (or :func:`install`'s hook, with its own compressor)
+follows on the reduced chunk.
+
+A payload here is reduce-scattered, not all-reduced: rank ``r`` receives the sum of every
+rank's region ``r`` only. So each chunk ``j`` is its own tensor (per parameter or per module, as
+``per`` says), keyed ``"<name>[shard j/S]"``, the key the destination's own shard has, and
+every rank encodes every chunk of its gradient; each rank's state holds, per chunk, what it
+still owes of it (error feedback belongs to the sender) and the fields the ranks agree on.
+Those agreed fields (THC's next ranges and step counter, signSGD's scales, the control words
+that say a rank failed or the states disagree) ride inside each chunk's payload and would reach
+only its destination, while every rank needs them for its next encode of that chunk. Three ways
+were weighed: (a) a side collective (all-gather or broadcast) of the agreed statistics after the
+reduce-scatter: a second collective per module and step, and an all-gather, which this
+project's payloads never use; (b) replicating each chunk's agreed part into every destination's
+region, so one reduce-scatter delivers every chunk's summed agreed part to every rank, at S
+times the agreed part's bytes (THC: the statistics, about 0.06 bits a coordinate, and 4 control
+words; signSGD: its scale pairs and 2 control words); (c) only the destination keeping state
+per chunk: wrong, the other ranks' encodes of that chunk need it. This module does (b): one
+collective per payload dtype, no all-gather. Its condition: the copies of an agreed part must be
+equal bit for bit on every rank, yet a reduce-scatter (a ring, say) adds each destination's
+region in its own order, so only exact sums qualify: integer words (THC's and signSGD's
+lanes), never float sums. Hence the scheme's hook :func:`hvd_gradcomp.composite.scatter_split`:
+a payload is ``payload[:v]``, values read by ``decompress`` only, then an agreed part summed
+exactly that is all ``receive`` and ``finish`` read. Destination ``j``'s region is chunk ``j``'s
+values (of every unit) followed by every chunk's agreed part; after the reduce-scatter every
+rank steps every chunk's state from the summed payload with the values zeroed
+(:meth:`Compressor.decode_scattered`), the same on every rank, and the destination also
+decompresses its chunk, divides as ``op`` asks (once: Avg by S, PreMulSum by f, Sum not at
+all), and writes ``output_tensor``. Supported: ``none``, ``fp16``, ``bf16`` (all values,
+nothing agreed; fp16's agreed scale of 8 ranks and more, read from the whole summed payload,
+stays at its ``1/S`` pre-scale here), ``thc``, ``signsgd``. Refused at install, naming the scheme
+and why: TopKC (its agreed scores are a float sum: copies rounded in different orders would
+select different chunks), TopK (its finish reads the whole payload's finiteness), PowerSGD (a
+low-rank factor of the whole matrix, not elementwise per shard), ``auto`` and blocking two-round
+variants.
+
+Two compressors under HSDP: a compressor is bound to one process group (its world size sizes
+THC's lanes and fp16's pre-scale, its checkpoints record world and rank, its keys are the
+shards') and the reduce-scatter runs on the shard group, the all-reduce on the replicas', so
+:func:`install_reduce_scatter` takes its own compressor and :func:`install` another; either may
+be used alone. Mixed precision: the chunks are encoded in the reduce dtype, decoded in float32,
+divided, cast back; a float16 value beyond its range is clamped and the destination keeps the
+whole excess in its error feedback. Checkpoints: ``comp.state_dict()`` is this rank's state of
+every chunk (saved with the rank's model and optimizer shards, loaded on the same shard rank
+after :func:`install_reduce_scatter`); resumes exactly. CUDA: the codec and the collective run
+on FSDP's reduce-scatter stream, synchronously (written for it, untested on GPUs here); a
+custom comm excludes FSDP's symmetric-memory and process-group allocation options.
 """
 import math
 from typing import NamedTuple
