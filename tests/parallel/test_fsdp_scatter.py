@@ -18,7 +18,7 @@ native FSDP bit for bit.
 Launches (each kills its process group at its timeout):
 1. two ranks, a 1-D mesh of 2 (FSDP without replicas): none, fp16, bf16, thc, signsgd (thc also
    ``per="group"``); ``set_gradient_divide_factor``; ``MixedPrecisionPolicy(reduce_dtype=
-   float16)``; the refusals;
+   float16)`` (THC) and ``reduce_dtype=bfloat16`` (signSGD); the refusals;
 2. four ranks, a 2 x 2 (replicate, shard) mesh: fp16, thc, signsgd with FSDP's own all-reduce
    across replicas, and thc on both collectives (``install`` with a second compressor).
 """
@@ -101,6 +101,11 @@ def two_worker(tmp):
     model, opt = _build(mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16))
     comp = install_reduce_scatter(model, Compression.thc())
     out["reduce fp16"] = ([_step(model, opt, grads_of(rank, t)) for t in range(STEPS)], _residuals(comp),
+                          sorted({i.dtype for i in comp._infos.values()}))
+    # bfloat16 reduction (FSDP's op Avg), signSGD
+    model, opt = _build(mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    comp = install_reduce_scatter(model, Compression.signsgd())
+    out["reduce bf16"] = ([_step(model, opt, grads_of(rank, t)) for t in range(STEPS)], _residuals(comp),
                           sorted({i.dtype for i in comp._infos.values()}))
     # refusals, on every rank
     errors = {}
@@ -290,6 +295,23 @@ def test_reduce_fp16(two):
         delivered = sum(o[n] for o in outs) + _unshard(n, pending, 2)
         want = sum(truth[n])
         assert np.abs(delivered - want).max() <= 4 * STEPS * 2.0 ** -10 * np.abs(want).max(), n
+
+
+def test_reduce_bf16(two):
+    """MixedPrecisionPolicy(reduce_dtype=bfloat16): bfloat16 chunks, the ranks agree, and error
+    feedback balances to bfloat16 rounding (the residuals in the input's units, FSDP's Avg
+    dividing the decoded sum by 2)."""
+    outs, _, dtypes = two[0]["reduce bf16"]
+    assert dtypes == ["bfloat16"]
+    for a, b in zip(outs, two[1]["reduce bf16"][0]):
+        for n in SHAPES:
+            np.testing.assert_array_equal(a[n], b[n])
+    truth = _truth(2, range(STEPS))
+    for n in SHAPES:
+        pending = [sum(r["reduce bf16"][1][_key(n, shard, 2)] for r in two) / 2 for shard in range(2)]
+        delivered = sum(o[n] for o in outs) + _unshard(n, pending, 2)
+        want = sum(truth[n])
+        assert np.abs(delivered - want).max() <= 2 * STEPS * 2.0 ** -7 * np.abs(want).max(), n
 
 
 def test_refusals(two):
