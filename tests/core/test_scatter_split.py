@@ -73,3 +73,22 @@ def test_split_equals_all_reduce(spec, n):
 def test_no_split(spec):
     info = TensorInfo("w", (64, 64), "float32", 2, 0, "sum")
     assert composite.scatter_split(scheme_of(spec), info) is None
+
+
+def test_destination_keeps_the_excess():
+    """``saturate_output(keep=k)``: the one rank that decodes (a reduce-scatter's destination)
+    keeps ``k`` times the mean's excess beyond float16's range in its error feedback, so the
+    senders' residuals still balance what was not delivered; without ``keep``, its share."""
+    import torch
+    from hvd_gradcomp.base import FP16_MAX, saturate_output
+    ops = one_rank_ops("torch")
+    scheme = scheme_of("signsgd").bind(ops)
+    info = TensorInfo("w", (4,), "float16", 2, 0, "sum")
+    state = scheme.init(ops, info, backend_tensor("torch", np.zeros(4)))
+    out = backend_tensor("torch", [1.0, FP16_MAX + 96.0, -FP16_MAX - 32.0, 2.0])
+    clamped, kept = saturate_output(scheme, ops, out, state, info, FP16_MAX, keep=2.0)
+    np.testing.assert_array_equal(clamped.numpy(), [1.0, FP16_MAX, -FP16_MAX, 2.0])
+    np.testing.assert_array_equal(kept.residual.numpy(), [0.0, 192.0, -64.0, 0.0])
+    _, shared = saturate_output(scheme, ops, out, state, info, FP16_MAX)  # Sum: each rank half
+    np.testing.assert_array_equal(shared.residual.numpy(), [0.0, 48.0, -16.0, 0.0])
+    assert torch.equal(state.residual, torch.zeros(4))
