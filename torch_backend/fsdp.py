@@ -13,6 +13,11 @@ Usage, for a model already sharded by ``fully_shard``::
     fully_shard(model, mesh=mesh)
     comp = install(model, Compression.thc())      # every rank, before the first backward
 
+and, to compress the reduce-scatter within the shard group too (or alone, on a 1-D mesh of
+FSDP without replicas), with a compressor of its own::
+
+    rs = install_reduce_scatter(model, Compression.thc())
+
 or with a shard-only mesh and the replicas' process group given separately:
 ``fully_shard(..., mesh=mesh["shard"])`` then ``install(model, comp,
 replicate_group=mesh.get_group("replicate"))``.
