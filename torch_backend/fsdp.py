@@ -455,7 +455,7 @@ class _ScatterComm:
                              f"scatters over {dist.get_world_size(group)} ranks, installed for "
                              f"{self.size}")
         divide = self._divide(op)
-        size, me, comp = self.size, self.rank, self.comp
+        size, comp = self.size, self.comp
         numel = output_tensor.numel()
         if input_tensor.numel() != size * numel:
             raise ValueError(f"install_reduce_scatter: FSDP module {self.path or '<root>'!r}: input of "

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from tests.ddprun import run
-from tests.parallel.test_fsdp import GROUPS, LR, SHAPES, _build, _params, _residuals, _segments, _step, grads_of
+from tests.parallel.test_fsdp import SHAPES, _build, _params, _residuals, _segments, _step, grads_of
 
 SPECS = ["none", "fp16", "bf16", "thc", "signsgd"]
 SPECS4 = ["fp16", "thc", "signsgd"]
