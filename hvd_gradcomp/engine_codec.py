@@ -171,6 +171,10 @@ class EngineCodec:
         is clamped as in :meth:`decode`, the destination keeping all of the excess (no other
         rank sees the output). Returns the decoded tensor in the gradient's shape and dtype on
         the destination, else None.
+
+        Raises:
+            ValueError: the tensor's scheme has no split (``scatter_split`` None), or ``values``
+                is not as long as its split says; before any state moves.
         """
         ops = self.ops
         decode = values is not None
