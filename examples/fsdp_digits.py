@@ -8,8 +8,9 @@ each layer's parameters are sharded within a replica, FSDP reduce-scatters their
 there, and the compressor sends each shard's gradient to the other replicas (the slow link,
 in a real cluster). Data: scikit-learn's bundled 8x8 digits (no download), each rank a
 disjoint part. Rank 0 prints the test accuracy every epoch, and at the end the bytes this rank
-sent across replicas per step against FP16. Needs no Horovod (``pip install ".[ddp]"
-scikit-learn``).
+sent across replicas per step against FP16. ``--reduce-scatter thc`` (or fp16, bf16, signsgd)
+compresses the reduce-scatter within the replica too, with a compressor of its own. Needs no
+Horovod (``pip install ".[ddp]" scikit-learn``).
 """
 import argparse
 import logging
@@ -24,11 +25,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from torch_backend import Compression
-from torch_backend.fsdp import install
+from torch_backend.fsdp import install, install_reduce_scatter
 from torch_backend.stats import CompressionStats
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--compression", default="thc", help="e.g. fp16, topkc:0.1, thc, powersgd:4, auto")
+parser.add_argument("--reduce-scatter", default=None, help="compress the reduce-scatter within a replica "
+                    "too (--shards >= 2): none, fp16, bf16, thc, signsgd")
 parser.add_argument("--shards", type=int, default=1, help="ranks per replica (the world size divides by it)")
 parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -60,6 +63,7 @@ for layer in model:
         fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 compression = install(model, Compression.from_spec(args.compression))  # the cross-replica all-reduce
+scatter = install_reduce_scatter(model, Compression.from_spec(args.reduce_scatter)) if args.reduce_scatter else None
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
 # What this rank sends: its shards (FP16 would send 2 bytes a coordinate of them).
 stats = CompressionStats(compression, [p.to_local() for p in model.parameters()], rank=rank)
@@ -83,5 +87,6 @@ log.info("done: final test accuracy %.2f%%", 100 * accuracy)
 stats.log()
 if args.save:  # per rank: its model and optimizer shards with its compressor state
     torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
-                "compression": compression.state_dict()}, f"{args.save}.rank{rank}")
+                "compression": compression.state_dict(),
+                "scatter": scatter.state_dict() if scatter else None}, f"{args.save}.rank{rank}")
 dist.destroy_process_group()

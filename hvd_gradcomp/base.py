@@ -408,7 +408,7 @@ def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo, dt
     return out, new_state
 
 
-def saturate_output(scheme: Scheme, ops, out, state, info: TensorInfo, limit: float, scale=None):
+def saturate_output(scheme: Scheme, ops, out, state, info: TensorInfo, limit: float, scale=None, keep=None):
     """``(out, state)`` with ``out``'s finite values clamped to ``[-limit, limit]`` (divided by
     ``scale`` when given: ``out`` is in unscaled units) and the excess added to this rank's
     error feedback in ``state``.
@@ -418,6 +418,9 @@ def saturate_output(scheme: Scheme, ops, out, state, info: TensorInfo, limit: fl
     same ``out``, so each keeps an equal share of the excess: ``excess / world_size`` under
     Sum, ``excess`` under Average (the mean of the ranks' residuals is then the undelivered
     mean); the ranks' outputs plus their pending error feedback still sum to their gradients.
+    ``keep`` (a number): this rank keeps ``keep`` times the excess instead, because it alone
+    decodes ``out`` (a reduce-scatter's destination keeps all of it: the mean's excess times
+    the divisor).
     NaN/inf stay as they are (a failed step must be seen as one; its excess is 0). Unchanged
     when the state keeps no error feedback (no non-empty ``residual`` field; for ``adaptive``
     schemes: :func:`~hvd_gradcomp.composite.add_residual` returns None). No host read for
@@ -426,7 +429,10 @@ def saturate_output(scheme: Scheme, ops, out, state, info: TensorInfo, limit: fl
     lim = limit if scale is None else limit / scale
     clamped = ops.minimum(ops.maximum(out, -lim), lim)
     excess = ops.where(ops.isfinite(out), out - clamped, 0.0 * out)
-    share = excess if info.op != "sum" else excess * (1.0 / info.world_size)
+    if keep is not None:
+        share = excess * keep if keep != 1.0 else excess
+    else:
+        share = excess if info.op != "sum" else excess * (1.0 / info.world_size)
     flat = ops.reshape(share, (info.numel,))
     if scheme.adaptive:  # its state's fields may change (auto's carry): it decides itself
         kept = composite.add_residual(scheme, ops, state, info, flat)

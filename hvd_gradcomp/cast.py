@@ -128,6 +128,10 @@ class NoneScheme(Scheme):
     def decode_factor(self, info: TensorInfo) -> float:
         return 1.0
 
+    def scatter_split(self, info: TensorInfo) -> int:
+        """All values, nothing agreed (:func:`~hvd_gradcomp.composite.scatter_split`)."""
+        return info.numel
+
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(info.numel * (4 if self.float32 else itemsize(info.dtype)))
 
@@ -204,6 +208,15 @@ class Fp16Scheme(Scheme):
         # Asked only where the tensor keeps no state (adapter.linear_decode): the 1/n pre-scale.
         return info.unscale
 
+    def scatter_split(self, info: TensorInfo) -> int:
+        """All values, nothing agreed (:func:`~hvd_gradcomp.composite.scatter_split`). From
+        :data:`SCALED_FROM` ranks on the agreed scale of step 5 is read from the whole summed
+        payload, which a reduce-scatter hands to one rank only; stepped from the payload with
+        its values zeroed (all zeros: no news of the scale), it stays at 0, so a reduce-scattered
+        fp16 tensor is sent with the 1/n pre-scale at every step, as below 8 ranks, the same on
+        every rank."""
+        return info.numel
+
     def finish(self, ops, payload, ctx, state, info):
         """Step 5: next step's agreed scale, from the all-reduced payload."""
         if not isinstance(state, Fp16State) or not scaled(info):
@@ -245,6 +258,10 @@ class Bf16Scheme(Scheme):
 
     def decode_factor(self, info: TensorInfo) -> float:
         return 1.0
+
+    def scatter_split(self, info: TensorInfo) -> int:
+        """All values, nothing agreed (:func:`~hvd_gradcomp.composite.scatter_split`)."""
+        return info.numel
 
     def wire(self, info: TensorInfo) -> WireBytes:
         return WireBytes(4 * info.numel)

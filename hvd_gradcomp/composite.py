@@ -23,6 +23,9 @@ A scheme overrides a hook only where the default is wrong for it:
   warm-up's step count).
 - :func:`decode_factor`: decoding is the payload's cast times a constant (the casts), so an
   engine may fuse the cast, the scaling and the write into its buffer.
+- :func:`scatter_split`: the payload is a values part that only ``decompress`` reads and an
+  agreed part, summed exactly, that is all ``receive`` and ``finish`` read, so an engine may
+  reduce-scatter it (FSDP2's reduce-scatter, :mod:`torch_backend.fsdp`).
 
 This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it).
 """
@@ -30,8 +33,8 @@ This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it
 import inspect
 
 __all__ = ["residual_of", "residual_field", "add_residual", "payload_dtype", "hand_over", "init_like",
-           "forget", "check_loaded", "metrics", "decode_factor", "carry_over", "blocks", "HOOKS",
-           "check_hooks"]
+           "forget", "check_loaded", "metrics", "decode_factor", "carry_over", "scatter_split", "blocks",
+           "HOOKS", "check_hooks"]
 
 # Each hook's method, as a scheme defines it: name -> its arguments after ``self``.
 HOOKS = {
@@ -45,6 +48,7 @@ HOOKS = {
     "metrics": ("state",),
     "decode_factor": ("info",),
     "carry_over": ("ops", "state", "olds", "info"),
+    "scatter_split": ("info",),
 }
 
 
@@ -200,6 +204,29 @@ def decode_factor(scheme, info):
     Called by the DDP hook, which then writes ``payload * f / n`` into the bucket in one pass.
     Default: None."""
     hook = _hook(scheme, "decode_factor")
+    return hook(info) if hook is not None else None
+
+
+def scatter_split(scheme, info):
+    """Where ``scheme``'s payload for ``info`` splits for a reduce-scatter: ``v`` (an int) when
+
+    - ``payload[:v]`` (the *values*) is read by ``decompress`` only, and sums elementwise;
+    - ``payload[v:]`` (the *agreed part*: statistics, control words) and ``receive``'s and
+      ``compress``'s ctx are all that ``receive`` and ``finish`` read; its sums are exact
+      (integers), so every copy of it is the same bit for bit whatever order a collective
+      adds them in;
+    - a state stepped by ``receive`` and ``finish`` on the payload with its values zeroed is
+      the state every rank must hold (the casts: no state, or fp16's agreed scale kept as it
+      was, i.e. ``1/n``).
+
+    A reduce-scatter then sends each destination's values and every tensor's agreed part, so
+    every rank steps the state of every tensor it sent while only the destination decodes
+    (:meth:`~hvd_gradcomp.engine_codec.EngineCodec.decode_scattered`). None (the default): the
+    scheme cannot be reduce-scattered (float agreed fields whose copies a reduce-scatter would
+    round differently: TopKC's scores, PowerSGD's factors; the whole payload read by
+    ``finish``: TopK; ``auto``, the warm-up, blocking variants). Called by
+    :func:`torch_backend.fsdp.install_reduce_scatter` (at install, and per tensor)."""
+    hook = _hook(scheme, "scatter_split")
     return hook(info) if hook is not None else None
 
 

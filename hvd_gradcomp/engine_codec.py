@@ -7,6 +7,8 @@ instead of Horovod's ``compress``/``decompress`` (any engine that posts the all-
   no calling frame read; ``decode(divide=n)`` forms a mean in float32 (DDP's).
 - :meth:`EngineCodec.linear_decode`: the factor of a cast's decoding, for a fused write.
 - :meth:`EngineCodec.decode_joined`: the state step of a rank that contributed zeros (Join).
+- :meth:`EngineCodec.decode_scattered`: a reduce-scatter's step of one tensor this rank sent:
+  the destination decodes, every sender steps the state from the agreed part only.
 
 A bucket's units: :meth:`~hvd_gradcomp.buckets.Buckets.plan_bucket` and ``encode_unit``. A
 mixin of :class:`hvd_gradcomp.adapter.HorovodCompressor` (its ``_compress_one``, state hooks and
@@ -146,3 +148,81 @@ class EngineCodec:
                 log.warning("hvd_gradcomp: %s changed scheme while this rank had joined; its pending "
                             "error feedback on this rank is dropped", info.key)
         self._write_state(info.key, new)
+
+    def decode_scattered(self, values, agreed, ctx, divide=None):
+        """One tensor's step after a reduce-scatter of its payload (FSDP2's,
+        :func:`torch_backend.fsdp.install_reduce_scatter`): every rank sent the tensor; one
+        rank, the destination, received the sum of its values; every rank the sum of its
+        agreed part.
+
+        Args:
+            values: on the destination, the summed values (``payload[:split]``, ``split`` the
+                :func:`~hvd_gradcomp.composite.scatter_split` of the tensor's scheme; 1-D, the
+                payload's dtype); None on every other rank.
+            agreed: the summed agreed part (``payload[split:]``, 1-D, possibly empty), the same
+                bit for bit on every rank.
+            ctx: :meth:`encode`'s (or ``encode_unit``'s) ctx on this rank.
+            divide: as :meth:`decode` (None: the sum; n: divided by n in float32).
+
+        The state steps, on every rank, by ``receive`` and ``finish`` of the payload with its
+        values zeroed, so the fields the ranks agree on stay equal everywhere and each rank's
+        own fields (error feedback: what it sent of the tensor) move on; the destination
+        decompresses the whole payload with the same ``receive`` ctx. A half-precision output
+        is clamped as in :meth:`decode`, the destination keeping all of the excess (no other
+        rank sees the output). Returns the decoded tensor in the gradient's shape and dtype on
+        the destination, else None.
+
+        Raises:
+            ValueError: the tensor's scheme has no split (``scatter_split`` None), or ``values``
+                is not as long as its split says; before any state moves.
+        """
+        ops = self.ops
+        decode = values is not None
+        if ctx is None:  # passed through as it is (none): the payload is the values
+            if not decode:
+                return None
+            return values if divide is None else values / divide
+        info, inner, scale, scheme = ctx
+        sinfo = scheme_info(info, scale)
+        has_state = self._has_state(info.key)
+        if not decode and not has_state:
+            return None
+        state = self._read_state(info.key) if has_state else EmptyState()
+        payload = None
+        if decode:
+            payload = values if ops.shape(agreed)[0] == 0 else ops.concat([values, agreed], 0)
+        if not has_state:  # by the contract receive reads the agreed part only
+            masked = payload
+        else:
+            split = self._split_of(scheme, sinfo, ops.shape(agreed)[0], values)
+            masked = ops.concat([ops.zeros((split,), ops.dtype(agreed), agreed), agreed], 0) if split else agreed
+        inner = scheme.receive(ops, masked, inner, sinfo)
+        new_state = scheme.finish(ops, masked, inner, state, sinfo) if has_state else state
+        out = None
+        if decode:
+            out = ops.reshape(scheme.decompress(ops, payload, inner, sinfo), info.shape)
+            if divide is not None:
+                out = out * (1.0 / divide)
+            if info.dtype in HALF_MAX:
+                out, new_state = saturate_output(scheme, ops, out, new_state, sinfo, HALF_MAX[info.dtype], scale,
+                                                 keep=1.0 if divide is None else float(divide))
+            if scale is not None:
+                out = out * scale
+            if info.dtype != "float32":
+                out = ops.cast(out, info.dtype)
+        if has_state and new_state is not state:
+            self._write_state(info.key, new_state)
+        return out
+
+    def _split_of(self, scheme, info, agreed: int, values) -> int:
+        """The values' length of ``scheme``'s payload for ``info`` (ValueError where the scheme
+        cannot be reduce-scattered, or the parts do not add up)."""
+        ops = self.ops
+        split = composite.scatter_split(scheme, info)
+        if split is None:
+            raise ValueError(f"{scheme.spec()}: tensor {info.key!r} cannot be reduce-scattered "
+                             f"(hvd_gradcomp.composite.scatter_split)")
+        if values is not None and ops.shape(values)[0] != split:
+            raise ValueError(f"{scheme.spec()}: tensor {info.key!r}: {tuple(values.shape)[0]} values "
+                             f"reduce-scattered, its payload has {split} (and {agreed} agreed)")
+        return split

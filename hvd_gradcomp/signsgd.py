@@ -204,6 +204,12 @@ class SignSGDScheme(Scheme):
     def payload_dtype(self, info: TensorInfo) -> str:
         return "int32"
 
+    def scatter_split(self, info: TensorInfo) -> int:
+        """The sign words are the values; the scales' (code, flag) lanes and the control words
+        (exact int32 sums) are the agreed part, all that steps 4-6 read besides the ctx
+        (:func:`~hvd_gradcomp.composite.scatter_split`)."""
+        return self.layout(info).words
+
     def wire(self, info: TensorInfo) -> WireBytes:
         lay = self.layout(info)
         return WireBytes(4 * (lay.words + lay.stats_words + _CONTROL))

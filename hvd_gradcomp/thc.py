@@ -411,6 +411,13 @@ class THCScheme(Scheme):
     def payload_dtype(self, info: TensorInfo) -> str:
         return "int32"
 
+    def scatter_split(self, info: TensorInfo):
+        """The ``m`` level words are the values; the statistics and the four control words
+        (exact int32 sums) are the agreed part, all that steps 6 and 8 read besides the ctx
+        (:func:`~hvd_gradcomp.composite.scatter_split`). None for ``range="current"``, whose
+        side all-reduce makes it a two-round scheme."""
+        return None if self.blocking else self.layout(info).words
+
     def wire(self, info: TensorInfo) -> WireBytes:
         lay = self.layout(info)
         payload = 4 * (lay.words + lay.stats_words + _CONTROL)
