@@ -317,27 +317,41 @@ register(core._quantize_kernel, "cuda", accepts, quantize, "triton_thc.quantize"
 register(core._decode_kernel, "cuda", accepts, decode, "triton_thc.decode")
 
 
-# ---- ahead-of-time compile (tests): each kernel's signature and constexprs at the default plan ----
-# (name, kernel, signature, constexprs). THC defaults at 8 ranks under Average (4 lanes of 8
-# bits above 4 guard bits), with error feedback and its flush bound.
-AOT = [
-    ("rotate", _rotate,
-     {"x_ptr": "*fp32", "res_ptr": "*fp32", "diag_ptr": "*fp32", "h_ptr": "*fp32", "y_ptr": "*fp32",
-      "held_ptr": "*fp32", "wanted_ptr": "*fp32", "d": "i32", "range_scale": "fp32", "flush": "fp32",
-      "EF": "constexpr", "FLUSH": "constexpr", "SATURATION": "constexpr", "S": "constexpr"},
-     {"EF": True, "FLUSH": True, "SATURATION": True, "S": SIDE}),
-    ("quantize", _quantize,
-     {"y_ptr": "*fp32", "held_ptr": "*fp32", "ranges_ptr": "*fp32", "rows_ptr": "*i32", "cols_ptr": "*i32",
-      "payload_ptr": "*i32", "res_ptr": "*fp32", "sat_ptr": "*i32", "P": "i32", "W": "i32",
-      "grid_step": "fp32", "tiny": "fp32", "centre": "fp32", "upper": "fp32", "below": "fp32", "above": "fp32",
-      "LANES": "constexpr", "WIDTH": "constexpr", "GUARD": "constexpr", "OFFSET": "constexpr",
-      "EF": "constexpr", "FLUSH": "constexpr", "B": "constexpr", "TILE_W": "constexpr"},
-     {"LANES": 3, "WIDTH": 9, "GUARD": 4, "OFFSET": 0, "EF": True, "FLUSH": True, "B": BLOCK, "TILE_W": TILE}),
-    ("decode", _decode,
-     {"payload_ptr": "*i32", "ranges_ptr": "*fp32", "diag_ptr": "*fp32", "h_ptr": "*fp32", "count_ptr": "*i64",
-      "bad_ptr": "*i64", "mismatch_ptr": "*i1", "inferred_ptr": "*i1", "out_ptr": "*fp32", "W": "i32",
-      "grid_step": "fp32", "inv_n": "fp32", "half_top": "fp32",
-      "N": "constexpr", "OP": "constexpr", "WIDTH": "constexpr", "GUARD": "constexpr", "OFFSET": "constexpr",
-      "S": "constexpr"},
-     {"N": 8, "OP": 0, "WIDTH": 9, "GUARD": 4, "OFFSET": 0, "S": SIDE}),
-]
+# ---- ahead-of-time compile (tests): (name, kernel, signature, constexprs) ----
+_ROTATE_SIG = {"x_ptr": "*fp32", "res_ptr": "*fp32", "diag_ptr": "*fp32", "h_ptr": "*fp32", "y_ptr": "*fp32",
+               "held_ptr": "*fp32", "wanted_ptr": "*fp32", "d": "i32", "range_scale": "fp32", "flush": "fp32",
+               "EF": "constexpr", "FLUSH": "constexpr", "SATURATION": "constexpr", "S": "constexpr"}
+_QUANTIZE_SIG = {"y_ptr": "*fp32", "held_ptr": "*fp32", "ranges_ptr": "*fp32", "rows_ptr": "*i32",
+                 "cols_ptr": "*i32", "payload_ptr": "*i32", "res_ptr": "*fp32", "sat_ptr": "*i32", "P": "i32",
+                 "W": "i32", "grid_step": "fp32", "tiny": "fp32", "centre": "fp32", "upper": "fp32",
+                 "below": "fp32", "above": "fp32", "LANES": "constexpr", "WIDTH": "constexpr",
+                 "GUARD": "constexpr", "OFFSET": "constexpr", "EF": "constexpr", "FLUSH": "constexpr",
+                 "B": "constexpr", "TILE_W": "constexpr"}
+_DECODE_SIG = {"payload_ptr": "*i32", "ranges_ptr": "*fp32", "diag_ptr": "*fp32", "h_ptr": "*fp32",
+               "count_ptr": "*i64", "bad_ptr": "*i64", "mismatch_ptr": "*i1", "inferred_ptr": "*i1",
+               "out_ptr": "*fp32", "W": "i32", "grid_step": "fp32", "inv_n": "fp32", "half_top": "fp32",
+               "N": "constexpr", "OP": "constexpr", "WIDTH": "constexpr", "GUARD": "constexpr",
+               "OFFSET": "constexpr", "S": "constexpr"}
+
+
+def _aot():
+    """The variants compiled for sm_90 by the tests: the rotation with and without error
+    feedback, flush bound and saturation; the quantiser and decoder at THC's default layouts
+    for 8 ranks under Average (guard bits, offset) and 2 ranks under Sum (no guard bits), and
+    the decoder with the op unknown."""
+    from hvd_gradcomp.lanes import lane_layout
+    out = [(f"rotate[ef={ef},flush={flush},saturation={sat}]", _rotate, _ROTATE_SIG,
+            {"EF": ef, "FLUSH": flush, "SATURATION": sat, "S": SIDE})
+           for ef, flush, sat in ((True, True, True), (True, False, False), (False, False, True))]
+    for n, op, ef, flush in ((8, "average", True, True), (2, "sum", False, False), (3, None, True, False)):
+        lay = lane_layout(4, n, 8, op)
+        out.append((f"quantize[n={n},op={op},ef={ef},flush={flush}]", _quantize, _QUANTIZE_SIG,
+                    {"LANES": lay.lanes, "WIDTH": lay.width, "GUARD": lay.guard, "OFFSET": lay.offset,
+                     "EF": ef, "FLUSH": flush, "B": BLOCK, "TILE_W": TILE}))
+        out.append((f"decode[n={n},op={op}]", _decode, _DECODE_SIG,
+                    {"N": n, "OP": {"average": 0, "sum": 1}.get(op, 2), "WIDTH": lay.width, "GUARD": lay.guard,
+                     "OFFSET": lay.offset, "S": SIDE}))
+    return out
+
+
+AOT = _aot()
