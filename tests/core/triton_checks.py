@@ -61,7 +61,7 @@ def _structure(name, got, want):
 
 
 def _equal(name, a, b):
-    a, b = a.cpu(), b.cpu()
+    a, b = a.cpu().reshape(-1), b.cpu().reshape(-1)
     if a.is_floating_point():
         same = torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(
             torch.nan_to_num(a, 0.0, 1.0, -1.0), torch.nan_to_num(b, 0.0, 1.0, -1.0))
@@ -346,12 +346,15 @@ def check_names():
 
 def run_all(device):
     """Every check on ``device``: {check name: [problems]} (names: :func:`check_names`)."""
+    checks = ([("thc" + repr(case), check_thc, case) for case in THC_CASES]
+              + [(f"topkc{case!r}", check_topkc, case) for case in TOPKC_CASES]
+              + [("schemes", check_schemes, ())])
     results = {}
-    for case in THC_CASES:
-        results["thc" + repr(case)] = check_thc(device, *case)
-    for d, plan, nonfinite in TOPKC_CASES:
-        results[f"topkc{(d, plan, nonfinite)!r}"] = check_topkc(device, d, plan, nonfinite)
-    results["schemes"] = check_schemes(device)
+    for name, check, args in checks:
+        try:
+            results[name] = check(device, *args)
+        except Exception as exc:  # noqa: BLE001 - one failing check reports, the others still run
+            results[name] = [f"{name}: raised {type(exc).__name__}: {exc}"]
     return results
 
 
