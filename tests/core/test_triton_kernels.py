@@ -24,46 +24,78 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.core.triton_checks import check_names
 
+# Both runs together, seconds (about 15 s on a quiet 2-core machine, 50 s on a loaded one).
+TIMEOUT = 300
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (make setup installs it from .ci/pins.txt)")
 
 
-def _run(args, env, timeout):
-    """``python -m tests.core.triton_checks ARGS`` in ``env``; its JSON line (the last)."""
-    full = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+def _start(args, env, logs):
+    """``python -m tests.core.triton_checks ARGS`` started in ``env`` (None values: unset),
+    its stdout and stderr into files under ``logs`` (no pipe to fill while the other runs)."""
+    full = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for key, value in env.items():
         if value is None:
-            full.pop(key)
+            full.pop(key, None)
+        else:
+            full[key] = value
+    name = "-".join(args) or "interpreted"
+    out, err = logs / f"{name}.out", logs / f"{name}.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.core.triton_checks", *args], cwd=ROOT, env=full,
+                                stdout=stdout, stderr=stderr)
+    return proc, out, err
+
+
+def _result(started, args, deadline):
+    """The JSON line (the last) that the started run prints; killed and failed past the
+    ``deadline`` (time.monotonic())."""
+    proc, out, err = started
     try:
-        proc = subprocess.run([sys.executable, "-m", "tests.core.triton_checks", *args], cwd=ROOT, env=full,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:  # subprocess.run has killed it
-        pytest.fail(f"triton_checks {args} ran over {timeout} s:\n{(exc.stderr or '')[-3000:]}")
-    assert proc.returncode == 0, f"triton_checks {args} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"triton_checks {args} ran over its time:\n{err.read_text()[-3000:]}")
+    assert proc.returncode == 0, f"triton_checks {args} failed:\n{err.read_text()[-4000:]}"
+    return json.loads(out.read_text().strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def interpreted():
-    return _run([], {"TRITON_INTERPRET": "1", "HVD_GRADCOMP_KERNELS": "triton"}, timeout=180)
+def runs(tmp_path_factory):
+    """Both subprocesses, started together: the interpreter's checks, and the compile for
+    sm_90 in a fresh Triton cache (every kernel compiled, no cache hit) without the
+    interpreter."""
+    cache, logs = str(tmp_path_factory.mktemp("triton-cache")), tmp_path_factory.mktemp("triton-logs")
+    procs = {"interpreted": ([], {"TRITON_INTERPRET": "1", "HVD_GRADCOMP_KERNELS": "triton"}),
+             "compiled": (["aot"], {"TRITON_INTERPRET": None, "TRITON_CACHE_DIR": cache})}
+    started = {name: _start(args, env, logs) for name, (args, env) in procs.items()}
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        return {name: _result(run, procs[name][0], deadline) for name, run in started.items()}
+    finally:
+        for proc, _, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A fresh Triton cache: every kernel is compiled here, none is a cache hit."""
-    return str(tmp_path_factory.mktemp("triton-cache"))
+def interpreted(runs):
+    return runs["interpreted"]
 
 
 @pytest.fixture(scope="module")
-def compiled(cache):
-    return _run(["aot"], {"TRITON_INTERPRET": None, "TRITON_CACHE_DIR": cache}, timeout=240)
+def compiled(runs):
+    return runs["compiled"]["full"]
 
 
 @pytest.mark.parametrize("name", check_names())
@@ -102,11 +134,10 @@ def test_compiled_arithmetic_is_exact_float32(compiled):
             assert not facts["fma"], (name, facts)
 
 
-def test_ptx_only_compile(cache):
+def test_ptx_only_compile(runs):
     """Where ptxas cannot run, the compiler's stages up to PTX still build each provider's
     first kernel for sm_90 (tests/core/triton_checks.py, compile_sm90)."""
-    results = _run(["aot", "ptx"], {"TRITON_INTERPRET": None, "TRITON_CACHE_DIR": cache}, timeout=120)
-    kernels = _kernels(results)
+    kernels = _kernels(runs["compiled"]["ptx_only"])
     assert len(kernels) == 2, kernels
     for name, facts in kernels.items():
         assert "error" not in facts, f"{name}: {facts.get('error')}"

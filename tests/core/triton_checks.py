@@ -442,8 +442,8 @@ if __name__ == "__main__":
         # The ahead-of-time compile (test_triton_kernels.py): real Triton, no interpreter.
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             sys.exit("run without TRITON_INTERPRET")
-        ptx_only = sys.argv[2:3] == ["ptx"]
-        print(json.dumps(aot_all(ptx_only=ptx_only, limit=1 if ptx_only else None)))
+        # every variant through triton.compile, then the PTX-only path on each module's first
+        print(json.dumps({"full": aot_all(), "ptx_only": aot_all(ptx_only=True, limit=1)}))
         sys.exit(0)
     # The interpreter's run (test_triton_kernels.py): CPU tensors, the Triton forms everywhere.
     if os.environ.get("TRITON_INTERPRET") != "1" or kernels.mode() != "triton":
