@@ -146,7 +146,8 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
     tag = f"thc d={d} n={n} op={op} ef={ef} flush={flush} sat={saturation} {nonfinite or ''}".strip()
     problems = []
 
-    got = rotate(plan, x, residual, state.diag, hmat, finite)
+    strided = torch.stack([x, -x], 1)[:, 0]  # x as a non-contiguous view: the form copies it
+    got = rotate(plan, strided, residual, state.diag, hmat, finite)
     want = thc_kernels._rotate_kernel(R, plan, x, residual, state.diag, hmat, finite)
     problems += _structure(f"{tag}: rotate", got, want)
     if problems:
@@ -338,17 +339,43 @@ def _close_rel(name, a, b, tol):
     return [] if err <= tol * size + 1e-30 else [f"{name}: relative error {err / max(size, 1e-30):.3g} > {tol:.3g}"]
 
 
+def check_refusals(device):
+    """Plans outside the forms' reach keep the reference: THC's full rotation and other
+    rotation stages (blocks other than 1024), TopKC's chunks above ``MAX_CHUNK``; and such a
+    plan's scheme runs the reference through ``ops.fuse``, equal to it bit for bit."""
+    from torch_backend.kernels import triton_topkc
+    problems = []
+    for spec_kwargs in ({"rotation": "full"}, {"rotation_stages": 9}, {"rotation_stages": 11}):
+        scheme = THCScheme(THCConfig(**spec_kwargs))
+        info = TensorInfo("triton.refused", (3000,), "float32", 2, 0, "sum")
+        plan = scheme._plan(info, scheme.layout(info))
+        for fn in (thc_kernels._rotate_kernel, thc_kernels._quantize_kernel, thc_kernels._decode_kernel):
+            if kernels.fused_form(fn, plan, "cuda") is not None:
+                problems.append(f"thc {spec_kwargs}: a fused form of {fn.__name__} for block {plan.block}")
+    big = (triton_topkc.MAX_CHUNK + 1, True, False, 1.0)
+    if kernels.fused_form(topkc._correct_kernel, big, "cuda") is not None:
+        problems.append(f"topkc: a fused form for chunk {big[0]}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "hvd_gradcomp: the fused form", RuntimeWarning)
+        got, _ = _scheme_run(one_rank(OPS), "thc:rotation_stages=9", 2, "sum", device)
+    want, _ = _scheme_run(one_rank(REFERENCE_OPS), "thc:rotation_stages=9", 2, "sum", device)
+    for step, ((p, out), (p_ref, out_ref)) in enumerate(zip(got, want)):
+        problems += _equal(f"thc:rotation_stages=9 step {step}: payload", p, p_ref)
+        problems += _equal(f"thc:rotation_stages=9 step {step}: output", out, out_ref)
+    return problems
+
+
 def check_names():
     """The keys of :func:`run_all`'s result, in order (for the tests' parameters)."""
     return (["thc" + repr(case) for case in THC_CASES]
-            + [f"topkc{case!r}" for case in TOPKC_CASES] + ["schemes"])
+            + [f"topkc{case!r}" for case in TOPKC_CASES] + ["schemes", "refusals"])
 
 
 def run_all(device):
     """Every check on ``device``: {check name: [problems]} (names: :func:`check_names`)."""
     checks = ([("thc" + repr(case), check_thc, case) for case in THC_CASES]
               + [(f"topkc{case!r}", check_topkc, case) for case in TOPKC_CASES]
-              + [("schemes", check_schemes, ())])
+              + [("schemes", check_schemes, ()), ("refusals", check_refusals, ())])
     results = {}
     for name, check, args in checks:
         try:
