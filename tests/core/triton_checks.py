@@ -24,7 +24,6 @@ default on CUDA): :func:`check_schemes` runs whole schemes through ``one_rank(OP
 ``one_rank(REFERENCE_OPS)`` with any fallback warning raised as an error.
 """
 import json
-import math
 import os
 import re
 import sys
