@@ -337,14 +337,14 @@ _DECODE_SIG = {"payload_ptr": "*i32", "ranges_ptr": "*fp32", "diag_ptr": "*fp32"
 
 
 def _aot():
-    """The variants compiled for sm_90 by the tests: the rotation with and without error
-    feedback, flush bound and saturation; the quantiser and decoder at THC's default layouts
+    """The variants compiled for sm_90 by the tests: the rotation in each of its six
+    (error feedback, flush bound, saturation) combinations; the quantiser and decoder at THC's default layouts
     for 8 ranks under Average (guard bits, offset) and 2 ranks under Sum (no guard bits), and
     the decoder with the op unknown."""
     from hvd_gradcomp.lanes import lane_layout
     out = [(f"rotate[ef={ef},flush={flush},saturation={sat}]", _rotate, _ROTATE_SIG,
             {"EF": ef, "FLUSH": flush, "SATURATION": sat, "S": SIDE})
-           for ef, flush, sat in ((True, True, True), (True, False, False), (False, False, True))]
+           for ef, flush in ((True, True), (True, False), (False, False)) for sat in (True, False)]
     for n, op, ef, flush in ((8, "average", True, True), (2, "sum", False, False), (3, None, True, False)):
         lay = lane_layout(4, n, 8, op)
         out.append((f"quantize[n={n},op={op},ef={ef},flush={flush}]", _quantize, _QUANTIZE_SIG,

@@ -114,14 +114,15 @@ def correct(plan, flat, residual):
 register(core._correct_kernel, "cuda", accepts, correct, "triton_topkc.correct")
 
 # Ahead-of-time compile (tests): (name, kernel, signature, constexprs) at the default plan
-# (chunk 256, error feedback, selection="previous", beta 1) and with residual_decay.
+# (chunk 256, error feedback, selection="previous", beta 1), with residual_decay, the blocking
+# form, without error feedback, and at the largest chunk.
 _SIGNATURE = {"g_ptr": "*fp32", "e_ptr": "*fp32", "c_ptr": "*fp32", "guess_ptr": "*fp32", "scores_ptr": "*fp32",
               "d": "i32", "m": "i32", "decay": "fp32", "CHUNK": "constexpr", "COLS": "constexpr",
               "ROWS": "constexpr", "EF": "constexpr", "BLOCKING": "constexpr", "DECAY": "constexpr"}
 AOT = [
-    (f"correct[chunk={chunk},blocking={blocking},decay={decay}]", _correct, _SIGNATURE,
-     {"CHUNK": chunk, "COLS": _shape(chunk)[0], "ROWS": _shape(chunk)[1], "EF": True, "BLOCKING": blocking,
+    (f"correct[chunk={chunk},ef={ef},blocking={blocking},decay={decay}]", _correct, _SIGNATURE,
+     {"CHUNK": chunk, "COLS": _shape(chunk)[0], "ROWS": _shape(chunk)[1], "EF": ef, "BLOCKING": blocking,
       "DECAY": decay})
-    for chunk, blocking, decay in ((256, False, False), (100, False, True), (256, True, False),
-                                   (MAX_CHUNK, False, False))
+    for chunk, ef, blocking, decay in ((256, True, False, False), (100, True, False, True), (256, True, True, False),
+                                       (64, False, False, False), (MAX_CHUNK, True, False, False))
 ]
