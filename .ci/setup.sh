@@ -5,7 +5,9 @@
 # 2. A virtual environment in ./.venv (override with VENV=...).
 #    HVD_GRADCOMP_SYSTEM_SITE=1 creates it with --system-site-packages, so a PyTorch or
 #    TensorFlow already installed for this Python (a CUDA build, say) is used and kept.
-# 3. PyTorch and TensorFlow at the versions in .ci/pins.txt, unless already importable.
+# 3. PyTorch and TensorFlow at the versions in .ci/pins.txt, unless already importable; Triton
+#    (the CUDA fused kernels, tested on the CPU in its interpreter) unless importable: a CUDA
+#    PyTorch brings its own, which is kept.
 # 4. Horovod built with PyTorch, TensorFlow, Gloo and MPI, and on a CUDA machine also with NCCL
 #    (HOROVOD_GPU_OPERATIONS=NCCL; see "GPU" below). The built wheel is cached in
 #    ${HVD_GRADCOMP_CACHE:-$XDG_CACHE_HOME/hvd-gradcomp}/wheels/<key>, keyed by the Horovod,
@@ -66,6 +68,12 @@ have() { "$py" -c "import $1" >/dev/null 2>&1; }
 if ! have torch; then
   log "installing torch==$(pin torch)"
   "$py" -m pip install --disable-pip-version-check -q "torch==$(pin torch)"
+fi
+# Triton after torch: a CUDA torch has installed the Triton it was built with (kept); the CPU
+# wheel has none.
+if ! have triton; then
+  log "installing triton==$(pin triton)"
+  pip_install triton
 fi
 
 # GPU or not (see the header). gpu_machine: nvidia-smi lists a GPU; gpu: Horovod is built for it.

@@ -483,3 +483,50 @@ def test_tf32_split_matmul_is_float32_accurate_under_tf32():
     plain = np.abs(mm(a, b) - ref).max() / np.abs(ref).max()
     split = np.abs(mm(ah, bh) + mm(ah, bl) + mm(al, bh) - ref).max() / np.abs(ref).max()
     assert plain > 1e-4 and split < 2e-6, (plain, split)
+
+
+# The Triton fused forms (torch_backend/kernels/triton_thc.py, triton_topkc.py) run compiled on
+# CUDA, against the reference composition on the same device: the checks that
+# tests/core/test_triton_kernels.py runs in Triton's interpreter on CPU tensors
+# (tests/core/triton_checks.py). The steps above (no sync, CUDA graphs, deterministic mode) run
+# through the same forms on CUDA, where they are the default.
+def _triton_checks():
+    """tests.core.triton_checks, or a skip saying why the Triton forms cannot run here."""
+    import importlib.util
+    if "torch" not in BACKENDS:
+        pytest.skip("PyTorch backend not under test")
+    why = missing_device("torch", "cuda")
+    if why:
+        pytest.skip(why)
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed: the reference runs on CUDA (make setup installs it)")
+    from torch_backend import kernels
+    if kernels.mode() == "off":
+        pytest.skip(f"{kernels.ENV}=off: no fused form runs")
+    from tests.core import triton_checks
+    return triton_checks
+
+
+def test_triton_thc_kernels_on_cuda():
+    """THC's rotate, quantise-and-pack and decode Triton kernels on CUDA tensors against the
+    reference on CUDA: every case of tests/core/triton_checks.py (bit for bit where the math is
+    exact, within its tolerances elsewhere)."""
+    checks = _triton_checks()
+    problems = [p for case in checks.THC_CASES for p in checks.check_thc("cuda", *case)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_triton_topkc_kernel_on_cuda():
+    """TopKC's correct kernel in Triton on CUDA against the reference on CUDA."""
+    checks = _triton_checks()
+    problems = [p for case in checks.TOPKC_CASES for p in checks.check_topkc("cuda", *case)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_triton_forms_in_schemes_on_cuda():
+    """Whole THC and TopKC steps through ``one_rank(OPS)`` on CUDA (the Triton forms, chosen
+    by ``ops.fuse`` with no fallback warning) against ``one_rank(REFERENCE_OPS)``; plans
+    outside the forms' reach (THC blocks other than 1024) run the reference, bit for bit."""
+    checks = _triton_checks()
+    problems = checks.check_schemes("cuda") + checks.check_refusals("cuda")
+    assert problems == [], "\n".join(problems)

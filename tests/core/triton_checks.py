@@ -1,0 +1,478 @@
+"""(Helper, not a test.) The Triton fused forms of :mod:`torch_backend.kernels.triton_thc` and
+:mod:`torch_backend.kernels.triton_topkc` against the core's reference compositions, on one
+device: the checks of ``tests/core/test_triton_kernels.py`` (CPU tensors in Triton's
+interpreter, run in a subprocess: ``python -m tests.core.triton_checks`` with
+``TRITON_INTERPRET=1``, printing one JSON line) and of ``tests/core/test_devices.py`` (CUDA).
+
+Each check returns a list of problems (strings; empty when the fused form agrees). What
+"agrees" means (the contract of :mod:`torch_backend.kernels`, tolerances of the providers'
+docstrings):
+
+- structure, shapes, dtypes and devices of the outputs are the reference's;
+- integer outputs (THC's payload, statistics and saturation count) and the quantiser's residual
+  are equal bit for bit given equal inputs; TopKC's ``c`` and guess too;
+- float outputs behind a Walsh-Hadamard product or a norm (THC's ``y``, held residual, ranges,
+  decoded output; TopKC's scores) are within ``TOL = 2**-20`` of the reference, relative to the
+  Euclidean norm of the reference's block (1024 coordinates; a chunk's score, relative to
+  itself), THC's block ranges within ``TOL_RANGE = 2**-17`` of themselves, with NaN and inf
+  where the reference has them;
+- a non-finite gradient: the same finite flag and control words (the level words are undefined
+  in both, and unread).
+
+``ops.fuse`` must pick the Triton forms (``HVD_GRADCOMP_KERNELS=triton`` on CPU tensors, the
+default on CUDA): :func:`check_schemes` runs whole schemes through ``one_rank(OPS)`` against
+``one_rank(REFERENCE_OPS)`` with any fallback warning raised as an error.
+"""
+import json
+import os
+import re
+import sys
+import warnings
+
+import torch
+
+from hvd_gradcomp import hadamard, thc_kernels, topkc
+from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
+from hvd_gradcomp.primitives import one_rank
+from hvd_gradcomp.thc import THCConfig, THCScheme
+from torch_backend import kernels
+from torch_backend.ops import OPS, REFERENCE_OPS
+
+TOL = 2.0 ** -20
+TOL_RANGE = 2.0 ** -17  # a block's norm: 1024 squares summed in another order
+BLOCK = 1024
+
+R = REFERENCE_OPS
+
+
+# ---- comparisons ----
+def _structure(name, got, want):
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    if len(got) != len(want):
+        return [f"{name}: {len(got)} outputs, reference {len(want)}"]
+    out = []
+    for i, (a, b) in enumerate(zip(got, want)):
+        if (tuple(a.shape), a.dtype, a.device) != (tuple(b.shape), b.dtype, b.device):
+            out.append(f"{name}[{i}]: {tuple(a.shape)} {a.dtype} {a.device}, reference "
+                       f"{tuple(b.shape)} {b.dtype} {b.device}")
+    return out
+
+
+def _equal(name, a, b):
+    a, b = a.cpu().reshape(-1), b.cpu().reshape(-1)
+    if a.is_floating_point():
+        same = torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(
+            torch.nan_to_num(a, 0.0, 1.0, -1.0), torch.nan_to_num(b, 0.0, 1.0, -1.0))
+    else:
+        same = torch.equal(a, b)
+    if same:
+        return []
+    differ = (a != b) if not a.is_floating_point() else ~((a == b) | (torch.isnan(a) & torch.isnan(b)))
+    return [f"{name}: {int(differ.sum())} of {a.numel()} values differ (first at {int(differ.nonzero()[0])})"]
+
+
+def _close(name, a, b, group=BLOCK, tol=TOL):
+    """Within ``tol`` of the reference, relative to the norm of each group of ``group`` values."""
+    a, b = a.detach().cpu().double().reshape(-1), b.detach().cpu().double().reshape(-1)
+    if not torch.equal(torch.isnan(a), torch.isnan(b)):
+        return [f"{name}: NaN at other positions than the reference's"]
+    if not torch.equal(torch.isinf(a), torch.isinf(b)) or not torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]):
+        return [f"{name}: inf at other positions than the reference's"]
+    finite = torch.isfinite(b)
+    a, b = torch.where(finite, a, 0.0), torch.where(finite, b, 0.0)
+    pad = -a.numel() % group
+    a, b = torch.cat([a, a.new_zeros(pad)]), torch.cat([b, b.new_zeros(pad)])
+    err = (a - b).reshape(-1, group).abs().amax(1)
+    bound = tol * b.reshape(-1, group).norm(dim=1) + 1e-30
+    if bool((err <= bound).all()):
+        return []
+    worst = float((err / bound).max())
+    return [f"{name}: off by {worst:.3g} x the tolerance ({tol:.3g} of the group's norm)"]
+
+
+def _gen(seed, device):
+    return torch.Generator().manual_seed(seed), torch.device(device)
+
+
+def _randn(g, n, device, scale=1.0):
+    return (torch.randn(n, generator=g, dtype=torch.float32) * scale).to(device)
+
+
+# ---- THC ----
+def _thc(n, op, ef, flush, saturation, d):
+    cfg = THCConfig(error_feedback=ef, flush=flush, saturation=saturation)
+    scheme = THCScheme(cfg)
+    info = TensorInfo("triton.thc", (d,), "float32", n, 0, op)
+    lay = scheme.layout(info)
+    return scheme, info, lay, scheme._plan(info, lay)
+
+
+def _forms(plan):
+    """The Triton forms that the registry gives for ``plan`` (on "cuda", the provider key)."""
+    from torch_backend.kernels import triton_thc
+    got = [kernels.fused_form(fn, plan, "cuda")
+           for fn in (thc_kernels._rotate_kernel, thc_kernels._quantize_kernel, thc_kernels._decode_kernel)]
+    want = [triton_thc.rotate, triton_thc.quantize, triton_thc.decode]
+    if got != want:
+        raise AssertionError(f"the registry gives {got} for THC's default plan, not {want}")
+    return got
+
+
+def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=None, seed=0):
+    """THC's three kernels at one configuration (module docstring).
+
+    ``nonfinite``: None; ``"nan"`` (a NaN in ``x``, ``finite`` false); ``"overflow"`` (finite
+    ``x`` whose rotation overflows float32, ``finite`` true on entry); ``"rank"`` (one rank of
+    the all-reduce not finite: the decoder's NaN); ``"mismatch"`` (ranks' fingerprints differ:
+    the decoder's 0)."""
+    scheme, info, lay, plan = _thc(n, op, ef, flush, saturation, d)
+    rotate, quantize, decode = _forms(plan)
+    g, dev = _gen(seed, device)
+    x = _randn(g, d, dev, 3.0)
+    x[: d // 3] *= 50.0  # blocks of different scales
+    finite = torch.tensor(True, device=dev)
+    if nonfinite == "nan":
+        x[d // 2] = float("nan")
+        finite = torch.tensor(False, device=dev)
+    state = scheme.init(R, info, x)
+    if nonfinite == "overflow":  # x * diag all +3e38 / 32 in block 0: its rotation overflows
+        x[:BLOCK] = torch.where(state.diag[:BLOCK] > 0, 3e38, -3e38)
+    residual = _randn(g, lay.padded, dev, 2.0) if ef else state.residual
+    if ef:
+        residual[lay.padded - BLOCK:] *= 1e3  # a block whose residual the flush bound clips
+    hmat = hadamard.sylvester(R, 32, x)
+    tag = f"thc d={d} n={n} op={op} ef={ef} flush={flush} sat={saturation} {nonfinite or ''}".strip()
+    problems = []
+
+    strided = torch.stack([x, -x], 1)[:, 0]  # x as a non-contiguous view: the form copies it
+    got = rotate(plan, strided, residual, state.diag, hmat, finite)
+    want = thc_kernels._rotate_kernel(R, plan, x, residual, state.diag, hmat, finite)
+    problems += _structure(f"{tag}: rotate", got, want)
+    if problems:
+        return problems
+    names = ("y", "held", "wanted")
+    for name, a, b in zip(names, got, want):
+        if name == "wanted":
+            problems += _close(f"{tag}: rotate {name}", a, b, 1, TOL_RANGE)
+        else:
+            problems += _close(f"{tag}: rotate {name}", a, b)
+    problems += _equal(f"{tag}: rotate stats", got[3], want[3])
+    problems += _equal(f"{tag}: rotate finite", got[4], want[4])
+    if nonfinite in ("nan", "overflow") and bool(want[4]):
+        problems.append(f"{tag}: the reference found the gradient finite (the case tests nothing)")
+
+    # Quantise and pack the reference's rotation with ranges near the blocks' own: some clipped.
+    y, held, wanted, stats, finite = want
+    ranges = torch.where(torch.isfinite(wanted), wanted, 1.0) * 0.8
+    ranges[0] = 0.0  # a block without a range
+    payloads = []
+    for rank in range(max(n, 1)):
+        key = torch.tensor(rng_key(seed, rank), dtype=torch.int64, device=dev)
+        rows, cols = thc_kernels._noise_bits(R, key, lay.blocks, lay.block, x)
+        fingerprint = torch.tensor(5 + (rank if nonfinite == "mismatch" else 0), dtype=torch.int64, device=dev)
+        rank_finite = torch.logical_and(finite, torch.tensor(not (nonfinite == "rank" and rank == n - 1), device=dev))
+        got = quantize(plan, y, held, ranges, rows, cols, fingerprint, rank_finite, stats)
+        want = thc_kernels._quantize_kernel(R, plan, y, held, ranges, rows, cols, fingerprint, rank_finite, stats)
+        problems += _structure(f"{tag}: quantize[{rank}]", got, want)
+        if problems:
+            return problems
+        if bool(finite):
+            problems += _equal(f"{tag}: quantize[{rank}] payload", got[0], want[0])
+            problems += _equal(f"{tag}: quantize[{rank}] residual", got[1], want[1])
+            problems += _equal(f"{tag}: quantize[{rank}] saturated", got[2], want[2])
+            if rank == 0 and int(want[2]) == 0:
+                problems.append(f"{tag}: nothing saturated (the case tests no clipping)")
+        else:  # levels undefined; the statistics and control words are not
+            problems += _equal(f"{tag}: quantize[{rank}] tail", got[0][lay.words:], want[0][lay.words:])
+        payloads.append(want[0])
+    if not bool(finite):
+        return problems
+
+    # Decode the all-reduce of the ranks' payloads (Sum, or Horovod's truncated Average).
+    actual = op or ("sum" if seed % 2 else "average")
+    total = torch.stack([p.to(torch.int64) for p in payloads]).sum(0)
+    if actual == "average":
+        total = torch.div(total, n, rounding_mode="trunc")
+    reduced = total.to(torch.int32)
+    count, bad, mismatch, inferred = thc_kernels._receive_kernel(R, plan, reduced)
+    got = decode(plan, reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred)
+    want = thc_kernels._decode_kernel(R, plan, reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred)
+    problems += _structure(f"{tag}: decode", got, want)
+    if not problems:
+        problems += _close(f"{tag}: decode", got, want)
+        expect = {"rank": "nan", "mismatch": "zero"}.get(nonfinite, "value")
+        seen = ("nan" if bool(torch.isnan(want).all()) else "zero" if not bool(want.any()) else "value")
+        if seen != expect:
+            problems.append(f"{tag}: the reference decoded {seen}, the case means {expect}")
+    return problems
+
+
+def rng_key(seed, rank):
+    """A per-rank rounding key (any 32-bit value)."""
+    return (0x9E3779B1 * (seed + 1) + 0x85EBCA6B * rank) & 0xFFFFFFFF
+
+
+THC_CASES = [
+    # (d, n, op, ef, flush, saturation, nonfinite): a few blocks, an odd d, world sizes and ops
+    (3000, 2, "sum", True, 1.0, True, None),
+    (2999, 8, "average", True, 1.0, True, None),
+    (3073, 3, None, True, 1.0, True, None),
+    (4096, 1, "average", True, 0.5, True, None),
+    (3001, 4, "average", False, None, True, None),
+    (2048, 5, "sum", True, None, False, None),
+    (3000, 2, None, True, 1.0, False, None),
+    (2500, 3, "average", True, 1.0, True, "nan"),
+    (3100, 2, "sum", True, 1.0, False, "overflow"),
+    (3100, 3, "average", True, 1.0, True, "rank"),
+    (3100, 2, None, True, 1.0, True, "mismatch"),
+]
+
+
+# ---- TopKC ----
+def check_topkc(device, d, plan, nonfinite=False, seed=0):
+    """TopKC's ``_correct_kernel`` (module docstring); ``nonfinite``: an inf and a NaN in the
+    gradient (the blocking form's scores drop them to 0)."""
+    from torch_backend.kernels import triton_topkc
+    form = kernels.fused_form(topkc._correct_kernel, plan, "cuda")
+    if form is not triton_topkc.correct:
+        return [f"topkc {plan}: the registry gives {form}, not triton_topkc.correct"]
+    g, dev = _gen(seed, device)
+    flat = _randn(g, d, dev)
+    flat[: d // 4] *= 30.0
+    if nonfinite:
+        flat[3], flat[d - 2] = float("inf"), float("nan")
+    residual = _randn(g, d, dev, 0.5) if plan[1] else flat
+    tag = f"topkc d={d} plan={plan}{' nonfinite' if nonfinite else ''}"
+    got = form(plan, flat, residual)
+    want = topkc._correct_kernel(R, plan, flat, residual)
+    problems = _structure(tag, got, want)
+    if problems:
+        return problems
+    problems += _equal(f"{tag}: chunks", got[0], want[0])
+    problems += _equal(f"{tag}: guess", got[1], want[1])
+    problems += _close(f"{tag}: scores", got[2], want[2], 1)
+    return problems
+
+
+TOPKC_CASES = [
+    # (d, (chunk, error_feedback, blocking, beta), nonfinite)
+    (3000, (256, True, False, 1.0), False),
+    (1001, (100, True, False, 0.9), False),
+    (777, (64, False, False, 1.0), False),
+    (2049, (256, True, True, 1.0), True),
+    (513, (7, True, False, 1.0), True),
+    (5000, (4096, True, False, 1.0), False),
+]
+
+
+# ---- whole schemes ----
+SCHEMES = [
+    # (spec, world size, op): compress / decompress / finish for STEPS steps
+    ("thc", 1, "average"),
+    ("thc:flush=none,saturation=false", 4, "sum"),
+    ("thc:error_feedback=false", 2, None),
+    ("topkc:ratio=0.2,chunk=128", 1, "average"),
+    ("topkc:ratio=0.3,chunk=100,residual_decay=0.9", 2, "sum"),
+    ("topkc:ratio=0.2,selection=current,chunk=64", 1, "average"),
+]
+STEPS = 3
+
+
+def _scheme_run(ops, spec, n, op, device, d=2999, seed=3):
+    from hvd_gradcomp.registry import make_scheme, parse_spec
+    name, options = parse_spec(spec)
+    scheme = make_scheme(name, **options)
+    info = TensorInfo(f"triton.{spec}", (d,), "float32", n, 0, op)
+    g = torch.Generator().manual_seed(seed)
+    xs = [(torch.randn(d, generator=g) * (1.0 + 9.0 * (torch.arange(d) % 7 == 0))).to(device) for _ in range(STEPS)]
+    state = scheme.init(ops, info, xs[0])
+    steps = []
+    for x in xs:
+        payload, ctx = compress_tensor(scheme, ops, x, state, info)
+        out, state = finish_tensor(scheme, ops, payload, ctx, state, info)
+        steps.append((payload, out))
+    return steps, state
+
+
+def check_schemes(device):
+    """Whole schemes through ``one_rank(OPS)`` (the Triton forms) against
+    ``one_rank(REFERENCE_OPS)``: payloads equal (THC: level words equal except where a float32
+    rounding of the rotation moves a floor, at most 1 in 1000), outputs and state within TOL
+    relative to their norms (THC: 1e-4 when a level moved), and every Triton form chosen."""
+    problems = []
+    kernels._CHOSEN.clear()
+    for spec, n, op in SCHEMES:
+        with warnings.catch_warnings():
+            # a fused form that fails falls back to the reference with this warning: an error here
+            warnings.filterwarnings("error", "hvd_gradcomp: the fused form", RuntimeWarning)
+            got, got_state = _scheme_run(one_rank(OPS), spec, n, op, device)
+        want, want_state = _scheme_run(one_rank(REFERENCE_OPS), spec, n, op, device)
+        tol = TOL
+        for step, ((p, out), (p_ref, out_ref)) in enumerate(zip(got, want)):
+            tag = f"{spec} n={n} op={op} step {step}"
+            problems += _structure(tag, (p, out), (p_ref, out_ref))
+            if p.dtype == torch.int32:
+                moved = int((p != p_ref).sum())
+                if moved > max(1, p.numel() // 1000):
+                    problems.append(f"{tag}: {moved} of {p.numel()} payload words differ")
+                tol = tol if moved == 0 else 1e-4
+            else:
+                problems += _close(f"{tag}: payload", p.float(), p_ref.float(), p.numel())
+            problems += _close_rel(f"{tag}: output", out, out_ref, tol)
+        for field, a, b in zip(want_state._fields, got_state, want_state):
+            if a.is_floating_point():
+                problems += _close_rel(f"{spec}: state {field}", a, b, tol)
+            else:
+                problems += _equal(f"{spec}: state {field}", a, b)
+    chosen = {getattr(form, "__name__", None) for form in kernels._CHOSEN.values() if form is not None}
+    for name in ("rotate", "quantize", "decode", "correct"):
+        if name not in chosen:
+            problems.append(f"ops.fuse never ran the Triton form {name} (chosen: {sorted(chosen)})")
+    return problems
+
+
+def _close_rel(name, a, b, tol):
+    a, b = a.detach().cpu().double().reshape(-1), b.detach().cpu().double().reshape(-1)
+    err, size = float((a - b).norm()), float(b.norm())
+    return [] if err <= tol * size + 1e-30 else [f"{name}: relative error {err / max(size, 1e-30):.3g} > {tol:.3g}"]
+
+
+def check_refusals(device):
+    """Plans outside the forms' reach keep the reference: THC's full rotation and other
+    rotation stages (blocks other than 1024), TopKC's chunks above ``MAX_CHUNK``; and such a
+    plan's scheme runs the reference through ``ops.fuse``, equal to it bit for bit."""
+    from torch_backend.kernels import triton_topkc
+    problems = []
+    for spec_kwargs in ({"rotation": "full"}, {"rotation_stages": 9}, {"rotation_stages": 11}):
+        scheme = THCScheme(THCConfig(**spec_kwargs))
+        info = TensorInfo("triton.refused", (3000,), "float32", 2, 0, "sum")
+        plan = scheme._plan(info, scheme.layout(info))
+        for fn in (thc_kernels._rotate_kernel, thc_kernels._quantize_kernel, thc_kernels._decode_kernel):
+            if kernels.fused_form(fn, plan, "cuda") is not None:
+                problems.append(f"thc {spec_kwargs}: a fused form of {fn.__name__} for block {plan.block}")
+    big = (triton_topkc.MAX_CHUNK + 1, True, False, 1.0)
+    if kernels.fused_form(topkc._correct_kernel, big, "cuda") is not None:
+        problems.append(f"topkc: a fused form for chunk {big[0]}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "hvd_gradcomp: the fused form", RuntimeWarning)
+        got, _ = _scheme_run(one_rank(OPS), "thc:rotation_stages=9", 2, "sum", device)
+    want, _ = _scheme_run(one_rank(REFERENCE_OPS), "thc:rotation_stages=9", 2, "sum", device)
+    for step, ((p, out), (p_ref, out_ref)) in enumerate(zip(got, want)):
+        problems += _equal(f"thc:rotation_stages=9 step {step}: payload", p, p_ref)
+        problems += _equal(f"thc:rotation_stages=9 step {step}: output", out, out_ref)
+    return problems
+
+
+def check_names():
+    """The keys of :func:`run_all`'s result, in order (for the tests' parameters)."""
+    return (["thc" + repr(case) for case in THC_CASES]
+            + [f"topkc{case!r}" for case in TOPKC_CASES] + ["schemes", "refusals"])
+
+
+def run_all(device):
+    """Every check on ``device``: {check name: [problems]} (names: :func:`check_names`)."""
+    checks = ([("thc" + repr(case), check_thc, case) for case in THC_CASES]
+              + [(f"topkc{case!r}", check_topkc, case) for case in TOPKC_CASES]
+              + [("schemes", check_schemes, ()), ("refusals", check_refusals, ())])
+    results = {}
+    for name, check, args in checks:
+        try:
+            results[name] = check(device, *args)
+        except Exception as exc:  # noqa: BLE001 - one failing check reports, the others still run
+            results[name] = [f"{name}: raised {type(exc).__name__}: {exc}"]
+    return results
+
+
+# ---- ahead-of-time compile for sm_90, no GPU needed ----
+PTX_VERSION = 84  # PTX ISA 8.4 (CUDA 12.4, which knows sm_90) when Triton's ptxas cannot run
+
+
+def ptxas_runs() -> bool:
+    """True if the ptxas that Triton bundles (or ``TRITON_PTXAS_BLACKWELL_PATH`` names) runs."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    try:
+        return get_ptxas(90).version is not None
+    except Exception:  # noqa: BLE001 - no binary, not executable, wrong machine
+        return False
+
+
+def compile_sm90(fn, signature, constexprs, options, cubin=True):
+    """(ptx text, cubin bytes or None) of a Triton kernel for sm_90 (``GPUTarget("cuda", 90,
+    32)``), without a GPU. ``cubin``: through ``triton.compile`` (which runs ptxas); otherwise
+    the compiler's stages up to PTX only (ttir, ttgir, llir, ptx; PTX ISA :data:`PTX_VERSION`),
+    for a machine where ptxas cannot run."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton._C.libtriton import ir
+    src = ASTSource(fn, signature, constexprs=constexprs)
+    target = GPUTarget("cuda", 90, 32)
+    if cubin:
+        kernel = triton.compile(src, target=target, options=dict(options))
+        return kernel.asm["ptx"], kernel.asm["cubin"]
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options, ptx_version=PTX_VERSION))
+    stages = {}
+    backend.add_stages(stages, opts, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+    metadata = {"hash": "aot", "target": target, **opts.__dict__}
+    for ext, stage in stages.items():
+        module = stage(module, metadata)
+        if ext == "ptx":
+            return module, None
+    raise RuntimeError("no ptx stage in Triton's CUDA backend")
+
+
+def aot_all(ptx_only=False, limit=None):
+    """Every Triton kernel of the two providers compiled for sm_90 (each module's ``AOT``
+    variants): {name: {"ptx": text's facts, "cubin": bytes, "error": ...}}, plus
+    ``"uncovered"``: jit functions of the providers that no ``AOT`` entry compiles (neither a
+    kernel there nor named in one); ``"ptxas_runs"``. ``ptx_only``: the stages up to
+    PTX alone (:func:`compile_sm90`); ``limit``: the first ``limit`` entries of each module."""
+    from triton.runtime.jit import JITFunction
+    from torch_backend.kernels import triton_thc, triton_topkc
+    cubin = ptxas_runs() and not ptx_only
+    results, uncovered = {"ptxas_runs": ptxas_runs()}, []
+    for module in (triton_thc, triton_topkc):
+        jitted = {name: value for name, value in vars(module).items() if isinstance(value, JITFunction)}
+        covered = {fn for _, fn, _, _ in module.AOT}
+        grew = True
+        while grew:  # helpers named in a covered kernel (or helper) are compiled in it
+            sources = "\n".join(fn.src for fn in covered)
+            called = {fn for name, fn in jitted.items() if re.search(rf"\b{name}\b", sources)}
+            grew = not called <= covered
+            covered |= called
+        uncovered += [f"{module.__name__}.{name}" for name, fn in jitted.items() if fn not in covered]
+        entries = module.AOT[:limit] if limit else module.AOT
+        for name, fn, signature, constexprs in entries:
+            key = f"{module.__name__.rsplit('.', 1)[1]}.{name}"
+            try:
+                ptx, binary = compile_sm90(fn, signature, constexprs, module._OPTIONS, cubin)
+            except Exception as exc:  # noqa: BLE001 - reported, the test fails on it
+                results[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                continue
+            results[key] = {"target": ".target sm_90" in ptx, "entry": f".entry {fn.__name__}" in ptx,
+                            "ptx": len(ptx), "cubin": len(binary) if binary is not None else None,
+                            "tf32": "tf32" in ptx, "approx": ".approx" in ptx, "fma": "fma." in ptx}
+    results["uncovered"] = uncovered
+    return results
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", "(invalid value|overflow) encountered", RuntimeWarning)  # numpy
+    if sys.argv[1:2] == ["aot"]:
+        # The ahead-of-time compile (test_triton_kernels.py): real Triton, no interpreter.
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            sys.exit("run without TRITON_INTERPRET")
+        # every variant through triton.compile, then the PTX-only path on each module's first
+        print(json.dumps({"full": aot_all(), "ptx_only": aot_all(ptx_only=True, limit=1)}))
+        sys.exit(0)
+    # The interpreter's run (test_triton_kernels.py): CPU tensors, the Triton forms everywhere.
+    if os.environ.get("TRITON_INTERPRET") != "1" or kernels.mode() != "triton":
+        sys.exit("run with TRITON_INTERPRET=1 HVD_GRADCOMP_KERNELS=triton")
+    torch.set_num_threads(1)
+    print(json.dumps(run_all("cpu")))
