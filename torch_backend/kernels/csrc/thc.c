@@ -14,6 +14,7 @@
  * (x86 or ARM, SSE2 or AVX-512), and the same on every rank of a job.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
