@@ -70,18 +70,23 @@ def _target(cc, flags) -> str:
     return res.stdout
 
 
-def load(name: str):
+def load(name: str, extra_flags=()):
     """``ctypes.CDLL`` of ``csrc/<name>.c`` compiled for this machine (module docstring).
+
+    ``extra_flags`` go after :data:`FLAGS` (a later ``-march`` wins; the tests build other
+    variants this way, e.g. ``-march=x86-64`` or ``-DHGC_SCALAR_WHT``, and compare them bit for
+    bit); they are part of the library's hash.
 
     Raises:
         ImportError: no compiler, the compile failed, or the library cannot be written or loaded.
     """
-    if name in _LOADED:
-        return _LOADED[name]
+    cc = compiler()
+    key = (name, tuple(extra_flags), tuple(cc), cache_dir())
+    if key in _LOADED:
+        return _LOADED[key]
     with open(os.path.join(_CSRC, name + ".c"), "rb") as f:
         source = f.read()
-    cc = compiler()
-    flags = list(FLAGS)
+    flags = list(FLAGS) + list(extra_flags)
     try:
         target = _target(cc, flags)
     except ImportError:
@@ -94,7 +99,7 @@ def load(name: str):
         digest.update(b"\0")
     folder = os.path.join(cache_dir(), digest.hexdigest()[:24])
     path = os.path.join(folder, f"lib{name}.so")
-    if not os.path.exists(path):
+    if not os.path.exists(path):  # else built before, by this or another process
         try:
             os.makedirs(folder, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".lib{name}.", suffix=".so.tmp", dir=folder)
@@ -115,5 +120,5 @@ def load(name: str):
         lib = ctypes.CDLL(path)
     except OSError as exc:
         raise ImportError(f"hvd_gradcomp: cannot load {path} ({exc})") from exc
-    _LOADED[name] = lib
+    _LOADED[key] = lib
     return lib
