@@ -33,7 +33,7 @@ from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor  # noqa
 from hvd_gradcomp.lanes import CODE_SCALE  # noqa: E402
 from hvd_gradcomp.primitives import one_rank  # noqa: E402
 from hvd_gradcomp.thc import THCConfig, THCScheme  # noqa: E402
-from hvd_gradcomp.topkc import TopKCConfig, TopKCScheme, _correct_kernel  # noqa: E402
+from hvd_gradcomp.topkc import _correct_kernel  # noqa: E402
 from tests.core.thc_emulation import emulate_allreduce  # noqa: E402
 from torch_backend import kernels  # noqa: E402
 from torch_backend.kernels import cbuild, cpu_thc, cpu_topkc  # noqa: E402  (ImportError: no compiler)
@@ -127,21 +127,9 @@ def test_switch_off_runs_the_reference(monkeypatch):
     """HVD_GRADCOMP_KERNELS=0: ops.fuse is the reference itself, and a THC step through OPS is
     the REFERENCE_OPS step bit for bit; unset, the fused forms run (the outputs differ in
     rounding, which is what makes this test able to fail)."""
-    def run():
-        scheme, info, lay, _ = _setup(5000, n=1, op="sum")
-        ops = one_rank(OPS)
-        x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
-        state = scheme.init(ops, info, x)
-        outs = []
-        for _ in range(3):
-            payload, ctx = compress_tensor(scheme, ops, x, state, info)
-            out, state = finish_tensor(scheme, ops, payload, ctx, state, info)
-            outs.append(out)
-        return torch.cat(outs + [state.residual])
-
-    def reference():
+    def run(primitives):
         scheme, info, _, _ = _setup(5000, n=1, op="sum")
-        ops = one_rank(REFERENCE_OPS)
+        ops = one_rank(primitives)
         x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
         state = scheme.init(ops, info, x)
         outs = []
@@ -151,15 +139,15 @@ def test_switch_off_runs_the_reference(monkeypatch):
             outs.append(out)
         return torch.cat(outs + [state.residual])
 
-    ref = reference()
-    fused = run()
+    ref = run(REFERENCE_OPS)
+    fused = run(OPS)
     assert not torch.equal(fused, ref)  # the fused forms ran
     torch.testing.assert_close(fused, ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
     monkeypatch.setenv(kernels.ENV, "0")
     _, _, _, plan = _setup(5000, n=1, op="sum")
     marker = object()
     assert kernels.dispatch(K._rotate_kernel, plan, marker) is marker
-    assert torch.equal(run(), ref)
+    assert torch.equal(run(OPS), ref)
 
 
 # ------------------------------------------------------------------ THC, kernel by kernel
