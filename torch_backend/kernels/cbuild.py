@@ -23,6 +23,7 @@ reason, so that :mod:`torch_backend.kernels` keeps the reference and
 :func:`torch_backend.kernels.status` reports why.
 """
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -62,7 +63,12 @@ def _run(cmd, **kwargs):
 
 def _target(cc, flags) -> str:
     """The compiler's predefined macros for ``flags`` (its version and the target's features)."""
-    arch = [f for f in flags if f.startswith("-m")]
+    return _macros(tuple(cc), tuple(f for f in flags if f.startswith("-m")))
+
+
+@functools.lru_cache(maxsize=None)  # one probe per process for every library of the same flags
+def _macros(cc, arch) -> str:
+    cc, arch = list(cc), list(arch)
     res = _run(cc + arch + ["-dM", "-E", "-x", "c", os.devnull])
     if res.returncode != 0:
         raise ImportError(f"hvd_gradcomp: the C compiler {' '.join(cc)!r} failed on {' '.join(arch)}: "
