@@ -6,7 +6,10 @@ Used by the CPU providers (:mod:`torch_backend.kernels.cpu_thc`,
 1. The compiler is ``$CC`` (split like a shell word list, so ``CC="ccache gcc"`` works), else
    ``cc``. Flags: :data:`FLAGS` (``-O3 -march=native``, C99, ``-ffp-contract=off`` so that no
    multiply-add is fused, whose single rounding would differ from PyTorch's two, and no
-   ``-ffast-math``: every float operation of the source is kept as written, in its order).
+   ``-ffast-math``: every float operation of the source is kept as written, in its order;
+   ``-fno-math-errno -fno-trapping-math`` change no value, they only let the compiler
+   vectorise ``floorf`` and ``sqrtf``). Without ``-march=native`` (a compiler that refuses it)
+   the compiler's default target.
 2. The library's folder is named by a SHA-256 of the source, the compiler command and flags,
    and what ``-march=native`` means on this machine (the compiler's predefined macros for
    those flags, ``cc -dM -E``, which name its version and the CPU features it targets): a
