@@ -328,6 +328,28 @@ def test_levels_agree_end_to_end():
     assert torch.equal(p0[words:], p1[words:]) or int((p0[words:] != p1[words:]).sum()) <= 2
 
 
+@pytest.mark.parametrize("config", [{}, {"flush": None}, {"rotation_stages": 6, "saturation": False}],
+                         ids=["default", "noflush", "B64-peak"])
+def test_residual_plus_decoded_is_y(config):
+    """One rank under Sum, through the three fused forms: the new residual plus the decoded
+    value (rotated again) is ``y`` plus what the flush bound held back, within float32
+    rounding: quantisation loses nothing that error feedback does not keep."""
+    scheme, info, lay, plan = _setup(6000, n=1, op="sum", **config)
+    x, residual, diag, hmat, _ = _inputs(scheme, info, lay, seed=13)
+    finite = torch.tensor(True)
+    y, held, wanted, stats, finite = cpu_thc.rotate(plan, x, residual, diag, hmat, finite)
+    ranges = wanted * 0.8  # some coordinates saturate: the residual keeps their excess
+    rows, cols = _noise(lay, 31)
+    payload, left, saturated = cpu_thc.quantize(plan, y, held, ranges, rows, cols, torch.tensor(0), finite,
+                                                stats)
+    assert int(saturated) > 0
+    count, bad, mismatch, inferred = K._receive_kernel(R, plan, payload)
+    out = cpu_thc.decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred)
+    again = hadamard.rht(R, out, diag, hadamard.nested_factors(lay.block, hmat))
+    kept = y + held if held.numel() else y
+    assert ((again + left - kept).abs() <= _block_tol(kept, lay.block, 2e-6) + 1e-30).all()
+
+
 # ------------------------------------------------------------------ whole schemes
 
 def _run(ops, scheme, info, grads, n_steps):
