@@ -10,6 +10,8 @@ What each fused form promises (the providers' docstrings) and how it is checked 
   where ``4 log2(wanted)`` sits at a rounding boundary, the finite flag equal.
 - THC ``_decode_kernel``: on all-reduced payloads of several ranks (Sum, Average, op unknown,
   a rank not finite, fingerprints that disagree), within float32 rounding of the reference.
+- THC's new residual plus the decoded value is ``y`` plus what the flush bound held back,
+  through the three forms, within float32 rounding.
 - End to end: levels equal but for a tiny fraction, error feedback conserved over steps,
   whole THC and TopKC runs close to the reference runs; ``HVD_GRADCOMP_KERNELS=0`` gives the
   reference bit for bit.
