@@ -212,6 +212,23 @@ def test_quantize_is_bit_exact(config, d, range_scale):
         assert int(got[2]) > d // 4  # the saturation count was exercised
 
 
+@pytest.mark.parametrize("n,op", [(1, "sum"), (2, "sum"), (5, None), (16, "average"), (64, "average"),
+                                  (1024, "average")])
+@pytest.mark.parametrize("config", [{}, {"lane_bits": None, "bits": 8}, {"bits": 2}], ids=["default", "wide", "bits2"])
+def test_quantize_bit_exact_across_layouts(n, op, config):
+    """Other world sizes and ops give other lanes, guard bits and offsets (lanes.lane_layout):
+    the packed words are the reference's bit for bit in each."""
+    scheme, info, lay, plan = _setup(3000, n=n, op=op, **config)
+    x, residual, diag, hmat, ranges = _inputs(scheme, info, lay, seed=n)
+    y, held, wanted, stats, finite = K._rotate_kernel(R, plan, x, residual, diag, hmat, torch.tensor(True))
+    rows, cols = _noise(lay, n)
+    fingerprint = torch.tensor(n % 7)
+    ref = K._quantize_kernel(R, plan, y, held, wanted * 0.7, rows, cols, fingerprint, finite, stats)
+    got = cpu_thc.quantize(plan, y, held, wanted * 0.7, rows, cols, fingerprint, finite, stats)
+    for a, b in zip(ref, got):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype) and torch.equal(a, b)
+
+
 def test_quantize_nonfinite_and_boundaries():
     """Non-finite y (levels undefined but equal here: NaN as INT32_MIN), y exactly at +-R, u on
     level boundaries, and ranges of 0 in some blocks: bit for bit."""
