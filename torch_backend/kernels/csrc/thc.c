@@ -1,8 +1,10 @@
 /* Fused CPU loops of THC's rotate, quantise and decode kernels (hvd_gradcomp/thc_kernels.py).
  *
- * Plain C99, no Python or torch headers: torch_backend/kernels/cpu_thc.py compiles this file
- * once per machine (cc -O3 -march=native -ffp-contract=off, no -ffast-math) and calls it through
- * ctypes with the data pointers of contiguous tensors. Each function is one pass over memory for
+ * Plain C99 (plus GCC/clang vector types for the first butterfly stages, with a C99 fallback
+ * that gives the same bits), no Python or torch headers: torch_backend/kernels/cpu_thc.py
+ * compiles this file once per machine (torch_backend/kernels/cbuild.py: cc -O3 -march=native
+ * -ffp-contract=off, no -ffast-math) and calls it through ctypes with the data pointers of
+ * contiguous tensors. Each function is one pass over memory for
  * its kernel; the per-coordinate float arithmetic is the reference's, operation for operation, in
  * float32 (the constants arrive already rounded to float32, as PyTorch rounds a Python scalar in
  * a float32 op), except for the Walsh-Hadamard transform, which is a butterfly here and dense
