@@ -35,7 +35,9 @@ pin() { sed -n "s/^$1==//p" "$pins"; }
 log() { printf '[setup] %s\n' "$*"; }
 
 # Step 1: Debian packages.
-apt_pkgs="libopenmpi-dev openmpi-bin g++ make iproute2"
+# gcc: also the C compiler of torch_backend's CPU kernels (torch_backend/kernels/cbuild.py; g++
+# depends on it, named here so that it stays when g++ is no longer needed).
+apt_pkgs="libopenmpi-dev openmpi-bin gcc g++ make iproute2"
 missing=""
 for p in $apt_pkgs; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing="$missing $p"

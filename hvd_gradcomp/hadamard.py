@@ -33,7 +33,9 @@ elements), and no transposes:
 
 Cost: ``sum(s_i)`` multiply-adds per coordinate in ``r`` passes over memory; a butterfly loop
 needs ``log2(B)`` passes of one add each, and on CPU and GPU the matrix units make the few
-dense passes far cheaper than the many elementwise ones. ``MAX_FACTOR = 32`` (``B = 1024`` is
+dense passes far cheaper than the many elementwise ones (compiled as one loop per block in
+cache, a butterfly is cheaper still: PyTorch's CPU fused form of THC's kernels,
+``torch_backend/kernels/csrc/thc.c``). ``MAX_FACTOR = 32`` (``B = 1024`` is
 ``32 x 32``; ``2**22`` is ``32 x 32 x 16 x 16 x 16``): a larger cap costs more flops per
 coordinate, a smaller one more passes and factors of 8; the timings behind the choice are in
 docs/bench.md ("THC").

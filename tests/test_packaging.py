@@ -3,7 +3,8 @@ runs from it.
 
 1. The wheel built from ``setup.py`` holds the harness's TTA workers
    (``hvd_gradcomp/bench/workers/*.py``) and its data file (the scale model's inputs), the two
-   backends' stats helpers, and nothing of ``examples/`` or ``tests/``.
+   backends' stats helpers, ``torch_backend.kernels`` with its C sources, and nothing of
+   ``examples/`` or ``tests/``.
 2. Unpacked into a folder outside the checkout and run from another working directory, the
    harness's commands and a worker import from that folder (``python -m``, no file paths):
    ``python -m hvd_gradcomp.bench tta --help`` and ``python -m
@@ -52,7 +53,11 @@ def test_wheel_holds_workers_and_data(wheel):
         assert f"hvd_gradcomp/bench/workers/{module}.py" in names, module
     for path in ("hvd_gradcomp/bench/model_inputs_resnet50.json", "hvd_gradcomp/bench/model_shapes_resnet50.json",
                  "hvd_gradcomp/bench/linkcheck.py", "hvd_gradcomp/bench/launch.py", "hvd_gradcomp/bench/publish.py",
-                 "hvd_gradcomp/stats.py", "torch_backend/stats.py", "tf_backend/stats.py"):
+                 "hvd_gradcomp/stats.py", "torch_backend/stats.py", "tf_backend/stats.py",
+                 # the fused kernels' registry, the CPU providers and the C they compile on first use
+                 "torch_backend/kernels/__init__.py", "torch_backend/kernels/cbuild.py",
+                 "torch_backend/kernels/cpu_thc.py", "torch_backend/kernels/csrc/thc.c",
+                 "torch_backend/kernels/csrc/topkc.c"):
         assert path in names, path
     assert not any(n.startswith(("examples/", "tests/")) for n in names)
 

@@ -23,10 +23,17 @@ Horovod path without groups does per gradient), and DDP's own ``fp16_compress_ho
 ``powerSGD_hook`` (rank 4). The last columns are ratios: A's ops over B's, and our codec time
 over DDP's own fp16 hook's.
 
+``--kernels both`` adds a row ``ours +ref`` per spec: our hook with the core's reference
+kernels (``HVD_GRADCOMP_KERNELS=0`` around its steps: no hand-written fused forms of
+``torch_backend.kernels``), timed in the same rounds as the fused row ``ours``.
+
 Timings follow the machine's load: run it on a quiet machine, and read the ratios measured
-side by side in one run rather than the absolute figures.
+side by side in one run rather than the absolute figures. ``--clock process`` times each step
+in this process's CPU time (all its threads) instead of the host clock: on a machine shared
+with other jobs, the time slices they take are not counted (their memory traffic still is).
 """
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -86,16 +93,37 @@ def _free_port():
         return s.getsockname()[1]
 
 
+# Row kind -> environment set around its steps (the unfused row: the reference kernels).
+_UNFUSED = "ours +ref"
+_ROW_ENV = {_UNFUSED: {"HVD_GRADCOMP_KERNELS": "0"}}
+
+
+@contextlib.contextmanager
+def _row_env(kind):
+    """The environment of row ``kind`` (:data:`_ROW_ENV`) for the duration of its step."""
+    env = _ROW_ENV.get(kind, {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _make(kind, spec, build):
-    """A fresh DDP model of ``build()`` with the hook ``kind`` ('ours', 'per-tensor', 'ddp',
-    'plain') and ``spec``; returns (ddp model, loss function)."""
+    """A fresh DDP model of ``build()`` with the hook ``kind`` ('ours', 'ours +ref',
+    'per-tensor', 'ddp', 'plain') and ``spec``; returns (ddp model, loss function)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch_backend import Compression
     from torch_backend.ddp import register_comm_hook
     module, loss = build()
     ddp = DDP(module)
-    if kind in ("ours", "per-tensor"):
+    if kind in ("ours", _UNFUSED, "per-tensor"):
         register_comm_hook(ddp, Compression.from_spec(spec), per_tensor=kind == "per-tensor")
     elif kind == "plain":  # DDP's own all-reduce as a hook: what any comm hook costs DDP
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -123,19 +151,25 @@ def _ops(ddp, loss) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
-def measure(rows, build, steps: int, warmup: int):
-    """{(kind, spec): (ops, median step s)} for each row of ``rows``, timed round-robin."""
+def measure(rows, build, steps: int, warmup: int, clock=time.perf_counter):
+    """{(kind, spec): (ops, median step s)} for each row of ``rows``, timed round-robin with
+    ``clock``."""
     models = {row: _make(*row, build) for row in rows}
     for row, (ddp, loss) in models.items():
         for _ in range(warmup):  # DDP rebuilds its buckets after the first step; auto settles
-            _step(ddp, loss)
-    ops = {row: _ops(*models[row]) for row in rows}
+            with _row_env(row[0]):
+                _step(ddp, loss)
+    ops = {}
+    for row in rows:
+        with _row_env(row[0]):
+            ops[row] = _ops(*models[row])
     times = {row: [] for row in rows}
     for _ in range(steps):
         for row, (ddp, loss) in models.items():
-            t0 = time.perf_counter()
-            _step(ddp, loss)
-            times[row].append(time.perf_counter() - t0)
+            with _row_env(row[0]):
+                t0 = clock()
+                _step(ddp, loss)
+                times[row].append(clock() - t0)
     return {row: (ops[row], statistics.median(times[row])) for row in rows}
 
 
@@ -146,6 +180,12 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--no-per-tensor", action="store_true", help="skip the per_tensor=True rows")
+    ap.add_argument("--kernels", choices=["on", "both"], default="on",
+                    help="'both' adds an 'ours +ref' row per spec with the reference kernels "
+                         "(HVD_GRADCOMP_KERNELS=0 around its steps)")
+    ap.add_argument("--clock", choices=["host", "process"], default="host",
+                    help="'process': this process's CPU time per step (a shared machine); default "
+                         "the host clock")
     args = ap.parse_args(argv)
     import torch
     import torch.distributed as dist
@@ -157,13 +197,16 @@ def main(argv=None):
     rows = [("plain", "-"), ("ddp", "fp16"), ("ddp", "powersgd:4")]
     for spec in specs:
         rows.append(("ours", spec))
+        if args.kernels == "both":
+            rows.append((_UNFUSED, spec))
         if not args.no_per_tensor:
             rows.append(("per-tensor", spec))
     a_module, _ = model_a()
     numel = sum(p.numel() for p in a_module.parameters())
     tensors = sum(1 for _ in a_module.parameters())
-    res_a = measure(rows, model_a, args.steps, args.warmup)
-    res_b = measure(rows, lambda: model_b(numel), args.steps, args.warmup)
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    res_a = measure(rows, model_a, args.steps, args.warmup, clock)
+    res_b = measure(rows, lambda: model_b(numel), args.steps, args.warmup, clock)
     try:
         import subprocess
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -172,7 +215,7 @@ def main(argv=None):
         commit = "?"
     mparams = numel / 1e6
     print(f"codec cost per step, model A ({tensors} tensors, {mparams:.2f}M parameters) against "
-          f"model B (1 tensor, same size); {args.threads} thread(s); commit {commit}")
+          f"model B (1 tensor, same size); {args.threads} thread(s); {args.clock} clock; commit {commit}")
     print("ops: ATen operations the hook adds to a step over DDP's allreduce_hook (profiler, all "
           "threads); codec ms: step time minus allreduce_hook's (medians, timed round-robin)")
     base_a, base_b = res_a[("plain", "-")], res_b[("plain", "-")]

@@ -24,7 +24,12 @@ How it is timed:
     - ``--warmup`` calls each first (TensorFlow: after one trace; the concrete function is
       reused), then rounds until ``--reps`` calls or ``--budget`` seconds per tensor (at least
       ``--min-reps``). The median is reported with the 10th-90th percentile spread.
-    - CPU: the host clock around each call (CPU kernels run synchronously). PyTorch on GPU:
+    - CPU: the host clock around each call (CPU kernels run synchronously); ``--clock thread``
+      (PyTorch, one thread): that thread's CPU time instead, on a machine shared with other
+      jobs (the time slices others take are not counted; their memory traffic still is).
+      ``--kernels both`` times each spec a second time with the core's reference kernels
+      (row ``spec +ref``: no hand-written fused forms of ``torch_backend.kernels``, as with
+      ``HVD_GRADCOMP_KERNELS=0``), in the same rounds. PyTorch on GPU:
       CUDA events around each call. TensorFlow on GPU (it has no device-event API): the host
       clock around one ``tf.function`` that runs the call ``--tf-inner`` times back to back
       and ends in one device sync; per-call time = sample / inner.
@@ -90,6 +95,10 @@ COLUMNS = ["framework", "device", "threads", "timer", "case", "shape", "numel", 
 _REFERENCE = "fp16"
 # A spec ending in this is timed with the backend's compiled kernels (``COMPILED_OPS``).
 COMPILED = " +compile"
+# A spec ending in this is timed with every kernel as the core's reference composition, without
+# the hand-written fused forms of torch_backend.kernels (PyTorch's ``REFERENCE_OPS``; the same
+# as the plain row in TensorFlow): ``--kernels both``.
+UNFUSED = " +ref"
 
 
 no_collective = one_rank  # ``ops`` with ``allreduce`` replaced by the identity (collective excluded)
@@ -157,25 +166,32 @@ def _percentile(sorted_values, q):
 class _TorchRunner:
     framework = "torch"
 
-    def __init__(self, device, threads):
+    def __init__(self, device, threads, cpu_clock=False):
         import torch
-        from torch_backend.ops import COMPILED_OPS, OPS
+        from torch_backend.ops import COMPILED_OPS, OPS, REFERENCE_OPS
         self.torch = torch
         self.device = device  # "cpu" or "gpu"
         self.torch_device = "cuda" if device == "gpu" else "cpu"
         self.ops = no_collective(OPS)
         self.compiled_ops = no_collective(COMPILED_OPS)
+        self.reference_ops = no_collective(REFERENCE_OPS)
         if threads and device == "cpu":
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads() if device == "cpu" else 0
-        self.timer = "cuda-events" if device == "gpu" else "host"
+        # --clock thread: this thread's CPU time (one thread runs every op inline), which a
+        # loaded machine's time slices do not inflate (memory contention still does).
+        self.clock = time.thread_time if (cpu_clock and device == "cpu" and self.threads == 1) else time.perf_counter
+        self.timer = ("cuda-events" if device == "gpu" else
+                      "thread-cpu" if self.clock is time.thread_time else "host")
 
     def tensor(self, array):
         return self.torch.from_numpy(array).to(self.torch_device)
 
-    def prepare(self, scheme, info, grad, compiled=False):
-        """A callable running one compress + finish call; returns (call, state0)."""
-        ops, torch = self.compiled_ops if compiled else self.ops, self.torch
+    def prepare(self, scheme, info, grad, compiled=False, unfused=False):
+        """A callable running one compress + finish call; returns (call, state0). ``unfused``:
+        with ``REFERENCE_OPS`` (no fused kernels)."""
+        torch = self.torch
+        ops = self.compiled_ops if compiled else self.reference_ops if unfused else self.ops
         holder = [scheme.init(ops, info, grad)]
 
         def call():
@@ -195,9 +211,9 @@ class _TorchRunner:
             call()
             end.record()
             return lambda: start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
+        t0 = self.clock()
         call()
-        dt = time.perf_counter() - t0
+        dt = self.clock() - t0
         return lambda: dt
 
     def sync(self):
@@ -244,7 +260,7 @@ class _TFRunner:
         with self.tf.device(self.tf_device):
             return self.tf.identity(self.tf.constant(array))
 
-    def prepare(self, scheme, info, grad, compiled=False):
+    def prepare(self, scheme, info, grad, compiled=False, unfused=False):
         tf, ops, inner = self.tf, self.compiled_ops if compiled else self.ops, self.inner
         with tf.device(self.tf_device):
             state0 = scheme.init(ops, info, grad)
@@ -397,7 +413,7 @@ def _runner(framework, device, args):
             if not torch.cuda.is_available():
                 return None
             return _TorchRunner("gpu", args.threads)
-        return _TorchRunner("cpu", args.threads)
+        return _TorchRunner("cpu", args.threads, args.clock == "thread")
     if framework == "tensorflow":
         import tensorflow as tf
         if device == "gpu" and not tf.config.list_physical_devices("GPU"):
@@ -440,7 +456,7 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
         rows.append(row)
         try:
             wire = scheme.wire(info)
-            call, state0 = runner.prepare(scheme, info, grad, spec.endswith(COMPILED))
+            call, state0 = runner.prepare(scheme, info, grad, spec.endswith(COMPILED), spec.endswith(UNFUSED))
             row.update(payload_bytes=wire.payload, side_bytes=wire.side,
                        side_collectives=wire.side_collectives,
                        floor_bytes=floor_bytes(scheme, info, runner.ops, state0))
@@ -507,13 +523,14 @@ def measure(runner, schemes, case, shape, *, world_size, warmup, reps, min_reps,
     return rows
 
 
-def _build_schemes(text, compile_mode="off"):
+def _build_schemes(text, compile_mode="off", kernels="on"):
     """[(spec, Routing)] from compressor specs separated by spaces or ';' ("all" = every
     registered name but the adaptive ``auto``); ``Routing.from_spec`` of each (so ``thc:min_numel=512`` is accepted).
 
     FP16 (the reference of the ratios) is always first and never compiled. ``compile_mode``
     "both" adds a compiled row (spec + :data:`COMPILED`) after each other spec; "on" compiles
-    every other spec; "off" none.
+    every other spec; "off" none. ``kernels`` "both" adds an unfused row (spec +
+    :data:`UNFUSED`: the reference kernels, no fused forms) after each other spec.
     """
     # auto is left out of "all": its cost is its choice's plus its measurement windows,
     # which this benchmark times on their own (its candidates).
@@ -529,6 +546,8 @@ def _build_schemes(text, compile_mode="off"):
         routing = Routing.from_spec(spec)
         if spec == _REFERENCE or compile_mode != "on":
             out.append((spec, routing))
+        if spec != _REFERENCE and kernels == "both":
+            out.append((spec + UNFUSED, routing))
         if spec != _REFERENCE and compile_mode in ("on", "both"):
             out.append((spec + COMPILED, routing))
     return out
@@ -728,6 +747,13 @@ def _parser():
     p.add_argument("--compile", choices=["off", "both", "on"], default="off",
                    help="time the schemes' kernels compiled (torch.compile / XLA): 'both' adds a "
                         "'+compile' row after each spec, 'on' compiles all but FP16")
+    p.add_argument("--clock", choices=["host", "thread"], default="host",
+                   help="PyTorch on CPU with --threads 1: 'thread' times each call in this thread's "
+                        "CPU time (for a machine shared with other jobs; the copy bandwidth stays "
+                        "host-timed); default: the host clock")
+    p.add_argument("--kernels", choices=["on", "both"], default="on",
+                   help="'both' adds a '+ref' row after each spec, timed with the reference kernels "
+                        "(no hand-written fused forms, as HVD_GRADCOMP_KERNELS=0) in the same rounds")
     p.add_argument("--ddp-hooks", default="fp16;powersgd:rank=4",
                    type=lambda t: tuple(x.strip() for x in t.split(";") if x.strip() and x.strip() != "off"),
                    help="';'-separated DDP hooks timed as extra PyTorch CPU rows on the same tensors "
@@ -753,7 +779,7 @@ def main(argv=None) -> int:
         args.layers = "conv" if args.layers == _parser().get_default("layers") else args.layers
         args.reps, args.budget = min(args.reps, 5), min(args.budget, 0.5)
     malloc = apply_malloc_policy(args.malloc)
-    schemes = _build_schemes(args.schemes, args.compile)
+    schemes = _build_schemes(args.schemes, args.compile, args.kernels)
     cases = _cases(args)
     frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
     devices = _devices(args.devices)

@@ -432,7 +432,10 @@ def test_decode_unpacks_lanes_in_int32(op, monkeypatch):
         masked.append((str(a.dtype), a.numel()))
         return torch_and(a, b)
     torch_and = module.OPS.bitwise_and
-    # The fused kernels run with the module's OPS (torch_backend.ops._fuse_eager).
+    # The fused kernels run with the module's OPS (torch_backend.ops._fuse_eager): the
+    # reference composition, not the hand-written fused forms of torch_backend.kernels (whose
+    # CPU decode unpacks in uint32 in C: tests/core/test_cpu_kernels.py).
+    monkeypatch.setenv("HVD_GRADCOMP_KERNELS", "0")
     monkeypatch.setattr(module, "OPS", dataclasses.replace(module.OPS, bitwise_and=bitwise_and))
     sim = Ranks("torch", 2, (4096,), THCConfig(bits=4), op=op, infer=True)
     x = np.random.default_rng(0).standard_normal(4096).astype(np.float32)

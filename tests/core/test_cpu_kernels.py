@@ -1,0 +1,550 @@
+"""The compiled CPU fused forms of torch_backend/kernels (cpu_thc.py, cpu_topkc.py, cbuild.py and
+csrc/*.c) against the core's reference compositions (REFERENCE_OPS).
+
+What each fused form promises (the providers' docstrings) and how it is checked here:
+
+- THC ``_quantize_kernel``: given the reference's ``y``, payload, residual and saturation count
+  equal the reference's bit for bit (random, saturated, zero-range, non-finite blocks).
+- THC ``_rotate_kernel``: ``y`` within 1e-5 of each block's peak (a butterfly for the dense
+  Walsh-Hadamard products), ``wanted`` within 1e-5 relative, statistics' codes within one step
+  where ``4 log2(wanted)`` sits at a rounding boundary, the finite flag equal.
+- THC ``_decode_kernel``: on all-reduced payloads of several ranks (Sum, Average, op unknown,
+  a rank not finite, fingerprints that disagree), within float32 rounding of the reference.
+- THC's new residual plus the decoded value is ``y`` plus what the flush bound held back,
+  through the three forms, within float32 rounding.
+- End to end: levels equal but for a tiny fraction, error feedback conserved over steps,
+  whole THC and TopKC runs close to the reference runs; ``HVD_GRADCOMP_KERNELS=0`` gives the
+  reference bit for bit.
+- The C code's results do not depend on the vector width: the library built for this CPU, for
+  baseline x86-64 and with the scalar Walsh-Hadamard form give the same bits.
+- cbuild: the cache folder, ``CC``, and ImportError when the compiler fails.
+"""
+import ctypes
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hvd_gradcomp import hadamard, thc_kernels as K  # noqa: E402
+from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor  # noqa: E402
+from hvd_gradcomp.lanes import CODE_SCALE  # noqa: E402
+from hvd_gradcomp.primitives import one_rank  # noqa: E402
+from hvd_gradcomp.thc import THCConfig, THCScheme  # noqa: E402
+from hvd_gradcomp.topkc import _correct_kernel  # noqa: E402
+from tests.core.thc_emulation import emulate_allreduce  # noqa: E402
+from torch_backend import kernels  # noqa: E402
+from torch_backend.kernels import cbuild, cpu_thc, cpu_topkc  # noqa: E402  (ImportError: no compiler)
+from torch_backend.ops import OPS, REFERENCE_OPS  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+R = REFERENCE_OPS
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True)
+def kernels_on(monkeypatch):
+    monkeypatch.delenv(kernels.ENV, raising=False)
+
+
+def _setup(d, n=4, op="average", seed=0, **config):
+    """(scheme, info, layout, plan) for a THC tensor of ``d`` coordinates."""
+    scheme = THCScheme(THCConfig(**config))
+    info = TensorInfo("t", (d,), "float32", n, 0, op)
+    lay = scheme.layout(info)
+    return scheme, info, lay, scheme._plan(info, lay)
+
+
+def _inputs(scheme, info, lay, seed=0, scale=1.0):
+    """x [d], residual [P], diag [P], hmat, ranges [nb] (a zero block first), for one rank."""
+    gen = torch.Generator().manual_seed(seed)
+    d = info.numel
+    x = torch.randn(d, generator=gen) * scale
+    x[: d // 7] *= 20.0  # blocks of different scales
+    residual = (torch.randn(lay.padded, generator=gen) * 0.3 * scale if scheme.config.error_feedback
+                else torch.zeros(0))
+    state = scheme.init(R, info, x)
+    hmat = hadamard.sylvester(R, max(hadamard.factor_sizes(lay.block)), x)
+    ranges = torch.rand(lay.blocks, generator=gen) * 4.0 * scale
+    if lay.blocks > 1:
+        ranges[0] = 0.0  # a block without a range (sends level 0)
+    return x, residual, state.diag, hmat, ranges
+
+
+def _form(fn, plan):
+    """The fused form that ops.fuse would run for ``plan``, or None (then the plan must be one
+    the provider declines: a block of one coordinate)."""
+    form = kernels.fused_form(fn, plan, "cpu")
+    assert form is not None or plan.block < 2, plan
+    return form
+
+
+def _noise(lay, key):
+    return K._noise_bits(R, key, lay.blocks, lay.block, torch.zeros(1))
+
+
+CONFIGS = [
+    {},  # the default: B = 1024, saturation, flush 1, error feedback
+    {"flush": None},
+    {"error_feedback": False},
+    {"saturation": False},
+    {"range": "current"},
+    {"rotation_stages": 1},
+    {"rotation_stages": 4, "flush": 0.5},
+    {"rotation_stages": 7, "bits": 2},
+    {"rotation": "full"},
+    {"lane_bits": None, "bits": 8},
+    {"lane_bits": 16},
+]
+SIZES = [1, 37, 1024, 3000]
+
+
+def _block_tol(y_ref, block, factor=1e-5):
+    """Per-coordinate tolerance: ``factor`` times the peak of the coordinate's block."""
+    peak = y_ref.abs().reshape(-1, block).amax(1, keepdim=True)
+    return (peak * factor).expand(-1, block).reshape(-1)
+
+
+# ------------------------------------------------------------------ dispatch and switches
+
+def test_providers_load_and_register():
+    status = kernels.status()
+    assert status["torch_backend.kernels.cpu_thc"] == "loaded", status
+    assert status["torch_backend.kernels.cpu_topkc"] == "loaded", status
+    _, _, _, plan = _setup(4096)
+    assert kernels.fused_form(K._rotate_kernel, plan, "cpu") is cpu_thc.rotate
+    assert kernels.fused_form(K._quantize_kernel, plan, "cpu") is cpu_thc.quantize
+    assert kernels.fused_form(K._decode_kernel, plan, "cpu") is cpu_thc.decode
+    assert kernels.fused_form(_correct_kernel, (256, True, False, 1.0), "cpu") is cpu_topkc.correct
+    # a block beyond MAX_BLOCK (rotation="full" of a large tensor) keeps the reference
+    _, _, _, big = _setup(cpu_thc.MAX_BLOCK + 1, rotation="full")
+    assert not cpu_thc.accepts(big) and kernels.fused_form(K._rotate_kernel, big, "cpu") is None
+
+
+def test_switch_off_runs_the_reference(monkeypatch):
+    """HVD_GRADCOMP_KERNELS=0: ops.fuse is the reference itself, and a THC step through OPS is
+    the REFERENCE_OPS step bit for bit; unset, the fused forms run (the outputs differ in
+    rounding, which is what makes this test able to fail)."""
+    def run(primitives):
+        scheme, info, _, _ = _setup(5000, n=1, op="sum")
+        ops = one_rank(primitives)
+        x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+        state = scheme.init(ops, info, x)
+        outs = []
+        for _ in range(3):
+            payload, ctx = compress_tensor(scheme, ops, x, state, info)
+            out, state = finish_tensor(scheme, ops, payload, ctx, state, info)
+            outs.append(out)
+        return torch.cat(outs + [state.residual])
+
+    ref = run(REFERENCE_OPS)
+    fused = run(OPS)
+    assert not torch.equal(fused, ref)  # the fused forms ran
+    torch.testing.assert_close(fused, ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
+    monkeypatch.setenv(kernels.ENV, "0")
+    _, _, _, plan = _setup(5000, n=1, op="sum")
+    marker = object()
+    assert kernels.dispatch(K._rotate_kernel, plan, marker) is marker
+    assert torch.equal(run(OPS), ref)
+
+
+# ------------------------------------------------------------------ THC, kernel by kernel
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("d", SIZES)
+def test_rotate_matches_reference(config, d):
+    scheme, info, lay, plan = _setup(d, **config)
+    x, residual, diag, hmat, _ = _inputs(scheme, info, lay, seed=d)
+    finite = torch.tensor(True)
+    rotate = _form(K._rotate_kernel, plan)
+    if rotate is None:
+        return
+    ref = K._rotate_kernel(R, plan, x, residual, diag, hmat, finite)
+    got = rotate(plan, x, residual, diag, hmat, finite)
+    assert len(got) == len(ref)
+    for a, b in zip(ref, got):
+        assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+    (y0, h0, w0, s0, f0), (y1, h1, w1, s1, f1) = ref, got
+    tol = _block_tol(y0, lay.block)
+    assert ((y1 - y0).abs() <= tol).all()
+    if h0.numel():
+        assert ((h1 - h0).abs() <= tol).all()
+    torch.testing.assert_close(w1, w0, rtol=1e-5, atol=0)
+    assert bool(f1) == bool(f0) is True
+    if s0.numel():
+        # the codes of one rank alone (Sum of one word): equal, or one apart at a boundary
+        codes0 = K.agreed_scales(R, s0, True, 1, plan.stats, lay.blocks)
+        codes1 = K.agreed_scales(R, s1, True, 1, plan.stats, lay.blocks)
+        c0 = torch.round(torch.log2(codes0.clamp_min(1e-38)) * CODE_SCALE)
+        c1 = torch.round(torch.log2(codes1.clamp_min(1e-38)) * CODE_SCALE)
+        differ = c0 != c1
+        edge = (torch.log2(w0) * CODE_SCALE - torch.floor(torch.log2(w0) * CODE_SCALE) - 0.5).abs() < 1e-4
+        assert not (differ & ~edge).any()
+        # and exactly what pack_scales makes of the fused form's own ranges
+        usable = torch.logical_and(w1 > K.TINY_SCALE, f1)
+        assert torch.equal(s1, K.pack_scales(R, w1, usable, plan.stats))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize("range_scale", [1.0, 0.05])  # 0.05: most coordinates saturate
+def test_quantize_is_bit_exact(config, d, range_scale):
+    scheme, info, lay, plan = _setup(d, **config)
+    x, residual, diag, hmat, ranges = _inputs(scheme, info, lay, seed=d + 1)
+    ranges = ranges * range_scale
+    finite = torch.tensor(True)
+    y, held, _, stats, finite = K._rotate_kernel(R, plan, x, residual, diag, hmat, finite)
+    rows, cols = _noise(lay, 977 + d)
+    fingerprint = torch.tensor(5)
+    quantize = _form(K._quantize_kernel, plan)
+    if quantize is None:
+        return
+    ref = K._quantize_kernel(R, plan, y, held, ranges, rows, cols, fingerprint, finite, stats)
+    got = quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats)
+    for a, b in zip(ref, got):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        assert torch.equal(a, b)
+    if range_scale < 1.0 and d > 100:
+        assert int(got[2]) > d // 4  # the saturation count was exercised
+
+
+@pytest.mark.parametrize("n,op", [(1, "sum"), (2, "sum"), (5, None), (16, "average"), (64, "average"),
+                                  (1024, "average")])
+@pytest.mark.parametrize("config", [{}, {"lane_bits": None, "bits": 8}, {"bits": 2}], ids=["default", "wide", "bits2"])
+def test_quantize_bit_exact_across_layouts(n, op, config):
+    """Other world sizes and ops give other lanes, guard bits and offsets (lanes.lane_layout):
+    the packed words are the reference's bit for bit in each."""
+    scheme, info, lay, plan = _setup(3000, n=n, op=op, **config)
+    x, residual, diag, hmat, ranges = _inputs(scheme, info, lay, seed=n)
+    y, held, wanted, stats, finite = K._rotate_kernel(R, plan, x, residual, diag, hmat, torch.tensor(True))
+    rows, cols = _noise(lay, n)
+    fingerprint = torch.tensor(n % 7)
+    ref = K._quantize_kernel(R, plan, y, held, wanted * 0.7, rows, cols, fingerprint, finite, stats)
+    got = cpu_thc.quantize(plan, y, held, wanted * 0.7, rows, cols, fingerprint, finite, stats)
+    for a, b in zip(ref, got):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype) and torch.equal(a, b)
+
+
+def test_quantize_nonfinite_and_boundaries():
+    """Non-finite y (levels undefined but equal here: NaN as INT32_MIN), y exactly at +-R, u on
+    level boundaries, and ranges of 0 in some blocks: bit for bit."""
+    scheme, info, lay, plan = _setup(4096, op="sum")
+    x, residual, diag, hmat, ranges = _inputs(scheme, info, lay, seed=9)
+    y, held, wanted, stats, finite = K._rotate_kernel(R, plan, x, residual, diag, hmat, torch.tensor(True))
+    y = y.clone()
+    ranges = wanted.clone()
+    ranges[1] = 0.0
+    y[5], y[6], y[7] = float("nan"), float("inf"), -float("inf")
+    y[1024 * 2 + 3] = ranges[2]  # exactly at +R
+    y[1024 * 2 + 4] = -ranges[2]
+    delta = ranges[3] * np.float32(K._grid(lay.levels.top))
+    y[1024 * 3: 1024 * 3 + 50] = torch.arange(50, dtype=torch.float32) * delta - ranges[3]  # on the grid
+    finite = torch.tensor(False)
+    rows, cols = _noise(lay, 4242)
+    fingerprint = torch.tensor(0)
+    ref = K._quantize_kernel(R, plan, y, held, ranges, rows, cols, fingerprint, finite, stats)
+    got = cpu_thc.quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b) if a.dtype != torch.float32 else torch.equal(a.isnan(), b.isnan())
+        if a.dtype == torch.float32:
+            assert torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+@pytest.mark.parametrize("x_kind", ["nan", "inf", "overflow"])
+def test_rotate_nonfinite(x_kind):
+    """A NaN/inf coordinate, or a rotation that overflows ([3e38, -3e38]): not finite, in the
+    same blocks (``wanted`` non-finite where the reference's is), as the reference."""
+    scheme, info, lay, plan = _setup(3000)
+    x, residual, diag, hmat, _ = _inputs(scheme, info, lay, seed=4)
+    x = x.clone()
+    if x_kind == "nan":
+        x[1500] = float("nan")
+    elif x_kind == "inf":
+        x[10] = float("inf")
+    else:
+        x[2048], x[2049] = 3e38, -3e38
+    finite = torch.tensor(True)
+    ref = K._rotate_kernel(R, plan, x, residual, diag, hmat, finite)
+    got = cpu_thc.rotate(plan, x, residual, diag, hmat, finite)
+    assert bool(ref[4]) is False and bool(got[4]) is False
+    assert torch.equal(torch.isfinite(ref[2]), torch.isfinite(got[2]))
+    assert torch.equal(ref[3], got[3])  # no block usable: all statistics words zero
+
+
+def _allreduced(scheme, info, lay, plan, n, op, seed, fingerprints=None, bad_rank=None):
+    """The all-reduced payload of ``n`` ranks (reference kernels), its ranges and diag/hmat."""
+    payloads, ranges = [], None
+    for r in range(n):
+        x, residual, diag, hmat, rng_ranges = _inputs(scheme, info, lay, seed=seed + r)
+        if bad_rank == r:
+            x = x.clone()
+            x[0] = float("nan")
+        finite = torch.isfinite(x.sum())
+        y, held, wanted, stats, finite = K._rotate_kernel(R, plan, x, residual, diag, hmat, finite)
+        ranges = rng_ranges if ranges is None else ranges  # the agreed ranges: one rank's draw
+        rows, cols = _noise(lay, 1000 * seed + r)
+        fp = torch.tensor(fingerprints[r] if fingerprints else 2)
+        payloads.append(K._quantize_kernel(R, plan, y, held, ranges, rows, cols, fp, finite, stats)[0])
+    wrap = bad_rank is not None
+    total = emulate_allreduce([p.numpy() for p in payloads], op or "sum", n, wrap=wrap)
+    return torch.from_numpy(total), ranges, diag, hmat
+
+
+@pytest.mark.parametrize("n,op", [(1, "sum"), (3, "sum"), (3, "average"), (4, None), (7, "average"), (16, "average")])
+@pytest.mark.parametrize("config", [{}, {"rotation_stages": 3}, {"lane_bits": None, "bits": 6},
+                                    {"saturation": False, "range": "current"}],
+                         ids=["default", "B8", "wide", "current"])
+@pytest.mark.parametrize("d", [37, 2500])
+def test_decode_matches_reference(n, op, config, d):
+    scheme, info, lay, plan = _setup(d, n=n, op=op, **config)
+    payload, ranges, diag, hmat = _allreduced(scheme, info, lay, plan, n, op, seed=d)
+    count, bad, mismatch, inferred = K._receive_kernel(R, plan, payload)
+    assert int(count) == n and not bool(mismatch) and int(bad) == 0
+    ref = K._decode_kernel(R, plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred)
+    got = cpu_thc.decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred)
+    assert (got.shape, got.dtype) == (ref.shape, ref.dtype)
+    tol = _block_tol(ref, lay.block, 1e-5) + 1e-30
+    assert ((got - ref).abs() <= tol).all(), float(((got - ref).abs() - tol).max())
+
+
+@pytest.mark.parametrize("case", ["bad", "mismatch"])
+def test_decode_bad_rank_and_mismatch(case):
+    """A rank not finite: NaN everywhere, as the reference; fingerprints that disagree: 0."""
+    n, op = 3, "average"
+    scheme, info, lay, plan = _setup(3000, n=n, op=op)
+    kwargs = {"bad_rank": 1} if case == "bad" else {"fingerprints": [1, 2, 3]}
+    payload, ranges, diag, hmat = _allreduced(scheme, info, lay, plan, n, op, seed=11, **kwargs)
+    count, bad, mismatch, inferred = K._receive_kernel(R, plan, payload)
+    ref = K._decode_kernel(R, plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred)
+    got = cpu_thc.decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred)
+    if case == "bad":
+        assert int(bad) == 1 and ref.isnan().all() and got.isnan().all()
+    else:
+        assert bool(mismatch) and torch.equal(ref, got) and not got.any()
+
+
+def test_levels_agree_end_to_end():
+    """Each side quantises its own rotation: the levels (payload words) differ only where a
+    grid position lies within rounding of a level boundary: a tiny fraction."""
+    d = 1 << 17
+    scheme, info, lay, plan = _setup(d, n=8)
+    x, residual, diag, hmat, _ = _inputs(scheme, info, lay, seed=21)
+    finite = torch.tensor(True)
+    ref = K._rotate_kernel(R, plan, x, residual, diag, hmat, finite)
+    got = cpu_thc.rotate(plan, x, residual, diag, hmat, finite)
+    ranges = ref[2] * 0.9  # some saturation too
+    rows, cols = _noise(lay, 77)
+    fp = torch.tensor(1)
+    p0 = K._quantize_kernel(R, plan, ref[0], ref[1], ranges, rows, cols, fp, ref[4], ref[3])[0]
+    p1 = cpu_thc.quantize(plan, got[0], got[1], ranges, rows, cols, fp, got[4], got[3])[0]
+    words = lay.words
+    differ = int((p0[:words] != p1[:words]).sum())
+    assert differ <= 5e-4 * words, differ
+    assert torch.equal(p0[words:], p1[words:]) or int((p0[words:] != p1[words:]).sum()) <= 2
+
+
+@pytest.mark.parametrize("config", [{}, {"flush": None}, {"rotation_stages": 6, "saturation": False}],
+                         ids=["default", "noflush", "B64-peak"])
+def test_residual_plus_decoded_is_y(config):
+    """One rank under Sum, through the three fused forms: the new residual plus the decoded
+    value (rotated again) is ``y`` plus what the flush bound held back, within float32
+    rounding: quantisation loses nothing that error feedback does not keep."""
+    scheme, info, lay, plan = _setup(6000, n=1, op="sum", **config)
+    x, residual, diag, hmat, _ = _inputs(scheme, info, lay, seed=13)
+    finite = torch.tensor(True)
+    y, held, wanted, stats, finite = cpu_thc.rotate(plan, x, residual, diag, hmat, finite)
+    ranges = wanted * 0.8  # some coordinates saturate: the residual keeps their excess
+    rows, cols = _noise(lay, 31)
+    payload, left, saturated = cpu_thc.quantize(plan, y, held, ranges, rows, cols, torch.tensor(0), finite,
+                                                stats)
+    assert int(saturated) > 0
+    count, bad, mismatch, inferred = K._receive_kernel(R, plan, payload)
+    out = cpu_thc.decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred)
+    again = hadamard.rht(R, out, diag, hadamard.nested_factors(lay.block, hmat))
+    kept = y + held if held.numel() else y
+    assert ((again + left - kept).abs() <= _block_tol(kept, lay.block, 2e-6) + 1e-30).all()
+
+
+# ------------------------------------------------------------------ whole schemes
+
+def _run(ops, scheme, info, grads, n_steps):
+    state = scheme.init(ops, info, grads[0])
+    outs = []
+    for t in range(n_steps):
+        payload, ctx = compress_tensor(scheme, ops, grads[t], state, info)
+        out, state = finish_tensor(scheme, ops, payload, ctx, state, info)
+        outs.append(out)
+    return outs, state
+
+
+@pytest.mark.parametrize("config", [{}, {"flush": None}, {"rotation_stages": 5}, {"saturation": False}],
+                         ids=["default", "noflush", "B32", "peak"])
+def test_error_feedback_conserved(config):
+    """One rank under Sum: the outputs of T steps plus the final residual (rotated back) sum to
+    the inputs (error feedback loses nothing), within float32 rounding, through the fused
+    forms; and they stay close to the reference run."""
+    d, steps = 5000, 6
+    scheme = THCScheme(THCConfig(**config))
+    info = TensorInfo("w", (d,), "float32", 1, 0, "sum")
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(d, generator=gen) * (1.0 + 3.0 * (t % 2)) for t in range(steps)]
+    outs, state = _run(one_rank(OPS), scheme, info, grads, steps)
+    left = scheme.residual_of(R, state, info)
+    total_in = torch.stack(grads).double().sum(0)
+    total_out = torch.stack(outs).double().sum(0) + left.double()
+    assert (total_out - total_in).abs().max() <= 2e-5 * total_in.abs().max()
+    ref_outs, ref_state = _run(one_rank(REFERENCE_OPS), THCScheme(THCConfig(**config)), info, grads, steps)
+    for a, b in zip(outs, ref_outs):
+        # the rounding of the two transforms can flip a level: one grid step, spread by the
+        # inverse rotation over a block (delta / sqrt(B) per coordinate), rarely
+        assert (a - b).abs().max() <= 0.05 * b.abs().max()
+        assert (a - b).abs().mean() <= 1e-3 * b.abs().mean() + 1e-6
+
+
+@pytest.mark.parametrize("n,op", [(2, "sum"), (3, "average"), (4, None)])
+def test_thc_ranks_match_reference(n, op):
+    """n simulated ranks, 3 steps, payloads all-reduced by hand: the fused run's outputs and
+    agreed ranges track the reference run's."""
+    d, steps = 3000, 3
+
+    def simulate(ops):
+        schemes = [THCScheme(THCConfig()) for _ in range(n)]
+        infos = [TensorInfo("w", (d,), "float32", n, r, op) for r in range(n)]
+        gen = torch.Generator().manual_seed(8)
+        grads = [[torch.randn(d, generator=gen) for _ in range(n)] for _ in range(steps)]
+        states = [s.init(ops, i, grads[0][0]) for s, i in zip(schemes, infos)]
+        outs, payloads = [], []
+        for t in range(steps):
+            sent = [compress_tensor(s, ops, grads[t][r], states[r], infos[r]) for r, s in enumerate(schemes)]
+            total = torch.from_numpy(emulate_allreduce([p.numpy() for p, _ in sent], op or "sum", n))
+            payloads.append([p for p, _ in sent])
+            step_outs = []
+            for r, s in enumerate(schemes):
+                out, states[r] = finish_tensor(s, ops, total, sent[r][1], states[r], infos[r])
+                step_outs.append(out)
+            outs.append(step_outs)
+        return outs, states, payloads
+
+    outs, states, payloads = simulate(one_rank(OPS))
+    ref_outs, ref_states, ref_payloads = simulate(one_rank(REFERENCE_OPS))
+    for step_outs, step_ref in zip(outs, ref_outs):
+        for a in step_outs[1:]:
+            assert torch.equal(a, step_outs[0])  # every rank decodes the same sum
+        b = step_ref[0]
+        assert (step_outs[0] - b).abs().mean() <= 2e-3 * b.abs().mean() + 1e-6
+    for s, r in zip(states, ref_states):
+        torch.testing.assert_close(s.ranges, r.ranges, rtol=0.2, atol=0)  # a code may move a step
+        assert int(s.step) == int(r.step) and int(s.realigned) == int(r.realigned) == 0
+
+
+def test_topkc_correct_matches_reference():
+    for d in (1, 5, 1000, 1024, 4097):
+        for chunk in (1, 7, 256):
+            for ef, blocking, decay in [(True, False, 1.0), (True, False, 0.95), (True, True, 1.0),
+                                        (True, True, 0.9), (False, False, 1.0), (False, True, 1.0)]:
+                gen = torch.Generator().manual_seed(d + chunk)
+                flat = torch.randn(d, generator=gen)
+                residual = torch.randn(d, generator=gen) if ef else flat
+                plan = (chunk, ef, blocking, decay)
+                ref = _correct_kernel(R, plan, flat, residual)
+                got = cpu_topkc.correct(plan, flat, residual)
+                for a, b in zip(ref, got):
+                    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+                assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+                torch.testing.assert_close(got[2], ref[2], rtol=2e-6, atol=0)
+                if not ef and -(-d // chunk) * chunk == d:  # the reference's view of the gradient
+                    assert got[0].data_ptr() == flat.data_ptr()
+    flat = torch.tensor([1.0, float("nan"), 3.0, 4.0])
+    for blocking in (True, False):
+        ref = _correct_kernel(R, (2, True, blocking, 1.0), flat, torch.zeros(4))
+        got = cpu_topkc.correct((2, True, blocking, 1.0), flat, torch.zeros(4))
+        assert torch.equal(ref[2].isnan(), got[2].isnan())
+        assert torch.equal(ref[2].nan_to_num(), got[2].nan_to_num())
+
+
+@pytest.mark.parametrize("spec", ["topkc:0.1", "topkc:ratio=0.05,residual_decay=0.9,chunk=100"])
+def test_topkc_scheme_matches_reference(spec):
+    """TopKC through OPS (fused) and REFERENCE_OPS: the same payload values and selections;
+    scores within float32 rounding before their float16 cast."""
+    from hvd_gradcomp.registry import make_scheme, parse_spec
+    d, steps = 10000, 4
+    info = TensorInfo("w", (d,), "float32", 1, 0, "sum")
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(d, generator=gen) for _ in range(steps)]
+    name, options = parse_spec(spec)
+    outs, state = _run(one_rank(OPS), make_scheme(name, **options), info, grads, steps)
+    ref_outs, ref_state = _run(one_rank(REFERENCE_OPS), make_scheme(name, **options), info, grads, steps)
+    for a, b in zip(outs, ref_outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3 * float(b.abs().max()))
+    torch.testing.assert_close(state.residual, ref_state.residual, rtol=0, atol=1e-3)
+
+
+# ------------------------------------------------------------------ the C code and its build
+
+def test_result_independent_of_vector_width():
+    """The library for this CPU, one for baseline x86-64 (SSE2 only) and one with the scalar
+    Walsh-Hadamard form compute the same bits: the C source fixes every float operation."""
+    variants = [("-DHGC_SCALAR_WHT",)]
+    if os.uname().machine in ("x86_64", "AMD64"):
+        variants.append(("-march=x86-64", "-mtune=generic"))
+    scheme, info, lay, plan = _setup(20000, n=3)
+    x, residual, diag, hmat, ranges = _inputs(scheme, info, lay, seed=31)
+    rows, cols = _noise(lay, 5)
+
+    def run(lib):
+        padded, block = lay.padded, lay.block
+        y, held = torch.empty(padded), torch.empty(padded)
+        wanted = torch.empty(lay.blocks)
+        P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        lib.hgc_thc_rotate.argtypes = [P, I, P, I, I, P, P, P, P, F, F]
+        lib.hgc_thc_rotate(x.data_ptr(), x.numel(), diag.data_ptr(), padded, block, residual.data_ptr(),
+                           y.data_ptr(), held.data_ptr(), wanted.data_ptr(),
+                           plan.threshold / math.sqrt(block), 1.0)
+        out = torch.empty(padded)
+        words = lay.words
+        payload = torch.randint(0, 1 << 20, (words,), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+        one, zero = torch.tensor(3), torch.tensor(0)
+        no = torch.tensor(False)
+        lev = lay.levels
+        lib.hgc_thc_decode.argtypes = [P, P, I, I, P, I, I, I, I, I, I, P, P, P, P, F, F, F, P]
+        lib.hgc_thc_decode(payload.data_ptr(), ranges.data_ptr(), padded, block, diag.data_ptr(), lev.lanes,
+                           lev.width, lev.guard, lev.offset, 3, 0, one.data_ptr(), zero.data_ptr(),
+                           no.data_ptr(), no.data_ptr(), K._grid(lev.top), 0.5 * K._top_level(lev.top),
+                           1.0 / 3, out.data_ptr())
+        return torch.cat([y, held, wanted, out])
+
+    native = run(cbuild.load("thc"))
+    for flags in variants:
+        other = run(cbuild.load("thc", flags))
+        assert torch.equal(native.view(torch.int32), other.view(torch.int32)), flags
+
+
+def test_build_cache_and_compiler_errors(tmp_path, monkeypatch):
+    """The library lands in $HVD_GRADCOMP_CACHE/kernels/<hash>/ with no temporary left; a
+    failing $CC is an ImportError naming the compiler."""
+    monkeypatch.setenv("HVD_GRADCOMP_CACHE", str(tmp_path))
+    lib = cbuild.load("topkc")
+    assert lib.hgc_topkc_correct
+    built = list((tmp_path / "kernels").glob("*/*"))
+    assert [p.name for p in built] == ["libtopkc.so"], built
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(ImportError, match="false"):
+        cbuild.load("topkc", ("-DANOTHER_BUILD",))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(ImportError, match="no-such-cc"):
+        cbuild.load("thc", ("-DANOTHER_BUILD",))
+
+
+def test_ranks_compile_at_once(tmp_path):
+    """Four processes that find an empty cache compile at once and all load the library."""
+    env = dict(os.environ, HVD_GRADCOMP_CACHE=str(tmp_path), PYTHONPATH=ROOT)
+    code = "from torch_backend.kernels import cbuild; print(bool(cbuild.load('topkc').hgc_topkc_correct))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 and out.strip() == "True" for p, (out, _) in zip(procs, results)), results
+    assert [p.name for p in (tmp_path / "kernels").glob("*/*")] == ["libtopkc.so"]

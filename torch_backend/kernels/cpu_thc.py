@@ -1,0 +1,172 @@
+"""Fused CPU forms of THC's rotate, quantise and decode kernels (:mod:`hvd_gradcomp.thc_kernels`).
+
+Each is one compiled C loop (``csrc/thc.c``, built by :mod:`torch_backend.kernels.cbuild`) over
+the kernel's per-coordinate work, a pass or two over memory, where the reference runs one
+PyTorch operation per step of the math (about ten passes, and two dense Walsh-Hadamard
+products). The few values per block or per payload (the packed statistics, the control
+words, the finite flag) stay PyTorch operations, the reference's own
+(:func:`~hvd_gradcomp.lanes.pack_scales`, :func:`~hvd_gradcomp.lanes.control_words`).
+
+Plans: every plan whose rotation block ``B`` is a power of two from 2 to 2**16 (THC's default
+1024 included) and whose lanes fit an int32 word; other plans (``rotation="full"`` beyond
+2**16 coordinates) and tensors that are not float32/int32 on the CPU run the reference.
+
+What equals the reference, and what is within rounding of it (tests/core/test_cpu_kernels.py
+checks each):
+
+- ``_quantize_kernel``: the same arithmetic operation for operation in float32 (constants
+  rounded to float32 as PyTorch rounds a Python scalar in a float32 op; no fused
+  multiply-adds): given the same ``y``, the payload (levels, statistics, control words), the
+  residual and the saturation count are the reference's bit for bit.
+- ``_rotate_kernel``: ``x diag`` as the reference, then a radix-4 butterfly for ``H_B`` where the
+  reference multiplies by 32 x 32 Sylvester factors: the same matrix, another rounding, so
+  ``y`` differs from the reference's by float32 rounding (``|dy| <= 1e-5 max |y_block|`` is
+  tested; typically a few ulps). The flush bound, ``held`` and ``wanted`` follow from ``y``
+  with the reference's operations, except that block norms sum their squares in 16 partial
+  sums (PyTorch sums in its own order): ``wanted`` within float32 rounding. Downstream, a
+  level differs from the reference's only where ``u`` lies within rounding of a level boundary
+  (at most ``5e-4`` of the levels in the tests; about ``1e-6`` in practice), and a
+  statistic's log code where ``4 log2(wanted)`` lies within rounding of a half-integer.
+- ``_decode_kernel``: the exact sums, lanes and per-block scaling are the reference's bit for
+  bit; the inverse transform is the butterfly: the output within float32 rounding.
+
+Same result on every rank: the C source fixes the order of every float operation and is
+compiled without ``-ffast-math`` or contraction, so the results do not depend on the vector
+width or CPU kind (only on IEEE float32 arithmetic; a process that sets flush-to-zero for
+denormals changes them, as it changes PyTorch's). A job whose ranks mix this fused form and the
+reference (some with ``HVD_GRADCOMP_KERNELS=0`` or without a compiler, others not) quantises
+with grids that are the same but levels that may differ at rounding boundaries: still a valid
+encoding on each rank, as each rank's levels are its own; the sums stay exact.
+
+Raises ``ImportError`` on import when the library cannot be built (:mod:`~torch_backend.kernels.cbuild`).
+"""
+import ctypes
+import math
+
+import torch
+
+from hvd_gradcomp.lanes import TINY_SCALE, control_words, pack_scales
+from hvd_gradcomp.thc_kernels import (_CONTROL, _TINY_RANGE, _decode_kernel, _grid, _quantize_kernel,
+                                      _rotate_kernel, _top_level)
+from torch_backend import kernels
+from torch_backend.kernels import cbuild
+
+__all__ = ["accepts", "rotate", "quantize", "decode", "MAX_BLOCK"]
+
+MAX_BLOCK = 1 << 16
+
+_lib = cbuild.load("thc")
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_lib.hgc_thc_rotate.argtypes = [_P, _I, _P, _I, _I, _P, _P, _P, _P, _F, _F]
+_lib.hgc_thc_rotate.restype = None
+_lib.hgc_thc_quantize.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I] + [_F] * 7
+_lib.hgc_thc_quantize.restype = _I
+_lib.hgc_thc_decode.argtypes = [_P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _F, _F, _F, _P]
+_lib.hgc_thc_decode.restype = None
+
+
+def accepts(plan) -> bool:
+    """True for THC plans whose block is a power of two in [2, :data:`MAX_BLOCK`] and whose
+    lanes fit an int32 word."""
+    b, lay = plan.block, plan.levels
+    return (2 <= b <= MAX_BLOCK and b & (b - 1) == 0 and 1 <= lay.width <= 32
+            and lay.guard + lay.lanes * lay.width <= 32)
+
+
+def _ok(*tensors) -> bool:
+    """The tensors the loops read are CPU float32/int32/int64/bool (else the reference runs)."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _ptr(t):
+    return t.data_ptr() if t.numel() else None
+
+
+def _ops():
+    from torch_backend.ops import REFERENCE_OPS
+    return REFERENCE_OPS
+
+
+def rotate(plan, x, residual, diag, hmat, finite):
+    """Fused ``_rotate_kernel`` (steps 1-2): the reference's outputs ``(y, held, wanted,
+    stats_words, finite)``, with ``y`` and ``wanted`` within float32 rounding (module
+    docstring)."""
+    if not (_ok(x, residual, diag) and x.dtype == torch.float32 and diag.dtype == torch.float32
+            and residual.dtype == torch.float32):
+        return _rotate_kernel(_ops(), plan, x, residual, diag, hmat, finite)
+    padded, block = diag.shape[0], plan.block
+    x, diag = x.contiguous(), diag.contiguous()
+    flush = plan.error_feedback and plan.flush is not None
+    y = torch.empty(padded, dtype=torch.float32)
+    held = torch.empty(padded if flush else 0, dtype=torch.float32)
+    wanted = torch.empty(padded // block, dtype=torch.float32)
+    residual = residual.contiguous() if plan.error_feedback else None
+    own = plan.threshold / math.sqrt(block) if plan.threshold else 0.0
+    _lib.hgc_thc_rotate(_ptr(x), x.shape[0], _ptr(diag), padded, block,
+                        None if residual is None else _ptr(residual), _ptr(y),
+                        _ptr(held) if flush else None, _ptr(wanted), own,
+                        float(plan.flush) if flush else 1.0)
+    finite = torch.logical_and(finite, torch.isfinite(wanted).all())
+    if plan.stats is None:
+        return y, held, wanted, torch.zeros(0, dtype=torch.int32), finite
+    usable = torch.logical_and(wanted > TINY_SCALE, finite)
+    return y, held, wanted, pack_scales(_ops(), wanted, usable, plan.stats), finite
+
+
+def quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words):
+    """Fused ``_quantize_kernel`` (steps 3-5): ``(payload int32, residual float32 [P] or [0],
+    saturated int64 0-d)``, the reference's bit for bit given the same ``y`` (module
+    docstring)."""
+    if not (_ok(y, held, ranges, rows, cols) and y.dtype == torch.float32 and ranges.dtype == torch.float32
+            and rows.dtype == torch.int32 and cols.dtype == torch.int32):
+        return _quantize_kernel(_ops(), plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words)
+    lay, block = plan.levels, plan.block
+    padded = y.shape[0]
+    words = -(-padded // lay.lanes)
+    nstats = stats_words.shape[0]
+    y, ranges, rows, cols = y.contiguous(), ranges.contiguous(), rows.contiguous(), cols.contiguous()
+    flush = plan.error_feedback and plan.flush is not None
+    held = held.contiguous() if flush else None
+    payload = torch.empty(words + nstats + _CONTROL, dtype=torch.int32)
+    residual = torch.empty(padded if plan.error_feedback else 0, dtype=torch.float32)
+    top_level = _top_level(lay.top)
+    margin = top_level * 2.0 ** -21
+    saturated = _lib.hgc_thc_quantize(
+        _ptr(y), None if held is None else _ptr(held), _ptr(ranges), padded, block, _ptr(rows), _ptr(cols),
+        _ptr(residual) if plan.error_feedback else None, _ptr(payload), lay.lanes, lay.width, lay.guard,
+        lay.offset, _grid(lay.top), _TINY_RANGE, 0.5 * top_level - 1.0, -1.0, top_level - 1.0,
+        -1.0 - margin, top_level - 1.0 + margin)
+    if nstats:
+        payload[words:words + nstats] = stats_words
+    s = fingerprint
+    bad = torch.where(finite, 0.0, 1.0).to(torch.int64)
+    payload[words + nstats:] = control_words(_ops(), (s * 0 + 1, bad, s, s * s), lay.guard)
+    return payload, residual, torch.tensor(saturated, dtype=torch.int64)
+
+
+def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
+    """Fused ``_decode_kernel`` (steps 6-7): float32 [P] within float32 rounding of the
+    reference's (module docstring)."""
+    if not (_ok(payload, ranges, diag, count, bad, mismatch, inferred) and payload.dtype == torch.int32
+            and ranges.dtype == torch.float32 and diag.dtype == torch.float32 and count.dtype == torch.int64
+            and bad.dtype == torch.int64 and mismatch.dtype == torch.bool and inferred.dtype == torch.bool):
+        return _decode_kernel(_ops(), plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred)
+    lay, block = plan.levels, plan.block
+    padded = diag.shape[0]
+    payload, ranges, diag = payload.contiguous(), ranges.contiguous(), diag.contiguous()
+    count, bad = count.contiguous(), bad.contiguous()
+    mismatch, inferred = mismatch.contiguous(), inferred.contiguous()
+    out = torch.empty(padded, dtype=torch.float32)
+    summed = -1 if plan.op is None else int(plan.op == "sum")
+    _lib.hgc_thc_decode(_ptr(payload), _ptr(ranges), padded, block, _ptr(diag), lay.lanes, lay.width, lay.guard,
+                        lay.offset, plan.world_size, summed, count.data_ptr(), bad.data_ptr(),
+                        mismatch.data_ptr(), inferred.data_ptr(), _grid(lay.top), 0.5 * _top_level(lay.top),
+                        1.0 / plan.world_size, _ptr(out))
+    return out
+
+
+kernels.register(_rotate_kernel, "cpu", accepts, rotate, "cpu_thc.rotate")
+kernels.register(_quantize_kernel, "cpu", accepts, quantize, "cpu_thc.quantize")
+kernels.register(_decode_kernel, "cpu", accepts, decode, "cpu_thc.decode")
