@@ -114,6 +114,10 @@ def _row_env(kind):
                 os.environ[k] = v
 
 
+# DDP's bucket_cap_mb for every row (--bucket-cap-mb); None: DDP's default.
+_BUCKET_CAP_MB = None
+
+
 def _make(kind, spec, build):
     """A fresh DDP model of ``build()`` with the hook ``kind`` ('ours', 'ours +ref',
     'per-tensor', 'ddp', 'plain') and ``spec``; returns (ddp model, loss function)."""
@@ -122,11 +126,17 @@ def _make(kind, spec, build):
     from torch_backend import Compression
     from torch_backend.ddp import register_comm_hook
     module, loss = build()
-    ddp = DDP(module)
+    ddp = DDP(module, **({} if _BUCKET_CAP_MB is None else {"bucket_cap_mb": _BUCKET_CAP_MB}))
     if kind in ("ours", _UNFUSED, "per-tensor"):
         register_comm_hook(ddp, Compression.from_spec(spec), per_tensor=kind == "per-tensor")
     elif kind == "plain":  # DDP's own all-reduce as a hook: what any comm hook costs DDP
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        calls = []  # one entry per bucket all-reduced (the buckets of a step: _buckets)
+
+        def plain(state, bucket):
+            calls.append(bucket.index())
+            return default_hooks.allreduce_hook(state, bucket)
+        ddp.register_comm_hook(None, plain)
+        ddp._hvd_gradcomp_bucket_calls = calls
     elif kind == "ddp" and spec == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif kind == "ddp":
@@ -151,6 +161,14 @@ def _ops(ddp, loss) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
+def _buckets(ddp, loss) -> int:
+    """DDP's buckets in one step of the 'plain' row's model (its hook counts its calls)."""
+    calls = ddp._hvd_gradcomp_bucket_calls
+    calls.clear()
+    _step(ddp, loss)
+    return len(calls)
+
+
 def measure(rows, build, steps: int, warmup: int, clock=time.perf_counter):
     """{(kind, spec): (ops, median step s)} for each row of ``rows``, timed round-robin with
     ``clock``."""
@@ -170,7 +188,9 @@ def measure(rows, build, steps: int, warmup: int, clock=time.perf_counter):
                 t0 = clock()
                 _step(ddp, loss)
                 times[row].append(clock() - t0)
-    return {row: (ops[row], statistics.median(times[row])) for row in rows}
+    out = {row: (ops[row], statistics.median(times[row])) for row in rows}
+    out["buckets"] = _buckets(*models[("plain", "-")]) if ("plain", "-") in models else 0
+    return out
 
 
 def main(argv=None):
@@ -186,7 +206,12 @@ def main(argv=None):
     ap.add_argument("--clock", choices=["host", "process"], default="host",
                     help="'process': this process's CPU time per step (a shared machine); default "
                          "the host clock")
+    ap.add_argument("--bucket-cap-mb", type=float, default=None,
+                    help="DDP's bucket_cap_mb for every row (default DDP's, 25): model A's ops "
+                         "over model B's follow its bucket count, printed with the table")
     args = ap.parse_args(argv)
+    global _BUCKET_CAP_MB
+    _BUCKET_CAP_MB = args.bucket_cap_mb
     import torch
     import torch.distributed as dist
     torch.set_num_threads(args.threads)
@@ -216,6 +241,9 @@ def main(argv=None):
     mparams = numel / 1e6
     print(f"codec cost per step, model A ({tensors} tensors, {mparams:.2f}M parameters) against "
           f"model B (1 tensor, same size); {args.threads} thread(s); {args.clock} clock; commit {commit}")
+    print(f"DDP buckets per step (bucket_cap_mb {args.bucket_cap_mb or 'default'}): model A "
+          f"{res_a['buckets']}, model B {res_b['buckets']}; A/B of the ops is about the buckets "
+          f"(and routes) per step, one codec call each")
     print("ops: ATen operations the hook adds to a step over DDP's allreduce_hook (profiler, all "
           "threads); codec ms: step time minus allreduce_hook's (medians, timed round-robin)")
     base_a, base_b = res_a[("plain", "-")], res_b[("plain", "-")]
