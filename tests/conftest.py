@@ -33,3 +33,28 @@ def pytest_runtest_setup(item):
         why = backend_unusable(name)
         if why:
             pytest.skip(why)
+
+
+# The exit status of the session, for pytest_unconfigure below.
+_EXIT = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT["status"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the process with the session's exit status once pytest has reported everything,
+    without running the native libraries' destructors at interpreter exit.
+
+    A process that has loaded TensorFlow, PyTorch, Horovod's and our compiled libraries
+    together aborted in a destructor after the summary ("free(): invalid pointer", SIGABRT,
+    seen in whole-suite runs and in ``tests/core`` alone, never in any one file), which turned
+    a passed run into a failed one. The results are final here; ``HVD_GRADCOMP_TEST_EXIT=normal``
+    keeps the ordinary interpreter exit (to look for that destructor)."""
+    if "status" not in _EXIT or os.environ.get("HVD_GRADCOMP_TEST_EXIT", "") == "normal":
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT["status"])

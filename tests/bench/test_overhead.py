@@ -113,7 +113,7 @@ def test_all_means_every_fixed_scheme():
 def test_model_inputs_for_a_tiny_reference(monkeypatch):
     monkeypatch.setitem(model.REFERENCE_MODELS, "tiny", {
         "shapes": [(64, 32), (64,), (64, 32)], "compute_s": 0.05, "note": "two matrices and a bias"})
-    runner = overhead._runner(BACKENDS[0], "cpu", type("A", (), {"threads": 0, "tf_inner": 1})())
+    runner = overhead._runner(BACKENDS[0], "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
     schemes = overhead._build_schemes("topkc topkc:selection=current")
     data = overhead.model_inputs(runner, schemes, "tiny", world_size=8, warmup=1, reps=1, min_reps=1,
                                  budget=0, copy_gbps=10.0, worker_counts=(8, 16),
@@ -147,7 +147,7 @@ def test_specs_are_compressors_routed_per_tensor():
     its routing picks: a 64-coordinate bias under thc as fp16, as in training."""
     schemes = overhead._build_schemes("thc thc:min_numel=32")
     assert [(spec, r.min_numel) for spec, r in schemes] == [("fp16", 1), ("thc", 1024), ("thc:min_numel=32", 32)]
-    runner = overhead._runner(BACKENDS[0], "cpu", type("A", (), {"threads": 0, "tf_inner": 1})())
+    runner = overhead._runner(BACKENDS[0], "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
     rows = overhead.measure(runner, schemes, "bias 64", (64,), world_size=8, warmup=0, reps=1, min_reps=1,
                             budget=0)
     by = {r["spec"]: r for r in rows}
@@ -167,7 +167,7 @@ def test_timed_call_is_one_training_step(backend):
     and TopKC's agreed scores move on): the outputs equal scheme_steps' over the same steps."""
     import numpy as np
     from tests.backends import scheme_steps
-    runner = overhead._runner(backend, "cpu", type("A", (), {"threads": 0, "tf_inner": 1})())
+    runner = overhead._runner(backend, "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
     gen = np.random.default_rng(5)
     array = (gen.standard_normal(4096) * np.repeat(gen.uniform(0.1, 2.0, 16), 256)).astype(np.float32)
     grad = runner.tensor(array)
@@ -189,7 +189,7 @@ def test_ddp_hook_rows_time_pytorchs_own_hooks():
     """DDP's fp16 and PowerSGD hooks run inside a one-rank DDP backward on the same tensor as
     the schemes, in the same rounds; their rows carry the hook's wire bytes and a time."""
     import torch.distributed as dist
-    runner = overhead._runner("torch", "cpu", type("A", (), {"threads": 0, "tf_inner": 1})())
+    runner = overhead._runner("torch", "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
     try:
         rows = overhead.measure(runner, overhead._build_schemes("powersgd:rank=2"), "m", (64, 48),
                                 world_size=8, warmup=1, reps=3, min_reps=3, budget=0,
