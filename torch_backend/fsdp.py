@@ -502,7 +502,8 @@ class _ScatterComm:
             regions.append(torch.cat(parts + agreed))
         send = torch.cat(regions)
         got = like.new_empty(regions[0].numel())
-        dist.reduce_scatter_tensor(got, send, group=self.group)
+        # reduce_scatter_single where PyTorch has it (2.13 deprecates reduce_scatter_tensor)
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(got, send, group=self.group)
         off_v, off_a = 0, width
         for j, unit, payload, ctx, split in entries:
             n_a = payload.numel() - split

@@ -84,7 +84,7 @@ def mode() -> str:
     raise ValueError(f"{ENV} must be 1/on, 0/off or triton, got {value!r}")
 
 
-def _load(device: str):
+def _load(device: str, warn: bool = True):
     for module in PROVIDERS.get(device, ()):
         if module in _LOADED:
             continue
@@ -93,6 +93,12 @@ def _load(device: str):
             _LOADED[module] = None
         except ImportError as exc:  # no triton, no compiled library: the reference stays
             _LOADED[module] = f"{type(exc).__name__}: {exc}"
+            if warn and (not isinstance(exc, ModuleNotFoundError) or exc.name != module):
+                # once per process and provider: the schemes run, slower, on the reference
+                warnings.warn(f"hvd_gradcomp: no fused kernels from {module} on {device} "
+                              f"({_LOADED[module]}); the reference compositions run instead (same "
+                              f"results within rounding, slower). torch_backend.kernels.status() "
+                              f"lists every provider", RuntimeWarning)
 
 
 def fused_form(reference, plan, device: str):
@@ -109,8 +115,9 @@ def fused_form(reference, plan, device: str):
 def status() -> dict:
     """Provider module -> ``"loaded"`` or why it could not be imported (for bug reports and
     ``python -m hvd_gradcomp.bench``); providers not needed yet are loaded first."""
+    mode()  # a bad HVD_GRADCOMP_KERNELS is named here too
     for device in PROVIDERS:
-        _load(device)
+        _load(device, warn=False)
     return {m: reason or "loaded" for m, reason in _LOADED.items()}
 
 

@@ -74,8 +74,10 @@ def _macros(cc, arch) -> str:
     cc, arch = list(cc), list(arch)
     res = _run(cc + arch + ["-dM", "-E", "-x", "c", os.devnull])
     if res.returncode != 0:
-        raise ImportError(f"hvd_gradcomp: the C compiler {' '.join(cc)!r} failed on {' '.join(arch)}: "
-                          f"{res.stderr.strip()[-500:]}")
+        raise ImportError(f"hvd_gradcomp: the C compiler {' '.join(cc)!r} failed (exit status "
+                          f"{res.returncode}) printing its predefined macros for "
+                          f"{' '.join(arch) or 'its default target'}: "
+                          f"{res.stderr.strip()[-500:] or 'no message'}; set CC or install gcc")
     return res.stdout
 
 
@@ -121,6 +123,8 @@ def load(name: str, extra_flags=()):
             if res.returncode != 0:
                 raise ImportError(f"hvd_gradcomp: compiling {name}.c with {' '.join(cc + flags)} failed: "
                                   f"{res.stderr.strip()[-1000:]}")
+            # mkstemp made it 0600: readable by every user of a shared cache, as a build's output
+            os.chmod(tmp, 0o755)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
