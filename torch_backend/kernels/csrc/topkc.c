@@ -1,4 +1,5 @@
-/* Fused CPU loop of TopKC's _correct_kernel (hvd_gradcomp/topkc.py, steps 1 and 5).
+/* Fused CPU loops of TopKC's _correct_kernel, _pack_kernel and _scatter_kernel
+ * (hvd_gradcomp/topkc.py, steps 1 and 3-6, and the decode).
  *
  * Plain C99, compiled and loaded as csrc/thc.c (torch_backend/kernels/cbuild.py): no -ffast-math,
  * no FMA contraction, so every float operation is the one written here, in its order, and the
@@ -14,10 +15,12 @@
  *   when blocking. The sum of squares runs in 16 partial sums combined pairwise (PyTorch sums in
  *   its own order: the scores agree within float32 rounding, not bit for bit).
  * chunks (float32 [m chunk]) is written unless NULL (the caller's view of flat when c = g);
- * guess likewise (NULL when it is chunks: blocking). */
+ * the guess is scored, not kept: scratch (float32 [chunk]) holds one chunk's at a time (unused
+ * when blocking, whose guess is c). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define ACC 16
 
@@ -54,14 +57,14 @@ static inline void correct_run(const float *restrict g, const float *restrict e,
 
 void hgc_topkc_correct(const float *restrict flat, const float *restrict residual, int64_t d,
                        int64_t m, int64_t chunk, int64_t ef, int64_t decayed, float decay,
-                       int64_t blocking, float *restrict chunks, float *restrict guess,
+                       int64_t blocking, float *restrict chunks, float *restrict scratch,
                        float *restrict scores)
 {
     for (int64_t i = 0; i < m; i++) {
         int64_t base = i * chunk;
         int64_t n = d - base < chunk ? d - base : chunk;
         float *c_out = chunks ? chunks + base : NULL;
-        float *g_out = blocking ? NULL : guess + base;
+        float *g_out = blocking ? NULL : scratch;
         const float *e = ef ? residual + base : NULL;
         if (ef && decayed)
             correct_run(flat + base, e, c_out, g_out, n, 1, 1, decay, (int)blocking);
@@ -84,4 +87,199 @@ void hgc_topkc_correct(const float *restrict flat, const float *restrict residua
             score = 0.0f;
         scores[i] = score;
     }
+}
+
+/* ---- _pack_kernel and _scatter_kernel (hvd_gradcomp/topkc.py, steps 3-6 and the decode) ----
+ *
+ * float16 as the payload dtype: float32 -> float16 rounds to nearest, ties to even (as PyTorch's
+ * cast); a NaN stays a NaN of its sign with its top mantissa bits (x86's F16C conversion, which
+ * PyTorch's vectorised cast uses). float16 -> float32 is exact. */
+
+static uint16_t to_half(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) /* NaN: quiet, top mantissa bits kept */
+        return (uint16_t)(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+    if (ax >= 0x47800000u) /* >= 65536: inf (65520 and up round there below too) */
+        return (uint16_t)(sign | 0x7C00u);
+    if (ax >= 0x38800000u) { /* a normal float16: rebias the exponent by 127 - 15 */
+        uint32_t r = ax - 0x38000000u;
+        uint32_t h = r >> 13, rem = r & 0x1FFFu;
+        if (rem > 0x1000u || (rem == 0x1000u && (h & 1u)))
+            h++;
+        return (uint16_t)(sign | h);
+    }
+    /* float16 subnormal or zero: units of 2**-24 */
+    uint32_t e = ax >> 23;
+    if (e < 102) /* below 2**-25: rounds to 0 */
+        return sign;
+    uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
+    uint32_t shift = 126 - e; /* 14 .. 24 */
+    uint32_t h = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (h & 1u)))
+        h++;
+    return (uint16_t)(sign | h);
+}
+
+static float from_half(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, x;
+    if (exp == 0) { /* zero or subnormal: mant 2**-24, exact in float32 */
+        float v = (float)mant * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    if (exp == 31)
+        x = sign | 0x7F800000u | (mant << 13);
+    else
+        x = sign | ((exp + 112u) << 23) | (mant << 13);
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+/* dtype codes: 0 float32, 1 float16 */
+static inline void put(void *out, int64_t i, float v, int64_t dtype)
+{
+    if (dtype)
+        ((uint16_t *)out)[i] = to_half(v);
+    else
+        ((float *)out)[i] = v;
+}
+
+static inline float get(const void *in, int64_t i, int64_t dtype)
+{
+    return dtype ? from_half(((const uint16_t *)in)[i]) : ((const float *)in)[i];
+}
+
+/* -1 if some index is outside [0, m) or repeats (seen: m bytes of scratch, zeroed here). */
+static int64_t check_idx(const int64_t *idx, int64_t k, int64_t m, unsigned char *seen)
+{
+    memset(seen, 0, (size_t)m);
+    for (int64_t j = 0; j < k; j++) {
+        if (idx[j] < 0 || idx[j] >= m || seen[idx[j]])
+            return -1;
+        seen[idx[j]] = 1;
+    }
+    return 0;
+}
+
+/* _pack_kernel. For each selected chunk j (row r = idx[j]) and coordinate t, v = chunks[r, t]:
+ *   w = v * prescale, clamped to [-limit, limit] when clamp (NaN stays NaN), cast: payload[j chunk + t]
+ *   s = float(w) * unscale (the payload value decoded)        -> sent[j chunk + t]   (ef)
+ *   chunks[r, t] = v + (s * -1)                                                     (ef)
+ *   rescore (ef, not blocking): q = (decayed ? v decay : v) + g - (decayed ? s decay : s),
+ *     g = flat[r chunk + t] (0 past d); f = sqrt(sum of q**2 over the chunk) (16 partial sums,
+ *     as squares()); scores[r] = scores[r] + (f f - scores[r]).
+ * Unless blocking, then (m values at payload[k chunk]): each score, non-finite as 0, over
+ * max(largest such score, 1e-30f), cast; and the 16 vote slots (1 in slot vote_slot, else 0).
+ * Returns 0, or -1 when idx holds an index outside [0, m) or a repeated one (nothing written). */
+int64_t hgc_topkc_pack(const float *restrict flat, int64_t d, float *restrict chunks, int64_t m,
+                       int64_t chunk, const int64_t *restrict idx, int64_t k, float *restrict scores,
+                       int64_t ef, int64_t blocking, int64_t decayed, float decay, int64_t dtype,
+                       float prescale, float unscale, int64_t clamp, float limit, void *restrict payload,
+                       float *restrict sent, float *restrict scratch, unsigned char *restrict seen)
+{
+    if (check_idx(idx, k, m, seen))
+        return -1;
+    int rescore = ef && !blocking;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t r = idx[j], base = r * chunk, out = j * chunk;
+        float *row = chunks + base;
+        int64_t n = d - base < chunk ? d - base : chunk; /* the real coordinates of flat */
+        for (int64_t t = 0; t < chunk; t++) {
+            float v = row[t];
+            float w = v * prescale;
+            if (clamp) {
+                w = w < -limit ? -limit : w;
+                w = w > limit ? limit : w;
+            }
+            float s;
+            if (dtype) {
+                uint16_t h = to_half(w);
+                ((uint16_t *)payload)[out + t] = h;
+                s = from_half(h) * unscale;
+            } else {
+                ((float *)payload)[out + t] = w;
+                s = w * unscale;
+            }
+            if (ef) {
+                sent[out + t] = s;
+                row[t] = v + s * -1.0f;
+            }
+            if (rescore) {
+                float g = t < n ? flat[base + t] : 0.0f;
+                float guess = (decayed ? v * decay : v) + g;
+                scratch[t] = guess - (decayed ? s * decay : s);
+            }
+        }
+        if (rescore) {
+            float f = sqrtf(squares(scratch, chunk));
+            scores[r] = scores[r] + (f * f - scores[r]);
+        }
+    }
+    if (blocking)
+        return 0;
+    float top = 0.0f;
+    int any = 0;
+    for (int64_t i = 0; i < m; i++) {
+        float s = isfinite(scores[i]) ? scores[i] : 0.0f;
+        if (!any || s > top)
+            top = s;
+        any = 1;
+    }
+    top = top < 1e-30f ? 1e-30f : top;
+    int64_t at = k * chunk;
+    for (int64_t i = 0; i < m; i++)
+        put(payload, at + i, (isfinite(scores[i]) ? scores[i] : 0.0f) / top, dtype);
+    /* the vote (_vote_slots): integer arithmetic in uint64, every intermediate below 2**63 */
+    uint64_t total = 0;
+    for (int64_t j = 0; j < k; j++) {
+        uint64_t w = (((uint64_t)j * 0x9E3779B1u) & 0x7FFFFFFFu) | 1u;
+        total += (((uint64_t)idx[j] + 1u) * w) & 0xFFFFFFFFu;
+    }
+    uint64_t slot = (((total & 0xFFFFFFFFu) * 0x9E37u) & 0xFFFFFFFFu) >> 28;
+    for (int64_t i = 0; i < 16; i++)
+        put(payload, at + m + i, (uint64_t)i == slot ? 1.0f : 0.0f, dtype);
+    return 0;
+}
+
+/* _scatter_kernel: out (float32 [d]) = zeros, with chunk idx[j] = float(payload[j chunk + t])
+ * * scale (t < chunk, truncated at d): one pass over out. scale: 0 after a split vote, else
+ * unscale (the caller's). row_of: m int64 of scratch. Returns 0, or -1 for an index outside
+ * [0, m) or a repeated one (nothing written). */
+int64_t hgc_topkc_scatter(const void *restrict payload, int64_t dtype, const int64_t *restrict idx,
+                          int64_t k, int64_t chunk, int64_t d, float scale, float *restrict out,
+                          int64_t *restrict row_of)
+{
+    int64_t m = (d + chunk - 1) / chunk;
+    for (int64_t i = 0; i < m; i++)
+        row_of[i] = -1;
+    for (int64_t j = 0; j < k; j++) {
+        if (idx[j] < 0 || idx[j] >= m || row_of[idx[j]] >= 0)
+            return -1;
+        row_of[idx[j]] = j;
+    }
+    for (int64_t i = 0; i < m; i++) {
+        int64_t base = i * chunk;
+        int64_t n = d - base < chunk ? d - base : chunk;
+        float *o = out + base;
+        if (row_of[i] < 0) {
+            memset(o, 0, (size_t)n * sizeof(float));
+            continue;
+        }
+        int64_t src = row_of[i] * chunk;
+        if (dtype) {
+            const uint16_t *p = (const uint16_t *)payload + src;
+            for (int64_t t = 0; t < n; t++)
+                o[t] = from_half(p[t]) * scale;
+        } else {
+            const float *p = (const float *)payload + src;
+            for (int64_t t = 0; t < n; t++)
+                o[t] = p[t] * scale;
+        }
+    }
+    return 0;
 }
