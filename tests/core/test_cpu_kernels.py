@@ -35,7 +35,8 @@ from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor  # noqa
 from hvd_gradcomp.lanes import CODE_SCALE  # noqa: E402
 from hvd_gradcomp.primitives import one_rank  # noqa: E402
 from hvd_gradcomp.thc import THCConfig, THCScheme  # noqa: E402
-from hvd_gradcomp.topkc import _correct_kernel  # noqa: E402
+from hvd_gradcomp.base import fp16_floor  # noqa: E402
+from hvd_gradcomp.topkc import _correct_kernel, _pack_kernel, _scatter_kernel  # noqa: E402
 from tests.core.thc_emulation import emulate_allreduce  # noqa: E402
 from torch_backend import kernels  # noqa: E402
 from torch_backend.kernels import cbuild, cpu_thc, cpu_topkc  # noqa: E402  (ImportError: no compiler)
@@ -120,6 +121,9 @@ def test_providers_load_and_register():
     assert kernels.fused_form(K._quantize_kernel, plan, "cpu") is cpu_thc.quantize
     assert kernels.fused_form(K._decode_kernel, plan, "cpu") is cpu_thc.decode
     assert kernels.fused_form(_correct_kernel, (256, True, False, 1.0), "cpu") is cpu_topkc.correct
+    assert kernels.fused_form(_pack_kernel, (256, True, False, 1.0, "float16", 0.5, 2.0, 32752.0),
+                              "cpu") is cpu_topkc.pack
+    assert kernels.fused_form(_scatter_kernel, (256, 1000, 2.0, "float16"), "cpu") is cpu_topkc.scatter
     # a block beyond MAX_BLOCK (rotation="full" of a large tensor) keeps the reference
     _, _, _, big = _setup(cpu_thc.MAX_BLOCK + 1, rotation="full")
     assert not cpu_thc.accepts(big) and kernels.fused_form(K._rotate_kernel, big, "cpu") is None
@@ -452,18 +456,115 @@ def test_topkc_correct_matches_reference():
                 plan = (chunk, ef, blocking, decay)
                 ref = _correct_kernel(R, plan, flat, residual)
                 got = cpu_topkc.correct(plan, flat, residual)
+                assert len(got) == len(ref) == 2
                 for a, b in zip(ref, got):
                     assert (a.shape, a.dtype) == (b.shape, b.dtype)
-                assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-                torch.testing.assert_close(got[2], ref[2], rtol=2e-6, atol=0)
+                assert torch.equal(ref[0], got[0])
+                torch.testing.assert_close(got[1], ref[1], rtol=2e-6, atol=0)
                 if not ef and -(-d // chunk) * chunk == d:  # the reference's view of the gradient
                     assert got[0].data_ptr() == flat.data_ptr()
     flat = torch.tensor([1.0, float("nan"), 3.0, 4.0])
     for blocking in (True, False):
         ref = _correct_kernel(R, (2, True, blocking, 1.0), flat, torch.zeros(4))
         got = cpu_topkc.correct((2, True, blocking, 1.0), flat, torch.zeros(4))
-        assert torch.equal(ref[2].isnan(), got[2].isnan())
-        assert torch.equal(ref[2].nan_to_num(), got[2].nan_to_num())
+        assert torch.equal(ref[1].isnan(), got[1].isnan())
+        assert torch.equal(ref[1].nan_to_num(), got[1].nan_to_num())
+
+
+def _pack_inputs(d, chunk, ef, blocking, decay, seed):
+    """(flat, chunks, scores, idx) as TopKC's compress hands them to _pack_kernel: the
+    reference's correct kernel on a gradient with a few coordinates beyond float16's range
+    (saturated) and some below its normal range (subnormal or 0 in float16)."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(d, generator=gen) * 100.0
+    flat[::97] *= 3000.0
+    flat[5::89] *= 1e-9
+    residual = torch.randn(d, generator=gen) if ef else flat
+    chunks, scores = _correct_kernel(R, (chunk, ef, blocking, decay), flat, residual)
+    m = chunks.shape[0]
+    idx = torch.randperm(m, generator=gen)[:max(1, m // 10)]
+    return flat, chunks, scores, idx
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_topkc_pack_and_scatter_are_bit_exact(dtype, n):
+    """_pack_kernel's payload values, sent and residual, and _scatter_kernel's output, equal
+    the reference's bit for bit (the vote too); the rescored score part within float32
+    rounding before its cast (a norm), bit for bit where nothing is rescored."""
+    limit = fp16_floor(65504.0 / n)
+    for d in (1, 5, 1000, 1024, 4097):
+        for chunk in (1, 7, 256):
+            m = -(-d // chunk)
+            for ef, blocking, decay in [(True, False, 1.0), (True, False, 0.95), (True, True, 1.0),
+                                        (False, False, 1.0), (False, True, 1.0)]:
+                flat, chunks, scores, idx = _pack_inputs(d, chunk, ef, blocking, decay, d + chunk + n)
+                k = idx.shape[0]
+                plan = (chunk, ef, blocking, decay, dtype, 1.0 / n, float(n), limit)
+                ref = _pack_kernel(R, plan, flat, chunks.clone(), scores.clone(), idx)
+                got = cpu_topkc.pack(plan, flat, chunks.clone(), scores.clone(), idx)
+                tag = (d, chunk, ef, blocking, decay)
+                for a, b in zip(ref, got):
+                    assert (a.shape, a.dtype) == (b.shape, b.dtype), tag
+                assert torch.equal(ref[0][:k * chunk], got[0][:k * chunk]), tag
+                assert torch.equal(ref[1], got[1]) and torch.equal(ref[2], got[2]), tag
+                if not blocking:
+                    assert torch.equal(ref[0][k * chunk + m:], got[0][k * chunk + m:]), tag  # the vote
+                    part = slice(k * chunk, k * chunk + m)
+                    if ef:
+                        torch.testing.assert_close(got[0][part].float(), ref[0][part].float(), rtol=2e-3, atol=0)
+                    else:
+                        assert torch.equal(ref[0][part], got[0][part]), tag
+                for split in ((), (torch.tensor(False),), (torch.tensor(True),)):
+                    splan = (chunk, d, float(n), dtype)
+                    want = _scatter_kernel(R, splan, ref[0], idx, *split)
+                    out = cpu_topkc.scatter(splan, ref[0], idx, *split)
+                    assert (out.shape, out.dtype) == (want.shape, want.dtype) and torch.equal(out, want), tag
+
+
+def test_topkc_pack_float16_cast_and_nonfinite():
+    """The C float32 -> float16 cast is PyTorch's for every kind of value (normal, subnormal,
+    ties, overflow past the limit, infinities), and a NaN stays a NaN in the payload, in sent,
+    the residual and the decoded output."""
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 16,), dtype=torch.int64, generator=gen)
+    randoms = bits.to(torch.int32).view(torch.float32)
+    halves = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    ties = (halves[:-1] + (halves[1:] - halves[:-1]) / 2)  # midpoints where both neighbours are finite
+    values = torch.cat([randoms, halves, ties, halves.nextafter(torch.tensor(float("inf"))),
+                        torch.tensor([float("inf"), -float("inf"), 65519.0, 65520.0, 1e-8, -6e-8])])
+    values = values[torch.isfinite(values) | torch.isinf(values)]
+    values = torch.cat([values, torch.zeros(-values.numel() % 64)])
+    plan = (64, True, False, 1.0, "float16", 1.0, 1.0, 65504.0)
+    chunks = values.view(-1, 64)
+    idx = torch.arange(chunks.shape[0])
+    ref = _pack_kernel(R, plan, values, chunks.clone(), torch.zeros(chunks.shape[0]), idx)
+    got = cpu_topkc.pack(plan, values, chunks.clone(), torch.zeros(chunks.shape[0]), idx)
+    k = values.numel()
+    assert torch.equal(ref[0][:k].view(torch.int16), got[0][:k].view(torch.int16))
+    assert torch.equal(ref[1].view(torch.int32), got[1].view(torch.int32))
+    flat = torch.randn(1000)
+    flat[3] = float("nan")
+    chunks, scores = _correct_kernel(R, (100, True, False, 1.0), flat, torch.zeros(1000))
+    plan = (100, True, False, 1.0, "float16", 0.5, 2.0, fp16_floor(65504.0 / 2))
+    idx = torch.tensor([0, 4, 9])
+    ref = _pack_kernel(R, plan, flat, chunks.clone(), scores.clone(), idx)
+    got = cpu_topkc.pack(plan, flat, chunks.clone(), scores.clone(), idx)
+    for a, b in zip(ref, got):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    out = cpu_topkc.scatter((100, 1000, 2.0, "float16"), got[0], idx)
+    assert out[3].isnan() and int(out.isnan().sum()) == 1
+
+
+def test_topkc_pack_and_scatter_refuse_bad_indices():
+    """A repeated or out-of-range chunk index raises IndexError (nothing is written)."""
+    flat, chunks, scores, _ = _pack_inputs(1000, 100, True, False, 1.0, 1)
+    plan = (100, True, False, 1.0, "float16", 1.0, 1.0, 65504.0)
+    for idx in (torch.tensor([1, 1]), torch.tensor([10]), torch.tensor([-1])):
+        with pytest.raises(IndexError):
+            cpu_topkc.pack(plan, flat, chunks.clone(), scores.clone(), idx)
+        with pytest.raises(IndexError):
+            cpu_topkc.scatter((100, 1000, 1.0, "float16"), torch.zeros(300, dtype=torch.float16), idx)
 
 
 @pytest.mark.parametrize("spec", ["topkc:0.1", "topkc:ratio=0.05,residual_decay=0.9,chunk=100"])
