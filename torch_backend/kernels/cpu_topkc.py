@@ -43,7 +43,7 @@ _lib.hgc_topkc_correct.argtypes = [_P, _P, _I, _I, _I, _I, _I, _F, _I, _P, _P, _
 _lib.hgc_topkc_correct.restype = None
 _lib.hgc_topkc_pack.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _I, _I, _I, _F, _I, _F, _F, _I, _F, _P, _P, _P, _P]
 _lib.hgc_topkc_pack.restype = _I
-_lib.hgc_topkc_scatter.argtypes = [_P, _I, _P, _I, _I, _I, _F, _P, _P]
+_lib.hgc_topkc_scatter.argtypes = [_P, _I, _P, _I, _I, _I, _P, _F, _P, _P]
 _lib.hgc_topkc_scatter.restype = _I
 
 _PAYLOAD = {torch.float16: 1, torch.float32: 0}
@@ -104,7 +104,7 @@ def pack(plan, flat, chunks, scores, idx):
     chunks = chunks.contiguous()  # (the correct kernel's are; with error feedback, a new tensor)
     payload = torch.empty(k * chunk + (0 if blocking else m + 16), dtype=wire)
     sent = torch.empty((k, chunk) if error_feedback else (0,), dtype=torch.float32)
-    scratch = torch.empty(chunk, dtype=torch.float32)
+    scratch = torch.empty(2 * chunk, dtype=torch.float32)
     seen = torch.empty(m, dtype=torch.uint8)
     rc = _lib.hgc_topkc_pack(_ptr(flat), d, _ptr(chunks), m, chunk, _ptr(idx), k, _ptr(scores),
                              int(bool(error_feedback)), int(bool(blocking)), int(decay != 1.0), float(decay),
@@ -129,11 +129,12 @@ def scatter(plan, payload, idx, *split):
         return _reference(_scatter_kernel, plan, payload, idx, *split)
     k, m = idx.shape[0], -(-d // chunk)
     payload, idx = payload.contiguous(), idx.contiguous()
-    # the reference's scale: unscale as a float32, or 0 after a split vote (split read on the CPU)
-    scale = 0.0 if split and bool(split[0]) else float(unscale)
+    # the reference's scale: unscale as a float32, or 0 after a split vote (read by the C loop)
+    flag = split[0].to(torch.bool).contiguous() if split else None
     out = torch.empty(d, dtype=torch.float32)
     row_of = torch.empty(m, dtype=torch.int64)
-    rc = _lib.hgc_topkc_scatter(_ptr(payload), _PAYLOAD[payload.dtype], _ptr(idx), k, chunk, d, scale, _ptr(out),
+    rc = _lib.hgc_topkc_scatter(_ptr(payload), _PAYLOAD[payload.dtype], _ptr(idx), k, chunk, d,
+                                None if flag is None else flag.data_ptr(), float(unscale), _ptr(out),
                                 _ptr(row_of))
     if rc:
         raise IndexError(f"topkc: received chunk indices must be distinct and in [0, {m}), got {idx.tolist()}")

@@ -21,6 +21,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #define ACC 16
 
@@ -149,9 +152,28 @@ static inline void put(void *out, int64_t i, float v, int64_t dtype)
         ((float *)out)[i] = v;
 }
 
-static inline float get(const void *in, int64_t i, int64_t dtype)
+/* n floats to float16 and back (to_half, from_half), 8 at a time with x86's F16C where the
+ * compiler targets it (the same bits: round to nearest even, NaN quieted with its top bits). */
+static void halves_out(const float *restrict v, uint16_t *restrict h, int64_t n)
 {
-    return dtype ? from_half(((const uint16_t *)in)[i]) : ((const float *)in)[i];
+    int64_t t = 0;
+#ifdef __F16C__
+    for (; t + 8 <= n; t += 8)
+        _mm_storeu_si128((__m128i *)(h + t), _mm256_cvtps_ph(_mm256_loadu_ps(v + t), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; t < n; t++)
+        h[t] = to_half(v[t]);
+}
+
+static void halves_in(const uint16_t *restrict h, float *restrict v, int64_t n)
+{
+    int64_t t = 0;
+#ifdef __F16C__
+    for (; t + 8 <= n; t += 8)
+        _mm256_storeu_ps(v + t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + t))));
+#endif
+    for (; t < n; t++)
+        v[t] = from_half(h[t]);
 }
 
 /* -1 if some index is outside [0, m) or repeats (seen: m bytes of scratch, zeroed here). */
@@ -175,6 +197,7 @@ static int64_t check_idx(const int64_t *idx, int64_t k, int64_t m, unsigned char
  *     as squares()); scores[r] = scores[r] + (f f - scores[r]).
  * Unless blocking, then (m values at payload[k chunk]): each score, non-finite as 0, over
  * max(largest such score, 1e-30f), cast; and the 16 vote slots (1 in slot vote_slot, else 0).
+ * Each chunk runs as a few branch-free loops over scratch (float32 [2 chunk]).
  * Returns 0, or -1 when idx holds an index outside [0, m) or a repeated one (nothing written). */
 int64_t hgc_topkc_pack(const float *restrict flat, int64_t d, float *restrict chunks, int64_t m,
                        int64_t chunk, const int64_t *restrict idx, int64_t k, float *restrict scores,
@@ -185,50 +208,59 @@ int64_t hgc_topkc_pack(const float *restrict flat, int64_t d, float *restrict ch
     if (check_idx(idx, k, m, seen))
         return -1;
     int rescore = ef && !blocking;
+    float *w = scratch, *dec = scratch + chunk;
     for (int64_t j = 0; j < k; j++) {
         int64_t r = idx[j], base = r * chunk, out = j * chunk;
         float *row = chunks + base;
         int64_t n = d - base < chunk ? d - base : chunk; /* the real coordinates of flat */
-        for (int64_t t = 0; t < chunk; t++) {
-            float v = row[t];
-            float w = v * prescale;
-            if (clamp) {
-                w = w < -limit ? -limit : w;
-                w = w > limit ? limit : w;
+        if (clamp)
+            for (int64_t t = 0; t < chunk; t++) {
+                float x = row[t] * prescale;
+                x = x < -limit ? -limit : x;
+                w[t] = x > limit ? limit : x;
             }
-            float s;
-            if (dtype) {
-                uint16_t h = to_half(w);
-                ((uint16_t *)payload)[out + t] = h;
-                s = from_half(h) * unscale;
-            } else {
-                ((float *)payload)[out + t] = w;
-                s = w * unscale;
-            }
-            if (ef) {
-                sent[out + t] = s;
-                row[t] = v + s * -1.0f;
-            }
-            if (rescore) {
-                float g = t < n ? flat[base + t] : 0.0f;
-                float guess = (decayed ? v * decay : v) + g;
-                scratch[t] = guess - (decayed ? s * decay : s);
-            }
+        else
+            for (int64_t t = 0; t < chunk; t++)
+                w[t] = row[t] * prescale;
+        if (dtype) {
+            halves_out(w, (uint16_t *)payload + out, chunk);
+            if (!ef)
+                continue;
+            halves_in((const uint16_t *)payload + out, dec, chunk);
+        } else {
+            memcpy((float *)payload + out, w, (size_t)chunk * sizeof(float));
+            if (!ef)
+                continue;
+            memcpy(dec, w, (size_t)chunk * sizeof(float));
         }
-        if (rescore) {
-            float f = sqrtf(squares(scratch, chunk));
+        float *s = sent + out;
+        for (int64_t t = 0; t < chunk; t++)
+            s[t] = dec[t] * unscale;
+        if (rescore) { /* w: the guess less what is owed, from v before the update below */
+            const float *g = flat + base;
+            if (decayed) {
+                for (int64_t t = 0; t < n; t++)
+                    w[t] = (row[t] * decay + g[t]) - s[t] * decay;
+                for (int64_t t = n; t < chunk; t++)
+                    w[t] = (row[t] * decay + 0.0f) - s[t] * decay;
+            } else {
+                for (int64_t t = 0; t < n; t++)
+                    w[t] = (row[t] + g[t]) - s[t];
+                for (int64_t t = n; t < chunk; t++)
+                    w[t] = (row[t] + 0.0f) - s[t];
+            }
+            float f = sqrtf(squares(w, chunk));
             scores[r] = scores[r] + (f * f - scores[r]);
         }
+        for (int64_t t = 0; t < chunk; t++)
+            row[t] = row[t] + s[t] * -1.0f;
     }
     if (blocking)
         return 0;
     float top = 0.0f;
-    int any = 0;
     for (int64_t i = 0; i < m; i++) {
-        float s = isfinite(scores[i]) ? scores[i] : 0.0f;
-        if (!any || s > top)
-            top = s;
-        any = 1;
+        float v = isfinite(scores[i]) ? scores[i] : 0.0f;
+        top = (i == 0 || v > top) ? v : top;
     }
     top = top < 1e-30f ? 1e-30f : top;
     int64_t at = k * chunk;
@@ -237,8 +269,8 @@ int64_t hgc_topkc_pack(const float *restrict flat, int64_t d, float *restrict ch
     /* the vote (_vote_slots): integer arithmetic in uint64, every intermediate below 2**63 */
     uint64_t total = 0;
     for (int64_t j = 0; j < k; j++) {
-        uint64_t w = (((uint64_t)j * 0x9E3779B1u) & 0x7FFFFFFFu) | 1u;
-        total += (((uint64_t)idx[j] + 1u) * w) & 0xFFFFFFFFu;
+        uint64_t wj = (((uint64_t)j * 0x9E3779B1u) & 0x7FFFFFFFu) | 1u;
+        total += (((uint64_t)idx[j] + 1u) * wj) & 0xFFFFFFFFu;
     }
     uint64_t slot = (((total & 0xFFFFFFFFu) * 0x9E37u) & 0xFFFFFFFFu) >> 28;
     for (int64_t i = 0; i < 16; i++)
@@ -247,14 +279,15 @@ int64_t hgc_topkc_pack(const float *restrict flat, int64_t d, float *restrict ch
 }
 
 /* _scatter_kernel: out (float32 [d]) = zeros, with chunk idx[j] = float(payload[j chunk + t])
- * * scale (t < chunk, truncated at d): one pass over out. scale: 0 after a split vote, else
- * unscale (the caller's). row_of: m int64 of scratch. Returns 0, or -1 for an index outside
- * [0, m) or a repeated one (nothing written). */
+ * * scale (t < chunk, truncated at d): one pass over out. scale: 0 after a split vote (split,
+ * a bool, non-zero; NULL: no vote), else unscale. row_of: m int64 of scratch. Returns 0, or -1
+ * for an index outside [0, m) or a repeated one (nothing written). */
 int64_t hgc_topkc_scatter(const void *restrict payload, int64_t dtype, const int64_t *restrict idx,
-                          int64_t k, int64_t chunk, int64_t d, float scale, float *restrict out,
-                          int64_t *restrict row_of)
+                          int64_t k, int64_t chunk, int64_t d, const unsigned char *restrict split,
+                          float unscale, float *restrict out, int64_t *restrict row_of)
 {
     int64_t m = (d + chunk - 1) / chunk;
+    float scale = split && *split ? 0.0f : unscale;
     for (int64_t i = 0; i < m; i++)
         row_of[i] = -1;
     for (int64_t j = 0; j < k; j++) {
@@ -272,9 +305,9 @@ int64_t hgc_topkc_scatter(const void *restrict payload, int64_t dtype, const int
         }
         int64_t src = row_of[i] * chunk;
         if (dtype) {
-            const uint16_t *p = (const uint16_t *)payload + src;
+            halves_in((const uint16_t *)payload + src, o, n);
             for (int64_t t = 0; t < n; t++)
-                o[t] = from_half(p[t]) * scale;
+                o[t] = o[t] * scale;
         } else {
             const float *p = (const float *)payload + src;
             for (int64_t t = 0; t < n; t++)
