@@ -303,7 +303,7 @@ def _correct_kernel(ops, plan, flat, residual):
     return ops.reshape(c, (m, chunk)), scores
 
 
-def _pack_kernel(ops, plan, flat, chunks, scores, idx):
+def _pack_kernel(ops, plan, flat, chunks, scores, idx, *finite):
     """Steps 3-6 on the selected chunks: the payload, what was sent and the residual.
 
     ``plan`` = (chunk, error_feedback, blocking, beta, payload_dtype, prescale, unscale,
@@ -311,7 +311,9 @@ def _pack_kernel(ops, plan, flat, chunks, scores, idx):
     ``prescale``, ``unscale`` and ``fp16_limit``. Inputs: ``flat`` float32 [d] (the gradient
     ``g``), ``chunks`` float32 [m, chunk] (``c`` from :func:`_correct_kernel`; updated in place
     with error feedback, so a temporary the caller no longer needs), ``scores`` float32 [m]
-    (its scores; updated in place) and ``idx`` int64 [k] (the selected chunks, distinct).
+    (its scores; updated in place) and ``idx`` int64 [k] (the selected chunks, distinct);
+    ``finite`` (bool [], optional): the gradient's check, applied to the payload by
+    :func:`~hvd_gradcomp.base.poison` (NaN everywhere when false).
 
     Returns ``(payload, sent, left)``:
         - ``payload`` (``payload_dtype``): the selected chunks in ``idx`` order, times
@@ -325,6 +327,7 @@ def _pack_kernel(ops, plan, flat, chunks, scores, idx):
           without error feedback.
     """
     chunk, error_feedback, blocking, decay, dtype, prescale, unscale, limit = plan
+    finite = finite[0] if finite else None
     k = ops.shape(idx)[0]
     picked = ops.gather(chunks, idx)
     wire = saturating_cast(ops, picked * prescale, dtype, limit=limit)
@@ -335,7 +338,7 @@ def _pack_kernel(ops, plan, flat, chunks, scores, idx):
         sent = ops.cast(wire, "float32") * unscale
         left = ops.reshape(ops.index_add(chunks, idx, sent * -1.0), (ops.shape(chunks)[0] * chunk,))
     if blocking:
-        return payload, sent, left
+        return poison(ops, payload, finite), sent, left
     if error_feedback:
         # Step 5's fix-up: the kernel scored beta c + g, which is beta e' + g for every chunk
         # not sent; a sent chunk's e' is c - sent, so its guess is beta c + g - beta sent (an
@@ -345,7 +348,8 @@ def _pack_kernel(ops, plan, flat, chunks, scores, idx):
         padded = ops.concat([flat, ops.zeros((m * chunk - d,), "float32", flat)], 0) if m * chunk > d else flat
         guess = (picked * decay if decay != 1.0 else picked) + ops.gather(ops.reshape(padded, (m, chunk)), idx)
         scores = _rescored(ops, scores, idx, guess - (sent * decay if decay != 1.0 else sent))
-    return ops.concat([payload, ops.cast(_unit_scores(ops, scores), dtype), _vote_slots(ops, idx, dtype)], 0), sent, left
+    payload = ops.concat([payload, ops.cast(_unit_scores(ops, scores), dtype), _vote_slots(ops, idx, dtype)], 0)
+    return poison(ops, payload, finite), sent, left
 
 
 def _scatter_kernel(ops, plan, payload, idx, *split):
@@ -461,10 +465,11 @@ class TopKCScheme(Scheme):
         # Steps 3-6 on the selected chunks in one fused kernel.
         pack = (cfg.chunk, cfg.error_feedback, self.blocking, cfg.residual_decay, cfg.payload_dtype,
                 info.prescale, info.unscale, info.fp16_limit)
-        payload, sent, left = ops.fuse(_pack_kernel, pack)(flat, chunks, scores, idx)
+        payload, sent, left = ops.fuse(_pack_kernel, pack)(flat, chunks, scores, idx,
+                                                           *(() if finite is None else (finite,)))
         if not cfg.error_feedback:
             sent = left = None
-        return poison(ops, payload, finite), _TopKCCtx(idx, left, sent)
+        return payload, _TopKCCtx(idx, left, sent)
 
     def _select(self, ops, state, k):
         """int64 [k]: step 2's chunks, from the agreed ``scores`` (float32 [m]) and, with

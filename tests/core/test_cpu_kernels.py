@@ -501,8 +501,9 @@ def test_topkc_pack_and_scatter_are_bit_exact(dtype, n):
                 flat, chunks, scores, idx = _pack_inputs(d, chunk, ef, blocking, decay, d + chunk + n)
                 k = idx.shape[0]
                 plan = (chunk, ef, blocking, decay, dtype, 1.0 / n, float(n), limit)
-                ref = _pack_kernel(R, plan, flat, chunks.clone(), scores.clone(), idx)
-                got = cpu_topkc.pack(plan, flat, chunks.clone(), scores.clone(), idx)
+                finite = (torch.tensor(True),) if d % 2 else ()  # poison()'s + 0 (-0 becomes +0), or none
+                ref = _pack_kernel(R, plan, flat, chunks.clone(), scores.clone(), idx, *finite)
+                got = cpu_topkc.pack(plan, flat, chunks.clone(), scores.clone(), idx, *finite)
                 tag = (d, chunk, ef, blocking, decay)
                 for a, b in zip(ref, got):
                     assert (a.shape, a.dtype) == (b.shape, b.dtype), tag
@@ -554,6 +555,12 @@ def test_topkc_pack_float16_cast_and_nonfinite():
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     out = cpu_topkc.scatter((100, 1000, 2.0, "float16"), got[0], idx)
     assert out[3].isnan() and int(out.isnan().sum()) == 1
+    for dtype in ("float16", "float32"):  # a step that is not finite: the payload all NaN
+        plan = (100, True, False, 1.0, dtype, 0.5, 2.0, fp16_floor(65504.0 / 2))
+        got = cpu_topkc.pack(plan, flat, chunks.clone(), scores.clone(), idx, torch.tensor(False))
+        want = _pack_kernel(R, plan, flat, chunks.clone(), scores.clone(), idx, torch.tensor(False))
+        assert got[0].dtype == want[0].dtype and bool(got[0].isnan().all()) and bool(want[0].isnan().all())
+        assert torch.equal(got[2].nan_to_num(), want[2].nan_to_num())
 
 
 def test_topkc_pack_and_scatter_refuse_bad_indices():

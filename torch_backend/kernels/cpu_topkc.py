@@ -14,7 +14,8 @@ Compiled C loops (``csrc/topkc.c``, built by :mod:`torch_backend.kernels.cbuild`
 - ``pack``: one pass over the selected chunks (gather, pre-scale, saturating cast into the
   payload, the decoded ``sent``, the residual update in place in ``chunks``, the rescoring of
   the sent chunks), then one over the ``m`` scores (normalise, cast) and the vote, written
-  into the payload directly (the reference's concatenation). ``payload``, ``sent`` and
+  into the payload directly (the reference's concatenation), with ``poison``'s ``+ 0`` on the
+  way (a pass over the payload only when the step is not finite). ``payload``, ``sent`` and
   ``left`` equal the reference's bit for bit (the same float32 operations, the same
   round-to-nearest-even casts); the payload's score part is within float32 rounding before
   its cast wherever error feedback rescored the sent chunks (a norm), bit for bit otherwise.
@@ -41,7 +42,8 @@ _lib = cbuild.load("topkc")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _lib.hgc_topkc_correct.argtypes = [_P, _P, _I, _I, _I, _I, _I, _F, _I, _P, _P, _P]
 _lib.hgc_topkc_correct.restype = None
-_lib.hgc_topkc_pack.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _I, _I, _I, _F, _I, _F, _F, _I, _F, _P, _P, _P, _P]
+_lib.hgc_topkc_pack.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _I, _I, _I, _F, _I, _F, _F, _I, _F, _P, _P, _P, _P,
+                                _P]
 _lib.hgc_topkc_pack.restype = _I
 _lib.hgc_topkc_scatter.argtypes = [_P, _I, _P, _I, _I, _I, _P, _F, _P, _P]
 _lib.hgc_topkc_scatter.restype = _I
@@ -89,7 +91,7 @@ def correct(plan, flat, residual):
     return chunks, scores
 
 
-def pack(plan, flat, chunks, scores, idx):
+def pack(plan, flat, chunks, scores, idx, *finite):
     """Fused ``_pack_kernel``: ``(payload, sent, left)`` (module docstring).
 
     Raises:
@@ -97,8 +99,10 @@ def pack(plan, flat, chunks, scores, idx):
     """
     chunk, error_feedback, blocking, decay, dtype, prescale, unscale, limit = plan
     wire = {"float16": torch.float16, "float32": torch.float32}.get(dtype)
-    if wire is None or idx.dtype != torch.int64 or idx.device.type != "cpu" or not _cpu32(flat, chunks, scores):
-        return _reference(_pack_kernel, plan, flat, chunks, scores, idx)
+    if (wire is None or idx.dtype != torch.int64 or idx.device.type != "cpu" or not _cpu32(flat, chunks, scores)
+            or any(f.device.type != "cpu" for f in finite)):
+        return _reference(_pack_kernel, plan, flat, chunks, scores, idx, *finite)
+    flag = finite[0].to(torch.bool).contiguous() if finite else None
     d, (m, _), k = flat.shape[0], chunks.shape, idx.shape[0]
     flat, idx, scores = flat.contiguous(), idx.contiguous(), scores.contiguous()
     chunks = chunks.contiguous()  # (the correct kernel's are; with error feedback, a new tensor)
@@ -109,7 +113,8 @@ def pack(plan, flat, chunks, scores, idx):
     rc = _lib.hgc_topkc_pack(_ptr(flat), d, _ptr(chunks), m, chunk, _ptr(idx), k, _ptr(scores),
                              int(bool(error_feedback)), int(bool(blocking)), int(decay != 1.0), float(decay),
                              _PAYLOAD[wire], float(prescale), float(unscale), int(wire == torch.float16),
-                             float(limit), _ptr(payload), _ptr(sent), scratch.data_ptr(), _ptr(seen))
+                             float(limit), _ptr(payload), _ptr(sent), scratch.data_ptr(), _ptr(seen),
+                             None if flag is None else flag.data_ptr())
     if rc:
         raise IndexError(f"topkc: selected chunk indices must be distinct and in [0, {m}), got {idx.tolist()}")
     left = chunks.view(m * chunk) if error_feedback else torch.empty(0, dtype=torch.float32)

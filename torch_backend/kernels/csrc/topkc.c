@@ -143,13 +143,16 @@ static float from_half(uint16_t h)
     return f;
 }
 
-/* dtype codes: 0 float32, 1 float16 */
-static inline void put(void *out, int64_t i, float v, int64_t dtype)
+/* dtype codes: 0 float32, 1 float16. plus0: the payload's "+ 0" of a finite step's poison()
+ * (hvd_gradcomp.base): a -0 becomes +0, every other value stays. */
+static inline void put(void *out, int64_t i, float v, int64_t dtype, int plus0)
 {
-    if (dtype)
-        ((uint16_t *)out)[i] = to_half(v);
-    else
-        ((float *)out)[i] = v;
+    if (dtype) {
+        uint16_t h = to_half(v);
+        ((uint16_t *)out)[i] = plus0 && h == 0x8000u ? 0 : h;
+    } else {
+        ((float *)out)[i] = plus0 ? v + 0.0f : v;
+    }
 }
 
 /* n floats to float16 and back (to_half, from_half), 8 at a time with x86's F16C where the
@@ -188,6 +191,9 @@ static int64_t check_idx(const int64_t *idx, int64_t k, int64_t m, unsigned char
     return 0;
 }
 
+static void pack_scores(const float *restrict scores, int64_t m, const int64_t *restrict idx, int64_t k,
+                        void *restrict payload, int64_t at, int64_t dtype, int plus0);
+
 /* _pack_kernel. For each selected chunk j (row r = idx[j]) and coordinate t, v = chunks[r, t]:
  *   w = v * prescale, clamped to [-limit, limit] when clamp (NaN stays NaN), cast: payload[j chunk + t]
  *   s = float(w) * unscale (the payload value decoded)        -> sent[j chunk + t]   (ef)
@@ -197,17 +203,20 @@ static int64_t check_idx(const int64_t *idx, int64_t k, int64_t m, unsigned char
  *     as squares()); scores[r] = scores[r] + (f f - scores[r]).
  * Unless blocking, then (m values at payload[k chunk]): each score, non-finite as 0, over
  * max(largest such score, 1e-30f), cast; and the 16 vote slots (1 in slot vote_slot, else 0).
+ * finite (a bool; NULL: none) is poison()'s: every payload value + 0 when it is true (a -0
+ * becomes +0; sent is decoded before), NaN everywhere when it is false.
  * Each chunk runs as a few branch-free loops over scratch (float32 [2 chunk]).
  * Returns 0, or -1 when idx holds an index outside [0, m) or a repeated one (nothing written). */
 int64_t hgc_topkc_pack(const float *restrict flat, int64_t d, float *restrict chunks, int64_t m,
                        int64_t chunk, const int64_t *restrict idx, int64_t k, float *restrict scores,
                        int64_t ef, int64_t blocking, int64_t decayed, float decay, int64_t dtype,
                        float prescale, float unscale, int64_t clamp, float limit, void *restrict payload,
-                       float *restrict sent, float *restrict scratch, unsigned char *restrict seen)
+                       float *restrict sent, float *restrict scratch, unsigned char *restrict seen,
+                       const unsigned char *restrict finite)
 {
     if (check_idx(idx, k, m, seen))
         return -1;
-    int rescore = ef && !blocking;
+    int rescore = ef && !blocking, plus0 = finite && *finite;
     float *w = scratch, *dec = scratch + chunk;
     for (int64_t j = 0; j < k; j++) {
         int64_t r = idx[j], base = r * chunk, out = j * chunk;
@@ -223,16 +232,25 @@ int64_t hgc_topkc_pack(const float *restrict flat, int64_t d, float *restrict ch
             for (int64_t t = 0; t < chunk; t++)
                 w[t] = row[t] * prescale;
         if (dtype) {
-            halves_out(w, (uint16_t *)payload + out, chunk);
-            if (!ef)
-                continue;
-            halves_in((const uint16_t *)payload + out, dec, chunk);
+            uint16_t *h = (uint16_t *)payload + out;
+            halves_out(w, h, chunk);
+            if (ef)
+                halves_in(h, dec, chunk);
+            if (plus0)
+                for (int64_t t = 0; t < chunk; t++)
+                    h[t] = h[t] == 0x8000u ? 0 : h[t];
         } else {
-            memcpy((float *)payload + out, w, (size_t)chunk * sizeof(float));
-            if (!ef)
-                continue;
-            memcpy(dec, w, (size_t)chunk * sizeof(float));
+            float *p = (float *)payload + out;
+            if (plus0)
+                for (int64_t t = 0; t < chunk; t++)
+                    p[t] = w[t] + 0.0f;
+            else
+                memcpy(p, w, (size_t)chunk * sizeof(float));
+            if (ef)
+                memcpy(dec, w, (size_t)chunk * sizeof(float));
         }
+        if (!ef)
+            continue;
         float *s = sent + out;
         for (int64_t t = 0; t < chunk; t++)
             s[t] = dec[t] * unscale;
@@ -255,17 +273,31 @@ int64_t hgc_topkc_pack(const float *restrict flat, int64_t d, float *restrict ch
         for (int64_t t = 0; t < chunk; t++)
             row[t] = row[t] + s[t] * -1.0f;
     }
-    if (blocking)
-        return 0;
+    int64_t at = k * chunk, total_len = at + (blocking ? 0 : m + 16);
+    if (!blocking)
+        pack_scores(scores, m, idx, k, payload, at, dtype, plus0);
+    if (finite && !*finite) /* poison: x + NaN */
+        for (int64_t i = 0; i < total_len; i++) {
+            if (dtype)
+                ((uint16_t *)payload)[i] = to_half(from_half(((uint16_t *)payload)[i]) + NAN);
+            else
+                ((float *)payload)[i] = ((float *)payload)[i] + NAN;
+        }
+    return 0;
+}
+
+/* _pack_kernel's score part and vote (see hgc_topkc_pack) at payload[at ...]. */
+static void pack_scores(const float *restrict scores, int64_t m, const int64_t *restrict idx, int64_t k,
+                        void *restrict payload, int64_t at, int64_t dtype, int plus0)
+{
     float top = 0.0f;
     for (int64_t i = 0; i < m; i++) {
         float v = isfinite(scores[i]) ? scores[i] : 0.0f;
         top = (i == 0 || v > top) ? v : top;
     }
     top = top < 1e-30f ? 1e-30f : top;
-    int64_t at = k * chunk;
     for (int64_t i = 0; i < m; i++)
-        put(payload, at + i, (isfinite(scores[i]) ? scores[i] : 0.0f) / top, dtype);
+        put(payload, at + i, (isfinite(scores[i]) ? scores[i] : 0.0f) / top, dtype, plus0);
     /* the vote (_vote_slots): integer arithmetic in uint64, every intermediate below 2**63 */
     uint64_t total = 0;
     for (int64_t j = 0; j < k; j++) {
@@ -274,8 +306,7 @@ int64_t hgc_topkc_pack(const float *restrict flat, int64_t d, float *restrict ch
     }
     uint64_t slot = (((total & 0xFFFFFFFFu) * 0x9E37u) & 0xFFFFFFFFu) >> 28;
     for (int64_t i = 0; i < 16; i++)
-        put(payload, at + m + i, (uint64_t)i == slot ? 1.0f : 0.0f, dtype);
-    return 0;
+        put(payload, at + m + i, (uint64_t)i == slot ? 1.0f : 0.0f, dtype, plus0);
 }
 
 /* _scatter_kernel: out (float32 [d]) = zeros, with chunk idx[j] = float(payload[j chunk + t])
