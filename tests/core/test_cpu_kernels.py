@@ -120,6 +120,7 @@ def test_providers_load_and_register():
     assert kernels.fused_form(K._rotate_kernel, plan, "cpu") is cpu_thc.rotate
     assert kernels.fused_form(K._quantize_kernel, plan, "cpu") is cpu_thc.quantize
     assert kernels.fused_form(K._decode_kernel, plan, "cpu") is cpu_thc.decode
+    assert kernels.fused_form(K._noise_kernel, plan, "cpu") is cpu_thc.noise
     assert kernels.fused_form(_correct_kernel, (256, True, False, 1.0), "cpu") is cpu_topkc.correct
     assert kernels.fused_form(_pack_kernel, (256, True, False, 1.0, "float16", 0.5, 2.0, 32752.0),
                               "cpu") is cpu_topkc.pack
@@ -443,6 +444,19 @@ def test_thc_ranks_match_reference(n, op):
     for s, r in zip(states, ref_states):
         torch.testing.assert_close(s.ranges, r.ranges, rtol=0.2, atol=0)  # a code may move a step
         assert int(s.step) == int(r.step) and int(s.realigned) == int(r.realigned) == 0
+
+
+@pytest.mark.parametrize("key", [0, 1, 0x9E3779B9, 2 ** 32 - 1, 123456789])
+@pytest.mark.parametrize("d, config", [(5000, {}), (3000, {"rotation_stages": 5}), (70, {"rotation": "full"})])
+def test_noise_is_bit_exact(key, d, config):
+    """The C hash of step 3's bits equals the reference composition's (rng.bits32) bit for
+    bit, for keys across [0, 2**32) and several block layouts."""
+    _, _, lay, plan = _setup(d, **config)
+    ranges = torch.zeros(lay.blocks)
+    want = K._noise_kernel(R, plan, torch.tensor(key), ranges)
+    got = cpu_thc.noise(plan, torch.tensor(key), ranges)
+    for a, b in zip(want, got):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype) and torch.equal(a, b)
 
 
 def test_topkc_correct_matches_reference():
