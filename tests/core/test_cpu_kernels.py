@@ -670,3 +670,23 @@ def test_ranks_compile_at_once(tmp_path):
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 and out.strip() == "True" for p, (out, _) in zip(procs, results)), results
     assert [p.name for p in (tmp_path / "kernels").glob("*/*")] == ["libtopkc.so"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_runs_gather_and_scatter_match_index_ops(dtype):
+    """torch_backend.kernels.runs: a non-contiguous flat group copied run by run equals
+    index_select / index_copy_ with the unit's index, for any buffer dtype; adjacent members
+    merge into one run."""
+    from hvd_gradcomp.buckets import Unit
+    from torch_backend.kernels import runs
+    members = [(0, 5), (5, 12), (20, 31), (40, 41)]  # the first two touch: one run
+    index = torch.cat([torch.arange(a, b) for a, b in members])
+    unit = Unit("g", None, None, (0, 1, 2, 3), -1, -1, index, ((0, 12), (20, 31), (40, 41)))
+    buffer = torch.randn(50).to(dtype)
+    assert torch.equal(runs.gather(buffer, unit), buffer.index_select(0, index))
+    assert runs.gather(buffer, unit).dtype == dtype
+    values = torch.randn(index.numel())
+    want = buffer.clone().index_copy_(0, index, values.to(dtype))
+    runs.scatter(buffer, unit, values)
+    assert torch.equal(buffer, want)
+
