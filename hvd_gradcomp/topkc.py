@@ -389,6 +389,13 @@ def _vote_slots(ops, idx, dtype, step=None):
     return ops.cast(ops.arange(_SLOTS, "int64", idx) == slot, dtype)
 
 
+def _top_kernel(ops, plan, values):
+    """int64 [k]: the indices of the ``k = plan`` largest of ``values`` (float32 [m], k <= m),
+    largest first, ties by lower index: the first ``k`` of the stable descending argsort (NaN
+    above every number, as the argsort puts it)."""
+    return ops.argsort(values)[:plan]
+
+
 def _rescored(ops, scores, idx, rows):
     """``scores`` (float32 [m]) with the selected chunks ``idx`` (int64 [k]) scored as
     ``rows`` (float32 [k, chunk]), their squared norms: an O(k chunk) fix-up."""
@@ -461,7 +468,7 @@ class TopKCScheme(Scheme):
         chunks, scores = ops.fuse(_correct_kernel, plan)(flat, state.residual if cfg.error_feedback else flat)
         if self.blocking:
             ranking = ops.allreduce(scores, "sum", self._side_name(info), info.group)
-            idx = ops.argsort(ranking)[:k]
+            idx = ops.fuse(_top_kernel, k)(ranking)
         # Steps 3-6 on the selected chunks in one fused kernel.
         pack = (cfg.chunk, cfg.error_feedback, self.blocking, cfg.residual_decay, cfg.payload_dtype,
                 info.prescale, info.unscale, info.fp16_limit)
@@ -476,11 +483,11 @@ class TopKCScheme(Scheme):
         ``max_age``, the agreed ``age`` (int64 [m]): due chunks first, oldest first, then by
         score; ties by lower index (the stable descending argsort)."""
         if not self.config.max_age:
-            return ops.argsort(state.scores)[:k]
+            return ops.fuse(_top_kernel, k)(state.scores)
         due = state.age >= self.config.max_age
         above = ops.max(state.scores, None) + 1.0  # every due key ranks above every score
         key = ops.where(due, ops.cast(state.age, "float32") + above, state.scores)
-        return ops.argsort(key)[:k]
+        return ops.fuse(_top_kernel, k)(key)
 
     def _aged(self, ops, age, idx, split):
         """int64 [m]: the ages after a step that sent chunks ``idx``: 0 for them, + 1 for the
@@ -492,7 +499,7 @@ class TopKCScheme(Scheme):
         """EF21 (module docstring, "EF21"): payload ``[C(g_i - h_i) / n, scores, vote]``."""
         cfg = self.config
         m, k, pad = self._sizes(info)
-        idx = ops.argsort(state.scores)[:k]
+        idx = ops.fuse(_top_kernel, k)(state.scores)
         g = ops.reshape(x, (info.numel,))
         v = None
         if cfg.ef21_momentum != 1.0:  # EF21-M: the local momentum stands in for the gradient

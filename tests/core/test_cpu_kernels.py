@@ -36,7 +36,7 @@ from hvd_gradcomp.lanes import CODE_SCALE  # noqa: E402
 from hvd_gradcomp.primitives import one_rank  # noqa: E402
 from hvd_gradcomp.thc import THCConfig, THCScheme  # noqa: E402
 from hvd_gradcomp.base import fp16_floor  # noqa: E402
-from hvd_gradcomp.topkc import _correct_kernel, _pack_kernel, _scatter_kernel  # noqa: E402
+from hvd_gradcomp.topkc import _correct_kernel, _pack_kernel, _scatter_kernel, _top_kernel  # noqa: E402
 from tests.core.thc_emulation import emulate_allreduce  # noqa: E402
 from torch_backend import kernels  # noqa: E402
 from torch_backend.kernels import cbuild, cpu_thc, cpu_topkc  # noqa: E402  (ImportError: no compiler)
@@ -125,6 +125,7 @@ def test_providers_load_and_register():
     assert kernels.fused_form(_pack_kernel, (256, True, False, 1.0, "float16", 0.5, 2.0, 32752.0),
                               "cpu") is cpu_topkc.pack
     assert kernels.fused_form(_scatter_kernel, (256, 1000, 2.0, "float16"), "cpu") is cpu_topkc.scatter
+    assert kernels.fused_form(_top_kernel, 10, "cpu") is cpu_topkc.top
     # a block beyond MAX_BLOCK (rotation="full" of a large tensor) keeps the reference
     _, _, _, big = _setup(cpu_thc.MAX_BLOCK + 1, rotation="full")
     assert not cpu_thc.accepts(big) and kernels.fused_form(K._rotate_kernel, big, "cpu") is None
@@ -483,6 +484,24 @@ def test_topkc_correct_matches_reference():
         got = cpu_topkc.correct((2, True, blocking, 1.0), flat, torch.zeros(4))
         assert torch.equal(ref[1].isnan(), got[1].isnan())
         assert torch.equal(ref[1].nan_to_num(), got[1].nan_to_num())
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "special"])
+def test_topkc_top_is_the_stable_argsort(kind):
+    """The radix selection gives the reference's indices exactly: ties by lower index, NaN
+    above +inf, -0 equal to +0, subnormals in their place; k from 0 to m."""
+    gen = torch.Generator().manual_seed(3)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-45, 3.0])
+    for m in (1, 2, 17, 1000, 5000):
+        if kind == "randn":
+            v = torch.randn(m, generator=gen)
+        elif kind == "ties":
+            v = torch.randint(0, 5, (m,), generator=gen).float()
+        else:
+            v = special[torch.randint(0, len(special), (m,), generator=gen)]
+        for k in sorted({0, 1, m // 10, m // 2, m}):
+            want, got = _top_kernel(R, k, v), cpu_topkc.top(k, v)
+            assert (want.shape, want.dtype) == (got.shape, got.dtype) and torch.equal(want, got), (m, k)
 
 
 def _pack_inputs(d, chunk, ef, blocking, decay, seed):

@@ -1,5 +1,6 @@
 """Fused CPU forms of TopKC's kernels (:mod:`hvd_gradcomp.topkc`): ``_correct_kernel`` (steps 1
-and 5), ``_pack_kernel`` (steps 3-6 on the selected chunks) and ``_scatter_kernel`` (the decode).
+and 5), ``_top_kernel`` (step 2's selection), ``_pack_kernel`` (steps 3-6 on the selected
+chunks) and ``_scatter_kernel`` (the decode).
 
 Compiled C loops (``csrc/topkc.c``, built by :mod:`torch_backend.kernels.cbuild`):
 
@@ -19,6 +20,8 @@ Compiled C loops (``csrc/topkc.c``, built by :mod:`torch_backend.kernels.cbuild`
   ``left`` equal the reference's bit for bit (the same float32 operations, the same
   round-to-nearest-even casts); the payload's score part is within float32 rounding before
   its cast wherever error feedback rescored the sent chunks (a norm), bit for bit otherwise.
+- ``top``: the selection (the first ``k`` of the stable descending argsort of the agreed
+  scores) by a radix sort of order keys, O(m): the reference's indices exactly.
 - ``scatter``: the decoded output written in one pass, zeros and the received chunks times the
   scale (the reference fills zeros, then copies the scaled chunks in); bit for bit.
 
@@ -32,11 +35,11 @@ import ctypes
 
 import torch
 
-from hvd_gradcomp.topkc import _correct_kernel, _pack_kernel, _scatter_kernel
+from hvd_gradcomp.topkc import _correct_kernel, _pack_kernel, _scatter_kernel, _top_kernel
 from torch_backend import kernels
 from torch_backend.kernels import cbuild
 
-__all__ = ["accepts", "correct", "pack", "scatter"]
+__all__ = ["accepts", "correct", "pack", "scatter", "top"]
 
 _lib = cbuild.load("topkc")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -47,6 +50,9 @@ _lib.hgc_topkc_pack.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _I, _I, _I, _F, 
 _lib.hgc_topkc_pack.restype = _I
 _lib.hgc_topkc_scatter.argtypes = [_P, _I, _P, _I, _I, _I, _P, _F, _P, _P]
 _lib.hgc_topkc_scatter.restype = _I
+
+_lib.hgc_topkc_top.argtypes = [_P, _I, _I, _P, _P, _P]
+_lib.hgc_topkc_top.restype = None
 
 _PAYLOAD = {torch.float16: 1, torch.float32: 0}
 
@@ -146,6 +152,23 @@ def scatter(plan, payload, idx, *split):
     return out
 
 
+def top(plan, values):
+    """Fused ``_top_kernel``: int64 [k], the first ``k = plan`` of the stable descending
+    argsort of ``values`` (float32 [m]), by a radix sort of order keys (module docstring):
+    the reference's indices exactly, NaN and signed zeros included."""
+    if not _cpu32(values) or values.dim() != 1 or not 0 <= plan <= values.shape[0]:
+        return _reference(_top_kernel, plan, values)
+    m = values.shape[0]
+    values = values.contiguous()
+    out = torch.empty(plan, dtype=torch.int64)
+    keys = torch.empty(2 * m, dtype=torch.int32)
+    idx = torch.empty(2 * m, dtype=torch.int64)
+    if m:
+        _lib.hgc_topkc_top(values.data_ptr(), m, plan, _ptr(out), keys.data_ptr(), idx.data_ptr())
+    return out
+
+
 kernels.register(_correct_kernel, "cpu", accepts, correct, "cpu_topkc.correct")
 kernels.register(_pack_kernel, "cpu", accepts, pack, "cpu_topkc.pack")
 kernels.register(_scatter_kernel, "cpu", accepts, scatter, "cpu_topkc.scatter")
+kernels.register(_top_kernel, "cpu", accepts, top, "cpu_topkc.top")

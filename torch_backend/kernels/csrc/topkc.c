@@ -347,3 +347,55 @@ int64_t hgc_topkc_scatter(const void *restrict payload, int64_t dtype, const int
     }
     return 0;
 }
+
+/* ---- _top_kernel (hvd_gradcomp/topkc.py): the first k of the stable descending argsort ----
+ *
+ * Each value gets an order key, a uint32 whose ascending order is the float order, with -0 as
+ * +0 (equal, as PyTorch's sort compares them) and every NaN above +inf (PyTorch's sort puts
+ * NaN above every number; NaNs tie); the complement of the key is then sorted ascending by a
+ * stable LSD radix sort (digits of 11, 11 and 10 bits) starting from index order, so ties keep
+ * the lower index first: the reference's permutation exactly. out: int64 [k] (k <= m); keys:
+ * 2 m uint32 and idx: 2 m int64 of scratch. */
+static inline uint32_t order_key(float f)
+{
+    uint32_t x;
+    if (isnan(f))
+        return 0xFFFFFFFFu;
+    if (f == 0.0f)
+        f = 0.0f;
+    memcpy(&x, &f, 4);
+    return (x & 0x80000000u) ? ~x : (x | 0x80000000u);
+}
+
+void hgc_topkc_top(const float *restrict v, int64_t m, int64_t k, int64_t *restrict out,
+                   uint32_t *restrict keys, int64_t *restrict idx)
+{
+    uint32_t *ka = keys, *kb = keys + m;
+    int64_t *ia = idx, *ib = idx + m;
+    for (int64_t i = 0; i < m; i++) {
+        ka[i] = ~order_key(v[i]);
+        ia[i] = i;
+    }
+    static const int shift[3] = {0, 11, 22};
+    int64_t count[2048];
+    for (int pass = 0; pass < 3; pass++) {
+        int s = shift[pass];
+        memset(count, 0, sizeof(count));
+        for (int64_t i = 0; i < m; i++)
+            count[(ka[i] >> s) & 0x7FFu]++;
+        int64_t at = 0;
+        for (int b = 0; b < 2048; b++) {
+            int64_t c = count[b];
+            count[b] = at;
+            at += c;
+        }
+        for (int64_t i = 0; i < m; i++) {
+            int64_t to = count[(ka[i] >> s) & 0x7FFu]++;
+            kb[to] = ka[i];
+            ib[to] = ia[i];
+        }
+        uint32_t *kt = ka; ka = kb; kb = kt;
+        int64_t *it = ia; ia = ib; ib = it;
+    }
+    memcpy(out, ia, (size_t)k * sizeof(int64_t));
+}
