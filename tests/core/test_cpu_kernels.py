@@ -709,3 +709,28 @@ def test_runs_gather_and_scatter_match_index_ops(dtype):
     runs.scatter(buffer, unit, values)
     assert torch.equal(buffer, want)
 
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86-64 baseline build")
+def test_topkc_result_independent_of_vector_width(monkeypatch):
+    """TopKC's library for this CPU (F16C casts, non-temporal stores where it has them) and one
+    for baseline x86-64 (software casts, memcpy) compute the same bits."""
+    native = cpu_topkc._lib
+    other = cbuild.load("topkc", ("-march=x86-64", "-mtune=generic"))
+    for name in ("hgc_topkc_correct", "hgc_topkc_pack", "hgc_topkc_scatter", "hgc_topkc_top"):
+        getattr(other, name).argtypes = getattr(native, name).argtypes
+        getattr(other, name).restype = getattr(native, name).restype
+
+    def run(lib):
+        monkeypatch.setattr(cpu_topkc, "_lib", lib)
+        gen = torch.Generator().manual_seed(1)
+        flat, residual = torch.randn(100000, generator=gen) * 1000, torch.randn(100000, generator=gen)
+        chunks, scores = cpu_topkc.correct((256, True, False, 1.0), flat, residual)
+        idx = cpu_topkc.top(40, scores)
+        payload, sent, left = cpu_topkc.pack((256, True, False, 1.0, "float16", 0.25, 4.0, 16376.0), flat,
+                                             chunks.clone(), scores.clone(), idx, torch.tensor(True))
+        out = cpu_topkc.scatter((256, 100000, 4.0, "float16"), payload, idx)
+        return [chunks, scores, idx, payload.view(torch.int16), sent, left, out]
+
+    for a, b in zip(run(native), run(other)):
+        assert torch.equal(a, b)

@@ -48,7 +48,7 @@ _lib.hgc_topkc_correct.restype = None
 _lib.hgc_topkc_pack.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _I, _I, _I, _F, _I, _F, _F, _I, _F, _P, _P, _P, _P,
                                 _P]
 _lib.hgc_topkc_pack.restype = _I
-_lib.hgc_topkc_scatter.argtypes = [_P, _I, _P, _I, _I, _I, _P, _F, _P, _P]
+_lib.hgc_topkc_scatter.argtypes = [_P, _I, _P, _I, _I, _I, _P, _F, _P, _P, _P]
 _lib.hgc_topkc_scatter.restype = _I
 
 _lib.hgc_topkc_top.argtypes = [_P, _I, _I, _P, _P, _P]
@@ -87,13 +87,13 @@ def correct(plan, flat, residual):
     residual = residual.contiguous() if error_feedback else None
     view = not error_feedback and m * chunk == d  # the reference's c is the gradient itself
     chunks = flat.view(m, chunk) if view else torch.empty((m, chunk), dtype=torch.float32)
-    scratch = None if blocking else torch.empty(chunk, dtype=torch.float32)
+    scratch = torch.empty(2 * chunk, dtype=torch.float32)
     scores = torch.empty(m, dtype=torch.float32)
     _lib.hgc_topkc_correct(flat.data_ptr() if d else None,
                            residual.data_ptr() if residual is not None and d else None, d, m, chunk,
                            int(bool(error_feedback)), int(decay != 1.0), float(decay), int(bool(blocking)),
                            None if view else (chunks.data_ptr() if m else None),
-                           None if scratch is None else scratch.data_ptr(), _ptr(scores))
+                           scratch.data_ptr(), _ptr(scores))
     return chunks, scores
 
 
@@ -144,9 +144,10 @@ def scatter(plan, payload, idx, *split):
     flag = split[0].to(torch.bool).contiguous() if split else None
     out = torch.empty(d, dtype=torch.float32)
     row_of = torch.empty(m, dtype=torch.int64)
+    row_buf = torch.empty(2 * chunk, dtype=torch.float32)
     rc = _lib.hgc_topkc_scatter(_ptr(payload), _PAYLOAD[payload.dtype], _ptr(idx), k, chunk, d,
                                 None if flag is None else flag.data_ptr(), float(unscale), _ptr(out),
-                                _ptr(row_of))
+                                _ptr(row_of), row_buf.data_ptr())
     if rc:
         raise IndexError(f"topkc: received chunk indices must be distinct and in [0, {m}), got {idx.tolist()}")
     return out

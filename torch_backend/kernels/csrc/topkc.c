@@ -15,17 +15,46 @@
  *   when blocking. The sum of squares runs in 16 partial sums combined pairwise (PyTorch sums in
  *   its own order: the scores agree within float32 rounding, not bit for bit).
  * chunks (float32 [m chunk]) is written unless NULL (the caller's view of flat when c = g);
- * the guess is scored, not kept: scratch (float32 [chunk]) holds one chunk's at a time (unused
- * when blocking, whose guess is c). */
+ * the guess is scored, not kept: scratch (float32 [2 chunk]) holds one chunk's guess and c at a
+ * time (c then goes out by stream_out). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
 #define ACC 16
+
+/* dst[0, n) = src[0, n): with non-temporal stores where the target has them (AVX-512 or AVX)
+ * and dst is 64-byte aligned with n a multiple of 16 (a chunk row of the large outputs, which
+ * no later step of the call reads back from cache: no read for ownership), else memcpy. The
+ * same values either way; stream_fence() orders them before the caller returns. */
+static void stream_out(float *restrict dst, const float *restrict src, int64_t n)
+{
+#if defined(__AVX512F__) || defined(__AVX__)
+    if (((uintptr_t)dst & 63u) == 0 && (n & 15) == 0) {
+        for (int64_t t = 0; t < n; t += 16) {
+#if defined(__AVX512F__)
+            _mm512_stream_ps(dst + t, _mm512_loadu_ps(src + t));
+#else
+            _mm256_stream_ps(dst + t, _mm256_loadu_ps(src + t));
+            _mm256_stream_ps(dst + t + 8, _mm256_loadu_ps(src + t + 8));
+#endif
+        }
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)n * sizeof(float));
+}
+
+static void stream_fence(void)
+{
+#if defined(__AVX512F__) || defined(__AVX__)
+    _mm_sfence();
+#endif
+}
 
 static float squares(const float *restrict v, int64_t n)
 {
@@ -66,7 +95,7 @@ void hgc_topkc_correct(const float *restrict flat, const float *restrict residua
     for (int64_t i = 0; i < m; i++) {
         int64_t base = i * chunk;
         int64_t n = d - base < chunk ? d - base : chunk;
-        float *c_out = chunks ? chunks + base : NULL;
+        float *c_out = chunks ? scratch + chunk : NULL;
         float *g_out = blocking ? NULL : scratch;
         const float *e = ef ? residual + base : NULL;
         if (ef && decayed)
@@ -89,7 +118,10 @@ void hgc_topkc_correct(const float *restrict flat, const float *restrict residua
         if (blocking && !isfinite(score))
             score = 0.0f;
         scores[i] = score;
+        if (c_out)
+            stream_out(chunks + base, c_out, chunk);
     }
+    stream_fence();
 }
 
 /* ---- _pack_kernel and _scatter_kernel (hvd_gradcomp/topkc.py, steps 3-6 and the decode) ----
@@ -311,11 +343,13 @@ static void pack_scores(const float *restrict scores, int64_t m, const int64_t *
 
 /* _scatter_kernel: out (float32 [d]) = zeros, with chunk idx[j] = float(payload[j chunk + t])
  * * scale (t < chunk, truncated at d): one pass over out. scale: 0 after a split vote (split,
- * a bool, non-zero; NULL: no vote), else unscale. row_of: m int64 of scratch. Returns 0, or -1
+ * a bool, non-zero; NULL: no vote), else unscale. row_of: m int64 and row_buf: 2 chunk float32
+ * of scratch (rows go out through stream_out). Returns 0, or -1
  * for an index outside [0, m) or a repeated one (nothing written). */
 int64_t hgc_topkc_scatter(const void *restrict payload, int64_t dtype, const int64_t *restrict idx,
                           int64_t k, int64_t chunk, int64_t d, const unsigned char *restrict split,
-                          float unscale, float *restrict out, int64_t *restrict row_of)
+                          float unscale, float *restrict out, int64_t *restrict row_of,
+                          float *restrict row_buf)
 {
     int64_t m = (d + chunk - 1) / chunk;
     float scale = split && *split ? 0.0f : unscale;
@@ -326,25 +360,28 @@ int64_t hgc_topkc_scatter(const void *restrict payload, int64_t dtype, const int
             return -1;
         row_of[idx[j]] = j;
     }
+    float *zeros = row_buf + chunk; /* chunk 0.0f; row_buf: one decoded row */
+    memset(zeros, 0, (size_t)chunk * sizeof(float));
     for (int64_t i = 0; i < m; i++) {
         int64_t base = i * chunk;
         int64_t n = d - base < chunk ? d - base : chunk;
-        float *o = out + base;
         if (row_of[i] < 0) {
-            memset(o, 0, (size_t)n * sizeof(float));
+            stream_out(out + base, zeros, n);
             continue;
         }
         int64_t src = row_of[i] * chunk;
         if (dtype) {
-            halves_in((const uint16_t *)payload + src, o, n);
+            halves_in((const uint16_t *)payload + src, row_buf, n);
             for (int64_t t = 0; t < n; t++)
-                o[t] = o[t] * scale;
+                row_buf[t] = row_buf[t] * scale;
         } else {
             const float *p = (const float *)payload + src;
             for (int64_t t = 0; t < n; t++)
-                o[t] = p[t] * scale;
+                row_buf[t] = p[t] * scale;
         }
+        stream_out(out + base, row_buf, n);
     }
+    stream_fence();
     return 0;
 }
 
