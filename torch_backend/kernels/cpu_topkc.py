@@ -39,20 +39,26 @@ from hvd_gradcomp.topkc import _correct_kernel, _pack_kernel, _scatter_kernel, _
 from torch_backend import kernels
 from torch_backend.kernels import cbuild
 
-__all__ = ["accepts", "correct", "pack", "scatter", "top"]
+__all__ = ["accepts", "correct", "pack", "scatter", "top", "STREAM_MIN"]
 
 _lib = cbuild.load("topkc")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_lib.hgc_topkc_correct.argtypes = [_P, _P, _I, _I, _I, _I, _I, _F, _I, _P, _P, _P]
+_lib.hgc_topkc_correct.argtypes = [_P, _P, _I, _I, _I, _I, _I, _F, _I, _P, _P, _P, _I]
 _lib.hgc_topkc_correct.restype = None
 _lib.hgc_topkc_pack.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _I, _I, _I, _F, _I, _F, _F, _I, _F, _P, _P, _P, _P,
                                 _P]
 _lib.hgc_topkc_pack.restype = _I
-_lib.hgc_topkc_scatter.argtypes = [_P, _I, _P, _I, _I, _I, _P, _F, _P, _P, _P]
+_lib.hgc_topkc_scatter.argtypes = [_P, _I, _P, _I, _I, _I, _P, _F, _P, _P, _P, _I]
 _lib.hgc_topkc_scatter.restype = _I
 
 _lib.hgc_topkc_top.argtypes = [_P, _I, _I, _P, _P, _P]
 _lib.hgc_topkc_top.restype = None
+
+# Outputs of at least this many float32 (32 MiB) leave ``correct`` and ``scatter`` by
+# non-temporal stores (no read for ownership): at 2^24 coordinates a TopKC call took 32 against
+# 41 ms; at 2^20, where the outputs stay in cache for the next step, they cost more (2.6
+# against 1.8 ms), and 2^22 was even (one thread, docs/bench.md "CPU fused kernels").
+STREAM_MIN = 1 << 23
 
 _PAYLOAD = {torch.float16: 1, torch.float32: 0}
 
@@ -93,7 +99,7 @@ def correct(plan, flat, residual):
                            residual.data_ptr() if residual is not None and d else None, d, m, chunk,
                            int(bool(error_feedback)), int(decay != 1.0), float(decay), int(bool(blocking)),
                            None if view else (chunks.data_ptr() if m else None),
-                           scratch.data_ptr(), _ptr(scores))
+                           scratch.data_ptr(), _ptr(scores), int(m * chunk >= STREAM_MIN))
     return chunks, scores
 
 
@@ -147,7 +153,7 @@ def scatter(plan, payload, idx, *split):
     row_buf = torch.empty(2 * chunk, dtype=torch.float32)
     rc = _lib.hgc_topkc_scatter(_ptr(payload), _PAYLOAD[payload.dtype], _ptr(idx), k, chunk, d,
                                 None if flag is None else flag.data_ptr(), float(unscale), _ptr(out),
-                                _ptr(row_of), row_buf.data_ptr())
+                                _ptr(row_of), row_buf.data_ptr(), int(d >= STREAM_MIN))
     if rc:
         raise IndexError(f"topkc: received chunk indices must be distinct and in [0, {m}), got {idx.tolist()}")
     return out

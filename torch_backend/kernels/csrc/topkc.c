@@ -16,7 +16,7 @@
  *   its own order: the scores agree within float32 rounding, not bit for bit).
  * chunks (float32 [m chunk]) is written unless NULL (the caller's view of flat when c = g);
  * the guess is scored, not kept: scratch (float32 [2 chunk]) holds one chunk's guess and c at a
- * time (c then goes out by stream_out). */
+ * time (c then goes out by stream_out, non-temporal when stream). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -27,14 +27,14 @@
 
 #define ACC 16
 
-/* dst[0, n) = src[0, n): with non-temporal stores where the target has them (AVX-512 or AVX)
- * and dst is 64-byte aligned with n a multiple of 16 (a chunk row of the large outputs, which
- * no later step of the call reads back from cache: no read for ownership), else memcpy. The
- * same values either way; stream_fence() orders them before the caller returns. */
-static void stream_out(float *restrict dst, const float *restrict src, int64_t n)
+/* dst[0, n) = src[0, n): when stream, with non-temporal stores where the target has them
+ * (AVX-512 or AVX) and dst is 64-byte aligned with n a multiple of 16 (a chunk row of an
+ * output too large to stay in cache: no read for ownership), else memcpy. The same values
+ * either way; stream_fence() orders them before the caller returns. */
+static void stream_out(float *restrict dst, const float *restrict src, int64_t n, int64_t stream)
 {
 #if defined(__AVX512F__) || defined(__AVX__)
-    if (((uintptr_t)dst & 63u) == 0 && (n & 15) == 0) {
+    if (stream && ((uintptr_t)dst & 63u) == 0 && (n & 15) == 0) {
         for (int64_t t = 0; t < n; t += 16) {
 #if defined(__AVX512F__)
             _mm512_stream_ps(dst + t, _mm512_loadu_ps(src + t));
@@ -90,7 +90,7 @@ static inline void correct_run(const float *restrict g, const float *restrict e,
 void hgc_topkc_correct(const float *restrict flat, const float *restrict residual, int64_t d,
                        int64_t m, int64_t chunk, int64_t ef, int64_t decayed, float decay,
                        int64_t blocking, float *restrict chunks, float *restrict scratch,
-                       float *restrict scores)
+                       float *restrict scores, int64_t stream)
 {
     for (int64_t i = 0; i < m; i++) {
         int64_t base = i * chunk;
@@ -119,7 +119,7 @@ void hgc_topkc_correct(const float *restrict flat, const float *restrict residua
             score = 0.0f;
         scores[i] = score;
         if (c_out)
-            stream_out(chunks + base, c_out, chunk);
+            stream_out(chunks + base, c_out, chunk, stream);
     }
     stream_fence();
 }
@@ -344,12 +344,12 @@ static void pack_scores(const float *restrict scores, int64_t m, const int64_t *
 /* _scatter_kernel: out (float32 [d]) = zeros, with chunk idx[j] = float(payload[j chunk + t])
  * * scale (t < chunk, truncated at d): one pass over out. scale: 0 after a split vote (split,
  * a bool, non-zero; NULL: no vote), else unscale. row_of: m int64 and row_buf: 2 chunk float32
- * of scratch (rows go out through stream_out). Returns 0, or -1
+ * of scratch (rows go out through stream_out, non-temporal when stream). Returns 0, or -1
  * for an index outside [0, m) or a repeated one (nothing written). */
 int64_t hgc_topkc_scatter(const void *restrict payload, int64_t dtype, const int64_t *restrict idx,
                           int64_t k, int64_t chunk, int64_t d, const unsigned char *restrict split,
                           float unscale, float *restrict out, int64_t *restrict row_of,
-                          float *restrict row_buf)
+                          float *restrict row_buf, int64_t stream)
 {
     int64_t m = (d + chunk - 1) / chunk;
     float scale = split && *split ? 0.0f : unscale;
@@ -366,7 +366,7 @@ int64_t hgc_topkc_scatter(const void *restrict payload, int64_t dtype, const int
         int64_t base = i * chunk;
         int64_t n = d - base < chunk ? d - base : chunk;
         if (row_of[i] < 0) {
-            stream_out(out + base, zeros, n);
+            stream_out(out + base, zeros, n, stream);
             continue;
         }
         int64_t src = row_of[i] * chunk;
@@ -379,7 +379,7 @@ int64_t hgc_topkc_scatter(const void *restrict payload, int64_t dtype, const int
             for (int64_t t = 0; t < n; t++)
                 row_buf[t] = p[t] * scale;
         }
-        stream_out(out + base, row_buf, n);
+        stream_out(out + base, row_buf, n, stream);
     }
     stream_fence();
     return 0;
