@@ -320,7 +320,8 @@ def _pack_kernel(ops, plan, flat, chunks, scores, idx, *finite):
           ``prescale``, saturated at ``limit`` (float16) and cast (step 3), [k chunk]; unless
           ``blocking``, followed by the scores (step 5: the selected chunks rescored as ``beta
           (c - sent) + g`` when there is error feedback, then over their maximum, :func:`_unit_scores`)
-          and the vote (step 6, :func:`_vote_slots`): [k chunk + m + 16];
+          and the vote (step 6, :func:`_vote_slots`): [k chunk + m + 16]; then ``poison``'s
+          ``+ 0`` (``finite`` true: a -0 becomes +0) or NaN everywhere (``finite`` false);
         - ``sent`` float32 [k, chunk]: the payload's values decoded (``unscale`` times), [0]
           without error feedback;
         - ``left`` float32 [m chunk]: ``c`` less ``sent`` on the selected chunks (step 4), [0]
@@ -517,12 +518,8 @@ class TopKCScheme(Scheme):
         norms = ops.norm(chunks, 1)
         scores = _unit_scores(ops, _rescored(ops, norms * norms, idx, picked - sent))
         payload = ops.concat([ops.reshape(wire, (k * cfg.chunk,)), ops.cast(scores, cfg.payload_dtype),
-                              self._vote(ops, idx, info, x, state.step)], 0)
+                              _vote_slots(ops, idx, cfg.payload_dtype, state.step)], 0)
         return poison(ops, payload, finite), _EF21Ctx(idx, sent, state.estimate, v)
-
-    def _vote(self, ops, idx, info, like, step=None):
-        """float [SLOTS]: this rank's vote for the selection ``idx`` (:func:`_vote_slots`)."""
-        return _vote_slots(ops, idx, self.config.payload_dtype, step)
 
     def receive(self, ops, payload, ctx, info):
         """``ctx`` with ``ok`` (the payload is finite) and, ``selection="previous"``, ``split``
