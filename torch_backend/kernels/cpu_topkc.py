@@ -64,7 +64,7 @@ _PAYLOAD = {torch.float16: 1, torch.float32: 0}
 
 
 def accepts(plan) -> bool:
-    """Every plan of the three kernels."""
+    """Every plan of the four kernels."""
     return True
 
 
