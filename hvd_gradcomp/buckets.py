@@ -69,6 +69,9 @@ class Unit(NamedTuple):
     start, stop: the unit's span in the flat buffer when its members are contiguous, else -1.
     index: when not contiguous, the buffer positions of the unit's coordinates (int64, on the
         buffer's device, built once per plan), else None.
+    runs: when not contiguous, the same positions as maximal runs ``((start, stop), ...)`` of
+        the buffer, in the unit's order (an engine may copy run by run:
+        :mod:`torch_backend.kernels.runs`), else ().
     """
 
     key: str
@@ -78,6 +81,7 @@ class Unit(NamedTuple):
     start: int
     stop: int
     index: Any = None
+    runs: tuple = ()
 
     @property
     def contiguous(self) -> bool:
@@ -194,7 +198,14 @@ class Buckets:
                 ops = self.ops
                 index = ops.concat([ops.arange(members[i].numel, "int64", like) + members[i].offset
                                     for i in idx], 0)
-                units.append(Unit(gkey, scheme, ginfo, idx, -1, -1, index))
+                runs = []
+                for i in idx:  # adjacent members merge into one run
+                    lo, hi = members[i].offset, members[i].offset + members[i].numel
+                    if runs and runs[-1][1] == lo:
+                        runs[-1] = (runs[-1][0], hi)
+                    else:
+                        runs.append((lo, hi))
+                units.append(Unit(gkey, scheme, ginfo, idx, -1, -1, index, tuple(runs)))
         for unit in units:  # whose bytes each tensor's are now (reports count the holders only)
             for i in unit.members:
                 self._holders[members[i].key] = unit.key

@@ -104,7 +104,8 @@ class EngineCodec:
         has_state = self._has_state(info.key)
         state = self._read_state(info.key) if has_state else EmptyState()
         out, new_state = finish_tensor(scheme, self.ops, payload, inner, state, sinfo, dtype="float32")
-        out = out * (1.0 / divide)
+        if divide != 1:  # (times 1.0 is the identity: no pass over the output at world size 1)
+            out = out * (1.0 / divide)
         if info.dtype in HALF_MAX:  # clamp the mean: each rank keeps the excess (Average's share)
             out, new_state = saturate_output(scheme, self.ops, out, new_state,
                                              dataclasses.replace(sinfo, op="average"), HALF_MAX[info.dtype], scale)

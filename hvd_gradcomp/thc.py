@@ -147,7 +147,7 @@ from typing import ClassVar, NamedTuple, Optional
 from . import hadamard, rng
 from .base import Scheme, TensorInfo, WireBytes
 from .lanes import MAX_WORLD_SIZE, LaneLayout, exact_words, lane_layout, stats_layout, wire_bits
-from .thc_kernels import (_CONTROL, _Plan, _decode_kernel, _finish_kernel, _noise_bits, _pad, _quantize_kernel,
+from .thc_kernels import (_CONTROL, _Plan, _decode_kernel, _finish_kernel, _noise_kernel, _pad, _quantize_kernel,
                           _receive_kernel, _rotate_kernel)
 from .options import error_feedback_option, option, seed_option, validate
 
@@ -373,7 +373,7 @@ class THCScheme(Scheme):
         # the rounding key is this rank's static key XOR the step; the fingerprint is the
         # step's low bits (step 5).
         step = ops.bitwise_and(state.step, 0xFFFFFFFF)
-        rows, cols = _noise_bits(ops, ops.bitwise_xor(step, self._round_key(info)), lay.blocks, lay.block, x)
+        rows, cols = ops.fuse(_noise_kernel, plan)(ops.bitwise_xor(step, self._round_key(info)), ranges)
         fingerprint = ops.bitwise_and(state.step, (1 << lay.fingerprint_bits) - 1)
         payload, residual, saturated = ops.fuse(_quantize_kernel, plan)(
             y, held, ranges, rows, cols, fingerprint, finite, stats_words)

@@ -124,6 +124,14 @@ def _noise_bits(ops, key, blocks: int, block: int, like):
     return ops.bitwise_or(bits[:blocks], _ONE_BITS), bits[blocks:]
 
 
+def _noise_kernel(ops, plan: _Plan, key, ranges):
+    """:func:`_noise_bits` as a kernel (``Primitives.fuse``): ``(rows int32 [nb], cols int32
+    [B])`` for ``key`` (int64 0-d, in [0, 2**32): this rank's round key XOR the step), ``nb``
+    the length of ``ranges`` (float32 [nb]; only its shape is read), ``B = plan.block``. About
+    50 small integer operations op by op; one loop where a fused form exists."""
+    return _noise_bits(ops, key, ops.shape(ranges)[0], plan.block, ranges)
+
+
 def _quantize_kernel(ops, plan: _Plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words):
     """Steps 3-5: (payload int32, residual float32 [P] or [0], saturated int64 0-d)."""
     B, top_level = plan.block, _top_level(plan.levels.top)

@@ -279,11 +279,12 @@ class _TopKCCtx(NamedTuple):
 
 def _correct_kernel(ops, plan, flat, residual):
     """Steps 1 and 5 in one pass: ``c = g + beta e`` zero-padded and viewed as chunks (float32
-    [m, chunk]), the guess ``g + beta c`` as chunks (float32 [m, chunk]; step 5's ``g + beta
-    e'`` for every chunk not sent this step; ``c`` itself when ``blocking``), and per-chunk
-    scores (float32 [m]): the guess's squared norms, non-finite as 0 when ``blocking``.
-    ``plan`` = (chunk, error_feedback, blocking, beta), beta the ``residual_decay`` (1.0: no
-    multiplication at all); without error feedback ``residual`` is unused."""
+    [m, chunk]) and per-chunk scores (float32 [m]): the squared norms of the guess ``beta c +
+    g`` (step 5's ``g + beta e'`` for every chunk not sent this step; ``c`` itself when
+    ``blocking``), non-finite as 0 when ``blocking``. The guess itself is not kept: the
+    selected chunks' guesses are formed again by :func:`_pack_kernel`. ``plan`` = (chunk,
+    error_feedback, blocking, beta), beta the ``residual_decay`` (1.0: no multiplication at
+    all); without error feedback ``residual`` is unused."""
     chunk, error_feedback, blocking, decay = plan
     d = ops.shape(flat)[0]
     m = -(-d // chunk)
@@ -295,12 +296,105 @@ def _correct_kernel(ops, plan, flat, residual):
     if m * chunk > d:
         tail = ops.zeros((m * chunk - d,), "float32", flat)
         c, guess = ops.concat([c, tail], 0), ops.concat([guess, tail], 0)
-    chunks, guess = ops.reshape(c, (m, chunk)), ops.reshape(guess, (m, chunk))
-    norms = ops.norm(guess, 1)
+    norms = ops.norm(ops.reshape(guess, (m, chunk)), 1)
     scores = norms * norms
     if blocking:
         scores = ops.where(ops.isfinite(scores), scores, 0.0)
-    return chunks, guess, scores
+    return ops.reshape(c, (m, chunk)), scores
+
+
+def _pack_kernel(ops, plan, flat, chunks, scores, idx, *finite):
+    """Steps 3-6 on the selected chunks: the payload, what was sent and the residual.
+
+    ``plan`` = (chunk, error_feedback, blocking, beta, payload_dtype, prescale, unscale,
+    limit): the :func:`_correct_kernel` plan's four, then :class:`~hvd_gradcomp.base.TensorInfo`'s
+    ``prescale``, ``unscale`` and ``fp16_limit``. Inputs: ``flat`` float32 [d] (the gradient
+    ``g``), ``chunks`` float32 [m, chunk] (``c`` from :func:`_correct_kernel`; updated in place
+    with error feedback, so a temporary the caller no longer needs), ``scores`` float32 [m]
+    (its scores; updated in place) and ``idx`` int64 [k] (the selected chunks, distinct);
+    ``finite`` (bool [], optional): the gradient's check, applied to the payload by
+    :func:`~hvd_gradcomp.base.poison` (NaN everywhere when false).
+
+    Returns ``(payload, sent, left)``:
+        - ``payload`` (``payload_dtype``): the selected chunks in ``idx`` order, times
+          ``prescale``, saturated at ``limit`` (float16) and cast (step 3), [k chunk]; unless
+          ``blocking``, followed by the scores (step 5: the selected chunks rescored as ``beta
+          (c - sent) + g`` when there is error feedback, then over their maximum, :func:`_unit_scores`)
+          and the vote (step 6, :func:`_vote_slots`): [k chunk + m + 16]; then ``poison``'s
+          ``+ 0`` (``finite`` true: a -0 becomes +0) or NaN everywhere (``finite`` false);
+        - ``sent`` float32 [k, chunk]: the payload's values decoded (``unscale`` times), [0]
+          without error feedback;
+        - ``left`` float32 [m chunk]: ``c`` less ``sent`` on the selected chunks (step 4), [0]
+          without error feedback.
+    """
+    chunk, error_feedback, blocking, decay, dtype, prescale, unscale, limit = plan
+    finite = finite[0] if finite else None
+    k = ops.shape(idx)[0]
+    picked = ops.gather(chunks, idx)
+    wire = saturating_cast(ops, picked * prescale, dtype, limit=limit)
+    payload = ops.reshape(wire, (k * chunk,))
+    sent = left = ops.zeros((0,), "float32", flat)
+    if error_feedback:
+        # Step 4: subtract what was sent (as decoded) from the selected chunks only.
+        sent = ops.cast(wire, "float32") * unscale
+        left = ops.reshape(ops.index_add(chunks, idx, sent * -1.0), (ops.shape(chunks)[0] * chunk,))
+    if blocking:
+        return poison(ops, payload, finite), sent, left
+    if error_feedback:
+        # Step 5's fix-up: the kernel scored beta c + g, which is beta e' + g for every chunk
+        # not sent; a sent chunk's e' is c - sent, so its guess is beta c + g - beta sent (an
+        # O(k chunk) fix-up; without error feedback nothing is owed and g + g scores every
+        # chunk alike, 4 ||g||^2).
+        d, m = ops.shape(flat)[0], ops.shape(scores)[0]
+        padded = ops.concat([flat, ops.zeros((m * chunk - d,), "float32", flat)], 0) if m * chunk > d else flat
+        guess = (picked * decay if decay != 1.0 else picked) + ops.gather(ops.reshape(padded, (m, chunk)), idx)
+        scores = _rescored(ops, scores, idx, guess - (sent * decay if decay != 1.0 else sent))
+    payload = ops.concat([payload, ops.cast(_unit_scores(ops, scores), dtype), _vote_slots(ops, idx, dtype)], 0)
+    return poison(ops, payload, finite), sent, left
+
+
+def _scatter_kernel(ops, plan, payload, idx, *split):
+    """Decode: float32 [d], the payload's ``k`` chunks (its first ``k chunk`` values, ``k`` the
+    length of ``idx``, int64 [k], distinct chunk indices below ``ceil(d / chunk)``) cast to
+    float32, times ``unscale`` (times 0 after a split vote, ``split`` bool [] when given: times
+    0, not a plain 0, so that a NaN from a failed rank still reaches the output) and written
+    at their chunks; zeros elsewhere; the padding dropped. ``plan`` = (chunk, d, unscale,
+    payload_dtype)."""
+    chunk, d, unscale, _ = plan
+    k = ops.shape(idx)[0]
+    m = -(-d // chunk)
+    rows = ops.reshape(ops.cast(payload[:k * chunk], "float32"), (k, chunk))
+    scale = ops.where(split[0], 0.0, unscale) if split else unscale
+    return ops.reshape(ops.scatter(idx, rows * scale, (m, chunk)), (m * chunk,))[:d]
+
+
+def _vote_slots(ops, idx, dtype, step=None):
+    """``dtype`` [SLOTS]: 1 in the slot of a fingerprint of the selected chunks ``idx`` (int64
+    [k]), 0 elsewhere.
+
+    Fingerprint ``s = sum_j ((idx_j + 1) w_j mod 2**32)`` with odd weights
+    ``w_j = (j * 0x9E3779B1 mod 2**31) | 1`` per position ``j`` (position-dependent: the
+    payload packs chunks in selection order, so the same set in another order is another
+    selection); with ``step`` (int64 [], EF21) ``((step + 1) mod 2**24) 0x85EBCA6B`` is added;
+    slot = the top 4 of the low 32 bits of ``s * 0x9E37``. About 15 tensor ops; every
+    intermediate stays below 2**63 (products of values below 2**31 and 2**32).
+    """
+    k = ops.shape(idx)[0]
+    weights = ops.bitwise_or(ops.bitwise_and(ops.arange(k, "int64", idx) * 0x9E3779B1, 0x7FFFFFFF), 1)
+    terms = ops.bitwise_and((ops.cast(idx, "int64") + 1) * weights, 0xFFFFFFFF)
+    total = ops.sum(terms, None)
+    if step is not None:  # EF21: the step counter too (a rank that missed steps disagrees)
+        total = total + ops.bitwise_and(step + 1, 0xFFFFFF) * 0x85EBCA6B
+    mixed = ops.bitwise_and(ops.bitwise_and(total, 0xFFFFFFFF) * 0x9E37, 0xFFFFFFFF)
+    slot = ops.right_shift(mixed, 32 - 4)  # _SLOTS = 16 slots: 4 bits
+    return ops.cast(ops.arange(_SLOTS, "int64", idx) == slot, dtype)
+
+
+def _top_kernel(ops, plan, values):
+    """int64 [k]: the indices of the ``k = plan`` largest of ``values`` (float32 [m], k <= m),
+    largest first, ties by lower index: the first ``k`` of the stable descending argsort (NaN
+    above every number, as the argsort puts it)."""
+    return ops.argsort(values)[:plan]
 
 
 def _rescored(ops, scores, idx, rows):
@@ -366,49 +460,35 @@ class TopKCScheme(Scheme):
         if self.ef21:
             return self._ef21_compress(ops, x, state, info, finite)
         cfg = self.config
-        m, k, pad = self._sizes(info)
+        _, k, _ = self._sizes(info)
         flat = ops.reshape(x, (info.numel,))
         plan = (cfg.chunk, cfg.error_feedback, self.blocking, cfg.residual_decay)
         if not self.blocking:  # step 2 first: the selection is known before the pass over c
             idx = self._select(ops, state, k)
         # Step 1 (and the scores, step 5 or the blocking step 2) in one fused kernel.
-        chunks, guess, scores = ops.fuse(_correct_kernel, plan)(flat, state.residual if cfg.error_feedback else flat)
+        chunks, scores = ops.fuse(_correct_kernel, plan)(flat, state.residual if cfg.error_feedback else flat)
         if self.blocking:
             ranking = ops.allreduce(scores, "sum", self._side_name(info), info.group)
-            idx = ops.argsort(ranking)[:k]
-        # Step 3.
-        picked = ops.gather(chunks, idx)
-        wire = saturating_cast(ops, picked * info.prescale, cfg.payload_dtype, limit=info.fp16_limit)
-        payload = ops.reshape(wire, (k * cfg.chunk,))
-        left = sent = None
-        if cfg.error_feedback:
-            # Step 4: subtract what was sent (as decoded) from the selected chunks only; the
-            # chunks are a temporary here (c = g + e is a new tensor), updated in place.
-            sent = ops.cast(wire, "float32") * info.unscale
-            left = ops.reshape(ops.index_add(chunks, idx, sent * -1.0), (m * cfg.chunk,))
-        if not self.blocking:
-            # Step 5: the kernel scored g + beta c, which is g + beta e' for every chunk not
-            # sent; a sent chunk's e' is c - sent, so its guess is the kernel's minus beta sent
-            # (an O(k chunk) fix-up; without error feedback nothing is owed and the kernel's
-            # g + g scores every chunk alike, 4 ||g||^2).
-            if cfg.error_feedback:
-                owed = sent * cfg.residual_decay if cfg.residual_decay != 1.0 else sent
-                scores = _rescored(ops, scores, idx, ops.gather(guess, idx) - owed)
-            # Step 6: this rank's vote for the selection it made.
-            payload = ops.concat([payload, ops.cast(_unit_scores(ops, scores), cfg.payload_dtype),
-                                  self._vote(ops, idx, info, x)], 0)
-        return poison(ops, payload, finite), _TopKCCtx(idx, left, sent)
+            idx = ops.fuse(_top_kernel, k)(ranking)
+        # Steps 3-6 on the selected chunks in one fused kernel.
+        pack = (cfg.chunk, cfg.error_feedback, self.blocking, cfg.residual_decay, cfg.payload_dtype,
+                info.prescale, info.unscale, info.fp16_limit)
+        payload, sent, left = ops.fuse(_pack_kernel, pack)(flat, chunks, scores, idx,
+                                                           *(() if finite is None else (finite,)))
+        if not cfg.error_feedback:
+            sent = left = None
+        return payload, _TopKCCtx(idx, left, sent)
 
     def _select(self, ops, state, k):
         """int64 [k]: step 2's chunks, from the agreed ``scores`` (float32 [m]) and, with
         ``max_age``, the agreed ``age`` (int64 [m]): due chunks first, oldest first, then by
         score; ties by lower index (the stable descending argsort)."""
         if not self.config.max_age:
-            return ops.argsort(state.scores)[:k]
+            return ops.fuse(_top_kernel, k)(state.scores)
         due = state.age >= self.config.max_age
         above = ops.max(state.scores, None) + 1.0  # every due key ranks above every score
         key = ops.where(due, ops.cast(state.age, "float32") + above, state.scores)
-        return ops.argsort(key)[:k]
+        return ops.fuse(_top_kernel, k)(key)
 
     def _aged(self, ops, age, idx, split):
         """int64 [m]: the ages after a step that sent chunks ``idx``: 0 for them, + 1 for the
@@ -420,7 +500,7 @@ class TopKCScheme(Scheme):
         """EF21 (module docstring, "EF21"): payload ``[C(g_i - h_i) / n, scores, vote]``."""
         cfg = self.config
         m, k, pad = self._sizes(info)
-        idx = ops.argsort(state.scores)[:k]
+        idx = ops.fuse(_top_kernel, k)(state.scores)
         g = ops.reshape(x, (info.numel,))
         v = None
         if cfg.ef21_momentum != 1.0:  # EF21-M: the local momentum stands in for the gradient
@@ -438,27 +518,8 @@ class TopKCScheme(Scheme):
         norms = ops.norm(chunks, 1)
         scores = _unit_scores(ops, _rescored(ops, norms * norms, idx, picked - sent))
         payload = ops.concat([ops.reshape(wire, (k * cfg.chunk,)), ops.cast(scores, cfg.payload_dtype),
-                              self._vote(ops, idx, info, x, state.step)], 0)
+                              _vote_slots(ops, idx, cfg.payload_dtype, state.step)], 0)
         return poison(ops, payload, finite), _EF21Ctx(idx, sent, state.estimate, v)
-
-    def _vote(self, ops, idx, info, like, step=None):
-        """float [SLOTS]: 1 in the slot of a fingerprint of the selected chunks, 0 elsewhere.
-
-        Fingerprint ``s = sum_j ((idx_j + 1) w_j mod 2**32)`` with odd weights
-        ``w_j = (j * 0x9E3779B1 mod 2**31) | 1`` per position ``j`` (position-dependent: the
-        payload packs chunks in selection order, so the same set in another order is another
-        selection); slot = the top 4 of the low 32 bits of ``s * 0x9E37``. About 15 tensor ops;
-        every intermediate stays below 2**63 (products of values below 2**31 and 2**32).
-        """
-        _, k, _ = self._sizes(info)
-        weights = ops.bitwise_or(ops.bitwise_and(ops.arange(k, "int64", like) * 0x9E3779B1, 0x7FFFFFFF), 1)
-        terms = ops.bitwise_and((ops.cast(idx, "int64") + 1) * weights, 0xFFFFFFFF)
-        total = ops.sum(terms, None)
-        if step is not None:  # EF21: the step counter too (a rank that missed steps disagrees)
-            total = total + ops.bitwise_and(step + 1, 0xFFFFFF) * 0x85EBCA6B
-        mixed = ops.bitwise_and(ops.bitwise_and(total, 0xFFFFFFFF) * 0x9E37, 0xFFFFFFFF)
-        slot = ops.right_shift(mixed, 32 - 4)  # _SLOTS = 16 slots: 4 bits
-        return ops.cast(ops.arange(_SLOTS, "int64", like) == slot, self.config.payload_dtype)
 
     def receive(self, ops, payload, ctx, info):
         """``ctx`` with ``ok`` (the payload is finite) and, ``selection="previous"``, ``split``
@@ -480,11 +541,8 @@ class TopKCScheme(Scheme):
         """float32 [d]: the all-reduced chunks (EF21: the C's) scattered into zeros, times 0
         after a split (``split`` None: no vote, ``selection="current"``). Times 0, not a plain
         0: a NaN from a failed rank must still reach the output."""
-        cfg = self.config
-        m, k, _ = self._sizes(info)
-        rows = ops.reshape(ops.cast(payload[:k * cfg.chunk], "float32"), (k, cfg.chunk))
-        scale = info.unscale if split is None else ops.where(split, 0.0, info.unscale)
-        return ops.reshape(ops.scatter(idx, rows * scale, (m, cfg.chunk)), (m * cfg.chunk,))[:info.numel]
+        plan = (self.config.chunk, info.numel, info.unscale, self.config.payload_dtype)
+        return ops.fuse(_scatter_kernel, plan)(payload, idx, *(() if split is None else (split,)))
 
     def decompress(self, ops, payload, ctx, info):
         if self.ef21:  # H' = H + the all-reduced C's; 0 after a split (NaN stays NaN)

@@ -81,6 +81,7 @@ import torch.distributed as dist
 from hvd_gradcomp.buckets import BucketPlan, Member
 
 from .compression import check_compressor
+from .kernels import runs
 from .engine import ProcessGroupEngine
 
 __all__ = ["register_comm_hook", "make_comm_hook", "comm_state", "hook", "HookState", "DDPEngine"]
@@ -269,7 +270,7 @@ def hook(state: HookState, bucket):
     plan, slots = hit
     encoded = []
     for unit in plan.units:
-        x = buffer[unit.start:unit.stop] if unit.contiguous else buffer.index_select(0, unit.index)
+        x = buffer[unit.start:unit.stop] if unit.contiguous else runs.gather(buffer, unit)
         if len(unit.members) == 1:
             x = x.view(unit.info.shape)
         payload, ctx = comp.encode_unit(unit, x)
@@ -349,7 +350,7 @@ def hook(state: HookState, bucket):
                 if unit.contiguous:
                     buffer[unit.start:unit.stop].copy_(out.reshape(-1))
                 else:
-                    buffer.index_copy_(0, unit.index, out.reshape(-1).to(buffer.dtype))
+                    runs.scatter(buffer, unit, out)
         return buffer
 
     if len(futures) == 1:

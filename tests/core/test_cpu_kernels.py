@@ -35,7 +35,8 @@ from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor  # noqa
 from hvd_gradcomp.lanes import CODE_SCALE  # noqa: E402
 from hvd_gradcomp.primitives import one_rank  # noqa: E402
 from hvd_gradcomp.thc import THCConfig, THCScheme  # noqa: E402
-from hvd_gradcomp.topkc import _correct_kernel  # noqa: E402
+from hvd_gradcomp.base import fp16_floor  # noqa: E402
+from hvd_gradcomp.topkc import _correct_kernel, _pack_kernel, _scatter_kernel, _top_kernel  # noqa: E402
 from tests.core.thc_emulation import emulate_allreduce  # noqa: E402
 from torch_backend import kernels  # noqa: E402
 from torch_backend.kernels import cbuild, cpu_thc, cpu_topkc  # noqa: E402  (ImportError: no compiler)
@@ -119,7 +120,12 @@ def test_providers_load_and_register():
     assert kernels.fused_form(K._rotate_kernel, plan, "cpu") is cpu_thc.rotate
     assert kernels.fused_form(K._quantize_kernel, plan, "cpu") is cpu_thc.quantize
     assert kernels.fused_form(K._decode_kernel, plan, "cpu") is cpu_thc.decode
+    assert kernels.fused_form(K._noise_kernel, plan, "cpu") is cpu_thc.noise
     assert kernels.fused_form(_correct_kernel, (256, True, False, 1.0), "cpu") is cpu_topkc.correct
+    assert kernels.fused_form(_pack_kernel, (256, True, False, 1.0, "float16", 0.5, 2.0, 32752.0),
+                              "cpu") is cpu_topkc.pack
+    assert kernels.fused_form(_scatter_kernel, (256, 1000, 2.0, "float16"), "cpu") is cpu_topkc.scatter
+    assert kernels.fused_form(_top_kernel, 10, "cpu") is cpu_topkc.top
     # a block beyond MAX_BLOCK (rotation="full" of a large tensor) keeps the reference
     _, _, _, big = _setup(cpu_thc.MAX_BLOCK + 1, rotation="full")
     assert not cpu_thc.accepts(big) and kernels.fused_form(K._rotate_kernel, big, "cpu") is None
@@ -441,6 +447,19 @@ def test_thc_ranks_match_reference(n, op):
         assert int(s.step) == int(r.step) and int(s.realigned) == int(r.realigned) == 0
 
 
+@pytest.mark.parametrize("key", [0, 1, 0x9E3779B9, 2 ** 32 - 1, 123456789])
+@pytest.mark.parametrize("d, config", [(5000, {}), (3000, {"rotation_stages": 5}), (70, {"rotation": "full"})])
+def test_noise_is_bit_exact(key, d, config):
+    """The C hash of step 3's bits equals the reference composition's (rng.bits32) bit for
+    bit, for keys across [0, 2**32) and several block layouts."""
+    _, _, lay, plan = _setup(d, **config)
+    ranges = torch.zeros(lay.blocks)
+    want = K._noise_kernel(R, plan, torch.tensor(key), ranges)
+    got = cpu_thc.noise(plan, torch.tensor(key), ranges)
+    for a, b in zip(want, got):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype) and torch.equal(a, b)
+
+
 def test_topkc_correct_matches_reference():
     for d in (1, 5, 1000, 1024, 4097):
         for chunk in (1, 7, 256):
@@ -452,18 +471,140 @@ def test_topkc_correct_matches_reference():
                 plan = (chunk, ef, blocking, decay)
                 ref = _correct_kernel(R, plan, flat, residual)
                 got = cpu_topkc.correct(plan, flat, residual)
+                assert len(got) == len(ref) == 2
                 for a, b in zip(ref, got):
                     assert (a.shape, a.dtype) == (b.shape, b.dtype)
-                assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-                torch.testing.assert_close(got[2], ref[2], rtol=2e-6, atol=0)
+                assert torch.equal(ref[0], got[0])
+                torch.testing.assert_close(got[1], ref[1], rtol=2e-6, atol=0)
                 if not ef and -(-d // chunk) * chunk == d:  # the reference's view of the gradient
                     assert got[0].data_ptr() == flat.data_ptr()
     flat = torch.tensor([1.0, float("nan"), 3.0, 4.0])
     for blocking in (True, False):
         ref = _correct_kernel(R, (2, True, blocking, 1.0), flat, torch.zeros(4))
         got = cpu_topkc.correct((2, True, blocking, 1.0), flat, torch.zeros(4))
-        assert torch.equal(ref[2].isnan(), got[2].isnan())
-        assert torch.equal(ref[2].nan_to_num(), got[2].nan_to_num())
+        assert torch.equal(ref[1].isnan(), got[1].isnan())
+        assert torch.equal(ref[1].nan_to_num(), got[1].nan_to_num())
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "special"])
+def test_topkc_top_is_the_stable_argsort(kind):
+    """The radix selection gives the reference's indices exactly: ties by lower index, NaN
+    above +inf, -0 equal to +0, subnormals in their place; k from 0 to m."""
+    gen = torch.Generator().manual_seed(3)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-45, 3.0])
+    for m in (1, 2, 17, 1000, 5000):
+        if kind == "randn":
+            v = torch.randn(m, generator=gen)
+        elif kind == "ties":
+            v = torch.randint(0, 5, (m,), generator=gen).float()
+        else:
+            v = special[torch.randint(0, len(special), (m,), generator=gen)]
+        for k in sorted({0, 1, m // 10, m // 2, m}):
+            want, got = _top_kernel(R, k, v), cpu_topkc.top(k, v)
+            assert (want.shape, want.dtype) == (got.shape, got.dtype) and torch.equal(want, got), (m, k)
+
+
+def _pack_inputs(d, chunk, ef, blocking, decay, seed):
+    """(flat, chunks, scores, idx) as TopKC's compress hands them to _pack_kernel: the
+    reference's correct kernel on a gradient with a few coordinates beyond float16's range
+    (saturated) and some below its normal range (subnormal or 0 in float16)."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(d, generator=gen) * 100.0
+    flat[::97] *= 3000.0
+    flat[5::89] *= 1e-9
+    residual = torch.randn(d, generator=gen) if ef else flat
+    chunks, scores = _correct_kernel(R, (chunk, ef, blocking, decay), flat, residual)
+    m = chunks.shape[0]
+    idx = torch.randperm(m, generator=gen)[:max(1, m // 10)]
+    return flat, chunks, scores, idx
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_topkc_pack_and_scatter_are_bit_exact(dtype, n):
+    """_pack_kernel's payload values, sent and residual, and _scatter_kernel's output, equal
+    the reference's bit for bit (the vote too); the rescored score part within float32
+    rounding before its cast (a norm), bit for bit where nothing is rescored."""
+    limit = fp16_floor(65504.0 / n)
+    for d in (1, 5, 1000, 1024, 4097):
+        for chunk in (1, 7, 256):
+            m = -(-d // chunk)
+            for ef, blocking, decay in [(True, False, 1.0), (True, False, 0.95), (True, True, 1.0),
+                                        (False, False, 1.0), (False, True, 1.0)]:
+                flat, chunks, scores, idx = _pack_inputs(d, chunk, ef, blocking, decay, d + chunk + n)
+                k = idx.shape[0]
+                plan = (chunk, ef, blocking, decay, dtype, 1.0 / n, float(n), limit)
+                finite = (torch.tensor(True),) if d % 2 else ()  # poison()'s + 0 (-0 becomes +0), or none
+                ref = _pack_kernel(R, plan, flat, chunks.clone(), scores.clone(), idx, *finite)
+                got = cpu_topkc.pack(plan, flat, chunks.clone(), scores.clone(), idx, *finite)
+                tag = (d, chunk, ef, blocking, decay)
+                for a, b in zip(ref, got):
+                    assert (a.shape, a.dtype) == (b.shape, b.dtype), tag
+                assert torch.equal(ref[0][:k * chunk], got[0][:k * chunk]), tag
+                assert torch.equal(ref[1], got[1]) and torch.equal(ref[2], got[2]), tag
+                if not blocking:
+                    assert torch.equal(ref[0][k * chunk + m:], got[0][k * chunk + m:]), tag  # the vote
+                    part = slice(k * chunk, k * chunk + m)
+                    if ef:
+                        torch.testing.assert_close(got[0][part].float(), ref[0][part].float(), rtol=2e-3, atol=0)
+                    else:
+                        assert torch.equal(ref[0][part], got[0][part]), tag
+                for split in ((), (torch.tensor(False),), (torch.tensor(True),)):
+                    splan = (chunk, d, float(n), dtype)
+                    want = _scatter_kernel(R, splan, ref[0], idx, *split)
+                    out = cpu_topkc.scatter(splan, ref[0], idx, *split)
+                    assert (out.shape, out.dtype) == (want.shape, want.dtype) and torch.equal(out, want), tag
+
+
+def test_topkc_pack_float16_cast_and_nonfinite():
+    """The C float32 -> float16 cast is PyTorch's for every kind of value (normal, subnormal,
+    ties, overflow past the limit, infinities), and a NaN stays a NaN in the payload, in sent,
+    the residual and the decoded output."""
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 16,), dtype=torch.int64, generator=gen)
+    randoms = bits.to(torch.int32).view(torch.float32)
+    halves = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    ties = (halves[:-1] + (halves[1:] - halves[:-1]) / 2)  # midpoints where both neighbours are finite
+    values = torch.cat([randoms, halves, ties, halves.nextafter(torch.tensor(float("inf"))),
+                        torch.tensor([float("inf"), -float("inf"), 65519.0, 65520.0, 1e-8, -6e-8])])
+    values = values[torch.isfinite(values) | torch.isinf(values)]
+    values = torch.cat([values, torch.zeros(-values.numel() % 64)])
+    plan = (64, True, False, 1.0, "float16", 1.0, 1.0, 65504.0)
+    chunks = values.view(-1, 64)
+    idx = torch.arange(chunks.shape[0])
+    ref = _pack_kernel(R, plan, values, chunks.clone(), torch.zeros(chunks.shape[0]), idx)
+    got = cpu_topkc.pack(plan, values, chunks.clone(), torch.zeros(chunks.shape[0]), idx)
+    k = values.numel()
+    assert torch.equal(ref[0][:k].view(torch.int16), got[0][:k].view(torch.int16))
+    assert torch.equal(ref[1].view(torch.int32), got[1].view(torch.int32))
+    flat = torch.randn(1000)
+    flat[3] = float("nan")
+    chunks, scores = _correct_kernel(R, (100, True, False, 1.0), flat, torch.zeros(1000))
+    plan = (100, True, False, 1.0, "float16", 0.5, 2.0, fp16_floor(65504.0 / 2))
+    idx = torch.tensor([0, 4, 9])
+    ref = _pack_kernel(R, plan, flat, chunks.clone(), scores.clone(), idx)
+    got = cpu_topkc.pack(plan, flat, chunks.clone(), scores.clone(), idx)
+    for a, b in zip(ref, got):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    out = cpu_topkc.scatter((100, 1000, 2.0, "float16"), got[0], idx)
+    assert out[3].isnan() and int(out.isnan().sum()) == 1
+    for dtype in ("float16", "float32"):  # a step that is not finite: the payload all NaN
+        plan = (100, True, False, 1.0, dtype, 0.5, 2.0, fp16_floor(65504.0 / 2))
+        got = cpu_topkc.pack(plan, flat, chunks.clone(), scores.clone(), idx, torch.tensor(False))
+        want = _pack_kernel(R, plan, flat, chunks.clone(), scores.clone(), idx, torch.tensor(False))
+        assert got[0].dtype == want[0].dtype and bool(got[0].isnan().all()) and bool(want[0].isnan().all())
+        assert torch.equal(got[2].nan_to_num(), want[2].nan_to_num())
+
+
+def test_topkc_pack_and_scatter_refuse_bad_indices():
+    """A repeated or out-of-range chunk index raises IndexError (nothing is written)."""
+    flat, chunks, scores, _ = _pack_inputs(1000, 100, True, False, 1.0, 1)
+    plan = (100, True, False, 1.0, "float16", 1.0, 1.0, 65504.0)
+    for idx in (torch.tensor([1, 1]), torch.tensor([10]), torch.tensor([-1])):
+        with pytest.raises(IndexError):
+            cpu_topkc.pack(plan, flat, chunks.clone(), scores.clone(), idx)
+        with pytest.raises(IndexError):
+            cpu_topkc.scatter((100, 1000, 1.0, "float16"), torch.zeros(300, dtype=torch.float16), idx)
 
 
 @pytest.mark.parametrize("spec", ["topkc:0.1", "topkc:ratio=0.05,residual_decay=0.9,chunk=100"])
@@ -548,3 +689,50 @@ def test_ranks_compile_at_once(tmp_path):
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 and out.strip() == "True" for p, (out, _) in zip(procs, results)), results
     assert [p.name for p in (tmp_path / "kernels").glob("*/*")] == ["libtopkc.so"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_runs_gather_and_scatter_match_index_ops(dtype):
+    """torch_backend.kernels.runs: a non-contiguous flat group copied run by run equals
+    index_select / index_copy_ with the unit's index, for any buffer dtype; adjacent members
+    merge into one run."""
+    from hvd_gradcomp.buckets import Unit
+    from torch_backend.kernels import runs
+    members = [(0, 5), (5, 12), (20, 31), (40, 41)]  # the first two touch: one run
+    index = torch.cat([torch.arange(a, b) for a, b in members])
+    unit = Unit("g", None, None, (0, 1, 2, 3), -1, -1, index, ((0, 12), (20, 31), (40, 41)))
+    buffer = torch.randn(50).to(dtype)
+    assert torch.equal(runs.gather(buffer, unit), buffer.index_select(0, index))
+    assert runs.gather(buffer, unit).dtype == dtype
+    values = torch.randn(index.numel())
+    want = buffer.clone().index_copy_(0, index, values.to(dtype))
+    runs.scatter(buffer, unit, values)
+    assert torch.equal(buffer, want)
+
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86-64 baseline build")
+def test_topkc_result_independent_of_vector_width(monkeypatch):
+    """TopKC's library for this CPU (F16C casts, non-temporal stores where it has them) and one
+    for baseline x86-64 (software casts, memcpy) compute the same bits."""
+    native = cpu_topkc._lib
+    other = cbuild.load("topkc", ("-march=x86-64", "-mtune=generic"))
+    for name in ("hgc_topkc_correct", "hgc_topkc_pack", "hgc_topkc_scatter", "hgc_topkc_top"):
+        getattr(other, name).argtypes = getattr(native, name).argtypes
+        getattr(other, name).restype = getattr(native, name).restype
+
+    monkeypatch.setattr(cpu_topkc, "STREAM_MIN", 1)  # the non-temporal stores too
+
+    def run(lib):
+        monkeypatch.setattr(cpu_topkc, "_lib", lib)
+        gen = torch.Generator().manual_seed(1)
+        flat, residual = torch.randn(100000, generator=gen) * 1000, torch.randn(100000, generator=gen)
+        chunks, scores = cpu_topkc.correct((256, True, False, 1.0), flat, residual)
+        idx = cpu_topkc.top(40, scores)
+        payload, sent, left = cpu_topkc.pack((256, True, False, 1.0, "float16", 0.25, 4.0, 16376.0), flat,
+                                             chunks.clone(), scores.clone(), idx, torch.tensor(True))
+        out = cpu_topkc.scatter((256, 100000, 4.0, "float16"), payload, idx)
+        return [chunks, scores, idx, payload.view(torch.int16), sent, left, out]
+
+    for a, b in zip(run(native), run(other)):
+        assert torch.equal(a, b)

@@ -1,4 +1,4 @@
-"""Fused CPU forms of THC's rotate, quantise and decode kernels (:mod:`hvd_gradcomp.thc_kernels`).
+"""Fused CPU forms of THC's rotate, quantise, decode and noise kernels (:mod:`hvd_gradcomp.thc_kernels`).
 
 Each is one compiled C loop (``csrc/thc.c``, built by :mod:`torch_backend.kernels.cbuild`) over
 the kernel's per-coordinate work, a pass or two over memory, where the reference runs one
@@ -27,6 +27,8 @@ checks each):
   level differs from the reference's only where ``u`` lies within rounding of a level boundary
   (at most ``5e-4`` of the levels in the tests; about ``1e-6`` in practice), and a
   statistic's log code where ``4 log2(wanted)`` lies within rounding of a half-integer.
+- ``_noise_kernel``: the counter-based hash of step 3's random bits in one integer loop (the
+  reference: about 50 small operations): bit for bit.
 - ``_decode_kernel``: the exact sums, lanes and per-block scaling are the reference's bit for
   bit; the inverse transform is the butterfly: the output within float32 rounding.
 
@@ -46,12 +48,12 @@ import math
 import torch
 
 from hvd_gradcomp.lanes import TINY_SCALE, control_words, pack_scales
-from hvd_gradcomp.thc_kernels import (_CONTROL, _TINY_RANGE, _decode_kernel, _grid, _quantize_kernel,
+from hvd_gradcomp.thc_kernels import (_CONTROL, _TINY_RANGE, _decode_kernel, _grid, _noise_kernel, _quantize_kernel,
                                       _rotate_kernel, _top_level)
 from torch_backend import kernels
 from torch_backend.kernels import cbuild
 
-__all__ = ["accepts", "rotate", "quantize", "decode", "MAX_BLOCK"]
+__all__ = ["accepts", "rotate", "quantize", "decode", "noise", "MAX_BLOCK"]
 
 MAX_BLOCK = 1 << 16
 
@@ -63,6 +65,8 @@ _lib.hgc_thc_quantize.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I
 _lib.hgc_thc_quantize.restype = _I
 _lib.hgc_thc_decode.argtypes = [_P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _F, _F, _F, _P]
 _lib.hgc_thc_decode.restype = None
+_lib.hgc_thc_noise.argtypes = [_P, _I, _I, _P, _P]
+_lib.hgc_thc_noise.restype = None
 
 
 def accepts(plan) -> bool:
@@ -167,6 +171,20 @@ def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
     return out
 
 
+def noise(plan, key, ranges):
+    """Fused ``_noise_kernel`` (step 3's random bits): ``(rows int32 [nb], cols int32 [B])``,
+    the reference's bit for bit (integer hashing, one loop)."""
+    if not _ok(key, ranges) or key.dtype != torch.int64:
+        return _noise_kernel(_ops(), plan, key, ranges)
+    blocks, block = ranges.shape[0], plan.block
+    key = key.contiguous()
+    rows = torch.empty(blocks, dtype=torch.int32)
+    cols = torch.empty(block, dtype=torch.int32)
+    _lib.hgc_thc_noise(key.data_ptr(), blocks, block, _ptr(rows), _ptr(cols))
+    return rows, cols
+
+
 kernels.register(_rotate_kernel, "cpu", accepts, rotate, "cpu_thc.rotate")
 kernels.register(_quantize_kernel, "cpu", accepts, quantize, "cpu_thc.quantize")
 kernels.register(_decode_kernel, "cpu", accepts, decode, "cpu_thc.decode")
+kernels.register(_noise_kernel, "cpu", accepts, noise, "cpu_thc.noise")

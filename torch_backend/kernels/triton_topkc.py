@@ -3,19 +3,18 @@
 
 The math is :func:`hvd_gradcomp.topkc._correct_kernel` (steps 1 and 5 of
 :mod:`hvd_gradcomp.topkc`): ``c = g + beta e`` zero-padded to ``m`` chunks, the guess
-``beta c + g`` (``c`` itself when ``blocking``) and per-chunk scores, the guess's squared norms
+``beta c + g`` (``c`` itself when ``blocking``) scored, not kept: per-chunk scores, its squared norms
 (the norm squared, as the reference: ``sqrt`` rounded, then squared; non-finite as 0 when
 ``blocking``). One program handles ``ROWS`` chunks as a [ROWS, next_pow2(chunk)] tile: it
-loads ``g`` and ``e`` (zero past ``d``), stores ``c`` and the guess into the [m, chunk] outputs
-(the padding as zeros) and the row scores. Float operations are the reference's, in its order,
-rounded once each (``tl.sqrt_rn``, compiled with ``enable_fp_fusion=False``): ``c`` and the
-guess equal the reference's bit for bit; the scores differ by the order of the row sums
+loads ``g`` and ``e`` (zero past ``d``), stores ``c`` into the [m, chunk] output (the padding as
+zeros) and the row scores. Float operations are the reference's, in its order,
+rounded once each (``tl.sqrt_rn``, compiled with ``enable_fp_fusion=False``): ``c`` equals the reference's bit for bit; the scores differ by the order of the row sums
 (float32 rounding).
 
-TopKC's other steps stay with the reference: the selection is a stable argsort of the ``m``
-agreed scores (small; torch's sort), and the gather, saturating cast and packing of the selected
-chunks (step 3) are plain primitive calls in ``TopKCScheme.compress``, outside any
-``ops.fuse`` kernel, so no fused form can stand in for them without changing the core.
+TopKC's other steps stay with the reference on CUDA: the selection is a stable argsort of the
+``m`` agreed scores (small; torch's sort), and ``_pack_kernel`` (gather, saturating cast and
+packing of the selected chunks, residual update, rescoring, vote) and ``_scatter_kernel`` (the
+decode) have no Triton form yet (their CPU forms: :mod:`torch_backend.kernels.cpu_topkc`).
 
 Plans covered (:func:`accepts`): every ``(chunk, error_feedback, blocking, beta)`` with
 ``chunk <= MAX_CHUNK``. Launch path: no host read, grid from the static shapes, the current
@@ -45,7 +44,7 @@ def accepts(plan) -> bool:
 
 
 @triton.jit
-def _correct(g_ptr, e_ptr, c_ptr, guess_ptr, scores_ptr, d, m, decay,
+def _correct(g_ptr, e_ptr, c_ptr, scores_ptr, d, m, decay,
              CHUNK: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr, EF: tl.constexpr,
              BLOCKING: tl.constexpr, DECAY: tl.constexpr):
     # DECAY: beta != 1 (the reference multiplies only then)
@@ -70,7 +69,6 @@ def _correct(g_ptr, e_ptr, c_ptr, guess_ptr, scores_ptr, d, m, decay,
             guess = c * decay + g
         else:
             guess = c + g
-        tl.store(guess_ptr + at, guess, mask=inside)
     norm = tl.sqrt_rn(tl.sum(guess * guess, 1))
     score = norm * norm
     if BLOCKING:
@@ -92,8 +90,7 @@ def correct(plan, flat, residual):
         flat: float32 [d], the gradient; residual: float32 [d] (unused without error feedback).
 
     Returns:
-        (chunks float32 [m, chunk]: ``c`` zero-padded; guess float32 [m, chunk], the same
-        tensor as ``chunks`` when ``blocking``; scores float32 [m]), as the reference's.
+        (chunks float32 [m, chunk]: ``c`` zero-padded; scores float32 [m]), as the reference's.
     """
     chunk, error_feedback, blocking, decay = plan
     flat = flat.contiguous()
@@ -101,14 +98,13 @@ def correct(plan, flat, residual):
     d = flat.shape[0]
     m = -(-d // chunk)
     chunks = torch.empty((m, chunk), dtype=torch.float32, device=flat.device)
-    guess = chunks if blocking else torch.empty((m, chunk), dtype=torch.float32, device=flat.device)
     scores = torch.empty(m, dtype=torch.float32, device=flat.device)
     cols, rows = _shape(chunk)
     with _on(flat):
-        _correct[(-(-m // rows),)](flat, residual, chunks, guess, scores, d, m, float(decay),
+        _correct[(-(-m // rows),)](flat, residual, chunks, scores, d, m, float(decay),
                                    CHUNK=chunk, COLS=cols, ROWS=rows, EF=bool(error_feedback),
                                    BLOCKING=bool(blocking), DECAY=decay != 1.0, **_OPTIONS)
-    return chunks, guess, scores
+    return chunks, scores
 
 
 register(core._correct_kernel, "cuda", accepts, correct, "triton_topkc.correct")
@@ -116,7 +112,7 @@ register(core._correct_kernel, "cuda", accepts, correct, "triton_topkc.correct")
 # Ahead-of-time compile (tests): (name, kernel, signature, constexprs) at the default plan
 # (chunk 256, error feedback, selection="previous", beta 1), with residual_decay, the blocking
 # form, without error feedback, and at the largest chunk.
-_SIGNATURE = {"g_ptr": "*fp32", "e_ptr": "*fp32", "c_ptr": "*fp32", "guess_ptr": "*fp32", "scores_ptr": "*fp32",
+_SIGNATURE = {"g_ptr": "*fp32", "e_ptr": "*fp32", "c_ptr": "*fp32", "scores_ptr": "*fp32",
               "d": "i32", "m": "i32", "decay": "fp32", "CHUNK": "constexpr", "COLS": "constexpr",
               "ROWS": "constexpr", "EF": "constexpr", "BLOCKING": "constexpr", "DECAY": "constexpr"}
 AOT = [

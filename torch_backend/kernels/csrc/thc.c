@@ -391,3 +391,33 @@ void hgc_thc_decode(const int32_t *restrict payload, const float *restrict range
             ob[k] = ob[k] * db[k];
     }
 }
+
+
+/* ---- _noise_kernel (rng.bits32 and thc_kernels._noise_bits): step 3's random bits ----
+ *
+ * For counter i in [0, blocks + block), in uint32 arithmetic (the reference's int64 ops mod
+ * 2**32): k = key mod 2**32, x = i + k 0x9E3779B9, h = lowbias32(lowbias32(x) ^ k), bits = h >> 9;
+ * rows[i] = bits | 0x3F800000 (i < blocks), cols[i - blocks] = bits (the rest). Integer math:
+ * the reference's bits exactly. key: an int64 read here (no host read on the Python side). */
+static uint32_t lowbias32(uint32_t x)
+{
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+
+void hgc_thc_noise(const int64_t *key, int64_t blocks, int64_t block, int32_t *rows, int32_t *cols)
+{
+    uint32_t k = (uint32_t)((uint64_t)*key & 0xFFFFFFFFu);
+    uint32_t offset = k * 0x9E3779B9u;
+    for (int64_t i = 0; i < blocks + block; i++) {
+        uint32_t bits = lowbias32(lowbias32((uint32_t)i + offset) ^ k) >> 9;
+        if (i < blocks)
+            rows[i] = (int32_t)(bits | 0x3F800000u);
+        else
+            cols[i - blocks] = (int32_t)bits;
+    }
+}
