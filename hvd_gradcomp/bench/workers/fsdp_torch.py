@@ -55,40 +55,15 @@ import torch
 import torch.distributed as dist
 
 from .. import device as devices
+from ..tta import fsdp_label, parse_fsdp_mesh
 from ..worker import add_common_args
 from . import torch_workloads
 
-__all__ = ["parse_mesh", "native_spec", "timed_compressor", "FSDPTrainer", "main", "WORKLOADS"]
+__all__ = ["native_spec", "timed_compressor", "FSDPTrainer", "main", "WORKLOADS"]
 
 WORKLOADS = ("lm", "lm-comm")  # the transformer workloads (torch_workloads.ByteTransformer)
 # --compression values that mean FSDP's own collectives -> their reduce dtype
 NATIVE = {"fp16": torch.float16, "none": torch.float32, "fp32": torch.float32}
-
-
-def parse_mesh(text, world_size):
-    """``"2x2"`` -> ``(2, 2)``: R replicas of S shards, R x S = ``world_size``; ``""`` or None ->
-    ``(2, world_size // 2)``.
-
-    Raises:
-        ValueError: not ``RxS`` with positive integers, R < 2 (nothing to all-reduce across
-            replicas), or R x S != ``world_size`` (named).
-    """
-    if not text:
-        if world_size < 2 or world_size % 2:
-            raise ValueError(f"fsdp mesh: the default 2 x (workers / 2) needs an even number of "
-                             f"workers >= 2, got {world_size}; give the mesh as RxS")
-        return 2, world_size // 2
-    parts = str(text).lower().replace(" ", "").split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"fsdp mesh: expected RxS (replicas x shards, positive integers), got {text!r}")
-    r, s = int(parts[0]), int(parts[1])
-    if r < 2:
-        raise ValueError(f"fsdp mesh {text!r}: at least 2 replicas are needed (the all-reduce across "
-                         f"replicas is what the FSDP rows compress)")
-    if r * s != world_size:
-        raise ValueError(f"fsdp mesh {text!r}: {r} x {s} = {r * s} ranks, but there are {world_size} "
-                         f"workers; the workers must divide into the mesh")
-    return r, s
 
 
 def native_spec(spec):
@@ -225,15 +200,6 @@ class FSDPTrainer:
         return out
 
 
-def label(spec, rs_spec=None):
-    """The row's label: ``FP16-FSDP``, ``FP32-FSDP`` or ``<spec> on FSDP``, with ``, rs
-    <spec>`` when the reduce-scatter is compressed too."""
-    native = native_spec(spec)
-    out = ("FP16-FSDP" if native is torch.float16 else "FP32-FSDP" if native is torch.float32
-           else f"{spec} on FSDP")
-    return out + (f", rs {rs_spec}" if rs_spec else "")
-
-
 def main(argv=None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workload", choices=WORKLOADS, default="lm-comm")
@@ -257,7 +223,7 @@ def main(argv=None):
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     rank, size = dist.get_rank(), dist.get_world_size()
     try:
-        replicas, shards = parse_mesh(args.mesh, size)
+        replicas, shards = parse_fsdp_mesh(args.mesh, size)
         if rs_spec and shards < 2:
             raise ValueError(f"--reduce-scatter {rs_spec}: the mesh {replicas}x{shards} has one shard per "
                              f"replica, so FSDP reduce-scatters nothing")
@@ -283,7 +249,7 @@ def main(argv=None):
         dist.destroy_process_group()
         return 2
     trainer.schedule = torch_workloads.make_schedule(wl, trainer.opt, args)
-    meta = {"framework": "torch", "system": "fsdp", "label": label(spec, rs_spec), "device": str(device),
+    meta = {"framework": "torch", "system": "fsdp", "label": fsdp_label("none" if spec == "fp32" else spec, rs_spec), "device": str(device),
             "mesh": f"{replicas}x{shards}", "replicas": replicas, "shards": shards,
             "all_reduce": f"native {trainer.reduce_dtype}".replace("torch.", "") if trainer.native else spec,
             "reduce_scatter": rs_spec or f"native {trainer.reduce_dtype}".replace("torch.", ""),
