@@ -585,10 +585,11 @@ def table_header(network, rows, results=None):
                 "tensors are not page-faulted in again each step")
     elif network.get("malloc"):
         net += f". glibc malloc: {network['malloc']}"
-    targets = sorted({(r.get("workload"), r.get("target"), r.get("target_vs_fp16")) for r in rows
-                      if r.get("target") is not None}, key=str)
-    tt = ", ".join(f"{w} {t:.4g} ({f:g} x FP16's final rolling metric in this sweep)" if f else f"{w} {t}"
-                   for w, t, f in targets)
+    targets = sorted({(r.get("workload"), r.get("target"), r.get("target_vs_fp16"), r.get("system") == "fsdp")
+                      for r in rows if r.get("target") is not None}, key=str)
+    tt = ", ".join((f"{w} {t:.4g} ({f:g} x {'FP16-FSDP' if fsdp else 'FP16'}'s final rolling metric in this sweep)"
+                    + (" for the FSDP rows" if fsdp else "")) if f else f"{w} {t}"
+                   for w, t, f, fsdp in targets)
     lines = [net, f"Targets (rolling metric): {tt}. TTA = training clock to target; ratios are "
                   "FP16 / ours (> 1 better), against the FP16 run of the same workload and system, "
                   "and best DDP / ours against the fastest DDP row of the same workload. "

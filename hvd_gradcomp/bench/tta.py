@@ -7,7 +7,10 @@ What it does, in three steps (``main`` only wires them):
    THC variants and the PowerSGD variants, whichever are registered in
    :data:`hvd_gradcomp.registry.SCHEMES`), plus, for PyTorch workloads, ``torch.distributed``
    DDP runs with its built-in hooks (``--ddp-hooks``; default ``fp16_compress_hook`` and
-   ``powerSGD_hook``), labelled as such; then one *no-communication reference* per workload
+   ``powerSGD_hook``), labelled as such, and, for the LM workloads, FSDP2 (HSDP) runs on a
+   ``--fsdp-mesh`` of replicas x shards (``--fsdp-hooks``, default off; FP16-FSDP, FSDP's own
+   float16 collectives, first: it sets their target; the others compress the all-reduce across
+   replicas, :func:`parse_fsdp_hooks`); then one *no-communication reference* per workload
    (``--no-comm-reference``, default on): the same FP32 Horovod training with the network
    left out, i.e. on an unthrottled loopback link instead of the rate-limited one, the limit
    any compressor can approach (labelled as a reference, never a baseline or a "best" row);
@@ -16,7 +19,9 @@ What it does, in three steps (``main`` only wires them):
    see the same background load over the sweep (the same seed in every round: the repeats
    measure the timing noise). Nothing runs yet.
 2. Run (:func:`run_sweep`): sets up the network (:mod:`.netem`): one namespace per worker,
-   veth links rate-limited to ``--bandwidth`` Mbit/s (optional ``--latency``) to a bridge;
+   veth links rate-limited to ``--bandwidth`` Mbit/s (optional ``--latency``) to a bridge
+   (with FSDP rows one namespace per replica: its ranks' traffic among themselves unthrottled,
+   ``--ranks-per-host``);
    without root it falls back to loopback and says so in every output. The link is verified
    with a timed all-reduce against the ring model (:mod:`.linkcheck`, ``--link-factor``); a
    link that misses stops the sweep. Then starts the workload's worker module

@@ -24,9 +24,11 @@ PARAMS = 470528  # lm-comm's transformer; every dim 0 is even, so the 2 shards a
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
+    (out / "doc.md").write_text("intro\n<!-- tta-fsdp:start -->\n<!-- tta-fsdp:end -->\n")
     cmd = [sys.executable, "-m", "hvd_gradcomp.bench", "tta", "--workloads", "lm-comm", "--compressors", "off",
            "--fsdp-hooks", "fp16;thc", "--workers", "4", "--fsdp-mesh", "2x2", "--bandwidth", "200",
            "--out", str(out), "--no-progress", "--skip-link-check",
+           "--update-doc", str(out / "doc.md"), "--doc-block", "tta-fsdp",
            "--worker-args", f"--max-steps {STEPS} --eval-every 2 --batch-size 4"]
     return out, run_process(cmd, timeout=300)
 
@@ -72,6 +74,15 @@ def test_target_and_cap_came_from_fp16_fsdp(sweep):
     assert result["meta"]["target"] == pytest.approx(cap["target"], rel=1e-5)  # the worker got it
     assert data["results"]["lm-comm-fsdp-fp16"]["meta"]["target"] is None  # FP16-FSDP runs its budget
     assert "every FSDP row after FP16-FSDP stopped at the target" in res.stdout
+    assert "(1.02 x FP16-FSDP's final rolling metric in this sweep) for the FSDP rows" in res.stdout
+
+
+def test_doc_block(sweep):
+    out, _ = sweep
+    block = (out / "doc.md").read_text()
+    assert "| lm-comm | FP16-FSDP |" in block and "| lm-comm | thc on FSDP |" in block
+    assert "FSDP rows: HSDP (FSDP2 fully_shard on a replicas x shards mesh, 2x2)" in block
+    assert (out / "tta_lm-comm.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bytes_per_step(sweep):
