@@ -461,7 +461,7 @@ def parse_fsdp_mesh(text, workers):
 
     Raises:
         ValueError: not ``RxS``, R < 2, or R x S != ``workers``
-            (:func:`.workers.fsdp_torch.parse_mesh`'s message).
+            (named).
     """
     r, _, s = (text or "").lower().partition("x")
     if not text:
