@@ -33,7 +33,8 @@ timer):
 
 - compute: forward + backward of an unsharded copy of the model on the same batch, on this
   rank, with no communication (every ``--eval-every`` steps, off the clock; the median of the
-  last 5), plus the optimizer step;
+  last 5; at most the step's own forward + backward less its codec time, so the three parts
+  always sum to the step's measured time), plus the optimizer step;
 - compress+decompress: the compressors' codec calls inside FSDP's hooks (``plan_bucket``,
   ``encode_unit``, ``decode``, ``decode_scattered``), timed by :func:`timed_compressor`;
 - communication: the rest of forward + backward (FSDP's all-gathers, its reduce-scatter and
@@ -149,7 +150,10 @@ class FSDPTrainer:
         self.calib, self.calib_every, self.steps = [], int(calib_every), 0
 
     def _calibrate(self, x, y):
-        """Forward + backward of the unsharded copy on this batch (no communication), seconds."""
+        """Forward + backward of the unsharded copy on this batch (no communication), seconds;
+        the first call runs it once untimed first (allocation, first-call costs)."""
+        if not self.calib:
+            self.workload.loss(self.local, x, y).backward()
         self.local.zero_grad(set_to_none=True)
         t0 = self.clock()
         self.workload.loss(self.local, x, y).backward()
@@ -171,9 +175,10 @@ class FSDPTrainer:
             self.schedule.set(self.steps)
         self.opt.step()
         t2 = self.clock()
-        fb = statistics.median(self.calib[-5:])
         codec = sum(t.take() for t in self.timers)
-        return loss.detach(), fb + (t2 - t1), codec, max(0.0, (t1 - t0) - fb - codec)
+        # the calibrated compute, at most what forward + backward took: the parts sum to the step
+        fb = min(statistics.median(self.calib[-5:]), max(0.0, (t1 - t0) - codec))
+        return loss.detach(), fb + (t2 - t1), codec, (t1 - t0) - fb - codec
 
     def allreduce_sum(self, values):
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
