@@ -1,6 +1,6 @@
 """The PyTorch LM workloads under FSDP2 as HSDP (``fully_shard`` on a ``(replicate, shard)``
 mesh), FSDP's collectives native or compressed (:mod:`torch_backend.fsdp`). Gloo on the CPU,
-NCCL with ``--device cuda``. Launch with torchrun-style variables (``MASTER_ADDR``,
+NCCL with ``--device cuda`` (one GPU per rank; untested on GPUs here). Launch with torchrun-style variables (``MASTER_ADDR``,
 ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``; the harness sets them), e.g.::
 
     torchrun --nproc_per_node 4 -m hvd_gradcomp.bench.workers.fsdp_torch --workload lm-comm \\
@@ -254,9 +254,10 @@ def main(argv=None):
         dist.destroy_process_group()
         return 2
     trainer.schedule = torch_workloads.make_schedule(wl, trainer.opt, args)
-    meta = {"framework": "torch", "system": "fsdp", "label": fsdp_label("none" if spec == "fp32" else spec, rs_spec), "device": str(device),
+    meta = {"framework": "torch", "system": "fsdp", "label": fsdp_label("none" if spec == "fp32" else spec, rs_spec),
+            "device": str(device),
             "mesh": f"{replicas}x{shards}", "replicas": replicas, "shards": shards,
-            "all_reduce": f"native {trainer.reduce_dtype}".replace("torch.", "") if trainer.native else spec,
+            "all_reduce": f"native {trainer.reduce_dtype}".replace("torch.", "") if trainer.native is not None else spec,
             "reduce_scatter": rs_spec or f"native {trainer.reduce_dtype}".replace("torch.", ""),
             "reduce_dtype": str(trainer.reduce_dtype).replace("torch.", ""),
             "recipe": getattr(args, "recipe", None),
