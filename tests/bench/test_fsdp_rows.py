@@ -6,7 +6,6 @@ FSDP rows, the table's note, the worker's codec timer and byte count, and the em
 hosts of several ranks (addresses, namespaces; the rate split itself is measured in the smoke
 test).
 """
-
 import pytest
 
 from hvd_gradcomp.bench import netem, report, tta
