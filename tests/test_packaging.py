@@ -49,7 +49,7 @@ def wheel(tmp_path_factory):
 
 def test_wheel_holds_workers_and_data(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("__init__", "digits_torch", "digits_tf", "lm_torch", "ddp_torch", "torch_workloads"):
+    for module in ("__init__", "digits_torch", "digits_tf", "lm_torch", "ddp_torch", "fsdp_torch", "torch_workloads"):
         assert f"hvd_gradcomp/bench/workers/{module}.py" in names, module
     for path in ("hvd_gradcomp/bench/model_inputs_resnet50.json", "hvd_gradcomp/bench/model_shapes_resnet50.json",
                  "hvd_gradcomp/bench/linkcheck.py", "hvd_gradcomp/bench/launch.py", "hvd_gradcomp/bench/publish.py",

@@ -16,7 +16,14 @@ chosen rate (and optional latency) to a bridge in the root namespace:
        workers' labels to the namespace's own address. ``ip netns exec`` mounts it over
        ``/etc/hosts``: Horovod 0.28.1 binds its process-set Gloo contexts to whatever the
        hostname resolves to (127.0.0.1 otherwise, unreachable from another namespace).
-    5. Teardown removes the namespaces (their veths go with them), the bridge and the
+    5. Hosts of several ranks (``ranks_per_host`` K > 1, :class:`EmulatedNetwork`): one
+       namespace, veth and address per *host*, holding ranks ``h*K .. h*K + K-1``. Traffic
+       between ranks of one host goes to the namespace's own address, which Linux routes over
+       the namespace's loopback, not through ``eth0``: it is not rate-limited (a node's
+       internal fabric), while traffic between hosts crosses both hosts' rate-limited links,
+       which the host's ranks share (one NIC per node). This is how the harness gives HSDP's
+       rows a slow link between replicas only: one host per replica (``tta --fsdp-mesh``).
+    6. Teardown removes the namespaces (their veths go with them), the bridge and the
        ``/etc/netns`` folders; it runs from ``finally``/``__exit__`` (Ctrl-C and SIGTERM
        included), is idempotent, and :func:`cleanup_stale` removes what a killed run left.
 
@@ -235,15 +242,21 @@ class EmulatedNetwork(_Network):
     world_size: int
     link: LinkConfig = field(default_factory=LinkConfig)
     tag: str = field(default_factory=lambda: str(os.getpid()))
+    ranks_per_host: int = 1
     mode = "netns"
     iface = "eth0"
 
     def __post_init__(self):
         if self.world_size < 1:
             raise ValueError(f"netem: world_size must be >= 1, got {self.world_size}")
+        k = self.ranks_per_host
+        if not isinstance(k, int) or k < 1 or self.world_size % k:
+            raise ValueError(f"netem: ranks_per_host must be an integer >= 1 dividing world_size "
+                             f"{self.world_size}, got {k!r}")
+        self.hosts = self.world_size // k
         self.bridge = f"{_PREFIX}{self.tag}br"
-        self.namespaces = [f"{_PREFIX}{self.tag}w{i}" for i in range(self.world_size)]
-        self.veths = [f"{_PREFIX}{self.tag}v{i}" for i in range(self.world_size)]
+        self.namespaces = [f"{_PREFIX}{self.tag}w{i}" for i in range(self.hosts)]
+        self.veths = [f"{_PREFIX}{self.tag}v{i}" for i in range(self.hosts)]
         if max(len(n) for n in [self.bridge] + self.veths) > 15:
             raise ValueError(f"netem: tag {self.tag!r} too long for Linux interface names")
         self.subnet = None
@@ -254,20 +267,32 @@ class EmulatedNetwork(_Network):
     def rendezvous_addr(self):
         return f"{self.subnet}.1"
 
+    def host_addresses(self):
+        """One address per host (namespace)."""
+        return [f"{self.subnet}.{10 + i}" for i in range(self.hosts)]
+
     def addresses(self):
-        return [f"{self.subnet}.{10 + i}" for i in range(self.world_size)]
+        """Per rank: its host's address."""
+        hosts = self.host_addresses()
+        return [hosts[r // self.ranks_per_host] for r in range(self.world_size)]
 
     def hostnames(self):
-        return [f"{_PREFIX}-w{i}" for i in range(self.world_size)]
+        """Per rank: its host's label (``hgc-w<host>``)."""
+        return [f"{_PREFIX}-w{r // self.ranks_per_host}" for r in range(self.world_size)]
 
     def wrap(self, rank, argv):
-        return ["ip", "netns", "exec", self.namespaces[rank]] + list(argv)
+        return ["ip", "netns", "exec", self.namespaces[rank // self.ranks_per_host]] + list(argv)
 
     def describe(self):
+        k = self.ranks_per_host
+        where = ("per worker link" if k == 1 else
+                 f"per host link, {self.hosts} hosts of {k} ranks (traffic between ranks of one "
+                 f"host unthrottled: ranks {', '.join(f'{h * k}-{h * k + k - 1}' for h in range(self.hosts))})")
         return {"mode": "netns", "bandwidth_mbit": self.link.bandwidth_mbit,
                 "latency_ms": self.link.latency_ms, "world_size": self.world_size,
+                "ranks_per_host": k, "hosts": self.hosts,
                 "subnet": f"{self.subnet}.0/24", "qdisc": self._qdisc_text(),
-                "note": f"emulated: {self.link.bandwidth_mbit:g} Mbit/s per worker link"
+                "note": f"emulated: {self.link.bandwidth_mbit:g} Mbit/s {where}"
                         + (f", {self.link.latency_ms:g} ms one-way latency" if self.link.latency_ms else "")}
 
     def _qdisc_text(self):
@@ -325,15 +350,16 @@ class EmulatedNetwork(_Network):
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
         _run(["ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge])
         _run(["ip", "link", "set", self.bridge, "up"])
-        names = self.hostnames()
-        for i, (ns, veth, addr) in enumerate(zip(self.namespaces, self.veths, self.addresses())):
+        hosts = self.host_addresses()
+        names = [f"{_PREFIX}-w{h}" for h in range(self.hosts)]
+        for i, (ns, veth, addr) in enumerate(zip(self.namespaces, self.veths, hosts)):
             _run(["ip", "netns", "add", ns])
             folder = os.path.join(_NETNS_ETC, ns)
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, "hosts"), "w") as f:
                 f.write("127.0.0.1 localhost\n")
                 f.write(f"{addr} {host} {names[i]}\n")
-                for j, other in enumerate(self.addresses()):
+                for j, other in enumerate(hosts):
                     if j != i:
                         f.write(f"{other} {names[j]}\n")
             _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
@@ -368,12 +394,20 @@ class EmulatedNetwork(_Network):
                 "folders": [n for n in self.namespaces if os.path.isdir(os.path.join(_NETNS_ETC, n))]}
 
 
-def make_network(world_size: int, link: LinkConfig, loopback: bool = False):
-    """An :class:`EmulatedNetwork` when possible, else a :class:`LoopbackNetwork` saying why."""
+def make_network(world_size: int, link: LinkConfig, loopback: bool = False, ranks_per_host: int = 1):
+    """An :class:`EmulatedNetwork` when possible (``ranks_per_host`` ranks per namespace, their
+    traffic among themselves unthrottled), else a :class:`LoopbackNetwork` saying why.
+
+    Raises:
+        ValueError: ``ranks_per_host`` < 1 or not dividing ``world_size`` (also on loopback).
+    """
+    if not isinstance(ranks_per_host, int) or ranks_per_host < 1 or world_size % ranks_per_host:
+        raise ValueError(f"netem: ranks_per_host must be an integer >= 1 dividing world_size "
+                         f"{world_size}, got {ranks_per_host!r}")
     if loopback:
         return LoopbackNetwork(world_size, "loopback requested")
     ok, reason = emulation_available()
     if not ok:
         return LoopbackNetwork(world_size, reason)
     cleanup_stale()
-    return EmulatedNetwork(world_size, link)
+    return EmulatedNetwork(world_size, link, ranks_per_host=ranks_per_host)

@@ -17,10 +17,13 @@ excluded, in seconds):
   reached the target counts as an infinite TTA, so the median is "not reached" once half
   the repeats miss; the ratios are computed from the medians;
 - TTA vs FP16: FP16's TTA / this run's TTA, against the FP16 run of the same workload and
-  system (Horovod-PyTorch, Horovod-TensorFlow, DDP), so > 1 means sooner than FP16;
+  system (Horovod-PyTorch, Horovod-TensorFlow, DDP; FSDP rows against FP16-FSDP, spec
+  ``fsdp:fp16``: FSDP's own float16 collectives), so > 1 means sooner than FP16;
 - final metric: the rolling metric at the last evaluation;
 - bytes/step: bytes each rank hands to all-reduces per step (payload + side collectives);
-  FP16 bytes / ours is the compression against FP16;
+  FP16 bytes / ours is the compression against FP16; FSDP rows (``system`` fsdp): the bytes
+  each rank hands to the all-reduce across replicas (its shards), the shard group's
+  reduce-scatter apart (``bytes_reduce_scatter``; ``mesh`` is R x S);
 - shares: compute, compress+decompress ("codec") and communication time as fractions of the
   training clock; "overhead share" is the codec share;
 - the no-communication reference (``reference`` column True; ``tta --no-comm-reference``):
@@ -49,7 +52,7 @@ RUN_COLUMNS = [
     "steps_to_target", "steps_vs_fp16", "step_time_vs_fp16",
     "final_metric", "best_metric", "bytes_payload", "bytes_side", "side_collectives",
     "bytes_per_step", "fp16_bytes_ratio", "step_ms_median", "compute_share", "codec_share",
-    "comm_share", "choices", "git_commit", "versions",
+    "comm_share", "choices", "mesh", "bytes_reduce_scatter", "git_commit", "versions",
 ]
 # A table row over the repeats of one (workload, framework, system, spec): the run columns
 # (medians; run_id without the repeat suffix, repeat empty) plus how many ran and the spread.
@@ -124,7 +127,7 @@ def summarize(run_id, result, network, git_commit=None):
                latency_ms=network.get("latency_ms"), world_size=meta.get("world_size"),
                seed=meta.get("seed"), params=meta.get("params"), target=meta.get("target"),
                target_vs_fp16=meta.get("target_vs_fp16") or None,
-               higher_is_better=higher, git_commit=git_commit,
+               higher_is_better=higher, git_commit=git_commit, mesh=meta.get("mesh"),
                versions=json.dumps(meta.get("versions", {}), sort_keys=True))
     if steps.get("step"):
         clock = steps["t"][-1]
@@ -143,7 +146,8 @@ def summarize(run_id, result, network, git_commit=None):
     if wire:
         row.update(bytes_payload=wire.get("payload"), bytes_side=wire.get("side"),
                    side_collectives=wire.get("side_collectives"),
-                   bytes_per_step=(wire.get("payload") or 0) + (wire.get("side") or 0))
+                   bytes_per_step=(wire.get("payload") or 0) + (wire.get("side") or 0),
+                   bytes_reduce_scatter=wire.get("reduce_scatter"))
         if wire.get("choices"):  # auto: the scheme each tensor ended on
             row["choices"] = "; ".join(f"{k}: {v}" for k, v in sorted(wire["choices"].items()))
     return row
@@ -166,7 +170,8 @@ def apply_targets(rows, results):
     A row whose run recorded ``target_vs_fp16`` = f (``lm-comm``: 1.02) gets the target f x
     FP16's final rolling metric: the median over the FP16 rows (:func:`_is_fp16`, not the
     reference, status ok) of the same workload and framework in ``rows``, Horovod's when
-    there are any, else DDP's; with no such row its target is None (not reached). Then every
+    there are any, else DDP's; an FSDP row's, FP16-FSDP's only (never another system's); with
+    no such row its target is None (not reached). Then every
     row with evaluations in ``results`` (run id -> result) gets ``tta_s``, ``tta_steady_s``
     and ``steps_to_target`` for its target (so published sweeps saved before
     ``steps_to_target`` existed get it too).
@@ -174,19 +179,26 @@ def apply_targets(rows, results):
     finals = {}
     for r in rows:
         if _is_fp16(r) and not is_reference(r) and r.get("status") == "ok" and r.get("final_metric") is not None:
-            finals.setdefault((r.get("workload"), r.get("framework"), r.get("system") == "ddp"), []).append(r["final_metric"])
+            finals.setdefault((r.get("workload"), r.get("framework"), _target_system(r)), []).append(r["final_metric"])
     for r in rows:
         res = results.get(r.get("run_id")) or {}
         factor = r.get("target_vs_fp16") or (res.get("meta") or {}).get("target_vs_fp16")
         if factor:
             r["target_vs_fp16"] = factor
-            base = finals.get((r.get("workload"), r.get("framework"), False)) or \
-                finals.get((r.get("workload"), r.get("framework"), True))
+            key = (r.get("workload"), r.get("framework"))
+            base = finals.get(key + ("fsdp",)) if r.get("system") == "fsdp" else \
+                finals.get(key + ("horovod",)) or finals.get(key + ("ddp",))
             r["target"] = factor * statistics.median(base) if base else None
         evals = res.get("evals") or {}
         if evals.get("metric") and evals.get("step"):
             _set_reached(r, evals, int((res.get("meta") or {}).get("window", 5)))
     return rows
+
+
+def _target_system(row):
+    """Whose FP16 sets a row's target (:func:`apply_targets`): ``"fsdp"``, ``"ddp"`` or
+    ``"horovod"``."""
+    return {"fsdp": "fsdp", "ddp": "ddp"}.get(row.get("system"), "horovod")
 
 
 def adam_ratios(rows, results, min_numel=1024):
@@ -257,9 +269,9 @@ def _choice_notes(rows):
 def _is_fp16(row):
     """FP16 with the workload's own optimizer, one micro-batch a step and the gradient
     all-reduce (a row naming another optimizer, ``accumulate`` or ``update_sync`` is not the
-    baseline)."""
+    baseline). FSDP: ``fsdp:fp16``, FP16-FSDP (FSDP's own float16 collectives)."""
     spec = row.get("spec") or ""
-    return ((spec in ("fp16", "ddp:fp16") or spec.startswith("fp16:")) and not row.get("optimizer")
+    return ((spec in ("fp16", "ddp:fp16", "fsdp:fp16") or spec.startswith("fp16:")) and not row.get("optimizer")
             and (row.get("accumulate") or 1) == 1 and not row.get("update_sync"))
 
 
@@ -536,17 +548,19 @@ def stop_note(rows, results):
     (``meta["stop_cap"]``: cap x FP16's TTA) or, for sweeps saved before it, the step cap
     (``--max-steps N`` in the worker's ``argv``); "" when there is none."""
     out = []
-    for w in dict.fromkeys(workload_name(r) for r in rows):
+    groups = dict.fromkeys((workload_name(r), r.get("system") == "fsdp") for r in rows)
+    for w, fsdp in groups:
         fp16 = next((r for r in rows if workload_name(r) == w and _is_fp16(r) and not is_reference(r)
-                     and r.get("system") != "ddp"), None)
+                     and r.get("system") != "ddp" and (r.get("system") == "fsdp") == fsdp), None)
         for r in rows:
-            if workload_name(r) != w or r is fp16 or r.get("status") != "ok":
+            if workload_name(r) != w or r is fp16 or r.get("status") != "ok" or (r.get("system") == "fsdp") != fsdp:
                 continue
             meta = (results.get(r.get("run_id")) or {}).get("meta") or {}
             cap = meta.get("stop_cap")
             if cap:
-                out.append(f"{w}: every row after FP16 stopped at the target or when its training "
-                           f"clock passed {cap['cap']:g} x FP16's TTA ({cap['fp16_tta_s']:.1f} s), "
+                who, base = ("FSDP row", "FP16-FSDP") if fsdp else ("row", "FP16")
+                out.append(f"{w}: every {who} after {base} stopped at the target or when its training "
+                           f"clock passed {cap['cap']:g} x {base}'s TTA ({cap['fp16_tta_s']:.1f} s), "
                            f"i.e. {cap['max_seconds']:.1f} s (checked at each evaluation).")
                 break
             argv = [str(a) for a in meta.get("argv") or []]
@@ -571,10 +585,11 @@ def table_header(network, rows, results=None):
                 "tensors are not page-faulted in again each step")
     elif network.get("malloc"):
         net += f". glibc malloc: {network['malloc']}"
-    targets = sorted({(r.get("workload"), r.get("target"), r.get("target_vs_fp16")) for r in rows
-                      if r.get("target") is not None}, key=str)
-    tt = ", ".join(f"{w} {t:.4g} ({f:g} x FP16's final rolling metric in this sweep)" if f else f"{w} {t}"
-                   for w, t, f in targets)
+    targets = sorted({(r.get("workload"), r.get("target"), r.get("target_vs_fp16"), r.get("system") == "fsdp")
+                      for r in rows if r.get("target") is not None}, key=str)
+    tt = ", ".join((f"{w} {t:.4g} ({f:g} x {'FP16-FSDP' if fsdp else 'FP16'}'s final rolling metric in this sweep)"
+                    + (" for the FSDP rows" if fsdp else "")) if f else f"{w} {t}"
+                   for w, t, f, fsdp in targets)
     lines = [net, f"Targets (rolling metric): {tt}. TTA = training clock to target; ratios are "
                   "FP16 / ours (> 1 better), against the FP16 run of the same workload and system, "
                   "and best DDP / ours against the fastest DDP row of the same workload. "
@@ -598,6 +613,16 @@ def table_header(network, rows, results=None):
         lines[1] += (" steady TTA = clock from the end of the first step to target; start = wall "
                      "seconds from the worker's process start to the end of its first step "
                      "(imports, Horovod init, tracing, first step), rank 0.")
+    if any(r.get("system") == "fsdp" for r in rows):
+        meshes = sorted({r.get("mesh") for r in rows if r.get("system") == "fsdp" and r.get("mesh")})
+        lines[1] += (f" FSDP rows: HSDP (FSDP2 fully_shard on a replicas x shards mesh, "
+                     f"{', '.join(meshes) or '?'}), reduced in float16; FP16-FSDP (FSDP's own "
+                     "float16 reduce-scatter and all-reduce) is their baseline: their target, ratios "
+                     "and time cap are FP16-FSDP's; '<spec> on FSDP' compresses the all-reduce across "
+                     "replicas (torch_backend.fsdp.install), ', rs <spec>' the reduce-scatter too; "
+                     "their B/step is each rank's bytes to the all-reduce across replicas (its "
+                     "shards), the reduce-scatter within a replica apart (runs.csv "
+                     "bytes_reduce_scatter).")
     if any(is_reference(r) for r in rows):
         lines[1] += (" The no-communication row is a reference, not a competitor: the same FP32 "
                      "training on an unthrottled loopback link (the network left out), the limit "
@@ -669,18 +694,23 @@ def plot_path(out_dir, workload):
 
 
 def converged_levels(rows):
-    """``{"FP16": level, "FP32": level}``: the median final rolling metric of the Horovod rows
-    ``fp16`` and ``none`` (FP32) among ``rows``, for those present (None where no repeat has a
-    final metric). DDP rows, the no-communication reference (also spec ``none``) and rows
-    with another optimizer, gradient accumulation or update sync are not levels."""
+    """``{"FP16": level, "FP32": level, "FP16-FSDP": level}``: the median final rolling metric
+    of the Horovod rows ``fp16`` and ``none`` (FP32) and of FP16-FSDP (``fsdp:fp16``) among
+    ``rows``, for those present (None where no repeat has a final metric). DDP rows, other
+    FSDP rows, the no-communication reference (also spec ``none``) and rows with another
+    optimizer, gradient accumulation or update sync are not levels."""
     finals = {}
     for r in rows:
         plain = not r.get("optimizer") and (r.get("accumulate") or 1) == 1 and not r.get("update_sync")
-        if r.get("system") != "ddp" and not is_reference(r) and plain and r.get("spec") in ("fp16", "none"):
+        if r.get("system") == "fsdp" and plain and r.get("spec") == "fsdp:fp16":
+            name = "FP16-FSDP"
+        elif r.get("system") not in ("ddp", "fsdp") and not is_reference(r) and plain and r.get("spec") in ("fp16", "none"):
             name = "FP16" if r["spec"] == "fp16" else "FP32"
-            finals.setdefault(name, [])
-            if r.get("final_metric") is not None:
-                finals[name].append(r["final_metric"])
+        else:
+            continue
+        finals.setdefault(name, [])
+        if r.get("final_metric") is not None:
+            finals[name].append(r["final_metric"])
     return {k: statistics.median(v) if v else None for k, v in finals.items()}
 
 
@@ -719,7 +749,7 @@ def plot(path, rows, results, title, network):
             continue
         r = members[0]
         higher = bool(r.get("higher_is_better", True))
-        style = "--" if r.get("system") == "ddp" else "-"
+        style = {"ddp": "--", "fsdp": ":"}.get(r.get("system"), "-")
         extra = {}
         if is_reference(r):
             style, extra = "-.", {"color": "dimgrey"}
@@ -733,7 +763,7 @@ def plot(path, rows, results, title, network):
             ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=line.get_color(),
                             alpha=0.2, linewidth=0)
     levels = converged_levels(rows)
-    colors = {"FP16": "black", "FP32": "grey"}
+    colors = {"FP16": "black", "FP32": "grey", "FP16-FSDP": "darkblue"}
     for name, level in levels.items():
         if level is not None:
             ax.axhline(level, linestyle="--", color=colors[name], linewidth=1,

@@ -7,7 +7,10 @@ What it does, in three steps (``main`` only wires them):
    THC variants and the PowerSGD variants, whichever are registered in
    :data:`hvd_gradcomp.registry.SCHEMES`), plus, for PyTorch workloads, ``torch.distributed``
    DDP runs with its built-in hooks (``--ddp-hooks``; default ``fp16_compress_hook`` and
-   ``powerSGD_hook``), labelled as such; then one *no-communication reference* per workload
+   ``powerSGD_hook``), labelled as such, and, for the LM workloads, FSDP2 (HSDP) runs on a
+   ``--fsdp-mesh`` of replicas x shards (``--fsdp-hooks``, default off; FP16-FSDP, FSDP's own
+   float16 collectives, first: it sets their target; the others compress the all-reduce across
+   replicas, :func:`parse_fsdp_hooks`); then one *no-communication reference* per workload
    (``--no-comm-reference``, default on): the same FP32 Horovod training with the network
    left out, i.e. on an unthrottled loopback link instead of the rate-limited one, the limit
    any compressor can approach (labelled as a reference, never a baseline or a "best" row);
@@ -16,7 +19,9 @@ What it does, in three steps (``main`` only wires them):
    see the same background load over the sweep (the same seed in every round: the repeats
    measure the timing noise). Nothing runs yet.
 2. Run (:func:`run_sweep`): sets up the network (:mod:`.netem`): one namespace per worker,
-   veth links rate-limited to ``--bandwidth`` Mbit/s (optional ``--latency``) to a bridge;
+   veth links rate-limited to ``--bandwidth`` Mbit/s (optional ``--latency``) to a bridge
+   (with FSDP rows one namespace per replica: its ranks' traffic among themselves unthrottled,
+   ``--ranks-per-host``);
    without root it falls back to loopback and says so in every output. The link is verified
    with a timed all-reduce against the ring model (:mod:`.linkcheck`, ``--link-factor``); a
    link that misses stops the sweep. Then starts the workload's worker module
@@ -79,6 +84,12 @@ WORKLOADS = {
 # (eager only) is compared with the fixed compressors in the same execution mode.
 WORKLOAD_FLAGS = {"digits-tf-eager": ("--eager",)}
 DDP_WORKER = "hvd_gradcomp.bench.workers.ddp_torch"  # every DDP run, whatever the workload
+# FSDP rows (``--fsdp-hooks``): HSDP on a (replicate, shard) mesh, on these workloads only (the
+# worker shards the transformer's layers). Their baseline, FP16-FSDP, is the row ``fp16``:
+# FSDP's own collectives in float16 (workers.fsdp_torch); it sets the FSDP rows' target.
+FSDP_WORKER = "hvd_gradcomp.bench.workers.fsdp_torch"
+FSDP_WORKLOADS = ("lm", "lm-comm")
+FSDP_BASELINE = "fp16"
 # Candidate defaults, in table order; those naming an unregistered scheme or option are skipped.
 DEFAULT_CANDIDATES = (
     "none", "fp16", "topk:ratio=0.1",
@@ -152,11 +163,17 @@ class RunSpec:
     join the label (``SPEC with accumulate(4)``, ``SPEC with update-sync(every=8)``, ``SPEC with
     OPT``, in this order: :meth:`Row.text`) and the row id. ``unavailable``: why this checkout
     cannot run the row (it is then reported as failed, ``not run: <why>``, without a launch).
+
+    FSDP rows (``system="fsdp"``, :func:`parse_fsdp_hooks`): ``spec`` compresses the all-reduce
+    across replicas (``fp16``: FP16-FSDP, FSDP's own float16 collectives; ``none``: its float32
+    ones), ``reduce_scatter`` the reduce-scatter within the shard group (None: FSDP's own);
+    label :func:`fsdp_label`, row id ``<workload>-fsdp-<spec>[-with-rs-<spec>]``.
     """
 
     def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1, reference=False,
-                 optimizer=None, unavailable=None, accumulate=1, update_sync=None):
+                 optimizer=None, unavailable=None, accumulate=1, update_sync=None, reduce_scatter=None):
         self.workload, self.system, self.spec = workload, system, spec
+        self.reduce_scatter = reduce_scatter or None  # FSDP rows: the reduce-scatter's spec
         self.reference = bool(reference)
         self.optimizer = optimizer or None
         self.accumulate = int(accumulate or 1)
@@ -168,6 +185,10 @@ class RunSpec:
                                {"none": "fp32 (none)"}.get(spec, spec) if system == "horovod" else f"DDP {spec}")
         if tail and not label:
             self.label += tail
+        if system == "fsdp" and not label:
+            self.label = fsdp_label(spec, self.reduce_scatter)
+        if self.reduce_scatter:
+            tail += f" with rs={self.reduce_scatter}"
         slug = re.sub(r"[^A-Za-z0-9]+", "-", spec + tail).strip("-")
         self.row_id = f"{workload}-{system}-{slug}" + ("-nocomm" if self.reference else "")
         self.repeat, self.repeats = repeat, repeats
@@ -176,7 +197,8 @@ class RunSpec:
     def again(self, repeat, repeats):
         """This run as round ``repeat`` of ``repeats`` (:func:`interleave`)."""
         return RunSpec(self.workload, self.system, self.spec, self.label, repeat, repeats, self.reference,
-                       self.optimizer, self.unavailable, self.accumulate, self.update_sync)
+                       self.optimizer, self.unavailable, self.accumulate, self.update_sync,
+                       self.reduce_scatter)
 
     def __repr__(self):
         return f"RunSpec({self.run_id})"
@@ -365,16 +387,112 @@ def parse_ddp_hooks(text):
     return hooks
 
 
+def fsdp_label(spec, reduce_scatter=None):
+    """An FSDP row's label: ``FP16-FSDP`` (spec ``fp16``), ``FP32-FSDP`` (``none``) or ``<spec>
+    on FSDP``, followed by ``, rs <spec>`` when the reduce-scatter is compressed too (the
+    worker's ``label``, :mod:`.workers.fsdp_torch`)."""
+    out = {"fp16": "FP16-FSDP", "none": "FP32-FSDP"}.get(spec, f"{spec} on FSDP")
+    return out + (f", rs {reduce_scatter}" if reduce_scatter else "")
+
+
+def parse_fsdp_hooks(text, shards=2):
+    """``"fp16; thc; topkc:0.1; fp16 with rs=thc"`` -> ``[(spec, rs or None), ...]`` (``;``
+    separates rows; ``""``/``"off"`` -> []). A row is the all-reduce's spec across replicas
+    (``fp16``: FP16-FSDP, FSDP's own float16 collectives; ``none``/``fp32``: FSDP's own float32
+    ones; any other: our compressor through ``torch_backend.fsdp.install``), optionally ``with
+    rs=SPEC``: the reduce-scatter within the shard group compressed by ``install_reduce_scatter``.
+    FP16-FSDP (``fp16``), the FSDP rows' baseline, is put first (added when missing, with a note
+    on stderr): it sets their target and ratios.
+
+    Args:
+        text: the option's value.
+        shards: S, ranks per replica of the sweep's mesh (``rs=`` needs S >= 2).
+
+    Raises:
+        ValueError: a bad spec (the registry's message); a blocking two-round variant (install
+            refuses them); an ``rs=`` spec that cannot be reduce-scattered (named, with why), or
+            ``rs=`` with one shard per replica; an unknown clause; a row given twice.
+    """
+    if text.strip().lower() in ("", "off", "no"):
+        return []
+    from hvd_gradcomp.routing import Routing
+    out = []
+    for row in (x.strip() for x in text.split(";")):
+        if not row:
+            continue
+        parts = [x.strip() for x in row.split(" with ")]
+        spec = "none" if parts[0] == "fp32" else parts[0]
+        rs = None
+        for clause in parts[1:]:
+            key, eq, val = (x.strip() for x in clause.partition("="))
+            if key != "rs" or not eq or not val or rs is not None:
+                raise ValueError(f"fsdp row {row!r}: expected 'SPEC' or 'SPEC with rs=SPEC', got clause {clause!r}")
+            rs = val
+        if not spec:
+            raise ValueError(f"fsdp row {row!r}: expected a compressor spec before 'with'")
+        _check_spec(spec)
+        blocking = [s.spec() for s in Routing.from_spec(spec).schemes() if s.blocking]
+        if blocking:
+            raise ValueError(f"fsdp row {row!r}: {blocking[0]} is a blocking two-round variant, which "
+                             f"torch_backend.fsdp.install refuses (its side all-reduce is Horovod's)")
+        if rs is not None:
+            _check_spec(rs)
+            if shards < 2:
+                raise ValueError(f"fsdp row {row!r}: rs= compresses the reduce-scatter within a replica, "
+                                 f"but the mesh has one shard per replica (nothing is reduce-scattered)")
+            from torch_backend import Compression
+            from torch_backend.fsdp import _scatter_refusal
+            for scheme in Compression.from_spec(rs).routing.schemes():
+                why = _scatter_refusal(scheme, shards)
+                if why is not None:
+                    raise ValueError(f"fsdp row {row!r}: rs={rs} routes tensors to {scheme.spec()}, which "
+                                     f"cannot be reduce-scattered: {why}")
+        if (spec, rs) in out:
+            raise ValueError(f"fsdp row {row!r} given twice")
+        out.append((spec, rs))
+    if out and (FSDP_BASELINE, None) not in out:
+        print(f"tta: FSDP rows: FP16-FSDP ({FSDP_BASELINE!r}), their baseline, added first", file=sys.stderr)
+    return [(FSDP_BASELINE, None)] + [r for r in out if r != (FSDP_BASELINE, None)] if out else []
+
+
+def parse_fsdp_mesh(text, workers):
+    """``--fsdp-mesh``: ``"2x2"`` -> ``(2, 2)`` (R replicas x S shards); None or ``""`` ->
+    ``(2, workers // 2)``.
+
+    Raises:
+        ValueError: not ``RxS``, R < 2, or R x S != ``workers``
+            (named).
+    """
+    r, _, s = (text or "").lower().partition("x")
+    if not text:
+        if workers < 2 or workers % 2:
+            raise ValueError(f"--fsdp-mesh: the default 2 x (workers / 2) needs an even --workers >= 2, "
+                             f"got {workers}; give the mesh as RxS")
+        return 2, workers // 2
+    if not (r.strip().isdigit() and s.strip().isdigit()) or int(r) < 1 or int(s) < 1:
+        raise ValueError(f"--fsdp-mesh: expected RxS (replicas x shards, positive integers), got {text!r}")
+    r, s = int(r), int(s)
+    if r < 2:
+        raise ValueError(f"--fsdp-mesh {text}: at least 2 replicas are needed (FSDP rows compress the "
+                         f"all-reduce across replicas)")
+    if r * s != workers:
+        raise ValueError(f"--fsdp-mesh {text}: {r} x {s} = {r * s} ranks, but --workers is {workers}; "
+                         f"the workers must divide into the mesh")
+    return r, s
+
+
 def _eager_only(spec: str) -> bool:
     """True if ``spec`` routes some tensor to an adaptive scheme (``auto``: eager only)."""
     from hvd_gradcomp.routing import Routing
     return any(scheme.adaptive for scheme in Routing.from_spec(spec).schemes())
 
 
-def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None):
+def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None, fsdp_rows=()):
     """The runs in table order: per workload, the Horovod specs, the DDP hooks (PyTorch
-    workloads), then, with ``reference``, the no-communication reference (FP32 on an
-    unthrottled link, :class:`RunSpec` ``reference=True``). Specs with ``auto`` are left out
+    workloads), the FSDP rows (``fsdp_rows``: :func:`parse_fsdp_hooks`'s pairs, FP16-FSDP
+    first; on :data:`FSDP_WORKLOADS` only, skipped with a note elsewhere), then, with
+    ``reference``, the no-communication reference (FP32 on an unthrottled link,
+    :class:`RunSpec` ``reference=True``). Specs with ``auto`` are left out
     of TensorFlow workloads whose step is a ``tf.function`` (auto runs eagerly), with a note;
     ``digits-tf-eager`` runs them. A spec may be a row ``SPEC with OPTIMIZER``
     (:func:`parse_row`); ``unavailable`` maps rows to why they cannot run here (they are
@@ -410,6 +528,10 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None):
                 if name == "ours":
                     label = f"{h.partition(':')[2]} on DDP"
                 plan.append(RunSpec(w, "ddp", h, label))
+        if fsdp_rows and w in FSDP_WORKLOADS:
+            plan.extend(RunSpec(w, "fsdp", spec, reduce_scatter=rs) for spec, rs in fsdp_rows)
+        elif fsdp_rows:
+            print(f"tta: FSDP rows skipped on {w}: they run on {', '.join(FSDP_WORKLOADS)} only", file=sys.stderr)
         if reference:
             plan.append(RunSpec(w, "horovod", NOCOMM_SPEC, reference=True))
     return plan
@@ -460,9 +582,14 @@ def _command(run, args, out_json, extra=()):
     """The command every rank runs: ``python -m <worker module> <flags>`` (never a file path);
     ``extra`` flags (:func:`stop_flags`) go before ``--worker-args``, which can override them."""
     framework, module, wname, _ = WORKLOADS[run.workload]
-    cmd = [sys.executable, "-m", DDP_WORKER if run.system == "ddp" else module]
+    cmd = [sys.executable, "-m", {"ddp": DDP_WORKER, "fsdp": FSDP_WORKER}.get(run.system, module)]
     if run.system == "ddp":
         cmd += ["--workload", wname, "--hook", run.spec]
+    elif run.system == "fsdp":
+        r, s = getattr(args, "fsdp_mesh_shape", None) or parse_fsdp_mesh(getattr(args, "fsdp_mesh", None), args.workers)
+        cmd += ["--workload", wname, "--compression", run.spec, "--mesh", f"{r}x{s}"]
+        if run.reduce_scatter:
+            cmd += ["--reduce-scatter", run.reduce_scatter]
     else:
         cmd += ["--compression", run.spec]
     if run.optimizer:
@@ -476,7 +603,7 @@ def _command(run, args, out_json, extra=()):
     cmd += ["--seed", str(args.seed), "--out", out_json, "--progress"]
     if getattr(args, "device", "cpu") != "cpu":
         cmd += ["--device", args.device]
-    cmd += list(WORKLOAD_FLAGS.get(run.workload, ())) if run.system != "ddp" else []
+    cmd += list(WORKLOAD_FLAGS.get(run.workload, ())) if run.system == "horovod" else []
     if args.max_seconds:
         cmd += ["--max-seconds", str(args.max_seconds)]
     if getattr(args, "budget_epochs", None):
@@ -492,27 +619,41 @@ def _stub_result(run, status, error="", network=None):
                     "system": run.system, "label": run.label, "compression": run.spec,
                     "optimizer": run.optimizer, "accumulate": run.accumulate, "update_sync": run.update_sync,
                     "repeat": run.repeat, "reference": run.reference}}
+    if run.system == "fsdp":  # as the worker records it (workers.fsdp_torch)
+        out["meta"]["compression"] = f"fsdp:{run.spec}" + (f" with rs={run.reduce_scatter}" if run.reduce_scatter else "")
     if network is not None:
         out["network"] = network
     return out
 
 
 def _is_fp16_baseline(run):
+    """Horovod's FP16 row (the workload's own optimizer, no clause), or FP16-FSDP (the FSDP
+    row ``fp16`` with FSDP's own reduce-scatter): the baseline of its :func:`stop_group`."""
+    if run.system == "fsdp":
+        return run.spec == FSDP_BASELINE and not run.reduce_scatter and not run.optimizer
     return (run.system == "horovod" and run.spec == "fp16" and not run.optimizer and not run.reference
             and run.accumulate == 1 and run.update_sync is None)
 
 
+def stop_group(run):
+    """The key of ``stops`` (:func:`note_fp16`) that ``run`` belongs to: its workload (Horovod
+    and DDP rows, measured against Horovod's FP16), or ``"<workload> fsdp"`` for FSDP rows
+    (against FP16-FSDP)."""
+    return f"{run.workload} fsdp" if run.system == "fsdp" else run.workload
+
+
 def note_fp16(run, result, stops, cap=None):
     """After a run: when it is the FP16 baseline (Horovod ``fp16``, the workload's own
-    optimizer) of a workload in :data:`FP16_TTA_CAP` and recorded ``target_vs_fp16``,
-    store in ``stops[workload]`` what the later rows stop at (:func:`stop_flags`): the target
+    optimizer; for FSDP rows FP16-FSDP) of a workload in :data:`FP16_TTA_CAP` and recorded
+    ``target_vs_fp16``, store in ``stops[stop_group(run)]`` (:func:`stop_group`: the workload,
+    or ``"<workload> fsdp"``) what the later rows of that group stop at (:func:`stop_flags`): the target
     (factor x its final rolling metric), FP16's TTA to it (``fp16_tta_s``, training clock,
     :func:`.report.time_to_target`), the cap (``cap``, default :data:`FP16_TTA_CAP`'s) and
     ``max_seconds`` = cap x FP16's TTA, and FP16's steps (``fp16_steps``: the learning-rate
     schedule's length for the later rows). The first FP16 run of the sweep sets them (with
     repeats: round 1's)."""
     meta, evals = result.get("meta") or {}, result.get("evals") or {}
-    if run.workload in stops or run.workload not in FP16_TTA_CAP or not _is_fp16_baseline(run):
+    if stop_group(run) in stops or run.workload not in FP16_TTA_CAP or not _is_fp16_baseline(run):
         return
     if result.get("status") != "ok" or not meta.get("target_vs_fp16") or not evals.get("metric"):
         return
@@ -525,7 +666,7 @@ def note_fp16(run, result, stops, cap=None):
         tta_s = evals["t"][-1]
     steps = int(meta.get("steps_run") or len((result.get("steps") or {}).get("step", [])))
     factor = FP16_TTA_CAP[run.workload] if cap is None else float(cap)
-    stops[run.workload] = {"target": target, "fp16_tta_s": tta_s, "cap": factor,
+    stops[stop_group(run)] = {"target": target, "fp16_tta_s": tta_s, "cap": factor,
                            "max_seconds": factor * tta_s, "fp16_steps": steps}
 
 
@@ -534,8 +675,9 @@ def stop_flags(run, stops):
     (:func:`note_fp16`): ``--target T --epochs-past-target 0 --max-seconds S --max-epochs 1e9
     --schedule-steps N`` (the training-clock cap S = cap x FP16's TTA, not a step or epoch
     budget, ends it; N = FP16's steps, so the learning-rate schedule is FP16's); none for the
-    FP16 baseline itself or before FP16 has run."""
-    stop = stops.get(run.workload)
+    FP16 baseline itself or before FP16 has run. FSDP rows stop at FP16-FSDP's
+    (:func:`stop_group`)."""
+    stop = stops.get(stop_group(run))
     if stop is None or _is_fp16_baseline(run):
         return []
     return ["--target", f"{stop['target']:.6g}", "--epochs-past-target", "0",
@@ -571,7 +713,7 @@ def execute(net, run, args, out_dir, progress=True, extra=()):
     with open(os.path.join(log_dir, "command.txt"), "w") as f:
         f.write(" ".join(cmd) + "\n")
     own = network_for(net, run)
-    handle = launch.launch(own, cmd, kind="ddp" if run.system == "ddp" else "horovod",
+    handle = launch.launch(own, cmd, kind="horovod" if run.system == "horovod" else "ddp",
                            env={**launch.malloc_env(args.malloc),
                                 **device.launch_env(getattr(args, "device", "cpu"), own)},
                            log_dir=log_dir, pipe_rank0=True)
@@ -658,10 +800,27 @@ def build_parser():
                         "(K micro-batches per all-reduce), update-sync(every=H,...) (compressed "
                         "update sync, torch_backend.UpdateSync). Default: every registered "
                         f"default, from {'; '.join(DEFAULT_CANDIDATES)}; for lm-comm alone: "
-                        f"{'; '.join(ADAM_ROWS)}. Every scheme's options: python -m hvd_gradcomp --list")
+                        f"{'; '.join(ADAM_ROWS)}. 'off': no Horovod rows (with --ddp-hooks or "
+                        "--fsdp-hooks rows). Every scheme's options: python -m hvd_gradcomp --list")
     p.add_argument("--ddp-hooks", default=None,
                    help="';'-separated DDP hooks for PyTorch workloads (none, fp16, powersgd:rank=R); "
                         f"'off' for none (default {DEFAULT_DDP_HOOKS}; lm-comm alone: off)")
+    p.add_argument("--fsdp-hooks", default="off",
+                   help="';'-separated FSDP rows for the LM workloads (lm, lm-comm): HSDP on the "
+                        "--fsdp-mesh, each row the spec of the all-reduce across replicas (fp16: "
+                        "FP16-FSDP, FSDP's own float16 collectives, the rows' baseline, always run "
+                        "first; none: FSDP's own float32; any other: ours, torch_backend.fsdp.install), "
+                        "optionally 'with rs=SPEC' (the reduce-scatter within a replica compressed "
+                        "too: none, fp16, bf16, thc, signsgd), e.g. 'fp16;thc;topkc:ratio=0.1;thc "
+                        "with rs=thc'; 'off' for none")
+    p.add_argument("--fsdp-mesh", default=None, metavar="RxS",
+                   help="the FSDP rows' mesh: R replicas of S shards, R x S = --workers (default "
+                        "2 x (workers / 2))")
+    p.add_argument("--ranks-per-host", type=int, default=None,
+                   help="ranks per emulated host (one namespace and rate-limited link each; the "
+                        "traffic between a host's ranks is unthrottled): default S of --fsdp-mesh "
+                        "when FSDP rows run (the slow link between replicas only), else 1. Every "
+                        "row of the sweep runs on this network")
     p.add_argument("--no-comm-reference", choices=("on", "off"), default=None,
                    help="per workload, one more run as a reference, not a competitor: FP32 on an "
                         "unthrottled loopback link (the network left out), the limit any "
@@ -730,6 +889,8 @@ class SweepPlan(NamedTuple):
     (table order; with repeats, round after round, :func:`interleave`).
     skipped: ``(spec, why)`` for default specs the registry cannot build. link: the
     :class:`.netem.LinkConfig` asked for. out_dir: absolute output folder (not yet created).
+    fsdp_mesh: ``(R, S)`` of the FSDP rows (None without). ranks_per_host: ranks per emulated
+    host (:class:`.netem.EmulatedNetwork`; S of the mesh by default when FSDP rows run).
     """
 
     workloads: list
@@ -737,6 +898,8 @@ class SweepPlan(NamedTuple):
     skipped: list
     link: netem.LinkConfig
     out_dir: str
+    fsdp_mesh: Optional[tuple] = None  # (R, S) when FSDP rows are planned
+    ranks_per_host: int = 1
 
 
 class SweepOutcome(NamedTuple):
@@ -773,9 +936,12 @@ def plan_sweep(args) -> SweepPlan:
     """Step 1: the runs, specs, link and output folder from parsed options; nothing runs.
     Options left unset (None) are filled in ``args`` from :func:`sweep_defaults`.
 
+    ``--compressors off`` plans no Horovod rows (the sweep then needs DDP or FSDP rows).
+
     Raises:
-        ValueError: an unknown workload, a bad compressor spec or DDP hook, or a link setting
-            out of range (the message says which).
+        ValueError: an unknown workload, a bad compressor spec, DDP hook or FSDP row, an FSDP
+            mesh the workers do not divide into, ``--ranks-per-host`` not dividing the workers,
+            a sweep with no rows, or a link setting out of range (the message says which).
     """
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     defaults = sweep_defaults(workloads)
@@ -788,7 +954,9 @@ def plan_sweep(args) -> SweepPlan:
     if getattr(args, "tta_cap", None) is not None and not args.tta_cap > 0:
         raise ValueError(f"--tta-cap must be > 0 (a multiple of FP16's TTA), got {args.tta_cap:g}")
     unavailable = {}
-    if args.compressors:
+    if args.compressors and args.compressors.strip().lower() == "off":
+        specs, skipped = [], []
+    elif args.compressors:
         specs, skipped = parse_compressors(args.compressors), []
     elif defaults["compressors"] is not None:
         checked = check_rows(defaults["compressors"])
@@ -800,12 +968,30 @@ def plan_sweep(args) -> SweepPlan:
     else:
         specs, skipped = default_specs()
     hooks = parse_ddp_hooks(args.ddp_hooks)
-    runs = interleave(plan_runs(workloads, specs, hooks, reference=args.no_comm_reference == "on",
-                                unavailable=unavailable), args.repeats)
+    mesh, fsdp_rows = None, []
+    if (getattr(args, "fsdp_hooks", None) or "off").strip().lower() not in ("", "off", "no"):
+        mesh = parse_fsdp_mesh(getattr(args, "fsdp_mesh", None), args.workers)
+        fsdp_rows = parse_fsdp_hooks(args.fsdp_hooks, mesh[1])
+        if not any(w in FSDP_WORKLOADS for w in workloads):
+            raise ValueError(f"--fsdp-hooks: FSDP rows run on {', '.join(FSDP_WORKLOADS)} only; the sweep's "
+                             f"workloads are {', '.join(workloads)}")
+    elif getattr(args, "fsdp_mesh", None):
+        raise ValueError("--fsdp-mesh is for the FSDP rows; give --fsdp-hooks too")
+    args.fsdp_mesh_shape = mesh
+    per_host = getattr(args, "ranks_per_host", None)
+    if per_host is None:
+        per_host = mesh[1] if mesh else 1
+    if per_host < 1 or args.workers % per_host:
+        raise ValueError(f"--ranks-per-host must be >= 1 and divide --workers {args.workers}, got {per_host}")
+    runs = plan_runs(workloads, specs, hooks, reference=args.no_comm_reference == "on",
+                     unavailable=unavailable, fsdp_rows=fsdp_rows)
+    if not runs:
+        raise ValueError("the sweep has no rows: --compressors off needs --ddp-hooks or --fsdp-hooks rows")
+    runs = interleave(runs, args.repeats)
     link = netem.LinkConfig(args.bandwidth, args.latency)
     out_dir = os.path.abspath(args.out or os.path.join(
         "runs", "tta-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
-    return SweepPlan(workloads, runs, skipped, link, out_dir)
+    return SweepPlan(workloads, runs, skipped, link, out_dir, mesh, per_host)
 
 
 def _print_link_check(link_check, factor):
@@ -831,7 +1017,7 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
     for spec, why in plan.skipped:
         print(f"tta: skipping default compressor {spec!r} ({why})", file=sys.stderr)
     os.makedirs(plan.out_dir, exist_ok=True)
-    net = netem.make_network(args.workers, plan.link, loopback=args.loopback)
+    net = netem.make_network(args.workers, plan.link, loopback=args.loopback, ranks_per_host=plan.ranks_per_host)
     if net.mode == "loopback":
         print(f"tta: WARNING: running on LOOPBACK ({net.reason}); no rate limit, communication is "
               "nearly free, and every output says so.", file=sys.stderr)
@@ -857,7 +1043,7 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
                 results[run.run_id] = execute(net, run, args, plan.out_dir, progress=not args.no_progress,
                                               extra=extra)
                 if extra:  # what stopped it, for the report (report.stop_note)
-                    results[run.run_id].setdefault("meta", {})["stop_cap"] = dict(stops[run.workload])
+                    results[run.run_id].setdefault("meta", {})["stop_cap"] = dict(stops[stop_group(run)])
                 note_fp16(run, results[run.run_id], stops, getattr(args, "tta_cap", None))
     except KeyboardInterrupt:
         interrupted = True
@@ -886,7 +1072,8 @@ def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
              "git_commit": commit, "versions": _versions(), "cpu_count": os.cpu_count(),
              "network": desc, "link_check": link_check, "workloads": plan.workloads,
              "skipped_defaults": plan.skipped, "elapsed_s": time.time() - t_start,
-             "interrupted": outcome.interrupted, "stops": outcome.stops}
+             "interrupted": outcome.interrupted, "stops": outcome.stops,
+             "fsdp_mesh": list(plan.fsdp_mesh) if plan.fsdp_mesh else None}
     rows = [report.summarize(rid, res, desc, commit) for rid, res in results.items()]
     report.apply_targets(rows, results)
     report.add_baseline_ratios(rows)

@@ -42,7 +42,8 @@ def test_harness_refuses_tf_workloads_on_cuda():
 
 
 @pytest.mark.parametrize("module", ["hvd_gradcomp.bench.workers.digits_torch",
-                                    "hvd_gradcomp.bench.workers.ddp_torch"])
+                                    "hvd_gradcomp.bench.workers.ddp_torch",
+                                    "hvd_gradcomp.bench.workers.fsdp_torch"])
 def test_workers_refuse_cuda_without_a_gpu(module):
     """Each worker alone refuses before it initialises Horovod or a process group."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -11,6 +11,8 @@ well as a source checkout does. Each is also an ordinary Horovod program::
 - :mod:`.lm_torch`: the byte-level language model, same loop.
 - :mod:`.digits_tf`: the digits MLP in Keras 2 + ``hvd.DistributedGradientTape``.
 - :mod:`.ddp_torch`: the PyTorch workloads under ``torch.distributed`` DDP with its own hooks.
+- :mod:`.fsdp_torch`: the LM workloads under FSDP2 as HSDP, FSDP's collectives native
+  (FP16-FSDP) or compressed (``torch_backend.fsdp``).
 - :mod:`.torch_workloads`: the PyTorch models, data shards and loop the PyTorch workers share.
 
 Flags, timing and the JSON they write: :mod:`hvd_gradcomp.bench.worker`. Short examples for
