@@ -47,7 +47,7 @@ class HorovodTrainer:
     optimizer step with the number of micro-batches so far (None: a constant rate)."""
 
     def __init__(self, workload, model, lr, spec, optimizer="", adam_log_every=0, optimizer_defaults=None,
-                 device="cpu", accumulate=1):
+                 device="cpu", accumulate=1, num_groups=0):
         self.workload, self.model = workload, model
         self.accumulate = int(accumulate)
         self.schedule = None
@@ -60,7 +60,8 @@ class HorovodTrainer:
                                           sync=devices.sync_fn(device))
         self.opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                             compression=self.compressor, op=hvd.Average,
-                                            backward_passes_per_step=self.accumulate)
+                                            backward_passes_per_step=self.accumulate,
+                                            **({"num_groups": num_groups} if num_groups else {}))
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
         # Adam's per-tensor statistics, off the clock (adam_log_every = 0: none).
@@ -224,11 +225,17 @@ def main(argv=None, workload="digits"):
                         "all-reduce, e.g. 'every=8' or 'every=1,outer_lr=0.7' (options: every, "
                         "outer_lr, outer_momentum, nesterov); the --compression spec compresses the "
                         "parameter change")
+    parser.add_argument("--num-groups", type=int, default=0,
+                   help="Horovod's num_groups: the gradients all-reduced in this many groups, each "
+                        "compressed as one bucket (one codec call per group and route; "
+                        "hvd_gradcomp/grouped.py); 0 (default): none, one codec call per tensor")
     torch_workloads.add_recipe_args(parser, cls)
     devices.add_device_arg(parser)
     args = parser.parse_args(argv)
     if args.accumulate < 1:
         parser.error(f"--accumulate must be >= 1, got {args.accumulate}")
+    if args.num_groups < 0:
+        parser.error(f"--num-groups must be >= 0, got {args.num_groups}")
     sync_options = None
     if args.update_sync is not None:
         from ..tta import parse_update_sync
@@ -262,7 +269,7 @@ def main(argv=None, workload="digits"):
                                         optimizer_defaults(args), device, sync_options)
         else:
             trainer = HorovodTrainer(wl, model, args.lr, args.compression, args.optimizer, args.adam_log_every,
-                                     optimizer_defaults(args), device, args.accumulate)
+                                     optimizer_defaults(args), device, args.accumulate, args.num_groups)
     except (ValueError, TypeError) as e:  # a bad or missing optimizer or spec: the same message on every rank
         print(f"{workload} worker: {e}", file=sys.stderr, flush=True)
         hvd.shutdown()
