@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from tests.ddprun import run
-from tests.parallel.test_fsdp import SHAPES, _build, _params, _residuals, _segments, _step, grads_of
+from tests.parallel.test_fsdp import SHAPES, _build, _params, _residuals, _segments, _step, _truth, grads_of
 
 SPECS = ["none", "fp16", "bf16", "thc", "signsgd"]
 SPECS4 = ["fp16", "thc", "signsgd"]
@@ -145,12 +145,6 @@ def two(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     return run(four_worker, np=4, args=(str(tmp_path_factory.mktemp("fsdprs4")),), timeout=600)
-
-
-def _truth(world, steps):
-    """{name: [mean over all ranks of the gradient, per step]} (float64)."""
-    return {n: [sum(grads_of(r, t)[n].double().numpy() for r in range(world)) / world for t in steps]
-            for n in SHAPES}
 
 
 def _key(name, shard, size, per="param"):
