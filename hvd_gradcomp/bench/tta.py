@@ -441,7 +441,7 @@ def parse_fsdp_hooks(text, shards=2):
                 raise ValueError(f"fsdp row {row!r}: rs= compresses the reduce-scatter within a replica, "
                                  f"but the mesh has one shard per replica (nothing is reduce-scattered)")
             from torch_backend import Compression
-            from torch_backend.fsdp import _scatter_refusal
+            from torch_backend.fsdp_scatter import _scatter_refusal
             for scheme in Compression.from_spec(rs).routing.schemes():
                 why = _scatter_refusal(scheme, shards)
                 if why is not None:
