@@ -111,8 +111,9 @@ DEFAULT_DDP_HOOKS = "fp16;powersgd:rank=4"
 # as failed rows that say why (:class:`RunSpec` ``unavailable``).
 ADAM_ROWS = (
     "fp16", "fp16 with accumulate(4)", "fp16 with update-sync(every=8)",
-    "thc", "topkc:ratio=0.1", "powersgd:rank=4",
-    "topkc:ratio=0.1 with update-sync(every=1)", "powersgd:rank=4 with update-sync(every=1)",
+    "thc", "thc:bits=1", "thc:bits=3 with accumulate(2)",
+    "topkc:ratio=0.1", "topkc:ratio=0.1,residual_decay=0.95", "powersgd:rank=8",
+    "topkc:ratio=0.1 with update-sync(every=1)",
 )
 # The rows of issue 25's sweep (Adam 2e-3 constant: ``--recipe adam-constant``), kept for comparison.
 ADAM_ROWS_ISSUE25 = (
