@@ -360,8 +360,9 @@ class THCScheme(Scheme):
     def compress(self, ops, x, state, info, finite):
         lay = self.layout(info)
         plan = self._plan(info, lay)
-        # Step 1's Sylvester matrix, built once for the forward and inverse rotations.
-        hmat = hadamard.sylvester(ops, max(hadamard.factor_sizes(lay.block)), x)
+        # Step 1's Sylvester matrix, for the forward and inverse rotations (a kernel: a backend
+        # may keep it per device instead of building it each call).
+        hmat = ops.fuse(hadamard.sylvester, max(hadamard.factor_sizes(lay.block)))(x)
         y, held, wanted, stats_words, finite = ops.fuse(_rotate_kernel, plan)(
             ops.reshape(x, (info.numel,)), state.residual, state.diag, hmat, finite)
         if self.blocking:

@@ -39,7 +39,7 @@ from hvd_gradcomp.base import fp16_floor  # noqa: E402
 from hvd_gradcomp.topkc import _correct_kernel, _pack_kernel, _scatter_kernel, _top_kernel  # noqa: E402
 from tests.core.thc_emulation import emulate_allreduce  # noqa: E402
 from torch_backend import kernels  # noqa: E402
-from torch_backend.kernels import cbuild, cpu_thc, cpu_topkc  # noqa: E402  (ImportError: no compiler)
+from torch_backend.kernels import cbuild, cpu_thc, cpu_topkc, tables  # noqa: E402  (ImportError: no compiler)
 from torch_backend.ops import OPS, REFERENCE_OPS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -121,6 +121,9 @@ def test_providers_load_and_register():
     assert kernels.fused_form(K._quantize_kernel, plan, "cpu") is cpu_thc.quantize
     assert kernels.fused_form(K._decode_kernel, plan, "cpu") is cpu_thc.decode
     assert kernels.fused_form(K._noise_kernel, plan, "cpu") is cpu_thc.noise
+    assert kernels.fused_form(K._receive_kernel, plan, "cpu") is cpu_thc.receive
+    assert kernels.fused_form(K._finish_kernel, plan, "cpu") is cpu_thc.finish
+    assert kernels.fused_form(hadamard.sylvester, 32, "cpu") is tables.sylvester
     assert kernels.fused_form(_correct_kernel, (256, True, False, 1.0), "cpu") is cpu_topkc.correct
     assert kernels.fused_form(_pack_kernel, (256, True, False, 1.0, "float16", 0.5, 2.0, 32752.0),
                               "cpu") is cpu_topkc.pack
@@ -331,6 +334,44 @@ def test_decode_bad_rank_and_mismatch(case):
         assert int(bad) == 1 and ref.isnan().all() and got.isnan().all()
     else:
         assert bool(mismatch) and torch.equal(ref, got) and not got.any()
+
+
+@pytest.mark.parametrize("n,op", [(1, "sum"), (3, "sum"), (3, "average"), (4, None), (7, "average")])
+@pytest.mark.parametrize("config", [{}, {"rotation_stages": 3}, {"lane_bits": None, "bits": 6}],
+                         ids=["default", "B8", "wide"])
+@pytest.mark.parametrize("case", ["ok", "bad", "mismatch"])
+def test_receive_and_finish_are_bit_exact(n, op, config, case):
+    """Step 6's control words and step 8's ranges and counters: the reference's values, dtypes
+    and shapes exactly, for every op, a rank not finite and fingerprints that disagree."""
+    scheme, info, lay, plan = _setup(2500, n=n, op=op, **config)
+    kwargs = {"bad": {"bad_rank": n - 1}, "mismatch": {"fingerprints": list(range(1, n + 1))}}.get(case, {})
+    if case == "mismatch" and n == 1:
+        kwargs = {}
+    payload, ranges, _, _ = _allreduced(scheme, info, lay, plan, n, op, seed=5, **kwargs)
+    ref = K._receive_kernel(R, plan, payload)
+    got = cpu_thc.receive(plan, payload)
+    for a, b in zip(ref, got):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype) and torch.equal(a, b), (a, b)
+    count, bad, mismatch, inferred = ref
+    assert bool(bad) == (case == "bad") and bool(mismatch) == (case == "mismatch" and n > 1)
+    small = [torch.tensor(v, dtype=torch.int64) for v in (41, 3, 17, 29)]  # step, realigned, saturated, new
+    ref = K._finish_kernel(R, plan, payload, ranges, *small, bad, mismatch, inferred)
+    got = cpu_thc.finish(plan, payload, ranges, *small, bad, mismatch, inferred)
+    assert len(got) == len(ref) == 5
+    for a, b in zip(ref, got):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype) and torch.equal(a, b), (a, b)
+    # new ranges from the statistics; all kept when a rank was not finite
+    assert torch.equal(got[0], ranges) == (case == "bad")
+
+
+def test_sylvester_table_is_built_once_per_device():
+    """THC's Sylvester factor through ops.fuse: the reference's matrix, one tensor per size and
+    device (no operations after the first call); the reference when the kernels are off."""
+    x = torch.zeros(3)
+    a = OPS.fuse(hadamard.sylvester, 32)(x)
+    assert torch.equal(a, hadamard.sylvester(R, 32, x)) and a.dtype == torch.float32
+    assert OPS.fuse(hadamard.sylvester, 32)(torch.ones(5)) is a
+    assert torch.equal(OPS.fuse(hadamard.sylvester, 8)(x), a[:8, :8])
 
 
 def test_levels_agree_end_to_end():

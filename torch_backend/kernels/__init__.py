@@ -23,7 +23,8 @@ build on this machine, say) is dropped for that plan and device with one ``Runti
 naming it, and the reference runs from then on.
 
 Providers register on import and are imported on the first call on their device type:
-``"cuda"``: the Triton kernels (when ``triton`` imports); ``"cpu"``: the compiled CPU loops.
+``"cuda"``: the Triton kernels (when ``triton`` imports); ``"cpu"``: the compiled CPU loops;
+both: the constant tables cached per device (:mod:`~torch_backend.kernels.tables`).
 A provider that cannot be imported (no ``triton``, no compiled library) leaves the reference in
 place; :func:`status` says why.
 
@@ -43,8 +44,9 @@ ENV = "HVD_GRADCOMP_KERNELS"
 
 # Device type -> provider modules, imported on the first lookup for that device type.
 PROVIDERS = {
-    "cuda": ("torch_backend.kernels.triton_thc", "torch_backend.kernels.triton_topkc"),
-    "cpu": ("torch_backend.kernels.cpu_thc", "torch_backend.kernels.cpu_topkc"),
+    "cuda": ("torch_backend.kernels.triton_thc", "torch_backend.kernels.triton_topkc",
+             "torch_backend.kernels.tables"),
+    "cpu": ("torch_backend.kernels.cpu_thc", "torch_backend.kernels.cpu_topkc", "torch_backend.kernels.tables"),
 }
 # "triton" mode: these providers serve every device type.
 _TRITON = "cuda"

@@ -47,13 +47,12 @@ import math
 
 import torch
 
-from hvd_gradcomp.lanes import TINY_SCALE, control_words, pack_scales
-from hvd_gradcomp.thc_kernels import (_CONTROL, _TINY_RANGE, _decode_kernel, _grid, _noise_kernel, _quantize_kernel,
-                                      _rotate_kernel, _top_level)
+from hvd_gradcomp.thc_kernels import (_CONTROL, _TINY_RANGE, _decode_kernel, _finish_kernel, _grid, _noise_kernel,
+                                      _quantize_kernel, _receive_kernel, _rotate_kernel, _top_level)
 from torch_backend import kernels
 from torch_backend.kernels import cbuild
 
-__all__ = ["accepts", "rotate", "quantize", "decode", "noise", "MAX_BLOCK"]
+__all__ = ["accepts", "rotate", "quantize", "decode", "noise", "receive", "finish", "MAX_BLOCK"]
 
 MAX_BLOCK = 1 << 16
 
@@ -67,6 +66,14 @@ _lib.hgc_thc_decode.argtypes = [_P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, 
 _lib.hgc_thc_decode.restype = None
 _lib.hgc_thc_noise.argtypes = [_P, _I, _I, _P, _P]
 _lib.hgc_thc_noise.restype = None
+_lib.hgc_thc_scales.argtypes = [_P, _I, _P, _I, _I, _I, _P]
+_lib.hgc_thc_scales.restype = ctypes.c_int32
+_lib.hgc_thc_tail.argtypes = [_P, _P, _I, _P, _P, _I]
+_lib.hgc_thc_tail.restype = None
+_lib.hgc_thc_receive.argtypes = [_P, _I, _I, _I, _P, _P]
+_lib.hgc_thc_receive.restype = None
+_lib.hgc_thc_finish.argtypes = [_P] + [_I] * 6 + [_P] * 10
+_lib.hgc_thc_finish.restype = None
 
 
 def accepts(plan) -> bool:
@@ -93,12 +100,17 @@ def _ops():
     return REFERENCE_OPS
 
 
+def _summed_code(plan) -> int:
+    """1 (Sum), 0 (Average) or -1 (unknown: the count word's verdict), as the C loops take it."""
+    return -1 if plan.op is None else int(plan.op == "sum")
+
+
 def rotate(plan, x, residual, diag, hmat, finite):
     """Fused ``_rotate_kernel`` (steps 1-2): the reference's outputs ``(y, held, wanted,
     stats_words, finite)``, with ``y`` and ``wanted`` within float32 rounding (module
     docstring)."""
-    if not (_ok(x, residual, diag) and x.dtype == torch.float32 and diag.dtype == torch.float32
-            and residual.dtype == torch.float32):
+    if not (_ok(x, residual, diag, finite) and x.dtype == torch.float32 and diag.dtype == torch.float32
+            and residual.dtype == torch.float32 and finite.dtype == torch.bool):
         return _rotate_kernel(_ops(), plan, x, residual, diag, hmat, finite)
     padded, block = diag.shape[0], plan.block
     x, diag = x.contiguous(), diag.contiguous()
@@ -112,19 +124,22 @@ def rotate(plan, x, residual, diag, hmat, finite):
                         None if residual is None else _ptr(residual), _ptr(y),
                         _ptr(held) if flush else None, _ptr(wanted), own,
                         float(plan.flush) if flush else 1.0)
-    finite = torch.logical_and(finite, torch.isfinite(wanted).all())
-    if plan.stats is None:
-        return y, held, wanted, torch.zeros(0, dtype=torch.int32), finite
-    usable = torch.logical_and(wanted > TINY_SCALE, finite)
-    return y, held, wanted, pack_scales(_ops(), wanted, usable, plan.stats), finite
+    nb, lay = padded // block, plan.stats
+    stats = torch.empty(0 if lay is None else -(-2 * nb // lay.lanes), dtype=torch.int32)
+    finite = finite.contiguous()
+    ok = _lib.hgc_thc_scales(_ptr(wanted), nb, finite.data_ptr(), *(
+        (lay.lanes, lay.width, lay.guard, _ptr(stats)) if lay is not None else (1, 1, 0, None)))
+    # without statistics (range="current") the loop only checks that wanted is finite
+    return y, held, wanted, stats, torch.tensor(bool(ok))
 
 
 def quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words):
     """Fused ``_quantize_kernel`` (steps 3-5): ``(payload int32, residual float32 [P] or [0],
     saturated int64 0-d)``, the reference's bit for bit given the same ``y`` (module
     docstring)."""
-    if not (_ok(y, held, ranges, rows, cols) and y.dtype == torch.float32 and ranges.dtype == torch.float32
-            and rows.dtype == torch.int32 and cols.dtype == torch.int32):
+    if not (_ok(y, held, ranges, rows, cols, fingerprint, finite, stats_words) and y.dtype == torch.float32
+            and ranges.dtype == torch.float32 and rows.dtype == torch.int32 and cols.dtype == torch.int32
+            and fingerprint.dtype == torch.int64 and finite.dtype == torch.bool and stats_words.dtype == torch.int32):
         return _quantize_kernel(_ops(), plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words)
     lay, block = plan.levels, plan.block
     padded = y.shape[0]
@@ -142,11 +157,9 @@ def quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words
         _ptr(residual) if plan.error_feedback else None, _ptr(payload), lay.lanes, lay.width, lay.guard,
         lay.offset, _grid(lay.top), _TINY_RANGE, 0.5 * top_level - 1.0, -1.0, top_level - 1.0,
         -1.0 - margin, top_level - 1.0 + margin)
-    if nstats:
-        payload[words:words + nstats] = stats_words
-    s = fingerprint
-    bad = torch.where(finite, 0.0, 1.0).to(torch.int64)
-    payload[words + nstats:] = control_words(_ops(), (s * 0 + 1, bad, s, s * s), lay.guard)
+    stats_words, fingerprint, finite = stats_words.contiguous(), fingerprint.contiguous(), finite.contiguous()
+    _lib.hgc_thc_tail(payload.data_ptr() + 4 * words, _ptr(stats_words), nstats, fingerprint.data_ptr(),
+                      finite.data_ptr(), lay.guard)
     return payload, residual, torch.tensor(saturated, dtype=torch.int64)
 
 
@@ -163,7 +176,7 @@ def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
     count, bad = count.contiguous(), bad.contiguous()
     mismatch, inferred = mismatch.contiguous(), inferred.contiguous()
     out = torch.empty(padded, dtype=torch.float32)
-    summed = -1 if plan.op is None else int(plan.op == "sum")
+    summed = _summed_code(plan)
     _lib.hgc_thc_decode(_ptr(payload), _ptr(ranges), padded, block, _ptr(diag), lay.lanes, lay.width, lay.guard,
                         lay.offset, plan.world_size, summed, count.data_ptr(), bad.data_ptr(),
                         mismatch.data_ptr(), inferred.data_ptr(), _grid(lay.top), 0.5 * _top_level(lay.top),
@@ -184,7 +197,49 @@ def noise(plan, key, ranges):
     return rows, cols
 
 
+def receive(plan, payload):
+    """Fused ``_receive_kernel`` (step 6's control words): ``(count, bad)`` int64 0-d and
+    ``(mismatch, inferred)`` bool 0-d, views of two small tensors; the reference's values
+    exactly (integer arithmetic)."""
+    if not (_ok(payload) and payload.dtype == torch.int32):
+        return _receive_kernel(_ops(), plan, payload)
+    tail = payload[payload.shape[0] - _CONTROL:].contiguous()
+    counts = torch.empty(2, dtype=torch.int64)
+    flags = torch.empty(2, dtype=torch.bool)
+    _lib.hgc_thc_receive(tail.data_ptr(), plan.world_size, plan.levels.guard, _summed_code(plan),
+                         counts.data_ptr(), flags.data_ptr())
+    return counts[0], counts[1], flags[0], flags[1]
+
+
+def finish(plan, payload, ranges, step, realigned, saturated, new_saturated, bad, mismatch, inferred):
+    """Fused ``_finish_kernel`` (step 8's small fields): one loop for the agreed ranges' log2
+    and the counters, then ``exp2`` and the choice by ``ok`` as the reference's PyTorch
+    operations, so the ranges are the reference's bit for bit (integer sums, the same float32
+    mean, the same ``exp2``): every rank agrees on them whichever form it runs."""
+    small = (step, realigned, saturated, new_saturated, bad)
+    if not (plan.stats is not None and _ok(payload, ranges, *small, mismatch, inferred)
+            and payload.dtype == torch.int32 and ranges.dtype == torch.float32
+            and all(t.dtype == torch.int64 for t in small)
+            and mismatch.dtype == torch.bool and inferred.dtype == torch.bool):
+        return _finish_kernel(_ops(), plan, payload, ranges, step, realigned, saturated, new_saturated, bad,
+                              mismatch, inferred)
+    nb, lay = ranges.shape[0], plan.stats
+    stop = payload.shape[0] - _CONTROL
+    words = payload[stop - (-(-2 * nb // lay.lanes)):stop].contiguous()
+    small = [t.contiguous() for t in small]
+    mismatch, inferred = mismatch.contiguous(), inferred.contiguous()
+    e = torch.empty(nb, dtype=torch.float32)
+    fields = torch.empty(3, dtype=torch.int64)
+    ok = torch.empty((), dtype=torch.bool)
+    _lib.hgc_thc_finish(_ptr(words), nb, lay.lanes, lay.width, lay.guard, plan.world_size, _summed_code(plan),
+                        inferred.data_ptr(), _ptr(e), *(t.data_ptr() for t in small), mismatch.data_ptr(),
+                        fields.data_ptr(), ok.data_ptr())
+    return torch.where(ok, torch.exp2(e), ranges), fields[0], fields[1], fields[2], ok
+
+
 kernels.register(_rotate_kernel, "cpu", accepts, rotate, "cpu_thc.rotate")
 kernels.register(_quantize_kernel, "cpu", accepts, quantize, "cpu_thc.quantize")
 kernels.register(_decode_kernel, "cpu", accepts, decode, "cpu_thc.decode")
 kernels.register(_noise_kernel, "cpu", accepts, noise, "cpu_thc.noise")
+kernels.register(_receive_kernel, "cpu", accepts, receive, "cpu_thc.receive")
+kernels.register(_finish_kernel, "cpu", accepts, finish, "cpu_thc.finish")

@@ -421,3 +421,111 @@ void hgc_thc_noise(const int64_t *key, int64_t blocks, int64_t block, int32_t *r
             cols[i - blocks] = (int32_t)bits;
     }
 }
+
+/* ---- the statistics and control words (lanes.py), one call each instead of a dozen ops ----
+ *
+ * exact_word: lanes.exact_words for one all-reduced word w: w under Sum (or without guard
+ * bits); under Average the multiple of 2**guard next to n w away from zero, with the
+ * reference's 2**40 bias (so every shift is of a non-negative value). */
+static inline int64_t exact_word(int64_t w, int64_t n, int64_t guard, int is_sum)
+{
+    if (is_sum || guard == 0)
+        return w;
+    int64_t bias = (int64_t)1 << 40, scaled = w * n + bias;
+    int64_t up = ((scaled + (((int64_t)1 << guard) - 1)) >> guard) << guard;
+    int64_t down = (scaled >> guard) << guard;
+    return (w < 0 ? down : up) - bias;
+}
+
+/* lanes.pack_scales after _rotate_kernel's finite check: returns finite (*finite_p and every
+ * wanted[b] finite); words: out int32 [ceil(2 nb / lanes)], the (log code, has data) pairs of
+ * the nb scales (NULL: none written), pair b as values 2b and 2b + 1, value k in lane k / W of word k % W above
+ * guard bits. A pair is (0, 0) unless finite and wanted[b] > 1e-30 (TINY_SCALE); else code =
+ * clamp(rint(log2f(wanted[b]) * 4) + 512, 1, 1023), in float32 as the reference (rint rounds
+ * half to even, as torch.round; log2f may differ from PyTorch's log2 by rounding). */
+int32_t hgc_thc_scales(const float *restrict wanted, int64_t nb, const uint8_t *finite_p,
+                       int64_t lanes, int64_t width, int64_t guard, int32_t *restrict words)
+{
+    int finite = *finite_p != 0;
+    for (int64_t b = 0; b < nb; b++)
+        finite &= isfinite(wanted[b]) != 0;
+    if (!words) /* range="current": the check alone */
+        return finite;
+    int64_t m = 2 * nb, W = (m + lanes - 1) / lanes;
+    for (int64_t i = 0; i < W; i++)
+        words[i] = 0;
+    for (int64_t k = 0; k < m; k++) {
+        float s = wanted[k / 2];
+        int usable = finite && s > 1e-30f;
+        uint32_t v = 0;
+        if (usable && (k & 1))
+            v = 1;
+        else if (usable) {
+            float c = rintf(log2f(s) * 4.0f) + 512.0f;
+            c = c < 1.0f ? 1.0f : (c > 1023.0f ? 1023.0f : c);
+            v = (uint32_t)c;
+        }
+        words[k % W] = (int32_t)((uint32_t)words[k % W] + (v << (guard + (k / W) * width)));
+    }
+    return finite;
+}
+
+/* _quantize_kernel's tail of the payload: the nstats statistics words, then the four control
+ * words (1, not finite, s, s**2) << guard, each wrapped to int32 as the reference's cast. */
+void hgc_thc_tail(int32_t *restrict out, const int32_t *restrict stats, int64_t nstats,
+                  const int64_t *fingerprint, const uint8_t *finite_p, int64_t guard)
+{
+    if (nstats)
+        memcpy(out, stats, (size_t)nstats * sizeof(int32_t));
+    int64_t s = *fingerprint;
+    int64_t v[4] = {1, *finite_p ? 0 : 1, s, s * s};
+    for (int i = 0; i < 4; i++)
+        out[nstats + i] = (int32_t)(uint32_t)((uint64_t)v[i] << guard);
+}
+
+/* _receive_kernel: tail = the 4 all-reduced control words; counts: out int64 [2] (count, bad);
+ * flags: out uint8 [2] (mismatch s2 count != s1**2, inferred "the count word says Sum");
+ * summed 1 / 0 / -1 (unknown: the inferred verdict). */
+void hgc_thc_receive(const int32_t *restrict tail, int64_t n, int64_t guard, int64_t summed,
+                     int64_t *restrict counts, uint8_t *restrict flags)
+{
+    int inferred = (int64_t)tail[0] > ((int64_t)1 << guard);
+    int is_sum = summed < 0 ? inferred : (int)summed;
+    int64_t c[4];
+    for (int i = 0; i < 4; i++)
+        c[i] = exact_word(tail[i], n, guard, is_sum) >> guard;
+    counts[0] = c[0];
+    counts[1] = c[1];
+    flags[0] = c[3] * c[0] != c[2] * c[2];
+    flags[1] = (uint8_t)inferred;
+}
+
+/* _finish_kernel but for exp2: from the nb pairs of all-reduced statistics words (lanes.
+ * agreed_scales: exact words, lanes), e[b] = ((code_sum - have 512) / max(have, 1)) / 4 in
+ * float32 (the reference's mean and scale), -inf where no rank had data (exp2 gives 0); and the
+ * small fields, fields = (step, realigned, saturated) after the step, ok = bad == 0 (all
+ * unchanged when not ok). */
+void hgc_thc_finish(const int32_t *restrict words, int64_t nb, int64_t lanes, int64_t width,
+                    int64_t guard, int64_t n, int64_t summed, const uint8_t *inferred_p,
+                    float *restrict e, const int64_t *step, const int64_t *realigned,
+                    const int64_t *saturated, const int64_t *new_saturated, const int64_t *bad,
+                    const uint8_t *mismatch_p, int64_t *restrict fields, uint8_t *ok_p)
+{
+    int is_sum = summed < 0 ? (*inferred_p != 0) : (int)summed;
+    int64_t W = (2 * nb + lanes - 1) / lanes, mask = ((int64_t)1 << width) - 1;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t v[2];
+        for (int t = 0; t < 2; t++) {
+            int64_t k = 2 * b + t;
+            v[t] = (exact_word(words[k % W], n, guard, is_sum) >> (guard + (k / W) * width)) & mask;
+        }
+        float code_sum = (float)v[0], have = (float)v[1];
+        float mean = (code_sum - have * 512.0f) / (have > 1.0f ? have : 1.0f);
+        e[b] = have > 0.5f ? mean * 0.25f : -INFINITY;
+    }
+    int ok = *bad == 0, mismatch = *mismatch_p != 0;
+    fields[0] = ok ? (mismatch ? 0 : *step + 1) : *step;
+    fields[1] = ok ? *realigned + mismatch : *realigned;
+    fields[2] = ok ? *new_saturated : *saturated;
+    *ok_p = (uint8_t)ok;
+}
