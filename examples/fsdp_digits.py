@@ -8,7 +8,7 @@ each layer's parameters are sharded within a replica, FSDP reduce-scatters their
 there, and the compressor sends each shard's gradient to the other replicas (the slow link,
 in a real cluster). Data: scikit-learn's bundled 8x8 digits (no download), each rank a
 disjoint part. Rank 0 prints the test accuracy every epoch, and at the end the bytes this rank
-sent across replicas per step against FP16. ``--reduce-scatter thc`` (or fp16, bf16, signsgd)
+sent per step against FP16: across replicas, and with ``--reduce-scatter`` within its replica. ``--reduce-scatter thc`` (or fp16, bf16, signsgd)
 compresses the reduce-scatter within the replica too, with a compressor of its own. Needs no
 Horovod (``pip install ".[ddp]" scikit-learn``).
 """
@@ -28,7 +28,7 @@ from torch_backend import Compression
 from torch_backend.fsdp import install, install_reduce_scatter
 from torch_backend.stats import CompressionStats
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
 parser.add_argument("--compression", default="thc", help="e.g. fp16, topkc:0.1, thc, powersgd:4, auto")
 parser.add_argument("--reduce-scatter", default=None, help="compress the reduce-scatter within a replica "
                     "too (--shards >= 2): none, fp16, bf16, thc, signsgd")
@@ -65,8 +65,10 @@ fully_shard(model, mesh=mesh)
 compression = install(model, Compression.from_spec(args.compression))  # the cross-replica all-reduce
 scatter = install_reduce_scatter(model, Compression.from_spec(args.reduce_scatter)) if args.reduce_scatter else None
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
-# What this rank sends: its shards (FP16 would send 2 bytes a coordinate of them).
+# What this rank sends across replicas: its shards (FP16 would send 2 bytes a coordinate of
+# them); within its replica, with --reduce-scatter: the whole gradients, reduce-scattered.
 stats = CompressionStats(compression, [p.to_local() for p in model.parameters()], rank=rank)
+scatter_stats = CompressionStats(scatter, list(model.parameters()), rank=rank) if scatter else None
 
 step = 0
 for epoch in range(1, args.epochs + 1):
@@ -78,13 +80,17 @@ for epoch in range(1, args.epochs + 1):
         loss.backward()  # reduce-scatter in the replica, compressed all-reduce across replicas
         optimizer.step()
         stats.step()
+        if scatter_stats:
+            scatter_stats.step()
         step += 1
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean()
     log.info("epoch %d, step %d: loss %.4f, test accuracy %.2f%%", epoch, step, loss.item(), 100 * accuracy)
 
 log.info("done: final test accuracy %.2f%%", 100 * accuracy)
-stats.log()
+log.info("all-reduce across replicas: %s", stats.report().line())
+if scatter_stats:
+    log.info("reduce-scatter within the replica: %s", scatter_stats.report().line())
 if args.save:  # per rank: its model and optimizer shards with its compressor state
     torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
                 "compression": compression.state_dict(),

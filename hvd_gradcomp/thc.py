@@ -294,6 +294,7 @@ class THCScheme(Scheme):
         self.blocking = config.range == "current"
         self._threshold = saturation_threshold(config.saturation_rate)
         self._round_keys = {}
+        self._layouts = {}  # (numel, world size, op) -> Layout: four lookups a step per tensor
 
     # ---- static sizes ----
     def layout(self, info: TensorInfo) -> Layout:
@@ -309,6 +310,13 @@ class THCScheme(Scheme):
                 8 whose lanes cannot hold ``2**bits - 1`` levels at this world size and op
                 (neither option is weakened), naming both options.
         """
+        key = (info.numel, info.world_size, info.op)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = self._layout(info)
+        return lay
+
+    def _layout(self, info: TensorInfo) -> Layout:
         cfg, n = self.config, info.world_size
         block = hadamard.block_size(info.numel, None if cfg.rotation == "full" else cfg.rotation_stages)
         padded = hadamard.padded_size(info.numel, block)

@@ -1,9 +1,10 @@
 """PyTorch implementation of :class:`hvd_gradcomp.primitives.Primitives`."""
 import dataclasses
+import os
 
 import torch
 
-from hvd_gradcomp.primitives import Primitives, compile_requested
+from hvd_gradcomp.primitives import COMPILE_ENV, Primitives, compile_requested
 
 from . import kernels
 
@@ -123,13 +124,22 @@ def _compiled_kernel(fn, plan, exact):
     return first
 
 
+# (fn, plan, HVD_GRADCOMP_COMPILE, HVD_GRADCOMP_KERNELS) -> the runner _fuse built for them
+_FUSED = {}
+
+
 def _fuse(fn, plan):
     """``Primitives.fuse``: a hand-written fused form of ``fn`` where one is registered for the
     tensors' device type (:mod:`torch_backend.kernels`: Triton on CUDA, compiled loops on the
     CPU), else the reference composition, compiled when ``HVD_GRADCOMP_COMPILE`` asks for it
-    (:func:`hvd_gradcomp.primitives.compile_requested`), else op by op."""
-    reference = (_fuse_compiled if compile_requested() else _fuse_eager)(fn, plan)
-    return kernels.dispatch(fn, plan, reference)
+    (:func:`hvd_gradcomp.primitives.compile_requested`), else op by op. The runner is built once
+    per kernel, plan and value of the two switches (both still read at each call)."""
+    key = (fn, plan, os.environ.get(COMPILE_ENV), os.environ.get(kernels.ENV))
+    run = _FUSED.get(key)
+    if run is None:
+        reference = (_fuse_compiled if compile_requested() else _fuse_eager)(fn, plan)
+        run = _FUSED[key] = kernels.dispatch(fn, plan, reference)
+    return run
 
 
 def _cond(pred, true_fn, false_fn):

@@ -26,8 +26,9 @@ Launches (each kills its process group at its timeout):
    ``MixedPrecisionPolicy(reduce_dtype=float16)``; ``CPUOffloadPolicy``; the refusals;
 2. four ranks, a 2 x 2 (replicate, shard) DeviceMesh: the six schemes, fp32 against native
    HSDP, resume;
-3. ``examples/fsdp_digits.py`` under ``torchrun`` (4 ranks, 2 x 2, THC): it learns, sends
-   less than half FP16's bytes, and its per-rank checkpoints hold each rank's shard keys.
+3. ``examples/fsdp_digits.py`` under ``torchrun`` (4 ranks, 2 x 2, THC across replicas and on the
+   reduce-scatter): it learns, sends less than half FP16's bytes on each (both reported), and its
+   per-rank checkpoints hold each rank's shard keys.
 """
 import math
 import os
@@ -480,11 +481,14 @@ def test_example(tmp_path):
     path = str(tmp_path / "ckpt")
     code, out = launch_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
                                 "--master_port", str(_free_port()), "examples/fsdp_digits.py", "--shards", "2",
-                                "--compression", "thc", "--epochs", "3", "--save", path], timeout=400)
+                                "--compression", "thc", "--reduce-scatter", "thc", "--epochs", "3", "--save", path],
+                               timeout=400)
     assert code == 0, out[-3000:]
     assert float(ACCURACY.findall(out)[-1]) >= 85.0, out[-3000:]
-    stats = [m for m in (STATS.search(line) for line in out.splitlines()) if m]
-    assert stats and int(stats[-1]["sent"].replace(",", "")) < int(stats[-1]["fp16"].replace(",", "")) / 2, out[-3000:]
+    for where in ("all-reduce across replicas", "reduce-scatter within the replica"):
+        stats = [m for m in (STATS.search(line) for line in out.splitlines() if line.startswith(where)) if m]
+        assert stats and int(stats[-1]["sent"].replace(",", "")) < int(stats[-1]["fp16"].replace(",", "")) / 2, \
+            (where, out[-3000:])
     for rank in range(4):  # each rank's compressor state: its shards, its replica rank
         state = torch.load(f"{path}.rank{rank}", weights_only=False)["compression"]
         assert state["world_size"] == 2 and state["rank"] == rank // 2

@@ -1,11 +1,16 @@
-"""Fused CPU forms of THC's rotate, quantise, decode and noise kernels (:mod:`hvd_gradcomp.thc_kernels`).
+"""Fused CPU forms of THC's kernels (:mod:`hvd_gradcomp.thc_kernels`): rotate, quantise, noise,
+receive, decode and finish.
 
 Each is one compiled C loop (``csrc/thc.c``, built by :mod:`torch_backend.kernels.cbuild`) over
 the kernel's per-coordinate work, a pass or two over memory, where the reference runs one
 PyTorch operation per step of the math (about ten passes, and two dense Walsh-Hadamard
-products). The few values per block or per payload (the packed statistics, the control
-words, the finite flag) stay PyTorch operations, the reference's own
-(:func:`~hvd_gradcomp.lanes.pack_scales`, :func:`~hvd_gradcomp.lanes.control_words`).
+products). The few values per block or per payload (the packed statistics of
+:func:`~hvd_gradcomp.lanes.pack_scales`, the control words, the finite flag, the agreed ranges'
+codes and the step counters) are small loops of the same C calls, not a dozen PyTorch
+operations each: a compress and decompress of one tensor is 34 + 33 ATen operations (allocations
+and views mostly) where the reference makes about 200 + 130, so a step's codec cost follows the
+bytes more than the tensor count (measured in docs/bench.md). The agreed ranges' ``exp2`` stays
+PyTorch's, so every rank computes the same ranges whichever form it runs.
 
 Plans: every plan whose rotation block ``B`` is a power of two from 2 to 2**16 (THC's default
 1024 included) and whose lanes fit an int32 word; other plans (``rotation="full"`` beyond
@@ -31,6 +36,10 @@ checks each):
   reference: about 50 small operations): bit for bit.
 - ``_decode_kernel``: the exact sums, lanes and per-block scaling are the reference's bit for
   bit; the inverse transform is the butterfly: the output within float32 rounding.
+- ``_receive_kernel`` and ``_finish_kernel``: integer arithmetic and the reference's float32
+  mean, then PyTorch's ``exp2``: bit for bit.
+- ``_rotate_kernel``'s statistics: C's ``log2f`` where the reference has PyTorch's ``log2``, so a
+  code may differ where ``4 log2(wanted)`` lies within rounding of a half-integer (above).
 
 Same result on every rank: the C source fixes the order of every float operation and is
 compiled without ``-ffast-math`` or contraction, so the results do not depend on the vector
