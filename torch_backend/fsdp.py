@@ -93,7 +93,7 @@ import torch.distributed as dist
 from .compression import check_compressor
 from .engine import ProcessGroupEngine
 from .fsdp_scatter import install_reduce_scatter
-from .fsdp_shards import _Shard, _fsdp_api, _members, _param_groups, _same_ranks, shard_key
+from .fsdp_shards import _fsdp_api, _members, _param_groups, _same_ranks, _shard, shard_key
 
 __all__ = ["install", "install_reduce_scatter", "shard_key"]
 
@@ -219,11 +219,7 @@ def install(model, compressor, replicate_group=None, per="param"):
                                  f"ranks holding the same shards, e.g. mesh2d.get_group('replicate')) "
                                  f"or shard on a 2-D (replicate, shard) mesh")
             group = replicate_group
-        members = [names.get(fp.sharded_param) for fp in g.fsdp_params]
-        if None in members:
-            raise ValueError(f"install: FSDP module {path or '<root>'!r} holds a parameter that "
-                             f"model.named_parameters() does not name; install on the root module")
-        entries.append(_Shard(path, module, g, info.shard_mesh_rank, info.shard_mesh_size, members, group))
+        entries.append(_shard("install", path, module, g, names, group))
     if not entries:
         raise ValueError("install: the model has no FSDP module holding parameters")
     group = entries[0].replicas

@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from .compression import check_compressor
 from .engine import ProcessGroupEngine
-from .fsdp_shards import _Shard, _fsdp_api, _members, _param_groups, _same_ranks
+from .fsdp_shards import _fsdp_api, _members, _param_groups, _same_ranks, _shard
 
 __all__ = ["install_reduce_scatter"]
 
@@ -262,7 +262,7 @@ def install_reduce_scatter(model, compressor, per="param"):
         if not isinstance(module, FSDPModule):
             continue
         where = path or "<root>"
-        groups = _param_groups(module, where)
+        groups = _param_groups(module, where, "install_reduce_scatter")
         if not groups:
             continue
         if len(groups) > 1:
@@ -289,11 +289,7 @@ def install_reduce_scatter(model, compressor, per="param"):
             raise ValueError(f"install_reduce_scatter: FSDP module {where!r} reduce-scatters over ranks "
                              f"{dist.get_process_group_ranks(shard_group)}, others over "
                              f"{dist.get_process_group_ranks(group)}; one compressor needs one shard group")
-        members = [names.get(fp.sharded_param) for fp in g.fsdp_params]
-        if None in members:
-            raise ValueError(f"install_reduce_scatter: FSDP module {where!r} holds a parameter that "
-                             f"model.named_parameters() does not name; install on the root module")
-        entries.append(_Shard(path, module, g, info.shard_mesh_rank, info.shard_mesh_size, members, None))
+        entries.append(_shard("install_reduce_scatter", path, module, g, names, None))
     if not entries:
         raise ValueError("install_reduce_scatter: the model has no FSDP module holding parameters")
     size = entries[0].size

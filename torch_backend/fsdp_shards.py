@@ -4,6 +4,7 @@ parameter groups, and the members of a shard (per parameter or per module)."""
 import math
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from hvd_gradcomp.buckets import Member
@@ -27,11 +28,11 @@ def _fsdp_api():
     return FSDPModule, FSDPMeshInfo, HSDPMeshInfo
 
 
-def _param_groups(module, where):
+def _param_groups(module, where, caller="install"):
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None or any(not hasattr(g, "mesh_info") or not hasattr(g, "_all_reduce_hook") for g in groups):
-        raise RuntimeError(f"install: FSDP module {where!r}: this PyTorch ({torch.__version__}) has no "
+        raise RuntimeError(f"{caller}: FSDP module {where!r}: this PyTorch ({torch.__version__}) has no "
                            f"FSDPParamGroup.mesh_info/_all_reduce_hook (written against 2.13)")
     return groups
 
@@ -49,6 +50,22 @@ class _Shard(NamedTuple):
     size: int  # shard group's size
     names: list  # its parameters' names, in the group's (and the flat shard's) order
     replicas: object  # the replicas' process group
+
+
+def _shard(caller, path, module, group, names, replicas) -> _Shard:
+    """The :class:`_Shard` of FSDP parameter group ``group`` of ``module`` (at ``path``), its
+    parameters named from ``names`` (``{parameter: name}`` of the root's ``named_parameters``).
+
+    Raises:
+        ValueError: a parameter of the group that ``names`` does not hold (``caller`` names the
+            function in the message).
+    """
+    members = [names.get(fp.sharded_param) for fp in group.fsdp_params]
+    if None in members:
+        raise ValueError(f"{caller}: FSDP module {path or '<root>'!r} holds a parameter that "
+                         f"model.named_parameters() does not name; install on the root module")
+    info = group.mesh_info
+    return _Shard(path, module, group, info.shard_mesh_rank, info.shard_mesh_size, members, replicas)
 
 
 def _members(shard: _Shard, per: str) -> list:

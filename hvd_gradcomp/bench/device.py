@@ -23,7 +23,7 @@ Where CUDA is absent, ``--device cuda`` is refused with a message saying why
 """
 import time
 
-__all__ = ["DEVICES", "DeviceUnavailable", "add_device_arg", "check_device", "check_sweep",
+__all__ = ["DEVICES", "DeviceUnavailable", "add_device_arg", "check_device", "require_device", "check_sweep",
            "rank_device", "place_workload", "clock", "sync_fn", "launch_env"]
 
 DEVICES = ("cpu", "cuda")
@@ -73,6 +73,15 @@ def check_device(device, ranks=1, horovod=None):
             "--device cuda: this Horovod was built without NCCL (hvd.nccl_built() == 0), so CUDA "
             "tensors would be copied to the host for Gloo; rebuild it with `make setup` on this "
             "machine (HOROVOD_GPU_OPERATIONS=NCCL, docs/gpu.md)")
+
+
+def require_device(parser, device, horovod=None):
+    """A worker's :func:`check_device`: ``parser.error`` with its message (exit status 2) when
+    ``device`` cannot run here."""
+    try:
+        check_device(device, horovod=horovod)
+    except DeviceUnavailable as e:
+        parser.error(str(e))
 
 
 def check_sweep(args, frameworks):

@@ -1,7 +1,11 @@
-"""``load_state_dict`` (hvd_gradcomp/checkpoint.py) in one process: a truncated or damaged
-checkpoint is a ValueError saying which entry is wrong, raised before anything is loaded. The
-multi-rank rules (resume, another rank's state, both engines) are in
-tests/parallel/test_checkpoint.py."""
+"""``load_state_dict`` (hvd_gradcomp/checkpoint.py) in this one process: a truncated or damaged
+checkpoint is a ValueError saying which entry is wrong, raised before anything is loaded.
+
+Nothing here starts another process or joins a process group (the ``rank``/``world_size`` below
+are fields of saved states), so nothing can hang on a peer. The rules that need real ranks
+(resume, another rank's state, both engines) are in tests/parallel/test_checkpoint.py, whose
+launches (tests/hvdrun.py, tests/ddprun.py) run under a timeout that kills the whole process
+group."""
 import pytest
 
 from tests.backends import BACKENDS, native_tensor, requires_backend

@@ -166,10 +166,7 @@ def main(argv=None):
     devices.add_device_arg(parser)
     torch_workloads.add_recipe_args(parser, cls)
     args = parser.parse_args(argv)
-    try:
-        devices.check_device(args.device)
-    except devices.DeviceUnavailable as e:
-        parser.error(str(e))
+    devices.require_device(parser, args.device)
     hook, hook_rank = parse_hook(args.hook)
     args.compression = f"ddp:{args.hook}"
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")

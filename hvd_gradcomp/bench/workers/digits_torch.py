@@ -245,16 +245,10 @@ def main(argv=None, workload="digits"):
             parser.error(str(e))
         if args.accumulate > 1:
             parser.error("--accumulate and --update-sync together are not supported")
-    try:
-        devices.check_device(args.device)
-    except devices.DeviceUnavailable as e:
-        parser.error(str(e))
+    devices.require_device(parser, args.device)
     hvd.init()
     if args.device != "cpu":
-        try:
-            devices.check_device(args.device, horovod=hvd)
-        except devices.DeviceUnavailable as e:
-            parser.error(str(e))
+        devices.require_device(parser, args.device, horovod=hvd)
     device = devices.rank_device(args.device, hvd.rank())
     torch.manual_seed(args.seed)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -219,10 +219,7 @@ def main(argv=None):
     devices.add_device_arg(parser)
     torch_workloads.add_recipe_args(parser, cls)
     args = parser.parse_args(argv)
-    try:
-        devices.check_device(args.device)
-    except devices.DeviceUnavailable as e:
-        parser.error(str(e))
+    devices.require_device(parser, args.device)
     spec, rs_spec = args.compression.strip(), args.reduce_scatter.strip() or None
     args.compression = f"fsdp:{spec}" + (f" with rs={rs_spec}" if rs_spec else "")
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
