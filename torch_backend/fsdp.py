@@ -90,10 +90,9 @@ shard group with a compressor of its own.
 import torch
 import torch.distributed as dist
 
-from .compression import check_compressor
 from .engine import ProcessGroupEngine
 from .fsdp_scatter import install_reduce_scatter
-from .fsdp_shards import _fsdp_api, _members, _param_groups, _same_ranks, _shard, shard_key
+from .fsdp_shards import _checked_names, _fsdp_api, _members, _param_groups, _same_ranks, _shard, shard_key
 
 __all__ = ["install", "install_reduce_scatter", "shard_key"]
 
@@ -178,13 +177,7 @@ def install(model, compressor, replicate_group=None, per="param"):
         RuntimeError: a PyTorch without FSDP2 or without the internals named above.
     """
     FSDPModule, FSDPMeshInfo, HSDPMeshInfo = _fsdp_api()
-    if per not in ("param", "group"):
-        raise ValueError(f"install: per must be 'param' or 'group', got {per!r}")
-    if not isinstance(model, FSDPModule):
-        raise TypeError(f"install: expected a module sharded by fully_shard (an FSDPModule), got "
-                        f"{type(model).__name__}; call fully_shard(model, mesh=...) first")
-    check_compressor(compressor, "install", "FSDP")
-    names = {p: n for n, p in model.named_parameters()}
+    names = _checked_names("install", model, compressor, per)
     entries = []
     for path, module in model.named_modules():
         if not isinstance(module, FSDPModule):

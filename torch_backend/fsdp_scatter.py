@@ -63,9 +63,8 @@ custom comm excludes FSDP's symmetric-memory and process-group allocation option
 import torch
 import torch.distributed as dist
 
-from .compression import check_compressor
 from .engine import ProcessGroupEngine
-from .fsdp_shards import _fsdp_api, _members, _param_groups, _same_ranks, _shard
+from .fsdp_shards import _checked_names, _fsdp_api, _members, _param_groups, _same_ranks, _shard
 
 __all__ = ["install_reduce_scatter"]
 
@@ -250,13 +249,7 @@ def install_reduce_scatter(model, compressor, per="param"):
     except ImportError as e:  # pragma: no cover - PyTorch without set_custom_reduce_scatter
         raise RuntimeError(f"install_reduce_scatter: this PyTorch ({torch.__version__}) has no FSDP2 "
                            f"DefaultReduceScatter (written against 2.13): {e}")
-    if per not in ("param", "group"):
-        raise ValueError(f"install_reduce_scatter: per must be 'param' or 'group', got {per!r}")
-    if not isinstance(model, FSDPModule):
-        raise TypeError(f"install_reduce_scatter: expected a module sharded by fully_shard (an "
-                        f"FSDPModule), got {type(model).__name__}; call fully_shard(model, mesh=...) first")
-    check_compressor(compressor, "install_reduce_scatter", "FSDP")
-    names = {p: n for n, p in model.named_parameters()}
+    names = _checked_names("install_reduce_scatter", model, compressor, per)
     entries, group = [], None
     for path, module in model.named_modules():
         if not isinstance(module, FSDPModule):

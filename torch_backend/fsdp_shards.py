@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from hvd_gradcomp.buckets import Member
 
+from .compression import check_compressor
+
 __all__ = ["shard_key"]
 
 
@@ -26,6 +28,22 @@ def _fsdp_api():
         raise RuntimeError(f"torch_backend.fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, "
                            f"PyTorch >= 2.6; tested with 2.13); this PyTorch is {torch.__version__}: {e}")
     return FSDPModule, FSDPMeshInfo, HSDPMeshInfo
+
+
+def _checked_names(caller, model, compressor, per) -> dict:
+    """``{parameter: name}`` of ``model`` after the checks both installers make first.
+
+    Raises:
+        ValueError: ``per`` is neither ``"param"`` nor ``"group"``.
+        TypeError: ``model`` is not an FSDP module, ``compressor`` not a PyTorch compressor.
+    """
+    if per not in ("param", "group"):
+        raise ValueError(f"{caller}: per must be 'param' or 'group', got {per!r}")
+    if not isinstance(model, _fsdp_api()[0]):
+        raise TypeError(f"{caller}: expected a module sharded by fully_shard (an FSDPModule), got "
+                        f"{type(model).__name__}; call fully_shard(model, mesh=...) first")
+    check_compressor(compressor, caller, "FSDP")
+    return {p: n for n, p in model.named_parameters()}
 
 
 def _param_groups(module, where, caller="install"):
