@@ -109,11 +109,14 @@ def _thc(n, op, ef, flush, saturation, d):
 
 
 def _forms(plan):
-    """The Triton forms that the registry gives for ``plan`` (on "cuda", the provider key)."""
+    """The Triton forms that the registry gives for ``plan`` (on "cuda", the provider key):
+    rotate, quantize, decode, noise, receive, finish."""
     from torch_backend.kernels import triton_thc
     got = [kernels.fused_form(fn, plan, "cuda")
-           for fn in (thc_kernels._rotate_kernel, thc_kernels._quantize_kernel, thc_kernels._decode_kernel)]
-    want = [triton_thc.rotate, triton_thc.quantize, triton_thc.decode]
+           for fn in (thc_kernels._rotate_kernel, thc_kernels._quantize_kernel, thc_kernels._decode_kernel,
+                      thc_kernels._noise_kernel, thc_kernels._receive_kernel, thc_kernels._finish_kernel)]
+    want = [triton_thc.rotate, triton_thc.quantize, triton_thc.decode, triton_thc.noise, triton_thc.receive,
+            triton_thc.finish]
     if got != want:
         raise AssertionError(f"the registry gives {got} for THC's default plan, not {want}")
     return got
@@ -127,7 +130,7 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
     the all-reduce not finite: the decoder's NaN); ``"mismatch"`` (ranks' fingerprints differ:
     the decoder's 0)."""
     scheme, info, lay, plan = _thc(n, op, ef, flush, saturation, d)
-    rotate, quantize, decode = _forms(plan)
+    rotate, quantize, decode, noise, receive, finish = _forms(plan)
     g, dev = _gen(seed, device)
     x = _randn(g, d, dev, 3.0)
     x[: d // 3] *= 50.0  # blocks of different scales
@@ -169,7 +172,12 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
     payloads = []
     for rank in range(max(n, 1)):
         key = torch.tensor(rng_key(seed, rank), dtype=torch.int64, device=dev)
-        rows, cols = thc_kernels._noise_bits(R, key, lay.blocks, lay.block, x)
+        rows, cols = thc_kernels._noise_kernel(R, plan, key, ranges)
+        got = noise(plan, key, ranges)
+        problems += _structure(f"{tag}: noise[{rank}]", got, (rows, cols))
+        if not problems:
+            problems += _equal(f"{tag}: noise[{rank}] rows", got[0], rows)
+            problems += _equal(f"{tag}: noise[{rank}] cols", got[1], cols)
         fingerprint = torch.tensor(5 + (rank if nonfinite == "mismatch" else 0), dtype=torch.int64, device=dev)
         rank_finite = torch.logical_and(finite, torch.tensor(not (nonfinite == "rank" and rank == n - 1), device=dev))
         got = quantize(plan, y, held, ranges, rows, cols, fingerprint, rank_finite, stats)
@@ -195,7 +203,19 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
     if actual == "average":
         total = torch.div(total, n, rounding_mode="trunc")
     reduced = total.to(torch.int32)
-    count, bad, mismatch, inferred = thc_kernels._receive_kernel(R, plan, reduced)
+    received = thc_kernels._receive_kernel(R, plan, reduced)
+    got = receive(plan, reduced)
+    problems += _structure(f"{tag}: receive", got, received)
+    for name, a, b in zip(("count", "bad", "mismatch", "inferred"), got, received):
+        problems += _equal(f"{tag}: receive {name}", a, b)
+    count, bad, mismatch, inferred = received
+    # Step 8's small fields from the same payload, against counters that differ from zero.
+    small = [torch.tensor(v, dtype=torch.int64, device=dev) for v in (7, 2, 11, 13)]
+    want = thc_kernels._finish_kernel(R, plan, reduced, ranges, *small, bad, mismatch, inferred)
+    got = finish(plan, reduced, ranges, *small, bad, mismatch, inferred)
+    problems += _structure(f"{tag}: finish", got, want)
+    for name, a, b in zip(("ranges", "step", "realigned", "saturated", "ok"), got, want):
+        problems += _equal(f"{tag}: finish {name}", a, b)
     got = decode(plan, reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred)
     want = thc_kernels._decode_kernel(R, plan, reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred)
     problems += _structure(f"{tag}: decode", got, want)
@@ -325,7 +345,7 @@ def check_schemes(device):
             else:
                 problems += _equal(f"{spec}: state {field}", a, b)
     chosen = {getattr(form, "__name__", None) for form in kernels._CHOSEN.values() if form is not None}
-    for name in ("rotate", "quantize", "decode", "correct"):
+    for name in ("rotate", "quantize", "decode", "noise", "receive", "finish", "correct"):
         if name not in chosen:
             problems.append(f"ops.fuse never ran the Triton form {name} (chosen: {sorted(chosen)})")
     return problems
