@@ -126,6 +126,17 @@ def _compiled_kernel(fn, plan, exact):
 
 # (fn, plan, HVD_GRADCOMP_COMPILE, HVD_GRADCOMP_KERNELS) -> the runner _fuse built for them
 _FUSED = {}
+# The two switches' values, read at each call: os.environ's own store (bytes keys on POSIX)
+# where it has one, a dict lookup each instead of os.environ.get's encode and decode (a THC
+# call makes seven fuse calls; docs/bench.md, "THC's per-call cost").
+_ENV_STORE = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_SWITCHES = (COMPILE_ENV.encode(), kernels.ENV.encode())
+
+
+def _switches():
+    if _ENV_STORE is not None:
+        return _ENV_STORE.get(_SWITCHES[0]), _ENV_STORE.get(_SWITCHES[1])
+    return os.environ.get(COMPILE_ENV), os.environ.get(kernels.ENV)
 
 
 def _fuse(fn, plan):
@@ -134,7 +145,7 @@ def _fuse(fn, plan):
     CPU), else the reference composition, compiled when ``HVD_GRADCOMP_COMPILE`` asks for it
     (:func:`hvd_gradcomp.primitives.compile_requested`), else op by op. The runner is built once
     per kernel, plan and value of the two switches (both still read at each call)."""
-    key = (fn, plan, os.environ.get(COMPILE_ENV), os.environ.get(kernels.ENV))
+    key = (fn, plan) + _switches()
     run = _FUSED.get(key)
     if run is None:
         reference = (_fuse_compiled if compile_requested() else _fuse_eager)(fn, plan)
