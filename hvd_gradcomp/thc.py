@@ -182,8 +182,9 @@ class THCConfig:
     ``docs/thc.md``; ``bits=1`` diverged to NaN under AdamW on the LM): use ``bits >= 3`` with
     error feedback. Under Adam/AdamW prefer ``error_feedback=false`` at the default 4 bits (FP16's
     steps on the LM at 2 and 4 workers and across FSDP replicas, where error feedback's lag cost
-    1.02-1.38x; ``docs/adam.md``); ``lane_bits=16`` or none keeps 4-bit levels at more bytes. ``rotation_stages`` (THC's code has 10): more stages
-    mix more coordinates, cost more time and pad to a multiple of ``2**k``. ``saturation``
+    1.02-1.38x; ``docs/adam.md``); ``lane_bits=16`` or none keeps 4-bit levels at more bytes.
+    ``rotation_stages`` (THC's code has 10): more stages mix more coordinates, cost more time
+    and pad to a multiple of ``2**k``. ``saturation``
     buys a finer grid with the same bits; ``saturation_rate`` 1/1024 is THC's
     (``T = 3.297``). ``rotation`` and ``rotation_stages`` move the bytes both ways (padding
     against per-block ranges). All ranks must use the same ``seed``.
