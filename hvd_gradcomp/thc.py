@@ -180,9 +180,9 @@ class THCConfig:
     Levels of 1-2 bits (``bits``, or ``lane_bits=8`` from 64 ranks on) are coarse: error
     feedback then carries a rounding error larger than the gradient (one-step errors in
     ``docs/thc.md``; ``bits=1`` diverged to NaN under AdamW on the LM): use ``bits >= 3`` with
-    error feedback. Under Adam/AdamW prefer ``error_feedback=false`` at the default 4 bits (FP16's
-    steps on the LM at 2 and 4 workers and across FSDP replicas, where error feedback's lag cost
-    1.02-1.38x; ``docs/adam.md``); ``lane_bits=16`` or none keeps 4-bit levels at more bytes.
+    error feedback. Under Adam/AdamW prefer ``error_feedback=false`` at the default 4 bits (error
+    feedback's lag costs steps there; measured in ``docs/adam.md``); ``lane_bits=16`` or none
+    keeps 4-bit levels at more bytes.
     ``rotation_stages`` (THC's code has 10): more stages mix more coordinates, cost more time
     and pad to a multiple of ``2**k``. ``saturation``
     buys a finer grid with the same bits; ``saturation_rate`` 1/1024 is THC's

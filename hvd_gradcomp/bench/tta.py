@@ -105,7 +105,7 @@ DEFAULT_DDP_HOOKS = "fp16;powersgd:rank=4"
 # decay: workers.torch_workloads.LMCommWorkload): FP16 (the baseline, it sets the target), what
 # users do instead of compressing (gradient accumulation over 4 micro-batches; local steps:
 # DiLoCo-style update sync every 8 steps, the averaged change in FP16), the gradient compressors,
-# (THC also without error feedback, which under AdamW takes FP16's steps: docs/adam.md), and
+# (THC also without error feedback, the better THC under AdamW: docs/adam.md), and
 # compressed update sync every step (each rank steps AdamW on its own gradient; the
 # compressed parameter change is averaged: torch_backend.update_sync). A row is "SPEC" or "SPEC
 # with CLAUSE[ with CLAUSE]" (:func:`parse_row`). Rows whose spec this checkout cannot build run

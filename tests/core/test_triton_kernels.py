@@ -1,5 +1,6 @@
-"""The Triton fused forms (torch_backend/kernels/triton_thc.py, triton_topkc.py; issue 33) without
-a GPU, in two subprocesses with hard timeouts (killed when they run over):
+"""The Triton fused forms (torch_backend/kernels/triton_thc.py with triton_thc_words.py,
+triton_topkc.py; issue 33) without a GPU, in two subprocesses with hard timeouts (killed when
+they run over):
 
 1. Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported) runs every
    kernel on CPU tensors against the core's reference composition, at small sizes: THC's
@@ -115,8 +116,9 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert compiled["uncovered"] == [], compiled["uncovered"]
     kernels = _kernels(compiled)
     assert {k.split("[")[0] for k in kernels} == {
-        "triton_thc.rotate", "triton_thc.quantize", "triton_thc.decode", "triton_thc.scales", "triton_thc.tail",
-        "triton_thc.noise", "triton_thc.receive", "triton_thc.finish", "triton_topkc.correct"}
+        "triton_thc.rotate", "triton_thc.quantize", "triton_thc.decode", "triton_thc_words.scales",
+        "triton_thc_words.tail", "triton_thc_words.noise", "triton_thc_words.receive", "triton_thc_words.finish",
+        "triton_topkc.correct"}
     for name, facts in kernels.items():
         assert "error" not in facts, f"{name}: {facts.get('error')}"
         assert facts["target"] and facts["entry"] and facts["ptx"] > 0, (name, facts)
@@ -136,10 +138,10 @@ def test_compiled_arithmetic_is_exact_float32(compiled):
 
 
 def test_ptx_only_compile(runs):
-    """Where ptxas cannot run, the compiler's stages up to PTX still build each provider's
-    first kernel for sm_90 (tests/core/triton_checks.py, compile_sm90)."""
+    """Where ptxas cannot run, the compiler's stages up to PTX still build each kernel
+    module's first kernel for sm_90 (tests/core/triton_checks.py, compile_sm90)."""
     kernels = _kernels(runs["compiled"]["ptx_only"])
-    assert len(kernels) == 2, kernels
+    assert len(kernels) == 3, kernels  # triton_thc, triton_thc_words, triton_topkc
     for name, facts in kernels.items():
         assert "error" not in facts, f"{name}: {facts.get('error')}"
         assert facts["target"] and facts["entry"] and facts["cubin"] is None, (name, facts)
