@@ -111,12 +111,12 @@ def _thc(n, op, ef, flush, saturation, d):
 def _forms(plan):
     """The Triton forms that the registry gives for ``plan`` (on "cuda", the provider key):
     rotate, quantize, decode, noise, receive, finish."""
-    from torch_backend.kernels import triton_thc
+    from torch_backend.kernels import triton_thc, triton_thc_words
     got = [kernels.fused_form(fn, plan, "cuda")
            for fn in (thc_kernels._rotate_kernel, thc_kernels._quantize_kernel, thc_kernels._decode_kernel,
                       thc_kernels._noise_kernel, thc_kernels._receive_kernel, thc_kernels._finish_kernel)]
-    want = [triton_thc.rotate, triton_thc.quantize, triton_thc.decode, triton_thc.noise, triton_thc.receive,
-            triton_thc.finish]
+    want = [triton_thc.rotate, triton_thc.quantize, triton_thc.decode, triton_thc_words.noise,
+            triton_thc_words.receive, triton_thc_words.finish]
     if got != want:
         raise AssertionError(f"the registry gives {got} for THC's default plan, not {want}")
     return got
