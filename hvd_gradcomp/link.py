@@ -28,7 +28,8 @@ class LinkCalibration:
         timed); from the median seconds ``t1, t2`` of the two sizes and the ring's bytes per
         rank ``w1, w2`` (:func:`hvd_gradcomp.ring.ring_wire_bytes`): rate ``(w2 - w1) / (t2 -
         t1)`` bytes/s and latency ``t1 - w1 / rate`` s (>= 0); the large size once more as
-        float16 gives the float16 rate (Gloo sums float16 in scalar code on CPUs). All three are
+        float16 gives the float16 rate (Gloo sums float16 in scalar code on CPUs), at most the
+        float32 rate. All three are
         averaged over the ranks by one more all-reduce, so every rank holds the same
         :class:`~hvd_gradcomp.auto.Link`.
         Then each ``auto`` scheme times its candidates' codecs on a reference matrix
@@ -87,7 +88,10 @@ class LinkCalibration:
                 ring_wire_bytes(2 * sizes[1], size)
             rate = (w2 - w1) / max(seconds[1] - seconds[0], 1e-9)
             latency = max(seconds[0] - w1 / rate, 0.0)
-            rate16 = w16 / max(seconds[2] - latency, 1e-9)
+            # At most the float32 rate: the same bytes through the same ring, summed no faster.
+            # (A latency estimate above the float16 run's median, from a slow small all-reduce on
+            # a busy host, would otherwise read as an infinite float16 rate.)
+            rate16 = w16 / max(seconds[2] - latency, w16 / rate)
             agreed = self._allreduce_host(self.ops.constant([rate, latency, rate16], "float64", like),
                                           True, "hvd_gradcomp.calibrate.link", process_set)
             link = Link(*self.ops.to_host(agreed))
