@@ -1,9 +1,10 @@
 """Codec cost per step for a many-tensor model against one flat tensor of the same size.
 
-``python -m hvd_gradcomp.bench codec [--specs fp16,thc,...] [--steps 8] [--threads 1]``
+``python -m hvd_gradcomp.bench codec [--specs fp16,thc,...] [--steps 8] [--threads 1] [--device cuda]``
 
-What it measures, per hook, on a one-process ``torch.distributed`` group (Gloo, world size 1:
-the all-reduce is a copy, so what differs between hooks is the codec):
+What it measures, per hook, on a one-process ``torch.distributed`` group (Gloo, or NCCL with
+``--device cuda``; world size 1: the all-reduce is a copy, so what differs between hooks is the
+codec):
 
 - Model A: a 12-layer ``nn.TransformerEncoder`` (width 256, 4 heads, feed-forward 1024) with an
   embedding and a head over 256 tokens: 147 tensors, 9.61M parameters. Model B: one flat
@@ -13,9 +14,12 @@ the all-reduce is a copy, so what differs between hooks is the codec):
   ``allreduce_hook`` (its plain all-reduce as a comm hook, so DDP's per-parameter work for a
   hook is in both): what the hook's codec adds. On a GPU each is a kernel launch or a
   host-side dispatch.
+- **launches** (``--device cuda`` only): GPU kernels the profiler's CUDA activity records in
+  the same step, minus ``allreduce_hook``'s: what the GPU is given to run.
 - **codec ms**: the median step time minus ``allreduce_hook``'s median step time, both
   timed round-robin in the same run (the same background load), per step and per million
-  parameters.
+  parameters. On CUDA each step is timed by CUDA events on the current stream, the device
+  drained before it starts (so a launch-bound step's idle gaps count, as they do in training).
 
 Rows: our compressors through :func:`torch_backend.ddp.register_comm_hook` (one codec call per
 bucket and route), the same with ``per_tensor=True`` (one codec call per tensor: what the
@@ -30,7 +34,9 @@ kernels (``HVD_GRADCOMP_KERNELS=0`` around its steps: no hand-written fused form
 Timings follow the machine's load: run it on a quiet machine, and read the ratios measured
 side by side in one run rather than the absolute figures. ``--clock process`` times each step
 in this process's CPU time (all its threads) instead of the host clock: on a machine shared
-with other jobs, the time slices they take are not counted (their memory traffic still is).
+with other jobs, the time slices they take are not counted (their memory traffic still is);
+it is refused with ``--device cuda`` (the GPU's time is not the process's). A row whose hook
+raises is printed with its error and the others go on.
 """
 import argparse
 import contextlib
@@ -44,8 +50,9 @@ __all__ = ["main", "model_a", "model_b"]
 DEFAULT_SPECS = "none,fp16,bf16,topkc:0.1,thc,signsgd,powersgd:4,auto"
 
 
-def model_a():
-    """The 147-tensor transformer (module docstring) and a batch for it: ``(module, loss_fn)``."""
+def model_a(device="cpu"):
+    """The 147-tensor transformer (module docstring) and a batch for it on ``device``:
+    ``(module, loss_fn)``."""
     import torch
     from torch import nn
 
@@ -61,8 +68,8 @@ def model_a():
             return self.head(self.encoder(self.embed(tokens)))
 
     torch.manual_seed(0)
-    model = LM()
-    tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    model = LM().to(device)
+    tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1)).to(device)
 
     def loss(m):
         out = m(tokens)
@@ -70,8 +77,9 @@ def model_a():
     return model, loss
 
 
-def model_b(numel: int):
-    """One flat parameter of ``numel`` coordinates whose gradient is a fixed normal vector."""
+def model_b(numel: int, device="cpu"):
+    """One flat parameter of ``numel`` coordinates on ``device`` whose gradient is a fixed
+    normal vector."""
     import torch
     from torch import nn
 
@@ -83,8 +91,8 @@ def model_b(numel: int):
         def forward(self, g):
             return (self.flat * g).sum()
 
-    g = torch.randn(numel, generator=torch.Generator().manual_seed(2))
-    return Flat(), lambda m: m(g)
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(2)).to(device)
+    return Flat().to(device), lambda m: m(g)
 
 
 def _free_port():
@@ -153,12 +161,36 @@ def _step(ddp, loss):
     loss(ddp).backward()
 
 
-def _ops(ddp, loss) -> int:
+def _ops(ddp, loss, cuda=False):
+    """(ATen operations, GPU kernels or None) the profiler records in one step."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         _step(ddp, loss)
-    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    if not cuda:
+        return ops, None
+    return ops, sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _timed_step(ddp, loss, clock, cuda):
+    """Seconds of one step: ``clock`` on the host, or CUDA events after draining the device."""
+    if not cuda:
+        t0 = clock()
+        _step(ddp, loss)
+        return clock() - t0
+    import torch
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    _step(ddp, loss)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _buckets(ddp, loss) -> int:
@@ -169,26 +201,39 @@ def _buckets(ddp, loss) -> int:
     return len(calls)
 
 
-def measure(rows, build, steps: int, warmup: int, clock=time.perf_counter):
-    """{(kind, spec): (ops, median step s)} for each row of ``rows``, timed round-robin with
-    ``clock``."""
-    models = {row: _make(*row, build) for row in rows}
-    for row, (ddp, loss) in models.items():
-        for _ in range(warmup):  # DDP rebuilds its buckets after the first step; auto settles
+def measure(rows, build, steps: int, warmup: int, clock=time.perf_counter, cuda=False):
+    """{(kind, spec): (ops, kernels, median step s)} for each row of ``rows``, timed round-robin
+    with ``clock`` (CUDA events where ``cuda``); a row whose hook raises maps to its error's
+    text instead, and leaves the rounds."""
+    models, out = {}, {}
+
+    def attempt(row, fn):
+        try:
             with _row_env(row[0]):
-                _step(ddp, loss)
-    ops = {}
+                return fn()
+        except Exception as exc:  # noqa: BLE001 - reported in the row, the others go on
+            out[row] = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+            models.pop(row, None)
+
     for row in rows:
-        with _row_env(row[0]):
-            ops[row] = _ops(*models[row])
-    times = {row: [] for row in rows}
+        attempt(row, lambda: models.__setitem__(row, _make(*row, build)))
+    for row in list(models):
+        for _ in range(warmup):  # DDP rebuilds its buckets after the first step; auto settles
+            if row in models:
+                attempt(row, lambda: _step(*models[row]))
+    ops = {}
+    for row in list(models):
+        counted = attempt(row, lambda: _ops(*models[row], cuda=cuda))
+        if counted is not None:
+            ops[row] = counted
+    times = {row: [] for row in models}
     for _ in range(steps):
-        for row, (ddp, loss) in models.items():
-            with _row_env(row[0]):
-                t0 = clock()
-                _step(ddp, loss)
-                times[row].append(clock() - t0)
-    out = {row: (ops[row], statistics.median(times[row])) for row in rows}
+        for row in list(models):
+            took = attempt(row, lambda: _timed_step(*models[row], clock, cuda))
+            if took is not None:
+                times[row].append(took)
+    for row in models:
+        out[row] = (*ops[row], statistics.median(times[row]))
     out["buckets"] = _buckets(*models[("plain", "-")]) if ("plain", "-") in models else 0
     return out
 
@@ -209,15 +254,25 @@ def main(argv=None):
     ap.add_argument("--bucket-cap-mb", type=float, default=None,
                     help="DDP's bucket_cap_mb for every row (default DDP's, 25): model A's ops "
                          "over model B's follow its bucket count, printed with the table")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the models, gradients and codecs run (default cpu); cuda: NCCL, "
+                         "CUDA events, and a launches column")
     args = ap.parse_args(argv)
     global _BUCKET_CAP_MB
     _BUCKET_CAP_MB = args.bucket_cap_mb
     import torch
     import torch.distributed as dist
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda: this PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
+    if cuda and args.clock == "process":
+        ap.error("--clock process times the host's CPU, not the GPU: use it with --device cpu")
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     specs = [s.strip() for s in args.specs.split(",") if s.strip()]
     rows = [("plain", "-"), ("ddp", "fp16"), ("ddp", "powersgd:4")]
     for spec in specs:
@@ -230,8 +285,8 @@ def main(argv=None):
     numel = sum(p.numel() for p in a_module.parameters())
     tensors = sum(1 for _ in a_module.parameters())
     clock = time.process_time if args.clock == "process" else time.perf_counter
-    res_a = measure(rows, model_a, args.steps, args.warmup, clock)
-    res_b = measure(rows, lambda: model_b(numel), args.steps, args.warmup, clock)
+    res_a = measure(rows, lambda: model_a(args.device), args.steps, args.warmup, clock, cuda)
+    res_b = measure(rows, lambda: model_b(numel, args.device), args.steps, args.warmup, clock, cuda)
     try:
         import subprocess
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -239,26 +294,40 @@ def main(argv=None):
     except OSError:
         commit = "?"
     mparams = numel / 1e6
+    where = (f"CUDA ({torch.cuda.get_device_name(0)}, NCCL, CUDA events)" if cuda
+             else f"CPU, {args.threads} thread(s), {args.clock} clock")
     print(f"codec cost per step, model A ({tensors} tensors, {mparams:.2f}M parameters) against "
-          f"model B (1 tensor, same size); {args.threads} thread(s); {args.clock} clock; commit {commit}")
+          f"model B (1 tensor, same size); {where}; torch {torch.__version__}; commit {commit}")
     print(f"DDP buckets per step (bucket_cap_mb {args.bucket_cap_mb or 'default'}): model A "
           f"{res_a['buckets']}, model B {res_b['buckets']}; A/B of the ops is about the buckets "
           f"(and routes) per step, one codec call each")
     print("ops: ATen operations the hook adds to a step over DDP's allreduce_hook (profiler, all "
-          "threads); codec ms: step time minus allreduce_hook's (medians, timed round-robin)")
-    base_a, base_b = res_a[("plain", "-")], res_b[("plain", "-")]
-    ref_a = res_a[("ddp", "fp16")][1] - base_a[1]
-    header = (f"{'hook':<12} {'spec':<14} {'ops A':>8} {'ops B':>7} {'A/B':>7} {'codec ms A':>10} "
+          "threads); " + ("launches: GPU kernels it adds likewise; " if cuda else "")
+          + "codec ms: step time minus allreduce_hook's (medians, timed round-robin)")
+    base = (res_a.get(("plain", "-")), res_b.get(("plain", "-")))
+    if isinstance(base[0], str) or isinstance(base[1], str):
+        print(f"allreduce_hook's row failed, nothing to subtract: {base}")
+        dist.destroy_process_group()
+        return 1
+    ddp_fp16 = res_a.get(("ddp", "fp16"))
+    ref_a = ddp_fp16[2] - base[0][2] if isinstance(ddp_fp16, tuple) else 0.0
+    launches = f" {'launch A':>8} {'launch B':>8}" if cuda else ""
+    header = (f"{'hook':<12} {'spec':<14} {'ops A':>8} {'ops B':>7} {'A/B':>7}{launches} {'codec ms A':>10} "
               f"{'ms/Mparam':>9} {'codec ms B':>10} {'vs DDP fp16':>11}")
     print(header)
     print("-" * len(header))
     for row in rows[1:]:
-        ops_a, ops_b = res_a[row][0] - base_a[0], res_b[row][0] - base_b[0]
-        ms_a = 1e3 * (res_a[row][1] - base_a[1])
-        ms_b = 1e3 * (res_b[row][1] - base_b[1])
+        a, b = res_a.get(row), res_b.get(row)
+        if isinstance(a, str) or isinstance(b, str):
+            print(f"{row[0]:<12} {row[1]:<14} error: {a if isinstance(a, str) else b}")
+            continue
+        ops_a, ops_b = a[0] - base[0][0], b[0] - base[1][0]
+        ms_a = 1e3 * (a[2] - base[0][2])
+        ms_b = 1e3 * (b[2] - base[1][2])
         ratio = f"{ops_a / ops_b:.1f}x" if ops_b > 0 else "-"
         vs = f"{ms_a / (1e3 * ref_a):.2f}x" if ref_a > 0 else "-"
-        print(f"{row[0]:<12} {row[1]:<14} {ops_a:>8d} {ops_b:>7d} {ratio:>7} {ms_a:>10.1f} "
-              f"{ms_a / mparams:>9.2f} {ms_b:>10.1f} {vs:>11}")
+        kern = f" {a[1] - base[0][1]:>8d} {b[1] - base[1][1]:>8d}" if cuda else ""
+        print(f"{row[0]:<12} {row[1]:<14} {ops_a:>8d} {ops_b:>7d} {ratio:>7}{kern} {ms_a:>10.2f} "
+              f"{ms_a / mparams:>9.3f} {ms_b:>10.2f} {vs:>11}")
     dist.destroy_process_group()
     return 0

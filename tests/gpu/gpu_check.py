@@ -23,7 +23,8 @@ Environment:
         missing); pip never reaches an index. HOROVOD_BUILD_CUDA_CC_LIST (default 90), the
         build's jobs MAKEFLAGS (default -j<cores/2>).
     HVD_GRADCOMP_GPU_CHECK_CODEC_ARGS: arguments of the optional many-tensor codec benchmark
-        (``python -m hvd_gradcomp.bench codec``; default ``--steps 4 --warmup 1``, ``--help``
+        (``python -m hvd_gradcomp.bench codec``; default ``--device cuda --kernels both --steps 6
+        --warmup 2``, ``--help``
         in a dry run), run only where that module exists; its failure is reported and leaves
         the exit status alone.
 
@@ -55,14 +56,16 @@ if ROOT not in sys.path:  # this checkout's hvd_gradcomp, not an installed one (
     sys.path.insert(0, ROOT)
 MAX_FILES = 8
 # Seconds per step; with the start-up, 3 + 4 + 5 + 6 stay under 9 minutes on one H200.
-TIMEOUTS = {"pytest": 240, "overhead": 90, "codec": 40, "horovod_test": 70, "build_wait": 40}
+TIMEOUTS = {"pytest": 240, "overhead": 90, "codec": 150, "horovod_test": 70, "build_wait": 40}
 # The GPU test selection (step 3); the compiled CPU twin is CI's, not the GPU check's.
 PYTEST_FILES = ["tests/core/test_devices.py", "tests/core/test_primitives.py",
                 "tests/core/test_nccl_average.py", "tests/parallel/test_ddp_devices.py"]
 PYTEST_DESELECT = "not (test_compiled_kernels_match_uncompiled and cpu)"
 OVERHEAD_SCHEMES = "fp16;topkc;thc;powersgd:rank=4;signsgd"
-# Step 5's default arguments (fewer steps than its own default, to fit its timeout).
-CODEC_ARGS = "--steps 4 --warmup 1"
+# Step 5's default arguments: on the GPU, with the reference kernels' rows beside the Triton
+# forms' (fewer steps than its own default, to fit its timeout; two warm-up steps: DDP rebuilds
+# its buckets after the first, and each Triton kernel compiles at its first call).
+CODEC_ARGS = "--device cuda --kernels both --steps 6 --warmup 2"
 
 
 class Check:
@@ -424,8 +427,8 @@ def pytest_step(check, facts):
     if facts["no_tests"]:
         check.result("3. pytest", "FAILED", facts["no_tests"])
         return
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"] + PYTEST_FILES + \
-        ["-k", PYTEST_DESELECT]
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--tb=short",
+            "--durations=10"] + PYTEST_FILES + ["-k", PYTEST_DESELECT]
     if check.dry:
         argv.append("--collect-only")
     code = check.run("3. pytest", argv, "pytest.txt", TIMEOUTS["pytest"])
