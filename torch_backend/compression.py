@@ -54,7 +54,7 @@ def _find_call(tensor) -> Call:
     its arguments.
     """
     import horovod.torch as hvd
-    frame = sys._getframe(2)
+    frame = sys._getframe(1).f_back  # None where C++ called our caller (no Python frame above)
     param = None
     for _ in range(8):
         if frame is None:
@@ -166,7 +166,7 @@ class Compressor(HorovodCompressor):
         gradient of parameter ``p`` (its frame); this rank's part is still ``p.grad``."""
         if not (isinstance(payload, torch.Tensor) and payload.is_sparse):
             return
-        frame = sys._getframe(2)
+        frame = sys._getframe(1).f_back  # None where C++ called our caller (no Python frame above)
         for _ in range(4):
             if frame is None:
                 return

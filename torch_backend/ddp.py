@@ -162,7 +162,7 @@ def _check_compressor(compressor):
 def _joined() -> bool:
     """True when the hook runs on a rank that has joined (DDP's Join hook shadows the
     backward all-reduces from ``_match_all_reduce_for_bwd_pass``)."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(1).f_back  # None where C++ called our caller (no Python frame above)
     for _ in range(6):
         if frame is None:
             return False

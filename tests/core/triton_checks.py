@@ -298,13 +298,18 @@ SCHEMES = [
 STEPS = 3
 
 
+def _scheme_inputs(device, d=2999, seed=3):
+    """The gradients of :func:`_scheme_run`'s steps: float32 [d] each, every 7th 10x larger."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(d, generator=g) * (1.0 + 9.0 * (torch.arange(d) % 7 == 0))).to(device) for _ in range(STEPS)]
+
+
 def _scheme_run(ops, spec, n, op, device, d=2999, seed=3):
     from hvd_gradcomp.registry import make_scheme, parse_spec
     name, options = parse_spec(spec)
     scheme = make_scheme(name, **options)
     info = TensorInfo(f"triton.{spec}", (d,), "float32", n, 0, op)
-    g = torch.Generator().manual_seed(seed)
-    xs = [(torch.randn(d, generator=g) * (1.0 + 9.0 * (torch.arange(d) % 7 == 0))).to(device) for _ in range(STEPS)]
+    xs = _scheme_inputs(device, d, seed)
     state = scheme.init(ops, info, xs[0])
     steps = []
     for x in xs:
@@ -318,7 +323,12 @@ def check_schemes(device):
     """Whole schemes through ``one_rank(OPS)`` (the Triton forms) against
     ``one_rank(REFERENCE_OPS)``: payloads equal (THC: level words equal except where a float32
     rounding of the rotation moves a floor, at most 1 in 1000), outputs and state within TOL
-    relative to their norms (THC: 1e-4 when a level moved), and every Triton form chosen."""
+    relative to their norms (THC: 1e-4 when a level moved), and every Triton form chosen. A
+    float state field (a residual) is held to TOL of the larger of its own norm and the last
+    gradient's: its error is the rotation's, whose float32 sums in another order (``tl.dot``
+    against the reference's product) err relative to the rotated block, of the gradient's size,
+    while the residual itself may be a small fraction of it (on an H200: 1.3e-6 of the residual's
+    norm, THC with flush=none, saturation=false, 4 ranks)."""
     problems = []
     kernels._CHOSEN.clear()
     for spec, n, op in SCHEMES:
@@ -339,9 +349,10 @@ def check_schemes(device):
             else:
                 problems += _close(f"{tag}: payload", p.float(), p_ref.float(), p.numel())
             problems += _close_rel(f"{tag}: output", out, out_ref, tol)
+        grad_norm = float(_scheme_inputs("cpu")[-1].double().norm())
         for field, a, b in zip(want_state._fields, got_state, want_state):
             if a.is_floating_point():
-                problems += _close_rel(f"{spec}: state {field}", a, b, tol)
+                problems += _close_rel(f"{spec}: state {field}", a, b, tol, at_least=grad_norm)
             else:
                 problems += _equal(f"{spec}: state {field}", a, b)
     chosen = {getattr(form, "__name__", None) for form in kernels._CHOSEN.values() if form is not None}
@@ -351,9 +362,10 @@ def check_schemes(device):
     return problems
 
 
-def _close_rel(name, a, b, tol):
+def _close_rel(name, a, b, tol, at_least=0.0):
+    """``a`` within ``tol`` of ``b`` relative to the larger of ``b``'s norm and ``at_least``."""
     a, b = a.detach().cpu().double().reshape(-1), b.detach().cpu().double().reshape(-1)
-    err, size = float((a - b).norm()), float(b.norm())
+    err, size = float((a - b).norm()), max(float(b.norm()), at_least)
     return [] if err <= tol * size + 1e-30 else [f"{name}: relative error {err / max(size, 1e-30):.3g} > {tol:.3g}"]
 
 
