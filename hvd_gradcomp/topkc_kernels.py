@@ -117,7 +117,10 @@ def _vote_slots(ops, idx, dtype, step=None):
     intermediate stays below 2**63 (products of values below 2**31 and 2**32).
     """
     k = ops.shape(idx)[0]
-    weights = ops.bitwise_or(ops.bitwise_and(ops.arange(k, "int64", idx) * 0x9E3779B1, 0x7FFFFFFF), 1)
+    # 0x1E3779B1 = 0x9E3779B1 mod 2**31, so the same low 31 bits; a constant below 2**31, which
+    # torch.compile's Triton code for CUDA takes as an index's factor (0x9E3779B1 it refused:
+    # "out of range for type int32", on an H200 with PyTorch 2.11)
+    weights = ops.bitwise_or(ops.bitwise_and(ops.arange(k, "int64", idx) * 0x1E3779B1, 0x7FFFFFFF), 1)
     terms = ops.bitwise_and((ops.cast(idx, "int64") + 1) * weights, 0xFFFFFFFF)
     total = ops.sum(terms, None)
     if step is not None:  # EF21: the step counter too (a rank that missed steps disagrees)

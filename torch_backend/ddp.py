@@ -313,7 +313,9 @@ def hook(state: HookState, bucket):
             flats.clear()  # the payloads sent stay alive until here (the all-reduce's stream reads them)
 
     def _unpack(fut):
-        results = [f.value()[0] for f in fut.value()] if len(futures) > 1 else [fut.value()[0]]
+        # wait(), not value(): on CUDA it makes this thread's current stream wait for each
+        # all-reduce (value() does not, and collect_all's callback is synchronised with none)
+        results = [f.wait()[0] for f in fut.value()] if len(futures) > 1 else [fut.wait()[0]]
         reduced = [None] * len(payloads)
         for flat, layout in zip(results, layouts):
             offset = 0
@@ -353,9 +355,20 @@ def hook(state: HookState, bucket):
                     runs.scatter(buffer, unit, out)
         return buffer
 
-    if len(futures) == 1:
+    if len(futures) == 1:  # then(): the callback's streams wait for the all-reduce; DDP's for it
         return futures[0].then(unpack)
-    return torch.futures.collect_all(futures).then(unpack)
+    # Several payload dtypes: collect_all's future holds no tensors and records no CUDA events,
+    # so the result goes through a future of the buffer's device, completed on the streams the
+    # decode ran on (DDP's wait() then makes its stream wait for them).
+    done = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+
+    def complete(fut):
+        try:
+            done.set_result(unpack(fut))
+        except Exception as exc:  # noqa: BLE001 - handed to DDP's wait(), as then() would
+            done.set_exception(exc)
+    torch.futures.collect_all(futures).add_done_callback(complete)
+    return done
 
 
 def make_comm_hook(ddp_model, compressor, per_tensor: bool = False):

@@ -309,6 +309,8 @@ def main(argv=None):
         print(f"allreduce_hook's row failed, nothing to subtract: {base}")
         dist.destroy_process_group()
         return 1
+    print(f"allreduce_hook's step (subtracted below): model A {1e3 * base[0][2]:.2f} ms, model B "
+          f"{1e3 * base[1][2]:.2f} ms")
     ddp_fp16 = res_a.get(("ddp", "fp16"))
     ref_a = ddp_fp16[2] - base[0][2] if isinstance(ddp_fp16, tuple) else 0.0
     launches = f" {'launch A':>8} {'launch B':>8}" if cuda else ""
