@@ -30,7 +30,7 @@ over the slow link is replaced by our compressor: :func:`install` sets
 reduce-scattered shard gradient (the group's parameters' dim-0 shards, padded, concatenated;
 the reduce dtype), compresses each part (see Identity) under its key
 (:meth:`Compressor.encode`), sums the payloads with one ``dist.all_reduce`` per payload dtype
-on the replicas' group, decodes and writes the results in
+on the replicas' group (all posted, then waited for), decodes and writes the results in
 place; FSDP then divides and writes the parameters' ``.grad``. On a 2-D mesh FSDP would run its
 own all-reduce *before* the hook, so :func:`install` turns it off by giving each parameter
 group a shard-only mesh description over the same mesh (the parameters and gradients stay
@@ -127,10 +127,15 @@ class _ShardHook:
                 entries.append((unit, payload, ctx))
             # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
             divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
+            # Every payload dtype's all-reduce posted before any is waited for: they run together
+            # (a THC group's int32 lanes beside its fp16-routed norms and biases), not one after
+            # the other's round trips.
+            posted = []
             for dtype in sorted(by_dtype, key=str):
-                members = by_dtype[dtype]
-                flat = torch.cat([entries[i][1].reshape(-1) for i in members])  # a copy
-                dist.all_reduce(flat, group=self.group)
+                flat = torch.cat([entries[i][1].reshape(-1) for i in by_dtype[dtype]])  # a copy
+                posted.append((by_dtype[dtype], flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+            for members, flat, work in posted:
+                work.wait()
                 offset = 0
                 for i in members:
                     unit, payload, ctx = entries[i]
