@@ -83,6 +83,15 @@ variants, a shard-only mesh without ``replicate_group``, a ``replicate_group`` o
 meshes) or with an all-reduce hook already, and replicas whose shard ranks or shard sizes
 differ (checked by one ``all_gather_object`` on the replicas' group at install).
 
+**Overlap** (``install(..., overlap=True)``, CPU parameters). On CPU, FSDP2 calls the hook in
+the backward's own thread, so a blocking all-reduce across replicas stops backward until it is
+back (FSDP's own all-reduce too). With overlap the hook posts its all-reduces and returns
+zeros; one autograd final callback, at the end of the same backward, waits for them, decodes
+and adds the sums into the ``.grad`` FSDP set (:mod:`torch_backend.fsdp_overlap`): the same
+gradients, bit for bit, while the link carries each group's payload during the backward of
+the groups before it. Refused with a post-accumulate-grad hook on a parameter (it would read
+the gradient before the sum arrives) and on CUDA (FSDP's all-reduce stream overlaps there).
+
 **The reduce-scatter.** :func:`install_reduce_scatter` (in :mod:`torch_backend.fsdp_scatter`,
 re-exported here; its docstring has the design) compresses FSDP's reduce-scatter within the
 shard group with a compressor of its own.
@@ -91,6 +100,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import ProcessGroupEngine
+from .fsdp_overlap import Overlap
 from .fsdp_scatter import install_reduce_scatter
 from .fsdp_shards import _checked_names, _fsdp_api, _members, _param_groups, _same_ranks, _shard, shard_key
 
@@ -101,11 +111,12 @@ class _ShardHook:
     """The all-reduce hook of one FSDP parameter group: the shard's tensors routed and cut into
     codec units (:meth:`Compressor.plan_bucket`: one call per route), each compressed, the
     payloads summed across replicas (one all-reduce per payload dtype), decoded, divided and
-    written back in place (module docstring)."""
+    written back in place (module docstring); with ``late`` (an
+    :class:`~torch_backend.fsdp_overlap.Overlap`), written at the end of backward instead."""
 
-    def __init__(self, comp, group, fsdp_group, members, replicas):
+    def __init__(self, comp, group, fsdp_group, members, replicas, late=None):
         self.comp, self.group, self.fsdp_group = comp, group, fsdp_group
-        self.members, self.replicas = members, replicas
+        self.members, self.replicas, self.late = members, replicas, late
         self.partial = None  # reduce-scattered shards kept while all-reduce is off
 
     def __call__(self, output: torch.Tensor) -> None:
@@ -117,6 +128,7 @@ class _ShardHook:
             if self.partial is not None:
                 output.add_(self.partial)
                 self.partial = None
+            late = self.late is not None and self._late_ok() and self.late.defer()
             dtype = str(output.dtype).removeprefix("torch.")
             plan = self.comp.plan_bucket(self.members, dtype, "sum", self.group, output)
             entries, by_dtype = [], {}
@@ -125,8 +137,6 @@ class _ShardHook:
                 payload, ctx = self.comp.encode_unit(unit, x.view(unit.info.shape))
                 by_dtype.setdefault(payload.dtype, []).append(len(entries))
                 entries.append((unit, payload, ctx))
-            # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
-            divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
             # Every payload dtype's all-reduce posted before any is waited for: they run together
             # (a THC group's int32 lanes beside its fp16-routed norms and biases), not one after
             # the other's round trips.
@@ -134,21 +144,48 @@ class _ShardHook:
             for dtype in sorted(by_dtype, key=str):
                 flat = torch.cat([entries[i][1].reshape(-1) for i in by_dtype[dtype]])  # a copy
                 posted.append((by_dtype[dtype], flat, dist.all_reduce(flat, group=self.group, async_op=True)))
-            for members, flat, work in posted:
-                work.wait()
-                offset = 0
-                for i in members:
-                    unit, payload, ctx = entries[i]
-                    summed = flat[offset:offset + payload.numel()].view(payload.shape)
-                    offset += payload.numel()
-                    out = self.comp.decode(summed, ctx, divide=divide).reshape(-1).to(output.dtype)
-                    if unit.contiguous:
-                        output[unit.start:unit.stop].copy_(out)
-                    else:
-                        output.index_copy_(0, unit.index, out)
+            if not late:
+                self._decode(output, entries, posted)
+                return
+            summed = output.clone()  # what the hook would decode into (units cover it all)
+            output.zero_()  # FSDP sets (or adds) zeros now; the sum is added at the end of backward
+
+            def finish():
+                with torch.no_grad():
+                    self._decode(summed, entries, posted)
+                    self.late.write(self.fsdp_group, summed)
+            self.late.add(finish)
+
+    def _late_ok(self) -> bool:
+        """Raises ValueError where a parameter of the group has a post-accumulate-grad hook
+        (it would see FSDP's zeros, not the sum: ``overlap=True`` cannot serve it)."""
+        for fp in self.fsdp_group.fsdp_params:
+            if getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None):
+                raise ValueError("torch_backend.fsdp.install(overlap=True): a parameter of this FSDP "
+                                 "module has a post-accumulate-grad hook (e.g. an optimizer in "
+                                 "backward), which would read the gradient before the all-reduce "
+                                 "across replicas is added; install with overlap=False")
+        return True
+
+    def _decode(self, output, entries, posted):
+        """Wait for each posted all-reduce and write its units' decoded sums into ``output``."""
+        # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
+        divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
+        for members, flat, work in posted:
+            work.wait()
+            offset = 0
+            for i in members:
+                unit, payload, ctx = entries[i]
+                summed = flat[offset:offset + payload.numel()].view(payload.shape)
+                offset += payload.numel()
+                out = self.comp.decode(summed, ctx, divide=divide).reshape(-1).to(output.dtype)
+                if unit.contiguous:
+                    output[unit.start:unit.stop].copy_(out)
+                else:
+                    output.index_copy_(0, unit.index, out)
 
 
-def install(model, compressor, replicate_group=None, per="param"):
+def install(model, compressor, replicate_group=None, per="param", overlap=False):
     """Compress FSDP2's all-reduce across replicas with ``compressor``.
 
     Args:
@@ -164,6 +201,9 @@ def install(model, compressor, replicate_group=None, per="param"):
         per: ``"param"`` (default): one compressed tensor per parameter shard, keyed and routed
             by the parameter's name; ``"group"``: one per FSDP module's shard (module
             docstring, Identity).
+        overlap: post each group's all-reduce in its hook and finish them all at the end of
+            backward, so that they travel while backward goes on (module docstring, "Overlap";
+            CPU tensors: on CUDA FSDP's all-reduce stream overlaps already).
 
     Every rank calls it at the same point (one ``all_gather_object`` on the replicas' group
     checks that they agree on the shards; ``auto`` without ``bandwidth_gbit`` measures the
@@ -174,7 +214,7 @@ def install(model, compressor, replicate_group=None, per="param"):
         TypeError: ``model`` is not an FSDP module, ``compressor`` not a PyTorch compressor
             (or a factory such as ``Compression.fp16`` without the call).
         ValueError: ``per`` is neither; the compressor is bound already or routes a tensor to a
-            blocking variant;
+            blocking variant; ``overlap=True`` on CUDA parameters;
             no replicas' group (shard-only mesh without ``replicate_group``), a
             ``replicate_group`` that is not the mesh's, an FSDP module with several parameter
             groups or an all-reduce hook already, replicas that disagree on shard ranks, sizes
@@ -220,6 +260,13 @@ def install(model, compressor, replicate_group=None, per="param"):
         entries.append(_shard("install", path, module, g, names, group))
     if not entries:
         raise ValueError("install: the model has no FSDP module holding parameters")
+    late = None
+    if overlap:
+        if entries[0].fsdp_group.device.type != "cpu":
+            raise ValueError(f"install(overlap=True) is for CPU parameters (Gloo), whose all-reduce "
+                             f"blocks the backward; these are on {entries[0].fsdp_group.device}, where "
+                             f"FSDP's all-reduce stream overlaps already: use overlap=False")
+        late = Overlap()
     group = entries[0].replicas
     for e in entries[1:]:
         if not _same_ranks(e.replicas, group):
@@ -251,5 +298,5 @@ def install(model, compressor, replicate_group=None, per="param"):
                                spmd_mesh=old.spmd_mesh)
             new.reduce_scatter_process_group = old.reduce_scatter_process_group
             g.mesh_info = new
-        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, _members(e, per), replicas))
+        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, _members(e, per), replicas, late))
     return compressor

@@ -168,14 +168,17 @@ class RunSpec:
 
     FSDP rows (``system="fsdp"``, :func:`parse_fsdp_hooks`): ``spec`` compresses the all-reduce
     across replicas (``fp16``: FP16-FSDP, FSDP's own float16 collectives; ``none``: its float32
-    ones), ``reduce_scatter`` the reduce-scatter within the shard group (None: FSDP's own);
-    label :func:`fsdp_label`, row id ``<workload>-fsdp-<spec>[-with-rs-<spec>]``.
+    ones), ``reduce_scatter`` the reduce-scatter within the shard group (None: FSDP's own),
+    ``overlap`` installs the hook with ``overlap=True``; label :func:`fsdp_label`, row id
+    ``<workload>-fsdp-<spec>[-with-rs-<spec>][-with-overlap]``.
     """
 
     def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1, reference=False,
-                 optimizer=None, unavailable=None, accumulate=1, update_sync=None, reduce_scatter=None):
+                 optimizer=None, unavailable=None, accumulate=1, update_sync=None, reduce_scatter=None,
+                 overlap=False):
         self.workload, self.system, self.spec = workload, system, spec
         self.reduce_scatter = reduce_scatter or None  # FSDP rows: the reduce-scatter's spec
+        self.overlap = bool(overlap)  # FSDP rows: install(..., overlap=True)
         self.reference = bool(reference)
         self.optimizer = optimizer or None
         self.accumulate = int(accumulate or 1)
@@ -188,9 +191,11 @@ class RunSpec:
         if tail and not label:
             self.label += tail
         if system == "fsdp" and not label:
-            self.label = fsdp_label(spec, self.reduce_scatter)
+            self.label = fsdp_label(spec, self.reduce_scatter, self.overlap)
         if self.reduce_scatter:
             tail += f" with rs={self.reduce_scatter}"
+        if self.overlap:
+            tail += " with overlap"
         slug = re.sub(r"[^A-Za-z0-9]+", "-", spec + tail).strip("-")
         self.row_id = f"{workload}-{system}-{slug}" + ("-nocomm" if self.reference else "")
         self.repeat, self.repeats = repeat, repeats
@@ -200,7 +205,7 @@ class RunSpec:
         """This run as round ``repeat`` of ``repeats`` (:func:`interleave`)."""
         return RunSpec(self.workload, self.system, self.spec, self.label, repeat, repeats, self.reference,
                        self.optimizer, self.unavailable, self.accumulate, self.update_sync,
-                       self.reduce_scatter)
+                       self.reduce_scatter, self.overlap)
 
     def __repr__(self):
         return f"RunSpec({self.run_id})"
@@ -389,20 +394,29 @@ def parse_ddp_hooks(text):
     return hooks
 
 
-def fsdp_label(spec, reduce_scatter=None):
+def fsdp_label(spec, reduce_scatter=None, overlap=False):
     """An FSDP row's label: ``FP16-FSDP`` (spec ``fp16``), ``FP32-FSDP`` (``none``) or ``<spec>
-    on FSDP``, followed by ``, rs <spec>`` when the reduce-scatter is compressed too (the
-    worker's ``label``, :mod:`.workers.fsdp_torch`)."""
+    on FSDP``, followed by ``, rs <spec>`` when the reduce-scatter is compressed too and
+    ``, overlap`` with ``install(..., overlap=True)`` (the worker's ``label``,
+    :mod:`.workers.fsdp_torch`)."""
     out = {"fp16": "FP16-FSDP", "none": "FP32-FSDP"}.get(spec, f"{spec} on FSDP")
-    return out + (f", rs {reduce_scatter}" if reduce_scatter else "")
+    return out + (f", rs {reduce_scatter}" if reduce_scatter else "") + (", overlap" if overlap else "")
+
+
+def fsdp_compression(spec, reduce_scatter=None, overlap=False):
+    """An FSDP run's ``meta.compression``: ``fsdp:<spec>[ with rs=<spec>][ with overlap]`` (the
+    worker records the same)."""
+    return (f"fsdp:{spec}" + (f" with rs={reduce_scatter}" if reduce_scatter else "")
+            + (" with overlap" if overlap else ""))
 
 
 def parse_fsdp_hooks(text, shards=2):
-    """``"fp16; thc; topkc:0.1; fp16 with rs=thc"`` -> ``[(spec, rs or None), ...]`` (``;``
-    separates rows; ``""``/``"off"`` -> []). A row is the all-reduce's spec across replicas
-    (``fp16``: FP16-FSDP, FSDP's own float16 collectives; ``none``/``fp32``: FSDP's own float32
-    ones; any other: our compressor through ``torch_backend.fsdp.install``), optionally ``with
-    rs=SPEC``: the reduce-scatter within the shard group compressed by ``install_reduce_scatter``.
+    """``"fp16; thc; topkc:0.1; fp16 with rs=thc; thc with overlap"`` -> ``[(spec, rs or None,
+    overlap), ...]`` (``;`` separates rows; ``""``/``"off"`` -> []). A row is the all-reduce's
+    spec across replicas (``fp16``: FP16-FSDP, FSDP's own float16 collectives; ``none``/``fp32``:
+    FSDP's own float32 ones; any other: our compressor through ``torch_backend.fsdp.install``),
+    optionally ``with rs=SPEC``: the reduce-scatter within the shard group compressed by
+    ``install_reduce_scatter``, and ``with overlap``: our hook installed with ``overlap=True``.
     FP16-FSDP (``fp16``), the FSDP rows' baseline, is put first (added when missing, with a note
     on stderr): it sets their target and ratios.
 
@@ -413,7 +427,8 @@ def parse_fsdp_hooks(text, shards=2):
     Raises:
         ValueError: a bad spec (the registry's message); a blocking two-round variant (install
             refuses them); an ``rs=`` spec that cannot be reduce-scattered (named, with why), or
-            ``rs=`` with one shard per replica; an unknown clause; a row given twice.
+            ``rs=`` with one shard per replica; ``overlap`` on FSDP's own collectives (``fp16``,
+            ``none``); an unknown clause; a row given twice.
     """
     if text.strip().lower() in ("", "off", "no"):
         return []
@@ -424,15 +439,22 @@ def parse_fsdp_hooks(text, shards=2):
             continue
         parts = [x.strip() for x in row.split(" with ")]
         spec = "none" if parts[0] == "fp32" else parts[0]
-        rs = None
+        rs, overlap = None, False
         for clause in parts[1:]:
             key, eq, val = (x.strip() for x in clause.partition("="))
+            if key == "overlap" and not eq and not overlap:
+                overlap = True
+                continue
             if key != "rs" or not eq or not val or rs is not None:
-                raise ValueError(f"fsdp row {row!r}: expected 'SPEC' or 'SPEC with rs=SPEC', got clause {clause!r}")
+                raise ValueError(f"fsdp row {row!r}: expected 'SPEC', 'SPEC with rs=SPEC' or 'SPEC with "
+                                 f"overlap', got clause {clause!r}")
             rs = val
         if not spec:
             raise ValueError(f"fsdp row {row!r}: expected a compressor spec before 'with'")
         _check_spec(spec)
+        if overlap and spec in (FSDP_BASELINE, "none"):
+            raise ValueError(f"fsdp row {row!r}: overlap installs our hook with overlap=True; "
+                             f"{spec!r} is FSDP's own all-reduce (use e.g. 'ours' specs such as thc)")
         blocking = [s.spec() for s in Routing.from_spec(spec).schemes() if s.blocking]
         if blocking:
             raise ValueError(f"fsdp row {row!r}: {blocking[0]} is a blocking two-round variant, which "
@@ -449,12 +471,13 @@ def parse_fsdp_hooks(text, shards=2):
                 if why is not None:
                     raise ValueError(f"fsdp row {row!r}: rs={rs} routes tensors to {scheme.spec()}, which "
                                      f"cannot be reduce-scattered: {why}")
-        if (spec, rs) in out:
+        if (spec, rs, overlap) in out:
             raise ValueError(f"fsdp row {row!r} given twice")
-        out.append((spec, rs))
-    if out and (FSDP_BASELINE, None) not in out:
+        out.append((spec, rs, overlap))
+    base = (FSDP_BASELINE, None, False)
+    if out and base not in out:
         print(f"tta: FSDP rows: FP16-FSDP ({FSDP_BASELINE!r}), their baseline, added first", file=sys.stderr)
-    return [(FSDP_BASELINE, None)] + [r for r in out if r != (FSDP_BASELINE, None)] if out else []
+    return [base] + [r for r in out if r != base] if out else []
 
 
 def parse_fsdp_mesh(text, workers):
@@ -531,7 +554,7 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None, fs
                     label = f"{h.partition(':')[2]} on DDP"
                 plan.append(RunSpec(w, "ddp", h, label))
         if fsdp_rows and w in FSDP_WORKLOADS:
-            plan.extend(RunSpec(w, "fsdp", spec, reduce_scatter=rs) for spec, rs in fsdp_rows)
+            plan.extend(RunSpec(w, "fsdp", spec, reduce_scatter=rs, overlap=ov) for spec, rs, ov in fsdp_rows)
         elif fsdp_rows:
             print(f"tta: FSDP rows skipped on {w}: they run on {', '.join(FSDP_WORKLOADS)} only", file=sys.stderr)
         if reference:
@@ -592,6 +615,8 @@ def _command(run, args, out_json, extra=()):
         cmd += ["--workload", wname, "--compression", run.spec, "--mesh", f"{r}x{s}"]
         if run.reduce_scatter:
             cmd += ["--reduce-scatter", run.reduce_scatter]
+        if run.overlap:
+            cmd += ["--overlap"]
     else:
         cmd += ["--compression", run.spec]
     if run.optimizer:
@@ -622,7 +647,7 @@ def _stub_result(run, status, error="", network=None):
                     "optimizer": run.optimizer, "accumulate": run.accumulate, "update_sync": run.update_sync,
                     "repeat": run.repeat, "reference": run.reference}}
     if run.system == "fsdp":  # as the worker records it (workers.fsdp_torch)
-        out["meta"]["compression"] = f"fsdp:{run.spec}" + (f" with rs={run.reduce_scatter}" if run.reduce_scatter else "")
+        out["meta"]["compression"] = fsdp_compression(run.spec, run.reduce_scatter, run.overlap)
     if network is not None:
         out["network"] = network
     return out
@@ -632,7 +657,7 @@ def _is_fp16_baseline(run):
     """Horovod's FP16 row (the workload's own optimizer, no clause), or FP16-FSDP (the FSDP
     row ``fp16`` with FSDP's own reduce-scatter): the baseline of its :func:`stop_group`."""
     if run.system == "fsdp":
-        return run.spec == FSDP_BASELINE and not run.reduce_scatter and not run.optimizer
+        return run.spec == FSDP_BASELINE and not run.reduce_scatter and not run.optimizer and not run.overlap
     return (run.system == "horovod" and run.spec == "fp16" and not run.optimizer and not run.reference
             and run.accumulate == 1 and run.update_sync is None)
 

@@ -19,13 +19,14 @@ def _plan(*argv):
 # ---- options ----
 
 def test_parse_fsdp_hooks_puts_fp16_fsdp_first():
-    assert tta.parse_fsdp_hooks("thc; topkc:ratio=0.1 ;fp16; fp32 with rs=thc", 2) == [
-        ("fp16", None), ("thc", None), ("topkc:ratio=0.1", None), ("none", "thc")]
+    assert tta.parse_fsdp_hooks("thc; topkc:ratio=0.1 ;fp16; fp32 with rs=thc; thc with overlap", 2) == [
+        ("fp16", None, False), ("thc", None, False), ("topkc:ratio=0.1", None, False), ("none", "thc", False),
+        ("thc", None, True)]
     assert tta.parse_fsdp_hooks("off") == [] and tta.parse_fsdp_hooks(" ") == []
 
 
 def test_parse_fsdp_hooks_adds_the_missing_baseline(capsys):
-    assert tta.parse_fsdp_hooks("thc with rs=signsgd", 2) == [("fp16", None), ("thc", "signsgd")]
+    assert tta.parse_fsdp_hooks("thc with rs=signsgd", 2) == [("fp16", None, False), ("thc", "signsgd", False)]
     assert "FP16-FSDP ('fp16'), their baseline, added first" in capsys.readouterr().err
 
 
@@ -35,8 +36,10 @@ def test_parse_fsdp_hooks_adds_the_missing_baseline(capsys):
     ("thc with rs=topkc:ratio=0.1", 2, "rs=topkc:ratio=0.1 routes tensors to topkc:ratio=0.1, which cannot be reduce-scattered"),
     ("thc with rs=powersgd:rank=4", 2, "cannot be reduce-scattered"),
     ("thc with rs=thc", 1, "one shard per replica"),
-    ("thc with ar=thc", 2, "expected 'SPEC' or 'SPEC with rs=SPEC'"),
-    ("thc with rs=thc with rs=fp16", 2, "expected 'SPEC' or 'SPEC with rs=SPEC'"),
+    ("thc with ar=thc", 2, "expected 'SPEC', 'SPEC with rs=SPEC' or 'SPEC with overlap'"),
+    ("thc with rs=thc with rs=fp16", 2, "expected 'SPEC', 'SPEC with rs=SPEC' or 'SPEC with overlap'"),
+    ("thc with overlap with overlap", 2, "got clause 'overlap'"),
+    ("fp16 with overlap", 2, "'fp16' is FSDP's own all-reduce"),
     ("thc; thc", 2, "given twice"),
 ])
 def test_parse_fsdp_hooks_rejects(text, shards, words):
@@ -63,14 +66,17 @@ def test_parse_fsdp_mesh(text, workers, expect):
 
 def test_plan_fsdp_rows_beside_horovod_and_ddp(tmp_path):
     plan, args = _plan("--workloads", "lm,digits", "--compressors", "fp16", "--ddp-hooks", "fp16",
-                       "--fsdp-hooks", "thc; fp16 with rs=thc", "--workers", "4", "--fsdp-mesh", "2x2",
-                       "--no-comm-reference", "off", "--out", str(tmp_path))
+                       "--fsdp-hooks", "thc; fp16 with rs=thc; thc with overlap", "--workers", "4",
+                       "--fsdp-mesh", "2x2", "--no-comm-reference", "off", "--out", str(tmp_path))
     lm = [(r.system, r.spec, r.reduce_scatter, r.label, r.run_id) for r in plan.runs if r.workload == "lm"]
     assert lm == [("horovod", "fp16", None, "fp16", "lm-horovod-fp16"),
                   ("ddp", "fp16", None, "DDP fp16_compress_hook", "lm-ddp-fp16"),
                   ("fsdp", "fp16", None, "FP16-FSDP", "lm-fsdp-fp16"),
                   ("fsdp", "thc", None, "thc on FSDP", "lm-fsdp-thc"),
-                  ("fsdp", "fp16", "thc", "FP16-FSDP, rs thc", "lm-fsdp-fp16-with-rs-thc")]
+                  ("fsdp", "fp16", "thc", "FP16-FSDP, rs thc", "lm-fsdp-fp16-with-rs-thc"),
+                  ("fsdp", "thc", None, "thc on FSDP, overlap", "lm-fsdp-thc-with-overlap")]
+    assert "--overlap" in tta._command(plan.runs[5], args, "/tmp/x.json")
+    assert "--overlap" not in tta._command(plan.runs[3], args, "/tmp/x.json")
     # digits takes no FSDP rows; the network: one host per replica (its 2 shards share it)
     assert {r.system for r in plan.runs if r.workload == "digits"} == {"horovod", "ddp"}
     assert plan.fsdp_mesh == (2, 2) and plan.ranks_per_host == 2

@@ -44,6 +44,7 @@ SHAPES = {"s": (10,), "blk.w": (64, 64), "blk.b": (64,), "head.v": (33, 64)}
 GROUPS = {"": ["s"], "blk": ["blk.w", "blk.b"], "head": ["head.v"]}  # FSDP module -> its parameters
 SPECS = ["fp16", "topkc:0.1", "thc", "powersgd:2", "signsgd", "auto"]
 GROUP_SPECS = ["topkc:0.1", "powersgd:2"]  # also run with per="group"
+OVERLAP_SPECS = ["thc:error_feedback=false", "topkc:0.1"]  # also run with overlap=True (2 x 2 mesh)
 STEPS = 4
 RESUME = 2
 LR = 0.1
@@ -213,6 +214,10 @@ def two_worker(tmp):
     comp = install(model, Compression.fp16(), replicate_group=group)
     errors["twice"] = value_error(lambda: install(model, Compression.fp16(), replicate_group=group))
     errors["bound"] = value_error(lambda: install(_build(shard)[0], comp, replicate_group=group))
+    model, opt = _build(shard)
+    install(model, Compression.fp16(), replicate_group=group, overlap=True)
+    model.blk.w.register_post_accumulate_grad_hook(lambda p: None)
+    errors["overlap hook"] = value_error(lambda: _step(model, opt, grads_of(rank, 0)))
     model, _ = _build(mesh2d)
     errors["other group"] = value_error(lambda: install(model, Compression.fp16(), replicate_group=mesh2d.get_group("shard")))
     out["errors"] = errors
@@ -231,6 +236,35 @@ def four_worker(tmp):
     out["none"] = _train(mesh, "none", tmp, resume=False)
     model, opt = _build(mesh)  # native HSDP, no hook
     out["native"] = [_step(model, opt, grads_of(rank, t)) for t in range(STEPS)]
+    out.update(_overlap_runs(mesh, rank))
+    return out
+
+
+def _overlap_runs(mesh, rank):
+    """{name: [blocking run, overlap=True run]}, each (gradients of every step, parameters):
+    STEPS steps, one of two micro-batches (the all-reduce on the last), one of two backwards
+    accumulated into .grad; float32 and float16 reduction."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch_backend import Compression
+    from torch_backend.fsdp import install
+    out = {}
+    for spec in OVERLAP_SPECS:
+        for reduce_dtype in (None, torch.float16):
+            runs = []
+            for overlap in (False, True):
+                kw = {} if reduce_dtype is None else {"mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)}
+                model, opt = _build(mesh, **kw)
+                install(model, Compression.from_spec(spec), overlap=overlap)
+                steps = [_step(model, opt, grads_of(rank, t)) for t in range(STEPS)]
+                steps.append(_step(model, opt, [grads_of(rank, 0), grads_of(rank, 1)], micro=2))
+                opt.zero_grad(set_to_none=True)
+                for t in (2, 3):
+                    model(grads_of(rank, t)).backward()
+                steps.append({n: p.grad.full_tensor().double().numpy().copy() for n, p in model.named_parameters()})
+                late = model._get_fsdp_state()._fsdp_param_groups[0]._all_reduce_hook.late
+                runs.append((steps, _params(model), None if late is None else late.finished))
+            out[f"overlap {spec} {reduce_dtype}"] = runs
     return out
 
 
@@ -395,6 +429,26 @@ def test_four_ranks_resume(four, spec):
     check_resume(four, spec, replicas=2, size=2)
 
 
+@pytest.mark.parametrize("spec", OVERLAP_SPECS)
+@pytest.mark.parametrize("reduce_dtype", ["None", "torch.float16"])
+def test_overlap_equals_blocking(four, spec, reduce_dtype):
+    """install(overlap=True): every step's gradients (plain steps, micro-batches with the
+    all-reduce on the last, two backwards accumulated) and the parameters equal the blocking
+    hook's bit for bit, on every rank of the 2 x 2 mesh."""
+    for r in four:
+        (steps, params, _), (steps_late, params_late, finished) = r[f"overlap {spec} {reduce_dtype}"]
+        assert len(steps) == len(steps_late) == STEPS + 2
+        # finished late: 3 groups x (STEPS + 1 + 2) backwards with the all-reduce on
+        assert finished == 3 * (STEPS + 3), finished
+        for a, b in zip(steps, steps_late):
+            for n in SHAPES:
+                np.testing.assert_array_equal(a[n], b[n], err_msg=n)
+        for n in SHAPES:  # gradients were delivered (THC's first step sends none: no ranges yet)
+            assert all(np.abs(a[n]).max() > 0 for a in steps[1:]), n
+        for n in SHAPES:
+            np.testing.assert_array_equal(params[n], params_late[n], err_msg=n)
+
+
 def test_uncompressed_is_native_hsdp(four):
     for r in four:
         for ours, native in zip(r["none"]["outs"], r["native"]):
@@ -471,6 +525,7 @@ def test_refusals(two):
         assert "has an all-reduce hook already" in e["twice"]
         assert "is already bound to" in e["bound"]
         assert "by its 2-D mesh; pass replicate_group=None" in e["other group"]
+        assert "has a post-accumulate-grad hook" in e["overlap hook"]
 
 
 def test_example(tmp_path):

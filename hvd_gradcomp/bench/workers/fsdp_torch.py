@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device as devices
-from ..tta import fsdp_label, parse_fsdp_mesh
+from ..tta import fsdp_compression, fsdp_label, parse_fsdp_mesh
 from ..worker import add_common_args
 from . import torch_workloads
 
@@ -121,7 +121,7 @@ class FSDPTrainer:
     (:func:`.torch_workloads.make_schedule`), set before each optimizer step."""
 
     def __init__(self, workload, model, local, lr, mesh, spec, rs_spec, calib_every, device="cpu",
-                 optimizer=""):
+                 optimizer="", overlap=False):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from torch_backend import Compression
         from torch_backend.fsdp import install, install_reduce_scatter
@@ -140,7 +140,7 @@ class FSDPTrainer:
         self.timers = []
         self.compressor = self.scatter = None
         if self.native is None:
-            self.compressor = install(model, Compression.from_spec(spec))
+            self.compressor = install(model, Compression.from_spec(spec), overlap=overlap)
             self.timers.append(timed_compressor(self.compressor, self.clock))
         if rs_spec:
             self.scatter = install_reduce_scatter(model, Compression.from_spec(rs_spec))
@@ -213,6 +213,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[pre])
     add_common_args(parser, higher_is_better=cls.higher_is_better, **cls.defaults)
     parser.add_argument("--mesh", default="", help="RxS: R replicas of S shards (default 2 x world/2)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="install our hook with overlap=True (torch_backend.fsdp.install)")
     parser.add_argument("--reduce-scatter", default="",
                         help="compress the reduce-scatter within the shard group too: none, fp16, "
                              "bf16, thc, signsgd (S >= 2)")
@@ -221,11 +223,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     devices.require_device(parser, args.device)
     spec, rs_spec = args.compression.strip(), args.reduce_scatter.strip() or None
-    args.compression = f"fsdp:{spec}" + (f" with rs={rs_spec}" if rs_spec else "")
+    args.compression = fsdp_compression(spec, rs_spec, args.overlap)
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     rank, size = dist.get_rank(), dist.get_world_size()
     try:
         replicas, shards = parse_fsdp_mesh(args.mesh, size)
+        if args.overlap and native_spec(spec) is not None:
+            raise ValueError(f"--overlap installs our hook with overlap=True; {spec!r} is FSDP's own "
+                             f"all-reduce")
         if rs_spec and shards < 2:
             raise ValueError(f"--reduce-scatter {rs_spec}: the mesh {replicas}x{shards} has one shard per "
                              f"replica, so FSDP reduce-scatters nothing")
@@ -245,13 +250,13 @@ def main(argv=None):
     mesh = init_device_mesh(torch.device(device).type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
     try:
         trainer = FSDPTrainer(wl, model, local, args.lr, mesh, spec, rs_spec, args.eval_every, device,
-                              args.optimizer)
+                              args.optimizer, overlap=args.overlap)
     except (ValueError, TypeError) as e:  # a spec install refuses: the same message on every rank
         print(f"fsdp worker: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         return 2
     trainer.schedule = torch_workloads.make_schedule(wl, trainer.opt, args)
-    meta = {"framework": "torch", "system": "fsdp", "label": fsdp_label("none" if spec == "fp32" else spec, rs_spec),
+    meta = {"framework": "torch", "system": "fsdp", "label": fsdp_label("none" if spec == "fp32" else spec, rs_spec, args.overlap),
             "device": str(device),
             "mesh": f"{replicas}x{shards}", "replicas": replicas, "shards": shards,
             "all_reduce": f"native {trainer.reduce_dtype}".replace("torch.", "") if trainer.native is not None else spec,

@@ -1,0 +1,82 @@
+"""``install(..., overlap=True)`` (:mod:`torch_backend.fsdp`, "Overlap"): each FSDP parameter
+group's all-reduce across replicas posted in its hook and finished at the end of backward, so
+that it travels while backward goes on.
+
+FSDP2 (PyTorch 2.13) divides and casts the hook's output, then views it as the parameters'
+sharded gradients, as soon as the hook returns (``foreach_reduce`` in
+``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``). With overlap the hook hands FSDP
+zeros instead (so each ``.grad`` is set to, or accumulates, zero), and one autograd final
+callback, queued by the first hook of the backward, waits for the all-reduces, decodes, applies
+FSDP's own divide and cast (its private ``_get_gradient_divide_factors``, ``_div_if_needed``,
+``_to_dtype_if_needed``) and adds the result into each ``.grad``: the values FSDP would have
+written, bit for bit (``0 + t = t``), before ``backward()`` returns.
+"""
+import math
+
+import torch
+
+__all__ = ["Overlap"]
+
+
+def _fsdp_post_reduce():
+    """FSDP2's divide factors, divide and cast of a reduced shard (private, PyTorch 2.13).
+
+    Raises:
+        RuntimeError: a PyTorch without them.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            _div_if_needed, _get_gradient_divide_factors, _to_dtype_if_needed)
+    except ImportError as e:
+        raise RuntimeError(f"install(overlap=True): this PyTorch ({torch.__version__}) has no FSDP2 "
+                           f"_get_gradient_divide_factors/_div_if_needed/_to_dtype_if_needed "
+                           f"(written against 2.13); use overlap=False: {e}") from None
+    return _get_gradient_divide_factors, _div_if_needed, _to_dtype_if_needed
+
+
+class Overlap:
+    """The all-reduces one backward left pending, one per FSDP parameter group, finished by one
+    autograd final callback (queued by the first of them; FSDP's own, queued at the root's
+    pre-backward, runs before it)."""
+
+    def __init__(self):
+        self.pending, self.queued = [], False
+        self.finished = 0  # group all-reduces finished at the end of a backward, so far
+        self.factors, self.divide, self.cast = _fsdp_post_reduce()
+
+    def defer(self) -> bool:
+        """Queue the final callback if this backward has none yet; False where autograd takes
+        none (the hook called outside a backward): the hook then finishes in place."""
+        if not self.queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_all)
+            except RuntimeError:
+                return False
+            self.queued = True
+        return True
+
+    def add(self, finish):
+        """``finish()`` (one group's wait, decode and write) at the end of this backward."""
+        self.pending.append(finish)
+
+    def _finish_all(self):
+        pending, self.pending, self.queued = self.pending, [], False
+        for finish in pending:
+            finish()
+        self.finished += len(pending)
+
+    def write(self, fsdp_group, summed):
+        """Add ``summed`` (the group's decoded flat shard, in the reduce dtype, as the hook
+        would have left it) into its parameters' ``.grad``, after FSDP's divide and cast."""
+        post = self.factors(fsdp_group._reduce_scatter_process_group, None, summed.dtype,
+                            summed.device.type, fsdp_group.gradient_divide_factor,
+                            fsdp_group.force_sum_reduction_for_comms)[1]
+        self.divide(summed, post)
+        flat = self.cast(summed, fsdp_group._orig_dtype)
+        offset = 0
+        for fp in fsdp_group.fsdp_params:
+            view = torch.as_strided(flat, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
+                                    storage_offset=offset)
+            local = fp.sharded_param.grad._local_tensor
+            local += view.to(local.device)
+            offset += math.prod(fp.padded_sharded_param_size)
