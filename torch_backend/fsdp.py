@@ -30,7 +30,7 @@ over the slow link is replaced by our compressor: :func:`install` sets
 reduce-scattered shard gradient (the group's parameters' dim-0 shards, padded, concatenated;
 the reduce dtype), compresses each part (see Identity) under its key
 (:meth:`Compressor.encode`), sums the payloads with one ``dist.all_reduce`` per payload dtype
-on the replicas' group (all posted, then waited for), decodes and writes the results in
+on the replicas' group, decodes and writes the results in
 place; FSDP then divides and writes the parameters' ``.grad``. On a 2-D mesh FSDP would run its
 own all-reduce *before* the hook, so :func:`install` turns it off by giving each parameter
 group a shard-only mesh description over the same mesh (the parameters and gradients stay
@@ -85,8 +85,9 @@ differ (checked by one ``all_gather_object`` on the replicas' group at install).
 
 **Overlap** (``install(..., overlap=True)``, CPU parameters). On CPU, FSDP2 calls the hook in
 the backward's own thread, so a blocking all-reduce across replicas stops backward until it is
-back (FSDP's own all-reduce too). With overlap the hook posts its all-reduces and returns
-zeros; one autograd final callback, at the end of the same backward, waits for them, decodes
+back (FSDP's own all-reduce too). With overlap the hook posts its all-reduces (one in flight
+at a time on the replicas' group) and returns
+zeros; an autograd final callback it queues, at the end of the same backward, waits for them, decodes
 and adds the sums into the ``.grad`` FSDP set (:mod:`torch_backend.fsdp_overlap`): the same
 gradients, bit for bit, while the link carries each group's payload during the backward of
 the groups before it. Refused with a post-accumulate-grad hook on a parameter (it would read
@@ -128,7 +129,7 @@ class _ShardHook:
             if self.partial is not None:
                 output.add_(self.partial)
                 self.partial = None
-            late = self.late is not None and self._late_ok() and self.late.defer()
+            late = self.late is not None and self._late_ok()
             dtype = str(output.dtype).removeprefix("torch.")
             plan = self.comp.plan_bucket(self.members, dtype, "sum", self.group, output)
             entries, by_dtype = [], {}
@@ -137,24 +138,24 @@ class _ShardHook:
                 payload, ctx = self.comp.encode_unit(unit, x.view(unit.info.shape))
                 by_dtype.setdefault(payload.dtype, []).append(len(entries))
                 entries.append((unit, payload, ctx))
-            # Every payload dtype's all-reduce posted before any is waited for: they run together
-            # (a THC group's int32 lanes beside its fp16-routed norms and biases), not one after
-            # the other's round trips.
+            # One all-reduce per payload dtype. Blocking, or (overlap) posted with at most one in
+            # flight on the replicas' group: Gloo aborted the process now and then with two of
+            # them running at once ("terminate called without an active exception").
             posted = []
             for dtype in sorted(by_dtype, key=str):
                 flat = torch.cat([entries[i][1].reshape(-1) for i in by_dtype[dtype]])  # a copy
-                posted.append((by_dtype[dtype], flat, dist.all_reduce(flat, group=self.group, async_op=True)))
-            if not late:
-                self._decode(output, entries, posted)
-                return
-            summed = output.clone()  # what the hook would decode into (units cover it all)
-            output.zero_()  # FSDP sets (or adds) zeros now; the sum is added at the end of backward
+                work = self.late.post(flat, self.group) if late else dist.all_reduce(flat, group=self.group)
+                posted.append((by_dtype[dtype], flat, work))
+            summed = output.clone() if late else output  # (units cover it all)
 
             def finish():
                 with torch.no_grad():
                     self._decode(summed, entries, posted)
                     self.late.write(self.fsdp_group, summed)
-            self.late.add(finish)
+            if late and self.late.defer(finish):
+                output.zero_()  # FSDP sets (or adds) zeros now; the sum is added at the end of backward
+            else:
+                self._decode(output, entries, posted)
 
     def _late_ok(self) -> bool:
         """Raises ValueError where a parameter of the group has a post-accumulate-grad hook
@@ -172,7 +173,8 @@ class _ShardHook:
         # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
         divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
         for members, flat, work in posted:
-            work.wait()
+            if work is not None:
+                work.wait()
             offset = 0
             for i in members:
                 unit, payload, ctx = entries[i]

@@ -5,8 +5,8 @@ that it travels while backward goes on.
 FSDP2 (PyTorch 2.13) divides and casts the hook's output, then views it as the parameters'
 sharded gradients, as soon as the hook returns (``foreach_reduce`` in
 ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``). With overlap the hook hands FSDP
-zeros instead (so each ``.grad`` is set to, or accumulates, zero), and one autograd final
-callback, queued by the first hook of the backward, waits for the all-reduces, decodes, applies
+zeros instead (so each ``.grad`` is set to, or accumulates, zero), and an autograd final
+callback, queued by each hook in its backward, waits for that group's all-reduces, decodes, applies
 FSDP's own divide and cast (its private ``_get_gradient_divide_factors``, ``_div_if_needed``,
 ``_to_dtype_if_needed``) and adds the result into each ``.grad``: the values FSDP would have
 written, bit for bit (``0 + t = t``), before ``backward()`` returns.
@@ -14,6 +14,7 @@ written, bit for bit (``0 + t = t``), before ``backward()`` returns.
 import math
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["Overlap"]
 
@@ -35,35 +36,38 @@ def _fsdp_post_reduce():
 
 
 class Overlap:
-    """The all-reduces one backward left pending, one per FSDP parameter group, finished by one
-    autograd final callback (queued by the first of them; FSDP's own, queued at the root's
-    pre-backward, runs before it)."""
+    """The end-of-backward half of ``overlap=True``: each group's finish queued as an autograd
+    final callback of the backward that posted its all-reduce (FSDP's own, queued at the root's
+    pre-backward, runs before them). Nothing outlives a backward: one that raises drops its
+    callbacks with it."""
 
     def __init__(self):
-        self.pending, self.queued = [], False
         self.finished = 0  # group all-reduces finished at the end of a backward, so far
         self.factors, self.divide, self.cast = _fsdp_post_reduce()
+        self.inflight = None  # the last all-reduce posted
 
-    def defer(self) -> bool:
-        """Queue the final callback if this backward has none yet; False where autograd takes
-        none (the hook called outside a backward): the hook then finishes in place."""
-        if not self.queued:
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_all)
-            except RuntimeError:
-                return False
-            self.queued = True
-        return True
+    def post(self, flat, group):
+        """``flat`` all-reduced (summed) on ``group``, asynchronously: its work. The one posted
+        before it is waited for first, so that one at most is in flight (Gloo aborted the
+        process now and then with two running at once); by then it has usually arrived, as
+        the backward of a module lies between two modules' posts."""
+        if self.inflight is not None:
+            self.inflight.wait()
+        self.inflight = dist.all_reduce(flat, group=group, async_op=True)
+        return self.inflight
 
-    def add(self, finish):
-        """``finish()`` (one group's wait, decode and write) at the end of this backward."""
-        self.pending.append(finish)
-
-    def _finish_all(self):
-        pending, self.pending, self.queued = self.pending, [], False
-        for finish in pending:
+    def defer(self, finish) -> bool:
+        """``finish()`` (one group's wait, decode and write) at the end of this backward; False
+        where autograd takes no callback (the hook called outside a backward): the caller then
+        finishes in place."""
+        def run():
             finish()
-        self.finished += len(pending)
+            self.finished += 1
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(run)
+        except RuntimeError:
+            return False
+        return True
 
     def write(self, fsdp_group, summed):
         """Add ``summed`` (the group's decoded flat shard, in the reduce dtype, as the hook
