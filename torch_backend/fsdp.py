@@ -129,7 +129,9 @@ class _ShardHook:
             if self.partial is not None:
                 output.add_(self.partial)
                 self.partial = None
-            late = self.late is not None and self._late_ok()
+            late = self.late is not None
+            if late:
+                self._check_late()
             dtype = str(output.dtype).removeprefix("torch.")
             plan = self.comp.plan_bucket(self.members, dtype, "sum", self.group, output)
             entries, by_dtype = [], {}
@@ -157,7 +159,7 @@ class _ShardHook:
             else:
                 self._decode(output, entries, posted)
 
-    def _late_ok(self) -> bool:
+    def _check_late(self):
         """Raises ValueError where a parameter of the group has a post-accumulate-grad hook
         (it would see FSDP's zeros, not the sum: ``overlap=True`` cannot serve it)."""
         for fp in self.fsdp_group.fsdp_params:
@@ -166,7 +168,6 @@ class _ShardHook:
                                  "module has a post-accumulate-grad hook (e.g. an optimizer in "
                                  "backward), which would read the gradient before the all-reduce "
                                  "across replicas is added; install with overlap=False")
-        return True
 
     def _decode(self, output, entries, posted):
         """Wait for each posted all-reduce and write its units' decoded sums into ``output``."""

@@ -454,7 +454,7 @@ def parse_fsdp_hooks(text, shards=2):
         _check_spec(spec)
         if overlap and spec in (FSDP_BASELINE, "none"):
             raise ValueError(f"fsdp row {row!r}: overlap installs our hook with overlap=True; "
-                             f"{spec!r} is FSDP's own all-reduce (use e.g. 'ours' specs such as thc)")
+                             f"{spec!r} is FSDP's own all-reduce (overlap needs one of this project's specs, e.g. thc)")
         blocking = [s.spec() for s in Routing.from_spec(spec).schemes() if s.blocking]
         if blocking:
             raise ValueError(f"fsdp row {row!r}: {blocking[0]} is a blocking two-round variant, which "
