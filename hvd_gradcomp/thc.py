@@ -147,8 +147,8 @@ from typing import ClassVar, NamedTuple, Optional
 from . import hadamard, rng
 from .base import Scheme, TensorInfo, WireBytes
 from .lanes import MAX_WORLD_SIZE, LaneLayout, exact_words, lane_layout, stats_layout, wire_bits
-from .thc_kernels import (_CONTROL, _Plan, _decode_kernel, _finish_kernel, _noise_kernel, _pad, _quantize_kernel,
-                          _receive_kernel, _rotate_kernel)
+from .thc_kernels import (_CONTROL, _Plan, _decode_kernel, _encode_kernel, _finish_kernel, _noise_kernel, _pad,
+                          _quantize_kernel, _receive_kernel, _rotate_kernel)
 from .options import error_feedback_option, option, seed_option, validate
 
 __all__ = ["THCConfig", "THCState", "THCScheme", "saturation_threshold", "lane_layout",
@@ -281,9 +281,11 @@ class _THCCtx(NamedTuple):
 class THCScheme(Scheme):
     """THC with exact int32 lanes on a Sum/Average all-reduce (module docstring, steps 1-8).
 
-    The arithmetic is in five kernels (``_rotate_kernel``, ``_quantize_kernel``,
-    ``_receive_kernel``, ``_decode_kernel``, ``_finish_kernel``) that the backends may compile
-    (``Primitives.fuse``); the methods here hold the Python-side sizes and keys.
+    The arithmetic is in kernels that the backends may compile or replace by fused forms
+    (``Primitives.fuse``): ``_encode_kernel`` (steps 1-5; with ``range="current"`` its parts
+    ``_rotate_kernel``, ``_noise_kernel`` and ``_quantize_kernel`` around the side all-reduce),
+    ``_receive_kernel``, ``_decode_kernel`` and ``_finish_kernel``; the methods here hold the
+    Python-side sizes and keys.
     """
 
     name = "thc"
@@ -375,21 +377,24 @@ class THCScheme(Scheme):
         # Step 1's Sylvester matrix, for the forward and inverse rotations (a kernel: a backend
         # may keep it per device instead of building it each call).
         hmat = ops.fuse(hadamard.sylvester, max(hadamard.factor_sizes(lay.block)))(x)
-        y, held, wanted, stats_words, finite = ops.fuse(_rotate_kernel, plan)(
-            ops.reshape(x, (info.numel,)), state.residual, state.diag, hmat, finite)
-        if self.blocking:
-            ranges = ops.allreduce(ops.where(ops.isfinite(wanted), wanted, 0.0), "max",
-                                   f"hvd_gradcomp.thc.range.{info.key}", info.group)
-        else:
-            ranges = state.ranges
+        x = ops.reshape(x, (info.numel,))
         # Per-step keys in a few operations: rng.bits32 hashes its key with every counter, so
         # the rounding key is this rank's static key XOR the step; the fingerprint is the
         # step's low bits (step 5).
-        step = ops.bitwise_and(state.step, 0xFFFFFFFF)
-        rows, cols = ops.fuse(_noise_kernel, plan)(ops.bitwise_xor(step, self._round_key(info)), ranges)
+        key = ops.bitwise_xor(ops.bitwise_and(state.step, 0xFFFFFFFF), self._round_key(info))
         fingerprint = ops.bitwise_and(state.step, (1 << lay.fingerprint_bits) - 1)
-        payload, residual, saturated = ops.fuse(_quantize_kernel, plan)(
-            y, held, ranges, rows, cols, fingerprint, finite, stats_words)
+        if self.blocking:
+            y, held, wanted, stats_words, finite = ops.fuse(_rotate_kernel, plan)(
+                x, state.residual, state.diag, hmat, finite)
+            ranges = ops.allreduce(ops.where(ops.isfinite(wanted), wanted, 0.0), "max",
+                                   f"hvd_gradcomp.thc.range.{info.key}", info.group)
+            rows, cols = ops.fuse(_noise_kernel, plan)(key, ranges)
+            payload, residual, saturated = ops.fuse(_quantize_kernel, plan)(
+                y, held, ranges, rows, cols, fingerprint, finite, stats_words)
+        else:  # steps 1-5 in one kernel (one fused call where the backend has one)
+            ranges = state.ranges
+            payload, residual, y, held, saturated = ops.fuse(_encode_kernel, plan)(
+                x, state.residual, state.diag, hmat, ranges, key, fingerprint, finite)
         return payload, _THCCtx(ranges, residual if self.config.error_feedback else None, y, saturated,
                              state.diag, hmat, held=held if plan.flush is not None else None)
 

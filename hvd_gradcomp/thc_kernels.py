@@ -88,7 +88,7 @@ def _rotate_kernel(ops, plan: _Plan, x, residual, diag, hmat, finite):
     """Steps 1-2: y = H D pad(x) + e (float32 [P], e bounded by ``flush``), what error
     feedback holds back (float32 [P], or [0] without a bound), the wanted ranges (float32
     [nb]), the packed statistics (int32 words; empty with range="current") and ``finite``
-    (bool 0-d) narrowed to a finite ``y`` with finite block statistics."""
+    (bool 0-d; None: true) narrowed to a finite ``y`` with finite block statistics."""
     padded, B = ops.shape(diag)[0], plan.block
     nb = padded // B
     y = hadamard.rht(ops, _pad(ops, x, padded, "float32", x), diag, hadamard.nested_factors(B, hmat))
@@ -106,8 +106,10 @@ def _rotate_kernel(ops, plan: _Plan, x, residual, diag, hmat, finite):
         y = y + residual
     yb = ops.reshape(y, (nb, B))
     wanted = _own_range(ops, plan, yb)
-    # Non-finite y shows in its block's norm or peak: nb values checked, no pass over y.
-    finite = ops.logical_and(finite, ops.all(ops.isfinite(wanted), None))
+    # Non-finite y shows in its block's norm or peak: nb values checked, no pass over y (and
+    # so does a non-finite x: finite None leaves the whole check to them).
+    checked = ops.all(ops.isfinite(wanted), None)
+    finite = checked if finite is None else ops.logical_and(finite, checked)
     if plan.stats is None:
         return y, held, wanted, ops.zeros((0,), "int32", x), finite
     usable = ops.logical_and(wanted > TINY_SCALE, finite)
@@ -165,6 +167,19 @@ def _quantize_kernel(ops, plan: _Plan, y, held, ranges, rows, cols, fingerprint,
     control = control_words(ops, (s * 0 + 1, bad, s, s * s), plan.levels.guard)
     payload = ops.concat([levels, stats_words, control], 0)
     return payload, residual, saturated
+
+
+def _encode_kernel(ops, plan: _Plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
+    """Steps 1-5 with the ranges already agreed (``range="previous"``): :func:`_rotate_kernel`,
+    :func:`_noise_kernel` and :func:`_quantize_kernel` in turn, one kernel, so that a backend
+    runs a compress as one fused call (the CPU's: one C loop nest, ``cpu_thc.encode``).
+    Returns ``(payload int32, residual float32 [P] or [0], y float32 [P], held float32 [P]
+    or [0], saturated int64 0-d)``."""
+    y, held, _, stats_words, finite = _rotate_kernel(ops, plan, x, residual, diag, hmat, finite)
+    rows, cols = _noise_kernel(ops, plan, key, ranges)
+    payload, residual, saturated = _quantize_kernel(ops, plan, y, held, ranges, rows, cols, fingerprint, finite,
+                                                    stats_words)
+    return payload, residual, y, held, saturated
 
 
 def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):

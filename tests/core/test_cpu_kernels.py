@@ -394,6 +394,33 @@ def test_levels_agree_end_to_end():
     assert torch.equal(p0[words:], p1[words:]) or int((p0[words:] != p1[words:]).sum()) <= 2
 
 
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.get("range") != "current"
+                                    and cpu_thc.accepts(_setup(3000, **c)[3])])
+@pytest.mark.parametrize("n,op,finite", [(4, "average", True), (2, "sum", False), (3, None, None)])
+def test_encode_is_the_three_forms(config, n, op, finite):
+    """``cpu_thc.encode`` (one C call) gives what ``rotate``, ``noise`` and ``quantize`` give in
+    turn, bit for bit: payload (levels, statistics, control words), residual, y, held and the
+    saturation count; ``finite`` None (the block ranges alone decide) as True; a rank not
+    finite says so in its control word. And ``ops.fuse`` runs it for the whole kernel."""
+    scheme, info, lay, plan = _setup(3000, n=n, op=op, **config)
+    x, residual, diag, hmat, ranges = _inputs(scheme, info, lay, seed=5)
+    key, fingerprint = torch.tensor(12345, dtype=torch.int64), torch.tensor(3, dtype=torch.int64)
+    flag = None if finite is None else torch.tensor(finite)
+    y, held, _, stats, ok = cpu_thc.rotate(plan, x, residual, diag, hmat,
+                                           torch.tensor(True) if flag is None else flag)
+    rows, cols = cpu_thc.noise(plan, key, ranges)
+    want = (*cpu_thc.quantize(plan, y, held, ranges, rows, cols, fingerprint, ok, stats), y, held)
+    got = cpu_thc.encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, flag)
+    assert OPS.fuse(K._encode_kernel, plan)(x, residual, diag, hmat, ranges, key, fingerprint, flag)[0].equal(got[0])
+    payload, left, y2, held2, saturated = got
+    for name, a, b in (("payload", payload, want[0]), ("residual", left, want[1]), ("y", y2, want[3]),
+                       ("held", held2, want[4]), ("saturated", saturated, want[2])):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    assert int(payload[-3]) >> lay.levels.guard == (0 if finite in (True, None) else 1)
+    ref = K._encode_kernel(R, plan, x, residual, diag, hmat, ranges, key, fingerprint, flag)
+    assert [t.shape for t in ref] == [t.shape for t in got] and [t.dtype for t in ref] == [t.dtype for t in got]
+
+
 @pytest.mark.parametrize("config", [{}, {"flush": None}, {"rotation_stages": 6, "saturation": False}],
                          ids=["default", "noflush", "B64-peak"])
 def test_residual_plus_decoded_is_y(config):

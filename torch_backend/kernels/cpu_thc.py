@@ -56,12 +56,12 @@ import math
 
 import torch
 
-from hvd_gradcomp.thc_kernels import (_CONTROL, _TINY_RANGE, _decode_kernel, _finish_kernel, _grid, _noise_kernel,
-                                      _quantize_kernel, _receive_kernel, _rotate_kernel, _top_level)
+from hvd_gradcomp.thc_kernels import (_CONTROL, _TINY_RANGE, _decode_kernel, _encode_kernel, _finish_kernel, _grid,
+                                      _noise_kernel, _quantize_kernel, _receive_kernel, _rotate_kernel, _top_level)
 from torch_backend import kernels
 from torch_backend.kernels import cbuild
 
-__all__ = ["accepts", "rotate", "quantize", "decode", "noise", "receive", "finish", "MAX_BLOCK"]
+__all__ = ["accepts", "rotate", "quantize", "encode", "decode", "noise", "receive", "finish", "MAX_BLOCK"]
 
 MAX_BLOCK = 1 << 16
 
@@ -83,6 +83,9 @@ _lib.hgc_thc_receive.argtypes = [_P, _I, _I, _I, _P, _P]
 _lib.hgc_thc_receive.restype = None
 _lib.hgc_thc_finish.argtypes = [_P] + [_I] * 6 + [_P] * 10
 _lib.hgc_thc_finish.restype = None
+_lib.hgc_thc_encode.argtypes = [_P, _I, _P, _I, _I, _P, _P, _P, _F, _F, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P,
+                                _I, _I, _I, _I] + [_F] * 7
+_lib.hgc_thc_encode.restype = _I
 
 
 def accepts(plan) -> bool:
@@ -175,6 +178,45 @@ def quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words
     return payload, residual, torch.tensor(saturated, dtype=torch.int64)
 
 
+def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
+    """Fused ``_encode_kernel`` (steps 1-5 with agreed ranges): :func:`rotate`,
+    :func:`noise` and :func:`quantize`'s loops in one C call (``hgc_thc_encode``), so
+    ``(payload, residual, y, held, saturated)`` as those three give them (module docstring):
+    ``y`` within float32 rounding of the reference's, the rest the reference's given that
+    ``y``. ``finite`` None: the block ranges alone decide (``_rotate_kernel``)."""
+    if not (_ok(x, residual, diag, ranges, key, fingerprint) and x.dtype == torch.float32
+            and residual.dtype == torch.float32 and diag.dtype == torch.float32 and ranges.dtype == torch.float32
+            and key.dtype == torch.int64 and fingerprint.dtype == torch.int64
+            and (finite is None or (finite.is_cpu and finite.dtype == torch.bool))):
+        return _encode_kernel(_ops(), plan, x, residual, diag, hmat, ranges, key, fingerprint, finite)
+    padded, block, lay, slay = diag.shape[0], plan.block, plan.levels, plan.stats
+    x, diag, ranges = x.contiguous(), diag.contiguous(), ranges.contiguous()
+    key, fingerprint = key.contiguous(), fingerprint.contiguous()
+    flush = plan.error_feedback and plan.flush is not None
+    words = -(-padded // lay.lanes)
+    nstats = 0 if slay is None else -(-2 * (padded // block) // slay.lanes)
+    y = torch.empty(padded, dtype=torch.float32)
+    held = torch.empty(padded if flush else 0, dtype=torch.float32)
+    residual_in = residual.contiguous() if plan.error_feedback else None
+    residual = torch.empty(padded if plan.error_feedback else 0, dtype=torch.float32)
+    payload = torch.empty(words + nstats + _CONTROL, dtype=torch.int32)
+    top_level = _top_level(lay.top)
+    margin = top_level * 2.0 ** -21
+    if finite is not None:
+        finite = finite.contiguous()
+    saturated = _lib.hgc_thc_encode(
+        _ptr(x), x.shape[0], _ptr(diag), padded, block, None if residual_in is None else _ptr(residual_in),
+        _ptr(y), _ptr(held) if flush else None, plan.threshold / math.sqrt(block) if plan.threshold else 0.0,
+        float(plan.flush) if flush else 1.0, None if finite is None else finite.data_ptr(),
+        *((slay.lanes, slay.width, slay.guard) if slay is not None else (1, 1, 0)), nstats, key.data_ptr(),
+        fingerprint.data_ptr(), _ptr(ranges), _ptr(residual) if plan.error_feedback else None, _ptr(payload),
+        lay.lanes, lay.width, lay.guard, lay.offset, _grid(lay.top), _TINY_RANGE, 0.5 * top_level - 1.0, -1.0,
+        top_level - 1.0, -1.0 - margin, top_level - 1.0 + margin)
+    if saturated < 0:
+        raise MemoryError("hgc_thc_encode: no memory for the per-block scratch")
+    return payload, residual, y, held, torch.tensor(saturated, dtype=torch.int64)
+
+
 def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
     """Fused ``_decode_kernel`` (steps 6-7): float32 [P] within float32 rounding of the
     reference's (module docstring)."""
@@ -251,6 +293,7 @@ def finish(plan, payload, ranges, step, realigned, saturated, new_saturated, bad
 
 kernels.register(_rotate_kernel, "cpu", accepts, rotate, "cpu_thc.rotate")
 kernels.register(_quantize_kernel, "cpu", accepts, quantize, "cpu_thc.quantize")
+kernels.register(_encode_kernel, "cpu", accepts, encode, "cpu_thc.encode")
 kernels.register(_decode_kernel, "cpu", accepts, decode, "cpu_thc.decode")
 kernels.register(_noise_kernel, "cpu", accepts, noise, "cpu_thc.noise")
 kernels.register(_receive_kernel, "cpu", accepts, receive, "cpu_thc.receive")

@@ -275,6 +275,15 @@ def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
     return out
 
 
+def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
+    """Fused ``_encode_kernel`` (steps 1-5 with agreed ranges): :func:`rotate`, ``noise`` and
+    :func:`quantize` in turn (five launches), the outputs as theirs."""
+    y, held, _, stats, finite = rotate(plan, x, residual, diag, hmat, finite)
+    rows, cols = noise(plan, key, ranges)
+    payload, residual, saturated = quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats)
+    return payload, residual, y, held, saturated
+
+
 def _accepts_stats(plan) -> bool:
     """:func:`accepts`, with the statistics words of ``range="previous"`` (the default)."""
     return accepts(plan) and plan.stats is not None
@@ -286,6 +295,7 @@ register(core._receive_kernel, "cuda", accepts, receive, "triton_thc_words.recei
 register(core._finish_kernel, "cuda", _accepts_stats, finish, "triton_thc_words.finish")
 register(core._quantize_kernel, "cuda", accepts, quantize, "triton_thc.quantize")
 register(core._decode_kernel, "cuda", accepts, decode, "triton_thc.decode")
+register(core._encode_kernel, "cuda", accepts, encode, "triton_thc.encode")
 
 
 # ---- ahead-of-time compile (tests): (name, kernel, signature, constexprs) ----

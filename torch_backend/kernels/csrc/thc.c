@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Partial sums and maxima kept in this many independent lanes (a fixed number, so that the
@@ -528,4 +529,44 @@ void hgc_thc_finish(const int32_t *restrict words, int64_t nb, int64_t lanes, in
     fields[1] = ok ? *realigned + mismatch : *realigned;
     fields[2] = ok ? *new_saturated : *saturated;
     *ok_p = (uint8_t)ok;
+}
+
+/* ---- _encode_kernel: steps 1-5 in one call (range="previous") ----
+ *
+ * hgc_thc_rotate, hgc_thc_scales, hgc_thc_noise, hgc_thc_quantize and hgc_thc_tail in turn,
+ * the same loops and so the same bits as the five calls, with the statistics written straight
+ * into their place in the payload and the per-block scratch (wanted ranges, random rows and
+ * columns) allocated here. finite_p: NULL for "finite" (the scheme leaves the check to the
+ * block ranges). payload: out int32 [W + nstats + 4]; y: out float32 [P]; held, residual_out:
+ * out float32 [P] or NULL (no flush bound, no error feedback). Returns the saturation count, or
+ * -1 if the scratch could not be allocated (nothing written then but y). */
+int64_t hgc_thc_encode(const float *restrict x, int64_t d, const float *restrict diag, int64_t P,
+                       int64_t B, const float *restrict residual, float *restrict y,
+                       float *restrict held, float own_scale, float flush, const uint8_t *finite_p,
+                       int64_t s_lanes, int64_t s_width, int64_t s_guard, int64_t nstats, const int64_t *key,
+                       const int64_t *fingerprint, const float *restrict ranges,
+                       float *restrict residual_out, int32_t *restrict payload, int64_t lanes,
+                       int64_t width, int64_t guard, int64_t offset, float grid, float tiny,
+                       float off_live, float lo, float hi, float sat_lo, float sat_hi)
+{
+    int64_t nb = P / B, W = (P + lanes - 1) / lanes;
+    float *wanted = malloc((size_t)nb * sizeof(float));
+    int32_t *rows = malloc((size_t)(nb + B) * sizeof(int32_t));
+    if (!wanted || !rows) {
+        free(wanted);
+        free(rows);
+        return -1;
+    }
+    hgc_thc_rotate(x, d, diag, P, B, residual, y, held, wanted, own_scale, flush);
+    uint8_t finite = finite_p ? *finite_p : 1;
+    finite = (uint8_t)hgc_thc_scales(wanted, nb, &finite, s_lanes, s_width, s_guard,
+                                     nstats ? payload + W : NULL);
+    hgc_thc_noise(key, nb, B, rows, rows + nb);
+    int64_t saturated = hgc_thc_quantize(y, held, ranges, P, B, rows, rows + nb, residual_out, payload,
+                                         lanes, width, guard, offset, grid, tiny, off_live, lo, hi,
+                                         sat_lo, sat_hi);
+    hgc_thc_tail(payload + W + nstats, NULL, 0, fingerprint, &finite, guard);
+    free(wanted);
+    free(rows);
+    return saturated;
 }
