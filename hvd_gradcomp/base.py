@@ -41,7 +41,8 @@ Flags (class attributes of :class:`Scheme`, with their defaults):
 
 - ``guards_nonfinite`` (True): compress receives ``finite`` and must make the payload carry a
   NaN/inf on one rank to every rank's output (:func:`poison` for float payloads). Plain casts
-  set it False: NaN/inf survive the cast and the sum on their own.
+  set it False: NaN/inf survive the cast and the sum on their own. THC sets it False too: it
+  sees every NaN/inf in its per-block ranges and flags the rank in its payload itself.
 - ``identity`` (False): the adapters hand the tensor to Horovod untouched (``none``; not
   ``none:dtype=float32``, a cast, which is ``linear``).
 - ``linear`` (False): the payload is a linear function of the gradient, in a float dtype,

@@ -294,6 +294,10 @@ class THCScheme(Scheme):
     # ranges outweigh its saving on them.
     min_numel = 1024
     scalable = False  # integer payload: Horovod's scale factors would corrupt it
+    # No separate finite check (compress gets finite=None): every NaN/inf of the gradient
+    # reaches its block's range (step 2), which makes the rank's "not finite" control word say
+    # so; and so does a block whose squares overflow float32, which the gradient's sum may not.
+    guards_nonfinite = False
 
     def __init__(self, config: THCConfig = THCConfig()):
         self.config = config

@@ -105,7 +105,7 @@ def _compiled_kernel(fn, plan, exact):
 
     def compiled(*tensors):
         for t in tensors:
-            for dim in range(t.dim()):
+            for dim in range(t.dim() if t is not None else 0):  # (None: an optional input left out)
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         return compiled_fn(*tensors)
 

@@ -84,7 +84,7 @@ _lib.hgc_thc_receive.restype = None
 _lib.hgc_thc_finish.argtypes = [_P] + [_I] * 6 + [_P] * 10
 _lib.hgc_thc_finish.restype = None
 _lib.hgc_thc_encode.argtypes = [_P, _I, _P, _I, _I, _P, _P, _P, _F, _F, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P,
-                                _I, _I, _I, _I] + [_F] * 7
+                                _I, _I, _I, _I] + [_F] * 7 + [_P]
 _lib.hgc_thc_encode.restype = _I
 
 
@@ -123,9 +123,10 @@ def _summed_code(plan) -> int:
 def rotate(plan, x, residual, diag, hmat, finite):
     """Fused ``_rotate_kernel`` (steps 1-2): the reference's outputs ``(y, held, wanted,
     stats_words, finite)``, with ``y`` and ``wanted`` within float32 rounding (module
-    docstring)."""
-    if not (_ok(x, residual, diag, finite) and x.dtype == torch.float32 and diag.dtype == torch.float32
-            and residual.dtype == torch.float32 and finite.dtype == torch.bool):
+    docstring); ``finite`` None: the block ranges alone decide."""
+    if not (_ok(x, residual, diag) and x.dtype == torch.float32 and diag.dtype == torch.float32
+            and residual.dtype == torch.float32
+            and (finite is None or (finite.is_cpu and finite.dtype == torch.bool))):
         return _rotate_kernel(_ops(), plan, x, residual, diag, hmat, finite)
     padded, block = diag.shape[0], plan.block
     x, diag = x.contiguous(), diag.contiguous()
@@ -141,8 +142,7 @@ def rotate(plan, x, residual, diag, hmat, finite):
                         float(plan.flush) if flush else 1.0)
     nb, lay = padded // block, plan.stats
     stats = torch.empty(0 if lay is None else -(-2 * nb // lay.lanes), dtype=torch.int32)
-    finite = finite.contiguous()
-    ok = _lib.hgc_thc_scales(_ptr(wanted), nb, finite.data_ptr(), *(
+    ok = _lib.hgc_thc_scales(_ptr(wanted), nb, None if finite is None else finite.contiguous().data_ptr(), *(
         (lay.lanes, lay.width, lay.guard, _ptr(stats)) if lay is not None else (1, 1, 0, None)))
     # without statistics (range="current") the loop only checks that wanted is finite
     return y, held, wanted, stats, torch.tensor(bool(ok))
@@ -202,19 +202,20 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
     payload = torch.empty(words + nstats + _CONTROL, dtype=torch.int32)
     top_level = _top_level(lay.top)
     margin = top_level * 2.0 ** -21
+    saturated = torch.empty((), dtype=torch.int64)
     if finite is not None:
         finite = finite.contiguous()
-    saturated = _lib.hgc_thc_encode(
+    status = _lib.hgc_thc_encode(
         _ptr(x), x.shape[0], _ptr(diag), padded, block, None if residual_in is None else _ptr(residual_in),
         _ptr(y), _ptr(held) if flush else None, plan.threshold / math.sqrt(block) if plan.threshold else 0.0,
         float(plan.flush) if flush else 1.0, None if finite is None else finite.data_ptr(),
         *((slay.lanes, slay.width, slay.guard) if slay is not None else (1, 1, 0)), nstats, key.data_ptr(),
         fingerprint.data_ptr(), _ptr(ranges), _ptr(residual) if plan.error_feedback else None, _ptr(payload),
         lay.lanes, lay.width, lay.guard, lay.offset, _grid(lay.top), _TINY_RANGE, 0.5 * top_level - 1.0, -1.0,
-        top_level - 1.0, -1.0 - margin, top_level - 1.0 + margin)
-    if saturated < 0:
+        top_level - 1.0, -1.0 - margin, top_level - 1.0 + margin, saturated.data_ptr())
+    if status < 0:
         raise MemoryError("hgc_thc_encode: no memory for the per-block scratch")
-    return payload, residual, y, held, torch.tensor(saturated, dtype=torch.int64)
+    return payload, residual, y, held, saturated
 
 
 def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
@@ -262,7 +263,7 @@ def receive(plan, payload):
     flags = torch.empty(2, dtype=torch.bool)
     _lib.hgc_thc_receive(tail.data_ptr(), plan.world_size, plan.levels.guard, _summed_code(plan),
                          counts.data_ptr(), flags.data_ptr())
-    return counts[0], counts[1], flags[0], flags[1]
+    return (*counts.unbind(), *flags.unbind())
 
 
 def finish(plan, payload, ranges, step, realigned, saturated, new_saturated, bad, mismatch, inferred):
@@ -288,7 +289,7 @@ def finish(plan, payload, ranges, step, realigned, saturated, new_saturated, bad
     _lib.hgc_thc_finish(_ptr(words), nb, lay.lanes, lay.width, lay.guard, plan.world_size, _summed_code(plan),
                         inferred.data_ptr(), _ptr(e), *(t.data_ptr() for t in small), mismatch.data_ptr(),
                         fields.data_ptr(), ok.data_ptr())
-    return torch.where(ok, torch.exp2(e), ranges), fields[0], fields[1], fields[2], ok
+    return (torch.where(ok, torch.exp2(e), ranges), *fields.unbind(), ok)
 
 
 kernels.register(_rotate_kernel, "cpu", accepts, rotate, "cpu_thc.rotate")

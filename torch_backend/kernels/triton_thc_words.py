@@ -118,8 +118,9 @@ def _noise(key_ptr, rows_ptr, cols_ptr, NB, TOTAL, TILE_N: tl.constexpr):
 @triton.jit
 def _scales(wanted_ptr, finite_ptr, words_ptr, ok_ptr, NB, W, c1, c2, c3, c4,
             LANES: tl.constexpr, WIDTH: tl.constexpr, GUARD: tl.constexpr, STATS: tl.constexpr,
-            T: tl.constexpr):
-    """One program: ``ok = finite and every wanted range finite``; with ``STATS``, the ``W``
+            T: tl.constexpr, FINITE: tl.constexpr):
+    """One program: ``ok = finite and every wanted range finite`` (``FINITE`` false: no
+    ``finite`` flag, the ranges alone); with ``STATS``, the ``W``
     words of lanes.pack_scales (value ``k`` in lane ``k // W`` of word ``k % W``; pair ``b`` is
     values ``2b`` (log code) and ``2b + 1`` (has data)). The code ``round(4 log2 s) + 512``
     is taken from the exponent and the mantissa against ``c1..c4``, the float32 mantissas of
@@ -129,7 +130,9 @@ def _scales(wanted_ptr, finite_ptr, words_ptr, ok_ptr, NB, W, c1, c2, c3, c4,
         b = start + tl.arange(0, T)
         s = tl.load(wanted_ptr + b, mask=b < NB, other=0.0)
         bad += tl.where((s != s) | (tl.abs(s) == float("inf")), 1, 0)
-    ok = (tl.load(finite_ptr) != 0) & (tl.sum(bad, 0) == 0)
+    ok = tl.sum(bad, 0) == 0
+    if FINITE:
+        ok = ok & (tl.load(finite_ptr) != 0)
     tl.store(ok_ptr, ok)
     if STATS:
         for start in range(0, W, T):
@@ -227,15 +230,15 @@ def _finish(words_ptr, e_ptr, inferred_ptr, step_ptr, realigned_ptr, saturated_p
 def scales(plan, wanted, finite):
     """The end of the fused ``_rotate_kernel``, one launch: ``(statistics int32 [ceil(2 nb /
     lanes)], or [0] with range="current"; finite bool 0-d)`` for the blocks' wanted ranges
-    (float32 [nb]) and the gradient's ``finite`` (bool 0-d)."""
+    (float32 [nb]) and the gradient's ``finite`` (bool 0-d, or None: the ranges alone)."""
     nb, lay = wanted.shape[0], plan.stats
     words = -(-2 * nb // lay.lanes) if lay is not None else 0
     stats = torch.empty(words, dtype=torch.int32, device=wanted.device)
     ok = torch.empty((), dtype=torch.bool, device=wanted.device)
     with _on(wanted):
-        _scales[(1,)](wanted, finite.contiguous(), stats, ok, nb, words, *_MANTISSAS,
+        _scales[(1,)](wanted, ok if finite is None else finite.contiguous(), stats, ok, nb, words, *_MANTISSAS,
                       LANES=lay.lanes if lay else 1, WIDTH=lay.width if lay else 1, GUARD=lay.guard if lay else 0,
-                      STATS=lay is not None, T=SMALL, **_OPTIONS)
+                      STATS=lay is not None, T=SMALL, FINITE=finite is not None, **_OPTIONS)
     return stats, ok
 
 
@@ -298,7 +301,8 @@ _NOISE_SIG = {"key_ptr": "*i64", "rows_ptr": "*i32", "cols_ptr": "*i32", "NB": "
               "TILE_N": "constexpr"}
 _SCALES_SIG = {"wanted_ptr": "*fp32", "finite_ptr": "*i1", "words_ptr": "*i32", "ok_ptr": "*i1", "NB": "i32",
                "W": "i32", "c1": "i32", "c2": "i32", "c3": "i32", "c4": "i32", "LANES": "constexpr",
-               "WIDTH": "constexpr", "GUARD": "constexpr", "STATS": "constexpr", "T": "constexpr"}
+               "WIDTH": "constexpr", "GUARD": "constexpr", "STATS": "constexpr", "T": "constexpr",
+               "FINITE": "constexpr"}
 _TAIL_SIG = {"payload_ptr": "*i32", "stats_ptr": "*i32", "fp_ptr": "*i64", "finite_ptr": "*i1",
              "partial_ptr": "*i32", "sat_ptr": "*i64", "W": "i32", "S": "i32", "PROGRAMS": "i32",
              "GUARD": "constexpr", "T": "constexpr"}
@@ -321,14 +325,15 @@ def _aot():
         lay = lane_layout(4, n, 8, op)
         stats = stats_layout(n, lay.guard)
         out += [(f"scales[n={n},op={op}]", _scales, _SCALES_SIG,
-                 {"LANES": stats.lanes, "WIDTH": stats.width, "GUARD": stats.guard, "STATS": True, "T": SMALL}),
+                 {"LANES": stats.lanes, "WIDTH": stats.width, "GUARD": stats.guard, "STATS": True, "T": SMALL,
+                  "FINITE": False}),
                 (f"tail[n={n},op={op}]", _tail, _TAIL_SIG, {"GUARD": lay.guard, "T": SMALL}),
                 (f"receive[n={n},op={op}]", _receive, _RECEIVE_SIG, {"N": n, "OP": op_code(op), "GUARD": lay.guard}),
                 (f"finish[n={n},op={op}]", _finish, _FINISH_SIG,
                  {"N": n, "OP": op_code(op), "LANES": stats.lanes, "WIDTH": stats.width, "GUARD": stats.guard,
                   "T": SMALL})]
     out.append(("scales[range=current]", _scales, _SCALES_SIG,
-                {"LANES": 1, "WIDTH": 1, "GUARD": 0, "STATS": False, "T": SMALL}))
+                {"LANES": 1, "WIDTH": 1, "GUARD": 0, "STATS": False, "T": SMALL, "FINITE": True}))
     out.append(("noise", _noise, _NOISE_SIG, {"TILE_N": NOISE_TILE}))
     return out
 

@@ -438,8 +438,8 @@ static inline int64_t exact_word(int64_t w, int64_t n, int64_t guard, int is_sum
     return (w < 0 ? down : up) - bias;
 }
 
-/* lanes.pack_scales after _rotate_kernel's finite check: returns finite (*finite_p and every
- * wanted[b] finite); words: out int32 [ceil(2 nb / lanes)], the (log code, has data) pairs of
+/* lanes.pack_scales after _rotate_kernel's finite check: returns finite (*finite_p, true where
+ * finite_p is NULL, and every wanted[b] finite); words: out int32 [ceil(2 nb / lanes)], the (log code, has data) pairs of
  * the nb scales (NULL: none written), pair b as values 2b and 2b + 1, value k in lane k / W of word k % W above
  * guard bits. A pair is (0, 0) unless finite and wanted[b] > 1e-30 (TINY_SCALE); else code =
  * clamp(rint(log2f(wanted[b]) * 4) + 512, 1, 1023), in float32 as the reference (rint rounds
@@ -447,7 +447,7 @@ static inline int64_t exact_word(int64_t w, int64_t n, int64_t guard, int is_sum
 int32_t hgc_thc_scales(const float *restrict wanted, int64_t nb, const uint8_t *finite_p,
                        int64_t lanes, int64_t width, int64_t guard, int32_t *restrict words)
 {
-    int finite = *finite_p != 0;
+    int finite = finite_p ? *finite_p != 0 : 1;
     for (int64_t b = 0; b < nb; b++)
         finite &= isfinite(wanted[b]) != 0;
     if (!words) /* range="current": the check alone */
@@ -538,8 +538,9 @@ void hgc_thc_finish(const int32_t *restrict words, int64_t nb, int64_t lanes, in
  * into their place in the payload and the per-block scratch (wanted ranges, random rows and
  * columns) allocated here. finite_p: NULL for "finite" (the scheme leaves the check to the
  * block ranges). payload: out int32 [W + nstats + 4]; y: out float32 [P]; held, residual_out:
- * out float32 [P] or NULL (no flush bound, no error feedback). Returns the saturation count, or
- * -1 if the scratch could not be allocated (nothing written then but y). */
+ * out float32 [P] or NULL (no flush bound, no error feedback); saturated_out: out int64, the
+ * saturation count. Returns that count, or -1 if the scratch could not be allocated (nothing
+ * written then). */
 int64_t hgc_thc_encode(const float *restrict x, int64_t d, const float *restrict diag, int64_t P,
                        int64_t B, const float *restrict residual, float *restrict y,
                        float *restrict held, float own_scale, float flush, const uint8_t *finite_p,
@@ -547,7 +548,8 @@ int64_t hgc_thc_encode(const float *restrict x, int64_t d, const float *restrict
                        const int64_t *fingerprint, const float *restrict ranges,
                        float *restrict residual_out, int32_t *restrict payload, int64_t lanes,
                        int64_t width, int64_t guard, int64_t offset, float grid, float tiny,
-                       float off_live, float lo, float hi, float sat_lo, float sat_hi)
+                       float off_live, float lo, float hi, float sat_lo, float sat_hi,
+                       int64_t *saturated_out)
 {
     int64_t nb = P / B, W = (P + lanes - 1) / lanes;
     float *wanted = malloc((size_t)nb * sizeof(float));
@@ -568,5 +570,6 @@ int64_t hgc_thc_encode(const float *restrict x, int64_t d, const float *restrict
     hgc_thc_tail(payload + W + nstats, NULL, 0, fingerprint, &finite, guard);
     free(wanted);
     free(rows);
+    *saturated_out = saturated;
     return saturated;
 }
