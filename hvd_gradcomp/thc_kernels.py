@@ -173,12 +173,14 @@ def _encode_kernel(ops, plan: _Plan, x, residual, diag, hmat, ranges, key, finge
     """Steps 1-5 with the ranges already agreed (``range="previous"``): :func:`_rotate_kernel`,
     :func:`_noise_kernel` and :func:`_quantize_kernel` in turn, one kernel, so that a backend
     runs a compress as one fused call (the CPU's: one C loop nest, ``cpu_thc.encode``).
-    Returns ``(payload int32, residual float32 [P] or [0], y float32 [P], held float32 [P]
-    or [0], saturated int64 0-d)``."""
+    Returns ``(payload int32, residual float32 [P] or [0], y float32 [P] with error feedback
+    (what a realigned step keeps) else [0], held float32 [P] or [0], saturated int64 0-d)``."""
     y, held, _, stats_words, finite = _rotate_kernel(ops, plan, x, residual, diag, hmat, finite)
     rows, cols = _noise_kernel(ops, plan, key, ranges)
     payload, residual, saturated = _quantize_kernel(ops, plan, y, held, ranges, rows, cols, fingerprint, finite,
                                                     stats_words)
+    if not plan.error_feedback:
+        y = ops.zeros((0,), "float32", y)
     return payload, residual, y, held, saturated
 
 

@@ -4,6 +4,7 @@ Commands:
     tta       time-to-accuracy sweep over a bandwidth-limited emulated network (the main job)
     overhead  compress + decompress cost per compressor and tensor size, against FP16
     codec     ops and codec time per step of the DDP hooks: a 147-tensor model against one flat tensor
+    percall   codec time per step on Horovod's per-tensor path, warm and with the caches evicted
     model     scale model: projected step time and TTA ratio vs FP16 for N workers and links
     publish   a finished sweep's table and plots into a docs block, from its results.json
     autospeed auto against fixed fp16 on the link as it is: first window's cost, settled ratio
@@ -14,7 +15,7 @@ import importlib
 import sys
 
 COMMANDS = {"tta": "hvd_gradcomp.bench.tta", "overhead": "hvd_gradcomp.bench.overhead",
-            "codec": "hvd_gradcomp.bench.codec",
+            "codec": "hvd_gradcomp.bench.codec", "percall": "hvd_gradcomp.bench.percall",
             "model": "hvd_gradcomp.bench.model", "publish": "hvd_gradcomp.bench.publish",
             "autospeed": "hvd_gradcomp.bench.autospeed"}
 

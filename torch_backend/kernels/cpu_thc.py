@@ -106,6 +106,11 @@ def _ok(*tensors) -> bool:
     return True
 
 
+# The float32 [0] outputs (no error feedback, no flush bound) of encode: one shared tensor, never
+# written (an empty tensor has no elements to write), instead of an allocation a call.
+_NOTHING = torch.empty(0, dtype=torch.float32)
+
+
 def _ptr(t):
     return t.data_ptr() if t.numel() else None
 
@@ -182,8 +187,9 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
     """Fused ``_encode_kernel`` (steps 1-5 with agreed ranges): :func:`rotate`,
     :func:`noise` and :func:`quantize`'s loops in one C call (``hgc_thc_encode``), so
     ``(payload, residual, y, held, saturated)`` as those three give them (module docstring):
-    ``y`` within float32 rounding of the reference's, the rest the reference's given that
-    ``y``. ``finite`` None: the block ranges alone decide (``_rotate_kernel``)."""
+    ``y`` within float32 rounding of the reference's (and, as there, [0] without error
+    feedback), the rest the reference's given that ``y``. ``finite`` None: the block ranges
+    alone decide (``_rotate_kernel``)."""
     if not (_ok(x, residual, diag, ranges, key, fingerprint) and x.dtype == torch.float32
             and residual.dtype == torch.float32 and diag.dtype == torch.float32 and ranges.dtype == torch.float32
             and key.dtype == torch.int64 and fingerprint.dtype == torch.int64
@@ -195,10 +201,12 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
     flush = plan.error_feedback and plan.flush is not None
     words = -(-padded // lay.lanes)
     nstats = 0 if slay is None else -(-2 * (padded // block) // slay.lanes)
-    y = torch.empty(padded, dtype=torch.float32)
-    held = torch.empty(padded if flush else 0, dtype=torch.float32)
-    residual_in = residual.contiguous() if plan.error_feedback else None
-    residual = torch.empty(padded if plan.error_feedback else 0, dtype=torch.float32)
+    ef = plan.error_feedback
+    # without error feedback y stays in the C call's scratch; [0] outputs share one tensor
+    y = torch.empty(padded, dtype=torch.float32) if ef else _NOTHING
+    held = torch.empty(padded, dtype=torch.float32) if flush else _NOTHING
+    residual_in = residual.contiguous() if ef else None
+    residual = torch.empty(padded, dtype=torch.float32) if ef else _NOTHING
     payload = torch.empty(words + nstats + _CONTROL, dtype=torch.int32)
     top_level = _top_level(lay.top)
     margin = top_level * 2.0 ** -21
@@ -207,10 +215,10 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
         finite = finite.contiguous()
     status = _lib.hgc_thc_encode(
         _ptr(x), x.shape[0], _ptr(diag), padded, block, None if residual_in is None else _ptr(residual_in),
-        _ptr(y), _ptr(held) if flush else None, plan.threshold / math.sqrt(block) if plan.threshold else 0.0,
+        _ptr(y) if ef else None, _ptr(held) if flush else None, plan.threshold / math.sqrt(block) if plan.threshold else 0.0,
         float(plan.flush) if flush else 1.0, None if finite is None else finite.data_ptr(),
         *((slay.lanes, slay.width, slay.guard) if slay is not None else (1, 1, 0)), nstats, key.data_ptr(),
-        fingerprint.data_ptr(), _ptr(ranges), _ptr(residual) if plan.error_feedback else None, _ptr(payload),
+        fingerprint.data_ptr(), _ptr(ranges), _ptr(residual) if ef else None, _ptr(payload),
         lay.lanes, lay.width, lay.guard, lay.offset, _grid(lay.top), _TINY_RANGE, 0.5 * top_level - 1.0, -1.0,
         top_level - 1.0, -1.0 - margin, top_level - 1.0 + margin, saturated.data_ptr())
     if status < 0:

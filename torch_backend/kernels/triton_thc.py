@@ -277,11 +277,12 @@ def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
 
 def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
     """Fused ``_encode_kernel`` (steps 1-5 with agreed ranges): :func:`rotate`, ``noise`` and
-    :func:`quantize` in turn (five launches), the outputs as theirs."""
+    :func:`quantize` in turn (five launches), the outputs as theirs (``y`` [0] without error
+    feedback, as the reference's)."""
     y, held, _, stats, finite = rotate(plan, x, residual, diag, hmat, finite)
     rows, cols = noise(plan, key, ranges)
     payload, residual, saturated = quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats)
-    return payload, residual, y, held, saturated
+    return payload, residual, y if plan.error_feedback else held[:0], held, saturated
 
 
 def _accepts_stats(plan) -> bool:

@@ -537,7 +537,8 @@ void hgc_thc_finish(const int32_t *restrict words, int64_t nb, int64_t lanes, in
  * the same loops and so the same bits as the five calls, with the statistics written straight
  * into their place in the payload and the per-block scratch (wanted ranges, random rows and
  * columns) allocated here. finite_p: NULL for "finite" (the scheme leaves the check to the
- * block ranges). payload: out int32 [W + nstats + 4]; y: out float32 [P]; held, residual_out:
+ * block ranges). payload: out int32 [W + nstats + 4]; y: out float32 [P], or NULL (a scratch of
+ * its own, freed here: no error feedback keeps it); held, residual_out:
  * out float32 [P] or NULL (no flush bound, no error feedback); saturated_out: out int64, the
  * saturation count. Returns that count, or -1 if the scratch could not be allocated (nothing
  * written then). */
@@ -554,11 +555,15 @@ int64_t hgc_thc_encode(const float *restrict x, int64_t d, const float *restrict
     int64_t nb = P / B, W = (P + lanes - 1) / lanes;
     float *wanted = malloc((size_t)nb * sizeof(float));
     int32_t *rows = malloc((size_t)(nb + B) * sizeof(int32_t));
-    if (!wanted || !rows) {
+    float *scratch = y ? NULL : malloc((size_t)P * sizeof(float));
+    if (!wanted || !rows || !(y || scratch)) {
         free(wanted);
         free(rows);
+        free(scratch);
         return -1;
     }
+    if (!y)
+        y = scratch;
     hgc_thc_rotate(x, d, diag, P, B, residual, y, held, wanted, own_scale, flush);
     uint8_t finite = finite_p ? *finite_p : 1;
     finite = (uint8_t)hgc_thc_scales(wanted, nb, &finite, s_lanes, s_width, s_guard,
@@ -570,6 +575,7 @@ int64_t hgc_thc_encode(const float *restrict x, int64_t d, const float *restrict
     hgc_thc_tail(payload + W + nstats, NULL, 0, fingerprint, &finite, guard);
     free(wanted);
     free(rows);
+    free(scratch);
     *saturated_out = saturated;
     return saturated;
 }
