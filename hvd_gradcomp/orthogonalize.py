@@ -30,7 +30,7 @@ previous step's basis) is replaced by the matching column of a fill matrix that 
 holds (PowerSGD's shared random matrix) before orthogonalising.
 """
 
-__all__ = ["orthogonalize", "basis", "DEPENDENT_TOL"]
+__all__ = ["orthogonalize", "basis", "basis_rows", "DEPENDENT_TOL"]
 
 # A column whose part orthogonal to the earlier columns is below this fraction of its own
 # norm is treated as dependent. After two projection passes an exactly dependent float32
@@ -95,3 +95,10 @@ def basis(ops, p, fill, rel_tol: float = DEPENDENT_TOL):
     # Zero column: top == 0 (finite and not > 0); NaN columns keep their NaN.
     zero = ops.logical_and(ops.isfinite(top), ops.where(top > 0.0, False, True))
     return orthogonalize(ops, ops.where(zero, fill, p), rel_tol)
+
+
+def basis_rows(ops, rel_tol, pt, fillt):
+    """:func:`basis` for factors held transposed, as a kernel (``ops.fuse(basis_rows,
+    rel_tol)``; the CPU's fused form is one C loop, ``torch_backend/kernels/cpu_powersgd.py``):
+    ``pt``, ``fillt`` float32 [r, n]; returns float32 [r, n], the basis' columns as rows."""
+    return ops.transpose(basis(ops, ops.transpose(pt, (1, 0)), ops.transpose(fillt, (1, 0)), rel_tol), (1, 0))

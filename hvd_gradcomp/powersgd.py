@@ -25,7 +25,7 @@ from . import composite
 from .base import Scheme, TensorInfo, WireBytes, commit, payload_finite, poison
 from .options import error_feedback_option, option, seed_option, validate, wire_dtype_option
 from .lowrank import matrix_view, minus_outer, outer, pad, times_left, times_right, transposed
-from .orthogonalize import basis, orthogonalize
+from .orthogonalize import DEPENDENT_TOL, basis_rows, orthogonalize
 from .rng import normal, step_key, stream_key, uniform
 
 __all__ = ["PowerSGDConfig", "PowerSGDState", "PowerSGDEF21State", "PowerSGDScheme", "STATE_VERSION", "CONTROL",
@@ -328,12 +328,13 @@ class PowerSGDScheme(Scheme):
         agreed = ctx.keep > 0.5
         agg = ops.reshape(payload[:r * width], (r, width))
 
+        rows = ops.fuse(basis_rows, DEPENDENT_TOL)  # one fused call where the backend has one
+
         def to_p():  # the n-side factor arrived: P^ := basis(P_agg), Q^ stays
-            return transposed(ops, basis(ops, transposed(ops, agg[:, :v.n]), transposed(ops, state.fill[:, :v.n]))), state.q
+            return rows(agg[:, :v.n], state.fill[:, :v.n]), state.q
 
         def to_q():  # the m-side factor arrived, or the ranks disagreed (then P^ := 0)
-            q = transposed(ops, basis(ops, transposed(ops, agg[:, :v.m]), transposed(ops, state.fill[:, :v.m])))
-            return state.p * ctx.keep, q
+            return state.p * ctx.keep, rows(agg[:, :v.m], state.fill[:, :v.m])
 
         p, q = ops.select(ops.logical_and(ctx.even, agreed), to_p, to_q)
         step = ops.where(agreed, state.step + 1, state.step * 0)

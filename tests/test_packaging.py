@@ -57,7 +57,8 @@ def test_wheel_holds_workers_and_data(wheel):
                  # the fused kernels' registry, the CPU providers and the C they compile on first use
                  "torch_backend/kernels/__init__.py", "torch_backend/kernels/cbuild.py",
                  "torch_backend/kernels/cpu_thc.py", "torch_backend/kernels/csrc/thc.c",
-                 "torch_backend/kernels/csrc/topkc.c"):
+                 "torch_backend/kernels/csrc/topkc.c", "torch_backend/kernels/cpu_powersgd.py",
+                 "torch_backend/kernels/csrc/powersgd.c"):
         assert path in names, path
     assert not any(n.startswith(("examples/", "tests/")) for n in names)
 

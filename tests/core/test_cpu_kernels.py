@@ -12,6 +12,8 @@ What each fused form promises (the providers' docstrings) and how it is checked 
   a rank not finite, fingerprints that disagree), within float32 rounding of the reference.
 - THC's new residual plus the decoded value is ``y`` plus what the flush bound held back,
   through the three forms, within float32 rounding.
+- PowerSGD's basis (``cpu_powersgd.basis``): within float32 rounding of ``basis_rows``, zero,
+  dependent and NaN rows as there, the reference above 64 rows; PowerSGD's finish runs it.
 - End to end: levels equal but for a tiny fraction, error feedback conserved over steps,
   whole THC and TopKC runs close to the reference runs; ``HVD_GRADCOMP_KERNELS=0`` gives the
   reference bit for bit.
@@ -39,7 +41,7 @@ from hvd_gradcomp.base import fp16_floor  # noqa: E402
 from hvd_gradcomp.topkc import _correct_kernel, _pack_kernel, _scatter_kernel, _top_kernel  # noqa: E402
 from tests.core.thc_emulation import emulate_allreduce  # noqa: E402
 from torch_backend import kernels  # noqa: E402
-from torch_backend.kernels import cbuild, cpu_thc, cpu_topkc, tables  # noqa: E402  (ImportError: no compiler)
+from torch_backend.kernels import cbuild, cpu_powersgd, cpu_thc, cpu_topkc, tables  # noqa: E402  (ImportError: no compiler)
 from torch_backend.ops import OPS, REFERENCE_OPS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -691,6 +693,55 @@ def test_topkc_scheme_matches_reference(spec):
     for a, b in zip(outs, ref_outs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-3 * float(b.abs().max()))
     torch.testing.assert_close(state.residual, ref_state.residual, rtol=0, atol=1e-3)
+
+
+# ------------------------------------------------------------------ PowerSGD's basis
+@pytest.mark.parametrize("r,n", [(1, 5), (4, 256), (8, 1001), (3, 7)])
+def test_powersgd_basis_matches_reference(r, n):
+    """``cpu_powersgd.basis``: within float32 rounding of ``basis_rows``' composition, with its
+    guards: a zero row takes the fill's, a dependent row comes out exactly zero, the others
+    orthonormal."""
+    from hvd_gradcomp.orthogonalize import DEPENDENT_TOL, basis_rows
+    gen = torch.Generator().manual_seed(r * 1000 + n)
+    pt = torch.randn(r, n, generator=gen)
+    fill = torch.rand(r, n, generator=gen) * 2.0 - 1.0
+    if r >= 3:
+        pt[1] = 0.0  # takes fill's row
+        pt[2] = pt[0] * -3.0  # dependent: exactly zero
+    want = basis_rows(R, DEPENDENT_TOL, pt, fill)
+    got = cpu_powersgd.basis(DEPENDENT_TOL, pt, fill)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert (got - want).abs().max() <= 1e-6
+    live = got.abs().sum(1) > 0
+    assert torch.equal(live, want.abs().sum(1) > 0)
+    if r >= 3:
+        assert not live[2] and (got[2] == 0).all() and live[1]
+    gram = got[live] @ got[live].T
+    assert (gram - torch.eye(int(live.sum()))).abs().max() <= 1e-5
+
+
+def test_powersgd_basis_nonfinite_fallback_and_dispatch():
+    """A NaN row stays non-finite (and so do the rows after it), as in the reference; more
+    rows than the C loop takes, or another dtype, run the reference; PowerSGD's finish runs the
+    fused form through ``ops.fuse``."""
+    from hvd_gradcomp.orthogonalize import DEPENDENT_TOL, basis_rows
+    pt = torch.randn(3, 10)
+    pt[1, 4] = float("nan")
+    got, want = cpu_powersgd.basis(DEPENDENT_TOL, pt, pt), basis_rows(R, DEPENDENT_TOL, pt, pt)
+    assert torch.equal(got.isnan(), want.isnan()) and got[1:].isnan().all() and not got[0].isnan().any()
+    big = torch.randn(cpu_powersgd.MAX_RANK + 1, 70, dtype=torch.float64)
+    assert torch.equal(cpu_powersgd.basis(DEPENDENT_TOL, big, big), basis_rows(R, DEPENDENT_TOL, big, big))
+    assert kernels.fused_form(basis_rows, DEPENDENT_TOL, "cpu") is cpu_powersgd.basis
+    kernels._CHOSEN.clear()
+    from hvd_gradcomp.powersgd import PowerSGDConfig, PowerSGDScheme
+    scheme = PowerSGDScheme(PowerSGDConfig(rank=2))
+    info = TensorInfo("w", (64, 32), "float32", 1, 0, "sum")
+    ops = one_rank(OPS)
+    state = scheme.init(ops, info, torch.zeros(1))
+    for _ in range(2):
+        payload, ctx = compress_tensor(scheme, ops, torch.randn(64, 32), state, info)
+        _, state = finish_tensor(scheme, ops, payload, ctx, state, info)
+    assert cpu_powersgd.basis in kernels._CHOSEN.values()
 
 
 # ------------------------------------------------------------------ the C code and its build
