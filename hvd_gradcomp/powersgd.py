@@ -168,6 +168,7 @@ class PowerSGDScheme(Scheme):
         self.fallback_spec = "fp16" if config.uncompressed_dtype == "float16" else "none:dtype=float32"
         # ops.name of the backend this scheme last ran with (for wire(), which gets no ops).
         self._layout = None
+        self._fingerprint_weights = {}  # tensor key -> (the state's fill, its weights): _weights
 
     def bind(self, ops):
         """Remember the backend's kernel layout (``ops.name``) for :meth:`wire`, which gets no
@@ -268,8 +269,7 @@ class PowerSGDScheme(Scheme):
             even, lambda: (pad(ops, times_right(ops, matrix, state.q, v), width), pad(ops, state.q, width)),
             lambda: (pad(ops, times_left(ops, matrix, state.p, v), width), pad(ops, state.p, width)))
         # Step 5: fingerprints of this step's basis.
-        weights = ops.reshape(ops.concat([state.fill, state.fill * state.fill - 1.0 / 3.0], 0), (2, r * width))
-        f = ops.matmul(weights, ops.reshape(shared, (r * width, 1)))  # [f1, f2]
+        f = ops.matmul(self._weights(ops, info, state.fill, r * width), ops.reshape(shared, (r * width, 1)))  # [f1, f2]
         e = ops.reshape(ops.cast(even, "float32"), (1,))
         control = ops.concat([e, 1.0 - e, ops.reshape(ops.concat([f, f * f], 1), (4,))], 0)
         # Step 6.
@@ -277,6 +277,17 @@ class PowerSGDScheme(Scheme):
         ctx = _AltCtx(even, matrix if self.config.error_feedback is True else None, local, state.p, state.q,
                       estimate=state.estimate if self.ef21 else None)
         return payload, ctx
+
+    def _weights(self, ops, info, fill, size):
+        """Step 5's fingerprint weights, float32 [2, r K]: U and U^2 - 1/3, rows of the state's
+        fill. Kept per tensor while the state holds the same fill tensor (a constant of the
+        state: built once, not each step)."""
+        kept = self._fingerprint_weights.get(info.key)
+        if kept is not None and kept[0] is fill:
+            return kept[1]
+        weights = ops.reshape(ops.concat([fill, fill * fill - 1.0 / 3.0], 0), (2, size))
+        self._fingerprint_weights[info.key] = (fill, weights)
+        return weights
 
     # Step 8 (alternating), once per step for decompress and finish.
     def receive(self, ops, payload, ctx, info):
