@@ -193,7 +193,9 @@ class Compressor(HorovodCompressor):
         return scale.reshape(()).float() if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
 
     def _detach(self, tensor):
-        return tensor.detach()
+        # A gradient has no history unless it was made with create_graph=True: no detach (one
+        # dispatch a tensor and step fewer; docs/bench.md, "THC's per-call cost").
+        return tensor.detach() if tensor.requires_grad else tensor
 
     def _to_device(self, value, like):
         return torch.as_tensor(value).to(like.device)
