@@ -118,7 +118,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert {k.split("[")[0] for k in kernels} == {
         "triton_thc.rotate", "triton_thc.quantize", "triton_thc.decode", "triton_thc_words.scales",
         "triton_thc_words.tail", "triton_thc_words.noise", "triton_thc_words.receive", "triton_thc_words.finish",
-        "triton_topkc.correct"}
+        "triton_topkc.correct", "triton_powersgd.basis"}
     for name, facts in kernels.items():
         assert "error" not in facts, f"{name}: {facts.get('error')}"
         assert facts["target"] and facts["entry"] and facts["ptx"] > 0, (name, facts)
@@ -141,7 +141,7 @@ def test_ptx_only_compile(runs):
     """Where ptxas cannot run, the compiler's stages up to PTX still build each kernel
     module's first kernel for sm_90 (tests/core/triton_checks.py, compile_sm90)."""
     kernels = _kernels(runs["compiled"]["ptx_only"])
-    assert len(kernels) == 3, kernels  # triton_thc, triton_thc_words, triton_topkc
+    assert len(kernels) == 4, kernels  # triton_thc, triton_thc_words, triton_topkc, triton_powersgd
     for name, facts in kernels.items():
         assert "error" not in facts, f"{name}: {facts.get('error')}"
         assert facts["target"] and facts["entry"] and facts["cubin"] is None, (name, facts)

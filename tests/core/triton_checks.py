@@ -274,6 +274,49 @@ def check_topkc(device, d, plan, nonfinite=False, seed=0):
     return problems
 
 
+def check_powersgd(device, r, n, special):
+    """PowerSGD's ``basis_rows`` (module docstring): within float32 rounding of the reference,
+    the same rows zero; ``special``: a zero row (takes the fill's) and a dependent one (exact
+    zeros), or a NaN row (it and the rows after it non-finite)."""
+    from hvd_gradcomp.orthogonalize import DEPENDENT_TOL, basis_rows
+    from torch_backend.kernels import triton_powersgd
+    form = kernels.fused_form(basis_rows, DEPENDENT_TOL, "cuda")
+    if form is not triton_powersgd.basis:
+        return [f"powersgd: the registry gives {form}, not triton_powersgd.basis"]
+    g, dev = _gen(r * 7 + n, device)
+    pt = _randn(g, r * n, dev).reshape(r, n)
+    fill = _randn(g, r * n, dev).reshape(r, n)
+    if special == "dependent":
+        pt[1] = 0.0
+        pt[2] = pt[0] * -3.0
+    elif special == "nan":
+        pt[1, n // 2] = float("nan")
+    tag = f"powersgd basis r={r} n={n} {special}"
+    got = form(DEPENDENT_TOL, pt, fill)
+    want = basis_rows(R, DEPENDENT_TOL, pt, fill)
+    problems = _structure(tag, got, want)
+    if problems:
+        return problems
+    if not torch.equal(got.isnan().cpu(), want.isnan().cpu()):
+        return [f"{tag}: NaN where the reference has none, or the reverse"]
+    finite = ~want.isnan()
+    err = float((got - want)[finite].abs().max()) if bool(finite.any()) else 0.0
+    if err > 1e-6:
+        problems.append(f"{tag}: max difference {err:.3g} > 1e-6")
+    if not torch.equal((got.abs().sum(1) > 0).cpu(), (want.abs().sum(1) > 0).cpu()):
+        problems.append(f"{tag}: other rows are zero than the reference's")
+    return problems
+
+
+POWERSGD_CASES = [
+    # (r, n, special)
+    (4, 256, "dependent"),
+    (1, 5, "none"),
+    (8, 1001, "dependent"),
+    (3, 4096, "nan"),
+]
+
+
 TOPKC_CASES = [
     # (d, (chunk, error_feedback, blocking, beta), nonfinite)
     (3000, (256, True, False, 1.0), False),
@@ -399,13 +442,15 @@ def check_refusals(device):
 def check_names():
     """The keys of :func:`run_all`'s result, in order (for the tests' parameters)."""
     return (["thc" + repr(case) for case in THC_CASES]
-            + [f"topkc{case!r}" for case in TOPKC_CASES] + ["schemes", "refusals"])
+            + [f"topkc{case!r}" for case in TOPKC_CASES] + [f"powersgd{case!r}" for case in POWERSGD_CASES]
+            + ["schemes", "refusals"])
 
 
 def run_all(device):
     """Every check on ``device``: {check name: [problems]} (names: :func:`check_names`)."""
     checks = ([("thc" + repr(case), check_thc, case) for case in THC_CASES]
               + [(f"topkc{case!r}", check_topkc, case) for case in TOPKC_CASES]
+              + [(f"powersgd{case!r}", check_powersgd, case) for case in POWERSGD_CASES]
               + [("schemes", check_schemes, ()), ("refusals", check_refusals, ())])
     results = {}
     for name, check, args in checks:
@@ -466,10 +511,10 @@ def aot_all(ptx_only=False, limit=None):
     kernel there nor named in one); ``"ptxas_runs"``. ``ptx_only``: the stages up to
     PTX alone (:func:`compile_sm90`); ``limit``: the first ``limit`` entries of each module."""
     from triton.runtime.jit import JITFunction
-    from torch_backend.kernels import triton_thc, triton_thc_words, triton_topkc
+    from torch_backend.kernels import triton_powersgd, triton_thc, triton_thc_words, triton_topkc
     cubin = ptxas_runs() and not ptx_only
     results, uncovered = {"ptxas_runs": ptxas_runs()}, []
-    for module in (triton_thc, triton_thc_words, triton_topkc):
+    for module in (triton_thc, triton_thc_words, triton_topkc, triton_powersgd):
         jitted = {name: value for name, value in vars(module).items() if isinstance(value, JITFunction)}
         covered = {fn for _, fn, _, _ in module.AOT}
         grew = True

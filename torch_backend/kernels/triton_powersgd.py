@@ -1,0 +1,93 @@
+"""Triton fused form of PowerSGD's projection basis (:func:`hvd_gradcomp.orthogonalize.basis_rows`;
+CUDA, the "cuda" provider of :mod:`torch_backend.kernels`, whose docstring is the contract).
+
+One program per factor: its ``r`` rows (the basis' columns) in turn, each held whole in
+registers (a tile of ``next_pow2(n)``): a zero row takes the fill's, it is scaled by its peak,
+projected twice on the rows already made (the coefficients from the same row, then the update)
+and normalised, or made exactly zero when what is left is below ``rel_tol`` of its scaled norm;
+a NaN/inf row stays non-finite. The reference runs about 15 launches a row (65 at rank 4).
+Float operations are rounded once each (``tl.div_rn``, ``tl.sqrt_rn``, no multiply-add fused:
+``enable_fp_fusion=False``); the sums are tree reductions, so the result is within float32
+rounding of the reference's (and the same bits on every rank, as PowerSGD's basis fingerprints
+need).
+
+Plans covered: every ``rel_tol``; factors of float32 CUDA tensors with ``r <=``
+:data:`MAX_RANK` rows of ``n <=`` :data:`MAX_N` (else the reference). Launch path: no host
+read, one program, the current stream of the tensors' device. Tested in Triton's interpreter on
+CPU tensors and compiled ahead of time for sm_90 (:data:`AOT`); not yet run on a GPU.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from hvd_gradcomp.orthogonalize import basis_rows
+
+from . import register
+from .triton_thc import _OPTIONS, _on
+
+__all__ = ["basis", "AOT", "MAX_N", "MAX_RANK"]
+
+MAX_N = 4096  # a row is one register tile
+MAX_RANK = 64
+_TINY = 1e-30
+
+
+@triton.jit
+def _finite_peak(x):
+    """(max |x| over the finite entries, count of NaN entries): torch.amax's NaN is the caller's."""
+    nan = tl.sum(tl.where(x != x, 1, 0), 0)
+    return tl.max(tl.where(x != x, 0.0, tl.abs(x)), 0), nan
+
+
+@triton.jit
+def _basis(pt_ptr, fill_ptr, out_ptr, n, r, rel_tol, NP: tl.constexpr):
+    idx = tl.arange(0, NP)
+    inside = idx < n
+    for j in range(0, r):
+        row = tl.load(pt_ptr + j * n + idx, mask=inside, other=0.0)
+        top, nan = _finite_peak(row)
+        # basis(): an exactly zero row (a finite peak of 0) takes the fill's
+        fill = tl.load(fill_ptr + j * n + idx, mask=inside, other=0.0)
+        src = tl.where((nan == 0) & (top == 0.0), fill, row)
+        # step 1: 1 / max(peak, tiny), NaN propagating as torch.maximum's
+        peak, nan = _finite_peak(src)
+        peak = tl.where(nan > 0, float("nan"), tl.maximum(peak, 1e-30))
+        v = src * tl.div_rn(1.0, peak)
+        norm0 = tl.sqrt_rn(tl.sum(v * v, 0))
+        # step 2, twice: the coefficients from the same v, then v minus their combination
+        for _ in tl.static_range(2):
+            acc = tl.zeros((NP,), dtype=tl.float32)
+            for k in range(0, j):
+                done = tl.load(out_ptr + k * n + idx, mask=inside, other=0.0)
+                acc = acc + tl.sum(done * v, 0) * done
+            v = v - acc
+        # step 3: unit norm, or exact zeros below rel_tol (NaN * 0 stays NaN)
+        norm = tl.sqrt_rn(tl.sum(v * v, 0))
+        scale = tl.where(norm > norm0 * rel_tol, tl.div_rn(1.0, tl.maximum(norm, 1e-30)), 0.0)
+        tl.store(out_ptr + j * n + idx, v * scale, mask=inside)
+        tl.debug_barrier()  # the next rows read this one
+
+
+def basis(rel_tol, pt, fillt):
+    """Fused ``basis_rows``: ``pt``, ``fillt`` float32 [r, n] on one CUDA device; returns float32
+    [r, n], the orthonormal basis' columns as rows (module docstring)."""
+    if (pt.dim() != 2 or pt.shape != fillt.shape or pt.dtype != torch.float32 or fillt.dtype != torch.float32
+            or pt.shape[0] > MAX_RANK or pt.shape[1] > MAX_N or pt.device != fillt.device):
+        from torch_backend.ops import REFERENCE_OPS
+        return basis_rows(REFERENCE_OPS, rel_tol, pt, fillt)
+    r, n = pt.shape
+    out = torch.empty((r, n), dtype=torch.float32, device=pt.device)
+    if r and n:
+        with _on(pt):
+            _basis[(1,)](pt.contiguous(), fillt.contiguous(), out, n, r, float(rel_tol),
+                         NP=triton.next_power_of_2(n), **_OPTIONS)
+    return out
+
+
+register(basis_rows, "cuda", lambda plan: True, basis, "triton_powersgd.basis")
+
+# Ahead-of-time compile (tests): (name, kernel, signature, constexprs) at a small and the
+# largest row.
+_SIGNATURE = {"pt_ptr": "*fp32", "fill_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "r": "i32",
+              "rel_tol": "fp32", "NP": "constexpr"}
+AOT = [(f"basis[NP={np_}]", _basis, _SIGNATURE, {"NP": np_}) for np_ in (256, MAX_N)]
