@@ -281,12 +281,14 @@ class PowerSGDScheme(Scheme):
     def _weights(self, ops, info, fill, size):
         """Step 5's fingerprint weights, float32 [2, r K]: U and U^2 - 1/3, rows of the state's
         fill. Kept per tensor while the state holds the same fill tensor (a constant of the
-        state: built once, not each step)."""
+        state: built once, not each step), when running eagerly; a backend whose state reads
+        give new tensors each step (TensorFlow's) builds them each step, as before."""
         kept = self._fingerprint_weights.get(info.key)
         if kept is not None and kept[0] is fill:
             return kept[1]
         weights = ops.reshape(ops.concat([fill, fill * fill - 1.0 / 3.0], 0), (2, size))
-        self._fingerprint_weights[info.key] = (fill, weights)
+        if ops.eager():  # (a traced graph's tensors are not kept past it)
+            self._fingerprint_weights[info.key] = (fill, weights)
         return weights
 
     # Step 8 (alternating), once per step for decompress and finish.

@@ -90,6 +90,8 @@ def main(argv=None):
     ap.add_argument("--evict-mb", type=float, default=16.0, help="MiB passed over before each cold call (16)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.evict_mb < 0:
+        ap.error("--steps must be >= 1, --warmup and --evict-mb >= 0")
     import subprocess
     import torch
     import horovod.torch as hvd

@@ -422,6 +422,14 @@ def test_encode_is_the_three_forms(config, n, op, finite):
     assert int(payload[-3]) >> lay.levels.guard == (0 if finite in (True, None) else 1)
     ref = K._encode_kernel(R, plan, x, residual, diag, hmat, ranges, key, fingerprint, flag)
     assert [t.shape for t in ref] == [t.shape for t in got] and [t.dtype for t in ref] == [t.dtype for t in got]
+    # against the composition: levels equal but at rounding boundaries of the rotation, the
+    # statistics' codes within one step, the control words and the saturation count exactly
+    words = lay.words
+    assert int((ref[0][:words] != payload[:words]).sum()) <= max(2, words // 500)
+    assert torch.equal(ref[0][-K._CONTROL:], payload[-K._CONTROL:])
+    assert int(ref[4]) == int(saturated) or abs(int(ref[4]) - int(saturated)) <= 2
+    if plan.error_feedback:
+        assert torch.allclose(ref[2], y2, rtol=0, atol=1e-5 * float(y2.abs().max()))
 
 
 @pytest.mark.parametrize("config", [{}, {"flush": None}, {"rotation_stages": 6, "saturation": False}],
@@ -695,6 +703,38 @@ def test_topkc_scheme_matches_reference(spec):
     torch.testing.assert_close(state.residual, ref_state.residual, rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=[",".join(f"{k}={v}" for k, v in c.items()) or "default"
+                                                   for c in CONFIGS])
+@pytest.mark.parametrize("bad", ["nan", "inf", "pair"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
+def test_thc_flags_nonfinite_without_a_separate_check(config, bad, fused, monkeypatch):
+    """THC takes no separate finite check (``guards_nonfinite`` False): a NaN, an inf, or an
+    inf/-inf pair in the gradient still sets the rank's "not finite" control word and makes the
+    output all NaN, and the state stays as it was, in every configuration, fused or not."""
+    if not fused:
+        monkeypatch.setenv(kernels.ENV, "0")
+    scheme, info, lay, plan = _setup(3000, n=1, op="sum", **config)
+    assert scheme.guards_nonfinite is False
+    ops = one_rank(OPS)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(2))
+    state = scheme.init(ops, info, x)
+    payload, ctx = compress_tensor(scheme, ops, x, state, info)  # one good step: ranges agreed
+    _, state = finish_tensor(scheme, ops, payload, ctx, state, info)
+    x = x.clone()
+    if bad == "nan":
+        x[1234] = float("nan")
+    elif bad == "inf":
+        x[7] = float("inf")
+    else:
+        x[10], x[11] = float("inf"), -float("inf")
+    payload, ctx = compress_tensor(scheme, ops, x, state, info)
+    assert int(payload[-3]) >> lay.levels.guard == 1  # the "not finite" word
+    out, after = finish_tensor(scheme, ops, payload, ctx, state, info)
+    assert out.isnan().all()
+    for field, a, b in zip(state._fields, after, state):
+        assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())), field
+
+
 # ------------------------------------------------------------------ PowerSGD's basis
 @pytest.mark.parametrize("r,n", [(1, 5), (4, 256), (8, 1001), (3, 7)])
 def test_powersgd_basis_matches_reference(r, n):
@@ -729,8 +769,13 @@ def test_powersgd_basis_nonfinite_fallback_and_dispatch():
     pt[1, 4] = float("nan")
     got, want = cpu_powersgd.basis(DEPENDENT_TOL, pt, pt), basis_rows(R, DEPENDENT_TOL, pt, pt)
     assert torch.equal(got.isnan(), want.isnan()) and got[1:].isnan().all() and not got[0].isnan().any()
-    big = torch.randn(cpu_powersgd.MAX_RANK + 1, 70, dtype=torch.float64)
-    assert torch.equal(cpu_powersgd.basis(DEPENDENT_TOL, big, big), basis_rows(R, DEPENDENT_TOL, big, big))
+    for big in (torch.randn(cpu_powersgd.MAX_RANK + 1, 70), torch.randn(3, 70, dtype=torch.float64)):
+        assert torch.equal(cpu_powersgd.basis(DEPENDENT_TOL, big, big), basis_rows(R, DEPENDENT_TOL, big, big))
+    # the C loop itself refuses more rows than its coefficient array holds, writing nothing
+    big = torch.randn(cpu_powersgd.MAX_RANK + 1, 8)
+    out = torch.zeros_like(big)
+    assert cpu_powersgd._lib.hgc_basis(big.data_ptr(), big.data_ptr(), 8, cpu_powersgd.MAX_RANK + 1,
+                                       DEPENDENT_TOL, out.data_ptr()) == -1 and not out.any()
     assert kernels.fused_form(basis_rows, DEPENDENT_TOL, "cpu") is cpu_powersgd.basis
     kernels._CHOSEN.clear()
     from hvd_gradcomp.powersgd import PowerSGDConfig, PowerSGDScheme

@@ -334,6 +334,7 @@ SCHEMES = [
     ("thc", 1, "average"),
     ("thc:flush=none,saturation=false", 4, "sum"),
     ("thc:error_feedback=false", 2, None),
+    ("thc:range=current", 2, "sum"),  # rotate, noise and quantise apart, around the side all-reduce
     ("topkc:ratio=0.2,chunk=128", 1, "average"),
     ("topkc:ratio=0.3,chunk=100,residual_decay=0.9", 2, "sum"),
     ("topkc:ratio=0.2,selection=current,chunk=64", 1, "average"),
@@ -399,8 +400,8 @@ def check_schemes(device):
             else:
                 problems += _equal(f"{spec}: state {field}", a, b)
     chosen = {getattr(form, "__name__", None) for form in kernels._CHOSEN.values() if form is not None}
-    # (a compress with agreed ranges is one encode call: rotate, noise and quantise inside it)
-    for name in ("encode", "decode", "receive", "finish", "correct"):
+    # (a compress with agreed ranges is one encode call; range="current" runs the three apart)
+    for name in ("encode", "rotate", "noise", "quantize", "decode", "receive", "finish", "correct"):
         if name not in chosen:
             problems.append(f"ops.fuse never ran the Triton form {name} (chosen: {sorted(chosen)})")
     return problems

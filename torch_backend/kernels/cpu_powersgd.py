@@ -29,7 +29,7 @@ MAX_RANK = 64
 _lib = cbuild.load("powersgd")
 _lib.hgc_basis.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                            ctypes.c_void_p]
-_lib.hgc_basis.restype = None
+_lib.hgc_basis.restype = ctypes.c_int64
 
 
 def _ops():
@@ -47,8 +47,8 @@ def basis(rel_tol, pt, fillt):
     r, n = pt.shape
     pt, fillt = pt.contiguous(), fillt.contiguous()
     out = torch.empty((r, n), dtype=torch.float32)
-    if r and n:
-        _lib.hgc_basis(pt.data_ptr(), fillt.data_ptr(), n, r, float(rel_tol), out.data_ptr())
+    if r and n and _lib.hgc_basis(pt.data_ptr(), fillt.data_ptr(), n, r, float(rel_tol), out.data_ptr()) < 0:
+        return basis_rows(_ops(), rel_tol, pt, fillt)  # (not reached: r <= MAX_RANK above)
     return out
 
 

@@ -221,8 +221,9 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
         fingerprint.data_ptr(), _ptr(ranges), _ptr(residual) if ef else None, _ptr(payload),
         lay.lanes, lay.width, lay.guard, lay.offset, _grid(lay.top), _TINY_RANGE, 0.5 * top_level - 1.0, -1.0,
         top_level - 1.0, -1.0 - margin, top_level - 1.0 + margin, saturated.data_ptr())
-    if status < 0:
-        raise MemoryError("hgc_thc_encode: no memory for the per-block scratch")
+    if status < 0:  # no memory for the C call's scratch: the composition, this call
+        return _encode_kernel(_ops(), plan, x, residual_in if ef else residual, diag, hmat, ranges, key,
+                              fingerprint, finite)
     return payload, residual, y, held, saturated
 
 

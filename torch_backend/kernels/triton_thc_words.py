@@ -326,14 +326,14 @@ def _aot():
         stats = stats_layout(n, lay.guard)
         out += [(f"scales[n={n},op={op}]", _scales, _SCALES_SIG,
                  {"LANES": stats.lanes, "WIDTH": stats.width, "GUARD": stats.guard, "STATS": True, "T": SMALL,
-                  "FINITE": False}),
+                  "FINITE": n == 8}),  # THC passes no finite flag; a caller's flag: one variant
                 (f"tail[n={n},op={op}]", _tail, _TAIL_SIG, {"GUARD": lay.guard, "T": SMALL}),
                 (f"receive[n={n},op={op}]", _receive, _RECEIVE_SIG, {"N": n, "OP": op_code(op), "GUARD": lay.guard}),
                 (f"finish[n={n},op={op}]", _finish, _FINISH_SIG,
                  {"N": n, "OP": op_code(op), "LANES": stats.lanes, "WIDTH": stats.width, "GUARD": stats.guard,
                   "T": SMALL})]
     out.append(("scales[range=current]", _scales, _SCALES_SIG,
-                {"LANES": 1, "WIDTH": 1, "GUARD": 0, "STATS": False, "T": SMALL, "FINITE": True}))
+                {"LANES": 1, "WIDTH": 1, "GUARD": 0, "STATS": False, "T": SMALL, "FINITE": False}))
     out.append(("noise", _noise, _NOISE_SIG, {"TILE_N": NOISE_TILE}))
     return out
 

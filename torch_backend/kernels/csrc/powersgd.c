@@ -36,9 +36,12 @@ static double dot(const float *a, const float *b, int64_t n)
  *   0. (basis) an exactly zero row (finite peak 0) takes the fill's row instead;
  *   1. scaled by 1 / max(peak, 1e-30) (NaN stays NaN); norm0 = its norm;
  *   2. twice: c_k = <row_k, v> for the rows k < j already made, then v -= sum_k c_k row_k;
- *   3. v *= 1 / max(|v|, 1e-30) if |v| > norm0 rel_tol, else 0 (NaN * 0 stays NaN). */
-void hgc_basis(const float *pt, const float *fillt, int64_t n, int64_t r, float rel_tol, float *out)
+ *   3. v *= 1 / max(|v|, 1e-30) if |v| > norm0 rel_tol, else 0 (NaN * 0 stays NaN).
+ * Returns 0, or -1 (nothing written) for r > HGC_MAX_RANK. */
+int64_t hgc_basis(const float *pt, const float *fillt, int64_t n, int64_t r, float rel_tol, float *out)
 {
+    if (r > HGC_MAX_RANK)
+        return -1; /* nothing written: the caller runs the reference */
     for (int64_t j = 0; j < r; j++) {
         const float *src = pt + j * n;
         float top = peak(src, n);
@@ -67,4 +70,5 @@ void hgc_basis(const float *pt, const float *fillt, int64_t n, int64_t r, float 
         for (int64_t i = 0; i < n; i++)
             v[i] = v[i] * keep;
     }
+    return 0;
 }
