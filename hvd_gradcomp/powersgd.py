@@ -152,6 +152,22 @@ class _TwoCtx(NamedTuple):
     ok: object = None  # bool []: the all-reduced payload is finite (set by receive)
 
 
+def _agree_kernel(ops, world_size, payload):
+    """Step 8 as a kernel (``ops.fuse(_agree_kernel, world_size)``; the CPU's fused form is one
+    C call, ``torch_backend/kernels/cpu_powersgd.py``): ``(keep float32 0-d, ok bool 0-d)`` from
+    the all-reduced alternating payload (its last :data:`CONTROL` values: parities and basis
+    fingerprints). ``keep`` is 1.0 where the ranks agreed (or a value is NaN: the NaN reaches the
+    output anyway), else 0.0; ``ok``: the payload is finite (:func:`payload_finite`)."""
+    c = payload[ops.shape(payload)[0] - CONTROL:]
+    ce, co = c[0], c[1]
+    s1, s2 = c[2::2], c[3::2]  # (S1, S2) of each fingerprint
+    tol = (8 * world_size + 16) * 2.0 ** -24
+    # > 0 where the ranks differ: parities (c_e c_o), fingerprints (S2 c (1 - tol) - S1^2).
+    spread = s2 * ((ce + co) * (1.0 - tol)) - s1 * s1
+    bad = ops.max(ops.concat([ops.reshape(ce * co, (1,)), spread], 0), None) > 0.0
+    return 1.0 - ops.cast(bad, "float32"), payload_finite(ops, payload)
+
+
 class PowerSGDScheme(Scheme):
     """Rank-r PowerSGD with error feedback and warm start (module docstring; steps: docs/powersgd.md)."""
 
@@ -299,14 +315,8 @@ class PowerSGDScheme(Scheme):
         if isinstance(ctx, _TwoCtx):
             return ctx._replace(ok=payload_finite(ops, payload))
         v = self._view_of(ops, info)
-        c = payload[self.config.rank * max(v.n, v.m):]
-        ce, co = c[0], c[1]
-        s1, s2 = c[2::2], c[3::2]  # (S1, S2) of each fingerprint
-        tol = (8 * info.world_size + 16) * 2.0 ** -24
-        # > 0 where the ranks differ: parities (c_e c_o), fingerprints (S2 c (1 - tol) - S1^2).
-        spread = s2 * ((ce + co) * (1.0 - tol)) - s1 * s1
-        bad = ops.max(ops.concat([ops.reshape(ce * co, (1,)), spread], 0), None) > 0.0
-        ctx = ctx._replace(keep=1.0 - ops.cast(bad, "float32"), ok=payload_finite(ops, payload))
+        keep, ok = ops.fuse(_agree_kernel, info.world_size)(payload)
+        ctx = ctx._replace(keep=keep, ok=ok)
         if self.ef21:  # H' once, for decompress (the output) and finish (the state)
             r, width = self.config.rank, max(v.n, v.m)
             agg = ops.reshape(payload[:r * width], (r, width))

@@ -789,6 +789,41 @@ def test_powersgd_basis_nonfinite_fallback_and_dispatch():
     assert cpu_powersgd.basis in kernels._CHOSEN.values()
 
 
+def test_powersgd_agree_matches_reference():
+    """``cpu_powersgd.agree``: PowerSGD's check on receipt, the reference's ``(keep, ok)`` for
+    payloads whose ranks agree, disagree in parity or in a fingerprint (within and beyond the
+    tolerance), hold a NaN (keep 1, not ok) or an inf, at 1, 2 and 64 ranks."""
+    from hvd_gradcomp.powersgd import _agree_kernel
+    gen = torch.Generator().manual_seed(3)
+    cases = []
+    for n in (1, 2, 64):
+        body = torch.randn(40, generator=gen)
+        f = torch.randn(2, generator=gen)
+        agreed = torch.tensor([n, 0.0, n * f[0], n * f[0] ** 2, n * f[1], n * f[1] ** 2])
+        parity = agreed.clone()
+        parity[1] = 1.0
+        print_ = agreed.clone()
+        print_[3] = print_[3] * 1.01 + 0.5  # S2 n > S1^2: fingerprints differ
+        near = agreed.clone()
+        near[3] = near[3] * (1.0 + 2.0 ** -23)  # within the tolerance
+        for control in (agreed, parity, print_, near):
+            cases.append((n, torch.cat([body, control])))
+        nan = torch.cat([body, agreed])
+        nan[5] = float("nan")
+        inf = torch.cat([body, agreed])
+        inf[-1] = float("inf")
+        cases += [(n, nan), (n, inf)]
+    seen = set()
+    for n, payload in cases:
+        keep, ok = cpu_powersgd.agree(n, payload)
+        want_keep, want_ok = _agree_kernel(R, n, payload)
+        assert keep.dtype == torch.float32 and ok.dtype == torch.bool and keep.shape == () and ok.shape == ()
+        assert float(keep) == float(want_keep) and bool(ok) == bool(want_ok), (n, payload[-6:])
+        seen.add((float(keep), bool(ok)))
+    assert seen == {(1.0, True), (0.0, True), (1.0, False), (0.0, False)}  # (an inf S2: a spread of inf)
+    assert kernels.fused_form(_agree_kernel, 2, "cpu") is cpu_powersgd.agree
+
+
 # ------------------------------------------------------------------ the C code and its build
 
 def test_result_independent_of_vector_width():

@@ -1,4 +1,5 @@
-"""Fused CPU form of PowerSGD's projection basis (:func:`hvd_gradcomp.orthogonalize.basis_rows`):
+"""Fused CPU forms of PowerSGD's projection basis (:func:`hvd_gradcomp.orthogonalize.basis_rows`)
+and of its agreement check on receipt (:func:`agree`, ``powersgd._agree_kernel``). The basis:
 one compiled C loop (``csrc/powersgd.c``, built by :mod:`torch_backend.kernels.cbuild`) for the
 two Gram-Schmidt passes over a factor's ``r`` rows, where the reference runs about 15 PyTorch
 operations a row (65 at rank 4), each a dispatch on the CPU and a launch on a GPU.
@@ -19,10 +20,11 @@ import ctypes
 import torch
 
 from hvd_gradcomp.orthogonalize import basis_rows
+from hvd_gradcomp.powersgd import CONTROL, _agree_kernel
 from torch_backend import kernels
 from torch_backend.kernels import cbuild
 
-__all__ = ["basis", "MAX_RANK"]
+__all__ = ["basis", "agree", "MAX_RANK"]
 
 MAX_RANK = 64
 
@@ -30,6 +32,9 @@ _lib = cbuild.load("powersgd")
 _lib.hgc_basis.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                            ctypes.c_void_p]
 _lib.hgc_basis.restype = ctypes.c_int64
+_lib.hgc_powersgd_agree.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                                    ctypes.c_void_p]
+_lib.hgc_powersgd_agree.restype = None
 
 
 def _ops():
@@ -52,4 +57,20 @@ def basis(rel_tol, pt, fillt):
     return out
 
 
+def agree(world_size, payload):
+    """Fused ``_agree_kernel`` (step 8 of the alternating variant): ``(keep float32 0-d, ok bool
+    0-d)``, the reference's values, but ``ok`` from a double sum (the same verdict except where
+    the finite values' float32 sum would round across float32's largest value)."""
+    if (torch.compiler.is_compiling() or not payload.is_cpu or payload.dtype != torch.float32
+            or payload.dim() != 1 or payload.shape[0] < CONTROL):
+        return _agree_kernel(_ops(), world_size, payload)
+    payload = payload.contiguous()
+    keep = torch.empty((), dtype=torch.float32)
+    ok = torch.empty((), dtype=torch.bool)
+    tol = (8 * world_size + 16) * 2.0 ** -24
+    _lib.hgc_powersgd_agree(payload.data_ptr(), payload.shape[0], 1.0 - tol, keep.data_ptr(), ok.data_ptr())
+    return keep, ok
+
+
 kernels.register(basis_rows, "cpu", lambda plan: True, basis, "cpu_powersgd.basis")
+kernels.register(_agree_kernel, "cpu", lambda plan: True, agree, "cpu_powersgd.agree")

@@ -72,3 +72,33 @@ int64_t hgc_basis(const float *pt, const float *fillt, int64_t n, int64_t r, flo
     }
     return 0;
 }
+
+
+/* _agree_kernel (powersgd.py, step 8): payload float32 [len], its last 6 values the all-reduced
+ * control (c_e, c_o, S1, S2 of fingerprint 1, S1, S2 of fingerprint 2). keep_out: 1.0f where no
+ * spread is > 0 or one is NaN (torch.max propagates NaN, and NaN > 0 is false), else 0.0f;
+ * spread = c_e c_o, and S2 ((c_e + c_o) (1 - tol)) - S1 S1 per fingerprint, in float32 as the
+ * reference; tol_factor = 1 - tol. ok_out: 1 if the payload's float32 sum is finite, summed
+ * here in double: the same verdict but where finite values sum to within float32 rounding of
+ * its largest value. */
+void hgc_powersgd_agree(const float *payload, int64_t len, float tol_factor, float *keep_out,
+                        uint8_t *ok_out)
+{
+    const float *c = payload + len - 6;
+    float ce = c[0], co = c[1];
+    float v[3] = {ce * co, 0.0f, 0.0f};
+    for (int f = 0; f < 2; f++) {
+        float s1 = c[2 + 2 * f], s2 = c[3 + 2 * f];
+        v[1 + f] = s2 * ((ce + co) * tol_factor) - s1 * s1;
+    }
+    int nan = 0, bad = 0;
+    for (int i = 0; i < 3; i++) {
+        nan |= v[i] != v[i];
+        bad |= v[i] > 0.0f;
+    }
+    *keep_out = (bad && !nan) ? 0.0f : 1.0f;
+    double sum = 0.0;
+    for (int64_t i = 0; i < len; i++)
+        sum += (double)payload[i];
+    *ok_out = (uint8_t)(sum == sum && fabs(sum) <= 3.4028234663852886e38);
+}
