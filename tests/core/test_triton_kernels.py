@@ -118,7 +118,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert {k.split("[")[0] for k in kernels} == {
         "triton_thc.rotate", "triton_thc.quantize", "triton_thc.decode", "triton_thc_words.scales",
         "triton_thc_words.tail", "triton_thc_words.noise", "triton_thc_words.receive", "triton_thc_words.finish",
-        "triton_topkc.correct", "triton_powersgd.basis"}
+        "triton_topkc.correct", "triton_powersgd.basis", "triton_powersgd.agree"}
     for name, facts in kernels.items():
         assert "error" not in facts, f"{name}: {facts.get('error')}"
         assert facts["target"] and facts["entry"] and facts["ptx"] > 0, (name, facts)

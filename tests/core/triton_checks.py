@@ -308,6 +308,40 @@ def check_powersgd(device, r, n, special):
     return problems
 
 
+def check_powersgd_agree(device):
+    """PowerSGD's ``_agree_kernel``: the reference's ``(keep, ok)`` for payloads whose ranks
+    agree, disagree in parity or in a fingerprint, or hold a NaN or an inf (longer than one
+    tile of the sum, and shorter)."""
+    from hvd_gradcomp.powersgd import _agree_kernel
+    from torch_backend.kernels import triton_powersgd
+    form = kernels.fused_form(_agree_kernel, 2, "cuda")
+    if form is not triton_powersgd.agree:
+        return [f"powersgd agree: the registry gives {form}, not triton_powersgd.agree"]
+    g, dev = _gen(11, device)
+    problems = []
+    for n, length in ((2, 3000), (64, 40)):
+        body = _randn(g, length, dev)
+        f = _randn(g, 2, dev)
+        agreed = torch.stack([torch.tensor(float(n), device=dev), torch.tensor(0.0, device=dev), n * f[0],
+                              n * f[0] ** 2, n * f[1], n * f[1] ** 2])
+        variants = {"agreed": agreed.clone(), "parity": agreed.clone(), "print": agreed.clone()}
+        variants["parity"][1] = 1.0
+        variants["print"][3] = variants["print"][3] * 1.01 + 0.5
+        for name, control in list(variants.items()):
+            variants[name] = torch.cat([body, control])
+        variants["nan"] = variants["agreed"].clone()
+        variants["nan"][5] = float("nan")
+        variants["inf"] = variants["agreed"].clone()
+        variants["inf"][-1] = float("inf")
+        for name, payload in variants.items():
+            got, want = form(n, payload), _agree_kernel(R, n, payload)
+            tag = f"powersgd agree n={n} len={length} {name}"
+            problems += _structure(tag, got, want)
+            if [float(got[0]), bool(got[1])] != [float(want[0]), bool(want[1])]:
+                problems.append(f"{tag}: {float(got[0]), bool(got[1])} against {float(want[0]), bool(want[1])}")
+    return problems
+
+
 POWERSGD_CASES = [
     # (r, n, special)
     (4, 256, "dependent"),
@@ -444,7 +478,7 @@ def check_names():
     """The keys of :func:`run_all`'s result, in order (for the tests' parameters)."""
     return (["thc" + repr(case) for case in THC_CASES]
             + [f"topkc{case!r}" for case in TOPKC_CASES] + [f"powersgd{case!r}" for case in POWERSGD_CASES]
-            + ["schemes", "refusals"])
+            + ["powersgd_agree", "schemes", "refusals"])
 
 
 def run_all(device):
@@ -452,7 +486,8 @@ def run_all(device):
     checks = ([("thc" + repr(case), check_thc, case) for case in THC_CASES]
               + [(f"topkc{case!r}", check_topkc, case) for case in TOPKC_CASES]
               + [(f"powersgd{case!r}", check_powersgd, case) for case in POWERSGD_CASES]
-              + [("schemes", check_schemes, ()), ("refusals", check_refusals, ())])
+              + [("powersgd_agree", check_powersgd_agree, ()), ("schemes", check_schemes, ()),
+                 ("refusals", check_refusals, ())])
     results = {}
     for name, check, args in checks:
         try:

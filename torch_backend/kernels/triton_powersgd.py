@@ -1,5 +1,6 @@
-"""Triton fused form of PowerSGD's projection basis (:func:`hvd_gradcomp.orthogonalize.basis_rows`;
-CUDA, the "cuda" provider of :mod:`torch_backend.kernels`, whose docstring is the contract).
+"""Triton fused forms of PowerSGD's projection basis (:func:`hvd_gradcomp.orthogonalize.basis_rows`)
+and of its check on receipt (:func:`agree`, ``powersgd._agree_kernel``; CUDA, the "cuda"
+provider of :mod:`torch_backend.kernels`, whose docstring is the contract). The basis:
 
 One program per factor: its ``r`` rows (the basis' columns) in turn, each held whole in
 registers (a tile of ``next_pow2(n)``): a zero row takes the fill's, it is scaled by its peak,
@@ -21,11 +22,12 @@ import triton
 import triton.language as tl
 
 from hvd_gradcomp.orthogonalize import basis_rows
+from hvd_gradcomp.powersgd import CONTROL, _agree_kernel
 
 from . import register
 from .triton_thc import _OPTIONS, _on
 
-__all__ = ["basis", "AOT", "MAX_N", "MAX_RANK"]
+__all__ = ["basis", "agree", "AOT", "MAX_N", "MAX_RANK"]
 
 MAX_N = 4096  # a row is one register tile
 MAX_RANK = 64
@@ -84,10 +86,52 @@ def basis(rel_tol, pt, fillt):
     return out
 
 
+@triton.jit
+def _agree(payload_ptr, keep_ptr, ok_ptr, length, tol_factor, T: tl.constexpr):
+    acc = tl.zeros((T,), dtype=tl.float32)
+    for start in range(0, length, T):
+        i = start + tl.arange(0, T)
+        acc = acc + tl.load(payload_ptr + i, mask=i < length, other=0.0)
+    total = tl.sum(acc, 0)
+    ok = (total == total) & (tl.abs(total) < float("inf"))
+    c = payload_ptr + length - 6
+    ce, co = tl.load(c), tl.load(c + 1)
+    both = (ce + co) * tol_factor
+    v0 = ce * co
+    s1 = tl.load(c + 2)
+    v1 = tl.load(c + 3) * both - s1 * s1
+    s1 = tl.load(c + 4)
+    v2 = tl.load(c + 5) * both - s1 * s1
+    nan = (v0 != v0) | (v1 != v1) | (v2 != v2)
+    bad = (v0 > 0.0) | (v1 > 0.0) | (v2 > 0.0)
+    tl.store(keep_ptr, tl.where(nan, 1.0, tl.where(bad, 0.0, 1.0)))  # torch.max's NaN is not > 0
+    tl.store(ok_ptr, ok)
+
+
+def agree(world_size, payload):
+    """Fused ``_agree_kernel`` (PowerSGD's check on receipt), one launch: ``(keep float32 0-d,
+    ok bool 0-d)``; ``keep`` the reference's (the same float32 operations on the six control
+    values), ``ok`` from a float32 sum in another order (the same verdict but where the finite
+    values sum to within rounding of float32's largest)."""
+    if payload.dim() != 1 or payload.dtype != torch.float32 or payload.shape[0] < CONTROL:
+        from torch_backend.ops import REFERENCE_OPS
+        return _agree_kernel(REFERENCE_OPS, world_size, payload)
+    payload = payload.contiguous()
+    keep = torch.empty((), dtype=torch.float32, device=payload.device)
+    ok = torch.empty((), dtype=torch.bool, device=payload.device)
+    tol = (8 * world_size + 16) * 2.0 ** -24
+    with _on(payload):
+        _agree[(1,)](payload, keep, ok, payload.shape[0], 1.0 - tol, T=1024, **_OPTIONS)
+    return keep, ok
+
+
 register(basis_rows, "cuda", lambda plan: True, basis, "triton_powersgd.basis")
+register(_agree_kernel, "cuda", lambda plan: True, agree, "triton_powersgd.agree")
 
 # Ahead-of-time compile (tests): (name, kernel, signature, constexprs) at a small and the
 # largest row.
 _SIGNATURE = {"pt_ptr": "*fp32", "fill_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "r": "i32",
               "rel_tol": "fp32", "NP": "constexpr"}
-AOT = [(f"basis[NP={np_}]", _basis, _SIGNATURE, {"NP": np_}) for np_ in (256, MAX_N)]
+AOT = [(f"basis[NP={np_}]", _basis, _SIGNATURE, {"NP": np_}) for np_ in (256, MAX_N)] + [
+    ("agree", _agree, {"payload_ptr": "*fp32", "keep_ptr": "*fp32", "ok_ptr": "*i1", "length": "i32",
+                       "tol_factor": "fp32", "T": "constexpr"}, {"T": 1024})]
