@@ -342,8 +342,8 @@ class AutoScheme(AutoWindow, Scheme):
         dtype = ops.dtype(payload)
         if probe:
             lanes = poison(ops, ops.constant(self._lanes(info, step), dtype, x), finite)
-        else:  # one count lane (Agreement)
-            lanes = ops.constant([_count_lane(info, dtype)], dtype, x)
+        else:  # one count lane (Agreement); made on the device (no host-to-device copy a step)
+            lanes = ops.zeros((1,), dtype, x) + _count_lane(info, dtype)
         flat = ops.reshape(payload, (math.prod(shape),))
         return ops.concat([flat, lanes], 0), _AutoCtx("ride" if probe else "", choice, step, ctx, shape,
                                                   carry is not None, unsent)
