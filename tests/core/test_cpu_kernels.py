@@ -265,19 +265,29 @@ def test_quantize_nonfinite_and_boundaries():
             assert torch.equal(a[~a.isnan()], b[~b.isnan()])
 
 
+def _with_nonfinite(x, kind):
+    """A copy of ``x`` (at least 2050 values) with a NaN, an inf, an inf/-inf pair, or a pair
+    whose rotation overflows float32 ([3e38, -3e38])."""
+    x = x.clone()
+    if kind == "nan":
+        x[1500] = float("nan")
+    elif kind == "inf":
+        x[10] = float("inf")
+    elif kind == "pair":
+        x[10], x[11] = float("inf"), -float("inf")
+    else:
+        assert kind == "overflow", kind
+        x[2048], x[2049] = 3e38, -3e38
+    return x
+
+
 @pytest.mark.parametrize("x_kind", ["nan", "inf", "overflow"])
 def test_rotate_nonfinite(x_kind):
     """A NaN/inf coordinate, or a rotation that overflows ([3e38, -3e38]): not finite, in the
     same blocks (``wanted`` non-finite where the reference's is), as the reference."""
     scheme, info, lay, plan = _setup(3000)
     x, residual, diag, hmat, _ = _inputs(scheme, info, lay, seed=4)
-    x = x.clone()
-    if x_kind == "nan":
-        x[1500] = float("nan")
-    elif x_kind == "inf":
-        x[10] = float("inf")
-    else:
-        x[2048], x[2049] = 3e38, -3e38
+    x = _with_nonfinite(x, x_kind)
     finite = torch.tensor(True)
     ref = K._rotate_kernel(R, plan, x, residual, diag, hmat, finite)
     got = cpu_thc.rotate(plan, x, residual, diag, hmat, finite)
@@ -720,13 +730,7 @@ def test_thc_flags_nonfinite_without_a_separate_check(config, bad, fused, monkey
     state = scheme.init(ops, info, x)
     payload, ctx = compress_tensor(scheme, ops, x, state, info)  # one good step: ranges agreed
     _, state = finish_tensor(scheme, ops, payload, ctx, state, info)
-    x = x.clone()
-    if bad == "nan":
-        x[1234] = float("nan")
-    elif bad == "inf":
-        x[7] = float("inf")
-    else:
-        x[10], x[11] = float("inf"), -float("inf")
+    x = _with_nonfinite(x, bad)
     payload, ctx = compress_tensor(scheme, ops, x, state, info)
     assert int(payload[-3]) >> lay.levels.guard == 1  # the "not finite" word
     out, after = finish_tensor(scheme, ops, payload, ctx, state, info)

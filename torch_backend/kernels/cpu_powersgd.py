@@ -46,14 +46,13 @@ def basis(rel_tol, pt, fillt):
     """Fused ``basis_rows``: float32 [r, n], the orthonormal basis' columns as rows (module
     docstring)."""
     if (torch.compiler.is_compiling() or not (pt.is_cpu and fillt.is_cpu) or pt.dtype != torch.float32
-            or fillt.dtype != torch.float32 or pt.dim() != 2 or pt.shape != fillt.shape
-            or pt.shape[0] > MAX_RANK):
+            or fillt.dtype != torch.float32 or pt.dim() != 2 or pt.shape != fillt.shape):
         return basis_rows(_ops(), rel_tol, pt, fillt)
     r, n = pt.shape
     pt, fillt = pt.contiguous(), fillt.contiguous()
     out = torch.empty((r, n), dtype=torch.float32)
     if r and n and _lib.hgc_basis(pt.data_ptr(), fillt.data_ptr(), n, r, float(rel_tol), out.data_ptr()) < 0:
-        return basis_rows(_ops(), rel_tol, pt, fillt)  # (not reached: r <= MAX_RANK above)
+        return basis_rows(_ops(), rel_tol, pt, fillt)  # more than MAX_RANK rows: the C loop refused
     return out
 
 

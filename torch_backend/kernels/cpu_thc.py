@@ -111,6 +111,11 @@ def _ok(*tensors) -> bool:
 _NOTHING = torch.empty(0, dtype=torch.float32)
 
 
+def _flag_ok(finite) -> bool:
+    """The optional finite flag is absent (None) or a CPU bool tensor (else the reference runs)."""
+    return finite is None or (finite.is_cpu and finite.dtype == torch.bool)
+
+
 def _ptr(t):
     return t.data_ptr() if t.numel() else None
 
@@ -130,8 +135,7 @@ def rotate(plan, x, residual, diag, hmat, finite):
     stats_words, finite)``, with ``y`` and ``wanted`` within float32 rounding (module
     docstring); ``finite`` None: the block ranges alone decide."""
     if not (_ok(x, residual, diag) and x.dtype == torch.float32 and diag.dtype == torch.float32
-            and residual.dtype == torch.float32
-            and (finite is None or (finite.is_cpu and finite.dtype == torch.bool))):
+            and residual.dtype == torch.float32 and _flag_ok(finite)):
         return _rotate_kernel(_ops(), plan, x, residual, diag, hmat, finite)
     padded, block = diag.shape[0], plan.block
     x, diag = x.contiguous(), diag.contiguous()
@@ -192,8 +196,7 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
     alone decide (``_rotate_kernel``)."""
     if not (_ok(x, residual, diag, ranges, key, fingerprint) and x.dtype == torch.float32
             and residual.dtype == torch.float32 and diag.dtype == torch.float32 and ranges.dtype == torch.float32
-            and key.dtype == torch.int64 and fingerprint.dtype == torch.int64
-            and (finite is None or (finite.is_cpu and finite.dtype == torch.bool))):
+            and key.dtype == torch.int64 and fingerprint.dtype == torch.int64 and _flag_ok(finite)):
         return _encode_kernel(_ops(), plan, x, residual, diag, hmat, ranges, key, fingerprint, finite)
     padded, block, lay, slay = diag.shape[0], plan.block, plan.levels, plan.stats
     x, diag, ranges = x.contiguous(), diag.contiguous(), ranges.contiguous()

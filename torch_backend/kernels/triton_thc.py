@@ -282,7 +282,7 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
     y, held, _, stats, finite = rotate(plan, x, residual, diag, hmat, finite)
     rows, cols = noise(plan, key, ranges)
     payload, residual, saturated = quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats)
-    return payload, residual, y if plan.error_feedback else held[:0], held, saturated
+    return payload, residual, y if plan.error_feedback else y[:0], held, saturated
 
 
 def _accepts_stats(plan) -> bool:
