@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 __all__ = ["MAX_WORLD_SIZE", "LaneLayout", "centred_offset", "lane_layout", "wire_bits", "exact_words", "as_reduced",
            "pack", "unpack", "control_words", "read_control", "says_sum", "stats_layout", "pack_scales",
-           "agreed_scales"]
+           "agreed_scales", "others_words"]
 
 MAX_WORLD_SIZE = 1024
 
@@ -27,13 +27,17 @@ MAX_WORLD_SIZE = 1024
 class LaneLayout(NamedTuple):
     """How values sit in an int32 word (THC's step 5, :mod:`hvd_gradcomp.thc`): ``lanes`` lanes of ``width`` bits above
     ``guard`` guard bits; levels ``0..top`` per rank (``top = 0`` for the statistics), and
-    ``offset`` (a multiple of ``2**guard``) taken off each word by every contributing rank."""
+    ``offset`` (a multiple of ``2**guard``) taken off each word by every contributing rank.
+    ``others``: the lanes hold the other ranks' sum only, not all ``n`` ranks'
+    (:func:`lane_layout`'s ``subtract_own``): the receiver takes its own words off the reduced
+    ones, modulo ``2**32``, and adds its own levels back (:func:`others_words`)."""
 
     lanes: int
     width: int
     guard: int
     top: int = 0
     offset: int = 0
+    others: bool = False
 
 
 _INT32_MAX = (1 << 31) - 1
@@ -53,7 +57,7 @@ def centred_offset(top: int, width: int, lanes: int, guard: int, n: int):
 
 @lru_cache(maxsize=None)  # host work the schemes' layout() would redo for every tensor and step
 def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme="thc",
-                centred: bool = True) -> LaneLayout:
+                centred: bool = True, subtract_own: bool = False) -> LaneLayout:
     """The int32 layout of the levels summed over ``world_size`` ranks (:mod:`hvd_gradcomp.thc`, step 5).
 
     Args:
@@ -70,6 +74,12 @@ def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme
             offset, every sum of ``n`` words stays in ``[0, 2**31)``, so the exact sums fit
             int32 and :func:`unpack` can run on int32 (half the bytes of int64; at most one
             lane fewer a word).
+        subtract_own: the lanes need hold only the sum of the ``n - 1`` other ranks' levels
+            (``others`` set, no offset): each receiver knows its own words and takes them off
+            the reduced words modulo ``2**32`` (:func:`others_words`), where the sum of all
+            ``n`` may wrap without harm. At 2 ranks a lane is as wide as one rank's levels
+            (4-bit levels in 4-bit lanes, not 5); under Average the guard bits stay those of
+            ``n``.
 
     Raises:
         ValueError: ``world_size`` above ``MAX_WORLD_SIZE``, or no lane fits in an int32 word.
@@ -79,12 +89,15 @@ def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme
         raise ValueError(f"{scheme}: world size must be at most {MAX_WORLD_SIZE}, got {n}")
     guard = 0 if op == "sum" else n.bit_length()
     room, cap = 32 - guard, (1 << bits) - 1
+    summands = max(1, n - 1) if subtract_own else n  # the ranks whose levels a lane sums
     for target in range(32 // lane_bits if lane_bits else 1, 0, -1):
-        most = min(cap, ((1 << (room // target)) - 1) // n) if lane_bits else cap
+        most = min(cap, ((1 << (room // target)) - 1) // summands) if lane_bits else cap
         # The most levels, or one fewer where an odd sum fills the word (no centring fits).
         for top in (most, most - 1) if lane_bits else (cap,):
-            width = (n * top).bit_length()
+            width = (summands * top).bit_length()
             for lanes in range(room // width, target - 1, -1) if top >= 1 else ():
+                if subtract_own:  # sums wrap modulo 2**32 harmlessly: no offset
+                    return LaneLayout(lanes, width, guard, top, 0, True)
                 if centred:
                     offset = centred_offset(top, width, lanes, guard, n)
                 else:
@@ -97,10 +110,27 @@ def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme
                      f"or set lane_bits")
 
 
-def wire_bits(bits: int, world_size: int, lane_bits=None, op="average") -> float:
+def wire_bits(bits: int, world_size: int, lane_bits=None, op="average", subtract_own: bool = False) -> float:
     """Payload bits per (padded) coordinate: ``32 / lanes`` (statistics, control words and
     padding not counted)."""
-    return 32.0 / lane_layout(bits, world_size, lane_bits, op).lanes
+    return 32.0 / lane_layout(bits, world_size, lane_bits, op, subtract_own=subtract_own).lanes
+
+
+def others_words(ops, exact, own):
+    """The other ranks' summed words of a :func:`lane_layout` with ``subtract_own``: int64 [m]
+    in ``[0, 2**32)``, ``(exact - own) mod 2**32``.
+
+    Args:
+        exact: int64 [m], the exact reduced words (:func:`exact_words`: the int32 sums, which
+            may have wrapped, as they came).
+        own: int32 [m], this rank's words as it sent them (kept by the scheme's ctx; all zero
+            for a rank that did not contribute).
+
+    Every rank's words lie in ``[0, 2**32)`` as unsigned, and the others' sum of each lane
+    stays below ``2**width``, so the others' words summed as integers are below ``2**32``:
+    reduction modulo ``2**32`` of the wrapped sum minus this rank's words gives them exactly.
+    """
+    return ops.bitwise_and(exact - ops.cast(own, "int64"), 0xFFFFFFFF)
 
 
 def exact_words(ops, words, summed, world_size: int, guard: int):

@@ -226,6 +226,10 @@ class THCConfig:
     seed: int = seed_option("seeds the shared rotation and the per-rank rounding; equal on all "
                             "ranks")
     error_feedback: bool = error_feedback_option("keep y - own decoded for the next step")
+    subtract_own: bool = option(False, kind="boolean",
+                                doc="lanes sized for the other ranks' sum: each rank takes its own "
+                                    "words off the reduced ones (mod 2^32) and adds its own levels "
+                                    "back; at 2 ranks 4-bit levels in 4-bit lanes, not 5")
     flush: Optional[float] = option(1.0, kind="number", lo=0.0, lo_open=True, optional=True,
                                     doc="error feedback one step may add to a rotated coordinate, "
                                         "times the range the block's gradient alone wants: bounds "
@@ -276,6 +280,7 @@ class _THCCtx(NamedTuple):
     mismatch: object = None  # bool []: the ranks' step fingerprints disagree
     inferred: object = None  # bool []: the count word says Sum (used when the op is unknown)
     held: object = None  # float32 [P]: error feedback held back by the flush bound (step 1), or None
+    own: object = None  # int32 [m]: this rank's level words as sent (subtract_own), or None
 
 
 class THCScheme(Scheme):
@@ -330,9 +335,10 @@ class THCScheme(Scheme):
         cfg, n = self.config, info.world_size
         block = hadamard.block_size(info.numel, None if cfg.rotation == "full" else cfg.rotation_stages)
         padded = hadamard.padded_size(info.numel, block)
-        levels = lane_layout(cfg.bits, n, cfg.lane_bits, info.op)
+        own = cfg.subtract_own
+        levels = lane_layout(cfg.bits, n, cfg.lane_bits, info.op, subtract_own=own)
         if cfg.fixed_levels() and levels.top < (1 << cfg.bits) - 1:
-            wide = lane_layout(cfg.bits, n, None, info.op)
+            wide = lane_layout(cfg.bits, n, None, info.op, subtract_own=own)
             if cfg.lane_bits != type(cfg).lane_bits:
                 raise ValueError(
                     f"thc: bits={cfg.bits} ({(1 << cfg.bits) - 1} levels a rank) and lane_bits={cfg.lane_bits} "
@@ -399,8 +405,11 @@ class THCScheme(Scheme):
             ranges = state.ranges
             payload, residual, y, held, saturated = ops.fuse(_encode_kernel, plan)(
                 x, state.residual, state.diag, hmat, ranges, key, fingerprint, finite)
+        # subtract_own: this rank's level words as sent (a copy: Horovod reduces the payload in
+        # place), for step 6.
+        own = payload[:lay.words] + 0 if lay.levels.others else None
         return payload, _THCCtx(ranges, residual if self.config.error_feedback else None, y, saturated,
-                             state.diag, hmat, held=held if plan.flush is not None else None)
+                             state.diag, hmat, held=held if plan.flush is not None else None, own=own)
 
     def receive(self, ops, payload, ctx, info):
         """Step 6's control words, read once for decompress and finish."""
@@ -412,7 +421,7 @@ class THCScheme(Scheme):
     def decompress(self, ops, payload, ctx, info):
         plan = self._plan(info, self.layout(info))
         out = ops.fuse(_decode_kernel, plan)(payload, ctx.ranges, ctx.diag, ctx.hmat, ctx.count,
-                                             ctx.bad, ctx.mismatch, ctx.inferred)
+                                             ctx.bad, ctx.mismatch, ctx.inferred, ctx.own)
         return out[:info.numel] if ops.shape(out)[0] > info.numel else out
 
     def finish(self, ops, payload, ctx, state, info):

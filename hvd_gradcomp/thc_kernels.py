@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from . import hadamard, rng
 from .lanes import (TINY_SCALE, LaneLayout, agreed_scales, as_reduced, control_words, exact_words, pack as _pack,
-                    pack_scales, read_control, says_sum, unpack as _unpack)
+                    others_words, pack_scales, read_control, says_sum, unpack as _unpack)
 
 __all__ = []  # private to hvd_gradcomp.thc
 
@@ -184,8 +184,11 @@ def _encode_kernel(ops, plan: _Plan, x, residual, diag, hmat, ranges, key, finge
     return payload, residual, y, held, saturated
 
 
-def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
-    """Steps 6-7: float32 [P], the rotated-back sum (or average) of the contributors."""
+def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own=None):
+    """Steps 6-7: float32 [P], the rotated-back sum (or average) of the contributors. ``own``:
+    with lanes for the other ranks only (``subtract_own``), this rank's level words as sent
+    (int32 [m]); the lanes summed are then the others' (:func:`~hvd_gradcomp.lanes.others_words`)
+    plus this rank's own."""
     n, B, lay = plan.world_size, plan.block, plan.levels
     nb, padded = ops.shape(ranges)[0], ops.shape(diag)[0]
     summed = _summed(plan, inferred)
@@ -195,12 +198,16 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mi
     exact = exact_words(ops, ops.cast(payload[:words], "int64"), summed, n, lay.guard)
     if lay.offset:
         exact = exact + count * lay.offset
+    if lay.others:
+        exact = others_words(ops, exact, own)
     if lay.width < 32:
         # The exact sums lie in [0, 2**32): their int32 two's-complement patterns unpack to the
         # same lanes (each lane's shift and mask read bits 0..31 only, and a mask below 2**31
         # drops the sign's copies), on half the bytes of int64 over the whole [P] output.
         exact = ops.cast(ops.where(exact >= 2 ** 31, exact - 2 ** 32, exact), "int32")
     lanes = _unpack(ops, exact, lay)
+    if lay.others:
+        lanes = lanes + _unpack(ops, own, lay)
     total = ops.reshape(ops.cast(lanes[:padded] if lay.lanes * words > padded else lanes, "float32"), (nb, B))
     # One scale and one offset per block: the decoded sum S delta - c R, times 1/n under
     # Average, times 0 after a fingerprint mismatch, plus NaN when a rank failed.

@@ -296,8 +296,9 @@ def test_rotate_nonfinite(x_kind):
     assert torch.equal(ref[3], got[3])  # no block usable: all statistics words zero
 
 
-def _allreduced(scheme, info, lay, plan, n, op, seed, fingerprints=None, bad_rank=None):
-    """The all-reduced payload of ``n`` ranks (reference kernels), its ranges and diag/hmat."""
+def _allreduced(scheme, info, lay, plan, n, op, seed, fingerprints=None, bad_rank=None, sent=None):
+    """The all-reduced payload of ``n`` ranks (reference kernels), its ranges and diag/hmat.
+    ``sent``: a list that receives each rank's own payload."""
     payloads, ranges = [], None
     for r in range(n):
         x, residual, diag, hmat, rng_ranges = _inputs(scheme, info, lay, seed=seed + r)
@@ -310,7 +311,9 @@ def _allreduced(scheme, info, lay, plan, n, op, seed, fingerprints=None, bad_ran
         rows, cols = _noise(lay, 1000 * seed + r)
         fp = torch.tensor(fingerprints[r] if fingerprints else 2)
         payloads.append(K._quantize_kernel(R, plan, y, held, ranges, rows, cols, fp, finite, stats)[0])
-    wrap = bad_rank is not None
+    if sent is not None:
+        sent.extend(payloads)
+    wrap = bad_rank is not None or lay.levels.others  # lanes for the others: sums may wrap
     total = emulate_allreduce([p.numpy() for p in payloads], op or "sum", n, wrap=wrap)
     return torch.from_numpy(total), ranges, diag, hmat
 
@@ -330,6 +333,34 @@ def test_decode_matches_reference(n, op, config, d):
     assert (got.shape, got.dtype) == (ref.shape, ref.dtype)
     tol = _block_tol(ref, lay.block, 1e-5) + 1e-30
     assert ((got - ref).abs() <= tol).all(), float(((got - ref).abs() - tol).max())
+
+
+@pytest.mark.parametrize("n,op", [(1, "sum"), (2, "sum"), (2, "average"), (3, "sum"), (3, None), (5, "average")])
+@pytest.mark.parametrize("config", [{}, {"bits": 3}, {"lane_bits": None, "bits": 8}], ids=["default", "bits3", "wide"])
+def test_decode_subtract_own_matches_reference(n, op, config):
+    """``subtract_own`` (lanes for the other ranks only): the C loop's decode of rank 0's view
+    (its own words taken off, modulo 2**32, its levels added back) equals the reference's, and
+    the reference's equals the plain layout's decode of the same levels, to float32 rounding."""
+    d = 2500
+    scheme, info, lay, plan = _setup(d, n=n, op=op, subtract_own=True, **config)
+    assert lay.levels.others and lay.levels.offset == 0
+    sent = []
+    payload, ranges, diag, hmat = _allreduced(scheme, info, lay, plan, n, op, seed=3, sent=sent)
+    own = sent[0][:lay.words].clone()
+    count, bad, mismatch, inferred = K._receive_kernel(R, plan, payload)
+    assert int(count) == n and not bool(mismatch) and int(bad) == 0
+    ref = K._decode_kernel(R, plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
+    got = cpu_thc.decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
+    tol = _block_tol(ref, lay.block, 1e-5) + 1e-30
+    assert ((got - ref).abs() <= tol).all(), float(((got - ref).abs() - tol).max())
+    # the plain layout at the same levels, from the same ranks' levels: the same sums
+    plain_scheme, _, plain, plain_plan = _setup(d, n=n, op=op, lane_bits=None, bits=config.get("bits", 4))
+    if plain.levels.top == lay.levels.top:
+        assert plain.words >= lay.words
+        plain_payload = _allreduced(plain_scheme, info, plain, plain_plan, n, op, seed=3)[0]
+        plain_ref = K._decode_kernel(R, plain_plan, plain_payload, ranges, diag, hmat, count, bad, mismatch,
+                                     K._receive_kernel(R, plain_plan, plain_payload)[3])
+        assert torch.equal(plain_ref, ref)
 
 
 @pytest.mark.parametrize("case", ["bad", "mismatch"])
@@ -849,18 +880,22 @@ def test_result_independent_of_vector_width():
         lib.hgc_thc_rotate(x.data_ptr(), x.numel(), diag.data_ptr(), padded, block, residual.data_ptr(),
                            y.data_ptr(), held.data_ptr(), wanted.data_ptr(),
                            plan.threshold / math.sqrt(block), 1.0)
-        out = torch.empty(padded)
         words = lay.words
         payload = torch.randint(0, 1 << 20, (words,), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
         one, zero = torch.tensor(3), torch.tensor(0)
         no = torch.tensor(False)
         lev = lay.levels
-        lib.hgc_thc_decode.argtypes = [P, P, I, I, P, I, I, I, I, I, I, P, P, P, P, F, F, F, P]
-        lib.hgc_thc_decode(payload.data_ptr(), ranges.data_ptr(), padded, block, diag.data_ptr(), lev.lanes,
-                           lev.width, lev.guard, lev.offset, 3, 0, one.data_ptr(), zero.data_ptr(),
-                           no.data_ptr(), no.data_ptr(), K._grid(lev.top), 0.5 * K._top_level(lev.top),
-                           1.0 / 3, out.data_ptr())
-        return torch.cat([y, held, wanted, out])
+        lib.hgc_thc_decode.argtypes = [P, P, I, I, P, I, I, I, I, I, I, P, P, P, P, F, F, F, P, P]
+        outs = []
+        for own in (None, torch.randint(0, 1 << 20, (words,), dtype=torch.int32,
+                                        generator=torch.Generator().manual_seed(2))):
+            out = torch.empty(padded)
+            lib.hgc_thc_decode(payload.data_ptr(), ranges.data_ptr(), padded, block, diag.data_ptr(), lev.lanes,
+                               lev.width, lev.guard, lev.offset, 3, 0, one.data_ptr(), zero.data_ptr(),
+                               no.data_ptr(), no.data_ptr(), K._grid(lev.top), 0.5 * K._top_level(lev.top),
+                               1.0 / 3, None if own is None else own.data_ptr(), out.data_ptr())
+            outs.append(out)
+        return torch.cat([y, held, wanted] + outs)
 
     native = run(cbuild.load("thc"))
     for flags in variants:

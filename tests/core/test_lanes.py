@@ -48,6 +48,42 @@ def test_lanes_never_carry_up_to_max_world_size():
         lane_layout(4, MAX_WORLD_SIZE + 1)
 
 
+def test_subtract_own_lanes_recover_the_others_sum():
+    """``subtract_own``: lanes for the other ranks' levels only. For every (bits, lane_bits, op)
+    and world size up to 1024 the layout is np_lanes's, a lane holds the sum of n - 1 ranks
+    at the top level, and from the int32 sum of all n ranks' words (wrapped modulo 2**32, the
+    int32 Sum's two's complement) a rank recovers the others' lanes by others_words; the
+    layout never holds fewer levels in as many lanes as the summing layout's (at lane_bits=8
+    from 64 ranks on it may trade levels for a lane, as that option's rule says)."""
+    from hvd_gradcomp.lanes import others_words
+    ops = backend_ops("torch")
+    import torch
+    for bits, lane_bits, op in [(b, lb, op) for b in (1, 2, 4, 8) for lb in (None, 8, 16) for op in ("sum", "average")]:
+        for n in range(1, MAX_WORLD_SIZE + 1):
+            lay = lane_layout(bits, n, lane_bits, op, subtract_own=True)
+            top, guard, width, lanes, k = np_lanes(bits, n, lane_bits, op, own=True)
+            assert (lay.top, lay.guard, lay.width, lay.lanes, lay.offset, lay.others) == (top, guard, width, lanes, 0,
+                                                                                         True)
+            assert max(1, n - 1) * top < 2 ** width and guard + lanes * width <= 32
+            try:
+                plain = lane_layout(bits, n, lane_bits, op)
+            except ValueError:
+                continue
+            assert (top >= plain.top and lanes >= plain.lanes) or lanes > plain.lanes
+    gen = np.random.default_rng(0)
+    for n, op in ((2, "sum"), (2, "average"), (3, "sum"), (5, "average")):
+        lay = lane_layout(4, n, 8, op, subtract_own=True)
+        levels = gen.integers(0, lay.top + 1, (n, lay.lanes, 64))
+        levels[:, :, 0] = lay.top  # every rank at the top in every lane
+        words = np.array([sum(levels[r, j].astype(np.int64) << (lay.guard + j * lay.width) for j in range(lay.lanes))
+                          for r in range(n)])
+        total = (words.sum(0) + 2 ** 31) % 2 ** 32 - 2 ** 31  # the int32 Sum, wrapped
+        own = (words[0] + 2 ** 31) % 2 ** 32 - 2 ** 31  # rank 0's words as int32
+        got = _np(others_words(ops, torch.from_numpy(total), torch.from_numpy(own).to(torch.int32)))
+        want = levels[1:].sum(0)
+        for j in range(lay.lanes):
+            np.testing.assert_array_equal((got >> (lay.guard + j * lay.width)) & ((1 << lay.width) - 1), want[j])
+
 
 def test_docs_table_matches_layout():
     """docs/thc.md's table of wire bits (the one thc.py's docstring points to) is the layout's."""

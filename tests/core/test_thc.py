@@ -197,6 +197,41 @@ def test_simulated_sum_and_average(n, config, infer):
                 np.testing.assert_array_equal(_np(log["ctxs"][0].ranges), log["side"])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("infer", [False, True], ids=["op_known", "op_inferred"])
+def test_subtract_own_decodes_as_the_summing_layout(backend, n, infer):
+    """``subtract_own``: lanes for the other ranks' sum, whose all-reduced words may wrap; each
+    rank's output is the float64 reference's from the ranks' own levels, and bit for bit the
+    output of the summing layout at the same levels (same rounding, same grid), in no more
+    words (fewer at 2 and 3 ranks); the states and next ranges too. A rank in ``hvd.join()``
+    (contributing zeros) and a rank whose gradient is not finite are handled as with the
+    summing layout."""
+    for op in ("sum", "average"):
+        own = Ranks(backend, n, (70, 50), THCConfig(subtract_own=True), op=op, infer=infer)
+        plain = Ranks(backend, n, (70, 50), THCConfig(), op=op, infer=infer)
+        assert own.lay["L"] == plain.lay["L"] == 15 and own.lay["words"] <= plain.lay["words"]
+        if n <= 3:
+            assert own.lay["words"] < plain.lay["words"]
+        gen = np.random.default_rng([n, infer])
+        for t in range(4):
+            xs = [gen.standard_normal((70, 50)) * gen.uniform(0.5, 2.0) for _ in range(n)]
+            contribute = [r != n - 1 for r in range(n)] if t == 3 and not infer else None  # last: states lag
+            a, b = own.step(xs, contribute), plain.step(xs, contribute)
+            ref = own.check_reference(a)
+            if t:
+                assert np.abs(ref).max() > 0.1
+            for x, y in zip(a["outs"], b["outs"]):
+                assert (x is None and y is None) or np.array_equal(x, y)
+            for sa, sb in zip(a["after"], b["after"]):
+                for f in sa._fields:
+                    np.testing.assert_array_equal(_np(getattr(sa, f)), _np(getattr(sb, f)), err_msg=f)
+        if infer:  # (after a join the joined rank lags: realigned, tested apart)
+            xs = [gen.standard_normal((70, 50)) for _ in range(n)]
+            xs[1][3, 4] = np.nan
+            _fails_cleanly_on_rank_1(own, xs, gen)
+
+
 def _fails_cleanly_on_rank_1(sim, xs, gen):
     """One step in which rank 1's gradient counts as not finite: NaN in every coordinate of
     every rank's output, every rank's whole state as it was, rank 1's "not finite" word set;

@@ -44,19 +44,24 @@ def state_np(state):
     return {f: _np(v) for f, v in zip(state._fields, state)}
 
 
-def np_lanes(bits, n, lane_bits=8, op="average"):
+def np_lanes(bits, n, lane_bits=8, op="average", own=False):
     """(L, guard, width, lanes, offset) of the levels from thc.py's docstring, step 5, found by
-    trying every candidate in order (independent of thc.lane_layout's loops)."""
+    trying every candidate in order (independent of thc.lane_layout's loops). ``own``
+    (``subtract_own``): lanes for the sum of the other ``max(1, n - 1)`` ranks, no offset."""
     guard = 0 if op == "sum" else n.bit_length()
     room, cap = 32 - guard, (1 << bits) - 1
+    summands = max(1, n - 1) if own else n
     candidates = []
     for target in range(32 // lane_bits if lane_bits else 1, 0, -1):
-        most = min(cap, (2 ** (room // target) - 1) // n) if lane_bits else cap
+        most = min(cap, (2 ** (room // target) - 1) // summands) if lane_bits else cap
         for top in ((most, most - 1) if lane_bits else (cap,)):
             if top >= 1:
-                width = int(n * top).bit_length()
+                width = int(summands * top).bit_length()
                 candidates += [(top, width, lanes) for lanes in range(room // width, target - 1, -1)]
     for top, width, lanes in candidates:
+        if own:  # lanes * width + guard <= 32 by construction; sums may wrap modulo 2**32
+            assert guard + lanes * width <= 32
+            return top, guard, width, lanes, 0
         peak = top * sum(2 ** (guard + j * width) for j in range(lanes))
         for k in ((peak // 2) // 2 ** guard * 2 ** guard + i * 2 ** guard for i in (0, 1)):
             if peak < 2 ** 31 and n * k <= 2 ** 31 and n * (peak - k) < 2 ** 31:
@@ -64,9 +69,9 @@ def np_lanes(bits, n, lane_bits=8, op="average"):
     raise ValueError("no layout")
 
 
-def np_layout(bits, n, d, block, blocking=False, lane_bits=8, op="average"):
+def np_layout(bits, n, d, block, blocking=False, lane_bits=8, op="average", own=False):
     """The payload layout from the formulas of thc.py's docstring (independent of THCScheme)."""
-    levels_max, guard, width, lanes, offset = np_lanes(bits, n, lane_bits, op)
+    levels_max, guard, width, lanes, offset = np_lanes(bits, n, lane_bits, op, own)
     padded = -(-d // block) * block
     blocks = padded // block
     width_s = (CODE_MAX * n).bit_length()
@@ -83,13 +88,14 @@ def layout_of(scheme, info):
     cfg = scheme.config
     block = hadamard.block_size(info.numel, None if cfg.rotation == "full" else cfg.rotation_stages)
     return np_layout(cfg.bits, info.world_size, info.numel, block, cfg.range == "current",
-                     effective_lane_bits(cfg.bits, info.world_size, cfg.lane_bits, info.op), info.op)
+                     effective_lane_bits(cfg.bits, info.world_size, cfg.lane_bits, info.op, cfg.subtract_own),
+                     info.op, cfg.subtract_own)
 
 
-def effective_lane_bits(bits, n, lane_bits=8, op="average"):
+def effective_lane_bits(bits, n, lane_bits=8, op="average", own=False):
     """The lane_bits the layout follows: bits other than 4 is honoured, so the default
     lane_bits=8 widens (None) where its lanes would shrink the levels (thc.py, step 5)."""
-    if bits != 4 and lane_bits == 8 and np_lanes(bits, n, 8, op or "average")[0] < 2 ** bits - 1:
+    if bits != 4 and lane_bits == 8 and np_lanes(bits, n, 8, op or "average", own)[0] < 2 ** bits - 1:
         return None
     return lane_bits
 
@@ -230,7 +236,9 @@ class Ranks:
         own = {r: _np(p) for r, (p, _) in sent.items()}
         for p in own.values():
             assert p.dtype == np.int32, p.dtype
-        reduced = emulate_allreduce(list(own.values()), self.op, self.n, wrap=self.wrap)
+        # subtract_own: the words' sum may wrap (int32 two's complement), by design
+        reduced = emulate_allreduce(list(own.values()), self.op, self.n,
+                                    wrap=self.wrap or self.scheme.config.subtract_own)
         outs, after = [], []
         for r in range(self.n):
             if live[r]:

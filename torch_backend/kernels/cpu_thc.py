@@ -71,7 +71,7 @@ _lib.hgc_thc_rotate.argtypes = [_P, _I, _P, _I, _I, _P, _P, _P, _P, _F, _F]
 _lib.hgc_thc_rotate.restype = None
 _lib.hgc_thc_quantize.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I] + [_F] * 7
 _lib.hgc_thc_quantize.restype = _I
-_lib.hgc_thc_decode.argtypes = [_P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _F, _F, _F, _P]
+_lib.hgc_thc_decode.argtypes = [_P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _F, _F, _F, _P, _P]
 _lib.hgc_thc_decode.restype = None
 _lib.hgc_thc_noise.argtypes = [_P, _I, _I, _P, _P]
 _lib.hgc_thc_noise.restype = None
@@ -230,16 +230,20 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
     return payload, residual, y, held, saturated
 
 
-def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
+def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own=None):
     """Fused ``_decode_kernel`` (steps 6-7): float32 [P] within float32 rounding of the
-    reference's (module docstring)."""
+    reference's (module docstring); ``own``: this rank's level words (``subtract_own``)."""
+    lay = plan.levels
     if not (_ok(payload, ranges, diag, count, bad, mismatch, inferred) and payload.dtype == torch.int32
             and ranges.dtype == torch.float32 and diag.dtype == torch.float32 and count.dtype == torch.int64
-            and bad.dtype == torch.int64 and mismatch.dtype == torch.bool and inferred.dtype == torch.bool):
-        return _decode_kernel(_ops(), plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred)
-    lay, block = plan.levels, plan.block
+            and bad.dtype == torch.int64 and mismatch.dtype == torch.bool and inferred.dtype == torch.bool
+            and (own is None) == (not lay.others)
+            and (own is None or (_ok(own) and own.dtype == torch.int32 and own.numel() == -(-diag.shape[0] // lay.lanes)))):
+        return _decode_kernel(_ops(), plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
+    block = plan.block
     padded = diag.shape[0]
     payload, ranges, diag = payload.contiguous(), ranges.contiguous(), diag.contiguous()
+    own = own.contiguous() if own is not None else None
     count, bad = count.contiguous(), bad.contiguous()
     mismatch, inferred = mismatch.contiguous(), inferred.contiguous()
     out = torch.empty(padded, dtype=torch.float32)
@@ -247,7 +251,7 @@ def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
     _lib.hgc_thc_decode(_ptr(payload), _ptr(ranges), padded, block, _ptr(diag), lay.lanes, lay.width, lay.guard,
                         lay.offset, plan.world_size, summed, count.data_ptr(), bad.data_ptr(),
                         mismatch.data_ptr(), inferred.data_ptr(), _grid(lay.top), 0.5 * _top_level(lay.top),
-                        1.0 / plan.world_size, _ptr(out))
+                        1.0 / plan.world_size, _ptr(own) if own is not None else None, _ptr(out))
     return out
 
 

@@ -153,10 +153,11 @@ def _quantize(y_ptr, held_ptr, ranges_ptr, rows_ptr, cols_ptr, payload_ptr, res_
 
 @triton.jit
 def _decode(payload_ptr, ranges_ptr, diag_ptr, h_ptr, count_ptr, bad_ptr, mismatch_ptr, inferred_ptr,
-            out_ptr, W, grid_step, inv_n, half_top,
+            own_ptr, out_ptr, W, grid_step, inv_n, half_top,
             N: tl.constexpr, OP: tl.constexpr, WIDTH: tl.constexpr, GUARD: tl.constexpr,
-            OFFSET: tl.constexpr, S: tl.constexpr):
-    # OP: 0 Average, 1 Sum, 2 unknown (the count word's inference decides).
+            OFFSET: tl.constexpr, OWN: tl.constexpr, S: tl.constexpr):
+    # OP: 0 Average, 1 Sum, 2 unknown (the count word's inference decides). OWN: lanes for the
+    # other ranks only (lanes.others_words): own_ptr holds this rank's words as sent.
     b = tl.program_id(0)
     r = tl.arange(0, S)
     tile = r[:, None] * S + r[None, :]
@@ -170,7 +171,12 @@ def _decode(payload_ptr, ranges_ptr, diag_ptr, h_ptr, count_ptr, bad_ptr, mismat
         exact = exact + count * OFFSET
     mask: tl.constexpr = (1 << WIDTH) - 1
     shift = (GUARD + lane * WIDTH).to(tl.int64)
-    total = ((exact >> shift) & mask).to(tl.float32)
+    if OWN:
+        mine = tl.load(own_ptr + word_at).to(tl.int64) & 0xFFFFFFFF
+        total = ((((exact - mine) & 0xFFFFFFFF) >> shift) & mask) + ((mine >> shift) & mask)
+        total = total.to(tl.float32)
+    else:
+        total = ((exact >> shift) & mask).to(tl.float32)
     # as_reduced(where(mismatch, 0, 1)), then a = R * (grid * scale)
     scale = tl.where(tl.load(mismatch_ptr) != 0, 0.0, 1.0)
     if OP == 0:
@@ -252,12 +258,14 @@ def quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words
     return payload, residual, tail(plan, payload, w, stats_words, fingerprint, finite, partial)
 
 
-def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
+def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own=None):
     """Fused ``_decode_kernel`` (steps 6-7).
 
     Args:
         payload: int32 [w + S + 4], all-reduced; ranges: float32 [nb]; diag: float32 [P];
-        hmat: float32 [32, 32]; count, bad: int64 0-d; mismatch, inferred: bool 0-d.
+        hmat: float32 [32, 32]; count, bad: int64 0-d; mismatch, inferred: bool 0-d;
+        own: int32 [w], this rank's level words as sent, with lanes for the other ranks only
+            (``plan.levels.others``), else None.
 
     Returns:
         float32 [P]: the rotated-back sum (or average) of the contributors, as the reference's.
@@ -267,11 +275,13 @@ def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred):
     padded = diag.shape[0]
     out = torch.empty(padded, dtype=torch.float32, device=diag.device)
     op = op_code(plan.op)
+    mine = own.contiguous() if lay.others else payload
     with _on(diag):
-        _decode[(padded // BLOCK,)](payload, ranges, diag, hmat, count, bad, mismatch, inferred, out,
+        _decode[(padded // BLOCK,)](payload, ranges, diag, hmat, count, bad, mismatch, inferred, mine, out,
                                     -(-padded // lay.lanes), core._grid(lay.top), 1.0 / n,
                                     0.5 * core._top_level(lay.top), N=n, OP=op, WIDTH=lay.width,
-                                    GUARD=lay.guard, OFFSET=lay.offset, S=SIDE, **_OPTIONS)
+                                    GUARD=lay.guard, OFFSET=lay.offset, OWN=bool(lay.others), S=SIDE,
+                                    **_OPTIONS)
     return out
 
 
@@ -311,16 +321,17 @@ _QUANTIZE_SIG = {"y_ptr": "*fp32", "held_ptr": "*fp32", "ranges_ptr": "*fp32", "
                  "B": "constexpr", "TILE_W": "constexpr"}
 _DECODE_SIG = {"payload_ptr": "*i32", "ranges_ptr": "*fp32", "diag_ptr": "*fp32", "h_ptr": "*fp32",
                "count_ptr": "*i64", "bad_ptr": "*i64", "mismatch_ptr": "*i1", "inferred_ptr": "*i1",
-               "out_ptr": "*fp32", "W": "i32", "grid_step": "fp32", "inv_n": "fp32", "half_top": "fp32",
-               "N": "constexpr", "OP": "constexpr", "WIDTH": "constexpr", "GUARD": "constexpr",
-               "OFFSET": "constexpr", "S": "constexpr"}
+               "own_ptr": "*i32", "out_ptr": "*fp32", "W": "i32", "grid_step": "fp32", "inv_n": "fp32",
+               "half_top": "fp32", "N": "constexpr", "OP": "constexpr", "WIDTH": "constexpr",
+               "GUARD": "constexpr", "OFFSET": "constexpr", "OWN": "constexpr", "S": "constexpr"}
 
 
 def _aot():
     """The variants compiled for sm_90 by the tests: the rotation in each of its six
     (error feedback, flush bound, saturation) combinations; the quantiser and decoder at THC's
     default layouts for 8 ranks under Average (guard bits, offset) and 2 ranks under Sum (no
-    guard bits), and the decoder with the op unknown. The small steps' programs:
+    guard bits), the decoder with the op unknown, and the decoder with lanes for the other ranks
+    only (``subtract_own``) at 2 ranks under Average. The small steps' programs:
     ``triton_thc_words.AOT``."""
     from hvd_gradcomp.lanes import lane_layout
     out = [(f"rotate[ef={ef},flush={flush},saturation={sat}]", _rotate, _ROTATE_SIG,
@@ -333,7 +344,11 @@ def _aot():
                      "EF": ef, "FLUSH": flush, "B": BLOCK, "TILE_W": TILE}))
         out.append((f"decode[n={n},op={op}]", _decode, _DECODE_SIG,
                     {"N": n, "OP": op_code(op), "WIDTH": lay.width, "GUARD": lay.guard,
-                     "OFFSET": lay.offset, "S": SIDE}))
+                     "OFFSET": lay.offset, "OWN": False, "S": SIDE}))
+    lay = lane_layout(4, 2, 8, "average", subtract_own=True)
+    out.append(("decode[n=2,op=average,own]", _decode, _DECODE_SIG,
+                {"N": 2, "OP": op_code("average"), "WIDTH": lay.width, "GUARD": lay.guard,
+                 "OFFSET": 0, "OWN": True, "S": SIDE}))
     return out
 
 

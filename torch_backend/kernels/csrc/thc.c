@@ -330,9 +330,12 @@ int64_t hgc_thc_quantize(const float *restrict y, const float *restrict held,
  * in uint32: n word rounded to a multiple of 2**guard (up for word >= 0, down for a negative
  * word) has the same low 32 bits as the reference's int64 value (rounding to a multiple of
  * 2**guard < 2**32 commutes with reduction modulo 2**32, and its 2**40 bias is 0 modulo 2**32),
- * and so has the sum with count offset. */
-static inline void decode_run(const int32_t *restrict wp, float *restrict o, int64_t m,
-                              int exact_as_is, uint32_t n, uint32_t low, uint32_t add,
+ * and so has the sum with count offset.
+ * own (lanes for the other ranks only, lanes.others_words; NULL otherwise): this rank's words as
+ * sent, int32 [W]; then S = ((exact - own) >> shift & mask) + (own >> shift & mask), exact and
+ * own taken modulo 2**32 (offset 0). */
+static inline void decode_run(const int32_t *restrict wp, const int32_t *restrict op, float *restrict o,
+                              int64_t m, int exact_as_is, uint32_t n, uint32_t low, uint32_t add,
                               unsigned shift, uint32_t mask, int wide, float offset_f, float a)
 {
     for (int64_t k = 0; k < m; k++) {
@@ -343,7 +346,13 @@ static inline void decode_run(const int32_t *restrict wp, float *restrict o, int
             uint32_t nw = w * n;
             x = (wp[k] < 0 ? nw : nw + low) & ~low;
         }
-        uint32_t lane = ((x + add) >> shift) & mask;
+        uint32_t lane;
+        if (op) {
+            uint32_t mine = (uint32_t)op[k];
+            lane = (((x - mine) >> shift) & mask) + ((mine >> shift) & mask);
+        } else {
+            lane = ((x + add) >> shift) & mask;
+        }
         /* a lane below 2**31 converts as int32 (cheaper), a 32-bit lane as unsigned: the same
          * integer, the same correctly rounded float */
         float t = wide ? (float)lane : (float)(int32_t)lane;
@@ -356,7 +365,7 @@ void hgc_thc_decode(const int32_t *restrict payload, const float *restrict range
                     int64_t guard, int64_t offset, int64_t n, int64_t summed,
                     const int64_t *count_p, const int64_t *bad_p, const uint8_t *mismatch_p,
                     const uint8_t *inferred_p, float grid, float half_top, float inv_n,
-                    float *restrict out)
+                    const int32_t *restrict own, float *restrict out)
 {
     int64_t W = (P + lanes - 1) / lanes, nb = P / B;
     int is_sum = summed < 0 ? (*inferred_p != 0) : (int)summed;
@@ -377,13 +386,16 @@ void hgc_thc_decode(const int32_t *restrict payload, const float *restrict range
             int64_t e = (j + 1) * W < (b + 1) * B ? (j + 1) * W : (b + 1) * B;
             unsigned shift = (unsigned)(guard + j * width);
             const int32_t *restrict wp = payload + (s - j * W);
+            const int32_t *restrict op = own ? own + (s - j * W) : NULL;
             float *restrict o = ob + (s - b * B);
-            if (exact_as_is && !wide)
-                decode_run(wp, o, e - s, 1, (uint32_t)n, low, add, shift, mask, 0, offset_f, a);
+            if (own)
+                decode_run(wp, op, o, e - s, exact_as_is, (uint32_t)n, low, add, shift, mask, wide, offset_f, a);
+            else if (exact_as_is && !wide)
+                decode_run(wp, NULL, o, e - s, 1, (uint32_t)n, low, add, shift, mask, 0, offset_f, a);
             else if (!wide)
-                decode_run(wp, o, e - s, 0, (uint32_t)n, low, add, shift, mask, 0, offset_f, a);
+                decode_run(wp, NULL, o, e - s, 0, (uint32_t)n, low, add, shift, mask, 0, offset_f, a);
             else
-                decode_run(wp, o, e - s, exact_as_is, (uint32_t)n, low, add, shift, mask, 1, offset_f, a);
+                decode_run(wp, NULL, o, e - s, exact_as_is, (uint32_t)n, low, add, shift, mask, 1, offset_f, a);
             s = e;
         }
         wht(ob, B);
