@@ -82,6 +82,18 @@ Steps of ``compress`` (no collective):
        ``0 < k < 2**h``, e.g. a rank back from ``hvd.join()``; a hash would miss a one-step
        lag once in ``2**h`` steps). A lane holds the sum over ``n`` ranks without carrying
        into the next.
+       ``subtract_own=true``: the level lanes hold only the sum over the other ``n - 1``
+       ranks (``w = bit_length((n - 1) L)``, no offset; :func:`~hvd_gradcomp.lanes.lane_layout`).
+       The int32 sum of all ``n`` ranks' words may then wrap, harmlessly: each rank keeps its
+       own level words (ctx), and step 6 takes them off the exact reduced words modulo
+       ``2**32`` (the others' words, exactly: :func:`~hvd_gradcomp.lanes.others_words`) and
+       adds its own lanes back. The sums decoded are the same bit for bit, in fewer words
+       where ``bit_length((n - 1) L) < bit_length(n L)``: at 2 ranks 4-bit levels take 4-bit
+       lanes (8 a word under Sum, 7 under Average) instead of 5-bit ones (6), 14-25% fewer
+       bytes; at 3 ranks (and 5 under Sum) one lane more a word; at 4, 8 and 16 nothing
+       (the table: docs/thc.md, "Lanes for the other ranks"). The statistics and
+       control words stay plain sums. A payload summed in place (Horovod's) needs the copy the
+       ctx keeps: ``m`` int32 words more memory and one copy a step.
 
 Horovod all-reduces the words with Sum or Average (a rank in ``hvd.join()`` contributes zeros).
 

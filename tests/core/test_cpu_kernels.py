@@ -363,6 +363,29 @@ def test_decode_subtract_own_matches_reference(n, op, config):
         assert torch.equal(plain_ref, ref)
 
 
+def test_subtract_own_runs_the_c_decode(monkeypatch):
+    """Through ``ops.fuse`` a ``subtract_own`` THC decompress takes the C loop with the ctx's
+    own words (the composition, its fallback, made to fail here), at world size 1 (the
+    all-reduce the identity: the others' words all zero)."""
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("cpu_thc.decode fell back to the composition")
+    info = TensorInfo("w", (3000,), "float32", 1, 0, "sum")
+    ops = one_rank(OPS)
+    x = torch.randn(3000)
+    outs = []
+    for own in (False, True):
+        scheme = THCScheme(THCConfig(subtract_own=own))
+        state = scheme.init(ops, info, torch.zeros(1))
+        for step in range(3):
+            payload, ctx = compress_tensor(scheme, ops, x, state, info)
+            if own:
+                monkeypatch.setattr(cpu_thc, "_decode_kernel", no_fallback)
+                assert ctx.own is not None and ctx.own.data_ptr() != payload.data_ptr()
+            out, state = finish_tensor(scheme, ops, payload, ctx, state, info)
+            outs.append(out)
+    assert all(torch.equal(a, b) for a, b in zip(outs[:3], outs[3:])) and outs[-1].abs().max() > 0.1
+
+
 @pytest.mark.parametrize("case", ["bad", "mismatch"])
 def test_decode_bad_rank_and_mismatch(case):
     """A rank not finite: NaN everywhere, as the reference; fingerprints that disagree: 0."""

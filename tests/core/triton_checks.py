@@ -100,8 +100,8 @@ def _randn(g, n, device, scale=1.0):
 
 
 # ---- THC ----
-def _thc(n, op, ef, flush, saturation, d):
-    cfg = THCConfig(error_feedback=ef, flush=flush, saturation=saturation)
+def _thc(n, op, ef, flush, saturation, d, own=False):
+    cfg = THCConfig(error_feedback=ef, flush=flush, saturation=saturation, subtract_own=own)
     scheme = THCScheme(cfg)
     info = TensorInfo("triton.thc", (d,), "float32", n, 0, op)
     lay = scheme.layout(info)
@@ -122,14 +122,15 @@ def _forms(plan):
     return got
 
 
-def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=None, seed=0):
+def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=None, seed=0, own=False):
     """THC's three kernels at one configuration (module docstring).
 
     ``nonfinite``: None; ``"nan"`` (a NaN in ``x``, ``finite`` false); ``"overflow"`` (finite
     ``x`` whose rotation overflows float32, ``finite`` true on entry); ``"rank"`` (one rank of
     the all-reduce not finite: the decoder's NaN); ``"mismatch"`` (ranks' fingerprints differ:
-    the decoder's 0)."""
-    scheme, info, lay, plan = _thc(n, op, ef, flush, saturation, d)
+    the decoder's 0). ``own``: ``subtract_own`` (lanes for the other ranks; the int32 sum
+    wraps; rank 0 decodes with its own words)."""
+    scheme, info, lay, plan = _thc(n, op, ef, flush, saturation, d, own)
     rotate, quantize, decode, noise, receive, finish = _forms(plan)
     g, dev = _gen(seed, device)
     x = _randn(g, d, dev, 3.0)
@@ -200,6 +201,8 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
     # Decode the all-reduce of the ranks' payloads (Sum, or Horovod's truncated Average).
     actual = op or ("sum" if seed % 2 else "average")
     total = torch.stack([p.to(torch.int64) for p in payloads]).sum(0)
+    if own:  # the int32 Sum wraps modulo 2**32
+        total = torch.remainder(total + 2 ** 31, 2 ** 32) - 2 ** 31
     if actual == "average":
         total = torch.div(total, n, rounding_mode="trunc")
     reduced = total.to(torch.int32)
@@ -216,8 +219,10 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
     problems += _structure(f"{tag}: finish", got, want)
     for name, a, b in zip(("ranges", "step", "realigned", "saturated", "ok"), got, want):
         problems += _equal(f"{tag}: finish {name}", a, b)
-    got = decode(plan, reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred)
-    want = thc_kernels._decode_kernel(R, plan, reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred)
+    mine = payloads[0][:lay.words].clone() if own else None
+    got = decode(plan, reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred, mine)
+    want = thc_kernels._decode_kernel(R, plan, reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred,
+                                      mine)
     problems += _structure(f"{tag}: decode", got, want)
     if not problems:
         problems += _close(f"{tag}: decode", got, want)
@@ -246,6 +251,11 @@ THC_CASES = [
     (3100, 2, "sum", True, 1.0, False, "overflow"),
     (3100, 3, "average", True, 1.0, True, "rank"),
     (3100, 2, None, True, 1.0, True, "mismatch"),
+    # subtract_own (the trailing seed, own): lanes for the other ranks, 2 ranks under each op, 3 wrapping
+    (3000, 2, "average", False, None, True, None, 0, True),
+    (2999, 2, "sum", True, 1.0, True, None, 1, True),
+    (3073, 3, "sum", True, 1.0, True, None, 0, True),
+    (3100, 3, None, True, 1.0, True, "rank", 1, True),
 ]
 
 

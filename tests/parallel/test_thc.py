@@ -28,6 +28,9 @@ least two steps.
 - 4 ranks: every coordinate of every rank at the top level L, at 2, 4 and 8 bits (8 bits at 4
   ranks: the 8-bit lanes cap L at 31, filling a 7-bit lane to 124 of 127): the all-reduced
   lanes equal the sums of the ranks' levels, so nothing carried.
+- 2, 3 and 4 ranks: ``subtract_own`` (lanes for the other ranks' sum) decodes bit for bit as
+  the summing layout, every coordinate at the top level (the int32 sums wrap at 3 and 4
+  ranks) and on a random tensor, the payload reduced in place (``hvd.allreduce_``).
 - 2 ranks, PyTorch and TensorFlow: a 1e6 drop in gradient scale (the flush bound).
 - 2 ranks (TensorFlow): ``DistributedGradientTape`` inside ``tf.function``, a direct Sum, the
   hand-made path under Average (TF's int32 Average), and NaN on one rank.
@@ -111,6 +114,28 @@ def _top_input(scheme, ops, info, like):
     x = np.zeros(info.numel, np.float32)
     x[0] = 3.0 * np.sign(diag[0])
     return x.reshape(info.shape)
+
+
+def _own_against_plain(hvd, torch, Compression, OPS, TensorInfo, n, r):
+    """``subtract_own`` against the summing layout, both ops: every coordinate at the top
+    level (the int32 sums of the own-lane words wrap at 3 and 4 ranks), then a random tensor;
+    the payload all-reduced in place (``hvd.allreduce_``, as ``DistributedOptimizer`` does), so
+    the decode must use the ctx's copy of this rank's words. {op: [plain outs, own outs, words]}."""
+    out = {}
+    for op_name, op in (("sum", hvd.Sum), ("average", hvd.Average)):
+        runs = []
+        for own in (False, True):
+            comp = Compression.thc(rotation="full", saturation=False, subtract_own=own)
+            info = TensorInfo("own", (4096,), "float32", n, r)
+            inputs = [_top_input(comp.scheme, OPS, info, torch.zeros(1))] * 2 + [_inputs(r, 9, 0).reshape(-1)[:4096]]
+            outs = []
+            for t, x in enumerate(inputs):
+                payload, ctx = comp.compress(torch.tensor(x), name="own")
+                hvd.allreduce_(payload, op=op, name=f"own.{op_name}.{own}.{t}")
+                outs.append(np.array(comp.decompress(payload, ctx).numpy(), copy=True))
+            runs.append((outs, int(payload.numel())))
+        out[op_name] = [runs[0][0], runs[1][0], (runs[0][1], runs[1][1])]
+    return out
 
 
 def _spy_op(comp):
@@ -231,6 +256,7 @@ def worker_torch():
         out[f"opt_{op}"] = {"names": names, "steps": steps, "ops": seen}
 
     out.update(_drop_runs(hvd, Compression.from_spec, torch.tensor, _state_np))
+    out["own"] = _own_against_plain(hvd, torch, Compression, OPS, TensorInfo, n, r)
 
     # 10. Training against fp16 (tests/parallel/test_training.py's workload).
     from tests.digits import train
@@ -267,6 +293,7 @@ def worker_wide():
         known.append({"x": x.numpy().copy(), "out": got.numpy().copy(), "before": before,
                       "after": _state_np(comp, "known")})
     out["known_average"] = {"steps": known, "ops": seen}
+    out["own"] = _own_against_plain(hvd, torch, Compression, OPS, TensorInfo, n, r)
     return out
 
 
@@ -579,6 +606,22 @@ def test_wide_worlds(torch3, torch4, bits, op):
         for t in range(STEPS):
             ref, _, _ = _check_hand([res[f"rand_{bits}_{op}"][t] for res in results], bits, op)
             assert (ref == 0).all() if t == 0 else np.abs(ref).max() > 0.1
+
+
+def test_subtract_own_decodes_as_the_summing_layout(torch2, torch3, torch4):
+    """``subtract_own`` under real Horovod (Gloo's int32 Sum and Average, which wrap), the
+    payload reduced in place: every rank's output equals the summing layout's bit for bit,
+    at every coordinate at the top level and on a random tensor, in fewer words at 2 and 3
+    ranks."""
+    for results in (torch2, torch3, torch4):
+        n = len(results)
+        for op in ("sum", "average"):
+            for res in results:
+                plain, own, (plain_words, own_words) = res["own"][op]
+                assert own_words < plain_words if n <= 3 else own_words <= plain_words
+                for t, (a, b) in enumerate(zip(plain, own)):
+                    np.testing.assert_array_equal(a, b, err_msg=f"{n} ranks, {op}, step {t}")
+                assert np.abs(own[1]).max() > 0.1 and np.abs(own[2]).max() > 0.01
 
 
 def test_wide_worlds_known_average(torch3, torch4):
