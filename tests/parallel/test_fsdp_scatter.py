@@ -89,6 +89,7 @@ def two_worker(tmp):
     mesh = init_device_mesh("cpu", (2,))
     out = {spec: _train(mesh, spec, tmp) for spec in SPECS}
     out["thc per group"] = _train(mesh, "thc", tmp, per="group")
+    out["thc own"] = _train(mesh, "thc:subtract_own=true", tmp, resume=False)
     model, opt = _build(mesh)  # native FSDP
     out["native"] = [_step(model, opt, grads_of(rank, t)) for t in range(STEPS)]
     # set_gradient_divide_factor(1): FSDP's PreMulSum(1) -> the sum over the ranks
@@ -134,6 +135,7 @@ def four_worker(tmp):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {spec: _train(mesh, spec, tmp) for spec in SPECS4}
     out["thc both"] = _train(mesh, "thc", tmp, both=True)
+    out["thc own both"] = _train(mesh, "thc:subtract_own=true", tmp, both=True, resume=False)
     return out
 
 
@@ -249,6 +251,19 @@ def test_two_ranks_values(two, spec):
 @pytest.mark.parametrize("spec", ALL2)
 def test_two_ranks_resume(two, spec):
     check_resume(two, spec)
+
+
+def test_subtract_own_trains_as_thc(two, four):
+    """``thc:subtract_own=true`` on FSDP2's reduce-scatter (each destination decodes with the
+    words it sent for its own chunk) and, at 2 x 2, on HSDP's all-reduce across replicas too:
+    the same full gradients and parameters as ``thc`` bit for bit."""
+    for results, own, plain in ((two, "thc own", "thc"), (four, "thc own both", "thc both")):
+        for r in results:
+            for a, b in zip(r[own]["outs"], r[plain]["outs"]):
+                for n in SHAPES:
+                    np.testing.assert_array_equal(a[n], b[n], err_msg=n)
+            for n in SHAPES:
+                np.testing.assert_array_equal(r[own]["params"][n], r[plain]["params"][n], err_msg=n)
 
 
 def test_none_is_native(two):
