@@ -82,8 +82,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m hvd_gradcomp.bench percall",
                                  description="codec time per step on Horovod's per-tensor path, warm and "
                                              "with the caches evicted before each call")
-    ap.add_argument("--specs", default="fp16,thc,thc:error_feedback=false,topkc:0.1",
-                    help="comma-separated specs (fp16 is added first when missing)")
+    ap.add_argument("--specs", default="fp16; thc; thc:error_feedback=false; topkc:0.1",
+                    help="specs separated by ';' (a spec's options use ','; fp16 is added first "
+                         "when missing)")
     ap.add_argument("--workload", default="lm-comm", help="lm-comm (default) or lm: whose gradients")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per mode and spec (median; default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
@@ -97,7 +98,7 @@ def main(argv=None):
     import horovod.torch as hvd
     torch.set_num_threads(args.threads)
     hvd.init()
-    specs = [s.strip() for s in args.specs.split(",") if s.strip()]
+    specs = [s.strip() for s in args.specs.split(";") if s.strip()]
     if "fp16" not in specs:
         specs.insert(0, "fp16")
     results, tensors, params = measure(specs, args.workload, args.steps, args.warmup, args.evict_mb)
