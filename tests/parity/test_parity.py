@@ -105,6 +105,7 @@ def test_rng_identical_across_backends():
     THCConfig(), THCConfig(bits=2, rotation="full", saturation=False),
     THCConfig(bits=8, rotation="full"), THCConfig(bits=4, rotation_stages=4, error_feedback=False),
     THCConfig(rotation="full", saturation=False, range="current"), THCConfig(lane_bits=4, flush=0.25),
+    THCConfig(subtract_own=True),
 ])
 def test_torch_tensorflow_payload_parity(config):
     """The int32 payload is bit-for-bit the same in PyTorch and TensorFlow.
