@@ -40,7 +40,7 @@ from .buckets import Buckets
 from .calls import AdapterCtx as _AdapterCtx, Call, scheme_info
 from .checkpoint import Checkpoints
 from .engine_codec import EngineCodec
-from .grouped import GroupedAllreduce, WidenedCtx, PieceCtx
+from .grouped import GroupedAllreduce, WidenedCtx, PieceCtx, narrowed
 from .link import LinkCalibration
 from .primitives import FLOAT_DTYPES
 from .horovod_ops import horovod_nccl_avg
@@ -327,7 +327,7 @@ class HorovodCompressor(EngineCodec, GroupedAllreduce, Buckets, TensorRecords, C
         if isinstance(ctx, PieceCtx):
             return self._decompress_piece(payload, ctx)
         if isinstance(ctx, WidenedCtx):
-            payload = self.ops.cast(payload, ctx.dtype)
+            payload = narrowed(self.ops, payload, ctx.dtype)
             ctx = ctx.inner
         if ctx is None:
             self._uncompressed(payload)

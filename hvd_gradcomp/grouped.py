@@ -20,7 +20,7 @@ from .calls import Call
 from .horovod_ops import group_dtype
 from .primitives import FLOAT_DTYPES, itemsize
 
-__all__ = ["GroupedAllreduce", "WidenedCtx", "PieceCtx", "GroupBatch"]
+__all__ = ["GroupedAllreduce", "WidenedCtx", "PieceCtx", "GroupBatch", "narrowed"]
 
 log = logging.getLogger("hvd_gradcomp")
 
@@ -42,6 +42,17 @@ class GroupBatch:
     def __init__(self, plan, ctxs, spans, pieces):
         self.plan, self.ctxs, self.spans, self.pieces = plan, ctxs, spans, pieces
         self.outs, self.left = None, len(pieces)
+
+
+def narrowed(ops, payload, dtype: str):
+    """A widened payload (:func:`~hvd_gradcomp.horovod_ops.group_dtype`) back in its own
+    ``dtype``. int32 words come back modulo ``2**32`` (via int64; the float64 sum is exact, and
+    a Sum of THC's ``subtract_own`` words may pass int32's range, which the int32 all-reduce
+    would have wrapped); for values inside int32 this is the plain cast (toward zero)."""
+    if dtype != "int32":
+        return ops.cast(payload, dtype)
+    wide = ops.cast(payload, "int64")
+    return ops.cast(ops.bitwise_and(wide + 2 ** 31, 0xFFFFFFFF) - 2 ** 31, "int32")
 
 
 class WidenedCtx(NamedTuple):

@@ -11,9 +11,11 @@ def group_dtype(dtypes):
 
     None when they are all one dtype (nothing to do). float16 and float32 -> float32 (every
     float16 is a float32, and the sum is at least as exact). With int32 or float64 -> float64:
-    its 53-bit mantissa holds every float32 and int32 value and their sums over ranks exactly
-    (THC's words are non-negative with sums below 2**31), and Horovod's Average of a float64
-    word, ``W * (1/n)``, truncated back to int32, is what it computes for an int32 word.
+    its 53-bit mantissa holds every float32 and int32 value and their sums over ranks exactly,
+    and Horovod's Average of a float64 word, ``W * (1/n)``, truncated back to int32, is what it
+    computes for an int32 word. A Sum that passes int32's range (THC's ``subtract_own`` words)
+    comes back modulo ``2**32``, as the int32 all-reduce wraps it
+    (:func:`hvd_gradcomp.grouped.narrowed`).
 
     Raises:
         ValueError: a mix no dtype holds exactly (e.g. int64 with floats).

@@ -90,10 +90,12 @@ Steps of ``compress`` (no collective):
        adds its own lanes back. The sums decoded are the same bit for bit, in fewer words
        where ``bit_length((n - 1) L) < bit_length(n L)``: at 2 ranks 4-bit levels take 4-bit
        lanes (8 a word under Sum, 7 under Average) instead of 5-bit ones (6), 14-25% fewer
-       bytes; at 3 ranks (and 5 under Sum) one lane more a word; at 4, 8 and 16 nothing
-       (the table: docs/thc.md, "Lanes for the other ranks"). The statistics and
-       control words stay plain sums. A payload summed in place (Horovod's) needs the copy the
-       ctx keeps: ``m`` int32 words more memory and one copy a step.
+       bytes; at 3 ranks (and 5 under Sum) one lane more a word; at 4 and 8 nothing, at 16
+       under Average one level more (the table: docs/thc.md, "Lanes for the other ranks"). The
+       statistics and control words stay plain sums. A payload summed in place (Horovod's)
+       needs the copy the ctx keeps: ``m`` int32 words more memory and one copy a step. A
+       TensorFlow group that widens the words to float64 brings their exact sums back modulo
+       ``2**32`` (:func:`~hvd_gradcomp.grouped.narrowed`).
 
 Horovod all-reduces the words with Sum or Average (a rank in ``hvd.join()`` contributes zeros).
 

@@ -335,12 +335,16 @@ def test_decode_matches_reference(n, op, config, d):
     assert ((got - ref).abs() <= tol).all(), float(((got - ref).abs() - tol).max())
 
 
-@pytest.mark.parametrize("n,op", [(1, "sum"), (2, "sum"), (2, "average"), (3, "sum"), (3, None), (5, "average")])
+@pytest.mark.parametrize("n,op", [(1, "sum"), (2, "sum"), (2, "average"), (3, "sum"), (3, "average"), (3, None),
+                                  (5, "average")])
 @pytest.mark.parametrize("config", [{}, {"bits": 3}, {"lane_bits": None, "bits": 8}], ids=["default", "bits3", "wide"])
-def test_decode_subtract_own_matches_reference(n, op, config):
+def test_decode_subtract_own_matches_reference(n, op, config, monkeypatch):
     """``subtract_own`` (lanes for the other ranks only): the C loop's decode of rank 0's view
-    (its own words taken off, modulo 2**32, its levels added back) equals the reference's, and
-    the reference's equals the plain layout's decode of the same levels, to float32 rounding."""
+    (its own words taken off, modulo 2**32, its levels added back; never the composition, its
+    fallback, made to fail here) equals the reference's, and the reference's equals the plain
+    layout's decode of the same levels, bit for bit."""
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("cpu_thc.decode fell back to the composition")
     d = 2500
     scheme, info, lay, plan = _setup(d, n=n, op=op, subtract_own=True, **config)
     assert lay.levels.others and lay.levels.offset == 0
@@ -350,7 +354,9 @@ def test_decode_subtract_own_matches_reference(n, op, config):
     count, bad, mismatch, inferred = K._receive_kernel(R, plan, payload)
     assert int(count) == n and not bool(mismatch) and int(bad) == 0
     ref = K._decode_kernel(R, plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
+    monkeypatch.setattr(cpu_thc, "_decode_kernel", no_fallback)
     got = cpu_thc.decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
+    monkeypatch.undo()
     tol = _block_tol(ref, lay.block, 1e-5) + 1e-30
     assert ((got - ref).abs() <= tol).all(), float(((got - ref).abs() - tol).max())
     # the plain layout at the same levels, from the same ranks' levels: the same sums

@@ -207,6 +207,24 @@ def test_group_dtype():
         group_dtype(["int64", "float16"])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_narrowed_wraps_int32_like_the_int32_all_reduce(backend):
+    """A float64-widened int32 payload comes back as the int32 all-reduce would have made it:
+    inside int32's range the plain cast (toward zero: Horovod's truncated Average), beyond it
+    modulo 2**32 (a Sum of THC's ``subtract_own`` words)."""
+    import numpy as np
+    from hvd_gradcomp.grouped import narrowed
+    from tests.backends import as_numpy, backend_ops, native_tensor
+    ops = backend_ops(backend)
+    values = np.array([0.0, 5.0, -3.5, 7.9, 2.0 ** 31 - 1, -2.0 ** 31, 2.0 ** 31 + 5, -2.0 ** 31 - 3,
+                       3 * 2.0 ** 31 + 8, 2.0 ** 33], np.float64)
+    got = as_numpy(narrowed(ops, native_tensor(backend, values), "int32"))
+    want = [0, 5, -3, 7, 2 ** 31 - 1, -2 ** 31, -2 ** 31 + 5, 2 ** 31 - 3, -2 ** 31 + 8, 0]
+    assert got.dtype == np.int32 and got.tolist() == want
+    halves = as_numpy(narrowed(ops, native_tensor(backend, np.array([1.5, -2.25], np.float32)), "float16"))
+    assert halves.dtype == np.float16 and halves.tolist() == [1.5, -2.25]
+
+
 def test_step_bytes_total_counts_sparse():
     b = StepBytes(100, 20, 1, 300, 2)
     assert b.total == 420 and (b.payload, b.side, b.side_collectives) == (100, 20, 1)

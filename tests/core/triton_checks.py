@@ -251,11 +251,13 @@ THC_CASES = [
     (3100, 2, "sum", True, 1.0, False, "overflow"),
     (3100, 3, "average", True, 1.0, True, "rank"),
     (3100, 2, None, True, 1.0, True, "mismatch"),
-    # subtract_own (the trailing seed, own): lanes for the other ranks, 2 ranks under each op, 3 wrapping
+    # subtract_own (the trailing seed, own): lanes for the other ranks, 2 and 3 ranks under each op
+    # (the top-heavy levels' int32 sums may wrap at 2 under Sum and 3 under Average)
     (3000, 2, "average", False, None, True, None, 0, True),
     (2999, 2, "sum", True, 1.0, True, None, 1, True),
     (3073, 3, "sum", True, 1.0, True, None, 0, True),
     (3100, 3, None, True, 1.0, True, "rank", 1, True),
+    (3000, 3, "average", False, None, True, None, 0, True),
 ]
 
 

@@ -29,8 +29,8 @@ least two steps.
   ranks: the 8-bit lanes cap L at 31, filling a 7-bit lane to 124 of 127): the all-reduced
   lanes equal the sums of the ranks' levels, so nothing carried.
 - 2, 3 and 4 ranks: ``subtract_own`` (lanes for the other ranks' sum) decodes bit for bit as
-  the summing layout, every coordinate at the top level (the int32 sums wrap at 3 and 4
-  ranks) and on a random tensor, the payload reduced in place (``hvd.allreduce_``).
+  the summing layout, every coordinate at the top level (the int32 sums wrap at 2 ranks
+  under Sum and 3 under Average) and on a random tensor, the payload reduced in place (``hvd.allreduce_``).
 - 2 ranks, PyTorch and TensorFlow: a 1e6 drop in gradient scale (the flush bound).
 - 2 ranks (TensorFlow): ``DistributedGradientTape`` inside ``tf.function``, a direct Sum, the
   hand-made path under Average (TF's int32 Average), and NaN on one rank.
@@ -118,7 +118,8 @@ def _top_input(scheme, ops, info, like):
 
 def _own_against_plain(hvd, torch, Compression, OPS, TensorInfo, n, r):
     """``subtract_own`` against the summing layout, both ops: every coordinate at the top
-    level (the int32 sums of the own-lane words wrap at 3 and 4 ranks), then a random tensor;
+    level (the int32 sums of the own-lane words wrap at 2 ranks under Sum and 3 under
+    Average), then a random tensor;
     the payload all-reduced in place (``hvd.allreduce_``, as ``DistributedOptimizer`` does), so
     the decode must use the ctx's copy of this rank's words. {op: [plain outs, own outs, words]}."""
     out = {}
@@ -365,6 +366,27 @@ def worker_tf():
     out["nan_state_kept"] = all(np.array_equal(before[k], np.asarray(after[k])) for k in before)
     out.update(_drop_runs(hvd, Compression.from_spec, tf.constant,
                           lambda c, k: {f: np.array(v, copy=True) for f, v in c.state_dict()["tensors"][k].items()}))
+    # subtract_own in one group with an fp16 bias (the int32 words travel as float64) under
+    # Sum, whose exact sums pass int32's range: the gradients of the summing layout, bit for bit.
+    out["own_grouped"] = []
+    for own in (False, True):
+        comp = Compression.thc(subtract_own=own)
+        gw, gb = tf.Variable(tf.zeros((64, 128)), name="gw"), tf.Variable(tf.zeros((128,)), name="gb")
+
+        @tf.function
+        def grouped(c_w, c_b):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(gw * c_w) + tf.reduce_sum(gb * c_b)
+            tape = hvd.DistributedGradientTape(tape, compression=comp, num_groups=1, op=hvd.Sum)
+            return tape.gradient(loss, [gw, gb])
+
+        steps = []
+        for step in range(3):
+            rng = np.random.default_rng([step, r, 7])
+            got = grouped(tf.constant(rng.standard_normal((64, 128)).astype(np.float32)),
+                          tf.constant(rng.standard_normal(128).astype(np.float32)))
+            steps.append([g.numpy().copy() for g in got])
+        out["own_grouped"].append(steps)
     return out
 
 
@@ -647,6 +669,20 @@ def test_tensorflow_tape(tf2):
         ref = _decoded_from_states(per_rank, "average", 1024).reshape(64, 128)
         np.testing.assert_allclose(g_w[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
         assert int(steps[0]["after"]["step"]) == t + 1
+
+
+def test_tensorflow_grouped_subtract_own_under_sum(tf2):
+    """TensorFlow, one group of THC's int32 words (``subtract_own``) and an fp16 bias, so the
+    group travels as float64, under Sum: the words' exact sums pass int32's range and come back
+    modulo 2**32, and the gradients are the summing layout's bit for bit, on both ranks."""
+    for res in tf2:
+        plain, own = res["own_grouped"]
+        for t, (a, b) in enumerate(zip(plain, own)):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y, err_msg=f"step {t}")
+        assert np.abs(own[2][0]).max() > 0.1  # THC sent something from the second step on
+    for a, b in zip(tf2[0]["own_grouped"][1], tf2[1]["own_grouped"][1]):
+        np.testing.assert_array_equal(a[0], b[0])
 
 
 def test_tensorflow_sum_average_and_nan(tf2):
