@@ -232,6 +232,27 @@ def test_subtract_own_decodes_as_the_summing_layout(backend, n, infer):
             _fails_cleanly_on_rank_1(own, xs, gen)
 
 
+@pytest.mark.parametrize("options", [dict(range="current", saturation=False, rotation="full"), dict(bits=8),
+                                     dict(lane_bits=16), dict(rotation_stages=4, flush=None, error_feedback=False)],
+                         ids=["current", "bits8", "lanes16", "k4_no_ef"])
+def test_subtract_own_with_other_options(options):
+    """``subtract_own`` beside THC's other options (the blocking range, fixed 8-bit levels,
+    16-bit lanes, small blocks without error feedback): the summing layout's outputs bit for
+    bit, at 2 and 3 ranks under both ops, in no more words."""
+    for n in (2, 3):
+        for op in ("sum", "average"):
+            own = Ranks("torch", n, (40, 50), THCConfig(subtract_own=True, **options), op=op)
+            plain = Ranks("torch", n, (40, 50), THCConfig(**options), op=op)
+            assert own.lay["L"] == plain.lay["L"] and own.lay["words"] <= plain.lay["words"]
+            gen = np.random.default_rng([n, len(options)])
+            for t in range(3):
+                xs = [gen.standard_normal((40, 50)) for _ in range(n)]
+                a, b = own.step(xs), plain.step(xs)
+                own.check_reference(a)
+                for x, y in zip(a["outs"], b["outs"]):
+                    np.testing.assert_array_equal(x, y)
+
+
 def _fails_cleanly_on_rank_1(sim, xs, gen):
     """One step in which rank 1's gradient counts as not finite: NaN in every coordinate of
     every rank's output, every rank's whole state as it was, rank 1's "not finite" word set;
