@@ -16,7 +16,8 @@ def _rows(out):
 
 
 def test_table():
-    cmd = [sys.executable, "-m", "hvd_gradcomp.bench", "percall", "--specs", "thc:error_feedback=false,subtract_own=true; thc",
+    cmd = [sys.executable, "-m", "hvd_gradcomp.bench", "percall", "--specs",
+           "thc:error_feedback=false,subtract_own=true; thc",
            "--steps", "1", "--warmup", "1", "--evict-mb", "1"]
     res = run_process(cmd, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

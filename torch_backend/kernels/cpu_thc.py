@@ -238,7 +238,8 @@ def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, ow
             and ranges.dtype == torch.float32 and diag.dtype == torch.float32 and count.dtype == torch.int64
             and bad.dtype == torch.int64 and mismatch.dtype == torch.bool and inferred.dtype == torch.bool
             and (own is None) == (not lay.others)
-            and (own is None or (_ok(own) and own.dtype == torch.int32 and own.numel() == -(-diag.shape[0] // lay.lanes)))):
+            and (own is None or (_ok(own) and own.dtype == torch.int32
+                                 and own.numel() == -(-diag.shape[0] // lay.lanes)))):
         return _decode_kernel(_ops(), plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
     block = plan.block
     padded = diag.shape[0]
