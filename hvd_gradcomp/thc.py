@@ -403,9 +403,10 @@ class THCScheme(Scheme):
         hmat = ops.fuse(hadamard.sylvester, max(hadamard.factor_sizes(lay.block)))(x)
         x = ops.reshape(x, (info.numel,))
         # Per-step keys in a few operations: rng.bits32 hashes its key with every counter, so
-        # the rounding key is this rank's static key XOR the step; the fingerprint is the
-        # step's low bits (step 5).
-        key = ops.bitwise_xor(ops.bitwise_and(state.step, 0xFFFFFFFF), self._round_key(info))
+        # the rounding key is this rank's static key XOR the step (taken modulo 2**32 by
+        # rng.bits32 and every fused form of the noise, so no mask here); the fingerprint is
+        # the step's low bits (step 5).
+        key = ops.bitwise_xor(state.step, self._round_key(info))
         fingerprint = ops.bitwise_and(state.step, (1 << lay.fingerprint_bits) - 1)
         if self.blocking:
             y, held, wanted, stats_words, finite = ops.fuse(_rotate_kernel, plan)(
