@@ -267,8 +267,13 @@ def main(argv=None):
             "optimizer_class": type(trainer.opt).__name__}
     torch_workloads.train(wl, trainer.model, trainer, args, rank, size, meta, trainer.bytes_per_step)
     dist.barrier()  # leave together: a rank tearing down Gloo early can abort its peer
-    dist.destroy_process_group()
-    return 0
+    # Then leave without Gloo's teardown: destroying a 2-D mesh's subgroups aborted a rank now
+    # and then after every result was written and the barrier passed ("terminate called
+    # without an active exception", exit -6: once in a dozen smoke sweeps of the overlap row).
+    # Rank 0's JSON is already in place (written to a temporary file and renamed).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
