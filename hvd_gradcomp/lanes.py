@@ -110,10 +110,10 @@ def lane_layout(bits: int, world_size: int, lane_bits=None, op="average", scheme
                      f"or set lane_bits")
 
 
-def wire_bits(bits: int, world_size: int, lane_bits=None, op="average", subtract_own: bool = False) -> float:
+def wire_bits(bits: int, world_size: int, lane_bits=None, op="average") -> float:
     """Payload bits per (padded) coordinate: ``32 / lanes`` (statistics, control words and
     padding not counted)."""
-    return 32.0 / lane_layout(bits, world_size, lane_bits, op, subtract_own=subtract_own).lanes
+    return 32.0 / lane_layout(bits, world_size, lane_bits, op).lanes
 
 
 def others_words(ops, exact, own):

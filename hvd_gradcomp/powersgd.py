@@ -29,7 +29,7 @@ from .orthogonalize import DEPENDENT_TOL, basis_rows, orthogonalize
 from .rng import normal, step_key, stream_key, uniform
 
 __all__ = ["PowerSGDConfig", "PowerSGDState", "PowerSGDEF21State", "PowerSGDScheme", "STATE_VERSION", "CONTROL",
-           "matrix_view"]
+           "matrix_view", "agree_tolerance"]
 
 # Format of PowerSGDState; 1 was (residual, q, step) with TensorFlow kernels as h x (w in out).
 STATE_VERSION = 2
@@ -152,6 +152,12 @@ class _TwoCtx(NamedTuple):
     ok: object = None  # bool []: the all-reduced payload is finite (set by receive)
 
 
+def agree_tolerance(world_size: int) -> float:
+    """Step 8's relative tolerance on the fingerprints' ``S2 c - S1^2`` (float32 rounding of the
+    ranks' sums), shared by :func:`_agree_kernel` and its fused forms."""
+    return (8 * world_size + 16) * 2.0 ** -24
+
+
 def _agree_kernel(ops, world_size, payload):
     """Step 8 as a kernel (``ops.fuse(_agree_kernel, world_size)``; the CPU's fused form is one
     C call, ``torch_backend/kernels/cpu_powersgd.py``): ``(keep float32 0-d, ok bool 0-d)`` from
@@ -161,7 +167,7 @@ def _agree_kernel(ops, world_size, payload):
     c = payload[ops.shape(payload)[0] - CONTROL:]
     ce, co = c[0], c[1]
     s1, s2 = c[2::2], c[3::2]  # (S1, S2) of each fingerprint
-    tol = (8 * world_size + 16) * 2.0 ** -24
+    tol = agree_tolerance(world_size)
     # > 0 where the ranks differ: parities (c_e c_o), fingerprints (S2 c (1 - tol) - S1^2).
     spread = s2 * ((ce + co) * (1.0 - tol)) - s1 * s1
     bad = ops.max(ops.concat([ops.reshape(ce * co, (1,)), spread], 0), None) > 0.0

@@ -20,7 +20,7 @@ import ctypes
 import torch
 
 from hvd_gradcomp.orthogonalize import basis_rows
-from hvd_gradcomp.powersgd import CONTROL, _agree_kernel
+from hvd_gradcomp.powersgd import CONTROL, _agree_kernel, agree_tolerance
 from torch_backend import kernels
 from torch_backend.kernels import cbuild
 
@@ -66,7 +66,7 @@ def agree(world_size, payload):
     payload = payload.contiguous()
     keep = torch.empty((), dtype=torch.float32)
     ok = torch.empty((), dtype=torch.bool)
-    tol = (8 * world_size + 16) * 2.0 ** -24
+    tol = agree_tolerance(world_size)
     _lib.hgc_powersgd_agree(payload.data_ptr(), payload.shape[0], 1.0 - tol, keep.data_ptr(), ok.data_ptr())
     return keep, ok
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from hvd_gradcomp.orthogonalize import basis_rows
-from hvd_gradcomp.powersgd import CONTROL, _agree_kernel
+from hvd_gradcomp.powersgd import CONTROL, _agree_kernel, agree_tolerance
 
 from . import register
 from .triton_thc import _OPTIONS, _on
@@ -119,7 +119,7 @@ def agree(world_size, payload):
     payload = payload.contiguous()
     keep = torch.empty((), dtype=torch.float32, device=payload.device)
     ok = torch.empty((), dtype=torch.bool, device=payload.device)
-    tol = (8 * world_size + 16) * 2.0 ** -24
+    tol = agree_tolerance(world_size)
     with _on(payload):
         _agree[(1,)](payload, keep, ok, payload.shape[0], 1.0 - tol, T=1024, **_OPTIONS)
     return keep, ok
