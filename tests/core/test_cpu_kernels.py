@@ -335,6 +335,11 @@ def test_decode_matches_reference(n, op, config, d):
     assert ((got - ref).abs() <= tol).all(), float(((got - ref).abs() - tol).max())
 
 
+def _no_decode_fallback(*args, **kwargs):
+    """Stands in for ``cpu_thc``'s fallback composition where a test needs the C loop."""
+    raise AssertionError("cpu_thc.decode fell back to the composition")
+
+
 @pytest.mark.parametrize("n,op", [(1, "sum"), (2, "sum"), (2, "average"), (3, "sum"), (3, "average"), (3, None),
                                   (5, "average")])
 @pytest.mark.parametrize("config", [{}, {"bits": 3}, {"lane_bits": None, "bits": 8}], ids=["default", "bits3", "wide"])
@@ -343,8 +348,6 @@ def test_decode_subtract_own_matches_reference(n, op, config, monkeypatch):
     (its own words taken off, modulo 2**32, its levels added back; never the composition, its
     fallback, made to fail here) equals the reference's, and the reference's equals the plain
     layout's decode of the same levels, bit for bit."""
-    def no_fallback(*args, **kwargs):
-        raise AssertionError("cpu_thc.decode fell back to the composition")
     d = 2500
     scheme, info, lay, plan = _setup(d, n=n, op=op, subtract_own=True, **config)
     assert lay.levels.others and lay.levels.offset == 0
@@ -354,7 +357,7 @@ def test_decode_subtract_own_matches_reference(n, op, config, monkeypatch):
     count, bad, mismatch, inferred = K._receive_kernel(R, plan, payload)
     assert int(count) == n and not bool(mismatch) and int(bad) == 0
     ref = K._decode_kernel(R, plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
-    monkeypatch.setattr(cpu_thc, "_decode_kernel", no_fallback)
+    monkeypatch.setattr(cpu_thc, "_decode_kernel", _no_decode_fallback)
     got = cpu_thc.decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
     monkeypatch.undo()
     tol = _block_tol(ref, lay.block, 1e-5) + 1e-30
@@ -373,8 +376,6 @@ def test_subtract_own_runs_the_c_decode(monkeypatch):
     """Through ``ops.fuse`` a ``subtract_own`` THC decompress takes the C loop with the ctx's
     own words (the composition, its fallback, made to fail here), at world size 1 (the
     all-reduce the identity: the others' words all zero)."""
-    def no_fallback(*args, **kwargs):
-        raise AssertionError("cpu_thc.decode fell back to the composition")
     info = TensorInfo("w", (3000,), "float32", 1, 0, "sum")
     ops = one_rank(OPS)
     x = torch.randn(3000)
@@ -385,7 +386,7 @@ def test_subtract_own_runs_the_c_decode(monkeypatch):
         for step in range(3):
             payload, ctx = compress_tensor(scheme, ops, x, state, info)
             if own:
-                monkeypatch.setattr(cpu_thc, "_decode_kernel", no_fallback)
+                monkeypatch.setattr(cpu_thc, "_decode_kernel", _no_decode_fallback)
                 assert ctx.own is not None and ctx.own.data_ptr() != payload.data_ptr()
             out, state = finish_tensor(scheme, ops, payload, ctx, state, info)
             outs.append(out)

@@ -197,6 +197,17 @@ def test_simulated_sum_and_average(n, config, infer):
                 np.testing.assert_array_equal(_np(log["ctxs"][0].ranges), log["side"])
 
 
+def _step_own_and_plain(own, plain, xs, contribute=None):
+    """One step of the ``subtract_own`` ranks and of the summing ones on the same gradients:
+    the former against the float64 reference, and every rank's output the same bit for bit in
+    both (None for a joined rank in both). Returns (own's log, plain's log, the reference)."""
+    a, b = own.step(xs, contribute), plain.step(xs, contribute)
+    ref = own.check_reference(a)
+    for x, y in zip(a["outs"], b["outs"]):
+        assert (x is None and y is None) or np.array_equal(x, y)
+    return a, b, ref
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("infer", [False, True], ids=["op_known", "op_inferred"])
@@ -217,12 +228,9 @@ def test_subtract_own_decodes_as_the_summing_layout(backend, n, infer):
         for t in range(4):
             xs = [gen.standard_normal((70, 50)) * gen.uniform(0.5, 2.0) for _ in range(n)]
             contribute = [r != n - 1 for r in range(n)] if t == 3 and not infer else None  # last: states lag
-            a, b = own.step(xs, contribute), plain.step(xs, contribute)
-            ref = own.check_reference(a)
+            a, b, ref = _step_own_and_plain(own, plain, xs, contribute)
             if t:
                 assert np.abs(ref).max() > 0.1
-            for x, y in zip(a["outs"], b["outs"]):
-                assert (x is None and y is None) or np.array_equal(x, y)
             for sa, sb in zip(a["after"], b["after"]):
                 for f in sa._fields:
                     np.testing.assert_array_equal(_np(getattr(sa, f)), _np(getattr(sb, f)), err_msg=f)
@@ -247,10 +255,7 @@ def test_subtract_own_with_other_options(options):
             gen = np.random.default_rng([n, len(options)])
             for t in range(3):
                 xs = [gen.standard_normal((40, 50)) for _ in range(n)]
-                a, b = own.step(xs), plain.step(xs)
-                own.check_reference(a)
-                for x, y in zip(a["outs"], b["outs"]):
-                    np.testing.assert_array_equal(x, y)
+                _step_own_and_plain(own, plain, xs)
 
 
 def _fails_cleanly_on_rank_1(sim, xs, gen):
