@@ -46,7 +46,7 @@ __all__ = ["stop_note", "time_to_target", "first_reached", "apply_targets", "ada
            "plot_rows", "plot_path", "update_doc"]
 
 RUN_COLUMNS = [
-    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "optimizer", "accumulate", "update_sync", "status", "stop_reason",
+    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "optimizer", "accumulate", "update_sync", "num_groups", "status", "stop_reason",
     "network_mode", "bandwidth_mbit", "latency_ms", "world_size", "seed", "params", "target", "target_vs_fp16",
     "higher_is_better", "steps", "epochs", "clock_s", "wall_s", "tta_s", "tta_steady_s", "startup_s", "first_step_s", "tta_vs_fp16", "tta_vs_best_ddp",
     "steps_to_target", "steps_vs_fp16", "step_time_vs_fp16",
@@ -122,6 +122,7 @@ def summarize(run_id, result, network, git_commit=None):
                system=meta.get("system"), reference=bool(meta.get("reference", False)),
                label=meta.get("label"), spec=meta.get("compression"), optimizer=meta.get("optimizer") or None,
                accumulate=int(meta.get("accumulate") or 1), update_sync=meta.get("update_sync") or None,
+               num_groups=int(meta.get("num_groups") or 0),
                status=result.get("status", "ok"), stop_reason=meta.get("stop_reason"),
                network_mode=network.get("mode"), bandwidth_mbit=network.get("bandwidth_mbit"),
                latency_ms=network.get("latency_ms"), world_size=meta.get("world_size"),
@@ -268,11 +269,11 @@ def _choice_notes(rows):
 
 def _is_fp16(row):
     """FP16 with the workload's own optimizer, one micro-batch a step and the gradient
-    all-reduce (a row naming another optimizer, ``accumulate`` or ``update_sync`` is not the
-    baseline). FSDP: ``fsdp:fp16``, FP16-FSDP (FSDP's own float16 collectives)."""
+    all-reduce per tensor (a row naming another optimizer, ``accumulate``, ``num_groups`` or
+    ``update_sync`` is not the baseline). FSDP: ``fsdp:fp16``, FP16-FSDP (FSDP's own float16 collectives)."""
     spec = row.get("spec") or ""
     return ((spec in ("fp16", "ddp:fp16", "fsdp:fp16") or spec.startswith("fp16:")) and not row.get("optimizer")
-            and (row.get("accumulate") or 1) == 1 and not row.get("update_sync"))
+            and (row.get("accumulate") or 1) == 1 and not row.get("update_sync") and not row.get("num_groups"))
 
 
 def is_reference(row):
@@ -322,10 +323,10 @@ def _median_or_none(values):
 
 def _row_key(r):
     """What makes runs repeats of one table row: (workload, framework, system, spec,
-    optimizer, accumulate, update_sync, reference), so the FP32 row and the no-communication reference (also spec
+    optimizer, accumulate, update_sync, num_groups, reference), so the FP32 row and the no-communication reference (also spec
     ``none``) stay apart, and so do rows of one spec under different optimizers."""
     return (r.get("workload"), r.get("framework"), r.get("system"), r.get("spec"), r.get("optimizer"),
-            r.get("accumulate") or 1, r.get("update_sync"), is_reference(r))
+            r.get("accumulate") or 1, r.get("update_sync"), r.get("num_groups") or 0, is_reference(r))
 
 
 def aggregate(rows):
@@ -605,6 +606,10 @@ def table_header(network, rows, results=None):
         lines[1] += (" accumulate(K) rows: K micro-batches (of the usual size) per optimizer step "
                      "and all-reduce; their steps are micro-batches, so steps compare with FP16's "
                      "at equal data, and step ms is a micro-batch's median.")
+    if any(r.get("num_groups") for r in rows):
+        lines[1] += (" groups(G) rows: Horovod's num_groups=G, the gradients all-reduced in G "
+                     "groups, each compressed as one bucket per route (one codec call per group "
+                     "and route instead of one per tensor).")
     if any(r.get("update_sync") for r in rows):
         lines[1] += (" update-sync rows: each rank steps its own optimizer on its own gradient and "
                      "the ranks all-reduce the compressed parameter change every H steps "
@@ -701,7 +706,8 @@ def converged_levels(rows):
     optimizer, gradient accumulation or update sync are not levels."""
     finals = {}
     for r in rows:
-        plain = not r.get("optimizer") and (r.get("accumulate") or 1) == 1 and not r.get("update_sync")
+        plain = not r.get("optimizer") and (r.get("accumulate") or 1) == 1 and not r.get("update_sync") \
+            and not r.get("num_groups")
         if r.get("system") == "fsdp" and plain and r.get("spec") == "fsdp:fp16":
             name = "FP16-FSDP"
         elif r.get("system") not in ("ddp", "fsdp") and not is_reference(r) and plain and r.get("spec") in ("fp16", "none"):

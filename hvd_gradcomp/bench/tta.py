@@ -163,9 +163,11 @@ class RunSpec:
     ``optimizer``: the row's optimizer text (``adamw(lr=1e-3)``, passed to the worker as
     ``--optimizer``; None: the workload's own). ``accumulate``: micro-batches per optimizer
     step and all-reduce (``--accumulate``; 1: none). ``update_sync``: the options of compressed
-    update sync (``every=8``, passed as ``--update-sync``; None: the gradient all-reduce). They
-    join the label (``SPEC with accumulate(4)``, ``SPEC with update-sync(every=8)``, ``SPEC with
-    OPT``, in this order: :meth:`Row.text`) and the row id. ``unavailable``: why this checkout
+    update sync (``every=8``, passed as ``--update-sync``; None: the gradient all-reduce).
+    ``groups``: Horovod's ``num_groups`` (``--num-groups``; 0: none, one all-reduce and one codec
+    call per tensor). They join the label (``SPEC with accumulate(4)``, ``SPEC with groups(1)``,
+    ``SPEC with update-sync(every=8)``, ``SPEC with OPT``, in this order: :meth:`Row.text`) and
+    the row id. ``unavailable``: why this checkout
     cannot run the row (it is then reported as failed, ``not run: <why>``, without a launch).
 
     FSDP rows (``system="fsdp"``, :func:`parse_fsdp_hooks`): ``spec`` compresses the all-reduce
@@ -177,7 +179,7 @@ class RunSpec:
 
     def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1, reference=False,
                  optimizer=None, unavailable=None, accumulate=1, update_sync=None, reduce_scatter=None,
-                 overlap=False):
+                 overlap=False, groups=0):
         self.workload, self.system, self.spec = workload, system, spec
         self.reduce_scatter = reduce_scatter or None  # FSDP rows: the reduce-scatter's spec
         self.overlap = bool(overlap)  # FSDP rows: install(..., overlap=True)
@@ -185,9 +187,10 @@ class RunSpec:
         self.optimizer = optimizer or None
         self.accumulate = int(accumulate or 1)
         self.update_sync = update_sync
+        self.groups = int(groups or 0)
         self.unavailable = unavailable
         self.framework = WORKLOADS[workload][0]
-        tail = Row(spec, self.optimizer, self.accumulate, update_sync).text()[len(spec):]
+        tail = Row(spec, self.optimizer, self.accumulate, update_sync, self.groups).text()[len(spec):]
         self.label = label or (NOCOMM_LABEL if self.reference else
                                {"none": "fp32 (none)"}.get(spec, spec) if system == "horovod" else f"DDP {spec}")
         if tail and not label:
@@ -207,7 +210,7 @@ class RunSpec:
         """This run as round ``repeat`` of ``repeats`` (:func:`interleave`)."""
         return RunSpec(self.workload, self.system, self.spec, self.label, repeat, repeats, self.reference,
                        self.optimizer, self.unavailable, self.accumulate, self.update_sync,
-                       self.reduce_scatter, self.overlap)
+                       self.reduce_scatter, self.overlap, self.groups)
 
     def __repr__(self):
         return f"RunSpec({self.run_id})"
@@ -241,12 +244,16 @@ class Row(NamedTuple):
     optimizer: Optional[str] = None  # NAME(k=v,...) text; None: the workload's own
     accumulate: int = 1  # micro-batches per optimizer step and all-reduce
     update_sync: Optional[str] = None  # update-sync options ("every=8"); None: off
+    groups: int = 0  # Horovod's num_groups; 0: none
 
     def text(self):
-        """The canonical row: ``SPEC[ with accumulate(K)][ with update-sync(...)][ with OPT]``."""
+        """The canonical row: ``SPEC[ with accumulate(K)][ with groups(G)][ with
+        update-sync(...)][ with OPT]``."""
         parts = [self.spec]
         if self.accumulate > 1:
             parts.append(f"accumulate({self.accumulate})")
+        if self.groups:
+            parts.append(f"groups({self.groups})")
         if self.update_sync is not None:
             parts.append(f"update-sync({self.update_sync})")
         if self.optimizer:
@@ -255,6 +262,7 @@ class Row(NamedTuple):
 
 
 _ACCUMULATE = re.compile(r"^accumulate\s*\((.*)\)$")
+_GROUPS = re.compile(r"^groups\s*\((.*)\)$")
 _UPDATE_SYNC = re.compile(r"^update-sync\s*(?:\((.*)\))?$")
 # Row options of update sync -> type (torch_backend.update_sync.UpdateSync's arguments).
 UPDATE_SYNC_OPTIONS = {"every": int, "outer_lr": float, "outer_momentum": float, "nesterov": bool}
@@ -303,24 +311,34 @@ def parse_row(text):
 
     A row is ``SPEC`` followed by ``with CLAUSE`` clauses, each kind at most once:
     ``accumulate(K)`` (K >= 1 micro-batches of the usual size per optimizer step and
-    all-reduce), ``update-sync(every=H,...)`` (compressed update sync instead of the gradient
-    all-reduce, :func:`parse_update_sync`; ``update-sync`` alone: every=1), or an optimizer
+    all-reduce), ``groups(G)`` (G >= 1: Horovod's ``num_groups``, the gradients all-reduced in G
+    groups, each compressed as one bucket per route: one codec call per group and route),
+    ``update-sync(every=H,...)`` (compressed update sync instead of the gradient all-reduce,
+    :func:`parse_update_sync`; ``update-sync`` alone: every=1), or an optimizer
     ``NAME(k=v,...)`` (:func:`hvd_gradcomp.bench.worker.parse_optimizer`). ``fp32`` means
     ``none``. Only the clauses' syntax is checked here, not the spec.
 
     Raises:
-        ValueError: an empty spec, a bad or repeated clause, or accumulate with update-sync
-            (update sync already communicates once per ``every`` steps).
+        ValueError: an empty spec, a bad or repeated clause, or accumulate or groups with
+            update-sync (update sync already communicates once per ``every`` steps, through its
+            own all-reduces).
     """
     from .worker import parse_optimizer
     parts = [x.strip() for x in text.split(" with ")]
     spec = parts[0]
     if not spec:
         raise ValueError(f"expected a compressor spec before 'with', got {text!r}")
-    opt = accumulate = sync = None
+    opt = accumulate = sync = groups = None
     for clause in parts[1:]:
-        m, u = _ACCUMULATE.match(clause), _UPDATE_SYNC.match(clause)
-        if m:
+        m, u, g = _ACCUMULATE.match(clause), _UPDATE_SYNC.match(clause), _GROUPS.match(clause)
+        if g:
+            if groups is not None:
+                raise ValueError(f"row {text!r}: groups given twice")
+            k = g.group(1).strip()
+            if not k.isdigit() or int(k) < 1:
+                raise ValueError(f"row {text!r}: groups(G) takes an integer G >= 1, got {k!r}")
+            groups = int(k)
+        elif m:
             if accumulate is not None:
                 raise ValueError(f"row {text!r}: accumulate given twice")
             k = m.group(1).strip()
@@ -340,7 +358,11 @@ def parse_row(text):
     if (accumulate or 1) > 1 and sync is not None:
         raise ValueError(f"row {text!r}: accumulate and update-sync together are not supported "
                          f"(update-sync(every=H) already communicates once per H steps)")
-    return Row("none" if spec == "fp32" else spec, opt, accumulate or 1, sync)
+    if groups is not None and sync is not None:
+        raise ValueError(f"row {text!r}: groups and update-sync together are not supported "
+                         f"(update sync all-reduces the parameter changes itself, not through "
+                         f"hvd.DistributedOptimizer's groups)")
+    return Row("none" if spec == "fp32" else spec, opt, accumulate or 1, sync, groups or 0)
 
 
 def parse_compressors(text):
@@ -537,16 +559,18 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None, fs
             parsed = parse_row(row)
             s = parsed.spec
             why = unavailable.get(row)
-            if (parsed.accumulate > 1 or parsed.update_sync is not None) and WORKLOADS[w][0] != "torch":
-                raise ValueError(f"row {row!r}: accumulate and update-sync rows run on the PyTorch "
-                                 f"workloads only, not on {w}")
+            if (parsed.accumulate > 1 or parsed.update_sync is not None or parsed.groups) \
+                    and WORKLOADS[w][0] != "torch":
+                raise ValueError(f"row {row!r}: accumulate, groups and update-sync rows run on the "
+                                 f"PyTorch workloads only, not on {w}")
             if why is None and WORKLOADS[w][0] == "tensorflow" and "--eager" not in WORKLOAD_FLAGS.get(w, ()) \
                     and _eager_only(s):
                 print(f"tta: {s} skipped on {w}: auto runs eagerly only, and this worker's step "
                       f"is a tf.function (workload digits-tf-eager runs it)", file=sys.stderr)
                 continue
             plan.append(RunSpec(w, "horovod", s, optimizer=parsed.optimizer, unavailable=why,
-                                accumulate=parsed.accumulate, update_sync=parsed.update_sync))
+                                accumulate=parsed.accumulate, update_sync=parsed.update_sync,
+                                groups=parsed.groups))
         if WORKLOADS[w][3]:
             for h in ddp_hooks:
                 name = h.split(":")[0]
@@ -625,6 +649,8 @@ def _command(run, args, out_json, extra=()):
         cmd += ["--optimizer", run.optimizer]
     if run.accumulate > 1:
         cmd += ["--accumulate", str(run.accumulate)]
+    if run.groups:
+        cmd += ["--num-groups", str(run.groups)]
     if run.update_sync is not None:
         cmd += ["--update-sync", run.update_sync]
     if getattr(args, "recipe", None) and run.workload in RECIPE_WORKLOADS:
@@ -647,6 +673,7 @@ def _stub_result(run, status, error="", network=None):
            "meta": {"workload": WORKLOADS[run.workload][2], "framework": WORKLOADS[run.workload][0],
                     "system": run.system, "label": run.label, "compression": run.spec,
                     "optimizer": run.optimizer, "accumulate": run.accumulate, "update_sync": run.update_sync,
+                    "num_groups": run.groups,
                     "repeat": run.repeat, "reference": run.reference}}
     if run.system == "fsdp":  # as the worker records it (workers.fsdp_torch)
         out["meta"]["compression"] = fsdp_compression(run.spec, run.reduce_scatter, run.overlap)
@@ -661,7 +688,7 @@ def _is_fp16_baseline(run):
     if run.system == "fsdp":
         return run.spec == FSDP_BASELINE and not run.reduce_scatter and not run.optimizer and not run.overlap
     return (run.system == "horovod" and run.spec == "fp16" and not run.optimizer and not run.reference
-            and run.accumulate == 1 and run.update_sync is None)
+            and run.accumulate == 1 and run.update_sync is None and not run.groups)
 
 
 def stop_group(run):
@@ -800,6 +827,7 @@ def execute(net, run, args, out_dir, progress=True, extra=()):
         result["meta"]["optimizer"] = run.optimizer
         result["meta"]["accumulate"] = run.accumulate
         result["meta"]["update_sync"] = run.update_sync
+        result["meta"]["num_groups"] = run.groups
         result["meta"]["repeat"] = run.repeat
         result["meta"]["reference"] = run.reference
         if run.reference:
@@ -826,7 +854,8 @@ def build_parser():
                    help="';'-separated rows: compressor specs, each optionally followed by 'with "
                         "CLAUSE' clauses: an optimizer OPTIMIZER(k=v,...) (adam, adamw, sgd, "
                         "frozen-adamw; e.g. 'topkc:ratio=0.1 with adam(lr=6.3e-3)'), accumulate(K) "
-                        "(K micro-batches per all-reduce), update-sync(every=H,...) (compressed "
+                        "(K micro-batches per all-reduce), groups(G) (Horovod's num_groups: G groups, one "
+                        "codec call per group and route), update-sync(every=H,...) (compressed "
                         "update sync, torch_backend.UpdateSync). Default: every registered "
                         f"default, from {'; '.join(DEFAULT_CANDIDATES)}; for lm-comm alone: "
                         f"{'; '.join(ADAM_ROWS)}. 'off': no Horovod rows (with --ddp-hooks or "

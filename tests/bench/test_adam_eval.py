@@ -158,7 +158,7 @@ def test_rows_with_an_optimizer_are_planned_labelled_and_passed_on(tmp_path):
     rows = tta.parse_compressors("fp16; topkc:ratio=0.1 with adam(lr=6.3e-3) ;fp32 with sgd")
     assert rows == ["fp16", "topkc:ratio=0.1 with adam(lr=6.3e-3)", "none with sgd"]
     assert tta.parse_row("topkc:ratio=0.1 with frozen-adamw(freeze_step=100)") == (
-        "topkc:ratio=0.1", "frozen-adamw(freeze_step=100)", 1, None)
+        "topkc:ratio=0.1", "frozen-adamw(freeze_step=100)", 1, None, 0)
     with pytest.raises(ValueError, match="unknown name 'lamb'"):
         tta.parse_compressors("fp16 with lamb")
     with pytest.raises(ValueError, match="unknown option 'colour'"):
@@ -301,7 +301,7 @@ def test_the_table_says_what_stopped_the_rows_after_fp16():
 
 def test_accumulate_and_update_sync_rows():
     row = tta.parse_row("topkc:ratio=0.1 with update-sync(every=8, outer_lr=0.5) with adamw(lr=1e-3)")
-    assert row == ("topkc:ratio=0.1", "adamw(lr=1e-3)", 1, "every=8,outer_lr=0.5")
+    assert row == ("topkc:ratio=0.1", "adamw(lr=1e-3)", 1, "every=8,outer_lr=0.5", 0)
     assert row.text() == "topkc:ratio=0.1 with update-sync(every=8,outer_lr=0.5) with adamw(lr=1e-3)"
     assert tta.parse_row("fp16 with update-sync").update_sync == "every=1"
     assert tta.parse_row("fp16 with accumulate( 4 )").accumulate == 4
@@ -342,6 +342,39 @@ def test_accumulate_and_update_sync_rows():
     assert report.converged_levels(rows) == {"FP16": pytest.approx(5.0)}  # row a's level only
     text = report.markdown_table(rows, NET)
     assert "accumulate(K) rows: K micro-batches" in text and "update-sync rows: each rank steps" in text
+
+
+def test_groups_rows():
+    """``with groups(G)``: Horovod's num_groups for the row, a row (and row id) of its own,
+    never the FP16 baseline; refused with update sync and off the PyTorch workloads."""
+    row = tta.parse_row("thc with adamw(lr=1e-3) with groups( 2 ) with accumulate(2)")
+    assert (row.groups, row.accumulate, row.optimizer) == (2, 2, "adamw(lr=1e-3)")
+    assert row.text() == "thc with accumulate(2) with groups(2) with adamw(lr=1e-3)"
+    for bad, words in (("thc with groups(0)", r"groups\(G\) takes an integer G >= 1"),
+                       ("thc with groups(x)", r"groups\(G\) takes an integer"),
+                       ("thc with groups(1) with groups(2)", "groups given twice"),
+                       ("thc with groups(1) with update-sync(every=2)", "groups and update-sync together")):
+        with pytest.raises(ValueError, match=words):
+            tta.parse_compressors(bad)
+    plan = tta.plan_runs(["lm-comm"], tta.parse_compressors("fp16; fp16 with groups(1); thc with groups(3)"), [])
+    assert [r.run_id for r in plan] == ["lm-comm-horovod-fp16", "lm-comm-horovod-fp16-with-groups-1",
+                                        "lm-comm-horovod-thc-with-groups-3"]
+    assert [tta._is_fp16_baseline(r) for r in plan] == [True, False, False]
+    assert plan[2].label == "thc with groups(3)" and tta.interleave(plan, 2)[5].groups == 3
+    args = tta.build_parser().parse_args([])
+    cmd = tta._command(plan[2], args, "o.json")
+    assert cmd[cmd.index("--num-groups") + 1] == "3"
+    assert "--num-groups" not in tta._command(plan[0], args, "o.json")
+    with pytest.raises(ValueError, match="PyTorch workloads only, not on digits-tf"):
+        tta.plan_runs(["digits-tf"], ["fp16 with groups(2)"], [])
+    res = {"a": _lm_result("fp16", [10, 5.0]), "b": _lm_result("fp16", [10, 4.0])}
+    res["b"]["meta"]["num_groups"] = 1
+    rows = [report.summarize(k, v, NET) for k, v in res.items()]
+    report.apply_targets(rows, res)
+    assert [r["num_groups"] for r in rows] == [0, 1] and [r["target"] for r in rows] == [pytest.approx(5.1)] * 2
+    assert len(report.aggregate(rows)) == 2
+    assert report.converged_levels(rows) == {"FP16": pytest.approx(5.0)}
+    assert "groups(G) rows: Horovod's num_groups=G" in report.markdown_table(rows, NET)
 
 
 def test_lr_schedule_warms_up_and_decays_to_a_tenth():

@@ -275,6 +275,7 @@ def main(argv=None, workload="digits"):
     trainer.schedule = torch_workloads.make_schedule(wl, trainer.opt, args)  # the recipe's
     meta = {"framework": "torch", "system": "horovod", "label": args.compression, "device": str(device),
             "accumulate": args.accumulate, "update_sync": args.update_sync,
+            "num_groups": args.num_groups,
             "recipe": getattr(args, "recipe", None),
             "schedule_steps": None if trainer.schedule is None else trainer.schedule.total,
             "optimizer_class": type(trainer.opt).__name__,  # Horovod's wrapper keeps the name
