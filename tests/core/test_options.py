@@ -134,7 +134,7 @@ def test_shared_options_share_one_rule(config, name):
 def test_each_option_named():
     """Each option is checked on its own, so the message names the one that is wrong."""
     assert message(THCConfig, saturation=1) == "thc: saturation must be True or False, got 1"
-    assert message(THCConfig, saturation_rate=0.7) == "thc: saturation_rate must be a number in (0, 0.5], got 0.7"
+    assert message(THCConfig, saturation_rate=0.7) == "thc: saturation_rate must be a number in (0, 0.5] or None, got 0.7"
     assert message(PowerSGDConfig, min_compression_rate="2") == (
         "powersgd: min_compression_rate must be a number >= 1, got '2'")
     assert message(PowerSGDConfig, uncompressed_dtype="bfloat16") == (

@@ -65,6 +65,49 @@ def test_saturation_threshold():
     assert abs(math.erfc(saturation_threshold(1e-6) / math.sqrt(2)) - 1e-6) < 1e-15
 
 
+def _clip_and_round_error(top, t, z):
+    """Monte Carlo of what grid_saturation_rate minimises: clip z to [-t, t], round
+    stochastically (in expectation: delta^2 p (1 - p)) on top steps; the mean squared error."""
+    c = np.clip(z, -t, t)
+    delta = 2 * t / top
+    p = (c + t) / delta % 1.0
+    return float(np.mean(delta * delta * p * (1 - p) + (z - c) ** 2))
+
+
+def test_grid_saturation_rate():
+    """THC's 1/1024 from 15 levels above 0 up; below, a threshold whose clipping plus rounding
+    error a Monte Carlo of N(0, 1) finds within 1% of the best on a grid of thresholds, and far
+    below 1/1024's for coarse grids."""
+    assert thc.grid_saturation_rate(15) == thc.grid_saturation_rate(255) == 1 / 1024
+    z = np.random.default_rng(3).standard_normal(400_000)
+    for top in (1, 3, 7):
+        t = saturation_threshold(thc.grid_saturation_rate(top))
+        best = min(_clip_and_round_error(top, s, z) for s in np.arange(0.3, 3.5, 0.02))
+        assert _clip_and_round_error(top, t, z) <= 1.01 * best
+        assert _clip_and_round_error(top, t, z) < 0.5 * _clip_and_round_error(top, T_1024, z)
+    rates = [thc.grid_saturation_rate(top) for top in (1, 2, 3, 7, 14)]
+    assert rates == sorted(rates, reverse=True)  # finer grids clip less
+
+
+def test_saturation_rate_default_follows_the_levels():
+    """saturation_rate=None (default): each layout's T from its levels (bits=2: 4 levels;
+    bits=4 at 64 ranks under lane_bits=8: fewer); an explicit rate is kept at every layout."""
+    def threshold(cfg, n):
+        s = THCScheme(cfg)
+        info = TensorInfo("w", (4096,), "float32", n, 0, "sum")
+        return s._plan(info, s.layout(info)).threshold
+    assert THCConfig().saturation_rate is None
+    assert threshold(THCConfig(), 2) == pytest.approx(T_1024, abs=1e-14)
+    top = THCScheme().layout(TensorInfo("w", (4096,), "float32", 64, 0, "sum")).levels.top
+    assert top < 15 and threshold(THCConfig(), 64) == saturation_threshold(thc.grid_saturation_rate(top))
+    assert threshold(THCConfig(bits=2), 2) == pytest.approx(1.273, abs=1e-3)
+    assert threshold(THCConfig(bits=2, saturation_rate=1 / 1024), 2) == pytest.approx(T_1024, abs=1e-14)
+    assert threshold(THCConfig(bits=2, saturation=False), 2) == 0.0
+    name, options = parse_spec("thc:saturation_rate=0.05")
+    assert make_scheme(name, **options).config == THCConfig(saturation_rate=0.05)
+    assert THCScheme(THCConfig(bits=2)).spec() == "thc:bits=2"
+
+
 
 # ---------------------------------------------------------------- layout and wire size
 

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from hvd_gradcomp import hadamard
+from hvd_gradcomp import hadamard, thc
 from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.thc import THCConfig, THCScheme
 from tests.backends import as_numpy, native_tensor, one_rank_ops
@@ -156,12 +156,16 @@ def reference_decode(own_payloads, ranges, diag, lay, op):
     return (fwht64(values, lay["block"]) * np.asarray(diag, np.float64))[:lay["d"]]
 
 
-def reference_codes(y, lay, saturation=True, threshold=T_1024):
+def reference_codes(y, lay, saturation=True, threshold=None):
     """(codes, flags, wanted) of one rank's corrected rotated vector ``y`` [P], in float64.
+    ``threshold`` None: the default ``saturation_rate``'s for the layout's levels (``T_1024``
+    from 15 levels above 0 up; :func:`hvd_gradcomp.thc.grid_saturation_rate`, tested on its own).
 
     Also returns the ties: blocks whose 4 log2(wanted) lies within 1e-4 of a rounding boundary
     (float32 vs float64 may round them either way).
     """
+    if threshold is None:
+        threshold = thc.saturation_threshold(thc.grid_saturation_rate(lay["L"]))
     yb = np.asarray(y, np.float64).reshape(lay["blocks"], lay["block"])
     wanted = threshold * np.sqrt((yb * yb).mean(1)) if saturation else np.abs(yb).max(1)
     usable = wanted > 1e-30
