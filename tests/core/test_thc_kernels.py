@@ -167,8 +167,8 @@ ERROR_BOUNDS = {
     # variant: {bits: (gaussian bound, student_t bound)}
     "simple": {2: (1.27, 1.21), 4: (0.28, 0.27), 8: (0.0155, 0.015)},
     "simple_previous": {2: (1.59, 1.22), 4: (0.38, 0.33), 8: (0.045, 0.026)},
-    "saturation": {2: (0.96, 1.12), 4: (0.23, 0.26), 8: (0.088, 0.097)},
-    "partial": {2: (1.17, 1.18), 4: (0.31, 0.32), 8: (0.08, 0.26)},
+    "saturation": {2: (0.49, 0.51), 4: (0.23, 0.26), 8: (0.088, 0.097)},
+    "partial": {2: (0.55, 0.64), 4: (0.31, 0.32), 8: (0.08, 0.26)},
 }
 VARIANTS = {
     "simple": THCConfig(rotation="full", saturation=False, range="current"),
