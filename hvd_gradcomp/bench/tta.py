@@ -106,14 +106,15 @@ DEFAULT_DDP_HOOKS = "fp16;powersgd:rank=4"
 # users do instead of compressing (gradient accumulation over 4 micro-batches; local steps:
 # DiLoCo-style update sync every 8 steps, the averaged change in FP16), the gradient compressors,
 # (THC also without error feedback, the better THC under AdamW, and with lanes for the other
-# rank, fewer bytes at 2 ranks: docs/adam.md), and
+# rank, fewer bytes at 2 ranks; and 4 levels a rank, 7x fewer bytes at 2 ranks: docs/adam.md), and
 # compressed update sync every step (each rank steps AdamW on its own gradient; the
 # compressed parameter change is averaged: torch_backend.update_sync). A row is "SPEC" or "SPEC
 # with CLAUSE[ with CLAUSE]" (:func:`parse_row`). Rows whose spec this checkout cannot build run
 # as failed rows that say why (:class:`RunSpec` ``unavailable``).
 ADAM_ROWS = (
     "fp16", "fp16 with accumulate(4)", "fp16 with update-sync(every=8)",
-    "thc", "thc:error_feedback=false", "thc:error_feedback=false,subtract_own=true", "thc:bits=1",
+    "thc", "thc:error_feedback=false", "thc:error_feedback=false,subtract_own=true",
+    "thc:bits=2,error_feedback=false,subtract_own=true", "thc:bits=1",
     "thc:bits=3 with accumulate(2)",
     "topkc:ratio=0.1", "topkc:ratio=0.1,residual_decay=0.95", "powersgd:rank=8",
     "topkc:ratio=0.1 with update-sync(every=1)",
