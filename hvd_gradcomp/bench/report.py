@@ -330,7 +330,8 @@ def _row_key(r):
 
 
 def aggregate(rows):
-    """One summary row per (workload, framework, system, spec, reference) over its repeats, in the order
+    """One summary row per row key (:func:`_row_key`: workload, framework, system, spec,
+    optimizer, accumulate, update_sync, num_groups, reference) over its repeats, in the order
     the rows first appear (so round 1's order, the table order).
 
     Each summary holds the run columns as medians over the repeats whose status is "ok"
@@ -355,7 +356,9 @@ def aggregate(rows):
         bad = len(members) - len(ok)
         s["status"] = "ok" if not bad else f"{bad} of {len(members)} failed"
         for c in RUN_COLUMNS:
-            if c in ("run_id", "repeat", "steps_to_target") or c in RATIO_KEYS or c in SPREAD_KEYS:
+            # (accumulate, num_groups: part of the row key, equal over the repeats; kept as ints)
+            if c in ("run_id", "repeat", "steps_to_target", "accumulate", "num_groups") or c in RATIO_KEYS \
+                    or c in SPREAD_KEYS:
                 continue
             vals = [r.get(c) for r in ok]
             if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals if v is not None) \
@@ -703,7 +706,7 @@ def converged_levels(rows):
     of the Horovod rows ``fp16`` and ``none`` (FP32) and of FP16-FSDP (``fsdp:fp16``) among
     ``rows``, for those present (None where no repeat has a final metric). DDP rows, other
     FSDP rows, the no-communication reference (also spec ``none``) and rows with another
-    optimizer, gradient accumulation or update sync are not levels."""
+    optimizer, gradient accumulation, groups or update sync are not levels."""
     finals = {}
     for r in rows:
         plain = not r.get("optimizer") and (r.get("accumulate") or 1) == 1 and not r.get("update_sync") \

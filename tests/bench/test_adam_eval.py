@@ -377,6 +377,15 @@ def test_groups_rows():
     assert "groups(G) rows: Horovod's num_groups=G" in report.markdown_table(rows, NET)
 
 
+def test_worker_refuses_groups_with_update_sync(capsys):
+    """A worker launched by hand refuses --num-groups with --update-sync (which would ignore
+    the groups yet record them), before Horovod starts."""
+    from hvd_gradcomp.bench.workers import digits_torch
+    with pytest.raises(SystemExit):
+        digits_torch.main(["--num-groups", "2", "--update-sync", "every=2"], workload="lm-comm")
+    assert "--num-groups and --update-sync together are not supported" in capsys.readouterr().err
+
+
 def test_lr_schedule_warms_up_and_decays_to_a_tenth():
     f = torch_workloads.lr_factor
     assert [f(s, 100) for s in (1, 3, 5)] == [pytest.approx(0.2), pytest.approx(0.6), 1.0]  # W = 5

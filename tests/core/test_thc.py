@@ -92,14 +92,16 @@ def test_grid_saturation_rate():
 def test_saturation_rate_default_follows_the_levels():
     """saturation_rate=None (default): each layout's T from its levels (bits=2: 4 levels;
     bits=4 at 64 ranks under lane_bits=8: fewer); an explicit rate is kept at every layout."""
-    def threshold(cfg, n):
-        s = THCScheme(cfg)
+    def threshold(cfg, n, scheme=None):
+        s = scheme or THCScheme(cfg)
         info = TensorInfo("w", (4096,), "float32", n, 0, "sum")
         return s._plan(info, s.layout(info)).threshold
     assert THCConfig().saturation_rate is None
-    assert threshold(THCConfig(), 2) == pytest.approx(T_1024, abs=1e-14)
-    top = THCScheme().layout(TensorInfo("w", (4096,), "float32", 64, 0, "sum")).levels.top
-    assert top < 15 and threshold(THCConfig(), 64) == saturation_threshold(thc.grid_saturation_rate(top))
+    one = THCScheme()  # one scheme, two layouts: a threshold per level count, not one cached
+    assert threshold(None, 2, one) == pytest.approx(T_1024, abs=1e-14)
+    top = one.layout(TensorInfo("w", (4096,), "float32", 64, 0, "sum")).levels.top
+    assert top < 15 and threshold(None, 64, one) == saturation_threshold(thc.grid_saturation_rate(top))
+    assert threshold(None, 2, one) == pytest.approx(T_1024, abs=1e-14)
     assert threshold(THCConfig(bits=2), 2) == pytest.approx(1.273, abs=1e-3)
     assert threshold(THCConfig(bits=2, saturation_rate=1 / 1024), 2) == pytest.approx(T_1024, abs=1e-14)
     assert threshold(THCConfig(bits=2, saturation=False), 2) == 0.0
@@ -235,7 +237,7 @@ def test_simulated_sum_and_average(n, config, infer):
                     np.testing.assert_allclose(_np(st.ranges), reference_ranges(own, sim.lay), rtol=5e-6)
                 np.testing.assert_array_equal(_np(st.ranges), _np(log["after"][0].ranges))
             if cfg.range == "current":  # the side all-reduce's Max of the ranks' wanted ranges
-                wanted = [reference_codes(_np(c.corrected), sim.lay, cfg.saturation)[2] for c in log["ctxs"].values()]
+                wanted = [reference_codes(_np(c.corrected), sim.lay, cfg.saturation, cfg.saturation_rate)[2] for c in log["ctxs"].values()]
                 np.testing.assert_allclose(log["side"], np.max(wanted, axis=0), rtol=1e-5)
                 np.testing.assert_array_equal(_np(log["ctxs"][0].ranges), log["side"])
 

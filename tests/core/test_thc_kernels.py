@@ -137,7 +137,7 @@ def test_first_step_sends_nothing(backend, config):
         assert (levels == 0).all() and list(control[:2]) == [1, 0]
         diag = _np(log["after"][r].diag)
         y = rotated(xs[r], diag, lay["block"])
-        ref_codes, ref_flags, _, ties = reference_codes(y, lay, config.saturation)
+        ref_codes, ref_flags, _, ties = reference_codes(y, lay, config.saturation, config.saturation_rate)
         np.testing.assert_array_equal(flags, ref_flags)
         assert (codes == ref_codes)[~ties].all() and (np.abs(codes - ref_codes) <= 1).all()
         after = log["after"][r]

@@ -245,6 +245,9 @@ def main(argv=None, workload="digits"):
             parser.error(str(e))
         if args.accumulate > 1:
             parser.error("--accumulate and --update-sync together are not supported")
+        if args.num_groups:
+            parser.error("--num-groups and --update-sync together are not supported (update sync "
+                         "all-reduces the parameter changes itself)")
     devices.require_device(parser, args.device)
     hvd.init()
     if args.device != "cpu":
