@@ -329,23 +329,22 @@ def parse_row(text):
     spec = parts[0]
     if not spec:
         raise ValueError(f"expected a compressor spec before 'with', got {text!r}")
+    def count(match, name, letter, seen):
+        """The integer >= 1 of an ``accumulate(K)``/``groups(G)`` clause, given once."""
+        if seen is not None:
+            raise ValueError(f"row {text!r}: {name} given twice")
+        k = match.group(1).strip()
+        if not k.isdigit() or int(k) < 1:
+            raise ValueError(f"row {text!r}: {name}({letter}) takes an integer {letter} >= 1, got {k!r}")
+        return int(k)
+
     opt = accumulate = sync = groups = None
     for clause in parts[1:]:
         m, u, g = _ACCUMULATE.match(clause), _UPDATE_SYNC.match(clause), _GROUPS.match(clause)
         if g:
-            if groups is not None:
-                raise ValueError(f"row {text!r}: groups given twice")
-            k = g.group(1).strip()
-            if not k.isdigit() or int(k) < 1:
-                raise ValueError(f"row {text!r}: groups(G) takes an integer G >= 1, got {k!r}")
-            groups = int(k)
+            groups = count(g, "groups", "G", groups)
         elif m:
-            if accumulate is not None:
-                raise ValueError(f"row {text!r}: accumulate given twice")
-            k = m.group(1).strip()
-            if not k.isdigit() or int(k) < 1:
-                raise ValueError(f"row {text!r}: accumulate(K) takes an integer K >= 1, got {k!r}")
-            accumulate = int(k)
+            accumulate = count(m, "accumulate", "K", accumulate)
         elif u:
             if sync is not None:
                 raise ValueError(f"row {text!r}: update-sync given twice")
