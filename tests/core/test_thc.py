@@ -101,14 +101,13 @@ def test_saturation_rate_default_follows_the_levels():
     assert threshold(None, 2, one) == pytest.approx(T_1024, abs=1e-14)
     top = one.layout(TensorInfo("w", (4096,), "float32", 64, 0, "sum")).levels.top
     assert top < 15 and threshold(None, 64, one) == saturation_threshold(thc.grid_saturation_rate(top))
-    assert threshold(None, 2, one) == pytest.approx(T_1024, abs=1e-14)
+    assert threshold(None, 2, one) == pytest.approx(T_1024, abs=1e-14)  # still, after the 64-rank layout
     assert threshold(THCConfig(bits=2), 2) == pytest.approx(1.273, abs=1e-3)
     assert threshold(THCConfig(bits=2, saturation_rate=1 / 1024), 2) == pytest.approx(T_1024, abs=1e-14)
     assert threshold(THCConfig(bits=2, saturation=False), 2) == 0.0
     name, options = parse_spec("thc:saturation_rate=0.05")
     assert make_scheme(name, **options).config == THCConfig(saturation_rate=0.05)
     assert THCScheme(THCConfig(bits=2)).spec() == "thc:bits=2"
-
 
 
 # ---------------------------------------------------------------- layout and wire size
