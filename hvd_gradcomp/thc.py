@@ -31,7 +31,7 @@ Steps of ``compress`` (no collective):
     2. Next step's statistics, per block: the range this rank would want, ``r = T sigma`` with
        ``sigma = ||y_block|| / sqrt(B)`` (with saturation; ``T`` the two-sided normal quantile of
        ``saturation_rate``, 3.2971933456919635 for 1/1024 as THC; by default THC's from 15
-       levels above 0 up, fewer levels' own: :func:`grid_saturation_rate`) or the block's peak ``max |y|``
+       levels above 0 up, fewer levels' by the world size: :func:`grid_saturation_rate`) or the block's peak ``max |y|``
        (without), as a log code ``clamp(round(4 log2 r) + 512, 1, 1023)`` (0 for an all-zero
        block) and a flag "non-zero". Quarter-octave steps from ``2**-127.75`` to ``2**127.75``,
        float32's whole range (gradients under loss scaling included). A block whose ``r`` is
@@ -190,20 +190,26 @@ THC_SATURATION_RATE = 1.0 / 1024
 
 
 @functools.lru_cache(maxsize=None)
-def grid_saturation_rate(top: int) -> float:
-    """The default ``saturation_rate`` for levels ``0..top`` (``top`` >= 1 grid steps).
+def grid_saturation_rate(top: int, ranks: int = 1) -> float:
+    """The default ``saturation_rate`` for levels ``0..top`` (``top`` >= 1 grid steps) summed
+    over ``ranks`` ranks.
 
     From ``top = 15`` (THC's 4 bits) up: THC's 1/1024. Below: the rate whose threshold ``T``
-    minimises, for a standard normal ``Z``, the clipping error plus the mean variance of
-    stochastic rounding on ``top`` steps of ``2 T / top`` over ``[-T, T]``:
-    ``E[(|Z| - T)^2; |Z| > T] + (2 T / top)^2 / 6 * P(|Z| < T)`` (a point at fraction ``p`` of
-    its cell has variance ``delta^2 p (1 - p)``, whose mean over ``p`` is ``delta^2 / 6``), by a
-    scan of ``T`` in steps of 0.001. Host-side, once per ``top``.
+    minimises, for a standard normal ``Z``, the error of the ranks' mean: the clipping error,
+    which need not shrink in the mean (the ranks' gradients share their large coordinates),
+    plus the mean variance of stochastic rounding on ``top`` steps of ``2 T / top`` over
+    ``[-T, T]``, which does (each rank rounds independently):
+    ``E[(|Z| - T)^2; |Z| > T] + (2 T / top)^2 / 6 * P(|Z| < T) / ranks`` (a point at fraction
+    ``p`` of its cell has variance ``delta^2 p (1 - p)``, whose mean over ``p`` is
+    ``delta^2 / 6``), by a scan of ``T`` in steps of 0.001. Host-side, once per ``(top, ranks)``.
 
-    At 1/1024 a coarse grid's rounding noise dominates: 4 levels (``top = 3``) have 4.6x the
-    error of their best ``T`` (0.81 against 0.18 of ``Var Z``), which cost 1.78x FP16's steps
-    under AdamW where ``T = 1.64`` cost 1.17x (``docs/thc.md``, "Saturation for coarse levels").
-    Values: ``top`` 1: 0.51, 3: 0.20 (``T = 1.27``), 7: 0.068 (``T = 1.83``).
+    At 1/1024 a coarse grid's rounding noise dominates: 4 levels (``top = 3``) of one rank have
+    4.6x the error of their best ``T`` (0.81 against 0.18 of ``Var Z``); at 2 ranks 4 levels
+    cost 1.78x FP16's steps under AdamW at 1/1024 and 1.09-1.17x at rates 0.1-0.2
+    (``docs/thc.md``, "Saturation for coarse levels"). Many ranks average the rounding noise
+    away, so their ranges widen again (keeping one rank's best ``T`` at 64 ranks raised the mean's
+    error from 0.16 to 0.25 in ``bench.thc_error layouts``). Values for ``top = 3``: 0.20
+    (``T = 1.27``) at 1 rank, 0.134 (``T = 1.50``) at 2, 0.051 at 8, 0.0097 at 64.
     """
     if top >= 15:
         return THC_SATURATION_RATE
@@ -213,7 +219,7 @@ def grid_saturation_rate(top: int) -> float:
     def error(t):
         tail = 0.5 * math.erfc(t / root2)  # P(Z > t)
         clip = 2.0 * ((1.0 + t * t) * tail - t * density * math.exp(-0.5 * t * t))
-        return clip + (2.0 * t / top) ** 2 / 6.0 * (1.0 - 2.0 * tail)
+        return clip + (2.0 * t / top) ** 2 / 6.0 * (1.0 - 2.0 * tail) / ranks
 
     best = min((error(0.001 * i), i) for i in range(1, 8001))[1] * 0.001
     return math.erfc(best / root2)
@@ -238,8 +244,8 @@ class THCConfig:
     buys a finer grid with the same bits; ``saturation_rate`` 1/1024 is THC's
     (``T = 3.297``), the default from 15 levels above 0 up; fewer levels (``bits`` <= 3, or 4
     bits shrunk by ``lane_bits``) default to a lower threshold that suits their coarse grid
-    (:func:`grid_saturation_rate`: ``bits=2`` without error feedback then took 1.13-1.17x
-    FP16's steps under AdamW, against 1.78x at 1/1024). ``rotation`` and ``rotation_stages`` move the bytes both ways (padding
+    (:func:`grid_saturation_rate`: ``bits=2`` without error feedback took 1.09-1.17x FP16's
+    steps under AdamW at rates 0.1-0.2, against 1.78x at 1/1024). ``rotation`` and ``rotation_stages`` move the bytes both ways (padding
     against per-block ranges). All ranks must use the same ``seed``.
 
     The size threshold below which tensors go as FP16 (``min_numel``) is a routing option,
@@ -272,8 +278,9 @@ class THCConfig:
     saturation_rate: Optional[float] = option(
         None, kind="number", lo=0.0, hi=0.5, lo_open=True, optional=True,
         doc="fraction of a standard normal clipped (T = 3.297 for 1/1024); larger clips more and "
-            "refines the grid; none: by the levels, THC's 1/1024 from 15 levels above 0 up, below "
-            "the rate of least clipping plus rounding error (0.20 for bits=2)")
+            "refines the grid; none: by the layout, THC's 1/1024 from 15 levels above 0 up, below "
+            "the rate of least clipping plus rounding error of the ranks' mean (bits=2: 0.134 at "
+            "2 ranks)")
     range: str = option("previous", kind="choice", choices=("previous", "current"),
                         harder="previous",
                         doc="ranges from the previous step's statistics (one all-reduce) or this "
@@ -362,7 +369,7 @@ class THCScheme(Scheme):
     def __init__(self, config: THCConfig = THCConfig()):
         self.config = config
         self.blocking = config.range == "current"
-        self._thresholds = {}  # levels' top -> T (saturation_rate none: by the levels)
+        self._thresholds = {}  # (levels' top, ranks) -> T (saturation_rate none: by the layout)
         self._round_keys = {}
         self._layouts = {}  # (numel, world size, op) -> Layout: four lookups a step per tensor
 
@@ -408,19 +415,21 @@ class THCScheme(Scheme):
         return Layout(block, padded, padded // block, levels, -(-padded // levels.lanes),
                       stats, stats_words, h)
 
-    def threshold(self, top: int) -> float:
-        """Step 2's ``T`` for levels ``0..top``: ``saturation_rate``'s two-sided normal
-        quantile, or with ``saturation_rate=None`` that of :func:`grid_saturation_rate`."""
-        t = self._thresholds.get(top)
+    def threshold(self, top: int, ranks: int) -> float:
+        """Step 2's ``T`` for levels ``0..top`` over ``ranks`` ranks: ``saturation_rate``'s
+        two-sided normal quantile, or with ``saturation_rate=None`` that of
+        :func:`grid_saturation_rate` (the same on every rank: a function of the layout)."""
+        t = self._thresholds.get((top, ranks))
         if t is None:
             rate = self.config.saturation_rate
-            t = self._thresholds[top] = saturation_threshold(grid_saturation_rate(top) if rate is None else rate)
+            t = self._thresholds[top, ranks] = saturation_threshold(
+                grid_saturation_rate(top, ranks) if rate is None else rate)
         return t
 
     def _plan(self, info: TensorInfo, lay: Layout) -> _Plan:
         cfg = self.config
         return _Plan(lay.block, lay.levels, None if self.blocking else lay.stats,
-                     self.threshold(lay.levels.top) if cfg.saturation else 0.0,
+                     self.threshold(lay.levels.top, info.world_size) if cfg.saturation else 0.0,
                      cfg.flush if cfg.error_feedback else None, cfg.error_feedback,
                      info.world_size, info.op)
 

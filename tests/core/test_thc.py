@@ -65,33 +65,38 @@ def test_saturation_threshold():
     assert abs(math.erfc(saturation_threshold(1e-6) / math.sqrt(2)) - 1e-6) < 1e-15
 
 
-def _clip_and_round_error(top, t, z):
-    """Monte Carlo of what grid_saturation_rate minimises: clip z to [-t, t], round
-    stochastically (in expectation: delta^2 p (1 - p)) on top steps; the mean squared error."""
+def _clip_and_round_error(top, t, z, ranks=1):
+    """Monte Carlo of what grid_saturation_rate minimises: clip z to [-t, t] (the same for
+    every rank), round stochastically on top steps (in expectation delta^2 p (1 - p), its
+    variance shrunk by the ranks' mean); the mean squared error."""
     c = np.clip(z, -t, t)
     delta = 2 * t / top
     p = (c + t) / delta % 1.0
-    return float(np.mean(delta * delta * p * (1 - p) + (z - c) ** 2))
+    return float(np.mean(delta * delta * p * (1 - p) / ranks + (z - c) ** 2))
 
 
 def test_grid_saturation_rate():
-    """THC's 1/1024 from 15 levels above 0 up; below, a threshold whose clipping plus rounding
-    error a Monte Carlo of N(0, 1) finds within 1% of the best on a grid of thresholds, and far
-    below 1/1024's for coarse grids."""
-    assert thc.grid_saturation_rate(15) == thc.grid_saturation_rate(255) == 1 / 1024
+    """THC's 1/1024 from 15 levels above 0 up; below, a threshold whose error a Monte Carlo of
+    N(0, 1) finds within 1% of the best on a grid of thresholds, far below 1/1024's for coarse
+    grids at few ranks; more ranks (or finer grids) clip less."""
+    assert thc.grid_saturation_rate(15) == thc.grid_saturation_rate(255, 2) == 1 / 1024
     z = np.random.default_rng(3).standard_normal(400_000)
-    for top in (1, 3, 7):
-        t = saturation_threshold(thc.grid_saturation_rate(top))
-        best = min(_clip_and_round_error(top, s, z) for s in np.arange(0.3, 3.5, 0.02))
-        assert _clip_and_round_error(top, t, z) <= 1.01 * best
-        assert _clip_and_round_error(top, t, z) < 0.5 * _clip_and_round_error(top, T_1024, z)
+    for top, ranks in ((1, 1), (3, 1), (7, 1), (3, 2), (3, 8), (3, 64)):
+        t = saturation_threshold(thc.grid_saturation_rate(top, ranks))
+        best = min(_clip_and_round_error(top, s, z, ranks) for s in np.arange(0.3, 3.5, 0.02))
+        assert _clip_and_round_error(top, t, z, ranks) <= 1.01 * best
+        if ranks <= 2:
+            assert _clip_and_round_error(top, t, z, ranks) < 0.5 * _clip_and_round_error(top, T_1024, z, ranks)
     rates = [thc.grid_saturation_rate(top) for top in (1, 2, 3, 7, 14)]
     assert rates == sorted(rates, reverse=True)  # finer grids clip less
+    rates = [thc.grid_saturation_rate(3, n) for n in (1, 2, 8, 64)]
+    assert rates == sorted(rates, reverse=True)  # so do more ranks
 
 
 def test_saturation_rate_default_follows_the_levels():
-    """saturation_rate=None (default): each layout's T from its levels (bits=2: 4 levels;
-    bits=4 at 64 ranks under lane_bits=8: fewer); an explicit rate is kept at every layout."""
+    """saturation_rate=None (default): each layout's T from its levels and ranks (bits=2: 4
+    levels; bits=4 at 64 ranks under lane_bits=8: fewer); an explicit rate is kept at every
+    layout."""
     def threshold(cfg, n, scheme=None):
         s = scheme or THCScheme(cfg)
         info = TensorInfo("w", (4096,), "float32", n, 0, "sum")
@@ -100,9 +105,10 @@ def test_saturation_rate_default_follows_the_levels():
     one = THCScheme()  # one scheme, two layouts: a threshold per level count, not one cached
     assert threshold(None, 2, one) == pytest.approx(T_1024, abs=1e-14)
     top = one.layout(TensorInfo("w", (4096,), "float32", 64, 0, "sum")).levels.top
-    assert top < 15 and threshold(None, 64, one) == saturation_threshold(thc.grid_saturation_rate(top))
+    assert top < 15 and threshold(None, 64, one) == saturation_threshold(thc.grid_saturation_rate(top, 64))
     assert threshold(None, 2, one) == pytest.approx(T_1024, abs=1e-14)  # still, after the 64-rank layout
-    assert threshold(THCConfig(bits=2), 2) == pytest.approx(1.273, abs=1e-3)
+    assert threshold(THCConfig(bits=2), 2) == pytest.approx(1.498, abs=1e-3)
+    assert threshold(THCConfig(bits=2), 8) == pytest.approx(1.953, abs=1e-3)
     assert threshold(THCConfig(bits=2, saturation_rate=1 / 1024), 2) == pytest.approx(T_1024, abs=1e-14)
     assert threshold(THCConfig(bits=2, saturation=False), 2) == 0.0
     name, options = parse_spec("thc:saturation_rate=0.05")

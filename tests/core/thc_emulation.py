@@ -158,14 +158,14 @@ def reference_decode(own_payloads, ranges, diag, lay, op):
 
 def reference_codes(y, lay, saturation=True, rate=None):
     """(codes, flags, wanted) of one rank's corrected rotated vector ``y`` [P], in float64.
-    ``rate``: the config's ``saturation_rate``; None, its default, by the layout's levels
-    (``T_1024`` from 15 levels above 0 up; :func:`hvd_gradcomp.thc.grid_saturation_rate`,
+    ``rate``: the config's ``saturation_rate``; None, its default, by the layout's levels and
+    ranks (``T_1024`` from 15 levels above 0 up; :func:`hvd_gradcomp.thc.grid_saturation_rate`,
     tested on its own).
 
     Also returns the ties: blocks whose 4 log2(wanted) lies within 1e-4 of a rounding boundary
     (float32 vs float64 may round them either way).
     """
-    threshold = thc.saturation_threshold(thc.grid_saturation_rate(lay["L"]) if rate is None else rate)
+    threshold = thc.saturation_threshold(thc.grid_saturation_rate(lay["L"], lay["n"]) if rate is None else rate)
     yb = np.asarray(y, np.float64).reshape(lay["blocks"], lay["block"])
     wanted = threshold * np.sqrt((yb * yb).mean(1)) if saturation else np.abs(yb).max(1)
     usable = wanted > 1e-30
