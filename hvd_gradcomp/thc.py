@@ -31,7 +31,7 @@ Steps of ``compress`` (no collective):
     2. Next step's statistics, per block: the range this rank would want, ``r = T sigma`` with
        ``sigma = ||y_block|| / sqrt(B)`` (with saturation; ``T`` the two-sided normal quantile of
        ``saturation_rate``, 3.2971933456919635 for 1/1024 as THC; by default THC's from 15
-       levels above 0 up, fewer levels' by the world size: :func:`grid_saturation_rate`) or the block's peak ``max |y|``
+       levels above 0 up, below by the levels and the world size: :func:`grid_saturation_rate`) or the block's peak ``max |y|``
        (without), as a log code ``clamp(round(4 log2 r) + 512, 1, 1023)`` (0 for an all-zero
        block) and a flag "non-zero". Quarter-octave steps from ``2**-127.75`` to ``2**127.75``,
        float32's whole range (gradients under loss scaling included). A block whose ``r`` is
