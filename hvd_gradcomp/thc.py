@@ -31,7 +31,8 @@ Steps of ``compress`` (no collective):
     2. Next step's statistics, per block: the range this rank would want, ``r = T sigma`` with
        ``sigma = ||y_block|| / sqrt(B)`` (with saturation; ``T`` the two-sided normal quantile of
        ``saturation_rate``, 3.2971933456919635 for 1/1024 as THC; by default THC's from 15
-       levels above 0 up, below by the levels and the world size: :func:`grid_saturation_rate`) or the block's peak ``max |y|``
+       levels above 0 up, below by the levels and the world size:
+       :mod:`~hvd_gradcomp.saturation`) or the block's peak ``max |y|``
        (without), as a log code ``clamp(round(4 log2 r) + 512, 1, 1023)`` (0 for an all-zero
        block) and a flag "non-zero". Quarter-octave steps from ``2**-127.75`` to ``2**127.75``,
        float32's whole range (gradients under loss scaling included). A block whose ``r`` is
@@ -155,7 +156,6 @@ collective, on every rank).
 References: THC (NSDI 2024) for rotate-clamp-quantise and ``T``; Suresh et al., "Distributed
 Mean Estimation with Limited Communication", ICML 2017, for the randomized Hadamard rotation.
 """
-import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
@@ -166,64 +166,10 @@ from .lanes import MAX_WORLD_SIZE, LaneLayout, exact_words, lane_layout, stats_l
 from .thc_kernels import (_CONTROL, _Plan, _decode_kernel, _encode_kernel, _finish_kernel, _noise_kernel, _pad,
                           _quantize_kernel, _receive_kernel, _rotate_kernel)
 from .options import error_feedback_option, option, seed_option, validate
+from .saturation import grid_saturation_rate, saturation_threshold
 
 __all__ = ["THCConfig", "THCState", "THCScheme", "saturation_threshold", "grid_saturation_rate", "lane_layout",
            "wire_bits", "exact_words", "MAX_WORLD_SIZE"]
-
-def saturation_threshold(rate: float) -> float:
-    """``T`` with ``P(|Z| > T) = rate`` for a standard normal ``Z`` (host-side bisection).
-
-    ``saturation_threshold(1 / 1024) == 3.2971933456919635`` to within 1e-15 (THC's constant).
-    """
-    lo, hi = 0.0, 40.0
-    for _ in range(200):  # halves the bracket each time; stops moving after ~60
-        mid = 0.5 * (lo + hi)
-        if math.erfc(mid / math.sqrt(2.0)) > rate:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
-
-
-# THC's saturation rate (T = 3.297), kept from 2**4 - 1 = 15 levels above 0 up (THC's 4 bits).
-THC_SATURATION_RATE = 1.0 / 1024
-
-
-@functools.lru_cache(maxsize=None)
-def grid_saturation_rate(top: int, ranks: int = 1) -> float:
-    """The default ``saturation_rate`` for levels ``0..top`` (``top`` >= 1 grid steps) summed
-    over ``ranks`` ranks.
-
-    From ``top = 15`` (THC's 4 bits) up: THC's 1/1024. Below: the rate whose threshold ``T``
-    minimises, for a standard normal ``Z``, the error of the ranks' mean: the clipping error,
-    which need not shrink in the mean (the ranks' gradients share their large coordinates),
-    plus the mean variance of stochastic rounding on ``top`` steps of ``2 T / top`` over
-    ``[-T, T]``, which does (each rank rounds independently):
-    ``E[(|Z| - T)^2; |Z| > T] + (2 T / top)^2 / 6 * P(|Z| < T) / ranks`` (a point at fraction
-    ``p`` of its cell has variance ``delta^2 p (1 - p)``, whose mean over ``p`` is
-    ``delta^2 / 6``), by a scan of ``T`` in steps of 0.001. Host-side, once per ``(top, ranks)``.
-
-    At 1/1024 a coarse grid's rounding noise dominates: 4 levels (``top = 3``) of one rank have
-    4.6x the error of their best ``T`` (0.81 against 0.18 of ``Var Z``); at 2 ranks 4 levels
-    cost 1.78x FP16's steps under AdamW at 1/1024 and 1.09-1.17x at rates 0.1-0.2
-    (``docs/thc.md``, "Saturation for coarse levels"). Many ranks average the rounding noise
-    away, so their ranges widen again (keeping one rank's best ``T`` at 64 ranks raised the mean's
-    error from 0.16 to 0.25 in ``bench.thc_error layouts``). Values for ``top = 3``: 0.20
-    (``T = 1.27``) at 1 rank, 0.134 (``T = 1.50``) at 2, 0.051 at 8, 0.0097 at 64.
-    """
-    if top >= 15:
-        return THC_SATURATION_RATE
-    root2 = math.sqrt(2.0)
-    density = 1.0 / math.sqrt(2.0 * math.pi)
-
-    def error(t):
-        tail = 0.5 * math.erfc(t / root2)  # P(Z > t)
-        clip = 2.0 * ((1.0 + t * t) * tail - t * density * math.exp(-0.5 * t * t))
-        return clip + (2.0 * t / top) ** 2 / 6.0 * (1.0 - 2.0 * tail) / ranks
-
-    best = min((error(0.001 * i), i) for i in range(1, 8001))[1] * 0.001
-    return math.erfc(best / root2)
-
 
 @dataclass(frozen=True)
 class THCConfig:
@@ -243,9 +189,9 @@ class THCConfig:
     and pad to a multiple of ``2**k``. ``saturation``
     buys a finer grid with the same bits; ``saturation_rate`` 1/1024 is THC's
     (``T = 3.297``), the default from 15 levels above 0 up; fewer levels (``bits`` <= 3, or 4
-    bits shrunk by ``lane_bits``) default to a lower threshold that suits their coarse grid
-    (:func:`grid_saturation_rate`: ``bits=2`` without error feedback took 1.09-1.17x FP16's
-    steps under AdamW at rates 0.1-0.2, against 1.78x at 1/1024). ``rotation`` and ``rotation_stages`` move the bytes both ways (padding
+    bits shrunk by ``lane_bits``) default to a lower threshold that suits their coarse grid and
+    the world size (:func:`~hvd_gradcomp.saturation.grid_saturation_rate`; measured in
+    ``docs/thc.md``, section 3). ``rotation`` and ``rotation_stages`` move the bytes both ways (padding
     against per-block ranges). All ranks must use the same ``seed``.
 
     The size threshold below which tensors go as FP16 (``min_numel``) is a routing option,
