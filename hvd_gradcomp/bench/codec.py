@@ -10,9 +10,9 @@ codec):
   embedding and a head over 256 tokens: 147 tensors, 9.61M parameters. Model B: one flat
   parameter of the same size (its gradient is a fixed vector).
 - **ops**: ATen operations the PyTorch profiler records (all threads) during one training step
-  (forward, backward and the hook), minus those of the same step under DDP's own
-  ``allreduce_hook`` (its plain all-reduce as a comm hook, so DDP's per-parameter work for a
-  hook is in both): what the hook's codec adds. On a GPU each is a kernel launch or a
+  (forward, backward and the hook; the median of five profiled steps), minus those of the same
+  step under DDP's own ``allreduce_hook`` (its plain all-reduce as a comm hook, so DDP's
+  per-parameter work for a hook is in both): what the hook's codec adds. On a GPU each is a kernel launch or a
   host-side dispatch.
 - **launches** (``--device cuda`` only): GPU kernels the profiler's CUDA activity records in
   the same step, minus ``allreduce_hook``'s: what the GPU is given to run.
@@ -48,6 +48,7 @@ import time
 __all__ = ["main", "model_a", "model_b"]
 
 DEFAULT_SPECS = "none,fp16,bf16,topkc:0.1,thc,signsgd,powersgd:4,auto"
+PROFILED_STEPS = 5  # steps profiled per row; the ops columns are their median
 
 
 def model_a(device="cpu"):
@@ -161,20 +162,24 @@ def _step(ddp, loss):
     loss(ddp).backward()
 
 
-def _ops(ddp, loss, cuda=False):
-    """(ATen operations, GPU kernels or None) the profiler records in one step."""
+def _ops(ddp, loss, cuda=False, repeats=PROFILED_STEPS):
+    """(ATen operations, GPU kernels or None) the profiler records in one step: the median over
+    ``repeats`` profiled steps. One step's count is not stable: a callback that DDP chains on
+    the all-reduce's future runs on this thread or on Gloo's, whose operations the profiler
+    does not always see."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        _step(ddp, loss)
-        if cuda:
-            torch.cuda.synchronize()
-    events = prof.events()
-    ops = sum(1 for e in events if e.name.startswith("aten::"))
-    if not cuda:
-        return ops, None
-    return ops, sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    ops, kernels = [], []
+    for _ in range(repeats):
+        with profile(activities=activities) as prof:
+            _step(ddp, loss)
+            if cuda:
+                torch.cuda.synchronize()
+        events = prof.events()
+        ops.append(sum(1 for e in events if e.name.startswith("aten::")))
+        kernels.append(sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA))
+    return statistics.median_low(ops), (statistics.median_low(kernels) if cuda else None)
 
 
 def _timed_step(ddp, loss, clock, cuda):
