@@ -231,6 +231,11 @@ def _dropped_part(out, dropped, slot):
     return flat * torch.repeat_interleave(dropped[index].float(), sizes, output_size=flat.numel())
 
 
+def _flat(x):
+    """``x`` as 1-D (itself when it already is: no operation recorded)."""
+    return x if x.dim() == 1 else x.reshape(-1)
+
+
 def hook(state: HookState, bucket):
     """DDP communication hook: compress ``bucket`` (one codec call per route, or per tensor),
     all-reduce the payloads (one collective per payload dtype), decode, average (module
@@ -271,7 +276,7 @@ def hook(state: HookState, bucket):
     encoded = []
     for unit in plan.units:
         x = buffer[unit.start:unit.stop] if unit.contiguous else runs.gather(buffer, unit)
-        if len(unit.members) == 1:
+        if len(unit.members) == 1 and x.shape != unit.info.shape:
             x = x.view(unit.info.shape)
         payload, ctx = comp.encode_unit(unit, x)
         if ctx is None:  # sent as it is (none): divided first, as DDP's own all-reduce does, so
@@ -300,8 +305,8 @@ def hook(state: HookState, bucket):
     futures, layouts, flats = [], [], []
     for dtype in sorted(by_dtype, key=str):
         members = by_dtype[dtype]
-        flat = payloads[members[0]].reshape(-1) if len(members) == 1 else \
-            torch.cat([payloads[i].reshape(-1) for i in members])
+        flat = _flat(payloads[members[0]]) if len(members) == 1 else \
+            torch.cat([_flat(payloads[i]) for i in members])
         flats.append(flat)
         layouts.append([(i, payloads[i].shape, payloads[i].numel()) for i in members])
         futures.append(dist.all_reduce(flat, group=state.group, async_op=True).get_future())
@@ -318,6 +323,10 @@ def hook(state: HookState, bucket):
         results = [f.wait()[0] for f in fut.value()] if len(futures) > 1 else [fut.wait()[0]]
         reduced = [None] * len(payloads)
         for flat, layout in zip(results, layouts):
+            if len(layout) == 1:  # one payload of this dtype: the result is its flat form
+                i, shape, _ = layout[0]
+                reduced[i] = flat if flat.shape == shape else flat.view(shape)
+                continue
             offset = 0
             for i, shape, numel in layout:
                 reduced[i] = flat[offset:offset + numel].view(shape)
@@ -336,8 +345,14 @@ def hook(state: HookState, bucket):
             outs = []
             for unit, slot, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
                 factor = comp.linear_decode(ctx) if unit.contiguous else None
-                if factor is not None:  # a cast: its mean written into the bucket in one pass
-                    torch.mul(payload.reshape(-1), factor / n, out=buffer[unit.start:unit.stop])
+                if factor is not None:  # a cast: its mean written into the bucket, in float32
+                    dst = buffer[unit.start:unit.stop]
+                    # copy_, then a scaling where one is left (fp16's 1/n pre-scale: none):
+                    # torch.mul(payload, f, out=dst) of a float16 payload costs 8 operations
+                    # and rounds the product in float16
+                    dst.copy_(_flat(payload))
+                    if factor != n:
+                        dst.mul_(factor / n)
                     outs.append(None)
                     continue
                 out = payload if ctx is None else comp.decode(payload, ctx, divide=n)
@@ -350,7 +365,7 @@ def hook(state: HookState, bucket):
                 if out is None:
                     continue
                 if unit.contiguous:
-                    buffer[unit.start:unit.stop].copy_(out.reshape(-1))
+                    buffer[unit.start:unit.stop].copy_(_flat(out))
                 else:
                     runs.scatter(buffer, unit, out)
         return buffer

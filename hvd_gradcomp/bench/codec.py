@@ -10,7 +10,7 @@ codec):
   embedding and a head over 256 tokens: 147 tensors, 9.61M parameters. Model B: one flat
   parameter of the same size (its gradient is a fixed vector).
 - **ops**: ATen operations the PyTorch profiler records (all threads) during one training step
-  (forward, backward and the hook; the median of five profiled steps), minus those of the same
+  (forward, backward and the hook; the median of three profiled steps), minus those of the same
   step under DDP's own ``allreduce_hook`` (its plain all-reduce as a comm hook, so DDP's
   per-parameter work for a hook is in both): what the hook's codec adds. On a GPU each is a kernel launch or a
   host-side dispatch.
@@ -48,7 +48,7 @@ import time
 __all__ = ["main", "model_a", "model_b"]
 
 DEFAULT_SPECS = "none,fp16,bf16,topkc:0.1,thc,signsgd,powersgd:4,auto"
-PROFILED_STEPS = 5  # steps profiled per row; the ops columns are their median
+PROFILED_STEPS = 3  # steps profiled per row; the ops columns are their median
 
 
 def model_a(device="cpu"):
@@ -163,16 +163,18 @@ def _step(ddp, loss):
 
 
 def _ops(ddp, loss, cuda=False, repeats=PROFILED_STEPS):
-    """(ATen operations, GPU kernels or None) the profiler records in one step: the median over
-    ``repeats`` profiled steps. One step's count is not stable: a callback that DDP chains on
-    the all-reduce's future runs on this thread or on Gloo's, whose operations the profiler
-    does not always see."""
+    """(ATen operations, GPU kernels or None) the profiler records in one step, on all threads:
+    the median over ``repeats`` profiled steps. A callback that DDP chains on the all-reduce's
+    future (the hook's decode) runs on this thread or on Gloo's, whichever finishes last; the
+    profiler's default sees only this thread's, so its count moved between steps."""
     import torch
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    config = _ExperimentalConfig(profile_all_threads=True)
     ops, kernels = [], []
     for _ in range(repeats):
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, experimental_config=config) as prof:
             _step(ddp, loss)
             if cuda:
                 torch.cuda.synchronize()

@@ -13,7 +13,8 @@ Launches (each kills its process group at its timeout):
    counts, the loss scale's units, exact resume from a ``state_dict(gather=True)`` saved on
    rank 0, the state rules (another rank's per-rank state refused), and the refusals of
    ``register_comm_hook`` and of ``Join(divide_by_initial_world_size=False)``;
-2. three ranks: ``no_sync`` accumulation on ``gradient_as_bucket_view`` buckets, ``Join``
+2. three ranks: bf16's mean formed in float32, ``no_sync`` accumulation on
+   ``gradient_as_bucket_view`` buckets, ``Join``
    with uneven inputs (a joined rank's state is left as it was, agreed fields equal on every
    rank), a process group of ranks 0 and 2, and training with a layer unused on one rank
    (``find_unused_parameters``) and a globally unused one (``static_graph``): ranks end with
@@ -43,6 +44,14 @@ def grads_of(rank, step, shapes=SHAPES, scale=1.0):
     import torch
     g = torch.Generator().manual_seed(10007 * step + 101 * rank + 7)
     return {n: torch.randn(s, generator=g) * scale for n, s in shapes.items()}
+
+
+def _integer_grads(rank):
+    """{name: float32 tensor} of integers in [0, 16) seeded by ``rank``: any three ranks' sum
+    is exact in bfloat16 (integers below 256)."""
+    import torch
+    g = torch.Generator().manual_seed(31 + rank)
+    return {n: torch.randint(0, 16, s, generator=g).float() for n, s in SHAPES.items()}
 
 
 def _probe_cls():
@@ -424,6 +433,10 @@ def features_worker():
         logging.getLogger("hvd_gradcomp").removeHandler(records)
         out[f"join {spec}"] = {"outs": outs, "at_join": residual_at_join, "after": _residuals(comp),
                                "agreed": _agreed(comp), "log": records.messages}
+    # bf16 at 3 ranks: integer gradients (their bf16 sum is exact), the mean formed in float32
+    ddp = DDP(Probe())
+    register_comm_hook(ddp, Compression.bf16())
+    out["bf16"] = _step(ddp, _integer_grads(rank))
     # a process group of ranks 0 and 2 (every rank creates it; rank 1 trains nothing)
     sub = dist.new_group([0, 2])
     if rank != 1:
@@ -475,6 +488,16 @@ def test_no_sync(features):
             expected = refs[n].step(grads, "sum").reshape(shape) / 3
             for r in range(3):
                 np.testing.assert_allclose(features[r]["no_sync"][t][n], expected, rtol=2e-3, atol=F16_SUM3)
+
+
+def test_bf16_mean_in_float32(features):
+    """bf16's exact bfloat16 sum over 3 ranks, divided by 3 in float32 (not rounded to bfloat16
+    again), the same on every rank."""
+    for n in SHAPES:
+        total = sum(_integer_grads(r)[n].double().numpy() for r in range(3))
+        expected = (total.astype(np.float32) * np.float32(1 / 3)).astype(np.float64)
+        for r in range(3):
+            np.testing.assert_allclose(features[r]["bf16"][n], expected, rtol=1e-7, atol=0, err_msg=n)
 
 
 def test_join_values(features):
