@@ -170,19 +170,27 @@ def as_reduced(ops, x, summed, world_size: int):
 def pack(ops, values, lay: LaneLayout):
     """int32 [w = ceil(m / lanes)]: int32 ``values`` [m] (each below ``2**width``) in lanes of
     ``lay`` above its guard bits, planar: value ``j * w + i`` in lane ``j`` of word ``i``
-    (contiguous reads per lane). One shift and one add per lane, over that lane's slice (no
-    padded copy of ``values``); a short last lane adds into the first words only."""
+    (contiguous reads per lane). The full lanes in one shift (a [lanes, 1] shift per row of the
+    [lanes, w] view, no padded copy) and one sum over the lanes (their bits do not overlap, so
+    the sum is their OR); a short last lane adds into the first words only. A fixed number of
+    operations whatever the lane count (one shift and one add per lane before)."""
     m = ops.shape(values)[0]
     w = -(-m // lay.lanes)
-    words = ops.left_shift(values[:w] if w < m else values, lay.guard)
+    full = m // w if w else 1  # lanes filled to w values (1 <= full <= lanes)
+    body = values[:full * w] if full * w < m else values
+    if full == 1:
+        words = ops.left_shift(body, lay.guard)
+    else:
+        # Built on the device (arange), not copied from the host.
+        shifts = ops.reshape(ops.arange(full, "int32", values) * lay.width + lay.guard, (full, 1))
+        # (a sum of int32 is int64 in PyTorch; the lanes' total is below 2**31: one rank's word)
+        words = ops.cast(ops.sum(ops.left_shift(ops.reshape(body, (full, w)), shifts), 0), "int32")
     if lay.offset:
         words = words - lay.offset
-    for j in range(1, lay.lanes):
-        if j * w >= m:
-            break
-        part = ops.left_shift(values[j * w:(j + 1) * w], lay.guard + j * lay.width)
+    if full * w < m:
+        part = ops.left_shift(values[full * w:], lay.guard + full * lay.width)
         k = ops.shape(part)[0]
-        words = words + part if k == w else ops.concat([words[:k] + part, words[k:]], 0)
+        words = ops.concat([words[:k] + part, words[k:]], 0)
     return words
 
 
