@@ -171,7 +171,10 @@ def _ops(ddp, loss, cuda=False, repeats=PROFILED_STEPS):
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    config = _ExperimentalConfig(profile_all_threads=True)
+    try:
+        config = _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a PyTorch before the option: this thread's operations only
+        config = _ExperimentalConfig()
     ops, kernels = [], []
     for _ in range(repeats):
         with profile(activities=activities, experimental_config=config) as prof:
