@@ -13,7 +13,7 @@ Launches (each kills its process group at its timeout):
    counts, the loss scale's units, exact resume from a ``state_dict(gather=True)`` saved on
    rank 0, the state rules (another rank's per-rank state refused), and the refusals of
    ``register_comm_hook`` and of ``Join(divide_by_initial_world_size=False)``;
-2. three ranks: bf16's mean formed in float32, ``no_sync`` accumulation on
+2. three ranks: bf16's mean (a world size that is not a power of 2), ``no_sync`` accumulation on
    ``gradient_as_bucket_view`` buckets, ``Join``
    with uneven inputs (a joined rank's state is left as it was, agreed fields equal on every
    rank), a process group of ranks 0 and 2, and training with a layer unused on one rank
@@ -433,7 +433,7 @@ def features_worker():
         logging.getLogger("hvd_gradcomp").removeHandler(records)
         out[f"join {spec}"] = {"outs": outs, "at_join": residual_at_join, "after": _residuals(comp),
                                "agreed": _agreed(comp), "log": records.messages}
-    # bf16 at 3 ranks: integer gradients (their bf16 sum is exact), the mean formed in float32
+    # bf16 at 3 ranks: integer gradients (exact in bfloat16), their mean formed in float32
     ddp = DDP(Probe())
     register_comm_hook(ddp, Compression.bf16())
     out["bf16"] = _step(ddp, _integer_grads(rank))
@@ -491,8 +491,8 @@ def test_no_sync(features):
 
 
 def test_bf16_mean_in_float32(features):
-    """bf16's exact bfloat16 sum over 3 ranks, divided by 3 in float32 (not rounded to bfloat16
-    again), the same on every rank."""
+    """bf16 at 3 ranks through the bucket's one-pass decode: the ranks' exact sum (integers, so
+    bfloat16 keeps them) divided by 3 in float32, the same on every rank."""
     for n in SHAPES:
         total = sum(_integer_grads(r)[n].double().numpy() for r in range(3))
         expected = (total.astype(np.float32) * np.float32(1 / 3)).astype(np.float64)
