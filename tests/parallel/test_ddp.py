@@ -491,7 +491,7 @@ def test_no_sync(features):
 
 
 def test_bf16_mean_in_float32(features):
-    """bf16 at 3 ranks through the bucket's one-pass decode: the ranks' exact sum (integers, so
+    """bf16 at 3 ranks through the hook's cast decode: the ranks' exact sum (integers, so
     bfloat16 keeps them) divided by 3 in float32, the same on every rank."""
     for n in SHAPES:
         total = sum(_integer_grads(r)[n].double().numpy() for r in range(3))
