@@ -41,6 +41,10 @@ def test_rows_and_counts(table):
     assert "allreduce_hook's step (subtracted below)" in table
     ops_a, ops_b = (int(x) for x in _row(table, "ours", "fp16")[:2])
     assert 0 < ops_b <= ops_a <= 4 * ops_b  # one codec call per bucket: A's ops follow its 3 buckets
+    # issue 33's bar: our fp16 within 10 operations a bucket of DDP's own fp16 hook (every thread
+    # counted, so the decode DDP chains on Gloo's thread is in both)
+    ddp_a, ddp_b = (int(x) for x in _row(table, "ddp", "fp16")[:2])
+    assert ops_a <= ddp_a + 10 * 3 and ops_b <= ddp_b + 10, (ops_a, ddp_a, ops_b, ddp_b)
     assert len(_row(table, "ddp", "fp16")) == 7  # ops A, ops B, A/B, ms A, ms/Mparam, ms B, vs fp16
 
 
