@@ -183,7 +183,8 @@ def pack(ops, values, lay: LaneLayout):
     else:
         # Built on the device (arange), not copied from the host.
         shifts = ops.reshape(ops.arange(full, "int32", values) * lay.width + lay.guard, (full, 1))
-        # (a sum of int32 is int64 in PyTorch; the lanes' total is below 2**31: one rank's word)
+        # (a sum of int32 is int64 in PyTorch: the lanes' bits do not overlap, so the cast back
+        # to int32 keeps them, bit 31 included, e.g. subtract_own's words)
         words = ops.cast(ops.sum(ops.left_shift(ops.reshape(body, (full, w)), shifts), 0), "int32")
     if lay.offset:
         words = words - lay.offset

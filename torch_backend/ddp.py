@@ -346,13 +346,16 @@ def hook(state: HookState, bucket):
             for unit, slot, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
                 factor = comp.linear_decode(ctx) if unit.contiguous else None
                 if factor is not None:  # a cast: its mean written into the bucket, in float32
-                    dst = buffer[unit.start:unit.stop]
-                    # copy_, then a scaling where one is left (fp16's 1/n pre-scale: none):
-                    # torch.mul(payload, f, out=dst) of a float16 payload costs 8 operations
-                    # and rounds the product in float16
-                    dst.copy_(_flat(payload))
-                    if factor != n:
+                    dst, flat = buffer[unit.start:unit.stop], _flat(payload)
+                    if factor == n:  # fp16's 1/n pre-scale: nothing left to scale
+                        dst.copy_(flat)
+                    elif dst.dtype == torch.float32 and flat.dtype != torch.float32:
+                        # (torch.mul(flat, f, out=dst) would cost 8 operations here, and
+                        # round the product in the payload's half dtype)
+                        dst.copy_(flat)
                         dst.mul_(factor / n)
+                    else:  # in the payload's dtype (float32 into a half bucket: the mean,
+                        torch.mul(flat, factor / n, out=dst)  # rounded once, not the sum)
                     outs.append(None)
                     continue
                 out = payload if ctx is None else comp.decode(payload, ctx, divide=n)

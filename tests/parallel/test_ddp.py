@@ -36,6 +36,8 @@ SHAPES = {"w": (64, 64), "b": (64,), "v": (32, 64)}
 SPECS = ["fp16", "topkc:0.1", "thc", "powersgd:2", "signsgd", "auto"]
 OWN = "thc:subtract_own=true"  # lanes for the other rank: the same decoded sums as "thc"
 STEPS = 4
+# a float16 model's specs (test_half_model): the casts with a float16 and a float32 payload
+HALF_SPECS = ["none", "fp16", "bf16", "none:dtype=float32", "topkc:0.1", "signsgd"]
 RESUME = 2
 
 
@@ -609,7 +611,7 @@ def reliability_worker():
                 delivered.append(_delivered(ddp))
             out[("unused", spec, view, set_to_none)] = {"delivered": delivered, "owed": _residuals(comp)}
     # 2. a float16 model: the mean of two ranks' 40000 is 40000, not inf
-    for spec in ["none", "fp16", "topkc:0.1", "signsgd"]:
+    for spec in HALF_SPECS:
         ddp = DDP(Probe().half())
         comp = register_comm_hook(ddp, Compression.from_spec(spec))
         big = {n: torch.full(s, 40000.0, dtype=torch.float16) for n, s in SHAPES.items()}
@@ -696,7 +698,7 @@ def test_unused_parameter_balance(reliability, spec, config):
         assert np.abs(total - truth).max() <= bound, (spec, n, np.abs(total - truth).max())
 
 
-@pytest.mark.parametrize("spec", ["none", "fp16", "topkc:0.1", "signsgd"])
+@pytest.mark.parametrize("spec", HALF_SPECS)
 def test_half_model(reliability, spec):
     """A float16 model's mean is formed in float32: 2 ranks at 40000 give 40000 (DDP's own
     all-reduce does), never inf; what a float16 payload could not carry at once follows in
@@ -708,8 +710,10 @@ def test_half_model(reliability, spec):
         total = sum(s[n] for s in rec["steps"])
         if rec["owed"].get(n) is not None:
             total = total + rec["owed"][n].reshape(total.shape)  # equal on both ranks here
-        if spec in ("none", "fp16"):
+        if spec in ("none", "fp16", "none:dtype=float32"):
             np.testing.assert_array_equal(first[n], 40000.0)
+        elif spec == "bf16":  # 40000 in bfloat16, summed and divided in float32
+            np.testing.assert_array_equal(first[n], 39936.0)
         else:
             np.testing.assert_allclose(total, 40000.0, rtol=2e-3)
 
