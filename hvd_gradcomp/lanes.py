@@ -167,6 +167,12 @@ def as_reduced(ops, x, summed, world_size: int):
     return x * ops.where(summed, 1.0, 1.0 / world_size)
 
 
+def _lane_shifts(ops, count: int, lay: LaneLayout, like):
+    """``[count, 1]`` of ``like``'s dtype: the shift of lanes ``0..count-1`` of ``lay`` (guard
+    plus ``j`` widths), built on ``like``'s device (arange: no host-to-device copy per call)."""
+    return ops.reshape(ops.arange(count, ops.dtype(like), like) * lay.width + lay.guard, (count, 1))
+
+
 def pack(ops, values, lay: LaneLayout):
     """int32 [w = ceil(m / lanes)]: int32 ``values`` [m] (each below ``2**width``) in lanes of
     ``lay`` above its guard bits, planar: value ``j * w + i`` in lane ``j`` of word ``i``
@@ -181,8 +187,7 @@ def pack(ops, values, lay: LaneLayout):
     if full == 1:
         words = ops.left_shift(body, lay.guard)
     else:
-        # Built on the device (arange), not copied from the host.
-        shifts = ops.reshape(ops.arange(full, "int32", values) * lay.width + lay.guard, (full, 1))
+        shifts = _lane_shifts(ops, full, lay, values)
         # (a sum of int32 is int64 in PyTorch: the lanes' bits do not overlap, so the cast back
         # to int32 keeps them, bit 31 included, e.g. subtract_own's words)
         words = ops.cast(ops.sum(ops.left_shift(ops.reshape(body, (full, w)), shifts), 0), "int32")
@@ -199,9 +204,7 @@ def unpack(ops, words, lay: LaneLayout):
     """[lanes * w], the dtype of ``words``: the lane sums of exact non-negative ``words`` [w]
     (the offsets added back), in :func:`pack`'s order."""
     n = ops.shape(words)[0]
-    # Built on the device (arange), not copied from the host: no host-to-device copy per call.
-    shifts = ops.reshape(ops.arange(lay.lanes, ops.dtype(words), words) * lay.width + lay.guard,
-                         (lay.lanes, 1))
+    shifts = _lane_shifts(ops, lay.lanes, lay, words)
     lanes = ops.bitwise_and(ops.right_shift(ops.reshape(words, (1, n)), shifts), (1 << lay.width) - 1)
     return ops.reshape(lanes, (n * lay.lanes,))
 

@@ -15,8 +15,10 @@ __all__ = ["THC_SATURATION_RATE", "saturation_threshold", "grid_saturation_rate"
 THC_SATURATION_RATE = 1.0 / 1024
 
 
+@functools.lru_cache(maxsize=None)
 def saturation_threshold(rate: float) -> float:
-    """``T`` with ``P(|Z| > T) = rate`` for a standard normal ``Z`` (host-side bisection).
+    """``T`` with ``P(|Z| > T) = rate`` for a standard normal ``Z`` (host-side bisection, once
+    per rate).
 
     ``saturation_threshold(1 / 1024) == 3.2971933456919635`` to within 1e-15 (THC's constant).
     """

@@ -315,7 +315,6 @@ class THCScheme(Scheme):
     def __init__(self, config: THCConfig = THCConfig()):
         self.config = config
         self.blocking = config.range == "current"
-        self._thresholds = {}  # (levels' top, ranks) -> T (saturation_rate none: by the layout)
         self._round_keys = {}
         self._layouts = {}  # (numel, world size, op) -> Layout: four lookups a step per tensor
 
@@ -365,12 +364,8 @@ class THCScheme(Scheme):
         """Step 2's ``T`` for levels ``0..top`` over ``ranks`` ranks: ``saturation_rate``'s
         two-sided normal quantile, or with ``saturation_rate=None`` that of
         :func:`grid_saturation_rate` (the same on every rank: a function of the layout)."""
-        t = self._thresholds.get((top, ranks))
-        if t is None:
-            rate = self.config.saturation_rate
-            t = self._thresholds[top, ranks] = saturation_threshold(
-                grid_saturation_rate(top, ranks) if rate is None else rate)
-        return t
+        rate = self.config.saturation_rate
+        return saturation_threshold(grid_saturation_rate(top, ranks) if rate is None else rate)
 
     def _plan(self, info: TensorInfo, lay: Layout) -> _Plan:
         cfg = self.config

@@ -323,13 +323,10 @@ def hook(state: HookState, bucket):
         results = [f.wait()[0] for f in fut.value()] if len(futures) > 1 else [fut.wait()[0]]
         reduced = [None] * len(payloads)
         for flat, layout in zip(results, layouts):
-            if len(layout) == 1:  # one payload of this dtype: the result is its flat form
-                i, shape, _ = layout[0]
-                reduced[i] = flat if flat.shape == shape else flat.view(shape)
-                continue
             offset = 0
-            for i, shape, numel in layout:
-                reduced[i] = flat[offset:offset + numel].view(shape)
+            for i, shape, numel in layout:  # (a dtype's only payload: the result as it is)
+                part = flat if len(layout) == 1 else flat[offset:offset + numel]
+                reduced[i] = part if part.shape == shape else part.view(shape)
                 offset += numel
         with torch.no_grad():
             if counted is not None:
@@ -345,7 +342,7 @@ def hook(state: HookState, bucket):
             outs = []
             for unit, slot, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
                 factor = comp.linear_decode(ctx) if unit.contiguous else None
-                if factor is not None:  # a cast: its mean written into the bucket, in float32
+                if factor is not None:  # a cast: its mean written into the bucket
                     dst, flat = buffer[unit.start:unit.stop], _flat(payload)
                     if factor == n:  # fp16's 1/n pre-scale: nothing left to scale
                         dst.copy_(flat)
