@@ -448,13 +448,12 @@ class UpdateSync:
         if (state.get("outer") is None) != (self._outer is None):
             raise ValueError("UpdateSync.load_state_dict: the saved state and this UpdateSync differ "
                              "in having an outer optimizer (every > 1 or outer_lr/outer_momentum given)")
-        saved = state.get("overlap")
+        overlap = state.get("overlap")
+        theirs = None if overlap is None else (overlap["fragments_count"], overlap["eager"])
         mine = None if self._overlap is None else (self.fragments, self.eager)
-        if (None if saved is None else (saved["fragments_count"], saved["eager"])) != mine:
+        if theirs != mine:
             what = lambda o: "no overlap" if o is None else f"overlap with fragments={o[0]}, eager={o[1]}"
-            raise ValueError(f"UpdateSync.load_state_dict: saved with "
-                             f"{what(None if saved is None else (saved['fragments_count'], saved['eager']))}, "
-                             f"this one has {what(mine)}")
+            raise ValueError(f"UpdateSync.load_state_dict: saved with {what(theirs)}, this one has {what(mine)}")
         for name, theta in zip(self._names, self._theta):
             saved = state["theta"][name]
             if tuple(saved.shape) != tuple(theta.shape):
@@ -468,8 +467,8 @@ class UpdateSync:
         self.local_steps, self.syncs = int(state["local_steps"]), int(state["syncs"])
         self.steps = int(state.get("steps", self.syncs * self.every + self.local_steps))
         if self._overlap is not None:
-            self._overlap.load_state_dict(saved)
-            self._drained = bool(saved["drained"])
+            self._overlap.load_state_dict(overlap)
+            self._drained = bool(overlap["drained"])
 
     # ---- torch.distributed's Join: refused ----
     def join_hook(self, **kwargs):

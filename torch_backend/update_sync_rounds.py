@@ -115,11 +115,12 @@ class Exchange:
                              f"scaler.step(sync), which counts a skipped step on every rank "
                              f"(docs/update-sync.md, AMP)")
 
-    def post(self, names, params, anchors):
+    def post(self, names, params, anchors, keep=False):
         """Encode ``p - anchor`` (float32) of each parameter under its name and post its
         all-reduce at once (Horovod's ``allreduce_async``, or ``all_reduce(async_op=True)``).
-        Returns ``(posted, deltas)``: the handles for :meth:`collect`, and the float32 changes
-        (used by the overlapped schedule's eager rule)."""
+        Returns ``(posted, deltas)``: the handles for :meth:`collect`, and with ``keep`` copies
+        of the float32 changes (the overlapped schedule's eager rule; a copy, as a payload may
+        be the change itself, summed in place), else None."""
         comp, posted, deltas = self.compressor, [], []
         group = self.group if self.backend == TORCH else None
         for name, p, anchor in zip(names, params, anchors):
@@ -127,11 +128,12 @@ class Exchange:
             delta = p.detach().float() - anchor.float()
             payload, ctx = comp.encode(delta, name, op="sum", group=group)
             t1 = time.perf_counter()
+            if keep:
+                deltas.append(delta.clone())
             posted.append((self._post(payload, name), ctx, tuple(p.shape)))
-            deltas.append(delta)
             self.times["encode_s"] += t1 - t0
             self.times["comm_s"] += time.perf_counter() - t1
-        return posted, deltas
+        return posted, (deltas if keep else None)
 
     def collect(self, posted):
         """Wait for each handle of :meth:`post` and decode the ranks' mean change (float32,
@@ -234,7 +236,7 @@ class OverlapSchedule:
     def _post(self, frag):
         idx = self.fragments[frag]
         posted, deltas = self.exchange.post([self.names[i] for i in idx], [self.params[i] for i in idx],
-                                            [self.anchors[i] for i in idx])
+                                            [self.anchors[i] for i in idx], keep=self.eager)
         for i in idx:
             self.anchors[i].copy_(self.params[i].detach())
         return posted, deltas
@@ -244,7 +246,7 @@ class OverlapSchedule:
         t0 = time.perf_counter()
         idx = self.fragments[frag]
         thetas = [self.thetas[i] for i in idx]
-        before = [t.detach().float() for t in thetas] if self.eager else None
+        before = [t.detach().float().clone() for t in thetas] if self.eager else None
         apply_means(thetas, means, self.outer)
         for k, i in enumerate(idx):
             p, anchor, theta = self.params[i], self.anchors[i], self.thetas[i]
@@ -295,7 +297,7 @@ class OverlapSchedule:
         if self._ready is not None:
             frag, means, deltas = self._ready
             ready = {"fragment": frag, "means": [m.detach().cpu().clone() for m in means],
-                     "deltas": [d.detach().cpu().clone() for d in deltas]}
+                     "deltas": None if deltas is None else [d.detach().cpu().clone() for d in deltas]}
         return {"turn": self.turn, "fragments": [list(f) for f in self.fragments],
                 "anchors": [a.detach().cpu().clone() for a in self.anchors], "ready": ready}
 
@@ -313,5 +315,6 @@ class OverlapSchedule:
         ready = state.get("ready")
         if ready is not None:
             dev = [self.params[i].device for i in self.fragments[ready["fragment"]]]
+            deltas = ready["deltas"]
             self._ready = (int(ready["fragment"]), [m.to(d) for m, d in zip(ready["means"], dev)],
-                           [x.to(d) for x, d in zip(ready["deltas"], dev)])
+                           None if deltas is None else [x.to(d) for x, d in zip(deltas, dev)])
