@@ -302,8 +302,13 @@ def test_a_rank_that_raises_makes_its_peers_raise(backend):
         launch(fn, np=2, timeout=120)
     assert not isinstance(info.value, TimeoutError), info.value
     cause = info.value.__cause__
-    ranks = sorted(e["rank"] if isinstance(e, dict) else e for e in getattr(cause, "errors", []))
-    assert ranks == [0, 1], (ranks, str(info.value)[:2000])
-    # the first error reported is rank 0's: its collective failed when rank 1 went away
-    assert cause.rank == 0 and isinstance(info.value, RuntimeError), repr(info.value)[:2000]
-    assert "rank 1 failed in its forward" not in str(info.value) and "update_sync" in cause.worker_traceback
+    if backend == "horovod":  # hvdrun: one dict per rank that raised, the first to raise first
+        errors = {int(e["rank"]): (e["type"], e["message"], e["traceback"]) for e in cause.errors}
+    else:  # ddprun: the ranks that raised; the exception is the lowest rank's
+        errors = {r: None for r in cause.errors}
+        errors[cause.rank] = (type(info.value).__name__, str(info.value), cause.worker_traceback)
+    assert sorted(errors) == [0, 1], (sorted(errors), str(info.value)[:2000])
+    # rank 0 raised too: its count check or its wait on the round failed when rank 1 went away
+    kind, message, trace = errors[0]
+    assert "rank 1 failed in its forward" not in message and "update_sync" in trace, (kind, message)
+    assert kind not in ("ValueError", "TypeError"), (kind, message)
