@@ -140,6 +140,9 @@ class SparseLoCoConfig:
     subtract_own: bool = option(True, kind="boolean",
                                 doc="lanes sized for the other ranks' sum (each rank takes its own "
                                     "words off): at 2 ranks bits-bit lanes")
+    interleave: bool = option(False, kind="boolean",
+                              doc="chunk j holds coordinates j, j + m, j + 2m, ... (spread over the "
+                                  "tensor's rows) instead of a contiguous run")
     saturation_rate: Optional[float] = option(
         None, kind="number", lo=0.0, hi=0.5, lo_open=True, optional=True,
         doc="fraction of a standard normal clipped by the range (T = 1.5 at 0.134); none: by the "
@@ -236,7 +239,7 @@ class SparseLoCoScheme(Scheme):
         flat = ops.reshape(x, (info.numel,))
         # Step 2 first: the selection comes from the agreed codes alone.
         idx = ops.fuse(_top_kernel, k)(state.codes)
-        plan = (C, cfg.decay, top, lay.threshold)
+        plan = (C, cfg.decay, top, lay.threshold, cfg.interleave)
         chunks, padded, picked_codes = ops.fuse(_correct_kernel, plan)(flat, state.residual, state.codes, idx)
         levels, delta, sent = ops.fuse(_quantize_kernel, plan)(ops.gather(chunks, idx), picked_codes)
         # Step 4: e' = c less what this rank sent, on the selected chunks only.
@@ -297,15 +300,25 @@ class SparseLoCoScheme(Scheme):
         offset = ops.cast(ctx.count, "float32") * half + ops.where(ctx.bad > 0, float("nan"), 0.0)
         scale = as_reduced(ops, ops.where(ctx.mismatch, 0.0, 1.0), ctx.summed, n)
         rows = (total - offset) * (ctx.delta * scale)
-        out = ops.reshape(ops.scatter(ctx.idx, rows, (lay.chunks, C)), (lay.chunks * C,))
-        return out[:info.numel] if lay.pad else out
+        return self._coordinates(ops, ops.scatter(ctx.idx, rows, (lay.chunks, C)), info)
+
+    def _coordinates(self, ops, chunks, info):
+        """float32 [d]: chunk-major values (float32 [m, C] or [m C]) in the tensor's order,
+        unpadded (``interleave``: chunk j, position i is coordinate ``i m + j``)."""
+        lay, C = self.layout(info), self.config.chunk
+        if self.config.interleave:
+            chunks = ops.transpose(ops.reshape(chunks, (lay.chunks, C)), (1, 0))
+        flat = ops.reshape(chunks, (lay.chunks * C,))
+        return flat[:info.numel] if lay.pad else flat
 
     def finish(self, ops, payload, ctx, state, info):
         """Step 9: accumulator, codes and counters after the step; unchanged when a rank was
         not finite; after a disagreement every rank keeps all of ``c`` and realigns."""
         lay, C = self.layout(info), self.config.chunk
         ok, mismatch = ctx.bad == 0, ctx.mismatch
-        cut = (lambda v: v[:info.numel]) if lay.pad else (lambda v: v)
+
+        def cut(v):
+            return self._coordinates(ops, v, info)
 
         def moved():
             return ops.select(
@@ -333,8 +346,9 @@ class SparseLoCoScheme(Scheme):
 # ---- kernels: tensors in, tensors out (Primitives.fuse) ----
 def _correct_kernel(ops, plan, flat, residual, codes, idx):
     """Step 1: ``c = b e + x`` as float32 [m, C] (a temporary the caller may update in place),
-    ``x`` zero-padded (float32 [m C]), and the selected chunks' agreed codes (float32 [k, 1])."""
-    C, decay = plan[0], plan[1]
+    ``x`` zero-padded (float32 [m C]), both chunk-major, and the selected chunks' agreed codes
+    (float32 [k, 1]). ``interleave``: the padded vector viewed as [C, m] and transposed."""
+    C, decay, interleave = plan[0], plan[1], plan[4]
     d = ops.shape(flat)[0]
     m = ops.shape(codes)[0]
     c = flat + residual * decay if decay != 1.0 else flat + residual
@@ -342,6 +356,9 @@ def _correct_kernel(ops, plan, flat, residual, codes, idx):
     if m * C > d:
         tail = ops.zeros((m * C - d,), "float32", flat)
         c, padded = ops.concat([c, tail], 0), ops.concat([flat, tail], 0)
+    if interleave:
+        c = ops.transpose(ops.reshape(c, (C, m)), (1, 0)) + 0.0  # a copy: updated in place later
+        padded = ops.reshape(ops.transpose(ops.reshape(padded, (C, m)), (1, 0)), (m * C,))
     return ops.reshape(c, (m, C)), padded, ops.reshape(ops.gather(codes, idx), (ops.shape(idx)[0], 1))
 
 
@@ -350,7 +367,7 @@ def _quantize_kernel(ops, plan, picked, codes):
     values (float32 [k, C], ``(q - L'/2) delta``) of the selected chunks ``picked`` (float32
     [k, C]) on the grids of their agreed ``codes`` (float32 [k, 1]); a non-finite value
     gives level 0 (its rank's "not finite" word makes the payload unread)."""
-    _, _, top, threshold = plan
+    top, threshold = plan[2], plan[3]
     have = codes > 0.5
     rng = ops.where(have, ops.exp2((codes - _CODE_OFFSET) * (1.0 / _CODE_SCALE)) * threshold, 0.0)
     delta = rng * (2.0 * _GRID / top)

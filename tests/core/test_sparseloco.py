@@ -77,15 +77,17 @@ def own_decoded(ranks, payload, codes, idx):
     return (q - 0.5 * top / GRID) * delta[:, None], q
 
 
-@pytest.mark.parametrize("n,op,own,bits", [(2, "sum", True, 2), (2, "average", True, 2), (3, "sum", True, 3),
-                                           (4, "average", False, 2), (2, "sum", False, 4), (5, None, True, 2)])
-def test_integer_sum_is_the_sum_of_each_ranks_decoded_chunks(n, op, own, bits):
+@pytest.mark.parametrize("n,op,own,bits,spread", [(2, "sum", True, 2, False), (2, "average", True, 2, True),
+                                                  (3, "sum", True, 3, False), (4, "average", False, 2, False),
+                                                  (2, "sum", False, 4, True), (5, None, True, 2, False)])
+def test_integer_sum_is_the_sum_of_each_ranks_decoded_chunks(n, op, own, bits, spread):
     """The all-reduced lanes hold exactly the sum of every rank's levels, and the output is
     the sum (or mean) of each rank's decoded chunks: bit for bit against the float32 formula
     from those exact integers, to float64 rounding against the per-rank sum."""
     d, gen = 3000, np.random.default_rng(1)
     # op None: Sum, but the scheme is not told (it infers it from the count word)
-    ranks = Ranks(n, d, op or "sum", op is not None, ratio=0.1, chunk=32, bits=bits, subtract_own=own)
+    ranks = Ranks(n, d, op or "sum", op is not None, ratio=0.1, chunk=32, bits=bits, subtract_own=own,
+                  interleave=spread)
     C = 32
     for step in range(4):
         codes = _np(ranks.states[0].codes)
@@ -103,9 +105,7 @@ def test_integer_sum_is_the_sum_of_each_ranks_decoded_chunks(n, op, own, bits):
         delta = _np(ctxs[0].delta).astype(np.float32)
         div = np.float32(1.0 if (op or "sum") == "sum" else 1.0 / n)
         rows = (S.astype(np.float32) - np.float32(n) * np.float32(0.5 * top / GRID)) * (delta * div)
-        want = np.zeros((ranks.lay.chunks, C), np.float32)
-        want[idx] = rows
-        np.testing.assert_array_equal(outs[0], want.reshape(-1)[:d])
+        np.testing.assert_array_equal(outs[0], _scatter(rows, idx, ranks, d).astype(np.float32))
         # ... and the sum of each rank's decoded chunks.
         mean = sum(v for v, _ in decoded) * float(div)
         np.testing.assert_allclose(outs[0].reshape(-1)[:d], _scatter(mean, idx, ranks, d), rtol=1e-6, atol=1e-6)
@@ -114,17 +114,21 @@ def test_integer_sum_is_the_sum_of_each_ranks_decoded_chunks(n, op, own, bits):
 
 
 def _scatter(rows, idx, ranks, d):
+    """float64 [d]: chunk rows in the tensor's order (``interleave``: chunk j, position i is
+    coordinate i m + j)."""
     full = np.zeros((ranks.lay.chunks, ranks.scheme.config.chunk))
     full[idx] = rows
+    if ranks.scheme.config.interleave:
+        full = full.T
     return full.reshape(-1)[:d]
 
 
-@pytest.mark.parametrize("decay", [0.95, 1.0, 0.0])
-def test_error_feedback_balance(decay):
+@pytest.mark.parametrize("decay,spread", [(0.95, False), (1.0, False), (0.0, False), (0.95, True)])
+def test_error_feedback_balance(decay, spread):
     """sent + kept = decay e + x on every rank and step; over the run, what every rank sent
     plus what it keeps equals its decay-accumulated input."""
     n, d, gen = 2, 2000, np.random.default_rng(2)
-    ranks = Ranks(n, d, ratio=0.2, chunk=16, decay=decay)
+    ranks = Ranks(n, d, ratio=0.2, chunk=16, decay=decay, interleave=spread)
     acc = [np.zeros(d) for _ in range(n)]
     sent_total = [np.zeros(d) for _ in range(n)]
     for _ in range(6):
