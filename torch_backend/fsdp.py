@@ -59,6 +59,12 @@ and routed by the module's path (``"layers.0"``), or by the parameter's name whe
 holds one. Either key is equal on every replica, stable across steps and distinct per shard
 rank; each keeps its own state (error feedback, scores, ranges, bases, ``auto``'s choice).
 
+**Frozen and unused parameters.** FSDP reduces only the parameters with a gradient in a
+backward; each call is laid out as the compressor's plan over the trainable parameters, a
+trainable one without a gradient sent as zeros plus its error feedback and what comes back for
+it kept in its error feedback again (:mod:`torch_backend.fsdp_shards`, "Parameters without a
+gradient").
+
 **Accumulation.** ``set_requires_gradient_sync(False)`` skips FSDP's reduction altogether (no
 hook call). ``set_requires_all_reduce(False)`` (reduce-scatter each micro-batch, all-reduce
 once): the hook keeps the reduce-scattered shards and hands FSDP zeros, then compresses their
@@ -103,7 +109,7 @@ import torch.distributed as dist
 from .engine import ProcessGroupEngine
 from .fsdp_overlap import Overlap
 from .fsdp_scatter import install_reduce_scatter
-from .fsdp_shards import _checked_names, _fsdp_api, _members, _param_groups, _same_ranks, _shard, shard_key
+from .fsdp_shards import Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard, shard_key
 
 __all__ = ["install", "install_reduce_scatter", "shard_key"]
 
@@ -113,31 +119,34 @@ class _ShardHook:
     codec units (:meth:`Compressor.plan_bucket`: one call per route), each compressed, the
     payloads summed across replicas (one all-reduce per payload dtype), decoded, divided and
     written back in place (module docstring); with ``late`` (an
-    :class:`~torch_backend.fsdp_overlap.Overlap`), written at the end of backward instead."""
+    :class:`~torch_backend.fsdp_overlap.Overlap`), written at the end of backward instead.
+    ``layouts`` (:class:`~torch_backend.fsdp_shards.Layouts`): which parameters each call's
+    flat holds, laid out as the compressor's (trainable) ones."""
 
-    def __init__(self, comp, group, fsdp_group, members, replicas, late=None):
+    def __init__(self, comp, group, fsdp_group, layouts, replicas, late=None):
         self.comp, self.group, self.fsdp_group = comp, group, fsdp_group
-        self.members, self.replicas, self.late = members, replicas, late
-        self.partial = None  # reduce-scattered shards kept while all-reduce is off
+        self.layouts, self.replicas, self.late = layouts, replicas, late
+        self.partial = None  # (T, reduce-scattered shards in T's layout) kept while all-reduce is off
 
     def __call__(self, output: torch.Tensor) -> None:
         with torch.no_grad():
+            lay = self.layouts.now(output.numel(), "install")
+            x = lay.expand(output)  # output itself unless a trainable parameter has no gradient
             if not self.fsdp_group.all_reduce_grads:  # set_requires_all_reduce(False)
-                self.partial = output.clone() if self.partial is None else self.partial + output
+                self._keep(lay, x)
                 output.zero_()
                 return
             if self.partial is not None:
-                output.add_(self.partial)
-                self.partial = None
+                x = self._take(lay, x)
             late = self.late is not None
             if late:
                 self._check_late()
             dtype = str(output.dtype).removeprefix("torch.")
-            plan = self.comp.plan_bucket(self.members, dtype, "sum", self.group, output)
+            plan = self.comp.plan_bucket(lay.members[0], dtype, "sum", self.group, x)
             entries, by_dtype = [], {}
             for unit in plan.units:
-                x = output[unit.start:unit.stop] if unit.contiguous else output.index_select(0, unit.index)
-                payload, ctx = self.comp.encode_unit(unit, x.view(unit.info.shape))
+                u = x[unit.start:unit.stop] if unit.contiguous else x.index_select(0, unit.index)
+                payload, ctx = self.comp.encode_unit(unit, u.view(unit.info.shape))
                 by_dtype.setdefault(payload.dtype, []).append(len(entries))
                 entries.append((unit, payload, ctx))
             # One all-reduce per payload dtype. Blocking, or (overlap) posted with at most one in
@@ -148,16 +157,43 @@ class _ShardHook:
                 flat = torch.cat([entries[i][1].reshape(-1) for i in by_dtype[dtype]])  # a copy
                 work = self.late.post(flat, self.group) if late else dist.all_reduce(flat, group=self.group)
                 posted.append((by_dtype[dtype], flat, work))
-            summed = output.clone() if late else output  # (units cover it all)
+            summed = x.clone() if late and x is output else x  # (units cover it all)
 
             def finish():
                 with torch.no_grad():
-                    self._decode(summed, entries, posted)
-                    self.late.write(self.fsdp_group, summed)
+                    self._decode(lay, summed, entries, posted)
+                    if not lay.same:
+                        mine = summed.new_empty(lay.numel)
+                        lay.shrink_into(summed, mine)
+                    self.late.write(self.fsdp_group, summed if lay.same else mine, lay.params)
             if late and self.late.defer(finish):
                 output.zero_()  # FSDP sets (or adds) zeros now; the sum is added at the end of backward
             else:
-                self._decode(output, entries, posted)
+                self._decode(lay, x, entries, posted)
+                lay.shrink_into(x, output)
+
+    def _keep(self, lay, x):
+        """Add ``x`` (T's layout) to the shards kept while all-reduce is off."""
+        x = x.clone() if lay.same else x  # (output itself: FSDP gets zeros)
+        if self.partial is not None:
+            x = self._take(lay, x)
+        self.partial = (lay.trainable, x)
+
+    def _take(self, lay, x):
+        """``x`` plus the kept shards, which are dropped.
+
+        Raises:
+            ValueError: the trainable parameters changed since the shards were kept (no layout
+                holds both).
+        """
+        trainable, kept = self.partial
+        self.partial = None
+        if trainable != lay.trainable:
+            raise ValueError(f"install: FSDP module {self.layouts.shard.path or '<root>'!r}: the "
+                             f"parameters with requires_grad changed between backward passes "
+                             f"accumulated with set_requires_all_reduce(False); change "
+                             f"requires_grad only after the step whose all-reduce is on")
+        return x.add_(kept)
 
     def _check_late(self):
         """Raises ValueError where a parameter of the group has a post-accumulate-grad hook
@@ -169,8 +205,10 @@ class _ShardHook:
                                  "backward), which would read the gradient before the all-reduce "
                                  "across replicas is added; install with overlap=False")
 
-    def _decode(self, output, entries, posted):
-        """Wait for each posted all-reduce and write its units' decoded sums into ``output``."""
+    def _decode(self, lay, output, entries, posted):
+        """Wait for each posted all-reduce and write its units' decoded sums into ``output`` (T's
+        layout); what FSDP will not write (a trainable parameter without a gradient in this
+        call) goes back into its error feedback, every replica's share of the mean."""
         # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
         divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
         for members, flat, work in posted:
@@ -181,7 +219,11 @@ class _ShardHook:
                 unit, payload, ctx = entries[i]
                 summed = flat[offset:offset + payload.numel()].view(payload.shape)
                 offset += payload.numel()
-                out = self.comp.decode(summed, ctx, divide=divide).reshape(-1).to(output.dtype)
+                out = self.comp.decode(summed, ctx, divide=divide).reshape(-1)
+                dropped = lay.dropped(unit, out)
+                if dropped is not None:  # (the mean: a sum is divided by the replicas here)
+                    self.comp.add_error_feedback(ctx, dropped if divide else dropped / self.replicas)
+                out = out.to(output.dtype)
                 if unit.contiguous:
                     output[unit.start:unit.stop].copy_(out)
                 else:
@@ -301,5 +343,5 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
                                spmd_mesh=old.spmd_mesh)
             new.reduce_scatter_process_group = old.reduce_scatter_process_group
             g.mesh_info = new
-        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, _members(e, per), replicas, late))
+        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, Layouts(e, per, [e.rank]), replicas, late))
     return compressor
