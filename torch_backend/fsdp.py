@@ -87,7 +87,10 @@ Refused with a clear error, before any collective, on every rank: a model that i
 variants, a shard-only mesh without ``replicate_group``, a ``replicate_group`` other than the
 2-D mesh's, a module with several parameter groups (``shard_placement_fn`` with several
 meshes) or with an all-reduce hook already, and replicas whose shard ranks or shard sizes
-differ (checked by one ``all_gather_object`` on the replicas' group at install).
+differ, or whose compressors' fingerprints (:func:`~torch_backend.fsdp_shards.fingerprint`:
+spec, ``per``, frozen parameters) differ, naming both (checked by one ``all_gather_object`` on
+the replicas' group at install, its verdict gathered over the shard group so that every rank
+raises it: :func:`~torch_backend.fsdp_shards.settle`).
 
 **Overlap** (``install(..., overlap=True)``, CPU parameters). On CPU, FSDP2 calls the hook in
 the backward's own thread, so a blocking all-reduce across replicas stops backward until it is
@@ -109,7 +112,8 @@ import torch.distributed as dist
 from .engine import ProcessGroupEngine
 from .fsdp_overlap import Overlap
 from .fsdp_scatter import install_reduce_scatter
-from .fsdp_shards import Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard, shard_key
+from .fsdp_shards import (Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard, agreement_error,
+                          fingerprint, settle, shard_key)
 
 __all__ = ["install", "install_reduce_scatter", "shard_key"]
 
@@ -263,7 +267,9 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
             no replicas' group (shard-only mesh without ``replicate_group``), a
             ``replicate_group`` that is not the mesh's, an FSDP module with several parameter
             groups or an all-reduce hook already, replicas that disagree on shard ranks, sizes
-            or layout. Raised on every rank before the hook is set.
+            or layout, or that install another compressor spec, ``per`` or other frozen
+            parameters (the same message on every rank, naming both). Raised on every rank
+            before the hook is set.
         RuntimeError: a PyTorch without FSDP2 or without the internals named above.
     """
     FSDPModule, FSDPMeshInfo, HSDPMeshInfo = _fsdp_api()
@@ -322,14 +328,18 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
     layout = [(e.path, e.rank, e.size, sum(fp.sharded_param.to_local().numel() for fp in e.fsdp_group.fsdp_params))
               for e in entries]
     engine = ProcessGroupEngine(group)
-    seen = engine.gather(layout)
-    if any(other != layout for other in seen):
+    seen = engine.gather((fingerprint(compressor, per, entries), layout))
+    verdict = agreement_error("install", [s[0] for s in seen], dist.get_process_group_ranks(group),
+                              "replicas' group")
+    seen = [s[1] for s in seen]
+    if verdict is None and any(other != layout for other in seen):
         bad = next(i for i, other in enumerate(seen) if other != layout)
-        raise ValueError(f"install: replica {bad} of this rank's replicas' group "
-                         f"{dist.get_process_group_ranks(group)} holds other shards "
-                         f"{seen[bad][:3]} than this rank {layout[:3]} (module path, shard rank, "
-                         f"shard size, numel): replicate_group must join the ranks with the same "
-                         f"shard rank of equal shard meshes")
+        verdict = (f"install: replica {bad} of this rank's replicas' group "
+                   f"{dist.get_process_group_ranks(group)} holds other shards "
+                   f"{seen[bad][:3]} than this rank {layout[:3]} (module path, shard rank, "
+                   f"shard size, numel): replicate_group must join the ranks with the same "
+                   f"shard rank of equal shard meshes")
+    settle(verdict, entries[0].fsdp_group.mesh_info.shard_process_group)  # (every rank raises it)
     compressor.bind_engine(engine)
     replicas, _ = engine.world()
     if any(s.adaptive and s.link is None for s in compressor.routing.schemes()):
@@ -343,5 +353,6 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
                                spmd_mesh=old.spmd_mesh)
             new.reduce_scatter_process_group = old.reduce_scatter_process_group
             g.mesh_info = new
+        g._hvd_gradcomp_replicas = group  # (install_reduce_scatter's checks reach them: settle)
         e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, Layouts(e, per, [e.rank]), replicas, late))
     return compressor

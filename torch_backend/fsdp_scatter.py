@@ -70,7 +70,8 @@ import torch
 import torch.distributed as dist
 
 from .engine import ProcessGroupEngine
-from .fsdp_shards import Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard
+from .fsdp_shards import (Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard, agreement_error,
+                          fingerprint, settle)
 
 __all__ = ["install_reduce_scatter"]
 
@@ -255,7 +256,8 @@ def install_reduce_scatter(model, compressor, per="param"):
             ``powersgd``, ``auto``, blocking two-round variants); a shard group of one rank
             (FSDP then reduce-scatters nothing); an FSDP module with several parameter groups,
             a custom reduce-scatter already, or another shard group than the others';
-            ranks that disagree on the layout. Raised on every rank before any collective
+            ranks that disagree on the layout, or install another compressor spec, ``per`` or
+            other frozen parameters (the same message on every rank, naming both). Raised on every rank before any collective
             of the model is changed (the layout check is the one collective).
         RuntimeError: a PyTorch without FSDP2 or without the internals named in the module
             docstring.
@@ -313,14 +315,19 @@ def install_reduce_scatter(model, compressor, per="param"):
     layout = [(e.path, e.size, [tuple(fp.padded_sharded_param_size) for fp in e.fsdp_group.fsdp_params])
               for e in entries]
     engine = ProcessGroupEngine(group)
-    seen = engine.gather((entries[0].rank, layout))
-    for i, (rank, other) in enumerate(seen):
-        if other != layout or rank != i:
-            raise ValueError(f"install_reduce_scatter: rank {i} of the shard group "
-                             f"{dist.get_process_group_ranks(group)} holds shard {rank} of "
-                             f"{other[:3]}, this rank (shard {entries[0].rank}) {layout[:3]} (module "
-                             f"path, shard size, padded shard shapes): the shard group's ranks must "
-                             f"shard the same model in rank order")
+    seen = engine.gather((fingerprint(compressor, per, entries), entries[0].rank, layout))
+    verdict = agreement_error("install_reduce_scatter", [s[0] for s in seen],
+                              dist.get_process_group_ranks(group), "shard group")
+    for i, (_, rank, other) in enumerate(seen):
+        if verdict is None and (other != layout or rank != i):
+            verdict = (f"install_reduce_scatter: rank {i} of the shard group "
+                       f"{dist.get_process_group_ranks(group)} holds shard {rank} of "
+                       f"{other[:3]}, this rank (shard {entries[0].rank}) {layout[:3]} (module "
+                       f"path, shard size, padded shard shapes): the shard group's ranks must "
+                       f"shard the same model in rank order")
+    g = entries[0].fsdp_group  # its replicas: HSDP's, or install's (which turned HSDP's off)
+    settle(verdict, g.mesh_info.replicate_process_group if isinstance(g.mesh_info, HSDPMeshInfo)
+           else getattr(g, "_hvd_gradcomp_replicas", None))
     compressor.bind_engine(engine)
     for e in entries:
         layouts = Layouts(e, per, range(e.size))

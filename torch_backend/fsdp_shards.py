@@ -283,3 +283,53 @@ class Layouts:
                                f"({[self.shard.names[i] for i in p.present]}) make {lay.numel}: this "
                                f"PyTorch ({torch.__version__}) picks them otherwise than 2.13")
         return lay
+
+
+def fingerprint(compressor, per, entries) -> tuple:
+    """What every rank of a compressor's group must agree on at install (issue 47): the
+    compressor's canonical spec (schemes, options, rules), ``per``, and which parameters of
+    each FSDP module are trainable (the layout the plan follows)."""
+    return (compressor.spec, per,
+            tuple((e.path, tuple(fp.sharded_param.requires_grad for fp in e.fsdp_group.fsdp_params))
+                  for e in entries))
+
+
+def agreement_error(caller, seen, ranks, group_name):
+    """The message of the first difference between the ranks' :func:`fingerprint` s ``seen``
+    (one per rank of the group, gathered: the same list on every rank, hence the same message
+    on every rank of it), or None; ``ranks``: the group's global ranks."""
+    first = seen[0]
+    for i, other in enumerate(seen):
+        if other == first:
+            continue
+        where = f"{caller}: the ranks of the {group_name} {ranks} disagree:"
+        if other[0] != first[0]:
+            return (f"{where} rank {ranks[0]} installs compressor {first[0]!r}, rank {ranks[i]} "
+                    f"{other[0]!r}; every rank must install the same spec (the ranks sum each other's "
+                    f"payloads, whose layout the spec decides)")
+        if other[1] != first[1]:
+            return (f"{where} rank {ranks[0]} installs per={first[1]!r}, rank {ranks[i]} per={other[1]!r}; "
+                    f"every rank must install with the same per")
+        for (path, mine), (_, theirs) in zip(first[2], other[2]):
+            if mine != theirs:
+                return (f"{where} FSDP module {path or '<root>'!r} has requires_grad {list(mine)} on rank "
+                        f"{ranks[0]} and {list(theirs)} on rank {ranks[i]}; every rank must freeze the "
+                        f"same parameters")
+        return f"{where} rank {ranks[0]} and rank {ranks[i]} hold other FSDP modules"
+    return None
+
+
+def settle(verdict, other_group):
+    """Raise ValueError(``verdict``) on every rank of the model: the verdicts of one group's
+    check (None: it passed) are gathered over the model's other group (``other_group``: the
+    shard group for :func:`~torch_backend.fsdp.install`'s check on the replicas' group, and
+    the reverse; None or one rank: nothing to gather), so a difference on some replicas' group
+    reaches every rank of the 2-D mesh, each raising the first verdict in that group's order.
+    One ``all_gather_object``, every rank calling it at the same point."""
+    if other_group is not None and dist.get_world_size(other_group) > 1:
+        found = [None] * dist.get_world_size(other_group)
+        dist.all_gather_object(found, verdict, group=other_group)
+        verdict = next((v for v in found if v is not None), None)
+    if verdict is not None:
+        raise ValueError(verdict)
+
