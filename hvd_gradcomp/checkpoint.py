@@ -151,6 +151,11 @@ class Checkpoints:
         if not self._same_config(state_dict.get("spec")):
             raise ValueError(f"state_dict was saved by compressor {state_dict.get('spec')!r}, "
                              f"this one is {self.spec!r}")
+        # An engine that knows every key its layout makes (torch_backend.fsdp's) screens the
+        # state first: keys it never makes are refused, or with rank= given dropped with a warning.
+        screen = getattr(self.engine, "screen_state", None)
+        if screen is not None:
+            state_dict = screen(state_dict, rank)
         size, me = self._job_world()
         if rank is None:
             rank = me

@@ -81,6 +81,11 @@ that device.
 (:class:`~torch_backend.engine.ProcessGroupEngine`): ``comp.state_dict()`` is this rank's
 state (its shards' error feedback), saved with the rank's model and optimizer shards and
 loaded on the same rank after :func:`install` (``comp.load_state_dict(sd)``); resumes exactly.
+The state is per mesh (its keys name the shard rank and the shard group's size; DCP reshards
+the model and optimizer, not it): the compressor's engine
+(:class:`~torch_backend.fsdp_shards.LayoutEngine`) knows every key the layout makes, and a
+state with keys it never makes is refused at load (or, with ``rank=`` given, loaded without
+them after a warning naming them) and at install when loaded before it.
 
 Refused with a clear error, before any collective, on every rank: a model that is not an
 ``FSDPModule``, a compressor that is a factory or is bound already, blocking two-round
@@ -113,7 +118,7 @@ from .engine import ProcessGroupEngine
 from .fsdp_overlap import Overlap
 from .fsdp_scatter import install_reduce_scatter
 from .fsdp_shards import (Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard, agreement_error,
-                          fingerprint, settle, shard_key)
+                          fingerprint, layout_engine, loaded_error, settle, shard_key)
 
 __all__ = ["install", "install_reduce_scatter", "shard_key"]
 
@@ -327,10 +332,10 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
                              f"replicas' group")
     layout = [(e.path, e.rank, e.size, sum(fp.sharded_param.to_local().numel() for fp in e.fsdp_group.fsdp_params))
               for e in entries]
-    engine = ProcessGroupEngine(group)
-    seen = engine.gather((fingerprint(compressor, per, entries), layout))
-    verdict = agreement_error("install", [s[0] for s in seen], dist.get_process_group_ranks(group),
-                              "replicas' group")
+    engine = layout_engine(ProcessGroupEngine(group), "install", entries, per, [entries[0].rank])
+    seen = engine.gather((fingerprint(compressor, per, entries), layout, loaded_error(compressor, engine)))
+    verdict = next((s[2] for s in seen if s[2] is not None), None) or agreement_error(
+        "install", [s[0] for s in seen], dist.get_process_group_ranks(group), "replicas' group")
     seen = [s[1] for s in seen]
     if verdict is None and any(other != layout for other in seen):
         bad = next(i for i, other in enumerate(seen) if other != layout)

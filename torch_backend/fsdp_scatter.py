@@ -62,7 +62,8 @@ be used alone. Mixed precision: the chunks are encoded in the reduce dtype, deco
 divided, cast back; a float16 value beyond its range is clamped and the destination keeps the
 whole excess in its error feedback. Checkpoints: ``comp.state_dict()`` is this rank's state of
 every chunk (saved with the rank's model and optimizer shards, loaded on the same shard rank
-after :func:`install_reduce_scatter`); resumes exactly. CUDA: the codec and the collective run
+after :func:`install_reduce_scatter`); resumes exactly; a state of another mesh is refused,
+as for :func:`~torch_backend.fsdp.install` (its "Checkpoints"). CUDA: the codec and the collective run
 on FSDP's reduce-scatter stream, synchronously (written for it, untested on GPUs here); a
 custom comm excludes FSDP's symmetric-memory and process-group allocation options.
 """
@@ -71,7 +72,7 @@ import torch.distributed as dist
 
 from .engine import ProcessGroupEngine
 from .fsdp_shards import (Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard, agreement_error,
-                          fingerprint, settle)
+                          fingerprint, layout_engine, loaded_error, settle)
 
 __all__ = ["install_reduce_scatter"]
 
@@ -314,11 +315,12 @@ def install_reduce_scatter(model, compressor, per="param"):
                          f"{spec} stays available across replicas (install)")
     layout = [(e.path, e.size, [tuple(fp.padded_sharded_param_size) for fp in e.fsdp_group.fsdp_params])
               for e in entries]
-    engine = ProcessGroupEngine(group)
-    seen = engine.gather((fingerprint(compressor, per, entries), entries[0].rank, layout))
-    verdict = agreement_error("install_reduce_scatter", [s[0] for s in seen],
-                              dist.get_process_group_ranks(group), "shard group")
-    for i, (_, rank, other) in enumerate(seen):
+    engine = layout_engine(ProcessGroupEngine(group), "install_reduce_scatter", entries, per, range(size))
+    seen = engine.gather((fingerprint(compressor, per, entries), entries[0].rank, layout,
+                          loaded_error(compressor, engine)))
+    verdict = next((s[3] for s in seen if s[3] is not None), None) or agreement_error(
+        "install_reduce_scatter", [s[0] for s in seen], dist.get_process_group_ranks(group), "shard group")
+    for i, (_, rank, other, _) in enumerate(seen):
         if verdict is None and (other != layout or rank != i):
             verdict = (f"install_reduce_scatter: rank {i} of the shard group "
                        f"{dist.get_process_group_ranks(group)} holds shard {rank} of "

@@ -22,6 +22,8 @@ which FSDP does not write anywhere, is kept in its error feedback again
 (:class:`CallLayout`).
 """
 import math
+import re
+import warnings
 import zlib
 from typing import NamedTuple
 
@@ -333,3 +335,142 @@ def settle(verdict, other_group):
     if verdict is not None:
         raise ValueError(verdict)
 
+
+class LayoutEngine:
+    """A :class:`~torch_backend.engine.ProcessGroupEngine` (``world``, ``gather``,
+    ``allreduce``, delegated) that also knows every key an FSDP installer's layout makes, to
+    screen a compressor state loaded into it (issue 47, item 6): the state is per mesh, its
+    keys naming the shard rank and the shard group's size.
+
+    Args:
+        engine: the process group's engine.
+        caller: ``"install"`` or ``"install_reduce_scatter"`` (named in messages).
+        keys: the exact keys the layout makes (every parameter's, frozen ones included, for
+            every shard rank this rank's compressor encodes).
+        patterns: compiled regexes of the other keys it may make (``per="group"`` over a
+            trainable part of a module: :func:`_members`).
+        where: the layout in words, for messages.
+    """
+
+    def __init__(self, engine, caller, keys, patterns, where):
+        self.inner, self.caller, self.keys = engine, caller, frozenset(keys)
+        self.patterns, self.where = tuple(patterns), where
+
+    def world(self):
+        return self.inner.world()
+
+    def gather(self, obj):
+        return self.inner.gather(obj)
+
+    def allreduce(self, x, average: bool):
+        return self.inner.allreduce(x, average)
+
+    def makes(self, key) -> bool:
+        """Whether this layout ever makes the compressor key ``key``."""
+        return key in self.keys or any(p.fullmatch(key) for p in self.patterns)
+
+    def foreign(self, part: dict) -> list:
+        """The keys of one rank's saved state (``tensors``, ``routes``, the members of its
+        ``buckets``) that this layout never makes, sorted."""
+        keys = set(part.get("tensors", {})) | set(part.get("routes", {}))
+        for saved in part.get("buckets", {}).values():
+            keys.update(saved.get("members", ()) if isinstance(saved, dict) else ())
+        return sorted(k for k in keys if isinstance(k, str) and not self.makes(k))
+
+    def screen_state(self, state_dict, rank=None):
+        """``state_dict`` as :meth:`Compressor.load_state_dict` may load it here (called by it
+        before anything is loaded; ``rank``: its ``rank=``, None when not given).
+
+        Returns it unchanged where every key of the part that would load (per rank: the
+        dict; gathered: this rank's part, or rank 0's when the world size differs) is one
+        this layout makes. Where some are not: with ``rank=`` given (the user asked for it
+        explicitly) a copy without them, after a warning naming them (their error feedback
+        is dropped); else ValueError.
+
+        Raises:
+            ValueError: keys this layout never makes and no ``rank=`` (module docstring of
+                :mod:`torch_backend.fsdp`, "Checkpoints").
+        """
+        if not isinstance(state_dict, dict):
+            return state_dict  # (load_state_dict refuses it, naming what it is)
+        parts = state_dict.get("ranks")
+        gathered = parts is not None
+        if gathered:
+            if not isinstance(parts, (list, tuple)) or not parts:
+                return state_dict
+            size, me = self.world()
+            index = 0 if len(parts) != size else (me if rank is None else rank)
+            if not isinstance(index, int) or not 0 <= index < len(parts) or not isinstance(parts[index], dict):
+                return state_dict
+            part = parts[index]
+        else:
+            part = state_dict
+        foreign = self.foreign(part)
+        if not foreign:
+            return state_dict
+        total = len(set(part.get("tensors", {})) | set(part.get("routes", {})))
+        shown = ", ".join(repr(k) for k in foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        example = next(iter(sorted(self.keys)), None)
+        if rank is None:
+            raise ValueError(
+                f"load_state_dict: this compressor state holds {len(foreign)} tensor key(s) that "
+                f"{self.caller}'s layout here never makes ({shown}; here: {self.where}, keys such as "
+                f"{example!r}), so their error feedback would wait unused: it was saved on another "
+                f"FSDP mesh (another shard group size or shard rank) or by another model. A "
+                f"compressor's state is per mesh: the model and optimizer reshard through DCP, the "
+                f"compressor's state does not. Resume on the same mesh with each rank loading its own "
+                f"file, or start this compressor fresh (skip load_state_dict: error feedback builds up "
+                f"again within a few steps), or pass rank= explicitly to load the keys that fit and "
+                f"drop the others with a warning")
+        warnings.warn(f"hvd_gradcomp: load_state_dict(rank={rank}) into {self.caller}'s layout "
+                      f"({self.where}) drops {len(foreign)} of the state's {total} tensor key(s) that "
+                      f"this layout never makes, with their error feedback: {foreign}", stacklevel=3)
+        gone = set(foreign)
+        kept = dict(part)
+        kept["tensors"] = {k: v for k, v in part.get("tensors", {}).items() if k not in gone}
+        kept["routes"] = {k: v for k, v in part.get("routes", {}).items() if k not in gone}
+        if "buckets" in part:
+            kept["buckets"] = {g: v for g, v in part["buckets"].items()
+                               if not (isinstance(v, dict) and gone.intersection(v.get("members", ())))}
+        if not gathered:
+            return kept
+        out = dict(state_dict)
+        out["ranks"] = [kept if i == index else p for i, p in enumerate(parts)]
+        return out
+
+    def __repr__(self):
+        return f"LayoutEngine({self.inner!r}, {self.caller})"
+
+
+def layout_engine(engine, caller, entries, per, shard_ranks) -> LayoutEngine:
+    """The :class:`LayoutEngine` of ``entries`` (the installer's :class:`_Shard` s) whose
+    compressor encodes the chunks of shard ranks ``shard_ranks`` (install: its own;
+    the reduce-scatter: all)."""
+    keys, patterns = set(), []
+    size = entries[0].size
+    for e in entries:
+        path = e.path or "<root>"
+        for j in shard_ranks:
+            keys.update(m.key for m in _members(e._replace(rank=j), per))
+            if per == "group":
+                patterns.append(re.compile(re.escape(path) + r"\|\d+/\d+\|[0-9a-f]{8}" +
+                                           re.escape(f"[shard {j}/{size}]")))
+    ranks = f"shard rank {shard_ranks[0]}" if len(shard_ranks) == 1 else f"shard ranks 0..{size - 1}"
+    return LayoutEngine(engine, caller, keys, patterns, f"{ranks} of a shard group of {size}, per={per!r}")
+
+
+def loaded_error(compressor, engine: LayoutEngine):
+    """The message refusing, at install, a state loaded into ``compressor`` before it
+    (``load_state_dict`` before ``install``: its keys wait in the compressor, as
+    :meth:`state_dict` shows) whose keys the layout never makes (as
+    :meth:`LayoutEngine.screen_state` without ``rank=``), or None. Posts no collective (the
+    installer gathers the verdict with its layout check)."""
+    state = compressor.state_dict()
+    if not (state.get("tensors") or state.get("buckets")):
+        return None
+    try:
+        engine.screen_state(state)
+    except ValueError as err:
+        return (f"{engine.caller}: the compressor holds a state loaded before {engine.caller} "
+                f"(load it after {engine.caller}, where rank= drops what does not fit); {err}")
+    return None

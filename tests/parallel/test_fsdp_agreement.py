@@ -12,7 +12,7 @@ size). A state saved on a 2 x 2 mesh and loaded into 4 x 1 (``install``) or 1 x 
 matches), before anything is loaded; with ``rank=`` given explicitly the keys that fit load
 and the others are dropped with a warning naming them; the same mesh resumes as before.
 """
-import os
+import warnings
 
 import pytest
 
@@ -101,7 +101,37 @@ def worker(tmp):
     install_reduce_scatter(model, Compression.thc())
     install(model, Compression.topkc(0.1))
     out["after"] = _train(model, opt, 2, rank)
+    # item 6: states saved on the 2 x 2 mesh (the last model's: both compressors, 2 steps)
+    rs, ar = _compressors(model)
+    saved_rs, saved_ar = rs.state_dict(), ar.state_dict()
+    model, opt = _build(mesh)  # the same mesh: loads as before
+    rs2, ar2 = install_reduce_scatter(model, Compression.thc()), install(model, Compression.topkc(0.1))
+    out["same mesh"] = (_error(lambda: rs2.load_state_dict(saved_rs)), _error(lambda: ar2.load_state_dict(saved_ar)))
+    wide = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
+    model, opt = _build(wide)
+    ar3 = install(model, Compression.topkc(0.1))
+    out["install, 4 x 1"] = _error(lambda: ar3.load_state_dict(saved_ar))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["install, 4 x 1, rank="] = _error(lambda: ar3.load_state_dict(saved_ar, rank=saved_ar["rank"]))
+    out["warned"] = [str(w.message) for w in caught if "drops" in str(w.message)]
+    out["kept"] = sorted(ar3.state_dict()["tensors"])
+    out["trains"] = _train(model, opt, 1, rank)
+    tall = init_device_mesh("cpu", (1, 4), mesh_dim_names=("replicate", "shard"))
+    model, _ = _build(tall)
+    rs3 = install_reduce_scatter(model, Compression.thc())
+    out["scatter, 1 x 4"] = _error(lambda: rs3.load_state_dict(saved_rs))
+    early = Compression.topkc(0.1)  # loaded before install (rank= given: it is this file's rank)
+    early.load_state_dict(saved_ar, rank=saved_ar["rank"])
+    model, _ = _build(wide)
+    out["loaded before install"] = _error(lambda: install(model, early))
     return out
+
+
+def _compressors(model):
+    """(install_reduce_scatter's, install's) compressors of ``model``'s root parameter group."""
+    g = model._get_fsdp_state()._fsdp_param_groups[0]
+    return g._reduce_scatter_comm.comp, g._all_reduce_hook.comp
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +164,34 @@ def test_trains_after_refusals(four):
     for r in range(1, 4):
         for n in four[0]["after"]:
             np.testing.assert_array_equal(four[r]["after"][n], four[0]["after"][n])
+
+
+def test_same_mesh_loads(four):
+    assert all(r["same mesh"] == (None, None) for r in four), [r["same mesh"] for r in four]
+
+
+@pytest.mark.parametrize("case,caller,saved,here", [
+    ("install, 4 x 1", "install", "[shard ", "[shard 0/1]"),
+    ("scatter, 1 x 4", "install_reduce_scatter", "/2]", "/4]"),
+    ("loaded before install", "install", "[shard ", "[shard 0/1]"),
+])
+def test_state_of_another_mesh_refused_on_every_rank(four, case, caller, saved, here):
+    for rank, r in enumerate(four):
+        err = r[case]
+        assert err is not None, f"{case}: rank {rank} loaded a state of another mesh without an error"
+        kind, message = err
+        assert kind == "ValueError", err
+        assert "never makes" in message and "per mesh" in message and "rank=" in message, message
+        assert caller in message and saved in message and here in message, message
+
+
+def test_explicit_rank_drops_with_a_warning(four):
+    for rank, r in enumerate(four):
+        assert r["install, 4 x 1, rank="] is None, r["install, 4 x 1, rank="]
+        assert len(r["warned"]) == 1, r["warned"]
+        shard = rank % 2  # the file's shard rank on the 2 x 2 mesh
+        assert f"'blk.w[shard {shard}/2]'" in r["warned"][0] and "[shard 0/1]" not in r["warned"][0].split("drops")[1]
+        assert r["kept"] == [], r["kept"]  # nothing of the 2 x 2 layout is waiting
+    for r in four[1:]:  # and it trains (4 replicas agree)
+        for n in r["trains"]:
+            assert (r["trains"][n] == four[0]["trains"][n]).all()
