@@ -117,7 +117,8 @@ def _checks(backend):
     sync2.load_state_dict(saved[1])
     _train(sync2, model2, rank, 7, start=5)
     sync2.synchronize()
-    out["resume"] = {"in flight": in_flight, "straight": straight, "resumed": (_digest(model2), _digest_list(sync2.theta)),
+    out["resume"] = {"in flight": in_flight, "straight": straight,
+                     "resumed": (_digest(model2), _digest_list(sync2.theta)),
                      "saved ready": saved[1]["overlap"]["ready"] is not None}
     out["resume refused"] = [
         _value_error(lambda: _make(rank, "topkc:0.1", 4, overlap=True, fragments=1)[1].load_state_dict(saved[1])),
