@@ -487,5 +487,6 @@ class UpdateSync:
         return self.group
 
     def __repr__(self):
+        overlap = f", overlap=True, fragments={self.fragments}, eager={self.eager}" if self.overlap else ""
         return (f"UpdateSync({type(self.optimizer).__name__}, compression={self.compressor.spec!r}, "
-                f"every={self.every}, backend={self.backend!r})")
+                f"every={self.every}{overlap}, backend={self.backend!r})")
