@@ -195,7 +195,8 @@ class UpdateSync:
         if fragments > len(self._params):
             raise ValueError(f"UpdateSync: fragments={fragments} but the optimizer has only "
                              f"{len(self._params)} parameters (a fragment holds whole parameters)")
-        self._exchange = Exchange(self.backend, group, self.compressor)
+        self._exchange = Exchange(self.backend, group, self.compressor,
+                                  self._params[0].device if self._params else None)
         with torch.no_grad():
             self._exchange.broadcast_(self._names, self._params)
             self._theta = [p.detach().clone() for p in self._params]
@@ -486,5 +487,6 @@ class UpdateSync:
         return self.group
 
     def __repr__(self):
+        overlap = f", overlap=True, fragments={self.fragments}, eager={self.eager}" if self.overlap else ""
         return (f"UpdateSync({type(self.optimizer).__name__}, compression={self.compressor.spec!r}, "
-                f"every={self.every}, backend={self.backend!r})")
+                f"every={self.every}{overlap}, backend={self.backend!r})")

@@ -58,8 +58,11 @@ class Exchange:
     (decompression, outer steps, writing parameters: added by the callers) and ``comm_s``
     (posting, waiting, the count check)."""
 
-    def __init__(self, backend, group, compressor):
+    def __init__(self, backend, group, compressor, device=None):
         self.backend, self.group, self.compressor = backend, group, compressor
+        # the count table's device: the parameters' on torch.distributed (NCCL takes only
+        # CUDA tensors), the CPU on Horovod
+        self.device = torch.device("cpu") if backend == HOROVOD or device is None else torch.device(device)
         self.times = {"encode_s": 0.0, "decode_s": 0.0, "comm_s": 0.0}
 
     def world(self):
@@ -91,8 +94,9 @@ class Exchange:
                 counts differ (each rank's named).
         """
         size, rank = self.world()
-        rows = torch.zeros(size, 3, dtype=torch.float64)
-        rows[rank] = torch.tensor([1.0, float(number), float(steps)], dtype=torch.float64)
+        mine = torch.zeros(size, 3, dtype=torch.float64)
+        mine[rank] = torch.tensor([1.0, float(number), float(steps)], dtype=torch.float64)
+        rows = mine.to(self.device)
         t0 = time.perf_counter()
         if self.backend == HOROVOD:
             import horovod.torch as hvd
@@ -101,7 +105,7 @@ class Exchange:
             import torch.distributed as dist
             dist.all_reduce(rows, group=self.group)
         self.times["comm_s"] += time.perf_counter() - t0
-        rows = [[int(v) for v in row] for row in rows.tolist()]
+        rows = [[int(v) for v in row] for row in rows.tolist()]  # the one host read of a sync
         present = sum(row[0] for row in rows)
         if present != size:
             raise ValueError(f"UpdateSync: only {present} of {size} ranks took part in {what} {number}: a rank "

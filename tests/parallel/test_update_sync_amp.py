@@ -7,10 +7,11 @@ ranks, ``torch.distributed`` Gloo on 2 ranks), each under a timeout that kills i
 
 - the ordinary AMP loop (``scaler.scale(loss).backward(); scaler.step(sync);
   scaler.update()``) with one inf in rank 1's gradient at step 2, at H = 1 and H = 2 (FP32
-  payloads; at H = 2 also with a fused inner SGD, which gets the scaler's flags): no hang; the ranks' parameters equal after each sync and equal to a float64
-  run in which rank 1 skips that inner step (its change lacks it) while the sync comes at the
-  same call on both ranks; rank 1's scale backed off, rank 0's not. Before the fix rank 1's
-  sync fell one step behind rank 0's, and the launch hung;
+  payloads; at H = 2 also with a fused inner SGD, which gets the scaler's flags): no hang;
+  the ranks' parameters equal after each sync and equal to a float64 run in which rank 1
+  skips that inner step (its change lacks it) while the sync comes at the same call on both
+  ranks; rank 1's scale backed off, rank 0's not. Before the fix rank 1's sync fell one step
+  behind rank 0's, and the launch hung, or failed when rank 1 finished first;
 - the count check: a rank that calls ``synchronize()`` alone mid-interval, and a rank that
   skips a ``step()`` by hand (then the final ``synchronize()`` on both), raise ValueError on
   every rank, naming UpdateSync and each rank's sync number and step count;
