@@ -24,7 +24,10 @@ chunk RMS, 0 where no rank had data), a step counter and a count of realignments
 Steps of ``compress`` (no collective):
     1. ``c = b e + x`` (float32, zero-padded to ``m C``, viewed as ``m`` chunks): the decayed
        accumulator plus this step's input (a pseudo-gradient under UpdateSync, a gradient
-       otherwise).
+       otherwise). With ``interleave`` (the default) chunk ``j`` holds coordinates ``j, j + m,
+       ..., j + (C - 1) m`` (the padded vector viewed as [C, m] and transposed: one copy), so
+       a chunk spreads over the tensor's rows; otherwise chunk ``j`` is the run
+       ``j C .. j C + C - 1``.
     2. Selection: the ``k`` chunks of highest agreed code, ties by lower index (the stable
        descending argsort); every rank holds the same codes, so every rank selects the same
        chunks with no collective. Before the first step all codes are 0: the first ``k``
@@ -83,6 +86,12 @@ lanes_code) + ceil(m / lanes_flag) + 4)`` bytes; at 2 ranks under Sum with ``sub
 ``bits`` bits a sent coordinate, and 3 codes and 15 flags a word (12.8 bits a chunk). Integer
 payload: prescale/postscale factors must stay 1 and the op must be Sum or Average.
 
+Why interleaved chunks (measured on ``lm-comm``, docs/sparseloco.md): at a small ratio a chunk
+waits about ``1 / ratio`` syncs and then delivers what it accumulated at once, about ten
+times one interval's change on the coordinates it moves. Spread over every row of a matrix
+(interleaved, or the per-coordinate selection of the paper) the model takes it; on a
+contiguous run (whole rows of a weight matrix, an embedding row) it diverged.
+
 Why agreed chunks, and how this differs from the paper: the paper's top-k is within each chunk
 (every chunk sends its largest values, at its own indices per peer); an all-reduce needs the
 same coordinates on every rank, so here whole chunks are selected by their agreed predicted
@@ -126,9 +135,9 @@ class SparseLoCoConfig:
 
     SCHEME: ClassVar[str] = "sparseloco"
     PRIMARY: ClassVar[str] = "ratio"
-    ratio: float = ratio_option(0.03, doc="fraction of chunks sent per tensor and step, agreed "
+    ratio: float = ratio_option(0.06, doc="fraction of chunks sent per tensor and step, agreed "
                                           "across ranks")
-    chunk: int = option(64, kind="integer", lo=1,
+    chunk: int = option(128, kind="integer", lo=1,
                         doc="coordinates per chunk (smaller: finer selection, more bytes of chunk "
                             "statistics, 12.8 bits a chunk at 2 ranks)")
     bits: int = option(2, kind="integer", lo=1, hi=8, harder="down",
@@ -140,9 +149,10 @@ class SparseLoCoConfig:
     subtract_own: bool = option(True, kind="boolean",
                                 doc="lanes sized for the other ranks' sum (each rank takes its own "
                                     "words off): at 2 ranks bits-bit lanes")
-    interleave: bool = option(False, kind="boolean",
-                              doc="chunk j holds coordinates j, j + m, j + 2m, ... (spread over the "
-                                  "tensor's rows) instead of a contiguous run")
+    interleave: bool = option(True, kind="boolean",
+                              doc="chunk j holds coordinates j, j + m, j + 2m, ... (a chunk's burst "
+                                  "spread over the tensor's rows); false: contiguous runs, which "
+                                  "diverged on lm-comm (docs/sparseloco.md)")
     saturation_rate: Optional[float] = option(
         None, kind="number", lo=0.0, hi=0.5, lo_open=True, optional=True,
         doc="fraction of a standard normal clipped by the range (T = 1.5 at 0.134); none: by the "

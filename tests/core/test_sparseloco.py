@@ -149,7 +149,7 @@ def test_agreed_codes_rank_and_scale_the_next_chunks():
     """The codes after a step are the same on every rank, the mean of the ranks' codes of the
     RMS of b e' + x; the next selection is their top k (ties by lower index)."""
     n, d, gen = 3, 4096, np.random.default_rng(3)
-    ranks = Ranks(n, d, ratio=0.05, chunk=64)
+    ranks = Ranks(n, d, ratio=0.05, chunk=64, interleave=False)
     xs = [gen.standard_normal(d).astype(np.float32) * np.repeat(gen.uniform(0.1, 5, 64), 64) for _ in range(n)]
     _, _, ctxs, _ = ranks.step(xs)
     guess = []
@@ -240,13 +240,15 @@ def test_state_round_trip_resumes_exactly():
 def test_wire_and_spec():
     """Bytes per step from the layout (2 ranks, Sum, subtract_own: 2-bit values 16 a word, 3
     codes and 15 flags a word), and the spec round trip."""
-    scheme = make_scheme(*parse_spec("sparseloco:ratio=0.03,bits=2,decay=0.95")[:1],
-                         **parse_spec("sparseloco:ratio=0.03,bits=2,decay=0.95")[1])
+    spec = "sparseloco:ratio=0.03,chunk=64,bits=2,decay=0.95"
+    scheme = make_scheme(*parse_spec(spec)[:1], **parse_spec(spec)[1])
     info = TensorInfo("w", (1 << 20,), "float32", 2, 0, "sum")
     m = (1 << 20) // 64
     k = int(np.ceil(0.03 * m))
     assert scheme.wire(info).payload == 4 * (-(-k * 64 // 16) + -(-m // 3) + -(-m // 15) + 4)
     assert 16 * (1 << 20) / (8 * scheme.wire(info).payload) > 60  # bits vs fp16, per step
+    default = make_scheme("sparseloco")  # ratio 0.06, chunk 128: about 73x fewer than fp16
+    assert 16 * (1 << 20) / (8 * default.wire(info).payload) > 70
     assert to_spec(scheme) == "sparseloco:ratio=0.03" or "sparseloco" in to_spec(scheme)
     with pytest.raises(ValueError, match="sparseloco: bits must be"):
         make_scheme("sparseloco", bits=9)
