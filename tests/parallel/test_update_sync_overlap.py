@@ -13,8 +13,9 @@ One launch per engine (Horovod and Gloo, 2 ranks each), under a timeout that kil
   H = 2 (outer Nesterov), F = 2 at H = 4, eager and not: ``theta`` and each rank's
   parameters after every sync point, then after ``synchronize()`` (the drain);
 - ``theta`` bitwise equal on both ranks after each sync point for TopKC, THC, PowerSGD,
-  signSGD and FP16 payloads; with ``eager=False`` and F = 1 the parameters too; after the drain the parameters equal
-  ``theta`` on both ranks; a second ``synchronize()`` changes nothing;
+  SparseLoCo, signSGD and FP16 payloads; with ``eager=False`` and F = 1 the parameters too;
+  after the drain the parameters equal ``theta`` on both ranks; a second ``synchronize()``
+  changes nothing;
 - exact resume: saved while a round is in flight (H = 4, F = 2, TopKC), resumed in new
   objects, bitwise equal to the run without the break, and a state refused by an UpdateSync
   with other overlap options;
@@ -32,7 +33,7 @@ from tests.parallel.test_update_sync import LR, SHAPES, _digest, _params, _probe
 # (every, fragments, eager, steps): values against the float64 replay
 VALUE_RUNS = ((1, 1, True, 4), (2, 1, True, 8), (2, 1, False, 8), (4, 2, True, 12), (4, 2, False, 12))
 FRAGMENTS = {1: [["w", "b", "v"]], 2: [["w"], ["b", "v"]]}
-EQUAL_SPECS = ["topkc:0.1", "thc", "powersgd:2", "signsgd", "fp16"]
+EQUAL_SPECS = ["topkc:0.1", "thc", "powersgd:2", "signsgd", "sparseloco:ratio=0.1,chunk=32", "fp16"]
 EQUAL_RUNS = ((4, 2, True), (4, 2, False), (2, 1, False))  # (every, fragments, eager): a sync point every 2 steps
 
 
