@@ -260,9 +260,7 @@ class SparseLoCoScheme(Scheme):
         checked = ops.all(ops.isfinite(rms), None)
         finite = checked if finite is None else ops.logical_and(finite, checked)
         usable = ops.logical_and(rms > _TINY, finite)
-        code = ops.clip(ops.round(ops.log2(ops.where(usable, rms, 1.0)) * _CODE_SCALE) + _CODE_OFFSET,
-                        1.0, float(_CODE_MAX))
-        code_words = pack(ops, ops.cast(ops.where(usable, code, 0.0), "int32"), lay.codes)
+        code_words = pack(ops, ops.cast(_codes(ops, rms, usable), "int32"), lay.codes)
         flag_words = pack(ops, ops.cast(usable, "int32"), lay.flags)
         # Step 6: the levels in lanes, then the control words with the fingerprint.
         level_flat = ops.reshape(levels, (k * C,))
@@ -341,6 +339,23 @@ class SparseLoCoScheme(Scheme):
         return ops.select(ok, moved, lambda: state)
 
     # ---- protocol ----
+    def hand_over(self, ops, state, own, aggregate, info):
+        """The state for the first compressed step after an FP16 warm-up
+        (:mod:`hvd_gradcomp.warmup`): the chunk codes of ``aggregate`` (float32 [d], the last
+        all-reduced FP16 step, the same on every rank; a sum under ``op="sum"``, so divided by
+        ``n`` there: one rank's scale), so the first step ranks chunks and sets ranges as
+        every later one (without, it sends nothing and keeps everything). The accumulator
+        starts from 0."""
+        lay, C = self.layout(info), self.config.chunk
+        v = aggregate * (1.0 / info.world_size) if info.op == "sum" else aggregate
+        if lay.pad:
+            v = ops.concat([v, ops.zeros((lay.pad,), "float32", v)], 0)
+        rows = (ops.transpose(ops.reshape(v, (C, lay.chunks)), (1, 0)) if self.config.interleave
+                else ops.reshape(v, (lay.chunks, C)))
+        rms = ops.norm(rows, 1) * (1.0 / math.sqrt(C))
+        usable = ops.logical_and(rms > _TINY, ops.isfinite(rms))
+        return state._replace(codes=_codes(ops, rms, usable))
+
     def payload_dtype(self, info: TensorInfo) -> str:
         return "int32"
 
@@ -385,6 +400,14 @@ def _quantize_kernel(ops, plan, picked, codes):
     u = ops.clip((picked + rng) * inv, 0.0, top / _GRID)
     q = ops.floor(ops.where(ops.isfinite(u), u, 0.0) + 0.5)
     return ops.cast(q, "int32"), delta, (q - 0.5 * top / _GRID) * delta
+
+
+def _codes(ops, rms, usable):
+    """float32 [m]: step 5's log codes ``clamp(round(4 log2 rms) + 256, 1, 511)`` of the chunk
+    RMS ``rms`` (float32 [m]), 0 where ``usable`` (bool [m]) is false."""
+    code = ops.clip(ops.round(ops.log2(ops.where(usable, rms, 1.0)) * _CODE_SCALE) + _CODE_OFFSET,
+                    1.0, float(_CODE_MAX))
+    return ops.where(usable, code, 0.0)
 
 
 def _lane_sums(ops, words, summed, n, lay, count):

@@ -16,7 +16,6 @@ from hvd_gradcomp.sparseloco import SparseLoCoState
 from tests.backends import as_numpy, one_rank_ops
 from tests.core.thc_emulation import emulate_allreduce
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 _np = as_numpy
 GRID = 1.0 + 2.0 ** -20
 
@@ -249,8 +248,46 @@ def test_wire_and_spec():
     assert 16 * (1 << 20) / (8 * scheme.wire(info).payload) > 60  # bits vs fp16, per step
     default = make_scheme("sparseloco")  # ratio 0.06, chunk 128: about 73x fewer than fp16
     assert 16 * (1 << 20) / (8 * default.wire(info).payload) > 70
-    assert to_spec(scheme) == "sparseloco:ratio=0.03" or "sparseloco" in to_spec(scheme)
+    name, options = parse_spec(to_spec(scheme))[:2]  # the canonical spec gives the same config back
+    assert name == "sparseloco" and make_scheme(name, **options).config == scheme.config
     with pytest.raises(ValueError, match="sparseloco: bits must be"):
         make_scheme("sparseloco", bits=9)
     with pytest.raises(ValueError, match="sparseloco: decay must be"):
         make_scheme("sparseloco", decay=1.5)
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_hand_over_after_fp16_warmup_sets_agreed_codes(spread):
+    """After an FP16 warm-up the codes come from the all-reduced FP16 step (one rank's scale:
+    a Sum divided by n), the same on every rank, so the first compressed step sends; without
+    them it would send nothing."""
+    import torch
+    from hvd_gradcomp import composite
+    n, d, gen = 2, 3000, np.random.default_rng(8)
+    ranks = Ranks(n, d, ratio=0.1, chunk=32, interleave=spread)
+    agg = gen.standard_normal(d).astype(np.float32) * np.repeat(gen.uniform(0.5, 4, 30), 100).astype(np.float32)
+    for r in range(n):
+        ranks.states[r] = composite.hand_over(ranks.scheme, ranks.ops, ranks.states[r], torch.zeros(d),
+                                              torch.tensor(agg), ranks.infos[r])
+    full = np.zeros(ranks.lay.chunks * 32)
+    full[:d] = agg.astype(np.float64) / n
+    rows = full.reshape(32, -1).T if spread else full.reshape(-1, 32)
+    want = np.clip(np.round(4 * np.log2(np.sqrt((rows ** 2).mean(1)))) + 256, 1, 511)
+    for r in range(n):
+        np.testing.assert_array_equal(_np(ranks.states[r].codes), want.astype(np.float32))
+    outs, _, ctxs, _ = ranks.step([gen.standard_normal(d).astype(np.float32) for _ in range(n)])
+    np.testing.assert_array_equal(_np(ctxs[0].idx), np.argsort(-want, kind="stable")[:ranks.lay.selected])
+    assert np.count_nonzero(outs[0]) > 0.5 * ranks.lay.selected * 32
+
+
+def test_fp16_warmup_composes():
+    """``fp16_warmup=1``: an FP16 step, then the compressed steps from the handed-over codes."""
+    import torch
+    from tests.backends import scheme_steps
+    ops = one_rank_ops("torch")
+    gen = np.random.default_rng(9)
+    xs = [torch.tensor(gen.standard_normal(4096).astype(np.float32)) for _ in range(3)]
+    log = scheme_steps(ops, make_scheme("sparseloco", fp16_warmup=1), xs,
+                       TensorInfo("w", (4096,), "float32", 1, 0, "sum"))
+    assert _np(log[0]["payload"]).dtype == np.float16 and _np(log[1]["payload"]).dtype == np.int32
+    assert np.count_nonzero(_np(log[1]["out"])) > 0  # without the hand-over, step 2 sends nothing

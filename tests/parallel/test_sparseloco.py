@@ -9,7 +9,8 @@ launch's whole process group), every check in :func:`_checks`:
   the summed level lanes equal the sum of each rank's own levels exactly;
 - ``UpdateSync(opt, compression="sparseloco:...", every=2, outer_lr=1, outer_momentum=0)``:
   ranks bitwise equal after every sync, and an exact resume from a checkpoint taken between
-  syncs (compressor state and all) against the run without the break.
+  syncs (compressor state and all) against the run without the break; with ``overlap=True,
+  fragments=2`` the synced parameters bitwise equal on every rank and moving.
 """
 import hashlib
 
@@ -75,11 +76,11 @@ def _checks():
                              "levels": ctx.levels.numpy().copy(), "own_words": own_words.numpy().copy(),
                              "out": decoded.numpy().copy()})
 
-    def make():
+    def make(**kw):
         model = _probe()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return model, UpdateSync(opt, model=model, compression=SPEC,
-                                 every=2, outer_lr=1.0, outer_momentum=0.0, backend="torch")
+        return model, UpdateSync(opt, model=model, compression=SPEC, outer_lr=1.0, outer_momentum=0.0,
+                                 backend="torch", **dict({"every": 2}, **kw))
 
     model, sync = make()
     digests = []
@@ -97,6 +98,16 @@ def _checks():
     sync2.load_state_dict(saved[1])
     _train(sync2, model2, rank, 3, 5)
     out["resume"] = (straight, _digest(model2))
+    # overlapped, in 2 fragments: the synced parameters equal on every rank after each point
+    model, sync = make(every=4, overlap=True, fragments=2)
+    thetas = []
+    for t in range(0, 12, 2):
+        _train(sync, model, rank, t, 2)
+        h = hashlib.sha256()
+        for th in sync.theta:
+            h.update(th.detach().numpy().tobytes())
+        thetas.append(h.hexdigest())
+    out["overlap"] = thetas
     return out
 
 
@@ -128,5 +139,6 @@ def test_sparseloco_on_gloo():
         nonzero += int(np.count_nonzero(a["out"]))
     assert nonzero > 0
     assert results[0]["equal"] == results[1]["equal"]
+    assert results[0]["overlap"] == results[1]["overlap"] and len(set(results[0]["overlap"])) > 2
     for r in results:
         assert r["resume"][0] == r["resume"][1]
