@@ -117,8 +117,9 @@ import torch.distributed as dist
 from .engine import ProcessGroupEngine
 from .fsdp_overlap import Overlap
 from .fsdp_scatter import install_reduce_scatter
-from .fsdp_shards import (Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard, agreement_error,
-                          fingerprint, layout_engine, loaded_error, settle, shard_key)
+from .fsdp_shards import (Layouts, Presence, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard,
+                          agreement_error, fingerprint, layout_engine, loaded_error, settle, shard_key,
+                          word_carrier)
 
 __all__ = ["install", "install_reduce_scatter", "shard_key"]
 
@@ -161,11 +162,20 @@ class _ShardHook:
             # One all-reduce per payload dtype. Blocking, or (overlap) posted with at most one in
             # flight on the replicas' group: Gloo aborted the process now and then with two of
             # them running at once ("terminate called without an active exception").
+            # Each trainable parameter's "has a gradient here" word rides along (checked in _decode)
+            carrier = word_carrier(by_dtype, self.replicas)
+            if carrier is None:  # no payload dtype sums R ones exactly: the words go alone, as int32
+                carrier = torch.int32
+                by_dtype[carrier] = []
             posted = []
             for dtype in sorted(by_dtype, key=str):
-                flat = torch.cat([entries[i][1].reshape(-1) for i in by_dtype[dtype]])  # a copy
+                parts = [entries[i][1].reshape(-1) for i in by_dtype[dtype]]
+                if dtype == carrier:
+                    parts.append(lay.present_words(dtype, x, failed=self.layouts.presence.failed or ()))
+                    self.layouts.presence.failed = None
+                flat = torch.cat(parts)  # a copy
                 work = self.late.post(flat, self.group) if late else dist.all_reduce(flat, group=self.group)
-                posted.append((by_dtype[dtype], flat, work))
+                posted.append((by_dtype[dtype], flat, work, dtype == carrier))
             summed = x.clone() if late and x is output else x  # (units cover it all)
 
             def finish():
@@ -220,9 +230,16 @@ class _ShardHook:
         call) goes back into its error feedback, every replica's share of the mean."""
         # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
         divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
-        for members, flat, work in posted:
+        for members, flat, work, carries in posted:  # every rank waits for all, then checks
             if work is not None:
                 work.wait()
+        for members, flat, work, carries in posted:
+            if carries:
+                refused = lay.check_present(flat[flat.numel() - 2 * len(lay.trainable):], self.replicas,
+                                            "install", "replicas' group", failed=True)
+                if refused is not None:
+                    raise ValueError(refused[0])
+        for members, flat, work, carries in posted:
             offset = 0
             for i in members:
                 unit, payload, ctx = entries[i]
@@ -359,5 +376,6 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
             new.reduce_scatter_process_group = old.reduce_scatter_process_group
             g.mesh_info = new
         g._hvd_gradcomp_replicas = group  # (install_reduce_scatter's checks reach them: settle)
+        Presence.of(g).carried = True  # (a reduce-scatter's refusal rides in this hook's words)
         e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, Layouts(e, per, [e.rank]), replicas, late))
     return compressor

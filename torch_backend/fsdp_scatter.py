@@ -72,7 +72,7 @@ import torch.distributed as dist
 
 from .engine import ProcessGroupEngine
 from .fsdp_shards import (Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard, agreement_error,
-                          fingerprint, layout_engine, loaded_error, settle)
+                          fingerprint, layout_engine, loaded_error, settle, word_carrier)
 
 __all__ = ["install_reduce_scatter"]
 
@@ -181,24 +181,30 @@ class _ScatterComm:
             out = output_tensor if lay.same else output_tensor.new_empty(lay.full)
             if not covered:  # coordinates no unit writes (none expected: FSDP's are float)
                 out.zero_()
-            for pdtype in sorted(by_dtype, key=str):
-                self._reduce(out, [entries[i] for i in by_dtype[pdtype]], divide, lay)
+            # Each trainable parameter's "has a gradient here" word rides along in every region,
+            # with the payloads of one dtype reduce-scattered first (checked before any decode)
+            carrier = word_carrier(by_dtype, size) or torch.int32
+            by_dtype.setdefault(carrier, [])
+            for pdtype in [carrier] + [d for d in sorted(by_dtype, key=str) if d != carrier]:
+                words = lay.present_words(pdtype, input_tensor) if pdtype == carrier else None
+                self._reduce(out, [entries[i] for i in by_dtype[pdtype]], divide, lay, words)
             lay.shrink_into(out, output_tensor)
         return None
 
-    def _reduce(self, output, entries, divide, lay):
-        """One reduce-scatter (Sum) of the payloads ``entries`` of one dtype; decode and step.
-        ``output``: this rank's chunk in T's layout (``lay``, a
+    def _reduce(self, output, entries, divide, lay, words=None):
+        """One reduce-scatter (Sum) of the payloads ``entries`` of one dtype (none: ``words`` alone);
+        decode and step. ``output``: this rank's chunk in T's layout (``lay``, a
         :class:`~torch_backend.fsdp_shards.CallLayout`); what FSDP will not write of it (a
         trainable parameter without a gradient in this call) goes into this rank's error
         feedback of its own chunk: the whole sum of every rank's share, as only this rank
-        received it."""
+        received it. ``words``: :meth:`CallLayout.present_words`, appended to every region and
+        checked (:meth:`CallLayout.check_present`) before anything is decoded."""
         size, me, comp = self.size, self.rank, self.comp
-        like = entries[0][2]
+        like = words if words is not None else entries[0][2]
         values = [[e[2][:e[4]] for e in entries if e[0] == j] for j in range(size)]
         lengths = [sum(v.numel() for v in vs) for vs in values]
         width = max(lengths)
-        agreed = [e[2][e[4]:] for e in entries]
+        agreed = [e[2][e[4]:] for e in entries] + ([] if words is None else [words])
         regions = []
         for j in range(size):
             parts = list(values[j])
@@ -209,6 +215,14 @@ class _ScatterComm:
         got = like.new_empty(regions[0].numel())
         # reduce_scatter_single where PyTorch has it (2.13 deprecates reduce_scatter_tensor)
         getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(got, send, group=self.group)
+        if words is not None:
+            refused = lay.check_present(got[got.numel() - words.numel():], size, "install_reduce_scatter",
+                                        "shard group")
+            if refused is not None:
+                presence = self.layouts.presence
+                if not presence.carried:
+                    raise ValueError(refused[0])
+                presence.failed = refused[1]  # install's hook, next, carries it to every replica
         off_v, off_a = 0, width
         for j, unit, payload, ctx, split in entries:
             n_a = payload.numel() - split

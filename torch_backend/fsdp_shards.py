@@ -148,6 +148,10 @@ class Presence:
         self.group = fsdp_group
         everything = tuple(range(len(fsdp_group.fsdp_params)))
         self.present, self.trainable = everything, everything
+        # install's hook follows the reduce-scatter and all-reduces across replicas: a
+        # reduce-scatter that finds the ranks reducing other parameters leaves their indices
+        # in T in ``failed`` for that hook to carry to every replica (CallLayout.check_present)
+        self.carried, self.failed = False, None
         original = fsdp_group.post_backward
 
         def post_backward(*args, **kwargs):
@@ -216,6 +220,57 @@ class CallLayout:
                 absent.append((dst, sizes[i]))
             dst += sizes[i]
         self.absent = tuple(absent)  # (offset in T's layout, numel) of T's parameters not in W
+        self.shard, self.names = shard, [shard.names[i] for i in trainable]
+        self._words = {}
+
+    def present_words(self, dtype, like, failed=None):
+        """``[len(T)]`` in ``dtype`` on ``like``'s device: 1 where T's parameter is in W (has a
+        gradient in this call on this rank), else 0; summed across the ranks with the
+        payloads, so every rank learns how many ranks reduce each parameter
+        (:meth:`check_present`). With ``failed`` (install's hook: :attr:`Presence.failed`, a
+        tuple, empty where this rank's reduce-scatter found nothing), ``len(T)`` more words: 1
+        where this rank's reduce-scatter found that parameter reduced on some ranks of its
+        shard group only."""
+        key = (dtype, like.device, failed)
+        if key not in self._words:
+            words = [int(i in self.present) for i in self.trainable]
+            if failed is not None:
+                words += [int(i in failed) for i in range(len(self.trainable))]
+            self._words[key] = torch.tensor(words, dtype=dtype, device=like.device)
+        return self._words[key]
+
+    def check_present(self, summed, ranks, caller, group_name, failed=False):
+        """Find a call where some parameter has a gradient on some of the ``ranks`` ranks of
+        the group only (``summed``: their :meth:`present_words`, summed; with ``failed``, with
+        the words of their reduce-scatters' findings): FSDP writes its gradient only where it
+        has one, so the ranks would diverge silently (native FSDP's own collectives fail on
+        such a call: their sizes differ). Every rank of the group holds the same sum.
+
+        Returns ``(message, indices)`` (the message names the first such parameter; indices
+        into T) or None, for the caller to raise, or, on a reduce-scatter that install's hook
+        follows, to pass on (:attr:`Presence.failed`). On CUDA an asynchronous device assert
+        instead (no host read), returning None.
+        """
+        n = len(self.trainable)
+        bad = (summed[:n] != 0) & (summed[:n] != ranks)
+        if failed:
+            bad = bad | (summed[n:] != 0)
+        message = (f"{caller}: FSDP module {self.shard.path or '<root>'!r}: parameter {{}} has a gradient "
+                   f"on some ranks only in this backward (a forward that skips it on some ranks, e.g. an "
+                   f"MoE expert no token of theirs was routed to; {{}}); FSDP writes its gradient only "
+                   f"where it has one, so the ranks would diverge. Call "
+                   f"model.set_reduce_scatter_unused_params(True), so that FSDP reduces zeros for a "
+                   f"trainable parameter unused on a rank")
+        if summed.device.type != "cpu":
+            torch._assert_async(~bad.any(), message.format("(one)", f"checked on the {group_name}"))
+            return None
+        if not bool(bad.any()):
+            return None
+        found = tuple(int(i) for i in bad.nonzero()[:, 0])
+        i = found[0]
+        seen = f"{int(summed[i])} of the {ranks} ranks of the {group_name}" if int(summed[i]) not in (0, ranks) \
+            else "found by the reduce-scatter of a shard group"
+        return message.format(repr(self.names[i]), seen), found
 
     def expand(self, flat):
         """``flat`` (W's layout, ``[numel]``) in T's: itself when W is T, else a new tensor with
@@ -255,6 +310,19 @@ class CallLayout:
         for at, n in spans:
             keep[at:at + n] = flat[at:at + n]
         return keep
+
+
+def word_carrier(dtypes, ranks):
+    """The payload dtype (of ``dtypes``) whose all-reduce or reduce-scatter also carries
+    :meth:`CallLayout.present_words`: one that sums ``ranks`` ones exactly (float32, the integer
+    lanes; a half dtype or a byte up to its range), the same on every rank; None: none does (the
+    caller then sends them as int32)."""
+    wide = (torch.float32, torch.float64, torch.int32, torch.int64)
+    limit = {torch.float16: 2048, torch.bfloat16: 256, torch.int16: 32767, torch.int8: 127, torch.uint8: 255}
+    for d in sorted(dtypes, key=str):
+        if d in wide or ranks <= limit.get(d, 0):
+            return d
+    return None
 
 
 class Layouts:

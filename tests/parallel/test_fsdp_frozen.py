@@ -185,6 +185,43 @@ def worker(shape):
                        for n, p in model.named_parameters()})
         opt.step()
     out["native"] = {"outs": native}
+    for case, ar, rs, overlap in DIVERGENT[shape]:
+        out[case] = _divergent(mesh, ar, rs, overlap)
+    return out
+
+
+# A backward in which drop.u has a gradient on rank 0 only (pass 0 there, 3 elsewhere: gate
+# is used in both): (case, install spec, install_reduce_scatter spec, overlap), by mesh
+DIVERGENT = {
+    (2, 1): [("divergent", "topkc:0.1", None, False), ("divergent overlap", "topkc:0.1", None, True)],
+    (1, 2): [("divergent", None, "thc", False)],
+    (2, 2): [("divergent", "topkc:0.1", "thc", False)],
+}
+
+
+def _divergent(mesh, spec_ar, spec_rs, overlap):
+    """(what backward raised, and, under set_reduce_scatter_unused_params(True), the full
+    gradients of the same backward)."""
+    import torch.distributed as dist
+    from torch_backend import Compression
+    from torch_backend.fsdp import install, install_reduce_scatter
+    rank = dist.get_rank()
+    k = 0 if rank == 0 else 3
+    out = []
+    for unused_too in (False, True):
+        model, _ = _build(mesh)
+        model.set_reduce_scatter_unused_params(unused_too)
+        if spec_rs:
+            install_reduce_scatter(model, Compression.from_spec(spec_rs))
+        if spec_ar:
+            install(model, Compression.from_spec(spec_ar), overlap=overlap)
+        try:
+            model(grads_of(rank, 0), k).backward()
+        except Exception as e:  # noqa: BLE001 - compared by the test
+            out.append((type(e).__name__, str(e)))
+            continue
+        out.append({n: None if p.grad is None else p.grad.full_tensor().double().numpy().copy()
+                    for n, p in model.named_parameters()})
     return out
 
 
@@ -264,3 +301,26 @@ CASES = [(shape, run[0]) for shape in RUNS for run in RUNS[shape]] + [(s, "nativ
 @pytest.mark.parametrize("shape,name", CASES, ids=[f"{s[0]}x{s[1]}-{n}" for s, n in CASES])
 def test_frozen_and_unused(shape, name):
     check(shape, name)
+
+
+DIVERGENT_CASES = [(shape, case[0]) for shape in DIVERGENT for case in DIVERGENT[shape]]
+
+
+@pytest.mark.parametrize("shape,case", DIVERGENT_CASES, ids=[f"{s[0]}x{s[1]}-{c}" for s, c in DIVERGENT_CASES])
+def test_gradient_on_some_ranks_only(shape, case):
+    """A parameter with a gradient on some ranks only: FSDP would write it on those only, so
+    the ranks would diverge; refused on every rank, naming it and the remedy, which trains."""
+    recs = [r[case] for r in results(shape)]
+    for rank, (refused, _) in enumerate(recs):
+        assert isinstance(refused, tuple), f"{case}: rank {rank} trained a backward whose drop.u has a " \
+                                           f"gradient on rank 0 only"
+        kind, message = refused
+        assert kind == "ValueError", refused
+        assert "'drop.u'" in message and "set_reduce_scatter_unused_params(True)" in message, message
+    for rank, (_, grads) in enumerate(recs):
+        assert isinstance(grads, dict), grads
+        for n in SHAPES:
+            if n in FROZEN:
+                assert grads[n] is None
+                continue
+            np.testing.assert_array_equal(grads[n], recs[0][1][n], err_msg=f"{case}: {n} rank {rank}")
