@@ -80,6 +80,7 @@ import torch.distributed as dist
 
 from hvd_gradcomp.buckets import BucketPlan, Member
 
+from . import ddp_compiled
 from .compression import check_compressor
 from .kernels import runs
 from .engine import ProcessGroupEngine
@@ -118,11 +119,13 @@ class HookState:
         self.tracks_unused = False
         self._plans = {}  # (bucket index, its parameters' ids, buffer size) -> (plan, slots)
         self._hooks = []
+        self.ready = None  # ddp_compiled.ReadyBuckets, under the Python reducer
 
-    def bind(self, ddp_model=None):
+    def bind(self, ddp_model=None, compiled=False):
         """Bind the compressor to the process group (at registration, or at the first backward
         for a state made by :func:`comm_state`) and, where DDP drops unused parameters'
-        results, start counting each parameter's users."""
+        results, start counting each parameter's users (``compiled``, or a model under the
+        Python reducer: every parameter of a bucket arrived, nothing to count)."""
         comp = self.compressor
         if ddp_model is not None:
             self.ddp_model = ddp_model
@@ -130,8 +133,9 @@ class HookState:
         comp.bind_engine(ProcessGroupEngine(self.group))
         self.world_size, _ = comp.engine.world()
         model = self.ddp_model
-        self.tracks_unused = model is None or bool(getattr(model, "find_unused_parameters", False)) or \
-            bool(getattr(model, "static_graph", False))
+        compiled = compiled or bool(getattr(model, "_use_python_reducer", False))
+        self.tracks_unused = not compiled and (model is None or bool(getattr(
+            model, "find_unused_parameters", False)) or bool(getattr(model, "static_graph", False)))
         if self.tracks_unused and not self._hooks:
             used = self.used
             for p in self.names:
@@ -244,6 +248,9 @@ def hook(state: HookState, bucket):
     Returns a ``torch.futures.Future`` holding ``bucket.buffer()`` with the averaged, decoded
     gradients written into it.
 
+    Under the Python reducer (compiled DDP) ``bucket`` is ``(grad, param)`` and the hook
+    returns None: :mod:`torch_backend.ddp_compiled` gathers the buckets and writes the means.
+
     Raises:
         TypeError: ``state`` is not a :class:`HookState` (e.g. the compressor itself).
         ValueError: a gradient whose parameter the model does not name, ``Join`` with
@@ -256,6 +263,8 @@ def hook(state: HookState, bucket):
                         f"pass torch_backend.ddp.comm_state(model, compressor) as the state (e.g. "
                         f"Lightning's DDPStrategy(ddp_comm_state=comm_state(model, comp), "
                         f"ddp_comm_hook=hook))")
+    if isinstance(bucket, tuple):  # DDP's Python reducer (torch.compile, compiled autograd)
+        return ddp_compiled.arrive(state, bucket[0], bucket[1], hook)
     comp = state.compressor
     if comp.engine is None:  # a state made by comm_state(): bound at the first backward
         state.bind()
@@ -430,6 +439,7 @@ def register_comm_hook(ddp_model, compressor, per_tensor: bool = False):
             then left unbound.
     """
     state = _model_state(ddp_model, compressor, per_tensor)
+    ddp_compiled.check_model(ddp_model, compressor.spec)
     ddp_model.register_comm_hook(state, hook)  # DDP's checks first: nothing bound if it refuses
     state.bind(ddp_model)
     return compressor
