@@ -19,21 +19,22 @@ import numpy as np
 import pytest
 
 from tests.ddprun import run
-from tests.parallel.test_ddp import SHAPES, _probe_cls, _residuals, _step, grads_of
+from tests.parallel.test_ddp import SHAPES, _Counter, _probe_cls, _residuals, _step, grads_of
 
 SPECS = ["fp16", "thc", "topkc:0.1", "powersgd:2", "signsgd"]
 STEPS = 4
 RESUME = 2
 
 
-def _compiled(make, spec, per_tensor=False):
-    """A DDP probe built and compiled under the Python reducer, with ``spec``'s hook."""
+def _compiled(make, spec, per_tensor=False, cap=None):
+    """A DDP probe built and compiled under the Python reducer, with ``spec``'s hook
+    (``cap``: DDP's ``bucket_cap_mb``)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch_backend import Compression
     from torch_backend.ddp import register_comm_hook
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
-        ddp = DDP(make())
+        ddp = DDP(make(), **({} if cap is None else {"bucket_cap_mb": cap}))
     comp = register_comm_hook(ddp, Compression.from_spec(spec), per_tensor=per_tensor)
     return ddp, torch.compile(ddp), comp
 
@@ -65,6 +66,13 @@ def compiled_worker(tmp):
             rec[("compiled", per_tensor)] = _run(ddp, compiled, range(STEPS))
             rec[("form", per_tensor)] = type(ddp._comm_hooks[0][1].ready).__name__
             rec[("owed", per_tensor)] = _residuals(comp)
+        # small buckets (10 kB: w alone, then v and b, the last one sent at the end of backward)
+        torch._dynamo.reset()
+        small, small_compiled, small_comp = _compiled(Probe, spec, cap=0.01)
+        with _Counter() as counter:
+            rec["small"] = _run(small, small_compiled, range(STEPS))
+        rec["small owed"] = _residuals(small_comp)
+        rec["small calls"] = len(counter.calls)
         # exact resume (bucketed): a checkpoint saved on rank 0 into a new compiled model
         path = os.path.join(tmp, f"{spec}.pt")
         state = comp.state_dict(gather=True)
@@ -121,6 +129,22 @@ def test_compiled_values(compiled, spec):
         theirs = sum(o[n] for o in r0[("eager", False)])
         error = np.linalg.norm(theirs - truth) + 2.0 ** -10 * np.linalg.norm(truth) * STEPS
         assert np.linalg.norm(ours - truth) <= 2 * error + 1e-5, (spec, n)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_compiled_small_buckets(compiled, spec):
+    """Several buckets a backward (bucket_cap_mb=0.01), the last sent by the final callback."""
+    r0, r1 = compiled[0][spec], compiled[1][spec]
+    for a, b in zip(r0["small"], r1["small"]):
+        for n in SHAPES:
+            np.testing.assert_array_equal(a[n], b[n])
+    _balance(r0["small"], [r0["small owed"], r1["small owed"]], spec)
+    if spec in ("fp16", "topkc:0.1"):  # one payload dtype: one all-reduce per bucket, two buckets
+        assert r0["small calls"] == 2 * STEPS, r0["small calls"]
+    if spec == "fp16":  # a cast: the same bits in any layout
+        for a, b in zip(r0["small"], r0[("eager", False)]):
+            for n in SHAPES:
+                np.testing.assert_array_equal(a[n], b[n])
 
 
 @pytest.mark.parametrize("spec", SPECS)
