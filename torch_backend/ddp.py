@@ -301,7 +301,7 @@ def _decode(state: HookState, plan, encoded, reduced, counts, buffer):
             runs.scatter(buffer, unit, out)
 
 
-def _future(futures, finish, buffer):
+def _future(engine, futures, finish, buffer):
     """One future of ``finish([each future's tensor])``: ``then`` for one collective (its
     callback's streams wait for the all-reduce; DDP's for it); for several, a future of the
     buffer's device completed on the streams the decode ran on (collect_all's holds no tensors
@@ -309,12 +309,12 @@ def _future(futures, finish, buffer):
     # wait(), not value(): on CUDA it makes this thread's current stream wait for each
     # all-reduce (value() does not, and collect_all's callback is synchronised with none)
     if len(futures) == 1:
-        return futures[0].then(lambda fut: finish([fut.wait()[0]]))
+        return futures[0].then(lambda fut: finish([engine.wait(fut)]))
     done = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
 
     def complete(fut):
         try:
-            done.set_result(finish([f.wait()[0] for f in fut.value()]))
+            done.set_result(finish([engine.wait(f) for f in fut.value()]))
         except Exception as exc:  # noqa: BLE001 - handed to DDP's wait(), as then() would
             done.set_exception(exc)
     torch.futures.collect_all(futures).add_done_callback(complete)
@@ -366,8 +366,7 @@ def hook(state: HookState, bucket):
         payloads = [torch.zeros_like(p) for p in payloads]
     if state.tracks_unused:  # users per parameter, and whether DDP writes its result anyway
         payloads.append(_counts(state, plan, params, joined, buffer.device))
-    packed, futures = post_payloads(OPS, payloads, lambda flat: dist.all_reduce(
-        flat, group=state.group, async_op=True).get_future())
+    packed, futures = post_payloads(OPS, payloads, comp.engine.post)
 
     def finish(results):
         try:
@@ -384,7 +383,7 @@ def hook(state: HookState, bucket):
             else:
                 _decode(state, plan, encoded, reduced, counts, buffer)
         return buffer
-    return _future(futures, finish, buffer)
+    return _future(comp.engine, futures, finish, buffer)
 
 
 def make_comm_hook(ddp_model, compressor, per_tensor: bool = False):
