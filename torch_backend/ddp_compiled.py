@@ -73,21 +73,23 @@ class ReadyBuckets:
             module).
         pending: {(dtype, device): [(grad, param), ...]} not sent yet.
         sent: [(bucket, future)] of this backward, in the order they were posted.
+        task: the autograd graph task of the backward being gathered (None between them).
     """
 
     def __init__(self, cap):
         self.cap = cap
-        self.pending, self.sent, self.queued = {}, [], False
+        self.pending, self.sent, self.task = {}, [], None
 
     def add(self, state, send, grad, param):
-        """Take ``grad`` of ``param``; send its bucket when full; queue the end of backward."""
-        if not self.queued:
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish(state, send))
-                self.queued = True
-            except RuntimeError:  # called outside a backward: this gradient is its own bucket
-                self.pending.setdefault(None, []).append((grad, param))
-                return self.finish(state, send)
+        """Take ``grad`` of ``param``; send its bucket when full; at the first gradient of a
+        backward, queue the end of backward (what a backward that raised left is dropped)."""
+        task = torch._C._current_graph_task_id()
+        if task < 0:  # called outside a backward: this gradient is its own bucket
+            self.pending, self.sent = {None: [(grad, param)]}, []
+            return self.finish(state, send)
+        if task != self.task:
+            self.pending, self.sent, self.task = {}, [], task
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish(state, send))
         key = (grad.dtype, grad.device)
         group = self.pending.setdefault(key, [])
         group.append((grad, param))
@@ -110,7 +112,7 @@ class ReadyBuckets:
                     for p, view in zip(bucket.parameters(), bucket.gradients()):
                         p.grad.copy_(view)
         finally:
-            self.pending, self.sent, self.queued = {}, [], False
+            self.pending, self.sent, self.task = {}, [], None
 
 
 @torch._dynamo.disable
