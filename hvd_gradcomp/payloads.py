@@ -71,12 +71,15 @@ def post_payloads(ops, payloads, post):
     return packed, [post(b) for b in packed.buffers]
 
 
-def unpack_payloads(ops, packed: Packed, reduced=None) -> list:
+def unpack_payloads(ops, packed: Packed, reduced=None, view=None) -> list:
     """The payloads of ``packed`` read back from ``reduced`` (one flat buffer per dtype, as
     ``packed.buffers``; default: ``packed.buffers`` themselves, for a collective that sums in
     place). Returns one tensor per payload, in ``packed``'s order, each a view of its buffer in
-    the payload's shape (a buffer holding one payload: the buffer itself, reshaped)."""
+    the payload's shape (a buffer holding one payload: the buffer itself, reshaped).
+    ``view(part, shape)``: how a 1-D part takes a payload's shape (default ``ops.reshape``; an
+    engine may pass a cheaper one, e.g. ``torch.Tensor.view``: one operation instead of two)."""
     reduced = packed.buffers if reduced is None else reduced
+    view = ops.reshape if view is None else view
     sole = [0] * len(reduced)
     for b, _, _, _ in packed.spans:
         sole[b] += 1
@@ -84,5 +87,5 @@ def unpack_payloads(ops, packed: Packed, reduced=None) -> list:
     for b, at, numel, shape in packed.spans:
         flat = reduced[b]
         part = flat if sole[b] == 1 else flat[at:at + numel]
-        out.append(part if tuple(ops.shape(part)) == shape else ops.reshape(part, shape))
+        out.append(part if tuple(ops.shape(part)) == shape else view(part, shape))
     return out

@@ -370,7 +370,7 @@ def hook(state: HookState, bucket):
 
     def finish(results):
         try:
-            reduced = unpack_payloads(OPS, packed, results)
+            reduced = unpack_payloads(OPS, packed, results, view=torch.Tensor.view)
         finally:
             packed.buffers.clear()  # the payloads sent stay alive until here (the all-reduce's stream reads them)
         counts = reduced[len(encoded)] if state.tracks_unused else None

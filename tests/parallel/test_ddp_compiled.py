@@ -10,8 +10,9 @@ Checked: the Python reducer's form was taken; ranks deliver identical gradients;
 each tensor alone (``per_tensor=True``) gives eager DDP's bits; bucketed, error feedback's
 balance holds (delivered + the ranks' mean pending residual = the sum of the mean gradients)
 and the result stays within the scheme's error of eager DDP's; a ``state_dict(gather=True)``
-saved on rank 0 resumes a new compiled model exactly; ``find_unused_parameters=True`` is
-refused at ``register_comm_hook``. Compiling on two busy cores is slow: a generous timeout.
+saved on rank 0 resumes a new compiled model exactly; several buckets a backward
+(``bucket_cap_mb=0.01``); Lightning's ``comm_state`` form and ``no_sync()`` accumulation;
+``find_unused_parameters=True`` is refused at ``register_comm_hook``. Compiling on two busy cores is slow: a generous timeout.
 """
 import os
 
@@ -84,6 +85,23 @@ def compiled_worker(tmp):
         rec["resume"] = (_run(ddp, compiled, range(STEPS, STEPS + RESUME)),
                          _run(ddp2, compiled2, range(STEPS, STEPS + RESUME)))
         out[spec] = rec
+    # Lightning's form: the state made from the module (bound at the first backward), and
+    # no_sync() accumulation (DDP calls no hook; the synced step sends the sum of two steps)
+    from torch_backend.ddp import comm_state, hook
+    torch._dynamo.reset()
+    module = Probe()
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        ddp = DDP(module)
+    ddp.register_comm_hook(comm_state(module, Compression.fp16()), hook)
+    compiled = torch.compile(ddp)
+    out["comm_state"] = _run(ddp, compiled, range(STEPS))
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        for p in ddp.parameters():
+            p.grad = None
+        with ddp.no_sync():
+            compiled(grads_of(rank, 0)).backward()
+        compiled(grads_of(rank, 1)).backward()
+    out["no_sync"] = {n: p.grad.detach().double().numpy().copy() for n, p in module.named_parameters()}
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
         unused = DDP(Probe(), find_unused_parameters=True)
     out["unused"] = value_error(lambda: register_comm_hook(unused, Compression.fp16()))
@@ -154,6 +172,18 @@ def test_compiled_resume(compiled, spec):
         for a, b in zip(continued, resumed):
             for n in SHAPES:
                 np.testing.assert_array_equal(a[n], b[n])
+
+
+def test_compiled_comm_state_and_no_sync(compiled):
+    """A state of comm_state (Lightning's form) gives register_comm_hook's bits; under
+    no_sync() the synced step averages the two steps' summed gradients."""
+    for r in compiled:
+        for a, b in zip(r["comm_state"], r["fp16"][("compiled", False)]):
+            for n in SHAPES:
+                np.testing.assert_array_equal(a[n], b[n])
+        for n in SHAPES:
+            truth = sum((grads_of(q, 0)[n] + grads_of(q, 1)[n]).double().numpy() for q in (0, 1)) / 2
+            np.testing.assert_allclose(r["no_sync"][n], truth, rtol=2e-3, atol=2e-3)
 
 
 def test_compiled_refusal(compiled):
