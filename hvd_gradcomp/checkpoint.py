@@ -137,6 +137,11 @@ def load_state_dict(comp, state_dict: dict, rank=None):
     if not _same_config(comp, state_dict.get("spec")):
         raise ValueError(f"state_dict was saved by compressor {state_dict.get('spec')!r}, "
                          f"this one is {comp.spec!r}")
+    # An engine that knows every key its layout makes (torch_backend.fsdp's) screens the
+    # state first: keys it never makes are refused, or with rank= given dropped with a warning.
+    screen = getattr(comp.engine, "screen_state", None)
+    if screen is not None:
+        state_dict = screen(state_dict, rank)
     size, me = comp._job_world()
     if rank is None:
         rank = me

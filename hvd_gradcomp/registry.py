@@ -21,6 +21,7 @@ from .auto import AutoConfig, AutoScheme
 from .options import MIN_NUMEL, ROUTING_OPTION, WARMUP, WARMUP_OPTION, options_of, to_spec
 from .powersgd import PowerSGDConfig, PowerSGDScheme
 from .signsgd import SignSGDConfig, SignSGDScheme
+from .sparseloco import SparseLoCoConfig, SparseLoCoScheme
 from .thc import THCConfig, THCScheme
 from .topk import TopKConfig, TopKScheme
 from .topkc import TopKCConfig, TopKCScheme
@@ -38,6 +39,7 @@ SCHEMES = {
     "powersgd": (PowerSGDConfig, PowerSGDScheme),
     "thc": (THCConfig, THCScheme),
     "signsgd": (SignSGDConfig, SignSGDScheme),
+    "sparseloco": (SparseLoCoConfig, SparseLoCoScheme),
     "auto": (AutoConfig, AutoScheme),
 }
 # Also accepted by parse_spec/make_scheme.

@@ -179,3 +179,14 @@ def test_ddp_path_without_horovod(tmp_path):
                                env={"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}, timeout=300)
     assert code == 0, out[-3000:]
     assert float(ACCURACY.findall(out)[-1]) >= 80.0, out[-3000:]
+
+
+def test_tf_backend_without_tensorflow_says_what_to_install(tmp_path):
+    """Under the ``ddp`` extra (no TensorFlow) ``import tf_backend`` fails with an ImportError
+    that names the extra to install, not a bare ``No module named 'tensorflow'``."""
+    (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["tensorflow"] = None\n')
+    code = ("try:\n import tf_backend\nexcept ImportError as e:\n print('REFUSED', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REFUSED tf_backend needs TensorFlow" in out.stdout and "hvd-gradcomp[tf]" in out.stdout, out.stdout

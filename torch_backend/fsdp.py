@@ -59,6 +59,12 @@ and routed by the module's path (``"layers.0"``), or by the parameter's name whe
 holds one. Either key is equal on every replica, stable across steps and distinct per shard
 rank; each keeps its own state (error feedback, scores, ranges, bases, ``auto``'s choice).
 
+**Frozen and unused parameters.** FSDP reduces only the parameters with a gradient in a
+backward; each call is laid out as the compressor's plan over the trainable parameters, a
+trainable one without a gradient sent as zeros plus its error feedback and what comes back for
+it kept in its error feedback again (:mod:`torch_backend.fsdp_shards`, "Parameters without a
+gradient").
+
 **Accumulation.** ``set_requires_gradient_sync(False)`` skips FSDP's reduction altogether (no
 hook call). ``set_requires_all_reduce(False)`` (reduce-scatter each micro-batch, all-reduce
 once): the hook keeps the reduce-scattered shards and hands FSDP zeros, then compresses their
@@ -75,13 +81,21 @@ that device.
 (:class:`~torch_backend.engine.ProcessGroupEngine`): ``comp.state_dict()`` is this rank's
 state (its shards' error feedback), saved with the rank's model and optimizer shards and
 loaded on the same rank after :func:`install` (``comp.load_state_dict(sd)``); resumes exactly.
+The state is per mesh (its keys name the shard rank and the shard group's size; DCP reshards
+the model and optimizer, not it): the compressor's engine
+(:class:`~torch_backend.fsdp_shards.LayoutEngine`) knows every key the layout makes, and a
+state with keys it never makes is refused at load (or, with ``rank=`` given, loaded without
+them after a warning naming them) and at install when loaded before it.
 
 Refused with a clear error, before any collective, on every rank: a model that is not an
 ``FSDPModule``, a compressor that is a factory or is bound already, blocking two-round
 variants, a shard-only mesh without ``replicate_group``, a ``replicate_group`` other than the
 2-D mesh's, a module with several parameter groups (``shard_placement_fn`` with several
 meshes) or with an all-reduce hook already, and replicas whose shard ranks or shard sizes
-differ (checked by one ``all_gather_object`` on the replicas' group at install).
+differ, or whose compressors' fingerprints (:func:`~torch_backend.fsdp_shards.fingerprint`:
+spec, ``per``, frozen parameters) differ, naming both (checked by one ``all_gather_object`` on
+the replicas' group at install, its verdict gathered over the shard group so that every rank
+raises it: :func:`~torch_backend.fsdp_shards.settle`).
 
 **Overlap** (``install(..., overlap=True)``, CPU parameters). On CPU, FSDP2 calls the hook in
 the backward's own thread, so a blocking all-reduce across replicas stops backward until it is
@@ -103,7 +117,8 @@ import torch.distributed as dist
 from .engine import ProcessGroupEngine
 from .fsdp_overlap import Overlap
 from .fsdp_scatter import install_reduce_scatter
-from .fsdp_shards import _checked_names, _fsdp_api, _members, _param_groups, _same_ranks, _shard, shard_key
+from .fsdp_shards import (Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard, agreement_error,
+                          fingerprint, layout_engine, loaded_error, settle, shard_key)
 
 __all__ = ["install", "install_reduce_scatter", "shard_key"]
 
@@ -113,31 +128,34 @@ class _ShardHook:
     codec units (:meth:`Compressor.plan_bucket`: one call per route), each compressed, the
     payloads summed across replicas (one all-reduce per payload dtype), decoded, divided and
     written back in place (module docstring); with ``late`` (an
-    :class:`~torch_backend.fsdp_overlap.Overlap`), written at the end of backward instead."""
+    :class:`~torch_backend.fsdp_overlap.Overlap`), written at the end of backward instead.
+    ``layouts`` (:class:`~torch_backend.fsdp_shards.Layouts`): which parameters each call's
+    flat holds, laid out as the compressor's (trainable) ones."""
 
-    def __init__(self, comp, group, fsdp_group, members, replicas, late=None):
+    def __init__(self, comp, group, fsdp_group, layouts, replicas, late=None):
         self.comp, self.group, self.fsdp_group = comp, group, fsdp_group
-        self.members, self.replicas, self.late = members, replicas, late
-        self.partial = None  # reduce-scattered shards kept while all-reduce is off
+        self.layouts, self.replicas, self.late = layouts, replicas, late
+        self.partial = None  # (T, reduce-scattered shards in T's layout) kept while all-reduce is off
 
     def __call__(self, output: torch.Tensor) -> None:
         with torch.no_grad():
+            lay = self.layouts.now(output.numel(), "install")
+            x = lay.expand(output)  # output itself unless a trainable parameter has no gradient
             if not self.fsdp_group.all_reduce_grads:  # set_requires_all_reduce(False)
-                self.partial = output.clone() if self.partial is None else self.partial + output
+                self._keep(lay, x)
                 output.zero_()
                 return
             if self.partial is not None:
-                output.add_(self.partial)
-                self.partial = None
+                x = self._take(lay, x)
             late = self.late is not None
             if late:
                 self._check_late()
             dtype = str(output.dtype).removeprefix("torch.")
-            plan = self.comp.plan_bucket(self.members, dtype, "sum", self.group, output)
+            plan = self.comp.plan_bucket(lay.members[0], dtype, "sum", self.group, x)
             entries, by_dtype = [], {}
             for unit in plan.units:
-                x = output[unit.start:unit.stop] if unit.contiguous else output.index_select(0, unit.index)
-                payload, ctx = self.comp.encode_unit(unit, x.view(unit.info.shape))
+                u = x[unit.start:unit.stop] if unit.contiguous else x.index_select(0, unit.index)
+                payload, ctx = self.comp.encode_unit(unit, u.view(unit.info.shape))
                 by_dtype.setdefault(payload.dtype, []).append(len(entries))
                 entries.append((unit, payload, ctx))
             # One all-reduce per payload dtype. Blocking, or (overlap) posted with at most one in
@@ -148,16 +166,43 @@ class _ShardHook:
                 flat = torch.cat([entries[i][1].reshape(-1) for i in by_dtype[dtype]])  # a copy
                 work = self.late.post(flat, self.group) if late else dist.all_reduce(flat, group=self.group)
                 posted.append((by_dtype[dtype], flat, work))
-            summed = output.clone() if late else output  # (units cover it all)
+            summed = x.clone() if late and x is output else x  # (units cover it all)
 
             def finish():
                 with torch.no_grad():
-                    self._decode(summed, entries, posted)
-                    self.late.write(self.fsdp_group, summed)
+                    self._decode(lay, summed, entries, posted)
+                    if not lay.same:
+                        mine = summed.new_empty(lay.numel)
+                        lay.shrink_into(summed, mine)
+                    self.late.write(self.fsdp_group, summed if lay.same else mine, lay.params)
             if late and self.late.defer(finish):
                 output.zero_()  # FSDP sets (or adds) zeros now; the sum is added at the end of backward
             else:
-                self._decode(output, entries, posted)
+                self._decode(lay, x, entries, posted)
+                lay.shrink_into(x, output)
+
+    def _keep(self, lay, x):
+        """Add ``x`` (T's layout) to the shards kept while all-reduce is off."""
+        x = x.clone() if lay.same else x  # (output itself: FSDP gets zeros)
+        if self.partial is not None:
+            x = self._take(lay, x)
+        self.partial = (lay.trainable, x)
+
+    def _take(self, lay, x):
+        """``x`` plus the kept shards, which are dropped.
+
+        Raises:
+            ValueError: the trainable parameters changed since the shards were kept (no layout
+                holds both).
+        """
+        trainable, kept = self.partial
+        self.partial = None
+        if trainable != lay.trainable:
+            raise ValueError(f"install: FSDP module {self.layouts.shard.path or '<root>'!r}: the "
+                             f"parameters with requires_grad changed between backward passes "
+                             f"accumulated with set_requires_all_reduce(False); change "
+                             f"requires_grad only after the step whose all-reduce is on")
+        return x.add_(kept)
 
     def _check_late(self):
         """Raises ValueError where a parameter of the group has a post-accumulate-grad hook
@@ -169,8 +214,10 @@ class _ShardHook:
                                  "backward), which would read the gradient before the all-reduce "
                                  "across replicas is added; install with overlap=False")
 
-    def _decode(self, output, entries, posted):
-        """Wait for each posted all-reduce and write its units' decoded sums into ``output``."""
+    def _decode(self, lay, output, entries, posted):
+        """Wait for each posted all-reduce and write its units' decoded sums into ``output`` (T's
+        layout); what FSDP will not write (a trainable parameter without a gradient in this
+        call) goes back into its error feedback, every replica's share of the mean."""
         # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
         divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
         for members, flat, work in posted:
@@ -181,7 +228,11 @@ class _ShardHook:
                 unit, payload, ctx = entries[i]
                 summed = flat[offset:offset + payload.numel()].view(payload.shape)
                 offset += payload.numel()
-                out = self.comp.decode(summed, ctx, divide=divide).reshape(-1).to(output.dtype)
+                out = self.comp.decode(summed, ctx, divide=divide).reshape(-1)
+                dropped = lay.dropped(unit, out)
+                if dropped is not None:  # (the mean: a sum is divided by the replicas here)
+                    self.comp.add_error_feedback(ctx, dropped if divide else dropped / self.replicas)
+                out = out.to(output.dtype)
                 if unit.contiguous:
                     output[unit.start:unit.stop].copy_(out)
                 else:
@@ -221,7 +272,9 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
             no replicas' group (shard-only mesh without ``replicate_group``), a
             ``replicate_group`` that is not the mesh's, an FSDP module with several parameter
             groups or an all-reduce hook already, replicas that disagree on shard ranks, sizes
-            or layout. Raised on every rank before the hook is set.
+            or layout, or that install another compressor spec, ``per`` or other frozen
+            parameters (the same message on every rank, naming both). Raised on every rank
+            before the hook is set.
         RuntimeError: a PyTorch without FSDP2 or without the internals named above.
     """
     FSDPModule, FSDPMeshInfo, HSDPMeshInfo = _fsdp_api()
@@ -279,15 +332,19 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
                              f"replicas' group")
     layout = [(e.path, e.rank, e.size, sum(fp.sharded_param.to_local().numel() for fp in e.fsdp_group.fsdp_params))
               for e in entries]
-    engine = ProcessGroupEngine(group)
-    seen = engine.gather(layout)
-    if any(other != layout for other in seen):
+    engine = layout_engine(ProcessGroupEngine(group), "install", entries, per, [entries[0].rank])
+    seen = engine.gather((fingerprint(compressor, per, entries), layout, loaded_error(compressor, engine)))
+    verdict = next((s[2] for s in seen if s[2] is not None), None) or agreement_error(
+        "install", [s[0] for s in seen], dist.get_process_group_ranks(group), "replicas' group")
+    seen = [s[1] for s in seen]
+    if verdict is None and any(other != layout for other in seen):
         bad = next(i for i, other in enumerate(seen) if other != layout)
-        raise ValueError(f"install: replica {bad} of this rank's replicas' group "
-                         f"{dist.get_process_group_ranks(group)} holds other shards "
-                         f"{seen[bad][:3]} than this rank {layout[:3]} (module path, shard rank, "
-                         f"shard size, numel): replicate_group must join the ranks with the same "
-                         f"shard rank of equal shard meshes")
+        verdict = (f"install: replica {bad} of this rank's replicas' group "
+                   f"{dist.get_process_group_ranks(group)} holds other shards "
+                   f"{seen[bad][:3]} than this rank {layout[:3]} (module path, shard rank, "
+                   f"shard size, numel): replicate_group must join the ranks with the same "
+                   f"shard rank of equal shard meshes")
+    settle(verdict, entries[0].fsdp_group.mesh_info.shard_process_group)  # (every rank raises it)
     compressor.bind_engine(engine)
     replicas, _ = engine.world()
     if any(s.adaptive and s.link is None for s in compressor.routing.schemes()):
@@ -301,5 +358,6 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
                                spmd_mesh=old.spmd_mesh)
             new.reduce_scatter_process_group = old.reduce_scatter_process_group
             g.mesh_info = new
-        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, _members(e, per), replicas, late))
+        g._hvd_gradcomp_replicas = group  # (install_reduce_scatter's checks reach them: settle)
+        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, Layouts(e, per, [e.rank]), replicas, late))
     return compressor

@@ -69,16 +69,18 @@ class Overlap:
             return False
         return True
 
-    def write(self, fsdp_group, summed):
+    def write(self, fsdp_group, summed, params=None):
         """Add ``summed`` (the group's decoded flat shard, in the reduce dtype, as the hook
-        would have left it) into its parameters' ``.grad``, after FSDP's divide and cast."""
+        would have left it) into its parameters' ``.grad``, after FSDP's divide and cast.
+        ``params``: the FSDP parameters the flat holds, in its order (those FSDP reduced in
+        this call: the ones with a gradient); None: all of the group's."""
         post = self.factors(fsdp_group._reduce_scatter_process_group, None, summed.dtype,
                             summed.device.type, fsdp_group.gradient_divide_factor,
                             fsdp_group.force_sum_reduction_for_comms)[1]
         self.divide(summed, post)
         flat = self.cast(summed, fsdp_group._orig_dtype)
         offset = 0
-        for fp in fsdp_group.fsdp_params:
+        for fp in fsdp_group.fsdp_params if params is None else params:
             view = torch.as_strided(flat, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
                                     storage_offset=offset)
             local = fp.sharded_param.grad._local_tensor

@@ -48,6 +48,12 @@ select different chunks), TopK (its finish reads the whole payload's finiteness)
 low-rank factor of the whole matrix, not elementwise per shard), ``auto`` and blocking two-round
 variants.
 
+Parameters without a gradient in a call (frozen, or unused in that backward): as for
+:func:`~torch_backend.fsdp.install` (:mod:`torch_backend.fsdp_shards`), each chunk laid out
+over the trainable parameters with zeros where FSDP's flat has none; what the destination
+decodes for them (FSDP writes it nowhere) goes into the destination's own error feedback of
+that chunk, the sum of every rank's share, as only it received them.
+
 Two compressors under HSDP: a compressor is bound to one process group (its world size sizes
 THC's lanes and fp16's pre-scale, its checkpoints record world and rank, its keys are the
 shards') and the reduce-scatter runs on the shard group, the all-reduce on the replicas', so
@@ -56,7 +62,8 @@ be used alone. Mixed precision: the chunks are encoded in the reduce dtype, deco
 divided, cast back; a float16 value beyond its range is clamped and the destination keeps the
 whole excess in its error feedback. Checkpoints: ``comp.state_dict()`` is this rank's state of
 every chunk (saved with the rank's model and optimizer shards, loaded on the same shard rank
-after :func:`install_reduce_scatter`); resumes exactly. CUDA: the codec and the collective run
+after :func:`install_reduce_scatter`); resumes exactly; a state of another mesh is refused,
+as for :func:`~torch_backend.fsdp.install` (its "Checkpoints"). CUDA: the codec and the collective run
 on FSDP's reduce-scatter stream, synchronously (written for it, untested on GPUs here); a
 custom comm excludes FSDP's symmetric-memory and process-group allocation options.
 """
@@ -64,7 +71,8 @@ import torch
 import torch.distributed as dist
 
 from .engine import ProcessGroupEngine
-from .fsdp_shards import _checked_names, _fsdp_api, _members, _param_groups, _same_ranks, _shard
+from .fsdp_shards import (Layouts, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard, agreement_error,
+                          fingerprint, layout_engine, loaded_error, settle)
 
 __all__ = ["install_reduce_scatter"]
 
@@ -114,9 +122,9 @@ class _ScatterComm:
     (FSDP's reduce-scatter) stream and returns None.
     """
 
-    def __init__(self, comp, group, fsdp_group, chunks, rank, size, path):
+    def __init__(self, comp, group, fsdp_group, layouts, rank, size, path):
         self.comp, self.group, self.fsdp_group = comp, group, fsdp_group
-        self.chunks, self.rank, self.size, self.path = chunks, rank, size, path
+        self.layouts, self.rank, self.size, self.path = layouts, rank, size, path
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -150,15 +158,16 @@ class _ScatterComm:
             raise ValueError(f"install_reduce_scatter: FSDP module {self.path or '<root>'!r}: input of "
                              f"{input_tensor.numel()} values for {size} chunks of {numel}")
         dtype = str(input_tensor.dtype).removeprefix("torch.")
+        lay = self.layouts.now(numel, "install_reduce_scatter")
         with torch.no_grad():
             chunks = input_tensor.view(size, numel)
             entries, by_dtype = [], {}  # entries: (chunk, unit, payload, ctx, split)
             covered = True
             for j in range(size):
-                plan = comp.plan_bucket(self.chunks[j], dtype, "sum", self.group, input_tensor)
-                covered = covered and sum(u.info.numel for u in plan.units) == numel
+                plan = comp.plan_bucket(lay.members[j], dtype, "sum", self.group, input_tensor)
+                covered = covered and sum(u.info.numel for u in plan.units) == lay.full
+                src = lay.expand(chunks[j])  # (T's layout: zeros for a parameter without a gradient)
                 for unit in plan.units:
-                    src = chunks[j]
                     x = src[unit.start:unit.stop] if unit.contiguous else src.index_select(0, unit.index)
                     payload, ctx = comp.encode_unit(unit, x.view(unit.info.shape))
                     split = composite.scatter_split(unit.scheme, unit.info)
@@ -169,14 +178,21 @@ class _ScatterComm:
                     payload = payload.reshape(-1)
                     by_dtype.setdefault(payload.dtype, []).append(len(entries))
                     entries.append((j, unit, payload, ctx, min(split, payload.numel())))
+            out = output_tensor if lay.same else output_tensor.new_empty(lay.full)
             if not covered:  # coordinates no unit writes (none expected: FSDP's are float)
-                output_tensor.zero_()
+                out.zero_()
             for pdtype in sorted(by_dtype, key=str):
-                self._reduce(output_tensor, [entries[i] for i in by_dtype[pdtype]], divide)
+                self._reduce(out, [entries[i] for i in by_dtype[pdtype]], divide, lay)
+            lay.shrink_into(out, output_tensor)
         return None
 
-    def _reduce(self, output, entries, divide):
-        """One reduce-scatter (Sum) of the payloads ``entries`` of one dtype; decode and step."""
+    def _reduce(self, output, entries, divide, lay):
+        """One reduce-scatter (Sum) of the payloads ``entries`` of one dtype; decode and step.
+        ``output``: this rank's chunk in T's layout (``lay``, a
+        :class:`~torch_backend.fsdp_shards.CallLayout`); what FSDP will not write of it (a
+        trainable parameter without a gradient in this call) goes into this rank's error
+        feedback of its own chunk: the whole sum of every rank's share, as only this rank
+        received it."""
         size, me, comp = self.size, self.rank, self.comp
         like = entries[0][2]
         values = [[e[2][:e[4]] for e in entries if e[0] == j] for j in range(size)]
@@ -203,6 +219,9 @@ class _ScatterComm:
                 continue
             out = comp.decode_scattered(got[off_v:off_v + split], tail, ctx, divide=divide).reshape(-1)
             off_v += split
+            dropped = lay.dropped(unit, out)
+            if dropped is not None:
+                comp.add_error_feedback(ctx, dropped if divide is None else dropped * float(divide))
             out = out.to(output.dtype)
             if unit.contiguous:
                 output[unit.start:unit.stop].copy_(out)
@@ -238,7 +257,8 @@ def install_reduce_scatter(model, compressor, per="param"):
             ``powersgd``, ``auto``, blocking two-round variants); a shard group of one rank
             (FSDP then reduce-scatters nothing); an FSDP module with several parameter groups,
             a custom reduce-scatter already, or another shard group than the others';
-            ranks that disagree on the layout. Raised on every rank before any collective
+            ranks that disagree on the layout, or install another compressor spec, ``per`` or
+            other frozen parameters (the same message on every rank, naming both). Raised on every rank before any collective
             of the model is changed (the layout check is the one collective).
         RuntimeError: a PyTorch without FSDP2 or without the internals named in the module
             docstring.
@@ -295,18 +315,24 @@ def install_reduce_scatter(model, compressor, per="param"):
                          f"{spec} stays available across replicas (install)")
     layout = [(e.path, e.size, [tuple(fp.padded_sharded_param_size) for fp in e.fsdp_group.fsdp_params])
               for e in entries]
-    engine = ProcessGroupEngine(group)
-    seen = engine.gather((entries[0].rank, layout))
-    for i, (rank, other) in enumerate(seen):
-        if other != layout or rank != i:
-            raise ValueError(f"install_reduce_scatter: rank {i} of the shard group "
-                             f"{dist.get_process_group_ranks(group)} holds shard {rank} of "
-                             f"{other[:3]}, this rank (shard {entries[0].rank}) {layout[:3]} (module "
-                             f"path, shard size, padded shard shapes): the shard group's ranks must "
-                             f"shard the same model in rank order")
+    engine = layout_engine(ProcessGroupEngine(group), "install_reduce_scatter", entries, per, range(size))
+    seen = engine.gather((fingerprint(compressor, per, entries), entries[0].rank, layout,
+                          loaded_error(compressor, engine)))
+    verdict = next((s[3] for s in seen if s[3] is not None), None) or agreement_error(
+        "install_reduce_scatter", [s[0] for s in seen], dist.get_process_group_ranks(group), "shard group")
+    for i, (_, rank, other, _) in enumerate(seen):
+        if verdict is None and (other != layout or rank != i):
+            verdict = (f"install_reduce_scatter: rank {i} of the shard group "
+                       f"{dist.get_process_group_ranks(group)} holds shard {rank} of "
+                       f"{other[:3]}, this rank (shard {entries[0].rank}) {layout[:3]} (module "
+                       f"path, shard size, padded shard shapes): the shard group's ranks must "
+                       f"shard the same model in rank order")
+    g = entries[0].fsdp_group  # its replicas: HSDP's, or install's (which turned HSDP's off)
+    settle(verdict, g.mesh_info.replicate_process_group if isinstance(g.mesh_info, HSDPMeshInfo)
+           else getattr(g, "_hvd_gradcomp_replicas", None))
     compressor.bind_engine(engine)
     for e in entries:
-        chunks = [_members(e._replace(rank=j), per) for j in range(e.size)]
-        e.module.set_custom_reduce_scatter(_ScatterComm(compressor, group, e.fsdp_group, chunks, e.rank,
+        layouts = Layouts(e, per, range(e.size))
+        e.module.set_custom_reduce_scatter(_ScatterComm(compressor, group, e.fsdp_group, layouts, e.rank,
                                                         e.size, e.path))
     return compressor

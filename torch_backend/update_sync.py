@@ -42,9 +42,30 @@ syncing the compressed update keeps each rank's optimizer on its exact local gra
 puts the compression error on the parameters only. With H > 1 it also sends H times fewer
 bytes and collectives.
 
+**Counts.** Every sync (and every overlapped sync point) first sums, in one small blocking
+all-reduce, each rank's sync number and its count of ``step()`` calls; when they differ (a
+rank skipped a ``step()``, or called ``synchronize()`` alone) every rank raises the same
+ValueError naming UpdateSync and each rank's counts, before any payload is posted
+(:class:`~torch_backend.update_sync_rounds.Exchange`). ``synchronize()`` with no step since
+the last sync changes nothing; it still checks the counts.
+
+**AMP.** Pass the UpdateSync itself to the scaler: ``scaler.scale(loss).backward();
+scaler.step(sync); scaler.update()``. UpdateSync declares ``_step_supports_amp_scaling``, so
+``GradScaler.step`` calls ``sync.step()`` on every rank and every iteration with its
+``found_inf`` and ``grad_scale``: a rank whose gradient has an inf skips its inner step, the
+step still counts, and the sync comes at the same call on every rank (each rank's scaler
+backs off on its own inf; the gradient is local, so the ranks need not skip together).
+
+**Overlap** (``overlap=True``, opt-in): the all-reduce of a round is posted without waiting
+and applied one sync point later, optionally in ``fragments`` synced in turn (Streaming
+DiLoCo); ``eager`` chooses how the rank's own change stands in until the mean arrives
+(:mod:`torch_backend.update_sync_rounds`). ``theta`` is equal on every rank after each applied
+round; ``synchronize()`` drains (every rank's parameters then equal).
+
 **Checkpoints.** :meth:`state_dict` holds this rank's part of an exact resume: the synced
 parameters ``theta``, the steps since the last sync, the compressor's state (its residuals:
-per rank), the outer optimizer's state and the inner optimizer's state. Save it on every rank
+per rank), the outer optimizer's state and the inner optimizer's state; with ``overlap`` the
+round in flight is waited for and its mean saved unapplied. Save it on every rank
 with the model's ``state_dict()`` (between syncs with H > 1 the local parameters differ from
 ``theta``); :meth:`load_state_dict` restores it on the same rank.
 
@@ -53,12 +74,13 @@ optimizer wrapped by ``hvd.DistributedOptimizer`` or an ``UpdateSync`` wrapped b
 model (both would all-reduce the gradients as well: two synchronisations), a compressor that
 has already compressed tensors or is bound to another engine, blocking two-round variants on
 ``torch.distributed`` (their side all-reduce is Horovod's), non-float or sparse parameters,
-``every`` < 1 and outer options out of range. **Uneven inputs** are refused, not handled: with
-Horovod, a rank inside ``hvd.join()`` contributes zeros to the sync's all-reduces, which would
-average in a zero change, so every sync first sums one count per rank (a 4-byte all-reduce)
-and the ranks still training raise a ValueError naming it; ``torch.distributed``'s ``Join``
-context refuses UpdateSync as a joinable (:meth:`join_hook`). Give every rank the same number of
-steps instead (e.g. drop the last incomplete batches).
+``every`` < 1, outer options out of range, ``fragments`` that do not divide ``every`` or
+without ``overlap``. **Uneven inputs** are refused, not handled: with Horovod, a rank inside
+``hvd.join()`` contributes zeros to the sync's all-reduces, which would average in a zero
+change; the count check sees its row missing and the ranks still training raise a
+ValueError naming it; ``torch.distributed``'s ``Join`` context refuses UpdateSync as a
+joinable (:meth:`join_hook`). Give every rank the same number of steps instead (e.g. drop the
+last incomplete batches).
 """
 import copy
 import time
@@ -68,10 +90,9 @@ import torch
 from hvd_gradcomp.base import StepBytes
 
 from .compression import check_compressor
+from .update_sync_rounds import HOROVOD as _HOROVOD, TORCH as _TORCH, Exchange, OverlapSchedule, apply_means
 
 __all__ = ["UpdateSync"]
-
-_HOROVOD, _TORCH = "horovod", "torch"
 
 
 def _horovod_initialized():
@@ -113,6 +134,12 @@ class UpdateSync:
         backend: ``"horovod"``, ``"torch"`` or None: Horovod when ``hvd.init()`` was called,
             else ``torch.distributed`` when its default group is initialized.
         group: the ``torch.distributed`` process group (backend ``"torch"``; None: the default).
+        overlap: post each round's all-reduce without waiting and apply it one sync point
+            later (module docs; default False).
+        fragments: F, with ``overlap``: parameter fragments synced in turn, one every
+            ``every / F`` steps (int >= 1 dividing ``every``; default 1).
+        eager: with ``overlap``: True (default) keeps the rank's own change in its parameters
+            until the mean replaces it; False restarts the fragment from the applied mean.
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer or is Horovod's; ``compression`` is a
@@ -122,7 +149,8 @@ class UpdateSync:
     """
 
     def __init__(self, optimizer, compression="fp16", every=1, model=None, named_parameters=None,
-                 outer_lr=None, outer_momentum=None, nesterov=True, backend=None, group=None):
+                 outer_lr=None, outer_momentum=None, nesterov=True, backend=None, group=None,
+                 overlap=False, fragments=1, eager=True):
         if not isinstance(optimizer, torch.optim.Optimizer):
             hint = (" UpdateSync synchronises the parameters itself: use it instead of "
                     "hvd.DistributedOptimizer, never inside it" if isinstance(optimizer, (list, tuple)) else "")
@@ -140,6 +168,16 @@ class UpdateSync:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"UpdateSync: every must be an integer >= 1 (optimizer steps between "
                              f"syncs), got {every!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"UpdateSync: overlap must be True or False, got {overlap!r}")
+        if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1 or every % fragments:
+            raise ValueError(f"UpdateSync: fragments must be an integer >= 1 that divides every={every} "
+                             f"(a fragment is synced every every/fragments steps), got {fragments!r}")
+        if fragments > 1 and not overlap:
+            raise ValueError(f"UpdateSync: fragments={fragments} needs overlap=True (fragments are synced "
+                             f"in turn, each overlapped with the next steps)")
+        if not isinstance(eager, bool):
+            raise ValueError(f"UpdateSync: eager must be True or False, got {eager!r}")
         local = every > 1 or outer_lr is not None or outer_momentum is not None
         self.outer_lr = None if not local else float(0.7 if outer_lr is None else outer_lr)
         self.outer_momentum = None if not local else float(0.9 if outer_momentum is None else outer_momentum)
@@ -154,16 +192,26 @@ class UpdateSync:
         self.compressor = self._compressor(compression)
         self._names = self._parameter_names(optimizer, model, named_parameters)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        if fragments > len(self._params):
+            raise ValueError(f"UpdateSync: fragments={fragments} but the optimizer has only "
+                             f"{len(self._params)} parameters (a fragment holds whole parameters)")
+        self._exchange = Exchange(self.backend, group, self.compressor,
+                                  self._params[0].device if self._params else None)
         with torch.no_grad():
-            self._broadcast()
+            self._exchange.broadcast_(self._names, self._params)
             self._theta = [p.detach().clone() for p in self._params]
         self._outer = None
         if local:
             self._outer = torch.optim.SGD(self._theta, lr=self.outer_lr, momentum=self.outer_momentum,
                                           nesterov=self.nesterov)
-        self.local_steps = 0  # optimizer steps since the last sync
-        self.syncs = 0
-        self._times = {"encode_s": 0.0, "decode_s": 0.0, "comm_s": 0.0}
+        self.overlap, self.fragments, self.eager = overlap, fragments, eager
+        self._overlap = None if not overlap else OverlapSchedule(
+            self._names, self._params, self._theta, self._outer, self._exchange, fragments, eager)
+        self._period = every // fragments  # steps between sync points
+        self._drained = True  # overlap: nothing posted and no step since the last drain
+        self.local_steps = 0  # step() calls since the last sync (or sync point)
+        self.steps = 0        # step() calls in all (skipped AMP steps included)
+        self.syncs = 0        # syncs (and sync points) so far
 
     # ---- construction checks ----
     def _backend(self, backend):
@@ -232,106 +280,105 @@ class UpdateSync:
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    # GradScaler.step(sync) then calls step() on every iteration, with ``grad_scale`` and
+    # ``found_inf`` set on this object, instead of skipping the call on a rank that found an
+    # inf (torch.amp.GradScaler's protocol for optimizers that handle the scaling themselves)
+    _step_supports_amp_scaling = True
+
     def step(self, closure=None):
-        """The inner optimizer's step on this rank's gradient; every ``every``-th call, then
-        :meth:`synchronize`. Returns the closure's loss (None without one)."""
-        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        """The inner optimizer's step on this rank's gradient; every ``every``-th call (every
+        ``every / fragments``-th with ``overlap``), then a sync. Returns the closure's loss
+        (None without one).
+
+        Under ``scaler.step(sync)`` (AMP, module docs) the call comes with the scaler's
+        ``found_inf`` and ``grad_scale``: a step whose gradient has an inf or NaN on this rank
+        is skipped here, and still counts (the sync comes at the same call on every rank);
+        otherwise the gradient is unscaled and the inner optimizer steps. An inner optimizer
+        that handles the scaling itself (``fused=True``) gets both attributes instead, without
+        a host read; else the flag is read on the host, as ``GradScaler`` itself does."""
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if found_inf is None and grad_scale is None:
+            loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        else:
+            loss = self._scaled_step(found_inf, grad_scale)
         self.local_steps += 1
-        if self.local_steps >= self.every:
-            self.synchronize()
+        self.steps += 1
+        self._drained = False
+        if self.local_steps >= self._period:
+            if self._overlap is None:
+                self.synchronize()
+            else:
+                self._overlap.sync_point(self.syncs + 1, self.steps)
+                self.local_steps = 0
+                self.syncs += 1
         return loss
+
+    def _scaled_step(self, found_inf, grad_scale):
+        inner = self.optimizer
+        if getattr(inner, "_step_supports_amp_scaling", False):
+            inner.grad_scale, inner.found_inf = grad_scale, found_inf
+            try:
+                return inner.step()
+            finally:
+                del inner.grad_scale, inner.found_inf
+        if found_inf is not None and bool(found_inf.item()):  # GradScaler's own host read
+            return None
+        if grad_scale is not None:
+            with torch.no_grad():
+                inv = grad_scale.double().reciprocal().float()
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.mul_(inv.to(p.grad.device))
+        return inner.step()
 
     # ---- the sync ----
     def world(self):
         """``(size, rank)`` of the ranks this UpdateSync syncs over."""
-        if self.backend == _HOROVOD:
-            import horovod.torch as hvd
-            return hvd.size(), hvd.rank()
-        import torch.distributed as dist
-        return dist.get_world_size(self.group), dist.get_rank(self.group)
+        return self._exchange.world()
 
-    def _broadcast(self):
-        """Rank 0's parameters on every rank."""
-        if self.backend == _HOROVOD:
-            import horovod.torch as hvd
-            for name, p in zip(self._names, self._params):
-                hvd.broadcast_(p.data, root_rank=0, name=f"update_sync.init.{name}")
-        else:
-            import torch.distributed as dist
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            for p in self._params:
-                dist.broadcast(p.data, src=src, group=self.group)
+    @property
+    def theta(self):
+        """The synced parameters (one tensor per parameter of the optimizer, in its order):
+        equal on every rank after each sync or applied round."""
+        return list(self._theta)
 
-    def _check_present(self, size):
-        """Horovod: one count per rank, summed; fewer than ``size`` means a rank is in
-        ``hvd.join()`` (it contributes zeros): refused (module docs)."""
-        if self.backend != _HOROVOD:
-            return
-        import horovod.torch as hvd
-        t0 = time.perf_counter()
-        present = int(hvd.allreduce(torch.ones(1), op=hvd.Sum, name="update_sync.present").item())
-        self._times["comm_s"] += time.perf_counter() - t0
-        if present != size:
-            raise ValueError(f"UpdateSync: only {present} of {size} ranks took part in sync "
-                             f"{self.syncs + 1}: a rank has called hvd.join() (uneven inputs). A joined "
-                             f"rank would add a zero change to the average; UpdateSync does not support "
-                             f"uneven inputs: give every rank the same number of steps")
-
-    def _post(self, payload, name):
-        if self.backend == _HOROVOD:
-            import horovod.torch as hvd
-            return hvd.allreduce_async(payload, op=hvd.Sum, name=f"update_sync.{name}")
-        import torch.distributed as dist
-        return dist.all_reduce(payload, group=self.group, async_op=True), payload
-
-    def _wait(self, handle):
-        if self.backend == _HOROVOD:
-            import horovod.torch as hvd
-            return hvd.synchronize(handle)
-        work, payload = handle
-        work.wait()
-        return payload
+    @property
+    def in_flight(self):
+        """True while an overlapped round is posted and not yet applied."""
+        return self._overlap is not None and self._overlap.in_flight
 
     @torch.no_grad()
     def synchronize(self):
         """Sync now (module docs): every rank's parameters become the new ``theta``. Called by
-        :meth:`step` every ``every`` steps; call it on every rank alike (e.g. after the last
-        step when that is not a multiple of ``every``).
+        :meth:`step` every ``every`` steps (without ``overlap``); call it on every rank alike
+        (e.g. after the last step when that is not a multiple of ``every``, before an
+        evaluation or a save). With ``overlap``, it applies the round in flight and syncs every
+        fragment's remaining change, blocking. With no step since the last sync (and no round
+        in flight) it changes nothing (the outer momentum does not move ``theta`` on a zero
+        change) and only checks the counts: a rank that skipped a ``step()`` raises here
+        instead of leaving its peers blocked.
 
         Raises:
-            ValueError: a rank is in ``hvd.join()`` (module docs), or what the compressor
-                refuses (a shape change under one key, ...); before any payload collective.
+            ValueError: on every rank alike, before any payload collective: a rank is in
+                ``hvd.join()``, the ranks' sync numbers or step counts differ (module docs),
+                or what the compressor refuses (a shape change under one key, ...).
         """
-        size, _ = self.world()
-        self._check_present(size)
-        comp, posted = self.compressor, []
-        for name, p, theta in zip(self._names, self._params, self._theta):
+        if self._drained if self._overlap is not None else self.local_steps == 0:
+            self._exchange.check_counts(self.syncs + 1, self.steps)
+            return
+        if self._overlap is not None:
+            self._overlap.drain(self.syncs + 1, self.steps)
+            self._drained = True
+        else:
+            ex = self._exchange
+            ex.check_counts(self.syncs + 1, self.steps)
+            posted, _ = ex.post(self._names, self._params, self._theta)
+            means = ex.collect(posted)
             t0 = time.perf_counter()
-            delta = p.detach().float() - theta.float()
-            payload, ctx = comp.encode(delta, name, op="sum", group=self.group if self.backend == _TORCH else None)
-            t1 = time.perf_counter()
-            posted.append((self._post(payload, name), ctx, p, theta))
-            self._times["encode_s"] += t1 - t0
-            self._times["comm_s"] += time.perf_counter() - t1
-        for handle, ctx, p, theta in posted:
-            t0 = time.perf_counter()
-            summed = self._wait(handle)
-            t1 = time.perf_counter()
-            mean = comp.decode(summed, ctx, divide=size).reshape(theta.shape)
-            if self._outer is None:
-                theta.add_(mean.to(theta.dtype))
-            else:
-                theta.grad = (-mean).to(theta.dtype)
-            self._times["comm_s"] += t1 - t0
-            self._times["decode_s"] += time.perf_counter() - t1
-        if self._outer is not None:
-            t0 = time.perf_counter()
-            self._outer.step()
-            for theta in self._theta:
-                theta.grad = None
-            self._times["decode_s"] += time.perf_counter() - t0
-        for p, theta in zip(self._params, self._theta):
-            p.copy_(theta)
+            apply_means(self._theta, means, self._outer)
+            for p, theta in zip(self._params, self._theta):
+                p.copy_(theta)
+            ex.times["decode_s"] += time.perf_counter() - t0
         self.local_steps = 0
         self.syncs += 1
 
@@ -339,12 +386,12 @@ class UpdateSync:
     def timings(self) -> dict:
         """Cumulative seconds since construction: ``encode_s`` (computing the changes and
         compressing them), ``decode_s`` (decompressing, the outer step, writing
-        ``theta``) and ``comm_s`` (posting and waiting for the all-reduces, the join check)."""
-        return dict(self._times)
+        ``theta``) and ``comm_s`` (posting and waiting for the all-reduces, the count check)."""
+        return dict(self._exchange.times)
 
     def bytes_per_sync(self) -> StepBytes:
         """Bytes each rank hands to the all-reduces per sync: the compressor's
-        ``bytes_per_step()`` (plus, on Horovod, the 4-byte join check, not counted)."""
+        ``bytes_per_step()`` (plus the count check's ``24 x size`` bytes, not counted)."""
         return self.compressor.bytes_per_step()
 
     def bytes_per_step(self) -> StepBytes:
@@ -357,10 +404,20 @@ class UpdateSync:
         """This rank's part of an exact resume (module docs): ``{"every", "local_steps",
         "syncs", "names", "theta": {name: CPU tensor}, "compressor": its per-rank
         ``state_dict()``, "outer": the outer SGD's ``state_dict()`` or None, "optimizer": the
-        inner optimizer's ``state_dict()``, "rank", "world_size"}``."""
+        inner optimizer's ``state_dict()``, "rank", "world_size", "steps", "overlap": None or
+        the schedule's state}``.
+
+        With ``overlap``, the round in flight is first waited for and decoded (on every rank:
+        call it on every rank alike); its mean is saved unapplied and applied at the next sync
+        point, as in the run without the save."""
         size, rank = self.world()
+        overlap = None
+        if self._overlap is not None:
+            self._overlap.settle()
+            overlap = dict(self._overlap.state_dict(), drained=self._drained, fragments_count=self.fragments,
+                           eager=self.eager)
         return {"every": self.every, "local_steps": self.local_steps, "syncs": self.syncs,
-                "names": list(self._names),
+                "steps": self.steps, "overlap": overlap, "names": list(self._names),
                 "theta": {n: t.detach().cpu().clone() for n, t in zip(self._names, self._theta)},
                 "compressor": self.compressor.state_dict(),
                 # copies: an optimizer's state_dict() holds its live state tensors
@@ -374,8 +431,9 @@ class UpdateSync:
 
         Raises:
             ValueError: another ``every``, other parameter names or shapes, an outer optimizer
-                where there is none (or the reverse), or the state of another rank or world
-                size (the residuals are per rank).
+                where there is none (or the reverse), another ``overlap``, ``fragments`` or
+                ``eager``, or the state of another rank or world size (the residuals are per
+                rank).
         """
         size, rank = self.world()
         if state.get("every") != self.every:
@@ -391,6 +449,12 @@ class UpdateSync:
         if (state.get("outer") is None) != (self._outer is None):
             raise ValueError("UpdateSync.load_state_dict: the saved state and this UpdateSync differ "
                              "in having an outer optimizer (every > 1 or outer_lr/outer_momentum given)")
+        overlap = state.get("overlap")
+        theirs = None if overlap is None else (overlap["fragments_count"], overlap["eager"])
+        mine = None if self._overlap is None else (self.fragments, self.eager)
+        if theirs != mine:
+            what = lambda o: "no overlap" if o is None else f"overlap with fragments={o[0]}, eager={o[1]}"
+            raise ValueError(f"UpdateSync.load_state_dict: saved with {what(theirs)}, this one has {what(mine)}")
         for name, theta in zip(self._names, self._theta):
             saved = state["theta"][name]
             if tuple(saved.shape) != tuple(theta.shape):
@@ -402,6 +466,10 @@ class UpdateSync:
             self._outer.load_state_dict(state["outer"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.local_steps, self.syncs = int(state["local_steps"]), int(state["syncs"])
+        self.steps = int(state.get("steps", self.syncs * self.every + self.local_steps))
+        if self._overlap is not None:
+            self._overlap.load_state_dict(overlap)
+            self._drained = bool(overlap["drained"])
 
     # ---- torch.distributed's Join: refused ----
     def join_hook(self, **kwargs):
@@ -419,5 +487,6 @@ class UpdateSync:
         return self.group
 
     def __repr__(self):
+        overlap = f", overlap=True, fragments={self.fragments}, eager={self.eager}" if self.overlap else ""
         return (f"UpdateSync({type(self.optimizer).__name__}, compression={self.compressor.spec!r}, "
-                f"every={self.every}, backend={self.backend!r})")
+                f"every={self.every}{overlap}, backend={self.backend!r})")

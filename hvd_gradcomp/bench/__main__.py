@@ -8,6 +8,7 @@ Commands:
     model     scale model: projected step time and TTA ratio vs FP16 for N workers and links
     publish   a finished sweep's table and plots into a docs block, from its results.json
     autospeed auto against fixed fp16 on the link as it is: first window's cost, settled ratio
+    scale     steps to FP16's target at 2-64 ranks, simulated in one process; TTA from the ring model
 
 Each command's ``--help`` lists its options.
 """
@@ -17,7 +18,7 @@ import sys
 COMMANDS = {"tta": "hvd_gradcomp.bench.tta", "overhead": "hvd_gradcomp.bench.overhead",
             "codec": "hvd_gradcomp.bench.codec", "percall": "hvd_gradcomp.bench.percall",
             "model": "hvd_gradcomp.bench.model", "publish": "hvd_gradcomp.bench.publish",
-            "autospeed": "hvd_gradcomp.bench.autospeed"}
+            "autospeed": "hvd_gradcomp.bench.autospeed", "scale": "hvd_gradcomp.bench.scale"}
 
 
 def main(argv=None):

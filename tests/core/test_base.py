@@ -92,7 +92,7 @@ def _gradient_basis(backend, scheme, state, x):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name,options", VARIANTS, ids=IDS)
 def test_error_feedback_identity(backend, name, options):
-    """(grad + old residual) == locally decoded + new residual, checked in float64."""
+    """(grad + decay * old residual) == locally decoded + new residual, checked in float64."""
     import numpy as np
     scheme = make_scheme(name, **options)
     for shape in [(7,), (64, 48), (8, 4, 3, 3), (5000,)]:
@@ -101,7 +101,9 @@ def test_error_feedback_identity(backend, name, options):
         out, _, old, new, _ = _roundtrip(backend, routed, x, steps=3)
         if "residual" not in getattr(new, "_fields", ()) or _to_numpy(new.residual).size == 0:
             continue
-        corrected = _to_numpy(x).reshape(-1) + _gradient_basis(backend, routed, old, x)
+        # decayed error feedback (SparseLoCo's decay, TopKC's residual_decay): x + b e
+        decay = getattr(routed.config, "decay", getattr(routed.config, "residual_decay", 1.0))
+        corrected = _to_numpy(x).reshape(-1) + decay * _gradient_basis(backend, routed, old, x)
         rebuilt = _to_numpy(out).reshape(-1) + _gradient_basis(backend, routed, new, x)
         np.testing.assert_allclose(rebuilt, corrected, rtol=1e-5, atol=1e-5 * np.abs(corrected).max())
 

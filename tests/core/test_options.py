@@ -162,6 +162,8 @@ HARDER_PAIRS = {
     ("thc", "bits"): ("thc:bits=2", "thc:bits=8"),
     ("thc", "lane_bits"): ("thc:lane_bits=4", "thc:lane_bits=16"),
     ("thc", "range"): ("thc", "thc:range=current"),
+    ("sparseloco", "ratio"): ("sparseloco:ratio=0.01", "sparseloco:ratio=0.1"),
+    ("sparseloco", "bits"): ("sparseloco:bits=2", "sparseloco:bits=4"),
 }
 # Large enough that fixed costs do not decide (the options' "harder" is stated for these).
 LARGE_SHAPES = [(65536,), (100000,), (1 << 20,), (512, 1024), (3000, 700), (256, 128, 3, 3)]

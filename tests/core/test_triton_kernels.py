@@ -33,6 +33,25 @@ from tests.core.triton_checks import check_names
 
 # Both runs together, seconds (about 15 s on a quiet 2-core machine, 50 s on a loaded one).
 TIMEOUT = 300
+
+
+def _dot_kernels():
+    """OpenBLAS kernels (``OPENBLAS_CORETYPE``) under which the non-finite cases run again: the
+    interpreter's ``tl.dot`` is NumPy's, whose summation order (and so where an overflowing
+    block turns NaN rather than inf) follows the kernel's vector width. Prescott (SSE3) runs on
+    any x86-64; Haswell (AVX2) and SkylakeX (AVX-512) where the CPU has them. The checks must
+    pass under each (tests/core/triton_checks.py: the non-finite contract)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        flags = set()
+    if "sse3" not in flags and "pni" not in flags:  # not x86, or unknown: the default kernel only
+        return ()
+    return ("Prescott",) + (("Haswell",) if "avx2" in flags else ()) + (("SkylakeX",) if "avx512f" in flags else ())
+
+
+DOT_KERNELS = _dot_kernels()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -76,12 +95,19 @@ def runs(tmp_path_factory):
     sm_90 in a fresh Triton cache (every kernel compiled, no cache hit) without the
     interpreter."""
     cache, logs = str(tmp_path_factory.mktemp("triton-cache")), tmp_path_factory.mktemp("triton-logs")
-    procs = {"interpreted": ([], {"TRITON_INTERPRET": "1", "HVD_GRADCOMP_KERNELS": "triton"}),
+    interpret = {"TRITON_INTERPRET": "1", "HVD_GRADCOMP_KERNELS": "triton"}
+    procs = {"interpreted": ([], interpret),
              "compiled": (["aot"], {"TRITON_INTERPRET": None, "TRITON_CACHE_DIR": cache})}
     started = {name: _start(args, env, logs) for name, (args, env) in procs.items()}
     deadline = time.monotonic() + TIMEOUT
     try:
-        return {name: _result(run, procs[name][0], deadline) for name, run in started.items()}
+        results = {name: _result(run, procs[name][0], deadline) for name, run in started.items()}
+        # Then the non-finite cases under each dot kernel, one at a time (a few seconds each).
+        for core in DOT_KERNELS:
+            args = ["nonfinite", core]
+            started[core] = _start(args, dict(interpret, OPENBLAS_CORETYPE=core), logs)
+            results[f"nonfinite-{core}"] = _result(started[core], args, time.monotonic() + TIMEOUT)
+        return results
     finally:
         for proc, _, _ in started.values():
             if proc.poll() is None:
@@ -104,6 +130,17 @@ def test_kernel_matches_reference_in_interpreter(interpreted, name):
     """Each check (tests/core/triton_checks.py) finds no difference from the reference."""
     assert name in interpreted, sorted(interpreted)
     assert interpreted[name] == [], "\n".join(interpreted[name])
+
+
+@pytest.mark.parametrize("core", DOT_KERNELS)
+def test_nonfinite_cases_whatever_the_dot_kernel(runs, core):
+    """The non-finite cases (an overflowing rotation among them) agree under each OpenBLAS
+    kernel of this CPU (:func:`_dot_kernels`): the checks read only what does not depend on
+    the order of a vector unit's additions."""
+    results = runs[f"nonfinite-{core}"]
+    assert results and any("overflow" in name for name in results), sorted(results)
+    bad = {name: problems for name, problems in results.items() if problems}
+    assert not bad, "\n".join(p for problems in bad.values() for p in problems)
 
 
 def _kernels(results):

