@@ -2,16 +2,20 @@
 the Horovod glue.
 
 Horovod calls ``compress(tensor) -> (payload, ctx)`` and ``decompress(payload, ctx)`` and
-passes no name, step or op. The engine-neutral jobs live in mixins of their own, shared with
-the DDP hook (:mod:`torch_backend.ddp`): per-tensor records (static facts, route, wire bytes,
-state: :mod:`~hvd_gradcomp.records`), checkpoints (:mod:`~hvd_gradcomp.checkpoint`) and link
-calibration (:mod:`~hvd_gradcomp.link`). This module keeps Horovod's contract, call
-discovery, the checks of what Horovod would do to a payload, TensorFlow's groups, the loss
-scale and the engine seam (``_world``, ``_from_every_rank``, ``_allreduce_host``: Horovod's,
-or a bound engine's). The backend subclasses supply the primitives,
-what Horovod's calling frame says about the call (:class:`Call`: the tensor's key, op, scale
-factors, process set, owner), and state storage (plain tensors in PyTorch, ``tf.Variable``s
-in TensorFlow). Before anything is computed it refuses, on every rank, what the scheme
+passes no name, step or op. The engine-neutral jobs, shared with the DDP hook
+(:mod:`torch_backend.ddp`), FSDP and update sync: the entry points of other engines
+(:mod:`~hvd_gradcomp.engine_codec`), the bucketed codec (:mod:`~hvd_gradcomp.buckets`) and
+per-tensor records (static facts, route, wire bytes: :mod:`~hvd_gradcomp.records`) are still
+base classes; checkpoints (:mod:`~hvd_gradcomp.checkpoint`), link calibration
+(:mod:`~hvd_gradcomp.link`) and Horovod's grouped all-reduces (:mod:`~hvd_gradcomp.grouped`)
+are functions over the compressor; each tensor's scheme state lives in the compressor's
+``store`` (:class:`~hvd_gradcomp.store.Store`). This module keeps Horovod's contract, call
+discovery, the checks of what Horovod would do to a payload, the loss scale and the engine
+seam (``_world``, ``_from_every_rank``, ``_allreduce_host``: Horovod's, or a bound
+:class:`~hvd_gradcomp.engine.Engine`'s). The backend subclasses supply the primitives, what
+Horovod's calling frame says about the call (:class:`Call`: the tensor's key, op, scale
+factors, process set, owner), and the store (plain tensors in PyTorch, ``tf.Variable``s in
+TensorFlow). Before anything is computed it refuses, on every rank, what the scheme
 cannot take (an op, a scale factor, a blocking variant on a gradient Horovod fills in).
 
 Each instance belongs to one training run. A second optimizer (or, in TensorFlow, another

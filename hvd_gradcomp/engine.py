@@ -20,6 +20,11 @@ instead of Horovod. The engine's step, for each bucket::
   asynchronous (every rank posts the same buffers in the same order);
 - ``wait(work) -> tensor``: the summed buffer of a posted work.
 
+The compressor itself calls ``world``, ``gather`` and ``allreduce`` only; ``post`` and ``wait``
+are the engine's own payload path (the step above), so an engine that moves its payloads
+otherwise (Horovod; ``torch_backend.simulated``, which reduces N virtual ranks' payloads in
+one process) needs only the first three.
+
 :class:`torch_backend.engine.ProcessGroupEngine` is the ``torch.distributed`` one.
 """
 from typing import Any, Protocol
