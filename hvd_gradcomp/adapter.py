@@ -2,16 +2,20 @@
 the Horovod glue.
 
 Horovod calls ``compress(tensor) -> (payload, ctx)`` and ``decompress(payload, ctx)`` and
-passes no name, step or op. The engine-neutral jobs live in mixins of their own, shared with
-the DDP hook (:mod:`torch_backend.ddp`): per-tensor records (static facts, route, wire bytes,
-state: :mod:`~hvd_gradcomp.records`), checkpoints (:mod:`~hvd_gradcomp.checkpoint`) and link
-calibration (:mod:`~hvd_gradcomp.link`). This module keeps Horovod's contract, call
-discovery, the checks of what Horovod would do to a payload, TensorFlow's groups, the loss
-scale and the engine seam (``_world``, ``_from_every_rank``, ``_allreduce_host``: Horovod's,
-or a bound engine's). The backend subclasses supply the primitives,
-what Horovod's calling frame says about the call (:class:`Call`: the tensor's key, op, scale
-factors, process set, owner), and state storage (plain tensors in PyTorch, ``tf.Variable``s
-in TensorFlow). Before anything is computed it refuses, on every rank, what the scheme
+passes no name, step or op. The engine-neutral jobs, shared with the DDP hook
+(:mod:`torch_backend.ddp`), FSDP and update sync: the entry points of other engines
+(:mod:`~hvd_gradcomp.engine_codec`), the bucketed codec (:mod:`~hvd_gradcomp.buckets`) and
+per-tensor records (static facts, route, wire bytes: :mod:`~hvd_gradcomp.records`) are still
+base classes; checkpoints (:mod:`~hvd_gradcomp.checkpoint`), link calibration
+(:mod:`~hvd_gradcomp.link`) and Horovod's grouped all-reduces (:mod:`~hvd_gradcomp.grouped`)
+are functions over the compressor; each tensor's scheme state lives in the compressor's
+``store`` (:class:`~hvd_gradcomp.store.Store`). This module keeps Horovod's contract, call
+discovery, the checks of what Horovod would do to a payload, the loss scale and the engine
+seam (``_world``, ``_from_every_rank``, ``_allreduce_host``: Horovod's, or a bound
+:class:`~hvd_gradcomp.engine.Engine`'s). The backend subclasses supply the primitives, what
+Horovod's calling frame says about the call (:class:`Call`: the tensor's key, op, scale
+factors, process set, owner), and the store (plain tensors in PyTorch, ``tf.Variable``s in
+TensorFlow). Before anything is computed it refuses, on every rank, what the scheme
 cannot take (an op, a scale factor, a blocking variant on a gradient Horovod fills in).
 
 Each instance belongs to one training run. A second optimizer (or, in TensorFlow, another
@@ -38,21 +42,22 @@ from . import composite
 from .base import EmptyState, Scheme, TensorInfo, compress_tensor, finish_tensor, passes_through
 from .buckets import Buckets
 from .calls import AdapterCtx as _AdapterCtx, Call, scheme_info
-from .checkpoint import Checkpoints
+from . import checkpoint
 from .engine_codec import EngineCodec
-from .grouped import GroupedAllreduce, WidenedCtx, PieceCtx, narrowed
-from .link import LinkCalibration
+from .grouped import WidenedCtx, PieceCtx, compress_bucket, compress_grouped, decompress_piece, narrowed
+from . import link
 from .primitives import FLOAT_DTYPES
 from .horovod_ops import horovod_nccl_avg
 from .records import TensorRecords
 from .routing import RouteTable, Routing, with_min_numel
+from .store import DictStore
 
 __all__ = ["HorovodCompressor", "Call", "scheme_info"]
 
 log = logging.getLogger("hvd_gradcomp")
 
 
-class HorovodCompressor(EngineCodec, GroupedAllreduce, Buckets, TensorRecords, Checkpoints, LinkCalibration):
+class HorovodCompressor(EngineCodec, Buckets, TensorRecords):
     """Base of ``torch_backend.Compressor`` and ``tf_backend.Compressor``.
 
     Public methods (both frameworks):
@@ -97,13 +102,18 @@ class HorovodCompressor(EngineCodec, GroupedAllreduce, Buckets, TensorRecords, C
         "_groups", "_members", "_plans", "_pending_groups", "_member_infos", "_leaving", "_holders",
         # PyTorch grouped all-reduce sent as a bucket: {id(gradient): (piece, ctx)} not yet returned
         "_pieces",
+        # each tensor's (or bucket group's) scheme state (store.Store)
+        "store",
         "__weakref__",
     )
     ops = None  # the backend's Primitives (class attribute of the subclass)
 
-    def __init__(self, routing):
+    def __init__(self, routing, store=None):
         """Args: routing: a :class:`~hvd_gradcomp.routing.Routing`, or one scheme (all tensors
-        to it, those below its ``min_numel`` as fp16, as :meth:`Routing.single`)."""
+        to it, those below its ``min_numel`` as fp16, as :meth:`Routing.single`); store: where
+        the scheme states live (a :class:`~hvd_gradcomp.store.Store`; default a
+        :class:`~hvd_gradcomp.store.DictStore`)."""
+        self.store = DictStore(self.ops) if store is None else store
         if isinstance(routing, Scheme):
             routing = Routing.single(routing)
         self.routing = routing.bind(self.ops)
@@ -249,9 +259,9 @@ class HorovodCompressor(EngineCodec, GroupedAllreduce, Buckets, TensorRecords, C
         if call.batch is not None:
             self._watch_sparse(call)
         if call.group is not None and len(call.group) > 1:
-            return self._compress_grouped(tensor, call)
+            return compress_grouped(self, tensor, call)
         if call.bucket is not None and len(call.bucket) > 1:
-            done = self._compress_bucket(tensor, call)
+            done = compress_bucket(self, tensor, call)
             if done is not None:
                 return done
         payload, ctx, _ = self._compress_one(tensor, call)
@@ -325,7 +335,7 @@ class HorovodCompressor(EngineCodec, GroupedAllreduce, Buckets, TensorRecords, C
         """The all-reduced payload mapped back to the gradient's shape and dtype; the tensor's
         state moves on (or stays, if the payload says some rank failed this step)."""
         if isinstance(ctx, PieceCtx):
-            return self._decompress_piece(payload, ctx)
+            return decompress_piece(self, payload, ctx)
         if isinstance(ctx, WidenedCtx):
             payload = narrowed(self.ops, payload, ctx.dtype)
             ctx = ctx.inner
@@ -340,6 +350,36 @@ class HorovodCompressor(EngineCodec, GroupedAllreduce, Buckets, TensorRecords, C
         if has_state and new_state is not state:
             self._write_state(info.key, new_state)
         return out
+
+    def state_dict(self, gather: bool = False) -> dict:
+        """The compressor's state for a checkpoint: this rank's, or (``gather=True``, a
+        collective) every rank's for a rank-0 save (:func:`hvd_gradcomp.checkpoint.state_dict`)."""
+        return checkpoint.state_dict(self, gather)
+
+    def load_state_dict(self, state_dict: dict, rank=None):
+        """Restore what :meth:`state_dict` returned; ValueError for another compressor's, another
+        rank's or a damaged state (:func:`hvd_gradcomp.checkpoint.load_state_dict`)."""
+        return checkpoint.load_state_dict(self, state_dict, rank)
+
+    def _job_world(self):
+        """(world size, rank) of this process: the bound engine's group (DDP) or Horovod's
+        global set (:meth:`_global_world`), else the framework's own process group
+        (:meth:`_process_world`: ``torch.distributed``'s default group, so a checkpoint loads
+        before ``register_comm_hook``); (None, None) when none is initialised."""
+        size, rank = self._global_world()
+        return (size, rank) if size is not None else self._process_world()
+
+    def _process_world(self):
+        """(world size, rank) of the framework's own initialised process group, without
+        Horovod; default (None, None). PyTorch: ``torch.distributed``'s default group."""
+        return None, None
+
+    def calibrate(self, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3, like=None,
+                  cached: bool = False):
+        """Measure the link for this compressor's ``auto`` schemes: a collective, on every rank
+        of ``process_set`` at the same point. Arguments, return (the
+        :class:`~hvd_gradcomp.auto.Link`) and method: :func:`hvd_gradcomp.link.calibrate`."""
+        return link.calibrate(self, process_set, sizes, repeats, like, cached)
 
     # ---- the engine's collectives outside compress ----
     def _allreduce_host(self, x, average: bool, name: str, process_set=None):

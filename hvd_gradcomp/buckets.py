@@ -131,27 +131,40 @@ class Buckets:
 
     __slots__ = ()
 
-    def plan_bucket(self, members, dtype: str, op: str = "sum", group=None, like=None) -> BucketPlan:
+    def plan_bucket(self, members, dtype: str, op: str = "sum", group=None, like=None,
+                    per_tensor: bool = False, layout=None) -> BucketPlan:
         """Route the tensors of a bucket and cut it into units (module docstring).
 
         Args:
-            members: the bucket's tensors (:class:`Member`), in buffer order.
+            members: the bucket's tensors (:class:`Member`), in buffer order; or a callable
+                returning them, called only when ``layout`` is not cached yet.
             dtype: the buffer's dtype string (one float dtype for the whole bucket).
             op: the reduction the engine applies (``"sum"``, ``"average"``; another Horovod op
                 name is checked against each member's scheme, which refuses what it cannot take).
             group: the engine's process group.
             like: a tensor on the buffer's device.
+            per_tensor: every tensor its own unit (no flat groups): the reference layout.
+            layout: a key of the layout the engine forms without reading its members (DDP:
+                the bucket's index, its parameters' identities and its size), or None. The
+                compressor's one plan cache keeps the plan under it too.
 
-        Returns the :class:`BucketPlan`, the same object for the same layout at every step.
+        Returns the :class:`BucketPlan`, the same object for the same layout at every step (no
+        members: an empty plan).
 
         Raises:
             ValueError: what :meth:`encode` refuses for any member (before any collective).
         """
         from .calls import Call
-        members = tuple(members)
-        sig = (tuple((m.key, tuple(m.shape), m.offset) for m in members), dtype, op, id(group))
+        fast = None if layout is None else ("layout", layout, dtype, op, id(group), per_tensor)
+        plan = None if fast is None else self._plans.get(fast)
+        if plan is not None:
+            return plan
+        members = tuple(members() if callable(members) else members)
+        sig = (tuple((m.key, tuple(m.shape), m.offset) for m in members), dtype, op, id(group), per_tensor)
         plan = self._plans.get(sig)
         if plan is not None:
+            if fast is not None:
+                self._plans[fast] = plan
             return plan
         slots, groups = [], {}  # slots: units in order of their first tensor; groups: id -> slot
         for i, m in enumerate(members):
@@ -164,11 +177,12 @@ class Buckets:
                 self.table.superseded.discard(m.key)
                 self._pending.pop(m.key, None)
             self._check_call(route.scheme, m.key, call, info)
-            if _flattens(route.scheme) and id(route.scheme) in groups:
+            flat = _flattens(route.scheme) and not per_tensor
+            if flat and id(route.scheme) in groups:
                 groups[id(route.scheme)][2].append((i, info))
                 continue
             slot = [route.scheme, None, [(i, info)]]
-            if _flattens(route.scheme):
+            if flat:
                 groups[id(route.scheme)] = slot
             slots.append(slot)
         units = []
@@ -212,9 +226,11 @@ class Buckets:
                 if unit.key != members[i].key:
                     self._wire.pop(members[i].key, None)
         plan = BucketPlan(members, tuple(units), dtype)
-        if len(self._plans) > 64:  # layouts seen: the initial buckets, the rebuilt ones, a few more
+        if len(self._plans) > 128:  # layouts seen: the initial buckets, the rebuilt ones, a few more
             self._plans.clear()
         self._plans[sig] = plan
+        if fast is not None:
+            self._plans[fast] = plan
         return plan
 
     def encode_unit(self, unit: Unit, x):

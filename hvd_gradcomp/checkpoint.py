@@ -1,8 +1,9 @@
 """Checkpoints of a compressor's per-tensor state: per rank, or gathered for a rank-0 save.
 
-:class:`Checkpoints` is a mixin of :class:`hvd_gradcomp.adapter.HorovodCompressor` over
-:class:`~hvd_gradcomp.records.TensorRecords` (it reads the records and the state hooks, and
-gathers through the engine's ``_from_every_rank``); the same for Horovod and DDP.
+:func:`state_dict` and :func:`load_state_dict` are functions over a compressor
+(:class:`hvd_gradcomp.adapter.HorovodCompressor`, whose methods of the same names call them):
+they read its records, bucket groups and state store, and gather through its engine's
+``_from_every_rank``; the same for Horovod, DDP and FSDP.
 """
 import logging
 
@@ -11,7 +12,7 @@ from .buckets import ERROR_FEEDBACK
 from .records import FieldBag
 from .routing import Routing
 
-__all__ = ["Checkpoints"]
+__all__ = ["state_dict", "load_state_dict"]
 
 log = logging.getLogger("hvd_gradcomp")
 
@@ -23,7 +24,7 @@ def _what(value) -> str:
 
 
 def _check_part(part, where: str):
-    """Refuse a per-rank state that is not shaped as :meth:`Checkpoints.state_dict` writes it
+    """Refuse a per-rank state that is not shaped as :func:`state_dict` writes it
     (before anything is loaded). Raises ValueError naming ``where`` and the entry."""
     if not isinstance(part, dict):
         raise ValueError(f"load_state_dict: {where} must be a dict (one rank's state), got {_what(part)}")
@@ -52,188 +53,175 @@ def _check_part(part, where: str):
             raise ValueError(f"load_state_dict: {where}[{name!r}] must be an integer or None, got {_what(value)}")
 
 
-class Checkpoints:
-    """``state_dict()`` / ``load_state_dict()`` (module docstring)."""
+def state_dict(comp, gather: bool = False) -> dict:
+    """The compressor's state for a checkpoint.
 
-    __slots__ = ()
+    Args:
+        gather: False (default): this rank's state, to be saved per rank and loaded on
+            the same rank. True: every rank's, collected by :meth:`_from_every_rank` (one
+            Horovod broadcast per rank: every rank must call it; each receives every
+            rank's state, so memory is world size x residuals), for the usual "save on
+            rank 0, load everywhere" habit.
 
-    def state_dict(self, gather: bool = False) -> dict:
-        """The compressor's state for a checkpoint.
+    Returns:
+        Per rank: ``{"spec", "tensors": {key: {field: tensor}}, "routes": {key: scheme
+        spec}, "rank", "world_size"}`` (host copies). Gathered: ``{"spec", "world_size",
+        "ranks": [per-rank dict of rank 0, 1, ...]}`` with values that pickle anywhere
+        (PyTorch CPU tensors, NumPy arrays for TensorFlow).
+    """
+    local = _local_state(comp, portable=gather)
+    if not gather:
+        return local
+    parts = comp._from_every_rank(local, "hvd_gradcomp.state_dict")
+    return {"spec": comp.spec, "world_size": len(parts), "ranks": list(parts)}
 
-        Args:
-            gather: False (default): this rank's state, to be saved per rank and loaded on
-                the same rank. True: every rank's, collected by :meth:`_from_every_rank` (one
-                Horovod broadcast per rank: every rank must call it; each receives every
-                rank's state, so memory is world size x residuals), for the usual "save on
-                rank 0, load everywhere" habit.
 
-        Returns:
-            Per rank: ``{"spec", "tensors": {key: {field: tensor}}, "routes": {key: scheme
-            spec}, "rank", "world_size"}`` (host copies). Gathered: ``{"spec", "world_size",
-            "ranks": [per-rank dict of rank 0, 1, ...]}`` with values that pickle anywhere
-            (PyTorch CPU tensors, NumPy arrays for TensorFlow).
-        """
-        local = self._local_state(portable=gather)
-        if not gather:
-            return local
-        parts = self._from_every_rank(local, "hvd_gradcomp.state_dict")
-        return {"spec": self.spec, "world_size": len(parts), "ranks": list(parts)}
+def _local_state(comp, portable: bool) -> dict:
+    tensors, buckets = comp._group_entries(portable)
+    for key in comp._infos:
+        if comp._has_state(key) and key not in comp._groups:
+            state = comp._read_state(key)
+            tensors[key] = {f: comp._export(v, portable) for f, v in zip(state._fields, state)}
+    for key, state in comp._pending.items():
+        tensors.setdefault(key, {f: v for f, v in zip(state._fields, state)})
+    routes = comp.table.texts()
+    size, rank = comp._job_world()
+    out = {"spec": comp.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
+    if buckets:
+        out["buckets"] = buckets
+    return out
 
-    def _local_state(self, portable: bool) -> dict:
-        tensors, buckets = self._group_entries(portable)
-        for key in self._infos:
-            if self._has_state(key) and key not in self._groups:
-                state = self._read_state(key)
-                tensors[key] = {f: self._export(v, portable) for f, v in zip(state._fields, state)}
-        for key, state in self._pending.items():
-            tensors.setdefault(key, {f: v for f, v in zip(state._fields, state)})
-        routes = self.table.texts()
-        size, rank = self._job_world()
-        out = {"spec": self.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
-        if buckets:
-            out["buckets"] = buckets
-        return out
 
-    def _job_world(self):
-        """(world size, rank) of this process: the bound engine's group (DDP) or Horovod's
-        global set (:meth:`_global_world`), else the framework's own process group
-        (:meth:`_process_world`: ``torch.distributed``'s default group, so a checkpoint loads
-        before ``register_comm_hook``); (None, None) when none is initialised."""
-        size, rank = self._global_world()
-        return (size, rank) if size is not None else self._process_world()
+def _same_config(comp, spec) -> bool:
+    """True if the text ``spec`` describes this compressor's routing, schemes and configs."""
+    try:
+        return Routing.from_spec(spec).spec() == comp.spec
+    except (ValueError, TypeError, AttributeError):
+        return False
 
-    def _process_world(self):
-        """(world size, rank) of the framework's own initialised process group, without
-        Horovod; default (None, None). PyTorch: ``torch.distributed``'s default group."""
-        return None, None
 
-    def _same_config(self, spec) -> bool:
-        """True if the text ``spec`` describes this compressor's routing, schemes and configs."""
-        try:
-            return Routing.from_spec(spec).spec() == self.spec
-        except (ValueError, TypeError, AttributeError):
-            return False
+def load_state_dict(comp, state_dict: dict, rank=None):
+    """Restore what :meth:`state_dict` returned.
 
-    def load_state_dict(self, state_dict: dict, rank=None):
-        """Restore what :meth:`state_dict` returned.
+    Args:
+        state_dict: per rank, or gathered (``state_dict(gather=True)``, e.g. saved by
+            rank 0 and loaded on every rank).
+        rank: which saved rank's state to load; default this process's rank
+            (:meth:`_job_world`: the bound DDP group's, Horovod's, else, before
+            ``register_comm_hook`` in a job without Horovod, ``torch.distributed``'s).
+            Gathered: that rank's part. Per rank: the dict must be that rank's (a
+            per-rank dict of rank 0 loaded on rank 1 would resume rank 1 with rank 0's
+            error feedback: refused unless ``rank=0`` is given on purpose).
 
-        Args:
-            state_dict: per rank, or gathered (``state_dict(gather=True)``, e.g. saved by
-                rank 0 and loaded on every rank).
-            rank: which saved rank's state to load; default this process's rank
-                (:meth:`_job_world`: the bound DDP group's, Horovod's, else, before
-                ``register_comm_hook`` in a job without Horovod, ``torch.distributed``'s).
-                Gathered: that rank's part. Per rank: the dict must be that rank's (a
-                per-rank dict of rank 0 loaded on rank 1 would resume rank 1 with rank 0's
-                error feedback: refused unless ``rank=0`` is given on purpose).
+    A gathered state saved by another number of ranks (elastic) gives every rank rank 0's
+    part, with the rank-local fields (:attr:`Scheme.rank_local_fields`: the residuals)
+    reset to zero: what the ranks agreed on (THC's ranges, TopKC's scores, PowerSGD's
+    bases, step counters) is kept, equal on every rank; the error feedback pending at the
+    save is dropped (a warning says so).
 
-        A gathered state saved by another number of ranks (elastic) gives every rank rank 0's
-        part, with the rank-local fields (:attr:`Scheme.rank_local_fields`: the residuals)
-        reset to zero: what the ranks agreed on (THC's ranges, TopKC's scores, PowerSGD's
-        bases, step counters) is kept, equal on every rank; the error feedback pending at the
-        save is dropped (a warning says so).
-
-        Raises:
-            ValueError: the spec differs from this compressor's, the dict is another rank's,
-                a tensor's route differs from this compressor's decision, or its state has
-                the wrong fields or shapes (checked now for tensors already seen, else at
-                their first compress, before any collective); a truncated or damaged dict
-                (not a dict, no ``"tensors"`` or one that is not a dict of dicts of tensors,
-                ``"ranks"`` empty or not a list, a field holding a string or None, routes
-                that are not texts), saying which entry is wrong, before anything is loaded.
-        """
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"load_state_dict: expected the dict state_dict() returned, got "
-                             f"{type(state_dict).__name__}")
-        if "spec" not in state_dict:
-            raise ValueError(f"load_state_dict: state_dict has no 'spec' (keys {sorted(map(str, state_dict))}); "
-                             f"is it truncated, or not a compressor's state_dict()?")
-        if not self._same_config(state_dict.get("spec")):
-            raise ValueError(f"state_dict was saved by compressor {state_dict.get('spec')!r}, "
-                             f"this one is {self.spec!r}")
-        # An engine that knows every key its layout makes (torch_backend.fsdp's) screens the
-        # state first: keys it never makes are refused, or with rank= given dropped with a warning.
-        screen = getattr(self.engine, "screen_state", None)
-        if screen is not None:
-            state_dict = screen(state_dict, rank)
-        size, me = self._job_world()
-        if rank is None:
-            rank = me
-        if "ranks" in state_dict:
-            parts = state_dict["ranks"]
-            if not isinstance(parts, (list, tuple)) or not parts:
-                raise ValueError(f"load_state_dict: a gathered state_dict's 'ranks' must be a non-empty "
-                                 f"list of per-rank states, got {_what(parts)}")
-            for i, part in enumerate(parts):
-                _check_part(part, f"'ranks'[{i}]")
-            if size is not None and len(parts) != size:
-                log.warning("hvd_gradcomp: state of %d ranks loaded on %d: every rank takes rank 0's, "
-                            "with its residuals reset to zero (agreed statistics kept)", len(parts), size)
-                self._load_part(parts[0], reset=True)
-                return
-            if rank is None or not 0 <= rank < len(parts):
-                raise ValueError(f"load_state_dict: rank must be in [0, {len(parts)}) for a state "
-                                 f"gathered from {len(parts)} ranks, got {rank!r} (is hvd.init() or "
-                                 f"torch.distributed.init_process_group() done? else pass rank=)")
-            self._load_part(parts[rank], reset=False)
+    Raises:
+        ValueError: the spec differs from this compressor's, the dict is another rank's,
+            a tensor's route differs from this compressor's decision, or its state has
+            the wrong fields or shapes (checked now for tensors already seen, else at
+            their first compress, before any collective); a truncated or damaged dict
+            (not a dict, no ``"tensors"`` or one that is not a dict of dicts of tensors,
+            ``"ranks"`` empty or not a list, a field holding a string or None, routes
+            that are not texts), saying which entry is wrong, before anything is loaded.
+    """
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"load_state_dict: expected the dict state_dict() returned, got "
+                         f"{type(state_dict).__name__}")
+    if "spec" not in state_dict:
+        raise ValueError(f"load_state_dict: state_dict has no 'spec' (keys {sorted(map(str, state_dict))}); "
+                         f"is it truncated, or not a compressor's state_dict()?")
+    if not _same_config(comp, state_dict.get("spec")):
+        raise ValueError(f"state_dict was saved by compressor {state_dict.get('spec')!r}, "
+                         f"this one is {comp.spec!r}")
+    # An engine that knows every key its layout makes (torch_backend.fsdp's) screens the
+    # state first: keys it never makes are refused, or with rank= given dropped with a warning.
+    screen = getattr(comp.engine, "screen_state", None)
+    if screen is not None:
+        state_dict = screen(state_dict, rank)
+    size, me = comp._job_world()
+    if rank is None:
+        rank = me
+    if "ranks" in state_dict:
+        parts = state_dict["ranks"]
+        if not isinstance(parts, (list, tuple)) or not parts:
+            raise ValueError(f"load_state_dict: a gathered state_dict's 'ranks' must be a non-empty "
+                             f"list of per-rank states, got {_what(parts)}")
+        for i, part in enumerate(parts):
+            _check_part(part, f"'ranks'[{i}]")
+        if size is not None and len(parts) != size:
+            log.warning("hvd_gradcomp: state of %d ranks loaded on %d: every rank takes rank 0's, "
+                        "with its residuals reset to zero (agreed statistics kept)", len(parts), size)
+            _load_part(comp, parts[0], reset=True)
             return
-        _check_part(state_dict, "state_dict")
-        saved = state_dict.get("rank")
-        if saved is not None and rank is not None and saved != rank:
-            raise ValueError(f"load_state_dict: this state_dict holds rank {saved}'s state (its "
-                             f"error feedback), and this is rank {rank}; save with "
-                             f"state_dict(gather=True) to load one file on every rank, or pass "
-                             f"rank={saved} to load it here anyway")
-        self._load_part(state_dict, reset=False)
+        if rank is None or not 0 <= rank < len(parts):
+            raise ValueError(f"load_state_dict: rank must be in [0, {len(parts)}) for a state "
+                             f"gathered from {len(parts)} ranks, got {rank!r} (is hvd.init() or "
+                             f"torch.distributed.init_process_group() done? else pass rank=)")
+        _load_part(comp, parts[rank], reset=False)
+        return
+    _check_part(state_dict, "state_dict")
+    saved = state_dict.get("rank")
+    if saved is not None and rank is not None and saved != rank:
+        raise ValueError(f"load_state_dict: this state_dict holds rank {saved}'s state (its "
+                         f"error feedback), and this is rank {rank}; save with "
+                         f"state_dict(gather=True) to load one file on every rank, or pass "
+                         f"rank={saved} to load it here anyway")
+    _load_part(comp, state_dict, reset=False)
 
-    def _import_field(self, key, field, value):
-        """A saved field as the backend's tensor; ValueError naming it if it is none."""
-        try:
-            return self._import(value)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise ValueError(f"load_state_dict: tensor {key!r} field {field!r} holds {_what(value)}, "
-                             f"not a tensor ({err})") from None
 
-    def _load_part(self, part: dict, reset: bool):
-        """Load one rank's state (``reset``: zero the rank-local fields)."""
-        tensors = {key: {f: self._import_field(key, f, v) for f, v in fields.items()}
-                   for key, fields in part["tensors"].items()}  # all, before anything is loaded
-        self.table.load(part.get("routes", {}))
-        local = {ERROR_FEEDBACK}
-        for scheme in self.routing.schemes():
-            local.update(scheme.rank_local_fields)
-        for gkey, saved in part.get("buckets", {}).items():
-            self._load_group(gkey, saved, reset)
-        for key, fields in tensors.items():
-            if reset:
-                fields = {f: self._zeros_like(v) if f in local else v for f, v in fields.items()}
-            route = self.table.routes.get(key)
-            if set(fields) == {ERROR_FEEDBACK}:  # a bucketed run's: into whatever holds it now
-                self._load_error_feedback(key, fields[ERROR_FEEDBACK])
-                continue
-            held = self._members.get(key)
-            if route is not None and held is not None and self._has_state(held):
-                # a per-tensor entry for a tensor a bucket group holds now: its error feedback
-                info = self._member_infos[key]
-                state = self._initial_state(route.scheme, info, self._read_state(held)[0], FieldBag(fields))
-                flat = composite.residual_of(route.scheme, self.ops, state, info)
-                if flat is not None:
-                    self._load_error_feedback(key, flat)
-                continue
-            if route is not None and self._has_state(key):
-                scheme = route.scheme
-                composite.check_loaded(scheme, key, FieldBag(fields))
-                current = self._read_state(key)
-                if scheme.adaptive:  # the loaded state's fields follow its own choice
-                    current = composite.init_like(scheme, self.ops, self._infos[key], current[0], FieldBag(fields))
-                composite.forget(scheme, key)  # the loaded state replaces what the scheme mirrors of it
-                loaded = type(current)(**{f: fields.get(f) for f in current._fields}) \
-                    if set(fields) == set(current._fields) else None
-                if loaded is None:
-                    raise ValueError(f"{scheme.name}: loaded state for tensor {key!r} has fields "
-                                     f"{sorted(fields)}, expected {list(current._fields)}")
-                self._check_loaded(scheme, key, loaded, current)
-                self._write_state(key, type(current)(*[
-                    self.ops.cast(self._to_device(v, c), self.ops.dtype(c)) for v, c in zip(loaded, current)]))
-            else:
-                self._pending[key] = FieldBag(fields)
+def _import_field(comp, key, field, value):
+    """A saved field as the backend's tensor; ValueError naming it if it is none."""
+    try:
+        return comp._import(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"load_state_dict: tensor {key!r} field {field!r} holds {_what(value)}, "
+                         f"not a tensor ({err})") from None
+
+
+def _load_part(comp, part: dict, reset: bool):
+    """Load one rank's state (``reset``: zero the rank-local fields)."""
+    tensors = {key: {f: _import_field(comp, key, f, v) for f, v in fields.items()}
+               for key, fields in part["tensors"].items()}  # all, before anything is loaded
+    comp.table.load(part.get("routes", {}))
+    local = {ERROR_FEEDBACK}
+    for scheme in comp.routing.schemes():
+        local.update(scheme.rank_local_fields)
+    for gkey, saved in part.get("buckets", {}).items():
+        comp._load_group(gkey, saved, reset)
+    for key, fields in tensors.items():
+        if reset:
+            fields = {f: comp._zeros_like(v) if f in local else v for f, v in fields.items()}
+        route = comp.table.routes.get(key)
+        if set(fields) == {ERROR_FEEDBACK}:  # a bucketed run's: into whatever holds it now
+            comp._load_error_feedback(key, fields[ERROR_FEEDBACK])
+            continue
+        held = comp._members.get(key)
+        if route is not None and held is not None and comp._has_state(held):
+            # a per-tensor entry for a tensor a bucket group holds now: its error feedback
+            info = comp._member_infos[key]
+            state = comp._initial_state(route.scheme, info, comp._read_state(held)[0], FieldBag(fields))
+            flat = composite.residual_of(route.scheme, comp.ops, state, info)
+            if flat is not None:
+                comp._load_error_feedback(key, flat)
+            continue
+        if route is not None and comp._has_state(key):
+            scheme = route.scheme
+            composite.check_loaded(scheme, key, FieldBag(fields))
+            current = comp._read_state(key)
+            if scheme.adaptive:  # the loaded state's fields follow its own choice
+                current = composite.init_like(scheme, comp.ops, comp._infos[key], current[0], FieldBag(fields))
+            composite.forget(scheme, key)  # the loaded state replaces what the scheme mirrors of it
+            loaded = type(current)(**{f: fields.get(f) for f in current._fields}) \
+                if set(fields) == set(current._fields) else None
+            if loaded is None:
+                raise ValueError(f"{scheme.name}: loaded state for tensor {key!r} has fields "
+                                 f"{sorted(fields)}, expected {list(current._fields)}")
+            comp._check_loaded(scheme, key, loaded, current)
+            comp._write_state(key, type(current)(*[
+                comp.ops.cast(comp._to_device(v, c), comp.ops.dtype(c)) for v, c in zip(loaded, current)]))
+        else:
+            comp._pending[key] = FieldBag(fields)

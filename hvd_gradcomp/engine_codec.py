@@ -35,8 +35,9 @@ class EngineCodec:
         """Use ``engine``'s collectives outside compress instead of Horovod's.
 
         Args:
-            engine: an object with ``world() -> (size, rank)``, ``gather(obj) -> [obj of rank
-                0, 1, ...]`` and ``allreduce(x, average) -> tensor`` (blocking), e.g.
+            engine: an :class:`hvd_gradcomp.engine.Engine` (``world() -> (size, rank)``,
+                ``gather(obj) -> [obj of rank 0, 1, ...]``, ``allreduce(x, average) -> tensor``
+                (blocking); ``post``/``wait`` for the engine's own payloads), e.g.
                 ``torch_backend.engine.ProcessGroupEngine(group)``. The world size and rank of
                 every tensor, ``state_dict(gather=True)``, the route check and ``calibrate()``
                 then follow it.

@@ -12,15 +12,21 @@ the tensors once). PyTorch's grouped all-reduce (``groups=``/``num_groups``) sen
 as a bucket (:mod:`~hvd_gradcomp.buckets`, one codec call per route): the payloads are shared
 out as one piece per tensor, views of one buffer per payload dtype that Horovod sums in place,
 and the group's first ``decompress`` decodes every unit (docs/usage.md, "Grouped all-reduce").
+
+The three entry points are functions over a Horovod compressor
+(:class:`hvd_gradcomp.adapter.HorovodCompressor`, whose ``compress``/``decompress`` call them):
+they keep the group being returned in its ``_group`` and ``_pieces`` and compress through its
+``_compress_one``, ``_find_call`` and ``plan_bucket``.
 """
 import logging
 from typing import Any, NamedTuple
 
 from .calls import Call
 from .horovod_ops import group_dtype
+from .payloads import pack_payloads, unpack_payloads
 from .primitives import FLOAT_DTYPES, itemsize
 
-__all__ = ["GroupedAllreduce", "WidenedCtx", "PieceCtx", "GroupBatch", "narrowed"]
+__all__ = ["compress_grouped", "compress_bucket", "decompress_piece", "WidenedCtx", "PieceCtx", "GroupBatch", "narrowed"]
 
 log = logging.getLogger("hvd_gradcomp")
 
@@ -34,13 +40,14 @@ class PieceCtx(NamedTuple):
 
 
 class GroupBatch:
-    """One grouped all-reduce's bucket: the plan, each unit's ctx, the payload buffers (one per
-    dtype) that the members' pieces are views of, and the decoded gradients once decoded."""
+    """One grouped all-reduce's bucket: the plan, each unit's ctx, the packed payloads
+    (:class:`~hvd_gradcomp.payloads.Packed`: one buffer per dtype, which the members' pieces
+    are views of), and the decoded gradients once decoded."""
 
-    __slots__ = ("plan", "ctxs", "spans", "pieces", "outs", "left")
+    __slots__ = ("plan", "ctxs", "packed", "pieces", "outs", "left")
 
-    def __init__(self, plan, ctxs, spans, pieces):
-        self.plan, self.ctxs, self.spans, self.pieces = plan, ctxs, spans, pieces
+    def __init__(self, plan, ctxs, packed, pieces):
+        self.plan, self.ctxs, self.packed, self.pieces = plan, ctxs, packed, pieces
         self.outs, self.left = None, len(pieces)
 
 
@@ -62,156 +69,135 @@ class WidenedCtx(NamedTuple):
     inner: Any  # _AdapterCtx, or None for a tensor that passed through
 
 
-class GroupedAllreduce:
-    """The members of a grouped all-reduce compressed together at the first one (module
-    docstring). A mixin of :class:`hvd_gradcomp.adapter.HorovodCompressor` (its ``_group`` and
-    ``_pieces`` slots, ``_compress_one``, ``_find_call`` and the bucket plan)."""
-
-    __slots__ = ()
-
-    def _compress_grouped(self, tensor, call: Call):
-        """A member of a TensorFlow grouped all-reduce: the whole group is compressed at its
-        first member, with one payload dtype (module docstring); the others are returned as
-        Horovod asks for them."""
-        group = call.group
-        if self._group is not None and self._group[0] is group:
-            done = self._group[1].pop(id(tensor), None)
-            if done is not None:
-                if not self._group[1]:
-                    self._group = None
-                return done
-        results, keys = {}, {}
-        for member in group:
-            if id(member) in results:
+def compress_grouped(comp, tensor, call: Call):
+    """A member of a TensorFlow grouped all-reduce: the whole group is compressed at its
+    first member, with one payload dtype (module docstring); the others are returned as
+    Horovod asks for them."""
+    group = call.group
+    if comp._group is not None and comp._group[0] is group:
+        done = comp._group[1].pop(id(tensor), None)
+        if done is not None:
+            if not comp._group[1]:
+                comp._group = None
+            return done
+    results, keys = {}, {}
+    for member in group:
+        if id(member) in results:
+            continue
+        member_call = call if member is tensor else comp._find_call(member)
+        payload, ctx, key = comp._compress_one(member, member_call)
+        results[id(member)], keys[id(member)] = (payload, ctx), key
+    dtypes = {i: comp.ops.dtype(p) for i, (p, _) in results.items()}
+    try:
+        common = group_dtype(dtypes.values())
+    except ValueError as e:
+        raise ValueError(f"{comp.spec}: grouped all-reduce of "
+                         f"{[keys[i] for i in results]}: {e}; use groups=None") from None
+    if common is not None:
+        extra = 0
+        for i, (payload, ctx) in list(results.items()):
+            if dtypes[i] == common:
                 continue
-            member_call = call if member is tensor else self._find_call(member)
-            payload, ctx, key = self._compress_one(member, member_call)
-            results[id(member)], keys[id(member)] = (payload, ctx), key
-        dtypes = {i: self.ops.dtype(p) for i, (p, _) in results.items()}
-        try:
-            common = group_dtype(dtypes.values())
-        except ValueError as e:
-            raise ValueError(f"{self.spec}: grouped all-reduce of "
-                             f"{[keys[i] for i in results]}: {e}; use groups=None") from None
-        if common is not None:
-            extra = 0
-            for i, (payload, ctx) in list(results.items()):
-                if dtypes[i] == common:
-                    continue
-                results[i] = (self.ops.cast(payload, common), WidenedCtx(dtypes[i], ctx))
-                key = keys[i]
-                if key is not None and key in self._wire:
-                    w = self._wire[key]
-                    wide = w.payload * itemsize(common) // itemsize(dtypes[i])
-                    extra += wide - w.payload
-                    self._wire[key] = w._replace(payload=wide)
-            members = tuple(sorted((str(keys[i]), dtypes[i]) for i in results))
-            if members not in self._warned:
-                self._warned.add(members)
-                hint = ("route the group's small tensors to thc as well ('thc:min_numel=1')"
-                        if "int32" in dtypes.values() else "route a group's tensors to schemes of one "
-                        "payload dtype")
-                log.warning("hvd_gradcomp: TensorFlow grouped all-reduce of %s: Horovod's grouped "
-                            "all-reduce takes one dtype, so these payloads travel as %s (exact; %d more "
-                            "bytes per step). To avoid it, %s, or use groups lists that keep them apart.",
-                            ", ".join(f"{k} ({d})" for k, d in members), common, extra, hint)
-        mine = results.pop(id(tensor))
-        self._group = (group, results) if results else None
-        return mine
-    def _compress_bucket(self, tensor, call: Call):
-        """A member of a PyTorch grouped all-reduce (``groups=``/``num_groups``): at the first
-        member the whole group is compressed as one bucket (one codec call per route,
-        :mod:`~hvd_gradcomp.buckets`) and its payloads are shared out as one piece per member
-        (views of one buffer per payload dtype, which Horovod's in-place grouped all-reduce
-        sums); the others get their piece. None when the group cannot go as a bucket (mixed
-        dtypes, a gradient that is not a float tensor): then each member is compressed alone."""
-        ops = self.ops
-        if self._pieces is not None:
-            done = self._pieces.pop(id(tensor), None)
-            if done is not None:
-                return done
-        grads = [g for _, g in call.bucket]
-        dtypes = {ops.dtype(g) for g in grads}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES or \
-                any(self._is_sparse(g) for g in grads) or all(g is not tensor for g in grads):
-            return None
-        from .buckets import Member
-        dtype = dtypes.pop()
-        members, offset = [], 0
-        for (name, g) in call.bucket:
-            key = self._key(Call(key=name, owner=call.owner))
-            shape = tuple(ops.shape(g))
-            numel = 1
-            for s in shape:
-                numel *= s
-            members.append(Member(key, name, shape, offset, numel))
-            offset += numel
-        flat = ops.concat([ops.reshape(self._detach(g), (-1,)) for g in grads], 0)
-        plan = self.plan_bucket(members, dtype, call.op,  # (its members checked against the call's op)
-                                call.process_set, flat)
-        encoded = [self.encode_unit(unit, flat[unit.start:unit.stop] if unit.contiguous
-                                    else ops.gather(flat, unit.index)) for unit in plan.units]
-        by_dtype = {}
-        for i, (payload, _) in enumerate(encoded):
-            by_dtype.setdefault(ops.dtype(payload), []).append(i)
-        buffers, spans = [], []  # spans: per unit (buffer, offset, numel, shape)
-        for d in sorted(by_dtype):
-            parts = [ops.reshape(encoded[i][0], (-1,)) for i in by_dtype[d]]
-            buf = parts[0] if len(parts) == 1 else ops.concat(parts, 0)
-            at = 0
-            for i in by_dtype[d]:
-                n = 1
-                for s in ops.shape(encoded[i][0]):
-                    n *= s
-                spans.append((i, len(buffers), at, n, tuple(ops.shape(encoded[i][0]))))
-                at += n
-            buffers.append(buf)
-        spans = [s[1:] for s in sorted(spans)]
-        sizes = [ops.shape(b)[0] for b in buffers]
-        if len(grads) < len(buffers) or sum(sizes) < len(grads):
-            return None  # (a tiny group: fewer elements than members) compressed one by one
-        # one piece per member: every buffer one, the rest cut from the largest
-        counts = [1] * len(buffers)
-        counts[sizes.index(max(sizes))] += len(grads) - len(buffers)
-        if max(sizes) < counts[sizes.index(max(sizes))]:
-            return None
-        pieces = []
-        for buf, size, k in zip(buffers, sizes, counts):
-            bounds = [size * j // k for j in range(k + 1)]
-            pieces.extend(buf[bounds[j]:bounds[j + 1]] for j in range(k))
-        batch = GroupBatch(plan, [c for _, c in encoded], (buffers, spans), pieces)
-        results = {id(g): (piece, PieceCtx(j, batch)) for j, (g, piece) in enumerate(zip(grads, pieces))}
-        mine = results.pop(id(tensor))
-        self._pieces = results or None
-        return mine
+            results[i] = (comp.ops.cast(payload, common), WidenedCtx(dtypes[i], ctx))
+            key = keys[i]
+            if key is not None and key in comp._wire:
+                w = comp._wire[key]
+                wide = w.payload * itemsize(common) // itemsize(dtypes[i])
+                extra += wide - w.payload
+                comp._wire[key] = w._replace(payload=wide)
+        members = tuple(sorted((str(keys[i]), dtypes[i]) for i in results))
+        if members not in comp._warned:
+            comp._warned.add(members)
+            hint = ("route the group's small tensors to thc as well ('thc:min_numel=1')"
+                    if "int32" in dtypes.values() else "route a group's tensors to schemes of one "
+                    "payload dtype")
+            log.warning("hvd_gradcomp: TensorFlow grouped all-reduce of %s: Horovod's grouped "
+                        "all-reduce takes one dtype, so these payloads travel as %s (exact; %d more "
+                        "bytes per step). To avoid it, %s, or use groups lists that keep them apart.",
+                        ", ".join(f"{k} ({d})" for k, d in members), common, extra, hint)
+    mine = results.pop(id(tensor))
+    comp._group = (group, results) if results else None
+    return mine
 
-    def _decompress_piece(self, payload, ctx: "PieceCtx"):
-        """A grouped member's decoded gradient: at the batch's first decompress every unit is
-        decoded from the summed buffers (Horovod's grouped all-reduce sums the pieces in place,
-        so the buffers hold every member's sum by then)."""
-        batch = ctx.batch
-        if payload is not batch.pieces[ctx.index]:
-            raise RuntimeError(f"{self.spec}: a grouped all-reduce returned a new tensor for piece "
-                               f"{ctx.index} instead of summing it in place (Horovod's "
-                               f"grouped_allreduce_async_ does); the bucket cannot be decoded")
-        if batch.outs is None:
-            ops, plan = self.ops, batch.plan
-            buffers, spans = batch.spans
-            outs = []
-            for uctx, (b, at, n, shape) in zip(batch.ctxs, spans):
-                outs.append(ops.reshape(self.decompress(ops.reshape(buffers[b][at:at + n], shape), uctx), (-1,)))
-            if all(u.contiguous for u in plan.units):  # the units partition the flat vector
-                order = sorted(range(len(outs)), key=lambda i: plan.units[i].start)
-                full = outs[order[0]] if len(order) == 1 else ops.concat([outs[i] for i in order], 0)
-            else:
-                total = plan.members[-1].offset + plan.members[-1].numel
-                full = ops.zeros((total,), plan.dtype, outs[0])
-                for unit, out in zip(plan.units, outs):
-                    index = unit.index if not unit.contiguous else ops.arange(unit.stop - unit.start, "int64", out) + unit.start
-                    full = ops.index_add(full, index, out)
-            batch.outs = [ops.reshape(full[m.offset:m.offset + m.numel], m.shape) for m in plan.members]
-        batch.left -= 1
-        out = batch.outs[ctx.index]
-        if batch.left == 0:
-            batch.outs = batch.pieces = None
-        return out
+
+def compress_bucket(comp, tensor, call: Call):
+    """A member of a PyTorch grouped all-reduce (``groups=``/``num_groups``): at the first
+    member the whole group is compressed as one bucket (one codec call per route,
+    :mod:`~hvd_gradcomp.buckets`) and its payloads are shared out as one piece per member
+    (views of one buffer per payload dtype, which Horovod's in-place grouped all-reduce
+    sums); the others get their piece. None when the group cannot go as a bucket (mixed
+    dtypes, a gradient that is not a float tensor): then each member is compressed alone."""
+    ops = comp.ops
+    if comp._pieces is not None:
+        done = comp._pieces.pop(id(tensor), None)
+        if done is not None:
+            return done
+    grads = [g for _, g in call.bucket]
+    dtypes = {ops.dtype(g) for g in grads}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES or \
+            any(comp._is_sparse(g) for g in grads) or all(g is not tensor for g in grads):
+        return None
+    from .buckets import Member
+    dtype = dtypes.pop()
+    members, offset = [], 0
+    for (name, g) in call.bucket:
+        key = comp._key(Call(key=name, owner=call.owner))
+        shape = tuple(ops.shape(g))
+        numel = 1
+        for s in shape:
+            numel *= s
+        members.append(Member(key, name, shape, offset, numel))
+        offset += numel
+    flat = ops.concat([ops.reshape(comp._detach(g), (-1,)) for g in grads], 0)
+    plan = comp.plan_bucket(members, dtype, call.op,  # (its members checked against the call's op)
+                            call.process_set, flat)
+    encoded = [comp.encode_unit(unit, flat[unit.start:unit.stop] if unit.contiguous
+                                else ops.gather(flat, unit.index)) for unit in plan.units]
+    packed = pack_payloads(ops, [p for p, _ in encoded])
+    buffers = packed.buffers
+    sizes = [ops.shape(b)[0] for b in buffers]
+    if len(grads) < len(buffers) or sum(sizes) < len(grads):
+        return None  # (a tiny group: fewer elements than members) compressed one by one
+    # one piece per member: every buffer one, the rest cut from the largest
+    counts = [1] * len(buffers)
+    counts[sizes.index(max(sizes))] += len(grads) - len(buffers)
+    if max(sizes) < counts[sizes.index(max(sizes))]:
+        return None
+    pieces = []
+    for buf, size, k in zip(buffers, sizes, counts):
+        bounds = [size * j // k for j in range(k + 1)]
+        pieces.extend(buf[bounds[j]:bounds[j + 1]] for j in range(k))
+    batch = GroupBatch(plan, [c for _, c in encoded], packed, pieces)
+    results = {id(g): (piece, PieceCtx(j, batch)) for j, (g, piece) in enumerate(zip(grads, pieces))}
+    mine = results.pop(id(tensor))
+    comp._pieces = results or None
+    return mine
+
+def decompress_piece(comp, payload, ctx: "PieceCtx"):
+    """A grouped member's decoded gradient: at the batch's first decompress every unit is
+    decoded from the summed buffers (Horovod's grouped all-reduce sums the pieces in place,
+    so the buffers hold every member's sum by then)."""
+    batch = ctx.batch
+    if payload is not batch.pieces[ctx.index]:
+        raise RuntimeError(f"{comp.spec}: a grouped all-reduce returned a new tensor for piece "
+                           f"{ctx.index} instead of summing it in place (Horovod's "
+                           f"grouped_allreduce_async_ does); the bucket cannot be decoded")
+    if batch.outs is None:
+        ops, plan = comp.ops, batch.plan
+        outs = [ops.reshape(comp.decompress(p, uctx), (-1,))
+                for uctx, p in zip(batch.ctxs, unpack_payloads(ops, batch.packed))]
+        if all(u.contiguous for u in plan.units):  # the units partition the flat vector
+            order = sorted(range(len(outs)), key=lambda i: plan.units[i].start)
+            full = outs[order[0]] if len(order) == 1 else ops.concat([outs[i] for i in order], 0)
+        else:
+            total = plan.members[-1].offset + plan.members[-1].numel
+            full = ops.zeros((total,), plan.dtype, outs[0])
+            for unit, out in zip(plan.units, outs):
+                index = unit.index if not unit.contiguous else ops.arange(unit.stop - unit.start, "int64", out) + unit.start
+                full = ops.index_add(full, index, out)
+        batch.outs = [ops.reshape(full[m.offset:m.offset + m.numel], m.shape) for m in plan.members]
+    batch.left -= 1
+    out = batch.outs[ctx.index]
+    if batch.left == 0:
+        batch.outs = batch.pieces = None
+    return out

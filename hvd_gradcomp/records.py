@@ -1,8 +1,8 @@
 """Per-tensor records of a compressor, whatever engine sends the payloads (Horovod, DDP).
 
 :class:`TensorRecords` keeps, per tensor key: the static facts (:class:`~hvd_gradcomp.base.TensorInfo`),
-the bytes it puts on the wire, and the scheme's state, stored by the backend (plain tensors in
-PyTorch, ``tf.Variable`` s in TensorFlow) behind the state hooks below; the routes are the
+the bytes it puts on the wire, and the scheme's state, kept in the compressor's ``store`` (a
+:class:`~hvd_gradcomp.store.Store`: plain tensors in PyTorch, ``tf.Variable`` s in TensorFlow); the routes are the
 :class:`~hvd_gradcomp.routing.RouteTable`'s (``table``), which :meth:`TensorRecords.route`
 feeds with the backend's parameter names and the engine's object gather. It also keeps the
 sparse gradients seen, and reports: ``wire_bytes()``, ``bytes_per_step()``, ``metrics()``,
@@ -32,38 +32,42 @@ class TensorRecords:
 
     __slots__ = ()
 
-    # ---- state store (backend hooks) ----
+    # ---- the state store (:class:`~hvd_gradcomp.store.Store`, the compressor's ``store``) ----
     def _read_state(self, key):
-        raise NotImplementedError
+        return self.store.read(key)
 
     def _write_state(self, key, state):
-        raise NotImplementedError
+        self.store.write(key, state)
 
     def _create_state(self, key, state):
-        """Store a tensor's first state (TensorFlow makes variables here); default: write it."""
-        self._write_state(key, state)
+        """Store a tensor's first state (TensorFlow's store makes variables here)."""
+        self.store.create(key, state)
 
     def _has_state(self, key) -> bool:
-        raise NotImplementedError
+        return self.store.has(key)
 
     def _drop_state(self, key):
         """Forget the state under ``key`` (its error feedback moved into a bucket group)."""
-        raise NotImplementedError
+        self.store.drop(key)
 
     def _export(self, tensor, portable=False):
         """A host-side copy of a state tensor for state_dict(); ``portable``: an object that
         pickles without the framework's graph or device (for ``gather=True``)."""
-        raise NotImplementedError
+        return self.store.export(tensor, portable)
 
     def _zeros_like(self, value):
         """Zeros of a saved state value's shape and dtype (a reset residual)."""
-        raise NotImplementedError
+        return self.store.zeros_like(value)
 
     def _import(self, value):
         """A saved state value (a tensor, or a NumPy array from a gathered state) as a host
         tensor of the framework."""
-        raise NotImplementedError
+        return self.store.load(value)
 
+    def _to_device(self, value, like):
+        return self.store.to_device(value, like)
+
+    # ---- backend hooks ----
     def _route_items(self, params):
         """``(name, shape tuple, dtype string, pin)`` per parameter given to :meth:`route`."""
         raise NotImplementedError
@@ -71,9 +75,6 @@ class TensorRecords:
     def _read_sparse(self, entry):
         """(bytes last step, steps) of a sparse-gradient entry, as Python ints."""
         return int(entry[0]), int(entry[1])
-
-    def _to_device(self, value, like):
-        return value
 
     # ---- identity, route, state ----
     def _key(self, call):

@@ -93,6 +93,60 @@ def _find_call(tensor) -> Call:
     return call or Call()
 
 
+class VariableStore:
+    """The scheme states of a TensorFlow compressor (:class:`hvd_gradcomp.store.Store`): a
+    tuple of non-trainable ``tf.Variable`` s per key, which a traced ``tf.function`` reads and
+    assigns; exported as tensors (``portable``: NumPy arrays)."""
+
+    __slots__ = ("vars",)
+
+    def __init__(self):
+        self.vars = {}  # key -> (state class, tuple of variables)
+
+    def has(self, key):
+        return key in self.vars
+
+    def read(self, key):
+        cls, variables = self.vars[key]
+        return cls(*[tf.identity(v) for v in variables])
+
+    def create(self, key, state):
+        # A gradient may first appear in a later trace of the user's tf.function (a variable
+        # outside the loss at first), and tf.Variable() refuses creation after the first call.
+        # These variables are created eagerly (init_scope) and kept for the compressor's
+        # lifetime, which is what that rule protects; constructing the ResourceVariable class
+        # directly skips the tf.function variable-creator check.
+        with tf.init_scope():
+            safe = "".join(c if c.isalnum() else "_" for c in key)
+            variables = tuple(ResourceVariable(v, trainable=False, name=f"hvd_gradcomp_{safe}_{f}")
+                              for f, v in zip(state._fields, state))
+        self.vars[key] = (type(state), variables)
+
+    def write(self, key, state):
+        cls, variables = self.vars[key]
+        if cls._fields != state._fields or any(v.shape != value.shape for v, value in zip(variables, state)):
+            # An adaptive scheme (auto) changed its fields: new variables (it runs eagerly).
+            self.create(key, state)
+            return
+        for var, value in zip(variables, state):
+            var.assign(value)
+
+    def drop(self, key):
+        del self.vars[key]
+
+    def export(self, value, portable=False):
+        return value.numpy() if portable else tf.identity(value)
+
+    def load(self, value):
+        return tf.convert_to_tensor(value)
+
+    def zeros_like(self, value):
+        return tf.zeros_like(value)
+
+    def to_device(self, value, like):
+        return tf.convert_to_tensor(value)
+
+
 class Compressor(HorovodCompressor):
     """A Horovod compressor for TensorFlow tensors (see :class:`hvd_gradcomp.adapter.HorovodCompressor`).
 
@@ -100,12 +154,11 @@ class Compressor(HorovodCompressor):
     their values as tensors.
     """
 
-    __slots__ = ("_vars", "_last_batch")
+    __slots__ = ("_last_batch",)
     ops = OPS
 
     def __init__(self, routing):
-        super().__init__(routing)
-        self._vars = {}
+        super().__init__(routing, VariableStore())
         self._last_batch = None
 
     # Horovod's functions run under autograph inside tf.function; ours must not be converted
@@ -132,37 +185,9 @@ class Compressor(HorovodCompressor):
         device = getattr(tensor, "device", "") or ""
         return "GPU" in device.upper() or (not device and bool(tf.config.list_logical_devices("GPU")))
 
-    def _has_state(self, key):
-        return key in self._vars
-
-    def _read_state(self, key):
-        cls, variables = self._vars[key]
-        return cls(*[tf.identity(v) for v in variables])
-
     def _initial_state(self, scheme, info, like, loaded):
         with tf.init_scope():  # initial values must not live in the calling tf.function's graph
             return super()._initial_state(scheme, info, None, loaded)
-
-    def _create_state(self, key, state):
-        # A gradient may first appear in a later trace of the user's tf.function (a variable
-        # outside the loss at first), and tf.Variable() refuses creation after the first call.
-        # These variables are created eagerly (init_scope) and kept in self._vars for the
-        # compressor's lifetime, which is what that rule protects; constructing the
-        # ResourceVariable class directly skips the tf.function variable-creator check.
-        with tf.init_scope():
-            safe = "".join(c if c.isalnum() else "_" for c in key)
-            variables = tuple(ResourceVariable(v, trainable=False, name=f"hvd_gradcomp_{safe}_{f}")
-                              for f, v in zip(state._fields, state))
-        self._vars[key] = (type(state), variables)
-
-    def _write_state(self, key, state):
-        cls, variables = self._vars[key]
-        if cls._fields != state._fields or any(v.shape != value.shape for v, value in zip(variables, state)):
-            # An adaptive scheme (auto) changed its fields: new variables (it runs eagerly).
-            self._create_state(key, state)
-            return
-        for var, value in zip(variables, state):
-            var.assign(value)
 
     @staticmethod
     def _scale_of(source):
@@ -181,15 +206,6 @@ class Compressor(HorovodCompressor):
                              f"{tensor.shape} with unknown dimensions and no variable of known shape; "
                              f"compressors need a static shape (pass a tensor of known shape)")
         return tf.reshape(tensor, tf.TensorShape(known).as_list())
-
-    def _export(self, tensor, portable=False):
-        return tensor.numpy() if portable else tf.identity(tensor)
-
-    def _zeros_like(self, value):
-        return tf.zeros_like(value)
-
-    def _import(self, value):
-        return tf.convert_to_tensor(value)
 
     def _route_items(self, params):
         for item in params:
@@ -225,9 +241,6 @@ class Compressor(HorovodCompressor):
     def _read_sparse(self, entry):
         value = entry.numpy()
         return int(value[0]), int(value[1])
-
-    def _to_device(self, value, like):
-        return tf.convert_to_tensor(value)
 
     def __hash__(self):  # Horovod caches its tf.function per compressor object
         return id(self)

@@ -26,6 +26,7 @@ import torch
 from hvd_gradcomp.adapter import Call, HorovodCompressor
 from hvd_gradcomp.horovod_ops import op_name
 from hvd_gradcomp.namespace import Namespace
+from hvd_gradcomp.store import DictStore
 
 from .ops import OPS
 
@@ -102,6 +103,26 @@ def _find_call(tensor) -> Call:
     return Call()
 
 
+class TorchStore(DictStore):
+    """The scheme states of a PyTorch compressor: tensors on the gradient's device, in a dict
+    (:class:`hvd_gradcomp.store.DictStore`); exported as CPU copies, loaded back to the
+    gradient's device."""
+
+    __slots__ = ()
+
+    def export(self, value, portable=False):
+        return value.detach().cpu().clone()
+
+    def load(self, value):
+        return torch.as_tensor(value)
+
+    def zeros_like(self, value):
+        return torch.zeros_like(value)
+
+    def to_device(self, value, like):
+        return torch.as_tensor(value).to(like.device)
+
+
 class Compressor(HorovodCompressor):
     """A Horovod compressor for PyTorch tensors (see :class:`hvd_gradcomp.adapter.HorovodCompressor`).
 
@@ -109,12 +130,11 @@ class Compressor(HorovodCompressor):
     parameter. ``state_dict()`` returns CPU copies; ``load_state_dict`` moves them back.
     """
 
-    __slots__ = ("_states",)
+    __slots__ = ()
     ops = OPS
 
     def __init__(self, scheme):
-        super().__init__(scheme)
-        self._states = {}
+        super().__init__(scheme, TorchStore(OPS))
 
     no_key_message = _NO_KEY
     _find_call = staticmethod(_find_call)
@@ -132,27 +152,6 @@ class Compressor(HorovodCompressor):
         if dist.is_available() and dist.is_initialized():
             return dist.get_world_size(), dist.get_rank()
         return None, None
-
-    def _has_state(self, key):
-        return key in self._states
-
-    def _read_state(self, key):
-        return self._states[key]
-
-    def _write_state(self, key, state):
-        self._states[key] = state
-
-    def _drop_state(self, key):
-        del self._states[key]
-
-    def _export(self, tensor, portable=False):
-        return tensor.detach().cpu().clone()
-
-    def _zeros_like(self, value):
-        return torch.zeros_like(value)
-
-    def _import(self, value):
-        return torch.as_tensor(value)
 
     def _route_items(self, params):
         for name, p in params:
@@ -196,9 +195,6 @@ class Compressor(HorovodCompressor):
         # A gradient has no history unless it was made with create_graph=True: no detach (one
         # dispatch a tensor and step fewer; docs/bench.md, "THC's per-call cost").
         return tensor.detach() if tensor.requires_grad else tensor
-
-    def _to_device(self, value, like):
-        return torch.as_tensor(value).to(like.device)
 
 
 Compression = Namespace(Compressor)

@@ -78,10 +78,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hvd_gradcomp.buckets import BucketPlan, Member
+from hvd_gradcomp.buckets import Member
+from hvd_gradcomp.payloads import post_payloads, unpack_payloads
 
+from . import ddp_compiled
 from .compression import check_compressor
 from .kernels import runs
+from .ops import OPS
 from .engine import ProcessGroupEngine
 
 __all__ = ["register_comm_hook", "make_comm_hook", "comm_state", "hook", "HookState", "DDPEngine"]
@@ -116,13 +119,15 @@ class HookState:
         self.used = set()
         self.last_used = {}  # id(plan) -> int32 [params]: 1 where some rank used it last step
         self.tracks_unused = False
-        self._plans = {}  # (bucket index, its parameters' ids, buffer size) -> (plan, slots)
+        self.slots = {}  # id(plan) -> (plan, its units' slots): where DDP may drop results
         self._hooks = []
+        self.ready = None  # ddp_compiled.ReadyBuckets, under the Python reducer
 
-    def bind(self, ddp_model=None):
+    def bind(self, ddp_model=None, compiled=False):
         """Bind the compressor to the process group (at registration, or at the first backward
         for a state made by :func:`comm_state`) and, where DDP drops unused parameters'
-        results, start counting each parameter's users."""
+        results, start counting each parameter's users (``compiled``, or a model under the
+        Python reducer: every parameter of a bucket arrived, nothing to count)."""
         comp = self.compressor
         if ddp_model is not None:
             self.ddp_model = ddp_model
@@ -130,8 +135,9 @@ class HookState:
         comp.bind_engine(ProcessGroupEngine(self.group))
         self.world_size, _ = comp.engine.world()
         model = self.ddp_model
-        self.tracks_unused = model is None or bool(getattr(model, "find_unused_parameters", False)) or \
-            bool(getattr(model, "static_graph", False))
+        compiled = compiled or bool(getattr(model, "_use_python_reducer", False))
+        self.tracks_unused = not compiled and (model is None or bool(getattr(
+            model, "find_unused_parameters", False)) or bool(getattr(model, "static_graph", False)))
         if self.tracks_unused and not self._hooks:
             used = self.used
             for p in self.names:
@@ -173,52 +179,41 @@ def _joined() -> bool:
 
 
 def _plan(state: HookState, bucket, buffer, params):
-    """``(plan, members of each unit)`` of the bucket (:class:`~hvd_gradcomp.buckets.BucketPlan`),
-    cached per layout (DDP's rebuilt buckets after the first step are new layouts); None for a
-    sparse gradient's bucket. The step's path reads no gradient view on a cached layout."""
+    """The bucket's :class:`~hvd_gradcomp.buckets.BucketPlan` from the compressor's plan cache,
+    keyed by the layout (DDP's rebuilt buckets after the first step are new layouts); None for
+    a sparse gradient's bucket. The step's path reads no gradient view on a known layout."""
     # every parameter's identity, in order: DDP's rebuilt bucket may keep the first layout's
     # index, first and last parameter and size while ordering the others otherwise
-    sig = (bucket.index(), tuple(map(id, params)), buffer.numel())
-    if sig in state._plans:
-        return state._plans[sig]
-    comp = state.compressor
-    members, offset = [], 0
-    base = buffer.storage_offset()
-    grads = bucket.gradients()
-    if not grads:  # DDP's bucket of a sparse gradient (its buffer may still look dense)
-        state._plans[sig] = None
-        return None
-    for p, g in zip(params, grads):
-        name = state.names.get(p)
-        if name is None:
-            raise ValueError(f"hvd_gradcomp DDP hook {comp.spec!r}: bucket {bucket.index()} holds a "
-                             f"parameter of shape {list(p.shape)} that the DDP model's "
-                             f"named_parameters() does not name; register the hook on the DDP "
-                             f"model that owns it")
-        if g.is_contiguous() and g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
-            offset = g.storage_offset() - base  # where DDP put it (consecutive, in bucket order)
-        members.append(Member(name, name, tuple(g.shape), offset, g.numel()))
-        offset += g.numel()
-    dtype = str(buffer.dtype).removeprefix("torch.")
-    if state.per_tensor:
-        units = []
-        for j, m in enumerate(members):
-            sub = comp.plan_bucket([m._replace(offset=0)], dtype, "sum", state.group, buffer)
-            # members: the index in this bucket (the sub-plan's is 0: every unit would read the
-            # first parameter's unused flag)
-            units.extend(u._replace(start=m.offset, stop=m.offset + m.numel, members=(j,)) for u in sub.units)
-        plan = BucketPlan(tuple(members), tuple(units), dtype)
-    else:
-        plan = comp.plan_bucket(members, dtype, "sum", state.group, buffer)
-    # per unit, where DDP may drop a parameter's result: its parameters' indices in the bucket
-    # and sizes (device tensors made once per layout, read by _dropped_part)
-    slots = [None] * len(plan.units)
-    if state.tracks_unused:
-        slots = [(torch.tensor(u.members, device=buffer.device),
-                  torch.tensor([plan.members[i].numel for i in u.members], device=buffer.device))
-                 for u in plan.units]
-    state._plans[sig] = hit = (plan, slots)
-    return hit
+    layout = (bucket.index(), tuple(map(id, params)), buffer.numel())
+
+    def members():
+        out, offset, base = [], 0, buffer.storage_offset()
+        for p, g in zip(params, bucket.gradients()):  # (none: a sparse gradient's bucket)
+            name = state.names.get(p)
+            if name is None:
+                raise ValueError(f"hvd_gradcomp DDP hook {state.compressor.spec!r}: bucket "
+                                 f"{bucket.index()} holds a parameter of shape {list(p.shape)} that "
+                                 f"the DDP model's named_parameters() does not name; register the "
+                                 f"hook on the DDP model that owns it")
+            if g.is_contiguous() and g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                offset = g.storage_offset() - base  # where DDP put it (consecutive, in bucket order)
+            out.append(Member(name, name, tuple(g.shape), offset, g.numel()))
+            offset += g.numel()
+        return out
+    plan = state.compressor.plan_bucket(members, str(buffer.dtype).removeprefix("torch."), "sum",
+                                        state.group, buffer, per_tensor=state.per_tensor, layout=layout)
+    return plan if plan.members else None
+
+
+def _slots(state: HookState, plan, device):
+    """Per unit, where DDP may drop a parameter's result: its parameters' indices in the
+    bucket and sizes (device tensors made once per plan, read by :func:`_dropped_part`)."""
+    hit = state.slots.get(id(plan))
+    if hit is None or hit[0] is not plan:
+        hit = state.slots[id(plan)] = (plan, [(
+            torch.tensor(u.members, device=device),
+            torch.tensor([plan.members[i].numel for i in u.members], device=device)) for u in plan.units])
+    return hit[1]
 
 
 def _dropped_part(out, dropped, slot):
@@ -236,6 +231,96 @@ def _flat(x):
     return x if x.dim() == 1 else x.reshape(-1)
 
 
+def _encode(comp, plan, buffer, n):
+    """``[(payload, ctx)]`` per unit of ``plan``, read from the bucket's ``buffer``."""
+    encoded = []
+    for unit in plan.units:
+        x = buffer[unit.start:unit.stop] if unit.contiguous else runs.gather(buffer, unit)
+        if len(unit.members) == 1 and x.shape != unit.info.shape:
+            x = x.view(unit.info.shape)
+        payload, ctx = comp.encode_unit(unit, x)
+        if ctx is None:  # sent as it is (none): divided first, as DDP's own all-reduce does, so
+            payload = payload / n  # a float16 bucket's sum cannot overflow where its mean fits
+        encoded.append((payload, ctx))
+    return encoded
+
+
+def _counts(state: HookState, plan, params, joined, device):
+    """int32 [params, 2]: per parameter, whether this rank used it, and whether DDP writes its
+    ``.grad`` anyway (a bucket view); all-reduced with the payloads."""
+    view = state.ddp_model is not None and state.ddp_model.gradient_as_bucket_view
+    # A joined rank counts what DDP's Join shadow contributes to its used map: the previous
+    # step's all-reduced map (sticky while joined), not zeros, so "dropped" below is DDP's
+    used = state.last_used.get(id(plan)) if joined else None
+    if used is None:
+        used = torch.tensor([0 if joined else int(id(p) in state.used) for p in params],
+                            dtype=torch.int32, device=device)
+    views = torch.tensor([int(view and p.grad is not None) for p in params], dtype=torch.int32, device=device)
+    state.used.difference_update(id(p) for p in params)
+    return torch.stack([used, views], 1)
+
+
+def _write_cast(dst, flat, factor, n):
+    """A cast's mean into the bucket: ``flat`` (its summed payload) times ``factor / n``."""
+    if factor == n:  # fp16's 1/n pre-scale: nothing left to scale
+        dst.copy_(flat)
+    elif dst.dtype == torch.float32 and flat.dtype != torch.float32:
+        # (torch.mul(flat, f, out=dst) would cost 8 operations here, and round the product in
+        # the payload's half dtype)
+        dst.copy_(flat)
+        dst.mul_(factor / n)
+    else:  # in the payload's dtype (float32 into a half bucket: the mean, rounded once, not the sum)
+        torch.mul(flat, factor / n, out=dst)
+
+
+def _decode(state: HookState, plan, encoded, reduced, counts, buffer):
+    """Decode every unit's summed payload into the bucket's ``buffer`` (the mean); with
+    ``counts`` (the all-reduced :func:`_counts`), what DDP will drop is kept owed."""
+    comp, n = state.compressor, state.world_size
+    dropped = None
+    if counts is not None:  # no rank used it, and DDP will not write its .grad
+        dropped = (counts[:, 0] == 0) & (counts[:, 1] == 0)
+    slots = _slots(state, plan, buffer.device) if counts is not None else [None] * len(plan.units)
+    outs = []
+    for unit, slot, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
+        factor = comp.linear_decode(ctx) if unit.contiguous else None
+        if factor is not None:  # a cast: its mean written into the bucket
+            _write_cast(buffer[unit.start:unit.stop], _flat(payload), factor, n)
+            outs.append(None)
+            continue
+        out = payload if ctx is None else comp.decode(payload, ctx, divide=n)
+        if dropped is not None:
+            comp.add_error_feedback(ctx, _dropped_part(out, dropped, slot))
+        outs.append(out)
+    # Written into the bucket's buffer (one copy per unit) and the buffer returned: DDP then
+    # sees its own views and copies nothing more per parameter.
+    for unit, out in zip(plan.units, outs):
+        if out is not None and unit.contiguous:
+            buffer[unit.start:unit.stop].copy_(_flat(out))
+        elif out is not None:
+            runs.scatter(buffer, unit, out)
+
+
+def _future(engine, futures, finish, buffer):
+    """One future of ``finish([each future's tensor])``: ``then`` for one collective (its
+    callback's streams wait for the all-reduce; DDP's for it); for several, a future of the
+    buffer's device completed on the streams the decode ran on (collect_all's holds no tensors
+    and records no CUDA events)."""
+    # wait(), not value(): on CUDA it makes this thread's current stream wait for each
+    # all-reduce (value() does not, and collect_all's callback is synchronised with none)
+    if len(futures) == 1:
+        return futures[0].then(lambda fut: finish([engine.wait(fut)]))
+    done = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+
+    def complete(fut):
+        try:
+            done.set_result(finish([engine.wait(f) for f in fut.value()]))
+        except Exception as exc:  # noqa: BLE001 - handed to DDP's wait(), as then() would
+            done.set_exception(exc)
+    torch.futures.collect_all(futures).add_done_callback(complete)
+    return done
+
+
 def hook(state: HookState, bucket):
     """DDP communication hook: compress ``bucket`` (one codec call per route, or per tensor),
     all-reduce the payloads (one collective per payload dtype), decode, average (module
@@ -243,6 +328,9 @@ def hook(state: HookState, bucket):
 
     Returns a ``torch.futures.Future`` holding ``bucket.buffer()`` with the averaged, decoded
     gradients written into it.
+
+    Under the Python reducer (compiled DDP) ``bucket`` is ``(grad, param)`` and the hook
+    returns None: :mod:`torch_backend.ddp_compiled` gathers the buckets and writes the means.
 
     Raises:
         TypeError: ``state`` is not a :class:`HookState` (e.g. the compressor itself).
@@ -256,6 +344,8 @@ def hook(state: HookState, bucket):
                         f"pass torch_backend.ddp.comm_state(model, compressor) as the state (e.g. "
                         f"Lightning's DDPStrategy(ddp_comm_state=comm_state(model, comp), "
                         f"ddp_comm_hook=hook))")
+    if isinstance(bucket, tuple):  # DDP's Python reducer (torch.compile, compiled autograd)
+        return ddp_compiled.arrive(state, bucket[0], bucket[1], hook)
     comp = state.compressor
     if comp.engine is None:  # a state made by comm_state(): bound at the first backward
         state.bind()
@@ -264,126 +354,36 @@ def hook(state: HookState, bucket):
         raise ValueError(f"hvd_gradcomp DDP hook {comp.spec!r}: Join(..., "
                          f"divide_by_initial_world_size=False) is not supported (the hook divides "
                          f"by the process group's size); use the default True")
-    buffer = bucket.buffer()
-    n = state.world_size
-    params = bucket.parameters()
-    hit = None if buffer.is_sparse else _plan(state, bucket, buffer, params)
-    if hit is None:  # a sparse gradient's bucket: uncompressed, averaged
-        buffer.div_(n)
+    buffer, params = bucket.buffer(), bucket.parameters()
+    plan = None if buffer.is_sparse else _plan(state, bucket, buffer, params)
+    if plan is None:  # a sparse gradient's bucket: uncompressed, averaged
+        buffer.div_(state.world_size)
         fut = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
-    plan, slots = hit
-    encoded = []
-    for unit in plan.units:
-        x = buffer[unit.start:unit.stop] if unit.contiguous else runs.gather(buffer, unit)
-        if len(unit.members) == 1 and x.shape != unit.info.shape:
-            x = x.view(unit.info.shape)
-        payload, ctx = comp.encode_unit(unit, x)
-        if ctx is None:  # sent as it is (none): divided first, as DDP's own all-reduce does, so
-            payload = payload / n  # a float16 bucket's sum cannot overflow where its mean fits
-        encoded.append((payload, ctx))
+    encoded = _encode(comp, plan, buffer, state.world_size)
     payloads = [p for p, _ in encoded]
-    counted = None
-    if state.tracks_unused:  # users per parameter, and whether DDP writes its result anyway
-        view = state.ddp_model is not None and state.ddp_model.gradient_as_bucket_view
-        # A joined rank counts what DDP's Join shadow contributes to its used map: the previous
-        # step's all-reduced map (sticky while joined), not zeros, so "dropped" below is DDP's
-        used = state.last_used.get(id(plan)) if joined else None
-        if used is None:
-            used = torch.tensor([0 if joined else int(id(p) in state.used) for p in params],
-                                dtype=torch.int32, device=buffer.device)
-        views = torch.tensor([int(view and p.grad is not None) for p in params], dtype=torch.int32,
-                             device=buffer.device)
-        state.used.difference_update(id(p) for p in params)
-        counted = torch.stack([used, views], 1)
-        payloads = payloads + [counted]
     if joined:  # zero payloads (the counts travel as they are)
-        payloads = [torch.zeros_like(p) for p in payloads[:len(encoded)]] + payloads[len(encoded):]
-    by_dtype = {}
-    for i, payload in enumerate(payloads):
-        by_dtype.setdefault(payload.dtype, []).append(i)
-    futures, layouts, flats = [], [], []
-    for dtype in sorted(by_dtype, key=str):
-        members = by_dtype[dtype]
-        flat = _flat(payloads[members[0]]) if len(members) == 1 else \
-            torch.cat([_flat(payloads[i]) for i in members])
-        flats.append(flat)
-        layouts.append([(i, payloads[i].shape, payloads[i].numel()) for i in members])
-        futures.append(dist.all_reduce(flat, group=state.group, async_op=True).get_future())
+        payloads = [torch.zeros_like(p) for p in payloads]
+    if state.tracks_unused:  # users per parameter, and whether DDP writes its result anyway
+        payloads.append(_counts(state, plan, params, joined, buffer.device))
+    packed, futures = post_payloads(OPS, payloads, comp.engine.post)
 
-    def unpack(fut):
+    def finish(results):
         try:
-            return _unpack(fut)
+            reduced = unpack_payloads(OPS, packed, results, view=torch.Tensor.view)
         finally:
-            flats.clear()  # the payloads sent stay alive until here (the all-reduce's stream reads them)
-
-    def _unpack(fut):
-        # wait(), not value(): on CUDA it makes this thread's current stream wait for each
-        # all-reduce (value() does not, and collect_all's callback is synchronised with none)
-        results = [f.wait()[0] for f in fut.value()] if len(futures) > 1 else [fut.wait()[0]]
-        reduced = [None] * len(payloads)
-        for flat, layout in zip(results, layouts):
-            offset = 0
-            for i, shape, numel in layout:  # (a dtype's only payload: the result as it is)
-                part = flat if len(layout) == 1 else flat[offset:offset + numel]
-                reduced[i] = part if part.shape == shape else part.view(shape)
-                offset += numel
+            packed.buffers.clear()  # the payloads sent stay alive until here (the all-reduce's stream reads them)
+        counts = reduced[len(encoded)] if state.tracks_unused else None
         with torch.no_grad():
-            if counted is not None:
-                state.last_used[id(plan)] = (reduced[-1][:, 0] > 0).to(torch.int32)
+            if counts is not None:
+                state.last_used[id(plan)] = (counts[:, 0] > 0).to(torch.int32)
             if joined:
-                for unit, (_, ctx), payload in zip(plan.units, encoded, reduced):
+                for (_, ctx), payload in zip(encoded, reduced):
                     comp.decode_joined(payload, ctx)
-                return buffer
-            dropped = None
-            if counted is not None:  # no rank used it, and DDP will not write its .grad
-                counts = reduced[-1]
-                dropped = (counts[:, 0] == 0) & (counts[:, 1] == 0)
-            outs = []
-            for unit, slot, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
-                factor = comp.linear_decode(ctx) if unit.contiguous else None
-                if factor is not None:  # a cast: its mean written into the bucket
-                    dst, flat = buffer[unit.start:unit.stop], _flat(payload)
-                    if factor == n:  # fp16's 1/n pre-scale: nothing left to scale
-                        dst.copy_(flat)
-                    elif dst.dtype == torch.float32 and flat.dtype != torch.float32:
-                        # (torch.mul(flat, f, out=dst) would cost 8 operations here, and
-                        # round the product in the payload's half dtype)
-                        dst.copy_(flat)
-                        dst.mul_(factor / n)
-                    else:  # in the payload's dtype (float32 into a half bucket: the mean,
-                        torch.mul(flat, factor / n, out=dst)  # rounded once, not the sum)
-                    outs.append(None)
-                    continue
-                out = payload if ctx is None else comp.decode(payload, ctx, divide=n)
-                if dropped is not None:
-                    comp.add_error_feedback(ctx, _dropped_part(out, dropped, slot))
-                outs.append(out)
-            # Written into the bucket's buffer (one copy per unit) and the buffer returned: DDP
-            # then sees its own views and copies nothing more per parameter.
-            for unit, out in zip(plan.units, outs):
-                if out is None:
-                    continue
-                if unit.contiguous:
-                    buffer[unit.start:unit.stop].copy_(_flat(out))
-                else:
-                    runs.scatter(buffer, unit, out)
+            else:
+                _decode(state, plan, encoded, reduced, counts, buffer)
         return buffer
-
-    if len(futures) == 1:  # then(): the callback's streams wait for the all-reduce; DDP's for it
-        return futures[0].then(unpack)
-    # Several payload dtypes: collect_all's future holds no tensors and records no CUDA events,
-    # so the result goes through a future of the buffer's device, completed on the streams the
-    # decode ran on (DDP's wait() then makes its stream wait for them).
-    done = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
-
-    def complete(fut):
-        try:
-            done.set_result(unpack(fut))
-        except Exception as exc:  # noqa: BLE001 - handed to DDP's wait(), as then() would
-            done.set_exception(exc)
-    torch.futures.collect_all(futures).add_done_callback(complete)
-    return done
+    return _future(comp.engine, futures, finish, buffer)
 
 
 def make_comm_hook(ddp_model, compressor, per_tensor: bool = False):
@@ -430,6 +430,7 @@ def register_comm_hook(ddp_model, compressor, per_tensor: bool = False):
             then left unbound.
     """
     state = _model_state(ddp_model, compressor, per_tensor)
+    ddp_compiled.check_model(ddp_model, compressor.spec)
     ddp_model.register_comm_hook(state, hook)  # DDP's checks first: nothing bound if it refuses
     state.bind(ddp_model)
     return compressor
