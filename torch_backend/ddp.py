@@ -87,7 +87,8 @@ from .kernels import runs
 from .ops import OPS
 from .engine import ProcessGroupEngine
 
-__all__ = ["register_comm_hook", "make_comm_hook", "comm_state", "hook", "HookState", "DDPEngine"]
+__all__ = ["register_comm_hook", "make_comm_hook", "comm_state", "hook", "HookState", "DDPEngine", "fingerprint",
+           "check_agreement"]
 
 log = logging.getLogger("hvd_gradcomp")
 
@@ -132,7 +133,9 @@ class HookState:
         if ddp_model is not None:
             self.ddp_model = ddp_model
             self.group = ddp_model.process_group
-        comp.bind_engine(ProcessGroupEngine(self.group))
+        engine = ProcessGroupEngine(self.group)
+        check_agreement(self, engine)  # before binding: nothing changed where it raises
+        comp.bind_engine(engine)
         self.world_size, _ = comp.engine.world()
         model = self.ddp_model
         compiled = compiled or bool(getattr(model, "_use_python_reducer", False))
@@ -148,6 +151,33 @@ class HookState:
             like = next(iter(self.names), None)
             comp.calibrate(like=None if like is None else like.detach())
         return self
+
+
+def fingerprint(state: HookState) -> tuple:
+    """What every rank of a DDP model must agree on (issue 47) beyond what DDP checks itself
+    (the parameters' count, shapes and ``requires_grad``, at construction): the compressor's
+    canonical spec (schemes, options, rules) and ``per_tensor``, which decide each bucket's
+    plan and so the layout of the payloads the ranks sum."""
+    return state.compressor.spec, state.per_tensor
+
+
+def check_agreement(state: HookState, engine) -> None:
+    """Gather :func:`fingerprint` over the process group (one ``all_gather_object``, every rank
+    at the same point: registration, or the first backward of a :func:`comm_state`) and raise
+    the same ValueError on every rank at the first difference, naming both ranks' values:
+    different payload layouts would otherwise meet inside Gloo (one rank aborted, its peer reset
+    mid-backward) or, with equal sizes, be summed silently."""
+    seen = engine.gather(fingerprint(state))
+    spec, per = seen[0]
+    where = "register_comm_hook: the ranks of the DDP process group disagree: rank 0"
+    for rank, (spec_r, per_r) in enumerate(seen):
+        if spec_r != spec:
+            raise ValueError(f"{where} registers compressor {spec!r}, rank {rank} {spec_r!r}; every rank must "
+                             f"register the same spec (the ranks sum each other's payloads, whose layout the "
+                             f"spec decides)")
+        if per_r != per:
+            raise ValueError(f"{where} registers per_tensor={per}, rank {rank} per_tensor={per_r}; every rank "
+                             f"must register the same per_tensor")
 
 
 def comm_state(module, compressor, process_group=None, per_tensor=False) -> HookState:
