@@ -251,6 +251,8 @@ def _run_or_load(out, workload, spec, n, opts, target, log):
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
+    if getattr(opts, "cached", False):
+        return None
     log(f"simulating {workload} {spec} at N={n}")
     res = simulate(workload, spec, n, seed=opts.seed, batch_size=opts.batch_size,
                    max_epochs=opts.max_epochs, layout=opts.layout, target=target, cap=opts.cap,
@@ -276,9 +278,13 @@ def sweep(opts, workers, rows, log=print):
             if opts.deadline_s and time.time() - t0 > opts.deadline_s:
                 log(f"deadline reached: {spec} at N={n} and later runs left out")
                 return out
+            if out[n][BASELINE] is None:
+                continue
             target = TARGET_VS_FP16 * final_metric(out[n][BASELINE])
-            out[n][spec] = _run_or_load(opts.out, opts.workload, spec, n, opts, target, log)
-    return out
+            res = _run_or_load(opts.out, opts.workload, spec, n, opts, target, log)
+            if res is not None:
+                out[n][spec] = res
+    return {n: rows for n, rows in sorted(out.items()) if rows[BASELINE] is not None}
 
 
 def modelled_tta(result, target, n, gbps, overlap):
@@ -343,11 +349,14 @@ def _real_runs(n, rows, opts, log):
     """The real harness at ``n`` ranks (Horovod, loopback): ``{spec: result of the worker}``."""
     folder = os.path.join(opts.out, f"real-{opts.workload}-e{opts.max_epochs:g}-N{n}")
     path = os.path.join(folder, "results.json")
+    if not os.path.exists(path) and getattr(opts, "cached", False):
+        return {}
     if not os.path.exists(path):
         cmd = [sys.executable, "-m", "hvd_gradcomp.bench", "tta", "--workloads", opts.workload,
                "--compressors", ";".join(rows), "--workers", str(n), "--loopback", "--skip-link-check",
                "--budget-epochs", f"{opts.max_epochs:g}", "--seed", str(opts.seed), "--out", folder,
-               "--no-progress", "--worker-args", f"--batch-size {opts.batch_size}"]
+               "--no-progress", "--worker-args",
+               f"--batch-size {opts.batch_size} --eval-every {eval_every_at(n, WORKLOADS[opts.workload].defaults['eval_every'])}"]
         log("real harness: " + " ".join(cmd))
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not os.path.exists(path):
@@ -364,16 +373,19 @@ def validate(opts, workers, rows, log=print):
     out = []
     for n in workers:
         sims = {BASELINE: _run_or_load(opts.out, opts.workload, BASELINE, n, opts, None, log)}
+        if sims[BASELINE] is None:  # --cached, not run
+            continue
         sim_target = TARGET_VS_FP16 * final_metric(sims[BASELINE])
         for spec in rows:
             if spec != BASELINE:
                 sims[spec] = _run_or_load(opts.out, opts.workload, spec, n, opts, sim_target, log)
         real = _real_runs(n, rows, opts, log)
-        base = real[BASELINE]
-        window = int(base["meta"].get("window", WINDOW))
-        real_target = TARGET_VS_FP16 * rolling_mean(base["evals"]["metric"], window)[-1]
+        base = real.get(BASELINE)
+        real_target = None if base is None else TARGET_VS_FP16 * rolling_mean(
+            base["evals"]["metric"], int(base["meta"].get("window", WINDOW)))[-1]
         for spec in rows:
-            out.append((n, spec, sims[spec], sim_target, real.get(spec), real_target))
+            if sims[spec] is not None:
+                out.append((n, spec, sims[spec], sim_target, real.get(spec), real_target))
     return out
 
 
@@ -428,6 +440,8 @@ def build_parser():
     p.add_argument("--validate", default="", help="N values to validate against the real harness, e.g. 2,4")
     p.add_argument("--validate-rows", default=";".join(VALIDATE_ROWS))
     p.add_argument("--no-sweep", action="store_true", help="the validation only")
+    p.add_argument("--cached", action="store_true",
+                   help="run nothing: tables from the runs already in --out (missing ones left out)")
     p.add_argument("--deadline", type=float, default=0.0, help="stop starting runs after this many minutes")
     p.add_argument("--threads", type=int, default=1, help="PyTorch threads (the workers': 1)")
     p.add_argument("--out", default=os.path.join("runs", "scale"))

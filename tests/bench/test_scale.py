@@ -174,3 +174,18 @@ def test_shakespeare_cached_archive():
     wl = scale.ShakespeareWorkload(0, 2, 0, 4)
     x, y = next(wl.batches(0))
     assert x.shape == (4, 64) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_cached_tables_from_saved_runs(tmp_path, capsys):
+    """``--cached`` runs nothing: the sweep table holds the saved runs, a missing one is left out."""
+    import json
+    fp16 = dict(_result([10.0, 5.0, 4.0], [0, 10, 20], 2_000_000), window=1)
+    thc = dict(_result([10.0, 4.5, 4.0], [0, 10, 15], 600_000), window=1)
+    for n, spec, res in ((8, "fp16", fp16), (8, "thc", thc), (2, "fp16", fp16)):
+        with open(scale._run_file(str(tmp_path), "lm-comm", spec, n, "tensor", 0.3), "w") as f:
+            json.dump(res, f)
+    assert scale.main(["--cached", "--workers", "8,2,64", "--compressors", "fp16;thc;topkc:ratio=0.1",
+                       "--max-epochs", "0.3", "--out", str(tmp_path)]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 2 |") or ln.startswith("| 8 |")]
+    assert [ln.split("|")[2].strip() for ln in rows[:3]] == ["fp16", "fp16", "thc"]  # N sorted, topkc absent
+    assert rows[2].split("|")[3].strip() == "15"  # thc: 4.0 <= 1.02 x 4.0 at step 15 (4.5 is not)
