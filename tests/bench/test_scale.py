@@ -111,6 +111,10 @@ def test_steps_to_target_and_validation_rows():
     assert body[1].endswith("| no |") and "-33.3%" in body[1]
     assert body[2].endswith("| no |")  # steps equal, bytes differ
     assert "not run" in body[3] and body[3].endswith("| no |")
+    assert "| 30: 3.000 / 3.000 |" in body[0]  # the last evaluation both sides made
+    neither = dict(real_ok, evals={"step": [0, 10], "metric": [10.0, 9.0]})
+    both_short = scale.validation_block([(2, "topkc", sim, 1.0, neither, 1.0)], "abc", opts)
+    assert both_short.splitlines()[-1].endswith("| ok |")  # neither side reached it: they agree
 
 
 def test_sweep_block_modelled_seconds():
