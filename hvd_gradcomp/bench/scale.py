@@ -229,6 +229,49 @@ def simulate(workload, spec, n, *, seed=0, batch_size=16, max_epochs=1.0, lr=Non
             "ranks_agree": bool(agree), "wall_s": time.time() - wall0, "threads": torch.get_num_threads()}
 
 
+def calibrate(workload, spec, n, *, batch_size=16, reps=3, seed=0, layout="tensor"):
+    """Step parts measured apart from training, each the fastest of ``reps`` repeats (after one
+    warm-up), in this thread's CPU time (``time.thread_time``, PyTorch on one thread), so that
+    other jobs on a shared machine do not inflate them: ``{"compute_s": one rank's
+    forward + backward + optimizer step, "codec_s": one rank's encode + decode (the N ranks'
+    summed / N)}``, seconds, on rank r's real micro-batches of the first epoch."""
+    cls = WORKLOADS[workload]
+    torch.manual_seed(seed)
+    wl = cls(0, n, seed, batch_size)
+    model = wl.model()
+    opt = torch_workloads.build_optimizer(wl, model.parameters(), cls.defaults["lr"], "")
+    engine = SimulatedEngine(n, op="average" if layout == "tensor" else "sum", clock=time.thread_time)
+    comps = engine.compressors(spec)
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    offsets, o = [], 0
+    for k, p in named:
+        offsets.append((o, [Member(k, k, tuple(p.shape), 0 if layout == "tensor" else o, p.numel())]))
+        o += p.numel()
+    buckets = [(off, m[0].numel, m) for off, m in offsets] if layout == "tensor" else \
+        [(0, o, [m[0] for _, m in offsets])]
+    iters = [_rank_view(wl, r).batches(0) for r in range(n)]
+    compute, codec = [], []
+    for _ in range(reps + 1):
+        grads, fb = [], []
+        for r in range(n):
+            x, y = next(iters[r])
+            t0 = time.thread_time()
+            for _, p in named:
+                p.grad = None
+            wl.loss(model, x, y).backward()
+            fb.append(time.thread_time() - t0)
+            grads.append(torch.cat([p.grad.reshape(-1) for _, p in named]))
+        engine.take_timings()
+        for off, size, members in buckets:
+            engine.allreduce_bucket(comps, [g[off:off + size] for g in grads], members)
+        t = engine.take_timings()
+        t0 = time.thread_time()
+        opt.step()
+        compute.append(min(fb) + time.thread_time() - t0)
+        codec.append((sum(t["encode_s"]) + sum(t["decode_s"])) / n)
+    return {"compute_s": min(compute[1:]), "codec_s": min(codec[1:]), "reps": reps}
+
+
 def final_metric(result):
     """The rolling metric at the end of a run."""
     return rolling_mean(result["evals"]["metric"], result.get("window", WINDOW))[-1]
@@ -287,9 +330,11 @@ def sweep(opts, workers, rows, log=print):
     return {n: rows for n, rows in sorted(out.items()) if rows[BASELINE] is not None}
 
 
-def modelled_tta(result, target, n, gbps, overlap):
-    """``(steps, step_s, tta_s)``: steps to ``target`` x the modelled step time at ``gbps``."""
-    m = Measurement(compute_s=result["compute_s"], codec_s=result["codec_s"],
+def modelled_tta(result, target, n, gbps, overlap, parts=None):
+    """``(steps, step_s, tta_s)``: steps to ``target`` x the modelled step time at ``gbps``
+    (``parts``: ``{"compute_s", "codec_s"}`` to use instead of the run's medians)."""
+    parts = parts or result
+    m = Measurement(compute_s=parts["compute_s"], codec_s=parts["codec_s"],
                     payload_bytes=result["bytes"]["payload"], side_bytes=result["bytes"]["side"],
                     side_collectives=int(result["bytes"]["side_collectives"]))
     step_s = predict_step_time(m, n, gbps, Network(overlap=overlap)).total
@@ -303,13 +348,33 @@ def _fmt(v, kind="g"):
     return {"ms": f"{1e3 * v:.1f}", "s": f"{v:.1f}", "int": f"{int(v)}", "B": f"{int(v):,}"}.get(kind, f"{v:g}")
 
 
-def sweep_block(results, gbps, overlap, commit, opts):
+def step_parts(results, calibration=None):
+    """``{(n, spec): {"compute_s", "codec_s"}}``: the parts of the modelled step. With a
+    ``calibration`` (``{(n, spec): calibrate(...)}``): one compute time for every row (the
+    fastest calibrated; the compute of a rank does not depend on the scheme or on N) and each
+    row's calibrated codec time; rows without one keep their run's medians."""
+    calibration = calibration or {}
+    compute = min((c["compute_s"] for c in calibration.values()), default=None)
+    out = {}
+    for n, rows in results.items():
+        for spec, res in rows.items():
+            cal = calibration.get((n, spec))
+            out[(n, spec)] = {"compute_s": compute if cal else res["compute_s"],
+                              "codec_s": cal["codec_s"] if cal else res["codec_s"]}
+    return out
+
+
+def sweep_block(results, gbps, overlap, commit, opts, calibration=None):
     """The Markdown block of the sweep (simulated): one table of runs, one of winners."""
+    parts = step_parts(results, calibration)
+    how = ("compute (one rank's forward, backward and optimizer step: the fastest of the calibration "
+           "repeats, for every row) and codec (one rank's encode + decode, the fastest of its "
+           "calibration's repeats), in CPU time") if calibration else "compute and codec of one rank (medians over the run's steps)"
     lines = [f"**Simulated** ({opts.workload}, {opts.layout} layout, N virtual ranks in one process, "
              f"batch {opts.batch_size} a rank, budget {opts.max_epochs:g} epochs at N, seed {opts.seed}; "
              f"commit {commit}). Steps are simulated training with the real codec; seconds are "
-             f"modelled: steps x (compute + codec of one rank measured on this machine's CPU, one "
-             f"thread, + the ring all-reduce of the payload at N, bench/model.py).", ""]
+             f"modelled: steps x ({how}, measured on this machine's CPU, one thread, + the ring "
+             f"all-reduce of the payload at N, bench/model.py).", ""]
     speeds = " | ".join(f"TTA s {g:g}G" for g in gbps)
     lines += [f"| N | compressor | steps to target | stop | payload B/step | compute ms | codec ms | {speeds} | "
               f"{' | '.join(f'TTA s {g:g}G ovl' for g in gbps)} |",
@@ -318,19 +383,19 @@ def sweep_block(results, gbps, overlap, commit, opts):
     for n, rows in results.items():
         target = TARGET_VS_FP16 * final_metric(rows[BASELINE])
         for spec, res in rows.items():
-            cells = []
+            cells, part = [], parts[(n, spec)]
             for o in (0.0, overlap):
                 for g in gbps:
-                    steps, _, tta = modelled_tta(res, target, n, g, o)
+                    steps, _, tta = modelled_tta(res, target, n, g, o, part)
                     cells.append(_fmt(tta, "s"))
                     if tta is not None and (best.get((n, g, o)) is None or tta < best[(n, g, o)][1]):
                         best[(n, g, o)] = (spec, tta)
             steps = steps_to_target(res, target)
             lines.append(f"| {n} | {spec} | {_fmt(steps, 'int')} | {res['stop_reason']} at {res['steps_run']} | "
-                         f"{_fmt(res['bytes']['payload'], 'B')} | {_fmt(res['compute_s'], 'ms')} | "
-                         f"{_fmt(res['codec_s'], 'ms')} | " + " | ".join(cells) + " |")
+                         f"{_fmt(res['bytes']['payload'], 'B')} | {_fmt(part['compute_s'], 'ms')} | "
+                         f"{_fmt(part['codec_s'], 'ms')} | " + " | ".join(cells) + " |")
     lines += ["", f"Soonest to FP16's target (simulated steps x modelled step; 'ovl': the all-reduce "
-                  f"hidden behind {overlap:g} x the compute):", "",
+                  f"hidden behind {overlap:.2g} x the compute):", "",
               "| N | " + " | ".join(f"{g:g} Gbit/s" for g in gbps) + " | " +
               " | ".join(f"{g:g} Gbit/s ovl" for g in gbps) + " |", "|" + "---|" * (1 + 2 * len(gbps))]
     for n, rows in results.items():
@@ -339,10 +404,28 @@ def sweep_block(results, gbps, overlap, commit, opts):
         for o in (0.0, overlap):
             for g in gbps:
                 spec, tta = best.get((n, g, o), (None, None))
-                _, _, base = modelled_tta(rows[BASELINE], fp16_target, n, g, o)
+                _, _, base = modelled_tta(rows[BASELINE], fp16_target, n, g, o, parts[(n, BASELINE)])
                 cells.append("-" if spec is None else f"{spec} ({base / tta:.2f}x fp16)" if base else spec)
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _calibrations(opts, results, log):
+    """``{(n, spec): calibrate(...)}`` for every run of ``results``, cached in ``--out``."""
+    out = {}
+    for n, rows in results.items():
+        for spec in rows:
+            path = _run_file(opts.out, opts.workload, spec, n, opts.layout, opts.max_epochs)[:-5] + ".calib.json"
+            if not os.path.exists(path):
+                if opts.cached:
+                    continue
+                log(f"calibrating {spec} at N={n}")
+                with open(path, "w") as f:
+                    json.dump(calibrate(opts.workload, spec, n, batch_size=opts.batch_size, seed=opts.seed,
+                                        layout=opts.layout), f)
+            with open(path) as f:
+                out[(n, spec)] = json.load(f)
+    return out
 
 
 def _real_runs(n, rows, opts, log):
@@ -460,6 +543,9 @@ def build_parser():
     p.add_argument("--no-sweep", action="store_true", help="the validation only")
     p.add_argument("--cached", action="store_true",
                    help="run nothing: tables from the runs already in --out (missing ones left out)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="model the step from compute and codec times measured apart, the fastest of a "
+                        "few repeats (calibrate()), instead of the runs' medians (inflated by other jobs)")
     p.add_argument("--deadline", type=float, default=0.0, help="stop starting runs after this many minutes")
     p.add_argument("--threads", type=int, default=1, help="PyTorch threads (the workers': 1)")
     p.add_argument("--out", default=os.path.join("runs", "scale"))
@@ -484,7 +570,8 @@ def main(argv=None):
     if not opts.no_sweep:
         rows = [s.strip() for s in opts.compressors.split(";") if s.strip()]
         results = sweep(opts, _ints(opts.workers), rows)
-        blocks["scale-sweep"] = sweep_block(results, gbps, opts.overlap, commit, opts)
+        calibration = _calibrations(opts, results, print) if opts.calibrate else None
+        blocks["scale-sweep"] = sweep_block(results, gbps, opts.overlap, commit, opts, calibration)
         print(blocks["scale-sweep"], flush=True)
     if opts.update_doc:
         for name, block in blocks.items():

@@ -193,3 +193,17 @@ def test_cached_tables_from_saved_runs(tmp_path, capsys):
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 2 |") or ln.startswith("| 8 |")]
     assert [ln.split("|")[2].strip() for ln in rows[:3]] == ["fp16", "fp16", "thc"]  # N sorted, topkc absent
     assert rows[2].split("|")[3].strip() == "15"  # thc: 4.0 <= 1.02 x 4.0 at step 15 (4.5 is not)
+
+
+def test_calibrated_step_parts():
+    """Calibration times in CPU time; the modelled step takes one compute time for every row
+    (the fastest calibrated) and each row's own codec time."""
+    cal = scale.calibrate("lm-comm", "fp16", 2, batch_size=1, reps=1)
+    assert cal["compute_s"] > 0 and cal["codec_s"] > 0
+    res = _result([10.0, 4.0], [0, 10], 1000, compute=9.0, codec=9.0)
+    parts = scale.step_parts({2: {"fp16": res, "thc": res}, 8: {"fp16": res}},
+                             {(2, "fp16"): {"compute_s": 0.02, "codec_s": 0.001},
+                              (2, "thc"): {"compute_s": 0.01, "codec_s": 0.003}})
+    assert parts[(2, "fp16")] == {"compute_s": 0.01, "codec_s": 0.001}
+    assert parts[(2, "thc")] == {"compute_s": 0.01, "codec_s": 0.003}
+    assert parts[(8, "fp16")] == {"compute_s": 9.0, "codec_s": 9.0}  # not calibrated: the run's
