@@ -358,7 +358,10 @@ def step_parts(results, calibration=None):
     out = {}
     for n, rows in results.items():
         for spec, res in rows.items():
-            cal = calibration.get((n, spec))
+            # the calibration at the largest N not above n (the codec's cost per rank follows the
+            # payload's layout, which stops changing once THC's lanes are as wide as N needs)
+            at = [m for m, sp in calibration if sp == spec and m <= n]
+            cal = calibration.get((max(at), spec)) if at else None
             out[(n, spec)] = {"compute_s": compute if cal else res["compute_s"],
                               "codec_s": cal["codec_s"] if cal else res["codec_s"]}
     return out
@@ -369,7 +372,7 @@ def sweep_block(results, gbps, overlap, commit, opts, calibration=None):
     parts = step_parts(results, calibration)
     how = ("compute (one rank's forward, backward and optimizer step: the fastest of the calibration "
            "repeats, for every row) and codec (one rank's encode + decode, the fastest of its "
-           "calibration's repeats), in CPU time") if calibration else "compute and codec of one rank (medians over the run's steps)"
+           f"calibration's repeats at the largest N of {opts.calibrate_at} not above the row's), in CPU time") if calibration else "compute and codec of one rank (medians over the run's steps)"
     lines = [f"**Simulated** ({opts.workload}, {opts.layout} layout, N virtual ranks in one process, "
              f"batch {opts.batch_size} a rank, budget {opts.max_epochs:g} epochs at N, seed {opts.seed}; "
              f"commit {commit}). Steps are simulated training with the real codec; seconds are "
@@ -411,14 +414,16 @@ def sweep_block(results, gbps, overlap, commit, opts, calibration=None):
 
 
 def _calibrations(opts, results, log):
-    """``{(n, spec): calibrate(...)}`` for every run of ``results``, cached in ``--out``."""
+    """``{(n, spec): calibrate(...)}`` for the runs of ``results`` at ``--calibrate-at``, cached in
+    ``--out``."""
     out = {}
+    at = _ints(opts.calibrate_at)
     for n, rows in results.items():
+        if n not in at:
+            continue
         for spec in rows:
             path = _run_file(opts.out, opts.workload, spec, n, opts.layout, opts.max_epochs)[:-5] + ".calib.json"
-            if not os.path.exists(path):
-                if opts.cached:
-                    continue
+            if not os.path.exists(path):  # (--cached too: --calibrate asks for it)
                 log(f"calibrating {spec} at N={n}")
                 with open(path, "w") as f:
                     json.dump(calibrate(opts.workload, spec, n, batch_size=opts.batch_size, seed=opts.seed,
@@ -546,6 +551,8 @@ def build_parser():
     p.add_argument("--calibrate", action="store_true",
                    help="model the step from compute and codec times measured apart, the fastest of a "
                         "few repeats (calibrate()), instead of the runs' medians (inflated by other jobs)")
+    p.add_argument("--calibrate-at", default="2,8",
+                   help="N values calibrated (a run at another N takes the largest calibrated N below it)")
     p.add_argument("--deadline", type=float, default=0.0, help="stop starting runs after this many minutes")
     p.add_argument("--threads", type=int, default=1, help="PyTorch threads (the workers': 1)")
     p.add_argument("--out", default=os.path.join("runs", "scale"))

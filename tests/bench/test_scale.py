@@ -206,4 +206,6 @@ def test_calibrated_step_parts():
                               (2, "thc"): {"compute_s": 0.01, "codec_s": 0.003}})
     assert parts[(2, "fp16")] == {"compute_s": 0.01, "codec_s": 0.001}
     assert parts[(2, "thc")] == {"compute_s": 0.01, "codec_s": 0.003}
-    assert parts[(8, "fp16")] == {"compute_s": 9.0, "codec_s": 9.0}  # not calibrated: the run's
+    assert parts[(8, "fp16")] == {"compute_s": 0.01, "codec_s": 0.001}  # N=2's calibration
+    parts = scale.step_parts({2: {"fp16": res}, 8: {"topkc": res}}, {(2, "fp16"): {"compute_s": 0.02, "codec_s": 0.001}})
+    assert parts[(8, "topkc")] == {"compute_s": 9.0, "codec_s": 9.0}  # not calibrated: the run's
