@@ -414,14 +414,12 @@ def sweep_block(results, gbps, overlap, commit, opts, calibration=None):
 
 
 def _calibrations(opts, results, log):
-    """``{(n, spec): calibrate(...)}`` for the runs of ``results`` at ``--calibrate-at``, cached in
-    ``--out``."""
+    """``{(n, spec): calibrate(...)}`` for every row of ``results`` at each N of ``--calibrate-at``,
+    cached in ``--out``."""
     out = {}
-    at = _ints(opts.calibrate_at)
-    for n, rows in results.items():
-        if n not in at:
-            continue
-        for spec in rows:
+    specs = list(dict.fromkeys(spec for rows in results.values() for spec in rows))
+    for n in _ints(opts.calibrate_at):  # (also where no run is: the rows above take it)
+        for spec in specs:
             path = _run_file(opts.out, opts.workload, spec, n, opts.layout, opts.max_epochs)[:-5] + ".calib.json"
             if not os.path.exists(path):  # (--cached too: --calibrate asks for it)
                 log(f"calibrating {spec} at N={n}")
