@@ -42,6 +42,7 @@ they post Horovod's collective, not the engine's. ``auto`` without ``bandwidth_g
 there too (there is no link to measure in one process).
 """
 import threading
+import time
 
 import torch
 
@@ -85,6 +86,8 @@ class SimulatedEngine:
         op: ``"sum"`` (DDP's: decoded with ``divide=N``) or ``"average"`` (Horovod's
             ``op=Average``, emulated as its CPU path applies it; decoded as Horovod's decompress).
         timeout_s: how long a rank waits at a collective of :meth:`run` for the others.
+        clock: the clock of :attr:`timings` (default ``time.perf_counter``; ``time.thread_time``
+            counts this thread's CPU time only, unaffected by other jobs on a shared machine).
 
     Attributes:
         timings: ``{"encode_s": [per rank], "decode_s": [per rank], "reduce_s": float}``,
@@ -94,12 +97,13 @@ class SimulatedEngine:
         ValueError: ``world_size`` < 1 or an unknown ``op``.
     """
 
-    def __init__(self, world_size: int, op: str = "sum", timeout_s: float = 120.0):
+    def __init__(self, world_size: int, op: str = "sum", timeout_s: float = 120.0, clock=None):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"SimulatedEngine: world_size must be an int >= 1, got {world_size!r}")
         if op not in ("sum", "average"):
             raise ValueError(f"SimulatedEngine: op must be 'sum' or 'average', got {op!r}")
         self.world_size, self.op, self.timeout_s = world_size, op, float(timeout_s)
+        self.clock = clock or time.perf_counter
         self._views = [RankEngine(self, r) for r in range(world_size)]
         self._barrier = None
         self._slots = None
@@ -213,7 +217,6 @@ class SimulatedEngine:
                 compressor refuses (``plan_bucket``/``encode_unit``: a shape change under one
                 key, ...).
         """
-        import time
         n = self.world_size
         compressors, buffers = list(compressors), list(buffers)
         if len(compressors) != n or len(buffers) != n:
@@ -231,7 +234,7 @@ class SimulatedEngine:
         members = tuple(members)
         encoded, plans = [], []
         for r in range(n):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             plan = compressors[r].plan_bucket(members, dtype, self.op, None, buffers[r])
             units = []
             for unit in plan.units:
@@ -240,7 +243,7 @@ class SimulatedEngine:
                 if len(unit.members) == 1 and tuple(x.shape) != tuple(unit.info.shape):
                     x = x.view(unit.info.shape)
                 units.append(compressors[r].encode_unit(unit, x))
-            self.timings["encode_s"][r] += time.perf_counter() - t0
+            self.timings["encode_s"][r] += self.clock() - t0
             plans.append(plan)
             encoded.append(units)
         keys = [u.key for u in plans[0].units]
@@ -252,7 +255,7 @@ class SimulatedEngine:
                 if p.shape != p0.shape or p.dtype != p0.dtype:
                     raise ValueError(f"{self!r}.allreduce_bucket: unit {keys[k]!r}: rank {r}'s payload is "
                                      f"{p.dtype}{list(p.shape)}, rank 0's {p0.dtype}{list(p0.shape)}")
-        t0 = time.perf_counter()
+        t0 = self.clock()
         reduced = self._reduce_packed([[p for p, _ in units] for units in encoded])
         covered = [False] * len(members)
         for unit in plans[0].units:
@@ -260,10 +263,10 @@ class SimulatedEngine:
                 covered[i] = True
         loose = [m for m, c in zip(members, covered) if not c and m.numel]  # passed through whole
         loose_sum = {m.offset: self.reduce([b[m.offset:m.offset + m.numel] for b in buffers]) for m in loose}
-        self.timings["reduce_s"] += time.perf_counter() - t0
+        self.timings["reduce_s"] += self.clock() - t0
         outs = []
         for r in range(n):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             out = torch.zeros_like(buffers[r])
             for unit, (_, ctx), payload in zip(plans[r].units, encoded[r], reduced):
                 payload = payload.clone()  # each rank decodes its own copy, as after a real collective
@@ -279,7 +282,7 @@ class SimulatedEngine:
             for m in loose:
                 s = loose_sum[m.offset]
                 out[m.offset:m.offset + m.numel] = s / n if self.op == "sum" and s.is_floating_point() else s
-            self.timings["decode_s"][r] += time.perf_counter() - t0
+            self.timings["decode_s"][r] += self.clock() - t0
             outs.append(out)
         return outs
 

@@ -53,7 +53,8 @@ from hvd_gradcomp.buckets import Member
 from torch_backend.simulated import SimulatedEngine
 
 from . import data, report
-from .model import Measurement, Network, predict_step_time
+from .scale_tables import (BASELINE, TARGET_VS_FP16, TOLERANCE, WINDOW, final_metric, modelled_tta,  # noqa: F401
+                           step_parts, steps_to_target, sweep_block, validation_block)
 from .worker import rolling_mean
 from .workers import torch_workloads
 
@@ -63,10 +64,6 @@ __all__ = ["ShakespeareWorkload", "WORKLOADS", "simulate", "steps_to_target", "s
 ROWS = ("fp16", "bf16", "thc", "thc:error_feedback=false", "thc:bits=2", "topkc:ratio=0.1",
         "powersgd:rank=4", "signsgd")
 VALIDATE_ROWS = ("fp16", "thc", "topkc:ratio=0.1")
-BASELINE = "fp16"
-TARGET_VS_FP16 = 1.02
-WINDOW = 5  # evaluations in the rolling mean (the harness's --window)
-TOLERANCE = 0.10  # validation: simulated steps within 10% of the real run's
 
 
 class ShakespeareWorkload(torch_workloads.LMCommWorkload):
@@ -229,16 +226,47 @@ def simulate(workload, spec, n, *, seed=0, batch_size=16, max_epochs=1.0, lr=Non
             "ranks_agree": bool(agree), "wall_s": time.time() - wall0, "threads": torch.get_num_threads()}
 
 
-def final_metric(result):
-    """The rolling metric at the end of a run."""
-    return rolling_mean(result["evals"]["metric"], result.get("window", WINDOW))[-1]
-
-
-def steps_to_target(result, target):
-    """The step of the first evaluation whose rolling mean reaches ``target`` (lower is
-    better), or None."""
-    i = report.first_reached(result["evals"]["metric"], target, False, result.get("window", WINDOW))
-    return None if i is None else result["evals"]["step"][i]
+def calibrate(workload, spec, n, *, batch_size=16, reps=3, seed=0, layout="tensor"):
+    """Step parts measured apart from training, each the fastest of ``reps`` repeats (after one
+    warm-up), in this thread's CPU time (``time.thread_time``, PyTorch on one thread), so that
+    other jobs on a shared machine do not inflate them: ``{"compute_s": one rank's
+    forward + backward + optimizer step, "codec_s": one rank's encode + decode (the N ranks'
+    summed / N)}``, seconds, on rank r's real micro-batches of the first epoch."""
+    cls = WORKLOADS[workload]
+    torch.manual_seed(seed)
+    wl = cls(0, n, seed, batch_size)
+    model = wl.model()
+    opt = torch_workloads.build_optimizer(wl, model.parameters(), cls.defaults["lr"], "")
+    engine = SimulatedEngine(n, op="average" if layout == "tensor" else "sum", clock=time.thread_time)
+    comps = engine.compressors(spec)
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    offsets, o = [], 0
+    for k, p in named:
+        offsets.append((o, [Member(k, k, tuple(p.shape), 0 if layout == "tensor" else o, p.numel())]))
+        o += p.numel()
+    buckets = [(off, m[0].numel, m) for off, m in offsets] if layout == "tensor" else \
+        [(0, o, [m[0] for _, m in offsets])]
+    iters = [_rank_view(wl, r).batches(0) for r in range(n)]
+    compute, codec = [], []
+    for _ in range(reps + 1):
+        grads, fb = [], []
+        for r in range(n):
+            x, y = next(iters[r])
+            t0 = time.thread_time()
+            for _, p in named:
+                p.grad = None
+            wl.loss(model, x, y).backward()
+            fb.append(time.thread_time() - t0)
+            grads.append(torch.cat([p.grad.reshape(-1) for _, p in named]))
+        engine.take_timings()
+        for off, size, members in buckets:
+            engine.allreduce_bucket(comps, [g[off:off + size] for g in grads], members)
+        t = engine.take_timings()
+        t0 = time.thread_time()
+        opt.step()
+        compute.append(min(fb) + time.thread_time() - t0)
+        codec.append((sum(t["encode_s"]) + sum(t["decode_s"])) / n)
+    return {"compute_s": min(compute[1:]), "codec_s": min(codec[1:]), "reps": reps}
 
 
 def _run_file(out, workload, spec, n, layout, max_epochs):
@@ -251,6 +279,8 @@ def _run_or_load(out, workload, spec, n, opts, target, log):
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
+    if getattr(opts, "cached", False):
+        return None
     log(f"simulating {workload} {spec} at N={n}")
     res = simulate(workload, spec, n, seed=opts.seed, batch_size=opts.batch_size,
                    max_epochs=opts.max_epochs, layout=opts.layout, target=target, cap=opts.cap,
@@ -276,78 +306,45 @@ def sweep(opts, workers, rows, log=print):
             if opts.deadline_s and time.time() - t0 > opts.deadline_s:
                 log(f"deadline reached: {spec} at N={n} and later runs left out")
                 return out
+            if out[n][BASELINE] is None:
+                continue
             target = TARGET_VS_FP16 * final_metric(out[n][BASELINE])
-            out[n][spec] = _run_or_load(opts.out, opts.workload, spec, n, opts, target, log)
+            res = _run_or_load(opts.out, opts.workload, spec, n, opts, target, log)
+            if res is not None:
+                out[n][spec] = res
+    return {n: rows for n, rows in sorted(out.items()) if rows[BASELINE] is not None}
+
+
+def _calibrations(opts, results, log):
+    """``{(n, spec): calibrate(...)}`` for every row of ``results`` at each N of ``--calibrate-at``,
+    cached in ``--out``."""
+    out = {}
+    specs = list(dict.fromkeys(spec for rows in results.values() for spec in rows))
+    for n in _ints(opts.calibrate_at):  # (also where no run is: the rows above take it)
+        for spec in specs:
+            path = _run_file(opts.out, opts.workload, spec, n, opts.layout, opts.max_epochs)[:-5] + ".calib.json"
+            if not os.path.exists(path):  # (--cached too: --calibrate asks for it)
+                log(f"calibrating {spec} at N={n}")
+                with open(path, "w") as f:
+                    json.dump(calibrate(opts.workload, spec, n, batch_size=opts.batch_size, seed=opts.seed,
+                                        layout=opts.layout), f)
+            with open(path) as f:
+                out[(n, spec)] = json.load(f)
     return out
-
-
-def modelled_tta(result, target, n, gbps, overlap):
-    """``(steps, step_s, tta_s)``: steps to ``target`` x the modelled step time at ``gbps``."""
-    m = Measurement(compute_s=result["compute_s"], codec_s=result["codec_s"],
-                    payload_bytes=result["bytes"]["payload"], side_bytes=result["bytes"]["side"],
-                    side_collectives=int(result["bytes"]["side_collectives"]))
-    step_s = predict_step_time(m, n, gbps, Network(overlap=overlap)).total
-    steps = steps_to_target(result, target)
-    return steps, step_s, None if steps is None else steps * step_s
-
-
-def _fmt(v, kind="g"):
-    if v is None:
-        return "not reached"
-    return {"ms": f"{1e3 * v:.1f}", "s": f"{v:.1f}", "int": f"{int(v)}", "B": f"{int(v):,}"}.get(kind, f"{v:g}")
-
-
-def sweep_block(results, gbps, overlap, commit, opts):
-    """The Markdown block of the sweep (simulated): one table of runs, one of winners."""
-    lines = [f"**Simulated** ({opts.workload}, {opts.layout} layout, N virtual ranks in one process, "
-             f"batch {opts.batch_size} a rank, budget {opts.max_epochs:g} epochs at N, seed {opts.seed}; "
-             f"commit {commit}). Steps are simulated training with the real codec; seconds are "
-             f"modelled: steps x (compute + codec of one rank measured on this machine's CPU, one "
-             f"thread, + the ring all-reduce of the payload at N, bench/model.py).", ""]
-    speeds = " | ".join(f"TTA s {g:g}G" for g in gbps)
-    lines += [f"| N | compressor | steps to target | stop | payload B/step | compute ms | codec ms | {speeds} | "
-              f"{' | '.join(f'TTA s {g:g}G ovl' for g in gbps)} |",
-              "|" + "---|" * (7 + 2 * len(gbps))]
-    best = {}
-    for n, rows in results.items():
-        target = TARGET_VS_FP16 * final_metric(rows[BASELINE])
-        for spec, res in rows.items():
-            cells = []
-            for o in (0.0, overlap):
-                for g in gbps:
-                    steps, _, tta = modelled_tta(res, target, n, g, o)
-                    cells.append(_fmt(tta, "s"))
-                    if tta is not None and (best.get((n, g, o)) is None or tta < best[(n, g, o)][1]):
-                        best[(n, g, o)] = (spec, tta)
-            steps = steps_to_target(res, target)
-            lines.append(f"| {n} | {spec} | {_fmt(steps, 'int')} | {res['stop_reason']} at {res['steps_run']} | "
-                         f"{_fmt(res['bytes']['payload'], 'B')} | {_fmt(res['compute_s'], 'ms')} | "
-                         f"{_fmt(res['codec_s'], 'ms')} | " + " | ".join(cells) + " |")
-    lines += ["", f"Soonest to FP16's target (simulated steps x modelled step; 'ovl': the all-reduce "
-                  f"hidden behind {overlap:g} x the compute):", "",
-              "| N | " + " | ".join(f"{g:g} Gbit/s" for g in gbps) + " | " +
-              " | ".join(f"{g:g} Gbit/s ovl" for g in gbps) + " |", "|" + "---|" * (1 + 2 * len(gbps))]
-    for n, rows in results.items():
-        fp16_target = TARGET_VS_FP16 * final_metric(rows[BASELINE])
-        cells = []
-        for o in (0.0, overlap):
-            for g in gbps:
-                spec, tta = best.get((n, g, o), (None, None))
-                _, _, base = modelled_tta(rows[BASELINE], fp16_target, n, g, o)
-                cells.append("-" if spec is None else f"{spec} ({base / tta:.2f}x fp16)" if base else spec)
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def _real_runs(n, rows, opts, log):
     """The real harness at ``n`` ranks (Horovod, loopback): ``{spec: result of the worker}``."""
     folder = os.path.join(opts.out, f"real-{opts.workload}-e{opts.max_epochs:g}-N{n}")
     path = os.path.join(folder, "results.json")
+    if not os.path.exists(path) and getattr(opts, "cached", False):
+        return {}
     if not os.path.exists(path):
         cmd = [sys.executable, "-m", "hvd_gradcomp.bench", "tta", "--workloads", opts.workload,
                "--compressors", ";".join(rows), "--workers", str(n), "--loopback", "--skip-link-check",
                "--budget-epochs", f"{opts.max_epochs:g}", "--seed", str(opts.seed), "--out", folder,
-               "--no-progress", "--worker-args", f"--batch-size {opts.batch_size}"]
+               "--no-progress", "--worker-args",
+               f"--batch-size {opts.batch_size} --eval-every {eval_every_at(n, WORKLOADS[opts.workload].defaults['eval_every'])}"]
         log("real harness: " + " ".join(cmd))
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not os.path.exists(path):
@@ -364,47 +361,26 @@ def validate(opts, workers, rows, log=print):
     out = []
     for n in workers:
         sims = {BASELINE: _run_or_load(opts.out, opts.workload, BASELINE, n, opts, None, log)}
+        if sims[BASELINE] is None:  # --cached, not run
+            continue
         sim_target = TARGET_VS_FP16 * final_metric(sims[BASELINE])
         for spec in rows:
             if spec != BASELINE:
                 sims[spec] = _run_or_load(opts.out, opts.workload, spec, n, opts, sim_target, log)
         real = _real_runs(n, rows, opts, log)
-        base = real[BASELINE]
-        window = int(base["meta"].get("window", WINDOW))
-        real_target = TARGET_VS_FP16 * rolling_mean(base["evals"]["metric"], window)[-1]
+        base = real.get(BASELINE)
+        real_target = None if base is None else TARGET_VS_FP16 * rolling_mean(
+            base["evals"]["metric"], int(base["meta"].get("window", WINDOW)))[-1]
         for spec in rows:
-            out.append((n, spec, sims[spec], sim_target, real.get(spec), real_target))
+            if sims[spec] is not None:
+                out.append((n, spec, sims[spec], sim_target, real.get(spec), real_target))
     return out
-
-
-def validation_block(rows, commit, opts):
-    """The Markdown block of the validation: simulated against real, side by side."""
-    lines = [f"**Simulated against real** ({opts.workload}, Horovod on loopback, the same seed {opts.seed}, "
-             f"data order, batch {opts.batch_size} a rank and budget {opts.max_epochs:g} epochs; commit "
-             f"{commit}). Steps to each side's own target (1.02 x its FP16's final rolling perplexity); "
-             f"ok: steps within {TOLERANCE:.0%} and bytes equal.", "",
-             "| N | compressor | steps simulated | steps real | difference | bytes/step simulated | "
-             "bytes/step real | ok |", "|---|---|---|---|---|---|---|---|"]
-    for n, spec, sim, sim_t, real, real_t in rows:
-        s = steps_to_target(sim, sim_t)
-        r = None
-        rb = None
-        if real is not None:
-            i = report.first_reached(real["evals"]["metric"], real_t, False, int(real["meta"].get("window", WINDOW)))
-            r = None if i is None else real["evals"]["step"][i]
-            rb = (real.get("bytes_per_step") or {}).get("payload")
-        sb = sim["bytes"]["payload"]
-        diff = None if s is None or r is None else (s - r) / r
-        ok = diff is not None and abs(diff) <= TOLERANCE and sb == rb
-        lines.append(f"| {n} | {spec} | {_fmt(s, 'int')} | {_fmt(r, 'int') if real else 'not run'} | "
-                     f"{'-' if diff is None else f'{diff:+.1%}'} | {sb:,} | "
-                     f"{'-' if rb is None else f'{rb:,}'} | {'ok' if ok else 'no'} |")
-    return "\n".join(lines)
 
 
 def _commit():
     from .tta import _git_commit
-    return (_git_commit() or "unknown")[:12]
+    text = _git_commit() or "unknown"
+    return text[:12] + ("-dirty" if text.endswith("-dirty") else "")
 
 
 def _ints(text):
@@ -428,6 +404,13 @@ def build_parser():
     p.add_argument("--validate", default="", help="N values to validate against the real harness, e.g. 2,4")
     p.add_argument("--validate-rows", default=";".join(VALIDATE_ROWS))
     p.add_argument("--no-sweep", action="store_true", help="the validation only")
+    p.add_argument("--cached", action="store_true",
+                   help="run nothing: tables from the runs already in --out (missing ones left out)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="model the step from compute and codec times measured apart, the fastest of a "
+                        "few repeats (calibrate()), instead of the runs' medians (inflated by other jobs)")
+    p.add_argument("--calibrate-at", default="2,8",
+                   help="N values calibrated (a run at another N takes the largest calibrated N below it)")
     p.add_argument("--deadline", type=float, default=0.0, help="stop starting runs after this many minutes")
     p.add_argument("--threads", type=int, default=1, help="PyTorch threads (the workers': 1)")
     p.add_argument("--out", default=os.path.join("runs", "scale"))
@@ -452,7 +435,8 @@ def main(argv=None):
     if not opts.no_sweep:
         rows = [s.strip() for s in opts.compressors.split(";") if s.strip()]
         results = sweep(opts, _ints(opts.workers), rows)
-        blocks["scale-sweep"] = sweep_block(results, gbps, opts.overlap, commit, opts)
+        calibration = _calibrations(opts, results, print) if opts.calibrate else None
+        blocks["scale-sweep"] = sweep_block(results, gbps, opts.overlap, commit, opts, calibration)
         print(blocks["scale-sweep"], flush=True)
     if opts.update_doc:
         for name, block in blocks.items():

@@ -111,6 +111,10 @@ def test_steps_to_target_and_validation_rows():
     assert body[1].endswith("| no |") and "-33.3%" in body[1]
     assert body[2].endswith("| no |")  # steps equal, bytes differ
     assert "not run" in body[3] and body[3].endswith("| no |")
+    assert "| 30: 3.000 / 3.000 |" in body[0]  # the last evaluation both sides made
+    neither = dict(real_ok, evals={"step": [0, 10], "metric": [10.0, 9.0]})
+    both_short = scale.validation_block([(2, "topkc", sim, 1.0, neither, 1.0)], "abc", opts)
+    assert both_short.splitlines()[-1].endswith("| ok |")  # neither side reached it: they agree
 
 
 def test_sweep_block_modelled_seconds():
@@ -174,3 +178,34 @@ def test_shakespeare_cached_archive():
     wl = scale.ShakespeareWorkload(0, 2, 0, 4)
     x, y = next(wl.batches(0))
     assert x.shape == (4, 64) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_cached_tables_from_saved_runs(tmp_path, capsys):
+    """``--cached`` runs nothing: the sweep table holds the saved runs, a missing one is left out."""
+    import json
+    fp16 = dict(_result([10.0, 5.0, 4.0], [0, 10, 20], 2_000_000), window=1)
+    thc = dict(_result([10.0, 4.5, 4.0], [0, 10, 15], 600_000), window=1)
+    for n, spec, res in ((8, "fp16", fp16), (8, "thc", thc), (2, "fp16", fp16)):
+        with open(scale._run_file(str(tmp_path), "lm-comm", spec, n, "tensor", 0.3), "w") as f:
+            json.dump(res, f)
+    assert scale.main(["--cached", "--workers", "8,2,64", "--compressors", "fp16;thc;topkc:ratio=0.1",
+                       "--max-epochs", "0.3", "--out", str(tmp_path)]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 2 |") or ln.startswith("| 8 |")]
+    assert [ln.split("|")[2].strip() for ln in rows[:3]] == ["fp16", "fp16", "thc"]  # N sorted, topkc absent
+    assert rows[2].split("|")[3].strip() == "15"  # thc: 4.0 <= 1.02 x 4.0 at step 15 (4.5 is not)
+
+
+def test_calibrated_step_parts():
+    """Calibration times in CPU time; the modelled step takes one compute time for every row
+    (the fastest calibrated) and each row's own codec time."""
+    cal = scale.calibrate("lm-comm", "fp16", 2, batch_size=1, reps=1)
+    assert cal["compute_s"] > 0 and cal["codec_s"] > 0
+    res = _result([10.0, 4.0], [0, 10], 1000, compute=9.0, codec=9.0)
+    parts = scale.step_parts({2: {"fp16": res, "thc": res}, 8: {"fp16": res}},
+                             {(2, "fp16"): {"compute_s": 0.02, "codec_s": 0.001},
+                              (2, "thc"): {"compute_s": 0.01, "codec_s": 0.003}})
+    assert parts[(2, "fp16")] == {"compute_s": 0.01, "codec_s": 0.001}
+    assert parts[(2, "thc")] == {"compute_s": 0.01, "codec_s": 0.003}
+    assert parts[(8, "fp16")] == {"compute_s": 0.01, "codec_s": 0.001}  # N=2's calibration
+    parts = scale.step_parts({2: {"fp16": res}, 8: {"topkc": res}}, {(2, "fp16"): {"compute_s": 0.02, "codec_s": 0.001}})
+    assert parts[(8, "topkc")] == {"compute_s": 9.0, "codec_s": 9.0}  # not calibrated: the run's
