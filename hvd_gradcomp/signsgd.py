@@ -21,7 +21,8 @@ the cost of at most one lane a word).
 Steps of ``compress`` (no collective):
     1. ``p = g + e`` (float32 [d]; ``e`` the residual, 0 without error feedback), zero-padded
        to ``P``. This rank's gradient counts as not finite if ``sum |p|`` is not (a NaN/inf,
-       or finite values summing beyond float32).
+       or finite values summing beyond float32): that sum is the only check
+       (``guards_nonfinite`` is off, no separate pass over ``g``).
     2. Per block, this rank's scale ``s = ||p_block||_1 / size`` (the paper's, per block) as a
        log code ``clamp(round(4 log2 s) + 512, 1, 1023)`` (quarter octaves over float32's
        range) and a flag "has data" (code and flag 0 when ``s <= 1e-30`` or not finite;
@@ -60,6 +61,14 @@ lanes_s) + 2)`` bytes of int32, ``lanes_s = (31 - g) // bit_length(1023 n)``. Th
 under Average at 8); the scales ``32 / (B lanes_s / 2)`` more (0.03 at ``B = 1024``, 2 ranks).
 Integer payload: Horovod's prescale/postscale factors must stay 1 and the op must be Sum or
 Average (the adapters refuse the rest, before any collective).
+
+Kernels: steps 1-3, 4-5's small words, 4-5 and 6's residual are the kernels of
+:mod:`hvd_gradcomp.signsgd_kernels` (compositions of the primitives: the reference), called
+through ``ops.fuse``, so a backend may run a fused form: PyTorch's CPU runs one C loop each
+(``torch_backend/kernels/cpu_signsgd.py``), CUDA Triton programs
+(``torch_backend/kernels/triton_signsgd.py``); both equal the reference bit for bit but for a
+scale's log code where ``4 log2 s`` lies within float32 rounding of a half-integer (their block
+sums add up in another order).
 
 Errors: ValueError for a world size above 1024 (:data:`~hvd_gradcomp.lanes.MAX_WORLD_SIZE`),
 at ``init``, before any collective. Measured: ``docs/signsgd.md``.
