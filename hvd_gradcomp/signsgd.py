@@ -79,7 +79,8 @@ from typing import ClassVar, NamedTuple, Optional
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit
 from .lanes import LaneLayout, lane_layout, stats_layout
 from .options import error_feedback_option, option, validate
-from .signsgd_kernels import CONTROL as _CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel, _residual_kernel
+from .signsgd_kernels import (CONTROL as _CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel,
+                              _residual_kernel)
 
 __all__ = ["SignSGDConfig", "SignSGDState", "SignSGDScheme"]
 

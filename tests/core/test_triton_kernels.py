@@ -1,5 +1,5 @@
 """The Triton fused forms (torch_backend/kernels/triton_thc.py with triton_thc_words.py,
-triton_topkc.py, triton_powersgd.py, triton_signsgd.py; issues 33 and 51) without a GPU, in two subprocesses with hard timeouts (killed when
+triton_topkc.py; issue 33) without a GPU, in two subprocesses with hard timeouts (killed when
 they run over):
 
 1. Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported) runs every
