@@ -21,7 +21,8 @@ the cost of at most one lane a word).
 Steps of ``compress`` (no collective):
     1. ``p = g + e`` (float32 [d]; ``e`` the residual, 0 without error feedback), zero-padded
        to ``P``. This rank's gradient counts as not finite if ``sum |p|`` is not (a NaN/inf,
-       or finite values summing beyond float32).
+       or finite values summing beyond float32): that sum is the only check
+       (``guards_nonfinite`` is off, no separate pass over ``g``).
     2. Per block, this rank's scale ``s = ||p_block||_1 / size`` (the paper's, per block) as a
        log code ``clamp(round(4 log2 s) + 512, 1, 1023)`` (quarter octaves over float32's
        range) and a flag "has data" (code and flag 0 when ``s <= 1e-30`` or not finite;
@@ -61,6 +62,14 @@ under Average at 8); the scales ``32 / (B lanes_s / 2)`` more (0.03 at ``B = 102
 Integer payload: Horovod's prescale/postscale factors must stay 1 and the op must be Sum or
 Average (the adapters refuse the rest, before any collective).
 
+Kernels: steps 1-3, 4-5's small words, 4-5 and 6's residual are the kernels of
+:mod:`hvd_gradcomp.signsgd_kernels` (compositions of the primitives: the reference), called
+through ``ops.fuse``, so a backend may run a fused form: PyTorch's CPU runs one C loop each
+(``torch_backend/kernels/cpu_signsgd.py``), CUDA Triton programs
+(``torch_backend/kernels/triton_signsgd.py``); both equal the reference bit for bit but for a
+scale's log code where ``4 log2 s`` lies within float32 rounding of a half-integer (their block
+sums add up in another order).
+
 Errors: ValueError for a world size above 1024 (:data:`~hvd_gradcomp.lanes.MAX_WORLD_SIZE`),
 at ``init``, before any collective. Measured: ``docs/signsgd.md``.
 """
@@ -68,13 +77,12 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit
-from .lanes import (TINY_SCALE, LaneLayout, agreed_scales, as_reduced, control_words, exact_words, lane_layout, pack,
-                    pack_scales, read_control, says_sum, stats_layout, unpack)
+from .lanes import LaneLayout, lane_layout, stats_layout
 from .options import error_feedback_option, option, validate
+from .signsgd_kernels import (CONTROL as _CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel,
+                              _residual_kernel)
 
 __all__ = ["SignSGDConfig", "SignSGDState", "SignSGDScheme"]
-
-_CONTROL = 2  # contributes, not finite
 
 
 @dataclass(frozen=True)
@@ -114,12 +122,11 @@ class Layout(NamedTuple):
 
 
 class _SignCtx(NamedTuple):
-    corrected: object  # float32 [nb, B]: p = g + e, zero-padded
-    nonneg: object  # int32 [nb B]: 1 where p >= 0 (the bits sent)
+    corrected: object  # float32 [P]: p = g + e, zero-padded
     count: object = None  # int64 []: contributing ranks c (receive)
     bad: object = None  # int64 []: ranks whose gradient was not finite
-    scale: object = None  # float32 [nb, 1]: the agreed S per block
-    summed: object = None  # Python bool (op known) or bool []: Horovod applied Sum
+    scale: object = None  # float32 [nb]: the agreed S per block
+    inferred: object = None  # bool []: the count word says Horovod applied Sum (op unknown)
 
 
 class SignSGDScheme(Scheme):
@@ -128,6 +135,9 @@ class SignSGDScheme(Scheme):
     name = "signsgd"
     flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
     scalable = False  # integer payload: Horovod's scale factors would corrupt it
+    # step 1's sum |p| sees every NaN/inf of g (and flags the rank in the payload): no separate
+    # pass over g for the finite flag (base.compress_tensor)
+    guards_nonfinite = False
 
     def __init__(self, config: SignSGDConfig = SignSGDConfig()):
         self.config = config
@@ -148,57 +158,35 @@ class SignSGDScheme(Scheme):
             return EmptyState()
         return SignSGDState(ops.zeros((info.numel,), "float32", like))
 
+    def _plan(self, info: TensorInfo, lay: Layout) -> _Plan:
+        return _Plan(lay.block, lay.signs, lay.stats, self.config.error_feedback, info.world_size, info.op)
+
     def compress(self, ops, x, state, info, finite):
-        lay, d = self.layout(info), info.numel
-        p = ops.reshape(x, (d,))
-        if self.config.error_feedback:
-            p = p + state.residual
-        if lay.blocks * lay.block > d:
-            p = ops.concat([p, ops.zeros((lay.blocks * lay.block - d,), "float32", p)], 0)
-        # Steps 1-2: per-block scales, and whether p is finite from their sum.
-        sums = ops.sum(ops.abs(ops.reshape(p, (lay.blocks, lay.block))), 1)
-        finite = ops.logical_and(finite, ops.isfinite(ops.sum(sums, None)))
-        last = d - (lay.blocks - 1) * lay.block  # coordinates of the last block
-        s = sums * ops.where(ops.arange(lay.blocks, "int64", p) == lay.blocks - 1, 1.0 / last, 1.0 / lay.block)
-        stats = pack_scales(ops, s, ops.logical_and(finite, s > TINY_SCALE), lay.stats)
-        # Step 3: one bit a coordinate in the lanes, then the control words.
-        nonneg = ops.cast(p >= 0.0, "int32")
-        ok = ops.cast(finite, "int64")
-        payload = ops.concat([pack(ops, nonneg, lay.signs), stats,
-                              control_words(ops, (ok * 0 + 1, 1 - ok), lay.signs.guard)], 0)
-        return payload, _SignCtx(ops.reshape(p, (lay.blocks, lay.block)), nonneg)
+        """Steps 1-3 (one kernel, ``_encode_kernel``: one fused call where the backend has one)."""
+        plan = self._plan(info, self.layout(info))
+        x = ops.reshape(x, (info.numel,))
+        payload, corrected = ops.fuse(_encode_kernel, plan)(
+            x, state.residual if self.config.error_feedback else x, finite)
+        return payload, _SignCtx(corrected)
 
     def receive(self, ops, payload, ctx, info):
         """Step 4's control words and step 5's scales, read once for decompress and finish."""
-        lay, n = self.layout(info), info.world_size
-        g = lay.signs.guard
-        tail = ops.cast(payload[lay.words + lay.stats_words:], "int64")
-        summed = info.op == "sum" if info.op is not None else says_sum(tail[0], g)
-        control = read_control(ops, tail, summed, n, g)
-        scale = agreed_scales(ops, payload[lay.words:lay.words + lay.stats_words], summed, n, lay.stats, lay.blocks)
-        return ctx._replace(count=control[0], bad=control[1], scale=ops.reshape(scale, (lay.blocks, 1)), summed=summed)
+        plan = self._plan(info, self.layout(info))
+        count, bad, scale, inferred = ops.fuse(_receive_kernel, plan)(payload, ctx.corrected)
+        return ctx._replace(count=count, bad=bad, scale=scale, inferred=inferred)
 
     def decompress(self, ops, payload, ctx, info):
-        lay, n, padded = self.layout(info), info.world_size, ops.shape(ctx.nonneg)[0]
-        exact = exact_words(ops, ops.cast(payload[:lay.words], "int64"), ctx.summed, n, lay.signs.guard)
-        # Uncentred lanes: the exact sums are below 2**31, so the lanes unpack in int32.
-        lanes = unpack(ops, ops.cast(exact, "int32"), lay.signs)
-        positive = ops.cast(lanes[:padded] if lay.signs.lanes * lay.words > padded else lanes, "float32")
-        factor = as_reduced(ops, ctx.scale, ctx.summed, n) + ops.where(ctx.bad > 0, float("nan"), 0.0)
-        # S (2 V - c) per block (times 1/n under Average), in two passes over the counts V.
-        out = ops.reshape(ops.reshape(positive, (lay.blocks, lay.block)) * (factor * 2.0)
-                          - factor * ops.cast(ctx.count, "float32"), (padded,))
-        return out[:info.numel] if padded > info.numel else out
+        plan = self._plan(info, self.layout(info))
+        out = ops.fuse(_decode_kernel, plan)(payload, ctx.count, ctx.bad, ctx.scale, ctx.inferred)
+        return out[:info.numel] if ops.shape(out)[0] > info.numel else out
 
     def finish(self, ops, payload, ctx, state, info):
         """Step 6: ``e' = p - S sign(p)``, kept only when every rank was finite."""
         if not self.config.error_feedback:
             return state
-        lay = self.layout(info)
-        # p - S (2 b - 1) = (p + S) - 2 S b, in float passes (a where on the bits is slower).
-        bits = ops.reshape(ops.cast(ctx.nonneg, "float32"), (lay.blocks, lay.block))
-        left = ops.reshape((ctx.corrected + ctx.scale) - bits * (ctx.scale * 2.0), (lay.blocks * lay.block,))
-        left = left[:info.numel] if lay.blocks * lay.block > info.numel else left
+        plan = self._plan(info, self.layout(info))
+        left = ops.fuse(_residual_kernel, plan)(ctx.corrected, ctx.scale)
+        left = left[:info.numel] if ops.shape(left)[0] > info.numel else left
         return commit(ops, ctx.bad == 0, SignSGDState(left), state)
 
     def payload_dtype(self, info: TensorInfo) -> str:

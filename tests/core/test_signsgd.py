@@ -243,3 +243,203 @@ def test_config_spec_and_errors():
     ops = one_rank_ops(BACKENDS[0])
     with pytest.raises(ValueError, match="^signsgd: world size must be at most 1024, got 1025$"):
         make_scheme("signsgd").init(ops, TensorInfo("w", (4,), "float32", 1025, 0, "sum"), None)
+
+
+# ---------------------------------------------------------------- the fused forms (CPU)
+# torch_backend/kernels/cpu_signsgd.py (csrc/signsgd.c) against the kernels' reference
+# compositions (hvd_gradcomp/signsgd_kernels.py run on REFERENCE_OPS): the sign and control
+# words, p, the receive, the decode and the residual bit for bit; a scale's log code may move
+# by one only where 4 log2 s lies within float32 rounding of a half-integer (the block sums add
+# up in another order).
+
+def _torch_kernels():
+    torch = pytest.importorskip("torch")
+    from hvd_gradcomp import signsgd_kernels as K
+    from torch_backend import kernels
+    from torch_backend.kernels import cbuild, cpu_signsgd  # noqa: F401  (ImportError: no compiler)
+    from torch_backend.ops import REFERENCE_OPS
+    return torch, K, kernels, cpu_signsgd, REFERENCE_OPS
+
+
+def _plan(n, op, d, ef=True, block=1024):
+    scheme = make_scheme("signsgd", error_feedback=ef, block=block)
+    info = TensorInfo("w", (d,), "float32", n, 0, op)
+    return scheme._plan(info, scheme.layout(info))
+
+
+def _bitwise(torch, a, b):
+    """Equal bit for bit (NaN patterns included), as int32 views of float32."""
+    a, b = a.contiguous(), b.contiguous()
+    if a.dtype == torch.float32:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def _codes_agree(torch, got, want, p, n, op, d, block):
+    """Sign, flag and control words equal; codes equal but where 4 log2 s (float64) lies within
+    1e-4 of a half-integer."""
+    g, w = split_payload(got.numpy(), n, op, d, block), split_payload(want.numpy(), n, op, d, block)
+    for name, a, b in zip(("bits", "codes", "flags", "control"), g, w):
+        if name != "codes":
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    moved = np.nonzero(g[1] != w[1])[0]
+    if moved.size:
+        b_, nb = np_blocks(d, block)
+        s = np.abs(p.double().numpy()[:nb * b_]).reshape(nb, b_).sum(1) / np.minimum(b_, d - np.arange(nb) * b_)
+        frac = np.abs(np.modf(4 * np.log2(s[moved]))[0]) - 0.5
+        assert (np.abs(frac) < 1e-4).all() and (np.abs(g[1][moved] - w[1][moved]) == 1).all(), moved
+
+
+def test_fused_forms_are_registered():
+    torch, K, kernels, cpu, _ = _torch_kernels()
+    plan = _plan(2, "average", 5000)
+    assert kernels.status()["torch_backend.kernels.cpu_signsgd"] == "loaded"
+    for fn, form in ((K._encode_kernel, cpu.encode), (K._receive_kernel, cpu.receive),
+                     (K._decode_kernel, cpu.decode), (K._residual_kernel, cpu.residual)):
+        assert kernels.fused_form(fn, plan, "cpu") is form
+
+
+@pytest.mark.parametrize("n,op", [(1, "sum"), (2, "average"), (3, None), (8, "average"), (1024, "average")])
+@pytest.mark.parametrize("d,block,ef", [(1, 1024, True), (91, 16, True), (3000, 1024, True), (5000, 7, False),
+                                         (2999, None, True), (70000, 1024, True)])
+@pytest.mark.parametrize("finite", [None, True, False])
+def test_encode_matches_reference(n, op, d, block, ef, finite):
+    torch, K, _, cpu, R = _torch_kernels()
+    plan = _plan(n, op, d, ef, block)
+    gen = torch.Generator().manual_seed(d + n)
+    x = torch.randn(d, generator=gen) * torch.rand(d, generator=gen) * 3.0
+    x[: d // 5] *= 1e-3  # blocks of other scales
+    if d > 10:
+        x[7] = 0.0  # sign(0) = +1
+        x[d // 2: d // 2 + 3] = -0.0
+    residual = torch.randn(d, generator=gen) * 0.5 if ef else x
+    flag = None if finite is None else torch.tensor(finite)
+    got = cpu.encode(plan, torch.stack([x, -x], 1)[:, 0], residual, flag)  # strided: the form copies it
+    want = K._encode_kernel(R, plan, x, residual, flag)
+    assert _bitwise(torch, got[1], want[1])
+    _codes_agree(torch, got[0], want[0], want[1], n, op, d, block)
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "overflow", "zeros"])
+def test_encode_nonfinite_and_zeros(kind):
+    """A NaN or inf coordinate, finite values whose |p| sums beyond float32, an all-zero tensor:
+    the reference's flag, pairs ((0, 0) everywhere when not finite) and words."""
+    torch, K, _, cpu, R = _torch_kernels()
+    n, op, d = 3, "average", 4000
+    plan = _plan(n, op, d)
+    x = torch.randn(d, generator=torch.Generator().manual_seed(9))
+    residual = torch.zeros(d)
+    if kind == "nan":
+        x[1234] = float("nan")
+    elif kind == "inf":
+        x[3999] = -float("inf")
+    elif kind == "overflow":
+        x[:8] = 3e38
+    else:
+        x.zero_()
+    got, want = cpu.encode(plan, x, residual, None), K._encode_kernel(R, plan, x, residual, None)
+    assert _bitwise(torch, got[1], want[1]) and _bitwise(torch, got[0], want[0])
+    assert list(split_payload(want[0].numpy(), n, op, d)[3]) == [1, int(kind != "zeros")]
+
+
+def _reduced(torch, K, R, plan, n, op, d, bad_rank=None):
+    """Every rank's reference payload, all-reduced as Horovod would; rank 0's corrected p."""
+    gen = torch.Generator().manual_seed(n * 7 + d)
+    own, first = [], None
+    for r in range(n):
+        x = torch.randn(d, generator=gen) * (1.0 + r)
+        if r == bad_rank:
+            x[3] = float("nan")
+        payload, corrected = K._encode_kernel(R, plan, x, torch.randn(d, generator=gen) * 0.1, None)
+        own.append(payload.numpy())
+        first = corrected if first is None else first
+    actual = op or "sum"
+    return torch.from_numpy(np.asarray(emulate_allreduce(own, actual, n), np.int32)), first
+
+
+@pytest.mark.parametrize("n,op", [(1, "sum"), (2, "sum"), (2, "average"), (3, None), (5, "average"),
+                                  (16, "average"), (1024, "average")])
+@pytest.mark.parametrize("d,block", [(37, 1024), (3000, 1024), (5001, 100), (777, None)])
+@pytest.mark.parametrize("bad", [False, True])
+def test_receive_decode_and_residual_are_bit_exact(n, op, d, block, bad):
+    torch, K, _, cpu, R = _torch_kernels()
+    if n == 1024 and d > 1000:
+        pytest.skip("one size at 1024 ranks is enough")
+    plan = _plan(n, op, d, True, block)
+    reduced, corrected = _reduced(torch, K, R, plan, n, op, d, bad_rank=n - 1 if bad else None)
+    got, want = cpu.receive(plan, reduced, corrected), K._receive_kernel(R, plan, reduced, corrected)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want):
+        assert _bitwise(torch, a, b), (a, b)
+    assert int(want[1]) == int(bad)
+    out = cpu.decode(plan, reduced, *want)
+    ref = K._decode_kernel(R, plan, reduced, *want)
+    assert _bitwise(torch, out, ref)
+    assert bool(torch.isnan(ref).all()) == bad and (bad or bool(ref.abs().sum() > 0))
+    left = cpu.residual(plan, corrected, want[2])
+    assert _bitwise(torch, left, K._residual_kernel(R, plan, corrected, want[2]))
+
+
+@pytest.mark.parametrize("spec,n,op", [("signsgd", 2, "average"), ("signsgd:block=64", 3, None),
+                                       ("signsgd:error_feedback=false", 2, "sum"), ("signsgd:block=none", 4, "sum")])
+def test_scheme_through_fused_forms_matches_reference(spec, n, op):
+    """Whole steps through OPS (the fused forms, every one of them chosen) and REFERENCE_OPS: the
+    same payloads, outputs and residuals bit for bit."""
+    import warnings
+    torch, _, kernels, _, R = _torch_kernels()
+    from hvd_gradcomp.primitives import one_rank
+    from torch_backend.ops import OPS
+    name, options = parse_spec(spec)
+    d = 4099
+    runs = []
+    kernels._CHOSEN.clear()
+    for ops in (one_rank(OPS), one_rank(R)):
+        scheme = make_scheme(name, **options)
+        info = TensorInfo("w", (d,), "float32", n, 0, op)
+        gen = torch.Generator().manual_seed(4)
+        state, steps = scheme.init(ops, info, torch.zeros(d)), []
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", "hvd_gradcomp: the fused form", RuntimeWarning)
+            for _ in range(3):
+                payload, ctx = compress_tensor(scheme, ops, torch.randn(d, generator=gen), state, info)
+                out, state = finish_tensor(scheme, ops, payload, ctx, state, info)
+                steps.append((payload, out, *state))
+        runs.append(steps)
+    for a, b in zip(*runs):
+        for u, v in zip(a, b):
+            assert _bitwise(torch, u, v)
+    chosen = {getattr(f, "__name__", None) for f in kernels._CHOSEN.values() if f is not None}
+    want = {"encode", "receive", "decode"} | ({"residual"} if "error_feedback=false" not in spec else set())
+    assert want <= chosen, chosen
+
+
+def test_fused_result_independent_of_vector_width():
+    """The library for this CPU and one for baseline x86-64 (SSE2) give the same bits."""
+    import os
+    torch, K, _, cpu, R = _torch_kernels()
+    from torch_backend.kernels import cbuild
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 baseline build")
+    other = cbuild.load("signsgd", ("-march=x86-64", "-mtune=generic"))
+    native = cpu._lib
+    names = ("hgc_signsgd_encode", "hgc_signsgd_receive", "hgc_signsgd_decode", "hgc_signsgd_residual")
+    for name in names:
+        getattr(other, name).argtypes, getattr(other, name).restype = (getattr(native, name).argtypes,
+                                                                       getattr(native, name).restype)
+    plan = _plan(3, "average", 50001, True, 1000)
+
+    def run(lib):
+        cpu._lib = lib
+        try:
+            gen = torch.Generator().manual_seed(2)
+            x, e = torch.randn(50001, generator=gen) * 100, torch.randn(50001, generator=gen)
+            payload, corrected = cpu.encode(plan, x, e, None)
+            reduced = payload * 3 // 3  # any words: the decoder's integer paths
+            count, bad, scale, inferred = cpu.receive(plan, reduced, corrected)
+            return [payload, corrected, scale, cpu.decode(plan, reduced, count, bad, scale, inferred),
+                    cpu.residual(plan, corrected, scale)]
+        finally:
+            cpu._lib = native
+
+    for a, b in zip(run(native), run(other)):
+        assert _bitwise(torch, a, b)

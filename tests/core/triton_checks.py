@@ -1,8 +1,9 @@
-"""(Helper, not a test.) The Triton fused forms of :mod:`torch_backend.kernels.triton_thc` and
-:mod:`torch_backend.kernels.triton_topkc` against the core's reference compositions, on one
-device: the checks of ``tests/core/test_triton_kernels.py`` (CPU tensors in Triton's
-interpreter, run in a subprocess: ``python -m tests.core.triton_checks`` with
-``TRITON_INTERPRET=1``, printing one JSON line) and of ``tests/core/test_devices.py`` (CUDA).
+"""(Helper, not a test.) The Triton fused forms of :mod:`torch_backend.kernels.triton_thc`,
+:mod:`torch_backend.kernels.triton_topkc`, ``triton_powersgd`` and ``triton_signsgd`` against
+the core's reference compositions, on one device: the checks of
+``tests/core/test_triton_kernels.py`` (CPU tensors in Triton's interpreter, run in a
+subprocess: ``python -m tests.core.triton_checks`` with ``TRITON_INTERPRET=1``, printing one
+JSON line) and of ``tests/core/test_devices.py`` (CUDA).
 
 Each check returns a list of problems (strings; empty when the fused form agrees). What
 "agrees" means (the contract of :mod:`torch_backend.kernels`, tolerances of the providers'
@@ -10,7 +11,9 @@ docstrings):
 
 - structure, shapes, dtypes and devices of the outputs are the reference's;
 - integer outputs (THC's payload, statistics and saturation count) and the quantiser's residual
-  are equal bit for bit given equal inputs; TopKC's ``c`` too;
+  are equal bit for bit given equal inputs; TopKC's ``c`` too; every signSGD output (``p``, the
+  sign and control words, the receive, the decoded values, the residual) but a scale's log code,
+  which may move by one where ``4 log2 s`` sits at a rounding boundary;
 - float outputs behind a Walsh-Hadamard product or a norm (THC's ``y``, held residual, ranges,
   decoded output; TopKC's scores) are within ``TOL = 2**-20`` of the reference, relative to the
   Euclidean norm of the reference's block (1024 coordinates; a chunk's score, relative to
@@ -399,6 +402,116 @@ TOPKC_CASES = [
 ]
 
 
+# ---- signSGD ----
+def check_signsgd(device, d, n, op, ef=True, block=1024, nonfinite=None, seed=0):
+    """signSGD's four kernels (:mod:`torch_backend.kernels.triton_signsgd`): ``p``, the sign and
+    control words, the receive's outputs, the decoded values and the residual equal the
+    reference's bit for bit; a scale's code may differ by one only where ``4 log2 s`` lies
+    within 1e-4 of a half-integer (the block sums add up in another order). ``nonfinite``:
+    ``"nan"`` (a NaN in ``x``), ``"flag"`` (the caller's finite flag false) or ``"rank"`` (the
+    last rank not finite: the decoder's NaN)."""
+    from hvd_gradcomp import signsgd_kernels as S
+    from hvd_gradcomp.registry import make_scheme
+    from torch_backend.kernels import triton_signsgd
+    scheme = make_scheme("signsgd", error_feedback=ef, block=block)
+    info = TensorInfo("triton.signsgd", (d,), "float32", n, 0, op)
+    plan = scheme._plan(info, scheme.layout(info))
+    forms = [kernels.fused_form(fn, plan, "cuda")
+             for fn in (S._encode_kernel, S._receive_kernel, S._decode_kernel, S._residual_kernel)]
+    want_forms = [triton_signsgd.encode, triton_signsgd.receive, triton_signsgd.decode, triton_signsgd.residual]
+    if forms != want_forms:
+        return [f"signsgd {plan}: the registry gives {forms}, not {want_forms}"]
+    encode, receive, decode, residual = forms
+    tag = f"signsgd d={d} n={n} op={op} ef={ef} block={block} {nonfinite or ''}".strip()
+    g, dev = _gen(seed, device)
+    problems, payloads, first = [], [], None
+    for rank in range(n):
+        x = _randn(g, d, dev, 2.0 + rank)
+        x[: d // 4] *= 1e-3  # blocks of other scales
+        x[d // 2 - 1] = 0.0  # sign(0) = +1
+        e = _randn(g, d, dev, 0.3) if ef else x
+        flag = None
+        if nonfinite == "nan" or (nonfinite == "rank" and rank == n - 1):
+            x[d // 2] = float("nan")
+        if nonfinite == "flag":
+            flag = torch.tensor(rank != 0, device=dev)
+        strided = torch.stack([x, -x], 1)[:, 0]  # a view: the form copies it
+        got = encode(plan, strided, e, flag)
+        want = S._encode_kernel(R, plan, x, e, flag)
+        problems += _structure(f"{tag}: encode[{rank}]", got, want)
+        if problems:
+            return problems
+        problems += _equal(f"{tag}: encode[{rank}] corrected", got[1].view(torch.int32), want[1].view(torch.int32))
+        problems += _signsgd_payload(f"{tag}: encode[{rank}]", got[0], want[0], want[1], plan, d)
+        payloads.append(want[0])
+        first = want[1] if first is None else first
+    actual = op or ("sum" if seed % 2 else "average")
+    total = torch.stack([p.to(torch.int64) for p in payloads]).sum(0)
+    if actual == "average":
+        total = torch.div(total, n, rounding_mode="trunc")
+    reduced = total.to(torch.int32)
+    got, want = receive(plan, reduced, first), S._receive_kernel(R, plan, reduced, first)
+    problems += _structure(f"{tag}: receive", got, want)
+    for name, a, b in zip(("count", "bad", "scale", "inferred"), got, want):
+        problems += _equal(f"{tag}: receive {name}", a.view(torch.int32) if a.is_floating_point() else a,
+                           b.view(torch.int32) if b.is_floating_point() else b)
+    got, ref = decode(plan, reduced, *want), S._decode_kernel(R, plan, reduced, *want)
+    problems += _structure(f"{tag}: decode", got, ref)
+    if not problems:
+        problems += _equal(f"{tag}: decode", got, ref)
+        expect = "nan" if nonfinite in ("nan", "rank", "flag") else "value"
+        seen = "nan" if bool(torch.isnan(ref).all()) else "value"
+        if seen != expect:
+            problems.append(f"{tag}: the reference decoded {seen}, the case means {expect}")
+    got, ref = residual(plan, first, want[2]), S._residual_kernel(R, plan, first, want[2])
+    problems += _structure(f"{tag}: residual", got, ref)
+    if not problems:
+        problems += _equal(f"{tag}: residual", got.view(torch.int32), ref.view(torch.int32))
+    return problems
+
+
+def _signsgd_payload(name, got, want, corrected, plan, d):
+    """One rank's payload: sign and control words equal; the statistics words equal but for codes
+    one apart where ``4 log2 s`` (float64) lies within 1e-4 of a half-integer."""
+    B = plan.block
+    nb = corrected.shape[0] // B
+    words, stats = -(-nb * B // plan.signs.lanes), -(-2 * nb // plan.stats.lanes)
+    problems = _equal(f"{name} sign words", got[:words], want[:words])
+    problems += _equal(f"{name} control words", got[words + stats:], want[words + stats:])
+    lay = plan.stats
+
+    def pairs(p):
+        w = p[words:words + stats].cpu().to(torch.int64)
+        lanes = [(w >> (lay.guard + j * lay.width)) & ((1 << lay.width) - 1) for j in range(lay.lanes)]
+        return torch.cat(lanes)[:2 * nb].reshape(nb, 2)
+
+    a, b = pairs(got), pairs(want)
+    problems += _equal(f"{name} has-data flags", a[:, 1], b[:, 1])
+    moved = (a[:, 0] != b[:, 0]).nonzero().flatten()
+    if moved.numel():
+        size = torch.full((nb,), float(B), dtype=torch.float64)
+        size[-1] = d - (nb - 1) * B
+        s = corrected.detach().cpu().double().reshape(nb, B).abs().sum(1) / size
+        frac = (4 * torch.log2(s[moved])).frac().abs() - 0.5
+        if not (bool((frac.abs() < 1e-4).all()) and bool(((a[moved, 0] - b[moved, 0]).abs() == 1).all())):
+            problems.append(f"{name}: codes of blocks {moved[:8].tolist()} differ away from a rounding boundary")
+    return problems
+
+
+SIGNSGD_CASES = [
+    # (d, n, op, ef, block, nonfinite): odd sizes, short last blocks, world sizes and ops
+    (3000, 2, "average", True, 1024, None),
+    (2999, 3, None, True, 1024, None),
+    (777, 2, "sum", False, 100, None),
+    (5000, 8, "average", True, 7, None),
+    (999, 4, "sum", True, None, None),
+    (1, 1, "average", True, 1024, None),
+    (2500, 3, "average", True, 1024, "nan"),
+    (2500, 2, "sum", True, 1024, "flag"),
+    (2049, 3, None, True, 256, "rank"),
+]
+
+
 # ---- whole schemes ----
 SCHEMES = [
     # (spec, world size, op): compress / decompress / finish for STEPS steps
@@ -409,6 +522,8 @@ SCHEMES = [
     ("topkc:ratio=0.2,chunk=128", 1, "average"),
     ("topkc:ratio=0.3,chunk=100,residual_decay=0.9", 2, "sum"),
     ("topkc:ratio=0.2,selection=current,chunk=64", 1, "average"),
+    ("signsgd", 2, "average"),
+    ("signsgd:block=100", 3, None),
 ]
 STEPS = 3
 
@@ -472,7 +587,7 @@ def check_schemes(device):
                 problems += _equal(f"{spec}: state {field}", a, b)
     chosen = {getattr(form, "__name__", None) for form in kernels._CHOSEN.values() if form is not None}
     # (a compress with agreed ranges is one encode call; range="current" runs the three apart)
-    for name in ("encode", "rotate", "noise", "quantize", "decode", "receive", "finish", "correct"):
+    for name in ("encode", "rotate", "noise", "quantize", "decode", "receive", "finish", "correct", "residual"):
         if name not in chosen:
             problems.append(f"ops.fuse never ran the Triton form {name} (chosen: {sorted(chosen)})")
     return problems
@@ -498,6 +613,13 @@ def check_refusals(device):
         for fn in (thc_kernels._rotate_kernel, thc_kernels._quantize_kernel, thc_kernels._decode_kernel):
             if kernels.fused_form(fn, plan, "cuda") is not None:
                 problems.append(f"thc {spec_kwargs}: a fused form of {fn.__name__} for block {plan.block}")
+    from hvd_gradcomp.signsgd_kernels import _encode_kernel as signsgd_encode
+    from hvd_gradcomp.registry import make_scheme
+    from torch_backend.kernels import triton_signsgd
+    scheme = make_scheme("signsgd", block=None)
+    info = TensorInfo("triton.refused", (triton_signsgd.MAX_BLOCK + 1,), "float32", 2, 0, "sum")
+    if kernels.fused_form(signsgd_encode, scheme._plan(info, scheme.layout(info)), "cuda") is not None:
+        problems.append(f"signsgd: a fused form for a block of {triton_signsgd.MAX_BLOCK + 1}")
     big = (triton_topkc.MAX_CHUNK + 1, True, False, 1.0)
     if kernels.fused_form(topkc._correct_kernel, big, "cuda") is not None:
         problems.append(f"topkc: a fused form for chunk {big[0]}")
@@ -515,6 +637,7 @@ def check_names():
     """The keys of :func:`run_all`'s result, in order (for the tests' parameters)."""
     return (["thc" + repr(case) for case in THC_CASES]
             + [f"topkc{case!r}" for case in TOPKC_CASES] + [f"powersgd{case!r}" for case in POWERSGD_CASES]
+            + [f"signsgd{case!r}" for case in SIGNSGD_CASES]
             + ["powersgd_agree", "schemes", "refusals"])
 
 
@@ -528,6 +651,7 @@ def run_all(device, nonfinite_only=False):
     checks = ([("thc" + repr(case), check_thc, case) for case in THC_CASES]
               + [(f"topkc{case!r}", check_topkc, case) for case in TOPKC_CASES]
               + [(f"powersgd{case!r}", check_powersgd, case) for case in POWERSGD_CASES]
+              + [(f"signsgd{case!r}", check_signsgd, case) for case in SIGNSGD_CASES]
               + [("powersgd_agree", check_powersgd_agree, ()), ("schemes", check_schemes, ()),
                  ("refusals", check_refusals, ())])
     return _run(device, checks)
@@ -593,10 +717,10 @@ def aot_all(ptx_only=False, limit=None):
     kernel there nor named in one); ``"ptxas_runs"``. ``ptx_only``: the stages up to
     PTX alone (:func:`compile_sm90`); ``limit``: the first ``limit`` entries of each module."""
     from triton.runtime.jit import JITFunction
-    from torch_backend.kernels import triton_powersgd, triton_thc, triton_thc_words, triton_topkc
+    from torch_backend.kernels import triton_powersgd, triton_signsgd, triton_thc, triton_thc_words, triton_topkc
     cubin = ptxas_runs() and not ptx_only
     results, uncovered = {"ptxas_runs": ptxas_runs()}, []
-    for module in (triton_thc, triton_thc_words, triton_topkc, triton_powersgd):
+    for module in (triton_thc, triton_thc_words, triton_topkc, triton_powersgd, triton_signsgd):
         jitted = {name: value for name, value in vars(module).items() if isinstance(value, JITFunction)}
         covered = {fn for _, fn, _, _ in module.AOT}
         grew = True

@@ -45,9 +45,10 @@ ENV = "HVD_GRADCOMP_KERNELS"
 # Device type -> provider modules, imported on the first lookup for that device type.
 PROVIDERS = {
     "cuda": ("torch_backend.kernels.triton_thc", "torch_backend.kernels.triton_topkc",
-             "torch_backend.kernels.triton_powersgd", "torch_backend.kernels.tables"),
+             "torch_backend.kernels.triton_powersgd", "torch_backend.kernels.triton_signsgd",
+             "torch_backend.kernels.tables"),
     "cpu": ("torch_backend.kernels.cpu_thc", "torch_backend.kernels.cpu_topkc", "torch_backend.kernels.cpu_powersgd",
-            "torch_backend.kernels.tables"),
+            "torch_backend.kernels.cpu_signsgd", "torch_backend.kernels.tables"),
 }
 # "triton" mode: these providers serve every device type.
 _TRITON = "cuda"

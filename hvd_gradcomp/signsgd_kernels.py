@@ -1,0 +1,111 @@
+"""signSGD's per-step kernels (:mod:`hvd_gradcomp.signsgd`, whose module docstring gives the
+steps they implement): encode (steps 1-3), receive (step 4's control words and step 5's
+scales), decode (steps 4-5) and the residual of step 6, each a pure function of a
+:class:`_Plan` and tensors over the primitives, called through ``ops.fuse`` so that a backend
+may run a fused form instead (``torch_backend/kernels``: one C loop on the CPU,
+``cpu_signsgd.py``; Triton programs on CUDA, ``triton_signsgd.py``). These compositions are the
+reference: the fused forms are tested against them.
+"""
+from typing import NamedTuple
+
+from .lanes import (TINY_SCALE, LaneLayout, agreed_scales, as_reduced, control_words, exact_words, pack,
+                    pack_scales, read_control, says_sum, unpack)
+
+__all__ = []  # private to hvd_gradcomp.signsgd
+
+CONTROL = 2  # control words: contributes, not finite
+
+
+class _Plan(NamedTuple):
+    """What the kernels need beyond tensors (sizes come from the tensors' shapes: ``d`` from
+    ``x``, ``P = nb B`` from the ``corrected`` values, ``nb`` from the scales)."""
+
+    block: int  # B, coordinates a scale (min(block option, d))
+    signs: LaneLayout  # 1-bit lanes, uncentred
+    stats: LaneLayout  # lanes of the (code, has data) pairs
+    error_feedback: bool
+    world_size: int  # n
+    op: object  # "sum", "average" or None (unknown: the count word decides)
+
+
+def summed(plan: _Plan, inferred):
+    """True if Horovod applied Sum: a Python bool from the op when known, else ``inferred``
+    (bool 0-d, the count word's verdict from :func:`_receive_kernel`)."""
+    return plan.op == "sum" if plan.op is not None else inferred
+
+
+def _encode_kernel(ops, plan: _Plan, x, residual, finite):
+    """Steps 1-3: ``(payload int32 [words + stats words + 2], corrected float32 [P])``.
+
+    Args:
+        x: float32 [d], the gradient.
+        residual: float32 [d], the error feedback ``e`` (unread without error feedback).
+        finite: bool 0-d, or None (the scheme's own check alone: ``sum |p|`` finite).
+
+    ``corrected`` is ``p = g + e`` zero-padded to ``P = nb B`` (what step 6 reads).
+    """
+    d, B = ops.shape(x)[0], plan.block
+    nb = -(-d // B)
+    p = x + residual if plan.error_feedback else x
+    if nb * B > d:
+        p = ops.concat([p, ops.zeros((nb * B - d,), "float32", p)], 0)
+    # Steps 1-2: per-block scales, and whether p is finite from their sum.
+    sums = ops.sum(ops.abs(ops.reshape(p, (nb, B))), 1)
+    ok = ops.isfinite(ops.sum(sums, None))
+    ok = ok if finite is None else ops.logical_and(finite, ok)
+    last = d - (nb - 1) * B  # coordinates of the last block
+    s = sums * ops.where(ops.arange(nb, "int64", p) == nb - 1, 1.0 / last, 1.0 / B)
+    stats = pack_scales(ops, s, ops.logical_and(ok, s > TINY_SCALE), plan.stats)
+    # Step 3: one bit a coordinate in the lanes, then the control words.
+    nonneg = ops.cast(p >= 0.0, "int32")
+    flag = ops.cast(ok, "int64")
+    payload = ops.concat([pack(ops, nonneg, plan.signs), stats,
+                          control_words(ops, (flag * 0 + 1, 1 - flag), plan.signs.guard)], 0)
+    return payload, p
+
+
+def _receive_kernel(ops, plan: _Plan, payload, corrected):
+    """Step 4's control words and step 5's agreed scales: ``(count int64 0-d, bad int64 0-d,
+    scale float32 [nb], inferred bool 0-d)``; ``nb = P / B`` from ``corrected`` (float32 [P],
+    only its shape read). ``inferred``: the count word says Sum (full participation assumed;
+    used only when the op is unknown)."""
+    n, g = plan.world_size, plan.signs.guard
+    nb = ops.shape(corrected)[0] // plan.block
+    words = -(-nb * plan.block // plan.signs.lanes)
+    stats_words = -(-2 * nb // plan.stats.lanes)
+    tail = ops.cast(payload[words + stats_words:], "int64")
+    inferred = says_sum(tail[0], g)
+    is_sum = summed(plan, inferred)
+    control = read_control(ops, tail, is_sum, n, g)
+    scale = agreed_scales(ops, payload[words:words + stats_words], is_sum, n, plan.stats, nb)
+    return control[0], control[1], scale, inferred
+
+
+def _decode_kernel(ops, plan: _Plan, payload, count, bad, scale, inferred):
+    """Steps 4-5: float32 [P], ``S (2 V - c)`` per block (times ``1/n`` under Average), NaN
+    everywhere when some rank was not finite (``bad > 0``). ``scale``: float32 [nb], the agreed
+    ``S``; ``count``, ``bad``: int64 0-d; ``inferred``: bool 0-d (:func:`_receive_kernel`)."""
+    n, lay, B = plan.world_size, plan.signs, plan.block
+    nb = ops.shape(scale)[0]
+    padded = nb * B
+    words = -(-padded // lay.lanes)
+    is_sum = summed(plan, inferred)
+    exact = exact_words(ops, ops.cast(payload[:words], "int64"), is_sum, n, lay.guard)
+    # Uncentred lanes: the exact sums are below 2**31, so the lanes unpack in int32.
+    lanes = unpack(ops, ops.cast(exact, "int32"), lay)
+    positive = ops.cast(lanes[:padded] if lay.lanes * words > padded else lanes, "float32")
+    factor = as_reduced(ops, ops.reshape(scale, (nb, 1)), is_sum, n) + ops.where(bad > 0, float("nan"), 0.0)
+    # S (2 V - c) per block (times 1/n under Average), in two passes over the counts V.
+    return ops.reshape(ops.reshape(positive, (nb, B)) * (factor * 2.0) - factor * ops.cast(count, "float32"),
+                       (padded,))
+
+
+def _residual_kernel(ops, plan: _Plan, corrected, scale):
+    """Step 6's new residual ``e' = p - S sign(p)`` (``sign(0) = +1``), float32 [P], as
+    ``(p + S) - 2 S b`` with ``b = [p >= 0]`` (float passes; a where on the bits is slower).
+    ``corrected``: float32 [P], ``p``; ``scale``: float32 [nb], the agreed ``S``."""
+    nb, B = ops.shape(scale)[0], plan.block
+    s = ops.reshape(scale, (nb, 1))
+    p = ops.reshape(corrected, (nb, B))
+    bits = ops.cast(p >= 0.0, "float32")
+    return ops.reshape((p + s) - bits * (s * 2.0), (nb * B,))

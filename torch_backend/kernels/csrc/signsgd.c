@@ -1,0 +1,244 @@
+/* Fused CPU loops of signSGD's encode, receive, decode and residual kernels
+ * (hvd_gradcomp/signsgd_kernels.py; the steps are hvd_gradcomp/signsgd.py's module docstring).
+ *
+ * Plain C99, no Python or torch headers: torch_backend/kernels/cpu_signsgd.py compiles this file
+ * once per machine (torch_backend/kernels/cbuild.py: cc -O3 -march=native -ffp-contract=off, no
+ * -ffast-math) and calls it through ctypes with the data pointers of contiguous tensors. Every
+ * float operation is the reference's, in float32, written out in a fixed order (no FMA
+ * contraction, nothing reassociated), so the results are the same bits at any vector width and
+ * on every rank; only the per-block sums |p| add up in another order than PyTorch's sum (16
+ * partial sums per run of coordinates, combined pairwise, runs in a fixed order).
+ *
+ * Layouts (hvd_gradcomp/lanes.py): the P sign bits sit planar in W = ceil(P / lanes) int32
+ * words, coordinate k in lane k / W of word k % W, at bit guard + (k / W) width; the nb (code,
+ * has data) pairs likewise in the statistics words (value 2b + t in lane (2b + t) / Ws of word
+ * (2b + t) % Ws); then the control words 1 << guard (contributes) and bad << guard.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ACC 16   /* partial sums a run (a fixed number: results independent of the vector width) */
+#define TILE 256 /* words a tile: each lane's TILE coordinates of a tile are contiguous */
+
+/* lanes.exact_words of one all-reduced word, modulo 2**32: the word under Sum (or without guard
+ * bits); under Average the multiple of 2**guard next to n w away from zero (w >= 0 here: the
+ * lanes are uncentred, every sum is non-negative; a negative word rounds down, as there). */
+static inline uint32_t exact32(int32_t w, uint32_t n, uint32_t low, int as_is)
+{
+    if (as_is)
+        return (uint32_t)w;
+    uint32_t nw = (uint32_t)w * n;
+    return (w < 0 ? nw : nw + low) & ~low;
+}
+
+/* The exact 64-bit value, for the control words (lanes.read_control). */
+static inline int64_t exact64(int64_t w, int64_t n, int64_t guard, int as_is)
+{
+    if (as_is || guard == 0)
+        return w;
+    int64_t bias = (int64_t)1 << 40, scaled = w * n + bias;
+    int64_t up = ((scaled + (((int64_t)1 << guard) - 1)) >> guard) << guard;
+    int64_t down = (scaled >> guard) << guard;
+    return (w < 0 ? down : up) - bias;
+}
+
+/* Sum of |v[0..m)| in ACC partial sums combined pairwise (a fixed order). */
+static float abs_sum(const float *restrict v, int64_t m)
+{
+    float acc[ACC] = {0};
+    int64_t i = 0;
+    for (; i + ACC <= m; i += ACC)
+        for (int q = 0; q < ACC; q++)
+            acc[q] = acc[q] + fabsf(v[i + q]);
+    for (int q = 0; i < m; i++, q++)
+        acc[q] = acc[q] + fabsf(v[i]);
+    for (int w = ACC / 2; w >= 1; w /= 2)
+        for (int q = 0; q < w; q++)
+            acc[q] = acc[q] + acc[q + w];
+    return acc[0];
+}
+
+/* ---- _encode_kernel (steps 1-3) ----
+ *
+ * x: float32 [d]; residual: float32 [d] or NULL (no error feedback); finite_p: the incoming flag
+ * (one byte) or NULL (none: the sum alone decides); corrected: out float32 [P], p = x + e, zeros
+ * past d; payload: out int32 [W + Ws + 2]. inv_block, inv_last: 1/B and 1/(coordinates of the
+ * last block), rounded to float32 as PyTorch rounds those scalars. Per block b, sums[b] = sum
+ * |p| (runs of a tile in the order visited), s_b = sums[b] inv; ok = finite and the float32
+ * sum of the sums (in block order) finite; the pair (code, 1) where ok and s_b > 1e-30, code =
+ * clamp(rint(log2f(s_b) 4) + 512, 1, 1023) (rint rounds half to even, as torch.round; log2f may
+ * differ from PyTorch's log2 by a rounding), else (0, 0). Returns ok, or -1 when the nb floats of
+ * scratch could not be allocated (nothing usable written then). */
+int32_t hgc_signsgd_encode(const float *restrict x, int64_t d, const float *restrict residual, int64_t P,
+                           int64_t B, const uint8_t *finite_p, float inv_block, float inv_last,
+                           float *restrict corrected, int32_t *restrict payload, int64_t lanes, int64_t width,
+                           int64_t guard, int64_t s_lanes, int64_t s_width)
+{
+    int64_t nb = P / B, W = (P + lanes - 1) / lanes;
+    float *sums = calloc((size_t)(nb > 0 ? nb : 1), sizeof(float));
+    if (!sums)
+        return -1;
+    uint32_t acc[TILE];
+    for (int64_t i0 = 0; i0 < W; i0 += TILE) {
+        int64_t t = W - i0 < TILE ? W - i0 : TILE;
+        memset(acc, 0, sizeof acc);
+        for (int64_t j = 0; j < lanes; j++) {
+            int64_t start = j * W + i0;
+            if (start >= P)
+                break;
+            int64_t end = start + t < P ? start + t : P;
+            unsigned shift = (unsigned)(guard + j * width);
+            /* p and its bit, coordinate by coordinate (the gradient's part, then the padding) */
+            int64_t real = end < d ? end : d;
+            float *restrict c = corrected;
+            if (residual) {
+                for (int64_t k = start; k < real; k++) {
+                    float v = x[k] + residual[k];
+                    c[k] = v;
+                    acc[k - start] += (uint32_t)(v >= 0.0f) << shift;
+                }
+            } else {
+                for (int64_t k = start; k < real; k++) {
+                    float v = x[k];
+                    c[k] = v;
+                    acc[k - start] += (uint32_t)(v >= 0.0f) << shift;
+                }
+            }
+            for (int64_t k = real > start ? real : start; k < end; k++) {
+                c[k] = 0.0f;
+                acc[k - start] += (uint32_t)1 << shift;
+            }
+            /* the block sums of the run, block by block (the run's p is in cache) */
+            for (int64_t s = start; s < end;) {
+                int64_t b = s / B;
+                int64_t e = (b + 1) * B < end ? (b + 1) * B : end;
+                sums[b] = sums[b] + abs_sum(corrected + s, e - s);
+                s = e;
+            }
+        }
+        memcpy(payload + i0, acc, (size_t)t * sizeof(int32_t));
+    }
+    float total = 0.0f;
+    for (int64_t b = 0; b < nb; b++)
+        total = total + sums[b];
+    int ok = (finite_p ? *finite_p != 0 : 1) && isfinite(total);
+    int32_t *restrict stats = payload + W;
+    int64_t m = 2 * nb, Ws = (m + s_lanes - 1) / s_lanes;
+    for (int64_t i = 0; i < Ws; i++)
+        stats[i] = 0;
+    for (int64_t k = 0; k < m; k++) {
+        int64_t b = k / 2;
+        float s = sums[b] * (b == nb - 1 ? inv_last : inv_block);
+        int usable = ok && s > 1e-30f;
+        uint32_t v = 0;
+        if (usable && (k & 1))
+            v = 1;
+        else if (usable) {
+            float code = rintf(log2f(s) * 4.0f) + 512.0f;
+            code = code < 1.0f ? 1.0f : (code > 1023.0f ? 1023.0f : code);
+            v = (uint32_t)code;
+        }
+        stats[k % Ws] = (int32_t)((uint32_t)stats[k % Ws] + (v << (guard + (k / Ws) * s_width)));
+    }
+    payload[W + Ws] = (int32_t)((uint32_t)1 << guard);
+    payload[W + Ws + 1] = (int32_t)((uint32_t)(ok ? 0 : 1) << guard);
+    free(sums);
+    return ok;
+}
+
+/* ---- _receive_kernel but for exp2 (steps 4-5's small words) ----
+ *
+ * payload: the all-reduced int32 words; the statistics at [W, W + Ws), the two control words
+ * after. summed: 1 (Sum), 0 (Average), -1 (unknown: the count word's verdict, "inferred").
+ * counts: out int64 [2] (contributors c, ranks not finite); inferred_out: out byte; e: out
+ * float32 [nb], ((code_sum - have 512) / max(have, 1)) * 0.25 as the reference's float32 mean,
+ * -inf where no rank had data (PyTorch's exp2 of it is the agreed scale, 0 there). */
+void hgc_signsgd_receive(const int32_t *restrict payload, int64_t W, int64_t nb, int64_t n, int64_t guard,
+                         int64_t s_lanes, int64_t s_width, int64_t summed, int64_t *restrict counts,
+                         uint8_t *restrict inferred_out, float *restrict e)
+{
+    int64_t Ws = (2 * nb + s_lanes - 1) / s_lanes;
+    const int32_t *stats = payload + W, *tail = payload + W + Ws;
+    int inferred = (int64_t)tail[0] > ((int64_t)1 << guard);
+    int is_sum = summed < 0 ? inferred : (int)summed;
+    counts[0] = exact64(tail[0], n, guard, is_sum) >> guard;
+    counts[1] = exact64(tail[1], n, guard, is_sum) >> guard;
+    *inferred_out = (uint8_t)inferred;
+    int64_t mask = ((int64_t)1 << s_width) - 1;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t v[2];
+        for (int t = 0; t < 2; t++) {
+            int64_t k = 2 * b + t;
+            v[t] = (exact64(stats[k % Ws], n, guard, is_sum) >> (guard + (k / Ws) * s_width)) & mask;
+        }
+        float code_sum = (float)v[0], have = (float)v[1];
+        float mean = (code_sum - have * 512.0f) / (have > 1.0f ? have : 1.0f);
+        e[b] = have > 0.5f ? mean * 0.25f : -INFINITY;
+    }
+}
+
+/* ---- _decode_kernel (steps 4-5) ----
+ *
+ * payload: the all-reduced words (the first W the sign lanes); scale: float32 [nb], the agreed
+ * S; count_p, bad_p: int64; inferred_p: one byte; summed as in hgc_signsgd_receive; inv_n: 1/n
+ * rounded to float32. Per block f = (Sum ? S : S inv_n) + (bad > 0 ? NaN : 0); for coordinate
+ * k of block b, V = lane (k / W) of the exact word k % W, out[k] = float(V) (f 2) - f float(c). */
+void hgc_signsgd_decode(const int32_t *restrict payload, int64_t P, int64_t B, const float *restrict scale,
+                        int64_t lanes, int64_t width, int64_t guard, int64_t n, int64_t summed,
+                        const int64_t *count_p, const int64_t *bad_p, const uint8_t *inferred_p, float inv_n,
+                        float *restrict out)
+{
+    int64_t W = (P + lanes - 1) / lanes;
+    int is_sum = summed < 0 ? (*inferred_p != 0) : (int)summed;
+    int as_is = is_sum || guard == 0;
+    float count = (float)*count_p, poison = *bad_p > 0 ? NAN : 0.0f;
+    uint32_t low = (uint32_t)(((uint64_t)1 << guard) - 1), mask = (uint32_t)(((uint64_t)1 << width) - 1);
+    uint32_t ex[TILE];
+    for (int64_t i0 = 0; i0 < W; i0 += TILE) {
+        int64_t t = W - i0 < TILE ? W - i0 : TILE;
+        if (as_is) {
+            for (int64_t i = 0; i < t; i++)
+                ex[i] = (uint32_t)payload[i0 + i];
+        } else {
+            for (int64_t i = 0; i < t; i++)
+                ex[i] = exact32(payload[i0 + i], (uint32_t)n, low, 0);
+        }
+        for (int64_t j = 0; j < lanes; j++) {
+            int64_t start = j * W + i0;
+            if (start >= P)
+                break;
+            int64_t end = start + t < P ? start + t : P;
+            unsigned shift = (unsigned)(guard + j * width);
+            for (int64_t s = start; s < end;) {
+                int64_t b = s / B;
+                int64_t e = (b + 1) * B < end ? (b + 1) * B : end;
+                float f = (is_sum ? scale[b] : scale[b] * inv_n) + poison;
+                float a = f * 2.0f, fc = f * count;
+                for (int64_t k = s; k < e; k++)
+                    out[k] = (float)(int32_t)((ex[k - start] >> shift) & mask) * a - fc;
+                s = e;
+            }
+        }
+    }
+}
+
+/* ---- _residual_kernel (step 6) ----
+ *
+ * p: float32 [P]; scale: float32 [nb]; out: float32 [P], (p + S) - [p >= 0] (S 2) per block. */
+void hgc_signsgd_residual(const float *restrict p, int64_t P, int64_t B, const float *restrict scale,
+                          float *restrict out)
+{
+    for (int64_t b = 0; b < P / B; b++) {
+        float s = scale[b], s2 = s * 2.0f;
+        const float *restrict pb = p + b * B;
+        float *restrict ob = out + b * B;
+        for (int64_t k = 0; k < B; k++) {
+            float v = pb[k];
+            float bit = v >= 0.0f ? 1.0f : 0.0f;
+            ob[k] = (v + s) - bit * s2;
+        }
+    }
+}
