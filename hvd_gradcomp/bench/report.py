@@ -41,25 +41,25 @@ import statistics
 
 from .worker import rolling_mean
 
-__all__ = ["stop_note", "time_to_target", "first_reached", "apply_targets", "adam_ratios", "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
+__all__ = ["stop_note", "wait_share", "time_to_target", "first_reached", "apply_targets", "adam_ratios", "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
            "SUMMARY_COLUMNS", "STEP_COLUMNS", "EVAL_COLUMNS", "write_summary_csv", "write_csvs", "write_json", "format_table", "markdown_table", "plot",
            "plot_rows", "plot_path", "update_doc"]
 
 RUN_COLUMNS = [
-    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "optimizer", "accumulate", "update_sync", "num_groups", "status", "stop_reason",
+    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "optimizer", "accumulate", "update_sync", "num_groups", "delay", "status", "stop_reason",
     "network_mode", "bandwidth_mbit", "latency_ms", "world_size", "seed", "params", "target", "target_vs_fp16",
     "higher_is_better", "steps", "epochs", "clock_s", "wall_s", "tta_s", "tta_steady_s", "startup_s", "first_step_s", "tta_vs_fp16", "tta_vs_best_ddp",
     "steps_to_target", "steps_vs_fp16", "step_time_vs_fp16",
     "final_metric", "best_metric", "bytes_payload", "bytes_side", "side_collectives",
     "bytes_per_step", "fp16_bytes_ratio", "step_ms_median", "compute_share", "codec_share",
-    "comm_share", "choices", "mesh", "bytes_reduce_scatter", "git_commit", "versions",
+    "comm_share", "wait_share", "choices", "mesh", "bytes_reduce_scatter", "git_commit", "versions",
 ]
 # A table row over the repeats of one (workload, framework, system, spec): the run columns
 # (medians; run_id without the repeat suffix, repeat empty) plus how many ran and the spread.
 SPREAD_KEYS = ("tta_s", "tta_steady_s", "startup_s")
 SUMMARY_COLUMNS = RUN_COLUMNS[:2] + ["repeats", "runs_ok", "tta_reached"] + RUN_COLUMNS[2:] + [
     f"{k}_{e}" for k in SPREAD_KEYS for e in ("min", "max")]
-STEP_COLUMNS = ["run_id", "step", "epoch", "t", "compute_s", "codec_s", "comm_s", "loss"]
+STEP_COLUMNS = ["run_id", "step", "epoch", "t", "compute_s", "codec_s", "comm_s", "wait_s", "loss"]
 EVAL_COLUMNS = ["run_id", "step", "epoch", "t", "metric", "rolling"]
 ADAM_COLUMNS = ["run_id", "step", "tensor", "numel", "update_rms", "grad_rms", "v_mean", "m_rms"]
 # Ratio columns: recomputed from the (median) rows, never medians themselves.
@@ -122,7 +122,7 @@ def summarize(run_id, result, network, git_commit=None):
                system=meta.get("system"), reference=bool(meta.get("reference", False)),
                label=meta.get("label"), spec=meta.get("compression"), optimizer=meta.get("optimizer") or None,
                accumulate=int(meta.get("accumulate") or 1), update_sync=meta.get("update_sync") or None,
-               num_groups=int(meta.get("num_groups") or 0),
+               num_groups=int(meta.get("num_groups") or 0), delay=int(meta.get("delay") or 0),
                status=result.get("status", "ok"), stop_reason=meta.get("stop_reason"),
                network_mode=network.get("mode"), bandwidth_mbit=network.get("bandwidth_mbit"),
                latency_ms=network.get("latency_ms"), world_size=meta.get("world_size"),
@@ -139,7 +139,7 @@ def summarize(run_id, result, network, git_commit=None):
                        c + k + m for c, k, m in zip(steps["compute_s"], steps["codec_s"], steps["comm_s"])))
         if clock > 0:
             row.update(compute_share=sum(steps["compute_s"]) / clock, codec_share=sum(steps["codec_s"]) / clock,
-                       comm_share=sum(steps["comm_s"]) / clock)
+                       comm_share=sum(steps["comm_s"]) / clock, wait_share=wait_share(steps))
     if evals.get("metric"):
         roll = rolling_mean(evals["metric"], window)
         row.update(final_metric=roll[-1], best_metric=(max if higher else min)(roll))
@@ -152,6 +152,18 @@ def summarize(run_id, result, network, git_commit=None):
         if wire.get("choices"):  # auto: the scheme each tensor ended on
             row["choices"] = "; ".join(f"{k}: {v}" for k, v in sorted(wire["choices"].items()))
     return row
+
+
+def wait_share(steps):
+    """The share of the training clock a run's steps were blocked on the link: the sum of its
+    per-step ``wait_s`` (:meth:`.worker.Recorder.step`, a part of ``comm_s``) over the clock
+    (the sum of compute, codec and comm); None when some step did not measure it (records
+    saved before the wait was recorded, or a worker that does not measure it)."""
+    waits = steps.get("wait_s")
+    if not waits or any(w is None for w in waits) or len(waits) != len(steps.get("comm_s") or []):
+        return None
+    clock = sum(steps["compute_s"]) + sum(steps["codec_s"]) + sum(steps["comm_s"])
+    return sum(waits) / clock if clock > 0 else None
 
 
 def _set_reached(row, evals, window):
@@ -273,7 +285,8 @@ def _is_fp16(row):
     ``update_sync`` is not the baseline). FSDP: ``fsdp:fp16``, FP16-FSDP (FSDP's own float16 collectives)."""
     spec = row.get("spec") or ""
     return ((spec in ("fp16", "ddp:fp16", "fsdp:fp16") or spec.startswith("fp16:")) and not row.get("optimizer")
-            and (row.get("accumulate") or 1) == 1 and not row.get("update_sync") and not row.get("num_groups"))
+            and (row.get("accumulate") or 1) == 1 and not row.get("update_sync") and not row.get("num_groups")
+            and not row.get("delay"))
 
 
 def is_reference(row):
@@ -326,7 +339,8 @@ def _row_key(r):
     optimizer, accumulate, update_sync, num_groups, reference), so the FP32 row and the no-communication reference (also spec
     ``none``) stay apart, and so do rows of one spec under different optimizers."""
     return (r.get("workload"), r.get("framework"), r.get("system"), r.get("spec"), r.get("optimizer"),
-            r.get("accumulate") or 1, r.get("update_sync"), r.get("num_groups") or 0, is_reference(r))
+            r.get("accumulate") or 1, r.get("update_sync"), r.get("num_groups") or 0, is_reference(r),
+            r.get("delay") or 0)
 
 
 def aggregate(rows):
@@ -357,7 +371,7 @@ def aggregate(rows):
         s["status"] = "ok" if not bad else f"{bad} of {len(members)} failed"
         for c in RUN_COLUMNS:
             # (accumulate, num_groups: part of the row key, equal over the repeats; kept as ints)
-            if c in ("run_id", "repeat", "steps_to_target", "accumulate", "num_groups") or c in RATIO_KEYS \
+            if c in ("run_id", "repeat", "steps_to_target", "accumulate", "num_groups", "delay") or c in RATIO_KEYS \
                     or c in SPREAD_KEYS:
                 continue
             vals = [r.get(c) for r in ok]
@@ -422,7 +436,7 @@ def write_csvs(out_dir, rows, results):
         for run_id, res in results.items():
             s = res.get("steps") or {}
             for i in range(len(s.get("step", []))):
-                w.writerow([run_id] + [s[c][i] for c in STEP_COLUMNS[1:]])
+                w.writerow([run_id] + [s[c][i] if c in s else None for c in STEP_COLUMNS[1:]])
     with open(os.path.join(out_dir, "evals.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(EVAL_COLUMNS)
@@ -503,9 +517,16 @@ _TABLE = [  # header, key, format
 _STARTUP_COLUMNS = [("steady TTA s", "tta_steady_s", "s"), ("start s", "startup_s", "s")]
 
 
+# Shown after "comm" when some row measured its wait (sweeps before it did not).
+_WAIT_COLUMN = ("wait", "wait_share", "pct")
+
+
 def _columns(rows):
-    """The table's (header, key, format) list for these rows (see :data:`_STARTUP_COLUMNS`)."""
+    """The table's (header, key, format) list for these rows (see :data:`_STARTUP_COLUMNS`,
+    :data:`_WAIT_COLUMN`)."""
     cols = list(_TABLE)
+    if any(r.get("wait_share") is not None for r in rows):
+        cols.append(_WAIT_COLUMN)
     if any(r.get("startup_s") is not None for r in rows):
         cols[3:3] = _STARTUP_COLUMNS
     if repeated(rows):
@@ -613,6 +634,16 @@ def table_header(network, rows, results=None):
         lines[1] += (" groups(G) rows: Horovod's num_groups=G, the gradients all-reduced in G "
                      "groups, each compressed as one bucket per route (one codec call per group "
                      "and route instead of one per tensor).")
+    if any(r.get("wait_share") is not None for r in rows):
+        lines[1] += (" wait = the share of the clock a step was blocked on the link, a part of "
+                     "comm (comm less the posting of collectives): gradient rows wait for their "
+                     "all-reduces after backward (all of comm); update-sync rows in the sync's "
+                     "waits and count check (with overlap: for the round in flight); '-': not "
+                     "measured.")
+    if any(r.get("delay") for r in rows):
+        lines[1] += (" delay(D) rows: our compressor as a DDP hook with delayed gradient sync "
+                     "(torch_backend.ddp.register_comm_hook(..., delay=D)): step t's mean is "
+                     "applied at step t + D, its all-reduce running beside the next steps.")
     if any(r.get("update_sync") for r in rows):
         lines[1] += (" update-sync rows: each rank steps its own optimizer on its own gradient and "
                      "the ranks all-reduce the compressed parameter change every H steps "
