@@ -39,6 +39,7 @@ import math
 import os
 import statistics
 
+from . import fp16_estimate
 from .worker import rolling_mean
 
 __all__ = ["stop_note", "wait_share", "time_to_target", "first_reached", "apply_targets", "adam_ratios", "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
@@ -52,7 +53,7 @@ RUN_COLUMNS = [
     "steps_to_target", "steps_vs_fp16", "step_time_vs_fp16",
     "final_metric", "best_metric", "bytes_payload", "bytes_side", "side_collectives",
     "bytes_per_step", "fp16_bytes_ratio", "step_ms_median", "compute_share", "codec_share",
-    "comm_share", "wait_share", "choices", "mesh", "bytes_reduce_scatter", "git_commit", "versions",
+    "comm_share", "wait_share", "fp16_estimate", "choices", "mesh", "bytes_reduce_scatter", "git_commit", "versions",
 ]
 # A table row over the repeats of one (workload, framework, system, spec): the run columns
 # (medians; run_id without the repeat suffix, repeat empty) plus how many ran and the spread.
@@ -129,6 +130,7 @@ def summarize(run_id, result, network, git_commit=None):
                seed=meta.get("seed"), params=meta.get("params"), target=meta.get("target"),
                target_vs_fp16=meta.get("target_vs_fp16") or None,
                higher_is_better=higher, git_commit=git_commit, mesh=meta.get("mesh"),
+               fp16_estimate=meta.get("fp16_estimate") or None,
                versions=json.dumps(meta.get("versions", {}), sort_keys=True))
     if steps.get("step"):
         clock = steps["t"][-1]
@@ -191,8 +193,10 @@ def apply_targets(rows, results):
     """
     finals = {}
     for r in rows:
-        if _is_fp16(r) and not is_reference(r) and r.get("status") == "ok" and r.get("final_metric") is not None:
-            finals.setdefault((r.get("workload"), r.get("framework"), _target_system(r)), []).append(r["final_metric"])
+        # an FP16 run stopped early on a slow link (fp16_estimate): the reference run's final metric
+        final = (r.get("fp16_estimate") or {}).get("final_metric", r.get("final_metric"))
+        if _is_fp16(r) and not is_reference(r) and r.get("status") == "ok" and final is not None:
+            finals.setdefault((r.get("workload"), r.get("framework"), _target_system(r)), []).append(final)
     for r in rows:
         res = results.get(r.get("run_id")) or {}
         factor = r.get("target_vs_fp16") or (res.get("meta") or {}).get("target_vs_fp16")
@@ -205,6 +209,9 @@ def apply_targets(rows, results):
         evals = res.get("evals") or {}
         if evals.get("metric") and evals.get("step"):
             _set_reached(r, evals, int((res.get("meta") or {}).get("window", 5)))
+        est = fp16_estimate.estimated_tta(res) if r.get("fp16_estimate") else None
+        if est is not None:  # stopped early: the reference's steps x this run's median step
+            r["tta_s"], r["steps_to_target"], r["tta_steady_s"] = est[0], est[1], None
     return rows
 
 
@@ -564,6 +571,8 @@ def _cells(row, columns=_TABLE):
             out.append("not reached")
         else:
             out.append(_fmt(row.get(key), kind))
+        if row.get("fp16_estimate"):  # FP16 stopped early on a slow link: its cells say so
+            out[-1] = fp16_estimate.cell_text(row, key, out[-1])
     return out
 
 
@@ -584,8 +593,9 @@ def stop_note(rows, results):
             cap = meta.get("stop_cap")
             if cap:
                 who, base = ("FSDP row", "FP16-FSDP") if fsdp else ("row", "FP16")
+                est = " estimated" if cap.get("estimated") else ""
                 out.append(f"{w}: every {who} after {base} stopped at the target or when its training "
-                           f"clock passed {cap['cap']:g} x {base}'s TTA ({cap['fp16_tta_s']:.1f} s), "
+                           f"clock passed {cap['cap']:g} x {base}'s{est} TTA ({cap['fp16_tta_s']:.1f} s), "
                            f"i.e. {cap['max_seconds']:.1f} s (checked at each evaluation).")
                 break
             argv = [str(a) for a in meta.get("argv") or []]
@@ -624,6 +634,9 @@ def table_header(network, rows, results=None):
                   "speed), so FP16 TTA/ours is about FP16 step/ours divided by the steps ratio. "
                   "codec = compress+decompress share of the clock (the overhead)."]
     note = stop_note(rows, results) if results else ""
+    if note:
+        lines[1] += " " + note
+    note = fp16_estimate.header_note(rows)
     if note:
         lines[1] += " " + note
     if any((r.get("accumulate") or 1) > 1 for r in rows):

@@ -64,13 +64,13 @@ import time
 
 from typing import NamedTuple, Optional
 
-from . import device, launch, linkcheck, netem, publish, report
+from . import device, fp16_estimate, launch, linkcheck, netem, publish, report
 from .worker import PROGRESS_PREFIX
 
 __all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "SweepOutcome",
            "default_specs", "parse_compressors", "plan_runs", "interleave", "RunSpec", "WORKLOADS",
            "NOCOMM_SPEC", "NOCOMM_LABEL", "network_for", "Row", "parse_row", "parse_update_sync",
-           "note_fp16", "stop_flags", "ADAM_ROWS", "FP16_TTA_CAP"]
+           "note_fp16", "stop_flags", "ADAM_ROWS", "FP16_TTA_CAP", "delay_support"]
 
 # workload key -> (framework, worker module, workload name inside the worker, DDP-capable)
 WORKLOADS = {
@@ -789,6 +789,10 @@ def note_fp16(run, result, stops, cap=None):
         tta_s = evals["t"][-1]
     steps = int(meta.get("steps_run") or len((result.get("steps") or {}).get("step", [])))
     factor = FP16_TTA_CAP[run.workload] if cap is None else float(cap)
+    early = fp16_estimate.stop_values(result, factor)  # stopped early on a slow link (--fp16-reference)
+    if early is not None:
+        stops[stop_group(run)] = early
+        return
     stops[stop_group(run)] = {"target": target, "fp16_tta_s": tta_s, "cap": factor,
                            "max_seconds": factor * tta_s, "fp16_steps": steps}
 
@@ -981,6 +985,14 @@ def build_parser():
                    help="workloads whose target is relative to FP16 (lm-comm): every row after FP16 "
                         "stops at the target or when its training clock passes this multiple of "
                         f"FP16's TTA (default {FP16_TTA_CAP['lm-comm']:g})")
+    p.add_argument("--fp16-reference", default=None, metavar="RESULTS_JSON",
+                   help="a slow link: the results.json of a sweep of the same workload on a faster "
+                        "link; FP16's row here stops after --fp16-steps steps and its TTA is its steps "
+                        "to target in that sweep times its median step time measured here, labelled "
+                        "'est.' (the other rows take that sweep's FP16 target and schedule; "
+                        "hvd_gradcomp/bench/fp16_estimate.py)")
+    p.add_argument("--fp16-steps", type=int, default=100,
+                   help="with --fp16-reference: FP16's steps on this link (its step time's sample)")
     p.add_argument("--budget-epochs", type=float, default=None,
                    help="every run's epoch budget (--max-epochs), before the stop flags: so for "
                         "workloads whose target is relative to FP16 (lm-comm, default 1.75) it sets "
@@ -1082,6 +1094,14 @@ def plan_sweep(args) -> SweepPlan:
         raise ValueError(f"--budget-epochs must be > 0, got {args.budget_epochs:g}")
     if getattr(args, "tta_cap", None) is not None and not args.tta_cap > 0:
         raise ValueError(f"--tta-cap must be > 0 (a multiple of FP16's TTA), got {args.tta_cap:g}")
+    args.fp16_reference_rows = None
+    if getattr(args, "fp16_reference", None):
+        relative = [w for w in workloads if w in FP16_TTA_CAP]
+        if not relative:
+            raise ValueError(f"--fp16-reference: the estimate is for workloads whose target is relative to "
+                             f"FP16 ({', '.join(FP16_TTA_CAP)}); the sweep's are {', '.join(workloads)}")
+        fp16_estimate.fp16_flags({"steps": 1}, getattr(args, "fp16_steps", 100))  # checks --fp16-steps
+        args.fp16_reference_rows = fp16_estimate.load_reference(args.fp16_reference, relative)
     unavailable = {}
     if args.compressors and args.compressors.strip().lower() == "off":
         specs, skipped = [], []
@@ -1167,11 +1187,16 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
             else:
                 _print_link_check(link_check, args.link_factor)
         if not link_failed:
+            refs = getattr(args, "fp16_reference_rows", None) or {}
             for run in plan.runs:
-                extra = stop_flags(run, stops)
+                ref = refs.get(run.workload) if run.system == "horovod" and _is_fp16_baseline(run) else None
+                extra = fp16_estimate.fp16_flags(ref, args.fp16_steps) if ref else stop_flags(run, stops)
                 results[run.run_id] = execute(net, run, args, plan.out_dir, progress=not args.no_progress,
                                               extra=extra)
-                if extra:  # what stopped it, for the report (report.stop_note)
+                if ref:  # FP16 stopped early: its TTA is estimated (fp16_estimate)
+                    results[run.run_id].setdefault("meta", {})["fp16_estimate"] = \
+                        fp16_estimate.reference_meta(ref, args.fp16_steps)
+                elif extra:  # what stopped it, for the report (report.stop_note)
                     results[run.run_id].setdefault("meta", {})["stop_cap"] = dict(stops[stop_group(run)])
                 note_fp16(run, results[run.run_id], stops, getattr(args, "tta_cap", None))
     except KeyboardInterrupt:
