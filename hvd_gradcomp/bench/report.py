@@ -622,7 +622,9 @@ def table_header(network, rows, results=None):
         net += f". glibc malloc: {network['malloc']}"
     targets = sorted({(r.get("workload"), r.get("target"), r.get("target_vs_fp16"), r.get("system") == "fsdp")
                       for r in rows if r.get("target") is not None}, key=str)
-    tt = ", ".join((f"{w} {t:.4g} ({f:g} x {'FP16-FSDP' if fsdp else 'FP16'}'s final rolling metric in this sweep)"
+    estimated = {r.get("workload") for r in rows if r.get("fp16_estimate")}  # FP16 stopped early
+    tt = ", ".join((f"{w} {t:.4g} ({f:g} x {'FP16-FSDP' if fsdp else 'FP16'}'s final rolling metric "
+                    + ("in the reference sweep named below" if w in estimated and not fsdp else "in this sweep") + ")"
                     + (" for the FSDP rows" if fsdp else "")) if f else f"{w} {t}"
                    for w, t, f, fsdp in targets)
     lines = [net, f"Targets (rolling metric): {tt}. TTA = training clock to target; ratios are "

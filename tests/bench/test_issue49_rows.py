@@ -237,3 +237,4 @@ def test_fp16_stopped_early_gets_the_labelled_estimate(tmp_path):
             "50 Mbit/s (3, the sweep in") in table
     assert "times its median step time measured here (4000 ms)" in table
     assert "1.5 x FP16's estimated TTA (12.0 s)" in table
+    assert "lm-comm 8.16 (1.02 x FP16's final rolling metric in the reference sweep named below)" in table
