@@ -21,17 +21,19 @@ __all__ = ["load_reference", "reference_meta", "fp16_flags", "stop_values", "est
            "cell_text", "header_note"]
 
 
-def load_reference(path, workloads):
+def load_reference(path, workloads, world_size=None):
     """``{workload: reference}`` from a finished sweep's ``results.json`` at ``path``: per
     workload of ``workloads``, its Horovod FP16 row (plain ``fp16``, status ok, not the
     reference, one that reached its target): ``final_metric`` (its final rolling metric),
     ``target`` and ``target_vs_fp16``, ``steps_to_target``, ``steps`` (its step budget: the
     schedule of every row), ``step_ms`` (its median step), ``bandwidth_mbit`` and
-    ``git_commit`` of that sweep, and ``source`` (``path``). With repeats, the first run.
+    ``git_commit`` of that sweep, ``world_size``, and ``source`` (``path``). With repeats, the
+    first run.
 
     Raises:
         ValueError: the file cannot be read, or a workload has no such FP16 row there, or its
-            FP16 row did not reach its target (named).
+            FP16 row did not reach its target, or ran on another number of workers than
+            ``world_size`` (when given: its steps would not be this sweep's) (named).
     """
     from .report import _is_fp16, is_reference
     try:
@@ -52,7 +54,10 @@ def load_reference(path, workloads):
             raise ValueError(f"--fp16-reference {path}: FP16's row of {w} has no FP16-relative target it "
                              f"reached (steps to target {r.get('steps_to_target')}, target_vs_fp16 "
                              f"{r.get('target_vs_fp16')}); the estimate needs both")
-        out[w] = {"final_metric": float(r["final_metric"]), "target_vs_fp16": float(r["target_vs_fp16"]),
+        if world_size is not None and r.get("world_size") is not None and int(r["world_size"]) != int(world_size):
+            raise ValueError(f"--fp16-reference {path}: its FP16 row of {w} ran on {r['world_size']} workers, this "
+                             f"sweep on {world_size}: its steps to target are not this sweep's")
+        out[w] = {"final_metric": float(r["final_metric"]), "world_size": r.get("world_size"), "target_vs_fp16": float(r["target_vs_fp16"]),
                   "target": float(r["target_vs_fp16"]) * float(r["final_metric"]),
                   "steps_to_target": int(r["steps_to_target"]), "steps": int(r["steps"]),
                   "step_ms": r.get("step_ms_median"), "bandwidth_mbit": network.get("bandwidth_mbit"),

@@ -1101,7 +1101,7 @@ def plan_sweep(args) -> SweepPlan:
             raise ValueError(f"--fp16-reference: the estimate is for workloads whose target is relative to "
                              f"FP16 ({', '.join(FP16_TTA_CAP)}); the sweep's are {', '.join(workloads)}")
         fp16_estimate.fp16_flags({"steps": 1}, getattr(args, "fp16_steps", 100))  # checks --fp16-steps
-        args.fp16_reference_rows = fp16_estimate.load_reference(args.fp16_reference, relative)
+        args.fp16_reference_rows = fp16_estimate.load_reference(args.fp16_reference, relative, args.workers)
     unavailable = {}
     if args.compressors and args.compressors.strip().lower() == "off":
         specs, skipped = [], []

@@ -202,6 +202,9 @@ def test_reference_is_read_and_refused_when_unusable(tmp_path):
     assert ref["target"] == pytest.approx(1.02 * 8.0)
     with pytest.raises(ValueError, match="no FP16 row of workload lm"):
         fp16_estimate.load_reference(_reference(tmp_path), ["lm"])
+    with pytest.raises(ValueError, match="ran on 2 workers, this sweep on 4"):
+        fp16_estimate.load_reference(_reference(tmp_path), ["lm-comm"], world_size=4)
+    assert fp16_estimate.load_reference(_reference(tmp_path), ["lm-comm"], world_size=2)["lm-comm"]["world_size"] == 2
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="cannot read a sweep's results.json"):
         fp16_estimate.load_reference(tmp_path / "bad.json", ["lm-comm"])
