@@ -39,27 +39,28 @@ import math
 import os
 import statistics
 
+from . import fp16_estimate
 from .worker import rolling_mean
 
-__all__ = ["stop_note", "time_to_target", "first_reached", "apply_targets", "adam_ratios", "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
+__all__ = ["stop_note", "wait_share", "time_to_target", "first_reached", "apply_targets", "adam_ratios", "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
            "SUMMARY_COLUMNS", "STEP_COLUMNS", "EVAL_COLUMNS", "write_summary_csv", "write_csvs", "write_json", "format_table", "markdown_table", "plot",
            "plot_rows", "plot_path", "update_doc"]
 
 RUN_COLUMNS = [
-    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "optimizer", "accumulate", "update_sync", "num_groups", "status", "stop_reason",
+    "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "optimizer", "accumulate", "update_sync", "num_groups", "delay", "status", "stop_reason",
     "network_mode", "bandwidth_mbit", "latency_ms", "world_size", "seed", "params", "target", "target_vs_fp16",
     "higher_is_better", "steps", "epochs", "clock_s", "wall_s", "tta_s", "tta_steady_s", "startup_s", "first_step_s", "tta_vs_fp16", "tta_vs_best_ddp",
     "steps_to_target", "steps_vs_fp16", "step_time_vs_fp16",
     "final_metric", "best_metric", "bytes_payload", "bytes_side", "side_collectives",
     "bytes_per_step", "fp16_bytes_ratio", "step_ms_median", "compute_share", "codec_share",
-    "comm_share", "choices", "mesh", "bytes_reduce_scatter", "git_commit", "versions",
+    "comm_share", "wait_share", "fp16_estimate", "choices", "mesh", "bytes_reduce_scatter", "git_commit", "versions",
 ]
 # A table row over the repeats of one (workload, framework, system, spec): the run columns
 # (medians; run_id without the repeat suffix, repeat empty) plus how many ran and the spread.
 SPREAD_KEYS = ("tta_s", "tta_steady_s", "startup_s")
 SUMMARY_COLUMNS = RUN_COLUMNS[:2] + ["repeats", "runs_ok", "tta_reached"] + RUN_COLUMNS[2:] + [
     f"{k}_{e}" for k in SPREAD_KEYS for e in ("min", "max")]
-STEP_COLUMNS = ["run_id", "step", "epoch", "t", "compute_s", "codec_s", "comm_s", "loss"]
+STEP_COLUMNS = ["run_id", "step", "epoch", "t", "compute_s", "codec_s", "comm_s", "wait_s", "loss"]
 EVAL_COLUMNS = ["run_id", "step", "epoch", "t", "metric", "rolling"]
 ADAM_COLUMNS = ["run_id", "step", "tensor", "numel", "update_rms", "grad_rms", "v_mean", "m_rms"]
 # Ratio columns: recomputed from the (median) rows, never medians themselves.
@@ -122,13 +123,14 @@ def summarize(run_id, result, network, git_commit=None):
                system=meta.get("system"), reference=bool(meta.get("reference", False)),
                label=meta.get("label"), spec=meta.get("compression"), optimizer=meta.get("optimizer") or None,
                accumulate=int(meta.get("accumulate") or 1), update_sync=meta.get("update_sync") or None,
-               num_groups=int(meta.get("num_groups") or 0),
+               num_groups=int(meta.get("num_groups") or 0), delay=int(meta.get("delay") or 0),
                status=result.get("status", "ok"), stop_reason=meta.get("stop_reason"),
                network_mode=network.get("mode"), bandwidth_mbit=network.get("bandwidth_mbit"),
                latency_ms=network.get("latency_ms"), world_size=meta.get("world_size"),
                seed=meta.get("seed"), params=meta.get("params"), target=meta.get("target"),
                target_vs_fp16=meta.get("target_vs_fp16") or None,
                higher_is_better=higher, git_commit=git_commit, mesh=meta.get("mesh"),
+               fp16_estimate=meta.get("fp16_estimate") or None,
                versions=json.dumps(meta.get("versions", {}), sort_keys=True))
     if steps.get("step"):
         clock = steps["t"][-1]
@@ -139,7 +141,7 @@ def summarize(run_id, result, network, git_commit=None):
                        c + k + m for c, k, m in zip(steps["compute_s"], steps["codec_s"], steps["comm_s"])))
         if clock > 0:
             row.update(compute_share=sum(steps["compute_s"]) / clock, codec_share=sum(steps["codec_s"]) / clock,
-                       comm_share=sum(steps["comm_s"]) / clock)
+                       comm_share=sum(steps["comm_s"]) / clock, wait_share=wait_share(steps))
     if evals.get("metric"):
         roll = rolling_mean(evals["metric"], window)
         row.update(final_metric=roll[-1], best_metric=(max if higher else min)(roll))
@@ -152,6 +154,18 @@ def summarize(run_id, result, network, git_commit=None):
         if wire.get("choices"):  # auto: the scheme each tensor ended on
             row["choices"] = "; ".join(f"{k}: {v}" for k, v in sorted(wire["choices"].items()))
     return row
+
+
+def wait_share(steps):
+    """The share of the training clock a run's steps were blocked on the link: the sum of its
+    per-step ``wait_s`` (:meth:`.worker.Recorder.step`, a part of ``comm_s``) over the clock
+    (the sum of compute, codec and comm); None when some step did not measure it (records
+    saved before the wait was recorded, or a worker that does not measure it)."""
+    waits = steps.get("wait_s")
+    if not waits or any(w is None for w in waits) or len(waits) != len(steps.get("comm_s") or []):
+        return None
+    clock = sum(steps["compute_s"]) + sum(steps["codec_s"]) + sum(steps["comm_s"])
+    return sum(waits) / clock if clock > 0 else None
 
 
 def _set_reached(row, evals, window):
@@ -179,8 +193,10 @@ def apply_targets(rows, results):
     """
     finals = {}
     for r in rows:
-        if _is_fp16(r) and not is_reference(r) and r.get("status") == "ok" and r.get("final_metric") is not None:
-            finals.setdefault((r.get("workload"), r.get("framework"), _target_system(r)), []).append(r["final_metric"])
+        # an FP16 run stopped early on a slow link (fp16_estimate): the reference run's final metric
+        final = (r.get("fp16_estimate") or {}).get("final_metric", r.get("final_metric"))
+        if _is_fp16(r) and not is_reference(r) and r.get("status") == "ok" and final is not None:
+            finals.setdefault((r.get("workload"), r.get("framework"), _target_system(r)), []).append(final)
     for r in rows:
         res = results.get(r.get("run_id")) or {}
         factor = r.get("target_vs_fp16") or (res.get("meta") or {}).get("target_vs_fp16")
@@ -193,6 +209,9 @@ def apply_targets(rows, results):
         evals = res.get("evals") or {}
         if evals.get("metric") and evals.get("step"):
             _set_reached(r, evals, int((res.get("meta") or {}).get("window", 5)))
+        est = fp16_estimate.estimated_tta(res) if r.get("fp16_estimate") else None
+        if est is not None:  # stopped early: the reference's steps x this run's median step
+            r["tta_s"], r["steps_to_target"], r["tta_steady_s"] = est[0], est[1], None
     return rows
 
 
@@ -273,7 +292,8 @@ def _is_fp16(row):
     ``update_sync`` is not the baseline). FSDP: ``fsdp:fp16``, FP16-FSDP (FSDP's own float16 collectives)."""
     spec = row.get("spec") or ""
     return ((spec in ("fp16", "ddp:fp16", "fsdp:fp16") or spec.startswith("fp16:")) and not row.get("optimizer")
-            and (row.get("accumulate") or 1) == 1 and not row.get("update_sync") and not row.get("num_groups"))
+            and (row.get("accumulate") or 1) == 1 and not row.get("update_sync") and not row.get("num_groups")
+            and not row.get("delay"))
 
 
 def is_reference(row):
@@ -326,7 +346,8 @@ def _row_key(r):
     optimizer, accumulate, update_sync, num_groups, reference), so the FP32 row and the no-communication reference (also spec
     ``none``) stay apart, and so do rows of one spec under different optimizers."""
     return (r.get("workload"), r.get("framework"), r.get("system"), r.get("spec"), r.get("optimizer"),
-            r.get("accumulate") or 1, r.get("update_sync"), r.get("num_groups") or 0, is_reference(r))
+            r.get("accumulate") or 1, r.get("update_sync"), r.get("num_groups") or 0, is_reference(r),
+            r.get("delay") or 0)
 
 
 def aggregate(rows):
@@ -357,7 +378,7 @@ def aggregate(rows):
         s["status"] = "ok" if not bad else f"{bad} of {len(members)} failed"
         for c in RUN_COLUMNS:
             # (accumulate, num_groups: part of the row key, equal over the repeats; kept as ints)
-            if c in ("run_id", "repeat", "steps_to_target", "accumulate", "num_groups") or c in RATIO_KEYS \
+            if c in ("run_id", "repeat", "steps_to_target", "accumulate", "num_groups", "delay") or c in RATIO_KEYS \
                     or c in SPREAD_KEYS:
                 continue
             vals = [r.get(c) for r in ok]
@@ -422,7 +443,7 @@ def write_csvs(out_dir, rows, results):
         for run_id, res in results.items():
             s = res.get("steps") or {}
             for i in range(len(s.get("step", []))):
-                w.writerow([run_id] + [s[c][i] for c in STEP_COLUMNS[1:]])
+                w.writerow([run_id] + [s[c][i] if c in s else None for c in STEP_COLUMNS[1:]])
     with open(os.path.join(out_dir, "evals.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(EVAL_COLUMNS)
@@ -503,9 +524,16 @@ _TABLE = [  # header, key, format
 _STARTUP_COLUMNS = [("steady TTA s", "tta_steady_s", "s"), ("start s", "startup_s", "s")]
 
 
+# Shown after "comm" when some row measured its wait (sweeps before it did not).
+_WAIT_COLUMN = ("wait", "wait_share", "pct")
+
+
 def _columns(rows):
-    """The table's (header, key, format) list for these rows (see :data:`_STARTUP_COLUMNS`)."""
+    """The table's (header, key, format) list for these rows (see :data:`_STARTUP_COLUMNS`,
+    :data:`_WAIT_COLUMN`)."""
     cols = list(_TABLE)
+    if any(r.get("wait_share") is not None for r in rows):
+        cols.append(_WAIT_COLUMN)
     if any(r.get("startup_s") is not None for r in rows):
         cols[3:3] = _STARTUP_COLUMNS
     if repeated(rows):
@@ -543,6 +571,8 @@ def _cells(row, columns=_TABLE):
             out.append("not reached")
         else:
             out.append(_fmt(row.get(key), kind))
+        if row.get("fp16_estimate"):  # FP16 stopped early on a slow link: its cells say so
+            out[-1] = fp16_estimate.cell_text(row, key, out[-1])
     return out
 
 
@@ -563,8 +593,9 @@ def stop_note(rows, results):
             cap = meta.get("stop_cap")
             if cap:
                 who, base = ("FSDP row", "FP16-FSDP") if fsdp else ("row", "FP16")
+                est = " estimated" if cap.get("estimated") else ""
                 out.append(f"{w}: every {who} after {base} stopped at the target or when its training "
-                           f"clock passed {cap['cap']:g} x {base}'s TTA ({cap['fp16_tta_s']:.1f} s), "
+                           f"clock passed {cap['cap']:g} x {base}'s{est} TTA ({cap['fp16_tta_s']:.1f} s), "
                            f"i.e. {cap['max_seconds']:.1f} s (checked at each evaluation).")
                 break
             argv = [str(a) for a in meta.get("argv") or []]
@@ -591,7 +622,9 @@ def table_header(network, rows, results=None):
         net += f". glibc malloc: {network['malloc']}"
     targets = sorted({(r.get("workload"), r.get("target"), r.get("target_vs_fp16"), r.get("system") == "fsdp")
                       for r in rows if r.get("target") is not None}, key=str)
-    tt = ", ".join((f"{w} {t:.4g} ({f:g} x {'FP16-FSDP' if fsdp else 'FP16'}'s final rolling metric in this sweep)"
+    estimated = {r.get("workload") for r in rows if r.get("fp16_estimate")}  # FP16 stopped early
+    tt = ", ".join((f"{w} {t:.4g} ({f:g} x {'FP16-FSDP' if fsdp else 'FP16'}'s final rolling metric "
+                    + ("in the reference sweep named below" if w in estimated and not fsdp else "in this sweep") + ")"
                     + (" for the FSDP rows" if fsdp else "")) if f else f"{w} {t}"
                    for w, t, f, fsdp in targets)
     lines = [net, f"Targets (rolling metric): {tt}. TTA = training clock to target; ratios are "
@@ -605,6 +638,9 @@ def table_header(network, rows, results=None):
     note = stop_note(rows, results) if results else ""
     if note:
         lines[1] += " " + note
+    note = fp16_estimate.header_note(rows)
+    if note:
+        lines[1] += " " + note
     if any((r.get("accumulate") or 1) > 1 for r in rows):
         lines[1] += (" accumulate(K) rows: K micro-batches (of the usual size) per optimizer step "
                      "and all-reduce; their steps are micro-batches, so steps compare with FP16's "
@@ -613,6 +649,16 @@ def table_header(network, rows, results=None):
         lines[1] += (" groups(G) rows: Horovod's num_groups=G, the gradients all-reduced in G "
                      "groups, each compressed as one bucket per route (one codec call per group "
                      "and route instead of one per tensor).")
+    if any(r.get("wait_share") is not None for r in rows):
+        lines[1] += (" wait = the share of the clock a step was blocked on the link, a part of "
+                     "comm (comm less the posting of collectives): gradient rows wait for their "
+                     "all-reduces after backward (all of comm); update-sync rows in the sync's "
+                     "waits and count check (with overlap: for the round in flight); '-': not "
+                     "measured.")
+    if any(r.get("delay") for r in rows):
+        lines[1] += (" delay(D) rows: our compressor as a DDP hook with delayed gradient sync "
+                     "(torch_backend.ddp.register_comm_hook(..., delay=D)): step t's mean is "
+                     "applied at step t + D, its all-reduce running beside the next steps.")
     if any(r.get("update_sync") for r in rows):
         lines[1] += (" update-sync rows: each rank steps its own optimizer on its own gradient and "
                      "the ranks all-reduce the compressed parameter change every H steps "

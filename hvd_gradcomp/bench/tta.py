@@ -64,13 +64,13 @@ import time
 
 from typing import NamedTuple, Optional
 
-from . import device, launch, linkcheck, netem, publish, report
+from . import device, fp16_estimate, launch, linkcheck, netem, publish, report
 from .worker import PROGRESS_PREFIX
 
 __all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "SweepOutcome",
            "default_specs", "parse_compressors", "plan_runs", "interleave", "RunSpec", "WORKLOADS",
            "NOCOMM_SPEC", "NOCOMM_LABEL", "network_for", "Row", "parse_row", "parse_update_sync",
-           "note_fp16", "stop_flags", "ADAM_ROWS", "FP16_TTA_CAP"]
+           "note_fp16", "stop_flags", "ADAM_ROWS", "FP16_TTA_CAP", "delay_support"]
 
 # workload key -> (framework, worker module, workload name inside the worker, DDP-capable)
 WORKLOADS = {
@@ -176,11 +176,15 @@ class RunSpec:
     ones), ``reduce_scatter`` the reduce-scatter within the shard group (None: FSDP's own),
     ``overlap`` installs the hook with ``overlap=True``; label :func:`fsdp_label`, row id
     ``<workload>-fsdp-<spec>[-with-rs-<spec>][-with-overlap]``.
+
+    ``delay``: D >= 1 on a DDP row of ours (spec ``ours:<spec>``, from a ``SPEC with delay(D)``
+    row): the hook registered with ``delay=D`` (delayed gradient sync; ``--delay D``), label
+    ``SPEC with delay(D) on DDP``.
     """
 
     def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1, reference=False,
                  optimizer=None, unavailable=None, accumulate=1, update_sync=None, reduce_scatter=None,
-                 overlap=False, groups=0):
+                 overlap=False, groups=0, delay=0):
         self.workload, self.system, self.spec = workload, system, spec
         self.reduce_scatter = reduce_scatter or None  # FSDP rows: the reduce-scatter's spec
         self.overlap = bool(overlap)  # FSDP rows: install(..., overlap=True)
@@ -189,9 +193,10 @@ class RunSpec:
         self.accumulate = int(accumulate or 1)
         self.update_sync = update_sync
         self.groups = int(groups or 0)
+        self.delay = int(delay or 0)  # DDP rows of ours: register_comm_hook(..., delay=D)
         self.unavailable = unavailable
         self.framework = WORKLOADS[workload][0]
-        tail = Row(spec, self.optimizer, self.accumulate, update_sync, self.groups).text()[len(spec):]
+        tail = Row(spec, self.optimizer, self.accumulate, update_sync, self.groups, self.delay).text()[len(spec):]
         self.label = label or (NOCOMM_LABEL if self.reference else
                                {"none": "fp32 (none)"}.get(spec, spec) if system == "horovod" else f"DDP {spec}")
         if tail and not label:
@@ -211,7 +216,7 @@ class RunSpec:
         """This run as round ``repeat`` of ``repeats`` (:func:`interleave`)."""
         return RunSpec(self.workload, self.system, self.spec, self.label, repeat, repeats, self.reference,
                        self.optimizer, self.unavailable, self.accumulate, self.update_sync,
-                       self.reduce_scatter, self.overlap, self.groups)
+                       self.reduce_scatter, self.overlap, self.groups, self.delay)
 
     def __repr__(self):
         return f"RunSpec({self.run_id})"
@@ -246,10 +251,11 @@ class Row(NamedTuple):
     accumulate: int = 1  # micro-batches per optimizer step and all-reduce
     update_sync: Optional[str] = None  # update-sync options ("every=8"); None: off
     groups: int = 0  # Horovod's num_groups; 0: none
+    delay: int = 0  # delayed gradient sync (the DDP hook's delay=D); 0: none
 
     def text(self):
         """The canonical row: ``SPEC[ with accumulate(K)][ with groups(G)][ with
-        update-sync(...)][ with OPT]``."""
+        update-sync(...)][ with delay(D)][ with OPT]``."""
         parts = [self.spec]
         if self.accumulate > 1:
             parts.append(f"accumulate({self.accumulate})")
@@ -257,6 +263,8 @@ class Row(NamedTuple):
             parts.append(f"groups({self.groups})")
         if self.update_sync is not None:
             parts.append(f"update-sync({self.update_sync})")
+        if self.delay:
+            parts.append(f"delay({self.delay})")
         if self.optimizer:
             parts.append(self.optimizer)
         return " with ".join(parts)
@@ -265,18 +273,23 @@ class Row(NamedTuple):
 _ACCUMULATE = re.compile(r"^accumulate\s*\((.*)\)$")
 _GROUPS = re.compile(r"^groups\s*\((.*)\)$")
 _UPDATE_SYNC = re.compile(r"^update-sync\s*(?:\((.*)\))?$")
+_DELAY = re.compile(r"^delay\s*\((.*)\)$")
 # Row options of update sync -> type (torch_backend.update_sync.UpdateSync's arguments).
-UPDATE_SYNC_OPTIONS = {"every": int, "outer_lr": float, "outer_momentum": float, "nesterov": bool}
+UPDATE_SYNC_OPTIONS = {"every": int, "outer_lr": float, "outer_momentum": float, "nesterov": bool,
+                       "overlap": bool, "fragments": int, "eager": bool}
 
 
 def parse_update_sync(body):
     """``"every=8,outer_lr=0.7"`` -> ``{"every": 8, "outer_lr": 0.7}``: the options of
     ``torch_backend.update_sync.UpdateSync`` a row may give (:data:`UPDATE_SYNC_OPTIONS`:
     ``every`` int >= 1, ``outer_lr`` > 0, ``outer_momentum`` in [0, 1), ``nesterov``
-    true/false); ``""`` -> ``{}``.
+    true/false; the overlapped sync (docs/update-sync.md): ``overlap`` true/false, ``fragments``
+    int >= 1 dividing ``every`` (default 1), ``eager`` true/false); ``""`` -> ``{}``.
 
     Raises:
-        ValueError: an unknown option, or a value of the wrong type or range (named).
+        ValueError: an unknown option, or a value of the wrong type or range (named):
+            ``fragments`` that do not divide ``every``, ``fragments`` > 1 or ``eager`` without
+            ``overlap=true`` (UpdateSync's own rules, checked here so a row fails at planning).
     """
     out = {}
     for item in (x.strip() for x in (body or "").split(",")):
@@ -303,6 +316,14 @@ def parse_update_sync(body):
         raise ValueError(f"update-sync: outer_lr must be > 0, got {out['outer_lr']}")
     if not 0 <= out.get("outer_momentum", 0.0) < 1:
         raise ValueError(f"update-sync: outer_momentum must be in [0, 1), got {out['outer_momentum']}")
+    every, frags = out.get("every", 1), out.get("fragments", 1)
+    if frags < 1 or every % frags:
+        raise ValueError(f"update-sync: fragments must be an integer >= 1 that divides every={every} "
+                         f"(a fragment is synced every every/fragments steps), got {frags}")
+    for key in ("fragments", "eager"):
+        if key in out and not out.get("overlap", False):
+            raise ValueError(f"update-sync: {key}={str(out[key]).lower()} needs overlap=true "
+                             f"(fragments and the eager rule belong to the overlapped sync)")
     return out
 
 
@@ -315,14 +336,17 @@ def parse_row(text):
     all-reduce), ``groups(G)`` (G >= 1: Horovod's ``num_groups``, the gradients all-reduced in G
     groups, each compressed as one bucket per route: one codec call per group and route),
     ``update-sync(every=H,...)`` (compressed update sync instead of the gradient all-reduce,
-    :func:`parse_update_sync`; ``update-sync`` alone: every=1), or an optimizer
-    ``NAME(k=v,...)`` (:func:`hvd_gradcomp.bench.worker.parse_optimizer`). ``fp32`` means
-    ``none``. Only the clauses' syntax is checked here, not the spec.
+    :func:`parse_update_sync`; ``update-sync`` alone: every=1), ``delay(D)`` (D >= 1:
+    delayed gradient sync, step t's mean applied at step t + D: the row runs on DDP with our
+    hook, ``torch_backend.ddp.register_comm_hook(..., delay=D)``, :func:`delay_support`), or an
+    optimizer ``NAME(k=v,...)`` (:func:`hvd_gradcomp.bench.worker.parse_optimizer`). ``fp32``
+    means ``none``. Only the clauses' syntax is checked here, not the spec.
 
     Raises:
-        ValueError: an empty spec, a bad or repeated clause, or accumulate or groups with
+        ValueError: an empty spec, a bad or repeated clause, accumulate or groups with
             update-sync (update sync already communicates once per ``every`` steps, through its
-            own all-reduces).
+            own all-reduces), or delay with accumulate, groups or update-sync (a delayed row
+            runs on DDP's hook, which has neither).
     """
     from .worker import parse_optimizer
     parts = [x.strip() for x in text.split(" with ")]
@@ -338,10 +362,13 @@ def parse_row(text):
             raise ValueError(f"row {text!r}: {name}({letter}) takes an integer {letter} >= 1, got {k!r}")
         return int(k)
 
-    opt = accumulate = sync = groups = None
+    opt = accumulate = sync = groups = delay = None
     for clause in parts[1:]:
         m, u, g = _ACCUMULATE.match(clause), _UPDATE_SYNC.match(clause), _GROUPS.match(clause)
-        if g:
+        d = _DELAY.match(clause)
+        if d:
+            delay = count(d, "delay", "D", delay)
+        elif g:
             groups = count(g, "groups", "G", groups)
         elif m:
             accumulate = count(m, "accumulate", "K", accumulate)
@@ -362,7 +389,37 @@ def parse_row(text):
         raise ValueError(f"row {text!r}: groups and update-sync together are not supported "
                          f"(update sync all-reduces the parameter changes itself, not through "
                          f"hvd.DistributedOptimizer's groups)")
-    return Row("none" if spec == "fp32" else spec, opt, accumulate or 1, sync, groups or 0)
+    if delay is not None:
+        other = [name for name, v in (("accumulate", accumulate), ("groups", groups), ("update-sync", sync))
+                 if v is not None]
+        if other:
+            raise ValueError(f"row {text!r}: delay and {other[0]} together are not supported (a delay(D) "
+                             f"row runs on DDP with our hook, which has no {other[0]})")
+    return Row("none" if spec == "fp32" else spec, opt, accumulate or 1, sync, groups or 0, delay or 0)
+
+
+def delay_support():
+    """None when this checkout's DDP hook takes ``delay=`` (``torch_backend.ddp``'s
+    ``register_comm_hook`` has a ``delay`` parameter, read from its source without importing
+    torch), else why not (a ``delay(D)`` row is then planned as not run, with that reason)."""
+    import ast
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("torch_backend.ddp")
+    except (ImportError, ValueError) as e:
+        return f"torch_backend.ddp cannot be found ({e})"
+    if spec is None or not spec.origin:
+        return "torch_backend.ddp cannot be found"
+    with open(spec.origin) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "register_comm_hook":
+            a = node.args
+            if any(x.arg == "delay" for x in a.args + a.kwonlyargs):
+                return None
+            return ("this checkout's torch_backend.ddp.register_comm_hook has no delay= option "
+                    "(delayed gradient sync, issue 49 item 1, is not built here yet)")
+    return "torch_backend.ddp has no register_comm_hook"
 
 
 def parse_compressors(text):
@@ -559,6 +616,14 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None, fs
             parsed = parse_row(row)
             s = parsed.spec
             why = unavailable.get(row)
+            if parsed.delay:  # delayed gradient sync: our hook on DDP (delay_support)
+                if not WORKLOADS[w][3]:
+                    raise ValueError(f"row {row!r}: delay(D) rows run on DDP, which {w} has not "
+                                     f"(PyTorch workloads only)")
+                label = Row(s, parsed.optimizer, delay=parsed.delay).text() + " on DDP"
+                plan.append(RunSpec(w, "ddp", f"ours:{s}", label, optimizer=parsed.optimizer,
+                                    unavailable=why or delay_support(), delay=parsed.delay))
+                continue
             if (parsed.accumulate > 1 or parsed.update_sync is not None or parsed.groups) \
                     and WORKLOADS[w][0] != "torch":
                 raise ValueError(f"row {row!r}: accumulate, groups and update-sync rows run on the "
@@ -636,6 +701,8 @@ def _command(run, args, out_json, extra=()):
     cmd = [sys.executable, "-m", {"ddp": DDP_WORKER, "fsdp": FSDP_WORKER}.get(run.system, module)]
     if run.system == "ddp":
         cmd += ["--workload", wname, "--hook", run.spec]
+        if run.delay:
+            cmd += ["--delay", str(run.delay)]
     elif run.system == "fsdp":
         r, s = getattr(args, "fsdp_mesh_shape", None) or parse_fsdp_mesh(getattr(args, "fsdp_mesh", None), args.workers)
         cmd += ["--workload", wname, "--compression", run.spec, "--mesh", f"{r}x{s}"]
@@ -673,7 +740,7 @@ def _stub_result(run, status, error="", network=None):
            "meta": {"workload": WORKLOADS[run.workload][2], "framework": WORKLOADS[run.workload][0],
                     "system": run.system, "label": run.label, "compression": run.spec,
                     "optimizer": run.optimizer, "accumulate": run.accumulate, "update_sync": run.update_sync,
-                    "num_groups": run.groups,
+                    "num_groups": run.groups, "delay": run.delay,
                     "repeat": run.repeat, "reference": run.reference}}
     if run.system == "fsdp":  # as the worker records it (workers.fsdp_torch)
         out["meta"]["compression"] = fsdp_compression(run.spec, run.reduce_scatter, run.overlap)
@@ -722,6 +789,10 @@ def note_fp16(run, result, stops, cap=None):
         tta_s = evals["t"][-1]
     steps = int(meta.get("steps_run") or len((result.get("steps") or {}).get("step", [])))
     factor = FP16_TTA_CAP[run.workload] if cap is None else float(cap)
+    early = fp16_estimate.stop_values(result, factor)  # stopped early on a slow link (--fp16-reference)
+    if early is not None:
+        stops[stop_group(run)] = early
+        return
     stops[stop_group(run)] = {"target": target, "fp16_tta_s": tta_s, "cap": factor,
                            "max_seconds": factor * tta_s, "fp16_steps": steps}
 
@@ -828,6 +899,7 @@ def execute(net, run, args, out_dir, progress=True, extra=()):
         result["meta"]["accumulate"] = run.accumulate
         result["meta"]["update_sync"] = run.update_sync
         result["meta"]["num_groups"] = run.groups
+        result["meta"]["delay"] = run.delay
         result["meta"]["repeat"] = run.repeat
         result["meta"]["reference"] = run.reference
         if run.reference:
@@ -856,7 +928,10 @@ def build_parser():
                         "frozen-adamw; e.g. 'topkc:ratio=0.1 with adam(lr=6.3e-3)'), accumulate(K) "
                         "(K micro-batches per all-reduce), groups(G) (Horovod's num_groups: G groups, one "
                         "codec call per group and route), update-sync(every=H,...) (compressed "
-                        "update sync, torch_backend.UpdateSync). Default: every registered "
+                        "update sync, torch_backend.UpdateSync; also overlap=true, fragments=F, "
+                        "eager=true/false), delay(D) (delayed gradient sync: the row runs on DDP "
+                        "with our hook, register_comm_hook(..., delay=D); reported as not run where "
+                        "this checkout's hook has no delay=). Default: every registered "
                         f"default, from {'; '.join(DEFAULT_CANDIDATES)}; for lm-comm alone: "
                         f"{'; '.join(ADAM_ROWS)}. 'off': no Horovod rows (with --ddp-hooks or "
                         "--fsdp-hooks rows). Every scheme's options: python -m hvd_gradcomp --list")
@@ -910,6 +985,14 @@ def build_parser():
                    help="workloads whose target is relative to FP16 (lm-comm): every row after FP16 "
                         "stops at the target or when its training clock passes this multiple of "
                         f"FP16's TTA (default {FP16_TTA_CAP['lm-comm']:g})")
+    p.add_argument("--fp16-reference", default=None, metavar="RESULTS_JSON",
+                   help="a slow link: the results.json of a sweep of the same workload on a faster "
+                        "link; FP16's row here stops after --fp16-steps steps and its TTA is its steps "
+                        "to target in that sweep times its median step time measured here, labelled "
+                        "'est.' (the other rows take that sweep's FP16 target and schedule; "
+                        "hvd_gradcomp/bench/fp16_estimate.py)")
+    p.add_argument("--fp16-steps", type=int, default=100,
+                   help="with --fp16-reference: FP16's steps on this link (its step time's sample)")
     p.add_argument("--budget-epochs", type=float, default=None,
                    help="every run's epoch budget (--max-epochs), before the stop flags: so for "
                         "workloads whose target is relative to FP16 (lm-comm, default 1.75) it sets "
@@ -1011,6 +1094,14 @@ def plan_sweep(args) -> SweepPlan:
         raise ValueError(f"--budget-epochs must be > 0, got {args.budget_epochs:g}")
     if getattr(args, "tta_cap", None) is not None and not args.tta_cap > 0:
         raise ValueError(f"--tta-cap must be > 0 (a multiple of FP16's TTA), got {args.tta_cap:g}")
+    args.fp16_reference_rows = None
+    if getattr(args, "fp16_reference", None):
+        relative = [w for w in workloads if w in FP16_TTA_CAP]
+        if not relative:
+            raise ValueError(f"--fp16-reference: the estimate is for workloads whose target is relative to "
+                             f"FP16 ({', '.join(FP16_TTA_CAP)}); the sweep's are {', '.join(workloads)}")
+        fp16_estimate.fp16_flags({"steps": 1}, getattr(args, "fp16_steps", 100))  # checks --fp16-steps
+        args.fp16_reference_rows = fp16_estimate.load_reference(args.fp16_reference, relative, args.workers)
     unavailable = {}
     if args.compressors and args.compressors.strip().lower() == "off":
         specs, skipped = [], []
@@ -1096,11 +1187,16 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
             else:
                 _print_link_check(link_check, args.link_factor)
         if not link_failed:
+            refs = getattr(args, "fp16_reference_rows", None) or {}
             for run in plan.runs:
-                extra = stop_flags(run, stops)
+                ref = refs.get(run.workload) if run.system == "horovod" and _is_fp16_baseline(run) else None
+                extra = fp16_estimate.fp16_flags(ref, args.fp16_steps) if ref else stop_flags(run, stops)
                 results[run.run_id] = execute(net, run, args, plan.out_dir, progress=not args.no_progress,
                                               extra=extra)
-                if extra:  # what stopped it, for the report (report.stop_note)
+                if ref:  # FP16 stopped early: its TTA is estimated (fp16_estimate)
+                    results[run.run_id].setdefault("meta", {})["fp16_estimate"] = \
+                        fp16_estimate.reference_meta(ref, args.fp16_steps)
+                elif extra:  # what stopped it, for the report (report.stop_note)
                     results[run.run_id].setdefault("meta", {})["stop_cap"] = dict(stops[stop_group(run)])
                 note_fp16(run, results[run.run_id], stops, getattr(args, "tta_cap", None))
     except KeyboardInterrupt:

@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 
-__all__ = ["optimizer_class", "add_common_args", "TimedCompressor", "Recorder", "rolling_mean", "PROGRESS_PREFIX",
+__all__ = ["optimizer_class", "add_common_args", "TimedCompressor", "WaitTimer", "Recorder", "rolling_mean", "PROGRESS_PREFIX",
            "process_start_time", "parse_optimizer", "OPTIMIZERS"]
 
 PROGRESS_PREFIX = "@tta "
@@ -256,6 +256,77 @@ class TimedCompressor:
             self._patched = None
 
 
+class WaitTimer:
+    """Times the calls that block on the link while :meth:`watching`: patches the given
+    functions of a module (e.g. ``horovod.torch``'s ``synchronize`` and ``allreduce``, looked
+    up as ``hvd.synchronize`` at call time by the code being timed) for the life of the timer,
+    and adds each call's seconds to ``wait_s`` while the ``watching()`` block runs (calls
+    outside it, e.g. evaluation's all-reduce, are not counted). Nested patched calls are
+    counted once (the outermost). :meth:`take` reads and resets; :meth:`close` restores the
+    module (also on a failure: use it as a context manager or call ``close``).
+
+    Args:
+        module: the module whose attributes are patched.
+        names: attribute names (functions) to time; a missing one is skipped.
+        clock: ``() -> seconds`` (default ``time.perf_counter``; ``--device cuda``: a clock
+            that drains the device first, :func:`.device.clock`).
+    """
+
+    def __init__(self, module, names, clock=None):
+        self.module, self.wait_s = module, 0.0
+        self._clock = clock or time.perf_counter
+        self._state = threading.local()
+        self._patched = []
+        for name in names:
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+            setattr(module, name, self._wrap(original))
+            self._patched.append((name, original))
+
+    def _wrap(self, fn):
+        def timed(*args, **kwargs):
+            st = self._state
+            if not getattr(st, "on", False) or getattr(st, "depth", 0):
+                return fn(*args, **kwargs)
+            st.depth = 1
+            t0 = self._clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                st.depth = 0
+                self.wait_s += self._clock() - t0
+        return timed
+
+    def watching(self):
+        """Context manager: count the patched calls made inside it (this thread)."""
+        timer = self
+
+        class _On:
+            def __enter__(self):
+                timer._state.on = True
+
+            def __exit__(self, *exc):
+                timer._state.on = False
+        return _On()
+
+    def take(self):
+        """Seconds waited since the last call; resets."""
+        out, self.wait_s = self.wait_s, 0.0
+        return out
+
+    def close(self):
+        for name, original in self._patched:
+            setattr(self.module, name, original)
+        self._patched = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class Recorder:
     """Per-step and per-evaluation records of one run, the stop rule, and the JSON output.
 
@@ -281,7 +352,7 @@ class Recorder:
                          epochs_past_target=args.epochs_past_target, max_epochs=args.max_epochs,
                          max_seconds=args.max_seconds, python=platform.python_version(),
                          argv=sys.argv)
-        self.steps = {k: [] for k in ("step", "epoch", "t", "compute_s", "codec_s", "comm_s", "loss")}
+        self.steps = {k: [] for k in ("step", "epoch", "t", "compute_s", "codec_s", "comm_s", "wait_s", "loss")}
         self.evals = {k: [] for k in ("step", "epoch", "t", "metric")}
         self.clock = 0.0
         self.step_count = 0
@@ -296,9 +367,17 @@ class Recorder:
         n = int(math.ceil(self.args.max_epochs * self.steps_per_epoch))
         return min(n, self.args.max_steps) if self.args.max_steps else n
 
-    def step(self, compute_s, codec_s, comm_s, loss):
-        """Record one optimizer step (seconds; ``comm_s`` is clamped at 0)."""
+    def step(self, compute_s, codec_s, comm_s, loss, wait_s=None):
+        """Record one optimizer step (seconds; ``comm_s`` is clamped at 0).
+
+        ``wait_s``: the part of ``comm_s`` the step was blocked waiting for the link (a
+        collective's completion: Horovod's ``synchronize``, a blocking all-reduce; for an
+        overlapped update sync, the wait for the round in flight), clamped to ``[0, comm_s]``;
+        None: not measured by this worker (recorded as None, and the report then shows no
+        wait share for the run)."""
         comm_s = max(0.0, comm_s)
+        if wait_s is not None:
+            wait_s = min(max(0.0, wait_s), comm_s)
         if self.first_step_end is None:
             self.first_step_end = time.time()
         self.step_count += 1
@@ -310,6 +389,7 @@ class Recorder:
         s["compute_s"].append(compute_s)
         s["codec_s"].append(codec_s)
         s["comm_s"].append(comm_s)
+        s["wait_s"].append(wait_s)
         s["loss"].append(float(loss))
 
     def due(self) -> bool:

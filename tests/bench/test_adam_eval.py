@@ -158,7 +158,7 @@ def test_rows_with_an_optimizer_are_planned_labelled_and_passed_on(tmp_path):
     rows = tta.parse_compressors("fp16; topkc:ratio=0.1 with adam(lr=6.3e-3) ;fp32 with sgd")
     assert rows == ["fp16", "topkc:ratio=0.1 with adam(lr=6.3e-3)", "none with sgd"]
     assert tta.parse_row("topkc:ratio=0.1 with frozen-adamw(freeze_step=100)") == (
-        "topkc:ratio=0.1", "frozen-adamw(freeze_step=100)", 1, None, 0)
+        "topkc:ratio=0.1", "frozen-adamw(freeze_step=100)", 1, None, 0, 0)
     with pytest.raises(ValueError, match="unknown name 'lamb'"):
         tta.parse_compressors("fp16 with lamb")
     with pytest.raises(ValueError, match="unknown option 'colour'"):
@@ -301,7 +301,7 @@ def test_the_table_says_what_stopped_the_rows_after_fp16():
 
 def test_accumulate_and_update_sync_rows():
     row = tta.parse_row("topkc:ratio=0.1 with update-sync(every=8, outer_lr=0.5) with adamw(lr=1e-3)")
-    assert row == ("topkc:ratio=0.1", "adamw(lr=1e-3)", 1, "every=8,outer_lr=0.5", 0)
+    assert row == ("topkc:ratio=0.1", "adamw(lr=1e-3)", 1, "every=8,outer_lr=0.5", 0, 0)
     assert row.text() == "topkc:ratio=0.1 with update-sync(every=8,outer_lr=0.5) with adamw(lr=1e-3)"
     assert tta.parse_row("fp16 with update-sync").update_sync == "every=1"
     assert tta.parse_row("fp16 with accumulate( 4 )").accumulate == 4

@@ -81,8 +81,27 @@ def wire_bytes(model, hook, rank, min_compression_rate=2):
     return {"payload": payload, "side": side, "side_collectives": None}
 
 
+def delayed_hook(ddp_model, compressor, delay):
+    """``(state, hook)`` of our hook with delayed gradient sync (``delay`` >= 1 steps), for
+    :class:`DDPTrainer` to time: ``torch_backend.ddp.make_comm_hook(..., delay=D)`` when it
+    takes ``delay``; else, when only ``register_comm_hook`` does, that registers it itself and
+    ``(None, None)`` is returned (the hook then untimed: its time counts as communication).
+
+    Raises:
+        ValueError: neither takes ``delay`` (this checkout has no delayed hook).
+    """
+    import inspect
+    from torch_backend import ddp as ours
+    if "delay" in inspect.signature(ours.make_comm_hook).parameters:
+        return ours.make_comm_hook(ddp_model, compressor, delay=delay)
+    if "delay" in inspect.signature(ours.register_comm_hook).parameters:
+        ours.register_comm_hook(ddp_model, compressor, delay=delay)
+        return None, None
+    raise ValueError("--delay: this checkout's torch_backend.ddp.register_comm_hook has no delay= option")
+
+
 class DDPTrainer:
-    def __init__(self, workload, model, lr, hook, rank, seed, calib_every, device="cpu", optimizer=""):
+    def __init__(self, workload, model, lr, hook, rank, seed, calib_every, device="cpu", optimizer="", delay=0):
         self.workload = workload
         self.device, self.clock = device, devices.clock(device)
         # One bucket of up to 64 MiB (an explicit cap also sizes DDP's first bucket): the whole
@@ -102,7 +121,10 @@ class DDPTrainer:
             from torch_backend import Compression
             from torch_backend.ddp import make_comm_hook
             self.compressor = Compression.from_spec(rank)
-            state, fn = make_comm_hook(self.model, self.compressor)
+            if delay:
+                state, fn = delayed_hook(self.model, self.compressor, delay)
+            else:
+                state, fn = make_comm_hook(self.model, self.compressor)
         elif hook == "fp16":
             state, fn = None, default_hooks.fp16_compress_hook
         elif hook == "powersgd":
@@ -145,7 +167,11 @@ class DDPTrainer:
         t2 = self.clock()
         fb = statistics.median(self.calib[-5:])
         codec = self.hook_s
-        return loss.detach(), fb + (t2 - t1), codec, (t1 - t0) - fb - codec
+        comm = (t1 - t0) - fb - codec
+        # wait = comm: the rest of the step after compute and the hook calls is DDP waiting
+        # for its all-reduces at the end of backward (a wait inside the hook call, e.g. a
+        # delayed hook's wait for the previous step's round, counts as codec: a bound)
+        return loss.detach(), fb + (t2 - t1), codec, comm, comm
 
     def allreduce_sum(self, values):
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -161,6 +187,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[pre])
     add_common_args(parser, higher_is_better=cls.higher_is_better, **cls.defaults)
     parser.add_argument("--hook", default="fp16", help="none, fp16, powersgd:rank=R or ours:<spec>")
+    parser.add_argument("--delay", type=int, default=0,
+                        help="ours:<spec> only: delayed gradient sync, step t's mean applied at step "
+                             "t + D (torch_backend.ddp.register_comm_hook(..., delay=D)); 0: none")
     if known.workload == "digits":
         parser.add_argument("--hidden", type=int, default=2048)
     devices.add_device_arg(parser)
@@ -168,6 +197,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     devices.require_device(parser, args.device)
     hook, hook_rank = parse_hook(args.hook)
+    if args.delay < 0 or (args.delay and hook != "ours"):
+        parser.error(f"--delay must be >= 0 and is for --hook ours:<spec> only, got {args.delay} with {args.hook}")
     args.compression = f"ddp:{args.hook}"
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -179,11 +210,14 @@ def main(argv=None):
     if getattr(args, "recipe", None):
         wl.recipe = args.recipe
     model = wl.model().to(device)
-    trainer = DDPTrainer(wl, model, args.lr, hook, hook_rank, args.seed, args.eval_every, device, args.optimizer)
+    trainer = DDPTrainer(wl, model, args.lr, hook, hook_rank, args.seed, args.eval_every, device, args.optimizer,
+                         args.delay)
     trainer.schedule = torch_workloads.make_schedule(wl, trainer.opt, args)
     label = {"none": "DDP fp32", "fp16": "DDP fp16_compress_hook",
              "powersgd": f"DDP powerSGD_hook rank={hook_rank}", "ours": f"{hook_rank} on DDP"}[hook]
-    meta = {"framework": "torch", "system": "ddp", "label": label, "hook": args.hook,
+    if args.delay:
+        label = f"{hook_rank} with delay({args.delay}) on DDP"
+    meta = {"framework": "torch", "system": "ddp", "label": label, "hook": args.hook, "delay": args.delay,
             "ddp_start_powerSGD_iter": 2 if hook == "powersgd" else None, "device": str(device)}
     if hook == "ours":
         def wire():

@@ -33,7 +33,7 @@ import torch_backend.ops
 from torch_backend import Compression
 
 from .. import device as devices
-from ..worker import TimedCompressor, add_common_args
+from ..worker import TimedCompressor, WaitTimer, add_common_args
 from . import torch_workloads
 
 
@@ -92,7 +92,10 @@ class HorovodTrainer:
         self.probe.after(self.steps)
         comp_s, decomp_s, side_s = self.compressor.take()
         compute = (t1 - t0 - comp_s - side_s) + (t3 - t2)
-        return loss.detach(), compute, comp_s + decomp_s, (t2 - t1 - decomp_s) + side_s
+        comm = (t2 - t1 - decomp_s) + side_s
+        # wait = comm: the all-reduces were posted during backward (their posting is in the
+        # backward's time), so all of comm is blocked on the link (synchronize, side collectives)
+        return loss.detach(), compute, comp_s + decomp_s, comm, comm
 
     def allreduce_sum(self, values):
         out = hvd.allreduce(torch.tensor(values, dtype=torch.float64, device=self.device),
@@ -120,8 +123,12 @@ class UpdateSyncTrainer:
     compressed update sync (:class:`torch_backend.UpdateSync`: no gradient all-reduce; the
     compressor sends each parameter's change since the last sync), timed: compute = forward,
     backward, the optimizer step; codec = the sync's encode and decode; communication = its
-    all-reduces (``UpdateSync.timings``). ``sync_options``: UpdateSync's ``every``,
-    ``outer_lr``, ``outer_momentum``, ``nesterov``. The Adam probe's ``update_rms`` here is the
+    all-reduces (``UpdateSync.timings``: posting, waiting, the count check); wait = the part of
+    communication blocked on the link: the calls of ``hvd.synchronize`` (waiting for a posted
+    all-reduce; with ``overlap``, for the round in flight) and of the blocking ``hvd.allreduce``
+    (the count check) inside ``sync.step()`` (:class:`~hvd_gradcomp.bench.worker.WaitTimer`).
+    ``sync_options``: UpdateSync's ``every``, ``outer_lr``, ``outer_momentum``, ``nesterov``,
+    ``overlap``, ``fragments``, ``eager``. The Adam probe's ``update_rms`` here is the
     change over the step and its sync (the parameters after a sync are the synced ones)."""
 
     def __init__(self, workload, model, lr, spec, optimizer="", adam_log_every=0, optimizer_defaults=None,
@@ -138,6 +145,8 @@ class UpdateSyncTrainer:
         self.probe = torch_workloads.AdamProbe(model.named_parameters(), self.opt, adam_log_every)
         self.steps = 0
         self._times = self.sync.timings()
+        # UpdateSync calls hvd.synchronize / hvd.allreduce through the module at call time
+        self.waits = WaitTimer(hvd, ("synchronize", "allreduce"), self.clock)
 
     def step(self, x, y):
         t0 = self.clock()
@@ -149,14 +158,15 @@ class UpdateSyncTrainer:
             self.schedule.set(self.steps)
         self.probe.before(self.steps)  # off the clock
         t1 = self.clock()
-        self.sync.step()  # the local step; every H steps the sync
+        with self.waits.watching():
+            self.sync.step()  # the local step; every H (H / fragments with overlap) steps the sync
         t2 = self.clock()
         self.probe.after(self.steps)
         now = self.sync.timings()
         codec = (now["encode_s"] - self._times["encode_s"]) + (now["decode_s"] - self._times["decode_s"])
         comm = now["comm_s"] - self._times["comm_s"]
         self._times = now
-        return loss.detach(), (t1 - t0) + (t2 - t1 - codec - comm), codec, comm
+        return loss.detach(), (t1 - t0) + (t2 - t1 - codec - comm), codec, comm, self.waits.take()
 
     def allreduce_sum(self, values):
         out = hvd.allreduce(torch.tensor(values, dtype=torch.float64, device=self.device),
@@ -222,9 +232,9 @@ def main(argv=None, workload="digits"):
                    help="micro-batches (of --batch-size) per optimizer step and all-reduce (default 1)")
     g.add_argument("--update-sync", default=None, metavar="OPTIONS",
                    help="compressed update sync (torch_backend.UpdateSync) instead of the gradient "
-                        "all-reduce, e.g. 'every=8' or 'every=1,outer_lr=0.7' (options: every, "
-                        "outer_lr, outer_momentum, nesterov); the --compression spec compresses the "
-                        "parameter change")
+                        "all-reduce, e.g. 'every=8' or 'every=8,overlap=true,fragments=2' (options: "
+                        "every, outer_lr, outer_momentum, nesterov, overlap, fragments, eager); the "
+                        "--compression spec compresses the parameter change")
     parser.add_argument("--num-groups", type=int, default=0,
                    help="Horovod's num_groups: the gradients all-reduced in this many groups, each "
                         "compressed as one bucket (one codec call per group and route; "
@@ -287,6 +297,9 @@ def main(argv=None, workload="digits"):
                           trainer.bytes_per_step)
     if hasattr(trainer.compressor, "close"):
         trainer.compressor.close()
+    if isinstance(trainer, UpdateSyncTrainer):
+        trainer.waits.close()
+        trainer.sync.synchronize()  # off the records: drains an overlapped round in flight, every rank alike
     hvd.shutdown()
     return 0
 

@@ -402,7 +402,9 @@ def train(workload, model, trainer, args, rank, world_size, meta, bytes_fn):
     Args:
         workload: a workload object (batches, evaluate, metric).
         model: the (wrapped) model the trainer steps.
-        trainer: ``trainer.step(x, y) -> (loss tensor, compute_s, codec_s, comm_s)`` and
+        trainer: ``trainer.step(x, y) -> (loss tensor, compute_s, codec_s, comm_s[, wait_s])``
+            (``wait_s``: the part of ``comm_s`` blocked on the link, :meth:`.worker.Recorder.step`;
+            left out: not measured) and
             ``trainer.allreduce_sum(list of float) -> list of float`` (identical on all ranks).
         args: flags of :func:`hvd_gradcomp.bench.worker.add_common_args`.
         meta: recorded with the run.
@@ -424,8 +426,8 @@ def train(workload, model, trainer, args, rank, world_size, meta, bytes_fn):
     epoch = 0
     while not stop and rec.step_count < rec.max_steps:
         for x, y in workload.batches(epoch):
-            loss, compute_s, codec_s, comm_s = trainer.step(x, y)
-            rec.step(compute_s, codec_s, comm_s, loss.item())
+            loss, compute_s, codec_s, comm_s, *wait = trainer.step(x, y)
+            rec.step(compute_s, codec_s, comm_s, loss.item(), wait[0] if wait else None)
             if rec.due() and evaluate():
                 stop = True
                 break
