@@ -99,3 +99,23 @@ def test_error_feedback_balance_through_a_checkpoint(name):
     for k in SIZES:
         gap = (delivered[k] + comp.error_feedback(k).double() - inputs[k]).abs().max().item()
         assert gap < 1e-3, f"{name}: tensor {k}: delivered + owed - inputs is off by {gap:.3g}"
+
+
+# ---- the packing every engine shares (hvd_gradcomp/payloads.py) ----
+def test_pack_payloads_layout_and_copy():
+    """One flat buffer per payload dtype, in the dtypes' name order, payloads in the order given;
+    a dtype's sole 1-D payload is its buffer unless ``copy`` (FSDP's overlap zeroes the gradient
+    buffer a payload may view while the all-reduce is in flight)."""
+    from hvd_gradcomp.payloads import pack_payloads, unpack_payloads
+    from torch_backend import OPS
+    a, b = torch.arange(6, dtype=torch.int32).view(2, 3), torch.ones(4, dtype=torch.float16)
+    c = torch.arange(3, dtype=torch.int32)
+    packed = pack_payloads(OPS, [a, b, c])
+    assert [str(x.dtype) for x in packed.buffers] == ["torch.float16", "torch.int32"]
+    assert packed.buffers[0] is b and packed.buffers[1].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    got = unpack_payloads(OPS, packed)
+    assert all(torch.equal(x, y) for x, y in zip(got, [a, b, c]))
+    copied = pack_payloads(OPS, [a, b, c], copy=True)
+    assert copied.buffers[0] is not b and copied.buffers[0].data_ptr() != b.data_ptr()
+    copied.buffers[0].zero_()
+    assert torch.equal(b, torch.ones(4, dtype=torch.float16))
