@@ -10,7 +10,11 @@ through the primitives table (``ops``).
 
 Engines calling them: the DDP hook (:mod:`torch_backend.ddp`), Horovod's PyTorch groups sent
 as a bucket (:mod:`hvd_gradcomp.grouped`), FSDP2's all-reduce across replicas
-(:mod:`torch_backend.fsdp`).
+(:mod:`torch_backend.fsdp`). Not these: FSDP2's compressed reduce-scatter
+(:mod:`torch_backend.fsdp_scatter`: one region per destination rank, its values and every
+unit's agreed part, not one buffer of whole payloads) and update sync
+(:mod:`torch_backend.update_sync_rounds`: one all-reduce per tensor; packed, its float sums
+change on 3 or more ranks, as the ring's chunk boundaries move).
 """
 from typing import NamedTuple
 
