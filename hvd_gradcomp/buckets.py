@@ -125,8 +125,10 @@ class Buckets:
     ``_holders`` {tensor key: the unit key whose payload carries it now} (reports count the
     bytes of these only: a group of an earlier layout no longer sends);
     ``_pending_groups`` {group key: saved agreed fields} from a checkpoint; ``_member_infos``
-    {tensor key: its own TensorInfo}; ``_leaving`` {group key: its error feedback, read once
-    while its tensors move to the groups of a new layout}.
+    {tensor key: its own TensorInfo}; ``_leaving`` {group key: True} of the groups that some of
+    their tensors left while they kept state for the others (their state still holds stale
+    error feedback of the tensors that left: when such a group is sent again, :meth:`_rejoin`
+    moves those tensors' error feedback back in, in place of the stale slices).
     """
 
     __slots__ = ()
@@ -278,13 +280,15 @@ class Buckets:
     # ---- where a tensor's error feedback lives ----
     def _state_for(self, scheme, info, like):
         key = info.key
+        if key in self._leaving and self._has_state(key):
+            return self._rejoin(scheme, info, like)
         if self._has_state(key):
             return self._read_state(key)
         if key in self._groups:
             return self._group_state(scheme, info, like)
         if key in self._members or self._saved_error_feedback(key):
             # a tensor sent alone now whose error feedback a group holds (or a bucketed save)
-            carried = self._take_error_feedback(key, scheme, info, like)
+            carried = self._take_error_feedback(key, scheme, info, like, {})
             state = scheme.init(self.ops, info, like)
             if carried is not None:
                 state = composite.add_residual(scheme, self.ops, state, info, carried) or state
@@ -307,7 +311,7 @@ class Buckets:
         if not len(state):  # a stateless scheme (the casts): nothing to move, at its first step
             if self._members.get(grp.keys[0]) != info.key:  # only release the earlier holders
                 for key in grp.keys:
-                    self._take_error_feedback(key, scheme, self._member_infos.get(key), like)
+                    self._take_error_feedback(key, scheme, self._member_infos.get(key), like, {})
                     self._members[key] = info.key
             return state
         olds = self._holders_of(grp.keys)
@@ -320,11 +324,11 @@ class Buckets:
                 exact = True  # (no tensor of it has moved on since the save: nothing holds one)
         elif olds:  # what the earlier holders agreed on that a fresh state would lose
             state = composite.carry_over(scheme, ops, state, olds, info)
-        parts, found = [], False
+        parts, found, read = [], False, {}
         for key, numel in zip(grp.keys, grp.numels):
             if exact and self._saved_error_feedback(key):
                 del self._pending[key]  # already in the group's own fields
-            part = self._take_error_feedback(key, scheme, self._member_infos.get(key), like)
+            part = self._take_error_feedback(key, scheme, self._member_infos.get(key), like, read)
             found = found or part is not None
             parts.append(ops.zeros((numel,), "float32", like) if part is None else part)
             self._members[key] = info.key
@@ -335,6 +339,32 @@ class Buckets:
             self._create_state(info.key, state)
             return self._read_state(info.key)
         return state
+
+    def _rejoin(self, scheme, info, like):
+        """Group ``info.key``'s state, sent again after some of its tensors left it (for another
+        layout's group, or alone) while it kept state for the others: each such tensor's error
+        feedback moves back in from where it is now, replacing the stale slice the group still
+        holds (kept, it would be sent twice and the other holder's lost). Agreed fields stay."""
+        ops, gkey = self.ops, info.key
+        grp = self._groups[gkey]
+        state = self._read_state(gkey)
+        current = composite.residual_of(scheme, ops, state, self._infos.get(gkey, info))
+        parts, read = [], {}
+        for key, off, numel in zip(grp.keys, grp.offsets, grp.numels):
+            carried, stale = None, None
+            if self._members.get(key) != gkey:
+                carried = self._take_error_feedback(key, scheme, self._member_infos.get(key), like, read)
+                self._members[key] = gkey
+                stale = None if current is None else current[off:off + numel]
+            parts.append(ops.zeros((numel,), "float32", like) if stale is None else
+                         (-stale if carried is None else carried - stale))
+        self._leaving.pop(gkey, None)
+        if current is not None:
+            delta = parts[0] if len(parts) == 1 else ops.concat(parts, 0)
+            moved = composite.add_residual(scheme, ops, state, self._infos.get(gkey, info), delta)
+            if moved is not None:
+                self._write_state(gkey, moved)
+        return self._read_state(gkey)
 
     def _holders_of(self, keys) -> list:
         """``[(key, state)]`` of the groups and per-tensor states that hold the tensors ``keys``
@@ -364,24 +394,28 @@ class Buckets:
             values.append(v)
         return type(state)(*values)
 
-    def _take_error_feedback(self, key, scheme, info, like):
+    def _take_error_feedback(self, key, scheme, info, like, read: dict):
         """Tensor ``key``'s pending error feedback (float32 [numel], gradient coordinates),
         taken out of where it is now: the group that held it, its own per-tensor state, or a
         loaded checkpoint's entry; None when there is none. ``scheme``/``info``: the tensor's
-        route and facts (to read an older per-tensor checkpoint entry)."""
+        route and facts (to read an older per-tensor checkpoint entry). ``read``: {group key: its
+        error feedback} of one move (a new dict per move: a group is read once per move). A group
+        left with other tensors in it keeps its state and is marked in ``_leaving``."""
         ops = self.ops
         src = self._members.pop(key, None)
         if src is not None and src in self._groups:
             out = None
             if self._has_state(src):
                 grp = self._groups[src]
-                if src not in self._leaving:  # read once per group, however many tensors leave it
-                    self._leaving[src] = composite.residual_of(scheme, ops, self._read_state(src), self._infos[src])
-                flat = self._leaving[src]
+                if src not in read:
+                    read[src] = composite.residual_of(scheme, ops, self._read_state(src), self._infos[src])
+                flat = read[src]
                 if flat is not None:
                     j = grp.keys.index(key)
                     out = flat[grp.offsets[j]:grp.offsets[j] + grp.numels[j]]
             self._release_group(src)
+            if self._has_state(src):
+                self._leaving[src] = True
             return out
         if self._has_state(key) and info is not None:  # sent alone before
             state = self._read_state(key)
@@ -450,12 +484,14 @@ class Buckets:
                     tensors[key] = {ERROR_FEEDBACK: self._export(flat[off:off + n], portable)}
             local = set(scheme.rank_local_fields)
             # "local": this rank's own fields as they are (THC's rotated residual with its
-            # padding), so the same group resumes bit for bit; other layouts take the slices
+            # padding), so the same group resumes bit for bit; other layouts take the slices.
+            # Not of a group some tensors left (its own fields hold their stale slices).
             buckets[gkey] = {"members": list(grp.keys),
                              "fields": {f: self._export(v, portable) for f, v in zip(state._fields, state)
-                                        if f not in local},
-                             "local": {f: self._export(v, portable) for f, v in zip(state._fields, state)
-                                       if f in local}}
+                                        if f not in local}}
+            if gkey not in self._leaving:
+                buckets[gkey]["local"] = {f: self._export(v, portable) for f, v in zip(state._fields, state)
+                                          if f in local}
         for gkey, saved in self._pending_groups.items():
             buckets.setdefault(gkey, saved)
         return tensors, buckets

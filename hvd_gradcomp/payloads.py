@@ -9,7 +9,12 @@ buffers (or the packed ones, summed in place) back into payloads. Framework-free
 through the primitives table (``ops``).
 
 Engines calling them: the DDP hook (:mod:`torch_backend.ddp`), Horovod's PyTorch groups sent
-as a bucket (:mod:`hvd_gradcomp.grouped`); FSDP2 and update sync are to follow.
+as a bucket (:mod:`hvd_gradcomp.grouped`), FSDP2's all-reduce across replicas
+(:mod:`torch_backend.fsdp`). Not these: FSDP2's compressed reduce-scatter
+(:mod:`torch_backend.fsdp_scatter`: one region per destination rank, its values and every
+unit's agreed part, not one buffer of whole payloads) and update sync
+(:mod:`torch_backend.update_sync_rounds`: one all-reduce per tensor; packed, its float sums
+change on 3 or more ranks, as the ring's chunk boundaries move).
 """
 from typing import NamedTuple
 
@@ -34,14 +39,18 @@ def _flat(ops, x, shape):
     return x if len(shape) == 1 else ops.reshape(x, (-1,))
 
 
-def pack_payloads(ops, payloads) -> Packed:
+def pack_payloads(ops, payloads, copy: bool = False) -> Packed:
     """``payloads`` (tensors of any shapes and dtypes) packed into one flat buffer per dtype.
 
     Args:
         ops: the backend's primitives (``dtype``, ``shape``, ``reshape``, ``concat``).
         payloads: a sequence of tensors.
+        copy: every buffer a new tensor (one concat per dtype), never a payload itself: for an
+            engine whose payload may be a view of a buffer it changes while the collective is
+            in flight (FSDP's overlap zeroes its output; a ``none`` unit's payload is a view).
 
-    Returns :class:`Packed`. Copies only where a dtype has several payloads (one concat).
+    Returns :class:`Packed`. Copies only where a dtype has several payloads (one concat), or
+    with ``copy``.
     """
     by_dtype = {}
     for i, p in enumerate(payloads):
@@ -57,17 +66,18 @@ def pack_payloads(ops, payloads) -> Packed:
             parts.append(_flat(ops, payloads[i], shape))
             spans[i] = (len(buffers), at, numel, shape)
             at += numel
-        buffers.append(parts[0] if len(parts) == 1 else ops.concat(parts, 0))
+        buffers.append(parts[0] if len(parts) == 1 and not copy else ops.concat(parts, 0))
     return Packed(buffers, tuple(spans))
 
 
-def post_payloads(ops, payloads, post):
-    """Pack ``payloads`` and post each buffer: ``(packed, [post(buffer), ...])``.
+def post_payloads(ops, payloads, post, copy: bool = False):
+    """Pack ``payloads`` (``copy``: as :func:`pack_payloads`) and post each buffer:
+    ``(packed, [post(buffer), ...])``.
 
     ``post(buffer)`` is the engine's collective (e.g. an asynchronous all-reduce returning a
     work or future); called once per payload dtype, in the buffers' order, so every rank posts
     the same sequence."""
-    packed = pack_payloads(ops, payloads)
+    packed = pack_payloads(ops, payloads, copy)
     return packed, [post(b) for b in packed.buffers]
 
 

@@ -114,8 +114,11 @@ shard group with a compressor of its own.
 import torch
 import torch.distributed as dist
 
+from hvd_gradcomp.payloads import post_payloads, unpack_payloads
+
 from .engine import ProcessGroupEngine
 from .fsdp_overlap import Overlap
+from .ops import OPS
 from .fsdp_scatter import install_reduce_scatter
 from .fsdp_shards import (Layouts, Presence, _checked_names, _fsdp_api, _param_groups, _same_ranks, _shard,
                           agreement_error, fingerprint, layout_engine, loaded_error, settle, shard_key,
@@ -153,29 +156,24 @@ class _ShardHook:
                 self._check_late()
             dtype = str(output.dtype).removeprefix("torch.")
             plan = self.comp.plan_bucket(lay.members[0], dtype, "sum", self.group, x)
-            entries, by_dtype = [], {}
+            entries = []
             for unit in plan.units:
                 u = x[unit.start:unit.stop] if unit.contiguous else x.index_select(0, unit.index)
                 payload, ctx = self.comp.encode_unit(unit, u.view(unit.info.shape))
-                by_dtype.setdefault(payload.dtype, []).append(len(entries))
                 entries.append((unit, payload, ctx))
-            # One all-reduce per payload dtype. Blocking, or (overlap) posted with at most one in
+            # One all-reduce per payload dtype (hvd_gradcomp.payloads), each buffer a copy (a
+            # payload may be a view of x). Blocking, or (overlap) posted with at most one in
             # flight on the replicas' group: Gloo aborted the process now and then with two of
             # them running at once ("terminate called without an active exception").
-            # Each trainable parameter's "has a gradient here" word rides along (checked in _decode)
-            carrier = word_carrier(by_dtype, self.replicas)
-            if carrier is None:  # no payload dtype sums R ones exactly: the words go alone, as int32
-                carrier = torch.int32
-                by_dtype[carrier] = []
-            posted = []
-            for dtype in sorted(by_dtype, key=str):
-                parts = [entries[i][1].reshape(-1) for i in by_dtype[dtype]]
-                if dtype == carrier:
-                    parts.append(lay.present_words(dtype, x, failed=self.layouts.presence.failed or ()))
-                    self.layouts.presence.failed = None
-                flat = torch.cat(parts)  # a copy
-                work = self.late.post(flat, self.group) if late else dist.all_reduce(flat, group=self.group)
-                posted.append((by_dtype[dtype], flat, work, dtype == carrier))
+            # Each trainable parameter's "has a gradient here" word rides along, last in the
+            # buffer of its dtype (checked in _decode); as int32, alone, where no payload dtype
+            # sums R ones exactly
+            carrier = word_carrier({p.dtype for _, p, _ in entries}, self.replicas) or torch.int32
+            words = lay.present_words(carrier, x, failed=self.layouts.presence.failed or ())
+            self.layouts.presence.failed = None
+            post = (lambda flat: self.late.post(flat, self.group)) if late else \
+                (lambda flat: dist.all_reduce(flat, group=self.group))
+            posted = post_payloads(OPS, [p for _, p, _ in entries] + [words], post, copy=True)
             summed = x.clone() if late and x is output else x  # (units cover it all)
 
             def finish():
@@ -225,35 +223,30 @@ class _ShardHook:
                                  "across replicas is added; install with overlap=False")
 
     def _decode(self, lay, output, entries, posted):
-        """Wait for each posted all-reduce and write its units' decoded sums into ``output`` (T's
-        layout); what FSDP will not write (a trainable parameter without a gradient in this
-        call) goes back into its error feedback, every replica's share of the mean."""
+        """Wait for each posted all-reduce (``posted``: :func:`post_payloads`' answer, the
+        words last) and write its units' decoded sums into ``output`` (T's layout); what FSDP
+        will not write (a trainable parameter without a gradient in this call) goes back into
+        its error feedback, every replica's share of the mean."""
         # FSDP's own factor, when set, is the whole divide (the hook sums): as native HSDP.
         divide = None if self.fsdp_group.gradient_divide_factor is not None else self.replicas
-        for members, flat, work, carries in posted:  # every rank waits for all, then checks
+        packed, works = posted
+        for work in works:  # every rank waits for all, then checks
             if work is not None:
                 work.wait()
-        for members, flat, work, carries in posted:
-            if carries:
-                refused = lay.check_present(flat[flat.numel() - 2 * len(lay.trainable):], self.replicas,
-                                            "install", "replicas' group", failed=True)
-                if refused is not None:
-                    raise ValueError(refused[0])
-        for members, flat, work, carries in posted:
-            offset = 0
-            for i in members:
-                unit, payload, ctx = entries[i]
-                summed = flat[offset:offset + payload.numel()].view(payload.shape)
-                offset += payload.numel()
-                out = self.comp.decode(summed, ctx, divide=divide).reshape(-1)
-                dropped = lay.dropped(unit, out)
-                if dropped is not None:  # (the mean: a sum is divided by the replicas here)
-                    self.comp.add_error_feedback(ctx, dropped if divide else dropped / self.replicas)
-                out = out.to(output.dtype)
-                if unit.contiguous:
-                    output[unit.start:unit.stop].copy_(out)
-                else:
-                    output.index_copy_(0, unit.index, out)
+        reduced = unpack_payloads(OPS, packed, view=torch.Tensor.view)  # (summed in place)
+        refused = lay.check_present(reduced[-1], self.replicas, "install", "replicas' group", failed=True)
+        if refused is not None:
+            raise ValueError(refused[0])
+        for (unit, _, ctx), summed in zip(entries, reduced):
+            out = self.comp.decode(summed, ctx, divide=divide).reshape(-1)
+            dropped = lay.dropped(unit, out)
+            if dropped is not None:  # (the mean: a sum is divided by the replicas here)
+                self.comp.add_error_feedback(ctx, dropped if divide else dropped / self.replicas)
+            out = out.to(output.dtype)
+            if unit.contiguous:
+                output[unit.start:unit.stop].copy_(out)
+            else:
+                output.index_copy_(0, unit.index, out)
 
 
 def install(model, compressor, replicate_group=None, per="param", overlap=False):
