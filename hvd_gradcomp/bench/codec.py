@@ -152,8 +152,22 @@ def _make(kind, spec, build):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                             start_powerSGD_iter=2, min_compression_rate=0.5,
                                             use_error_feedback=True, warm_start=True)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        ddp.register_comm_hook(state, _bucket_at_a_time(powerSGD_hook.powerSGD_hook))
     return ddp, loss
+
+
+def _bucket_at_a_time(hook):
+    """``hook`` with each bucket's future waited for before the next bucket's hook: DDP's
+    ``powerSGD_hook`` waits on further all-reduces inside its future's callbacks, which on Gloo
+    run on the process group's two worker threads; with several buckets in flight both threads
+    can block in such callbacks while the all-reduces they wait for are queued behind them (a
+    deadlock seen under pytest on model A's three buckets). The operations counted are the
+    hook's own; its buckets no longer overlap each other, which on one rank costs little."""
+    def wrapped(state, bucket):
+        fut = hook(state, bucket)
+        fut.wait()
+        return fut
+    return wrapped
 
 
 def _step(ddp, loss):
