@@ -46,7 +46,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import torch
 
 from hvd_gradcomp.buckets import Member
@@ -73,18 +72,7 @@ class ShakespeareWorkload(torch_workloads.LMCommWorkload):
 
     name = "lm-shakespeare"
     defaults = dict(torch_workloads.LMCommWorkload.defaults, max_epochs=0.5)
-
-    def __init__(self, rank, world_size, seed, batch_size, context=64):
-        self.rank, self.world_size, self.seed, self.batch_size = rank, world_size, seed, batch_size
-        self.context = context
-        train, valid, self.corpus = data.shakespeare_corpus()
-        n = len(train) // (context + 1)
-        self.train = torch.from_numpy(train[:n * (context + 1)].astype(np.int64)).view(n, context + 1)
-        m = len(valid) // (context + 1)
-        windows = torch.from_numpy(valid[:m * (context + 1)].astype(np.int64)).view(m, context + 1)
-        pick = np.linspace(0, m - 1, self.valid_windows).round().astype(np.int64)
-        self.valid = windows[torch.from_numpy(pick)][rank::world_size]
-        self.steps_per_epoch = (n // world_size) // batch_size
+    load_corpus = staticmethod(data.shakespeare_corpus)
 
 
 WORKLOADS = {"lm-comm": torch_workloads.LMCommWorkload, "lm-shakespeare": ShakespeareWorkload}

@@ -128,10 +128,13 @@ class LMWorkload:
     width, layers = 192, 2
     adam_log_every = 50  # AdamProbe (the Horovod worker's --adam-log-every default)
 
+    # (train bytes, validation bytes, description): the corpus; another text keeps the rest
+    load_corpus = staticmethod(data.stdlib_corpus)
+
     def __init__(self, rank, world_size, seed, batch_size, context=64):
         self.rank, self.world_size, self.seed, self.batch_size = rank, world_size, seed, batch_size
         self.context = context
-        train, valid, self.corpus = data.stdlib_corpus()
+        train, valid, self.corpus = self.load_corpus()
         n = len(train) // (context + 1)
         self.train = torch.from_numpy(train[:n * (context + 1)].astype(np.int64)).view(n, context + 1)
         m = len(valid) // (context + 1)
