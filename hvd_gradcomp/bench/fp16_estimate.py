@@ -17,8 +17,23 @@ is all the report needs, so a published block is rebuilt from the saved results 
 import json
 import math
 
-__all__ = ["load_reference", "reference_meta", "fp16_flags", "stop_values", "estimated_tta",
+__all__ = ["is_fp16_row", "is_reference", "load_reference", "reference_meta", "fp16_flags", "stop_values", "estimated_tta",
            "cell_text", "header_note"]
+
+
+def is_fp16_row(row):
+    """FP16 with the workload's own optimizer, one micro-batch a step and the gradient
+    all-reduce per tensor (a row naming another optimizer, ``accumulate``, ``num_groups`` or
+    ``update_sync`` is not the baseline). FSDP: ``fsdp:fp16``, FP16-FSDP (FSDP's own float16 collectives)."""
+    spec = row.get("spec") or ""
+    return ((spec in ("fp16", "ddp:fp16", "fsdp:fp16") or spec.startswith("fp16:")) and not row.get("optimizer")
+            and (row.get("accumulate") or 1) == 1 and not row.get("update_sync") and not row.get("num_groups")
+            and not row.get("delay"))
+
+
+def is_reference(row):
+    """True for the no-communication reference row (never a baseline nor a "best" row)."""
+    return bool(row.get("reference"))
 
 
 def load_reference(path, workloads, world_size=None):
@@ -35,7 +50,6 @@ def load_reference(path, workloads, world_size=None):
             FP16 row did not reach its target, or ran on another number of workers than
             ``world_size`` (when given: its steps would not be this sweep's) (named).
     """
-    from .report import _is_fp16, is_reference
     try:
         with open(path) as f:
             data = json.load(f)
@@ -46,7 +60,7 @@ def load_reference(path, workloads, world_size=None):
     out = {}
     for w in workloads:
         rows = [r for r in data.get("runs") or [] if r.get("workload") == w and r.get("system") == "horovod"
-                and _is_fp16(r) and not is_reference(r) and r.get("status") == "ok"]
+                and is_fp16_row(r) and not is_reference(r) and r.get("status") == "ok"]
         if not rows:
             raise ValueError(f"--fp16-reference {path}: no FP16 row of workload {w} that finished")
         r = rows[0]

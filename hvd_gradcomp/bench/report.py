@@ -40,6 +40,7 @@ import os
 import statistics
 
 from . import fp16_estimate
+from .fp16_estimate import is_fp16_row as _is_fp16, is_reference
 from .worker import rolling_mean
 
 __all__ = ["stop_note", "wait_share", "time_to_target", "first_reached", "apply_targets", "adam_ratios", "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
@@ -284,21 +285,6 @@ def _choice_notes(rows):
     """Lines under a table: what each ``auto`` row's tensors ended on (its ``choices``)."""
     return [f"{r.get('label') or r.get('spec')} ({r.get('workload')}) ended on: {r['choices']}"
             for r in rows if r.get("choices")]
-
-
-def _is_fp16(row):
-    """FP16 with the workload's own optimizer, one micro-batch a step and the gradient
-    all-reduce per tensor (a row naming another optimizer, ``accumulate``, ``num_groups`` or
-    ``update_sync`` is not the baseline). FSDP: ``fsdp:fp16``, FP16-FSDP (FSDP's own float16 collectives)."""
-    spec = row.get("spec") or ""
-    return ((spec in ("fp16", "ddp:fp16", "fsdp:fp16") or spec.startswith("fp16:")) and not row.get("optimizer")
-            and (row.get("accumulate") or 1) == 1 and not row.get("update_sync") and not row.get("num_groups")
-            and not row.get("delay"))
-
-
-def is_reference(row):
-    """True for the no-communication reference row (never a baseline nor a "best" row)."""
-    return bool(row.get("reference"))
 
 
 def add_baseline_ratios(rows):

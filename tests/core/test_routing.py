@@ -308,9 +308,9 @@ def test_routing_defaults_are_declared_on_the_classes():
     from hvd_gradcomp.topkc import TopKCScheme
     assert THCScheme.min_numel == TopKCScheme.min_numel == AutoScheme.min_numel == 1024
     assert {name: cls.min_numel for name, (_, cls) in SCHEMES.items() if cls.min_numel != 1} == \
-        {"thc": 1024, "topkc": 1024, "auto": 1024}
+        {"thc": 1024, "topkc": 1024, "sparseloco": 1024, "auto": 1024}
     assert {name: primary(name) for name in SCHEMES if primary(name)} == \
-        {"topk": "ratio", "topkc": "ratio", "thc": "bits", "powersgd": "rank"}
+        {"topk": "ratio", "topkc": "ratio", "thc": "bits", "powersgd": "rank", "sparseloco": "ratio"}
     assert primary("fp16") is None and make_scheme("thc", 2).config.bits == 2
     assert Routing.from_spec("auto").min_numel == 1024 and Routing.from_spec("auto").decide("x", 1023).text == FALLBACK
 
