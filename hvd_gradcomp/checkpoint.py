@@ -7,7 +7,7 @@ they read its records, bucket groups and state store, and gather through its eng
 """
 import logging
 
-from . import composite
+from . import composite, group_checkpoint
 from .buckets import ERROR_FEEDBACK
 from .records import FieldBag
 from .routing import Routing
@@ -77,7 +77,7 @@ def state_dict(comp, gather: bool = False) -> dict:
 
 
 def _local_state(comp, portable: bool) -> dict:
-    tensors, buckets = comp._group_entries(portable)
+    tensors, buckets = group_checkpoint.group_entries(comp, portable)
     for key in comp._infos:
         if comp._has_state(key) and key not in comp._groups:
             state = comp._read_state(key)
@@ -191,13 +191,13 @@ def _load_part(comp, part: dict, reset: bool):
     for scheme in comp.routing.schemes():
         local.update(scheme.rank_local_fields)
     for gkey, saved in part.get("buckets", {}).items():
-        comp._load_group(gkey, saved, reset)
+        group_checkpoint.load_group(comp, gkey, saved, reset)
     for key, fields in tensors.items():
         if reset:
             fields = {f: comp._zeros_like(v) if f in local else v for f, v in fields.items()}
         route = comp.table.routes.get(key)
         if set(fields) == {ERROR_FEEDBACK}:  # a bucketed run's: into whatever holds it now
-            comp._load_error_feedback(key, fields[ERROR_FEEDBACK])
+            group_checkpoint.load_error_feedback(comp, key, fields[ERROR_FEEDBACK])
             continue
         held = comp._members.get(key)
         if route is not None and held is not None and comp._has_state(held):
@@ -206,7 +206,7 @@ def _load_part(comp, part: dict, reset: bool):
             state = comp._initial_state(route.scheme, info, comp._read_state(held)[0], FieldBag(fields))
             flat = composite.residual_of(route.scheme, comp.ops, state, info)
             if flat is not None:
-                comp._load_error_feedback(key, flat)
+                group_checkpoint.load_error_feedback(comp, key, flat)
             continue
         if route is not None and comp._has_state(key):
             scheme = route.scheme

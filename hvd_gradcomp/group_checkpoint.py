@@ -1,0 +1,94 @@
+"""The bucket groups' part of a checkpoint (:mod:`hvd_gradcomp.checkpoint`), as functions over
+a compressor: each tensor's error feedback sliced out of its group's flat state, the fields the
+ranks agree on per group, and loading both back into whatever holds them now (or keeping them
+until the tensor or group is next sent). The groups themselves: :mod:`hvd_gradcomp.buckets`.
+"""
+from . import composite
+from .buckets import ERROR_FEEDBACK
+from .records import FieldBag
+
+__all__ = ["group_entries", "load_error_feedback", "load_group"]
+
+
+def group_entries(comp, portable: bool):
+    """``(tensors, buckets)`` of the groups for a checkpoint: per tensor ``{ERROR_FEEDBACK:
+    its slice}`` (when the scheme keeps error feedback), per group ``{"members": keys,
+    "fields": {agreed field: value}}``."""
+    tensors, buckets = {}, {}
+    for gkey, grp in comp._groups.items():
+        if not comp._has_state(gkey):
+            continue
+        scheme = comp._group_scheme(gkey)
+        state = comp._read_state(gkey)
+        flat = composite.residual_of(scheme, comp.ops, state, comp._infos[gkey])
+        for key, off, n in zip(grp.keys, grp.offsets, grp.numels):
+            if comp._members.get(key) == gkey and flat is not None:
+                tensors[key] = {ERROR_FEEDBACK: comp._export(flat[off:off + n], portable)}
+        local = set(scheme.rank_local_fields)
+        # "local": this rank's own fields as they are (THC's rotated residual with its
+        # padding), so the same group resumes bit for bit; other layouts take the slices.
+        # Not of a group some tensors left (its own fields hold their stale slices).
+        buckets[gkey] = {"members": list(grp.keys),
+                         "fields": {f: comp._export(v, portable) for f, v in zip(state._fields, state)
+                                    if f not in local}}
+        if gkey not in comp._leaving:
+            buckets[gkey]["local"] = {f: comp._export(v, portable) for f, v in zip(state._fields, state)
+                                      if f in local}
+    for gkey, saved in comp._pending_groups.items():
+        buckets.setdefault(gkey, saved)
+    return tensors, buckets
+
+
+def load_error_feedback(comp, key, value):
+    """A checkpoint's error feedback for tensor ``key`` (gradient coordinates): into the
+    state that holds it now, or kept until the tensor is next sent."""
+    ops = comp.ops
+    gkey = comp._members.get(key)
+    holder = gkey if gkey is not None and comp._has_state(gkey) else (key if comp._has_state(key) else None)
+    if holder is None or key not in comp.table.routes:
+        comp._pending[key] = FieldBag({ERROR_FEEDBACK: value})
+        return
+    scheme = comp.table.routes[key].scheme
+    state, info = comp._read_state(holder), comp._infos[holder]
+    current = composite.residual_of(scheme, ops, state, info)
+    if current is None:
+        return
+    value = ops.reshape(ops.cast(comp._to_device(value, current), "float32"), (-1,))
+    if holder == key:
+        delta = value - current
+    else:
+        grp = comp._groups[gkey]
+        j = grp.keys.index(key)
+        off, n = grp.offsets[j], grp.numels[j]
+        if tuple(ops.shape(value)) != (n,):
+            raise ValueError(f"loaded error feedback for tensor {key!r} has {ops.shape(value)} values, "
+                             f"expected {n}")
+        pad_lo = ops.zeros((off,), "float32", current)
+        pad_hi = ops.zeros((info.numel - off - n,), "float32", current)
+        delta = ops.concat([pad_lo, value - current[off:off + n], pad_hi], 0)
+    if tuple(ops.shape(delta)) != (info.numel,):
+        raise ValueError(f"loaded error feedback for tensor {key!r} has {ops.shape(value)} values, "
+                         f"expected {info.numel}")
+    moved = composite.add_residual(scheme, ops, state, info, delta)
+    if moved is not None:
+        comp._write_state(holder, moved)
+
+def load_group(comp, gkey, saved: dict, reset: bool = False):
+    """A checkpoint's fields of group ``gkey``: into the group now, or kept until it is first
+    sent (loaded only into a group of the same tensors; ``reset``: without this rank's own
+    fields, as on another number of ranks)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("members"), (list, tuple)) or \
+            not isinstance(saved.get("fields"), dict):
+        raise ValueError(f"load_state_dict: bucket entry {gkey!r} must be a dict with 'members' "
+                         f"(a list of tensor keys) and 'fields' (a dict), got {saved!r:.120}")
+    own = {} if reset or not isinstance(saved.get("local"), dict) else dict(saved["local"])
+    grp = comp._groups.get(gkey)
+    if grp is not None and comp._has_state(gkey):
+        if tuple(saved["members"]) == grp.keys:
+            state, scheme = comp._read_state(gkey), comp._group_scheme(gkey)
+            composite.forget(scheme, gkey)  # what the scheme mirrors on the host (warm-up counts)
+            state = comp._with_agreed(scheme, state, saved["fields"], state[0])
+            comp._write_state(gkey, comp._with_agreed(scheme, state, own, state[0], local=True))
+        return
+    comp._pending_groups[gkey] = {"members": list(saved["members"]), "fields": dict(saved["fields"]),
+                                  "local": own}
