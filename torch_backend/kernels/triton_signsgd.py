@@ -44,7 +44,7 @@ from hvd_gradcomp.signsgd_kernels import (CONTROL, _Plan, _decode_kernel, _encod
                                           _residual_kernel)
 
 from . import register
-from .triton_thc_words import _MANTISSAS, _OPTIONS, _exact, _on, op_code
+from .triton_thc_words import _MANTISSAS, _OPTIONS, _exact, _on, _scale_lane, op_code
 
 __all__ = ["accepts", "encode", "receive", "decode", "residual", "AOT", "MAX_BLOCK", "TILE"]
 
@@ -123,14 +123,7 @@ def _stats(sums_ptr, finite_ptr, payload_ptr, NB, W, WS, inv_block, inv_last, c1
             b = k // 2
             s = tl.load(sums_ptr + b, mask=m, other=0.0) * tl.where(b == NB - 1, inv_last, inv_block)
             usable = m & (s > 1e-30) & (ok != 0)
-            raw = s.to(tl.int32, bitcast=True)
-            mant = raw & 0x7FFFFF
-            quarter = (tl.where(mant >= c1, 1, 0) + tl.where(mant >= c2, 1, 0) + tl.where(mant >= c3, 1, 0)
-                       + tl.where(mant >= c4, 1, 0))
-            code = 4 * (((raw >> 23) & 0xFF) - 127) + quarter + 512
-            code = tl.minimum(tl.maximum(code, 1), 1023)
-            value = tl.where(usable, tl.where((k & 1) == 1, 1, code), 0)
-            word += value << (GUARD + j * WIDTH)
+            word += _scale_lane(s, k, usable, c1, c2, c3, c4) << (GUARD + j * WIDTH)
         tl.store(payload_ptr + W + i, word, mask=i < WS)
     tl.store(payload_ptr + W + WS, (tl.full((), 1, tl.int32) << GUARD))
     tl.store(payload_ptr + W + WS + 1, (1 - ok).to(tl.int32) << GUARD)

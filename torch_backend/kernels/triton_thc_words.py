@@ -116,6 +116,22 @@ def _noise(key_ptr, rows_ptr, cols_ptr, NB, TOTAL, TILE_N: tl.constexpr):
 
 
 @triton.jit
+def _scale_lane(s, k, usable, c1, c2, c3, c4):
+    """Lane value ``k`` of lanes.pack_scales for a block's scale ``s`` (float32): value ``2b``
+    the code ``round(4 log2 s) + 512`` clamped to [1, 1023], from the exponent and the mantissa
+    against ``c1..c4`` (the float32 mantissas of ``2**(1/8), 2**(3/8), 2**(5/8), 2**(7/8)``: no
+    log2 instruction); value ``2b + 1`` 1 ("has data"); 0 where not ``usable``. Shared by THC's
+    and signSGD's statistics kernels."""
+    raw = s.to(tl.int32, bitcast=True)
+    mant = raw & 0x7FFFFF
+    quarter = (tl.where(mant >= c1, 1, 0) + tl.where(mant >= c2, 1, 0) + tl.where(mant >= c3, 1, 0)
+               + tl.where(mant >= c4, 1, 0))
+    code = 4 * (((raw >> 23) & 0xFF) - 127) + quarter + 512
+    code = tl.minimum(tl.maximum(code, 1), 1023)
+    return tl.where(usable, tl.where((k & 1) == 1, 1, code), 0)
+
+
+@triton.jit
 def _scales(wanted_ptr, finite_ptr, words_ptr, ok_ptr, NB, W, c1, c2, c3, c4,
             LANES: tl.constexpr, WIDTH: tl.constexpr, GUARD: tl.constexpr, STATS: tl.constexpr,
             T: tl.constexpr, FINITE: tl.constexpr):
@@ -143,14 +159,7 @@ def _scales(wanted_ptr, finite_ptr, words_ptr, ok_ptr, NB, W, c1, c2, c3, c4,
                 m = (i < W) & (k < 2 * NB)
                 s = tl.load(wanted_ptr + k // 2, mask=m, other=0.0)
                 usable = m & ok & (s > 1e-30)
-                raw = s.to(tl.int32, bitcast=True)
-                mant = raw & 0x7FFFFF
-                quarter = (tl.where(mant >= c1, 1, 0) + tl.where(mant >= c2, 1, 0) + tl.where(mant >= c3, 1, 0)
-                           + tl.where(mant >= c4, 1, 0))
-                code = 4 * (((raw >> 23) & 0xFF) - 127) + quarter + 512
-                code = tl.minimum(tl.maximum(code, 1), 1023)
-                value = tl.where(usable, tl.where((k & 1) == 1, 1, code), 0)
-                word += value << (GUARD + j * WIDTH)
+                word += _scale_lane(s, k, usable, c1, c2, c3, c4) << (GUARD + j * WIDTH)
             tl.store(words_ptr + i, word, mask=i < W)
 
 
