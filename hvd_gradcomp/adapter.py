@@ -200,6 +200,12 @@ class HorovodCompressor(EngineCodec, Buckets, TensorRecords):
     def _detach(self, tensor):
         """The gradient without any autograd history (PyTorch); default: itself."""
         return tensor
+    @property
+    def codec(self):
+        """The engine-neutral codec engines call (``plan_bucket``, ``encode_unit``, ``encode``,
+        ``decode``, ``decode_joined``, ``decode_scattered``, ``linear_decode``,
+        ``add_error_feedback``, ``bind_engine``)."""
+        return self
     # ---- Horovod's contract ----
     @property
     def spec(self) -> str:
