@@ -1,0 +1,278 @@
+"""Delayed gradient sync on DDP (``register_comm_hook(..., delay=1)``,
+``torch_backend.ddp_delayed``), on real Gloo processes (2 ranks).
+
+The probe model of tests/parallel/test_ddp.py (the gradient of parameter ``p`` at step ``t``
+on rank ``r`` is a seeded tensor ``G_r,t[p]``), with a forward that uses the parameters in
+another order than they are registered, and ``bucket_cap_mb=0.01``: DDP starts with one
+bucket and rebuilds it into two after the first step, so the held means must follow their
+parameters across layouts.
+
+Launches (each kills its process group at its timeout):
+1. every case (fp16, thc, topkc, powersgd, signsgd, routing rules, ``gradient_as_bucket_view``,
+   a float16 model, ``no_sync`` accumulation): a blocking run and a delayed run drained
+   mid-run; the delayed run applies at step t exactly (bit for bit) what the blocking run
+   applies at step t - 1, zeros at step 0, on every rank alike; error feedback's balance;
+   exact resume from a rank-0 checkpoint taken after ``drain()``; the refusals.
+2. rank 1 raises at step 2 and leaves: rank 0 raises (the wait for that step fails) instead of
+   hanging.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.ddprun import run
+from tests.hvdrun import WorkerError
+from tests.parallel.test_ddp import SHAPES, _probe_cls, _residuals, grads_of
+
+STEPS = 6
+DRAIN = 3  # drained (and checkpointed) after this many steps
+ROUTED = "v -> topkc:0.1; thc"  # w -> thc, v -> topkc, b -> fp16 (below min_numel)
+CASES = {  # name: (spec, DDP options, float16 model)
+    "fp16": ("fp16", {}, False),
+    "thc": ("thc", {}, False),
+    "topkc": ("topkc:0.1", {}, False),
+    "powersgd": ("powersgd:2", {}, False),
+    "signsgd": ("signsgd", {}, False),
+    "routed": (ROUTED, {}, False),
+    "thc bucket-view": ("thc", {"gradient_as_bucket_view": True}, False),
+    "fp16 half": ("fp16", {}, True),  # the payload of a float16 bucket's cast is the bucket
+    "none half": ("none", {}, True),
+}
+ACCUMULATE = 2  # micro-batches per synchronised step in the no_sync case
+ORDER = ("b", "w", "v")  # the forward's order: the ready order differs from DDP's first guess
+
+
+def _probe(half=False):
+    Probe = _probe_cls()
+
+    class Reordered(Probe):
+        def forward(self, grads):
+            ps = dict(self.named_parameters())
+            return sum((ps[n] * grads[n].to(ps[n].dtype)).sum() for n in ORDER)
+
+    m = Reordered()
+    return m.half() if half else m
+
+
+def _ddp(half=False, cap=0.01, **options):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(_probe(half), bucket_cap_mb=cap, **options)
+
+
+def _grads(ddp):
+    return {n: p.grad.detach().double().numpy().copy() for n, p in ddp.module.named_parameters()}
+
+
+def _step(ddp, rank, t, accumulate=1):
+    for p in ddp.parameters():
+        p.grad = None
+    for k in range(accumulate - 1):
+        with ddp.no_sync():
+            ddp(grads_of(rank, 100 * t + k)).backward()
+    ddp(grads_of(rank, 100 * t + accumulate - 1)).backward()
+    return _grads(ddp)
+
+
+def _run_case(spec, options, half, rank, tmp, name, accumulate=1):
+    import torch
+    import torch.distributed as dist
+    from torch_backend import Compression
+    from torch_backend.ddp import make_comm_hook, register_comm_hook
+    from torch_backend.ddp_delayed import delayed_state
+    blocking = _ddp(half, **options)
+    register_comm_hook(blocking, Compression.from_spec(spec))
+    rec = {"blocking": [_step(blocking, rank, t, accumulate) for t in range(STEPS)]}
+    # delayed, through make_comm_hook (the bench's form), the buckets' layouts recorded
+    delayed = _ddp(half, **options)
+    comp = Compression.from_spec(spec)
+    state, fn = make_comm_hook(delayed, comp, delay=1)
+    layouts = []
+
+    def recorded(state, bucket):
+        layouts[-1].append([state.state.names[p] for p in bucket.parameters()])
+        return fn(state, bucket)
+    delayed.register_comm_hook(state, recorded)
+    outs = []
+    for t in range(STEPS):
+        layouts.append([])
+        outs.append(_step(delayed, rank, t, accumulate))
+        if t + 1 == DRAIN:  # drained mid-run: changes nothing
+            delayed_state(delayed).drain()
+    last = delayed_state(delayed).drain()
+    rec.update(delayed=outs, layouts=layouts, residuals=_residuals(comp),
+               last={k: v.double().numpy().copy() for k, v in last.items()})
+    # a checkpoint after drain(), saved on rank 0, resumes a new model exactly. (DDP's default
+    # bucket size here: one bucket before and after its rebuild, so the resumed model's first
+    # step groups the tensors as the continued model does; across layouts only each tensor's
+    # error feedback carries over, as with the blocking hook, docs/ddp.md.)
+    continued = _ddp(half, cap=None, **options)
+    comp = register_comm_hook(continued, Compression.from_spec(spec), delay=1)
+    path = os.path.join(tmp, f"{name}.pt")
+    for t in range(DRAIN):
+        _step(continued, rank, t, accumulate)
+    pending = delayed_state(continued)
+    pending.drain()
+    saved = {"comp": comp.state_dict(gather=True), "pending": pending.state_dict()}
+    if rank == 0:
+        torch.save(saved, path)
+    dist.barrier()
+    rec["continued"] = [_step(continued, rank, t, accumulate) for t in range(DRAIN, STEPS)]
+    resumed = _ddp(half, cap=None, **options)
+    comp2 = register_comm_hook(resumed, Compression.from_spec(spec), delay=1)
+    saved = torch.load(path, weights_only=True)
+    comp2.load_state_dict(saved["comp"])
+    delayed_state(resumed).load_state_dict(saved["pending"])
+    rec["resumed"] = [_step(resumed, rank, t, accumulate) for t in range(DRAIN, STEPS)]
+    return rec
+
+
+def values_worker(tmp):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch_backend import Compression
+    from torch_backend.ddp import register_comm_hook
+    from torch_backend.ddp_delayed import delayed_state
+    from tests.hvdrun import value_error
+    rank = dist.get_rank()
+    out = {name: _run_case(spec, options, half, rank, tmp, name) for name, (spec, options, half) in CASES.items()}
+    out["thc no_sync"] = _run_case("thc", {}, False, rank, tmp, "no_sync", accumulate=ACCUMULATE)
+    errors = {}
+    for bad in (2, -1, True, 1.0, "1"):
+        errors[f"delay={bad!r}"] = value_error(lambda: register_comm_hook(_ddp(), Compression.thc(), delay=bad))
+    errors["unused"] = value_error(lambda: register_comm_hook(
+        _ddp(find_unused_parameters=True), Compression.thc(), delay=1))
+    errors["static"] = value_error(lambda: register_comm_hook(_ddp(static_graph=True), Compression.thc(), delay=1))
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        compiled = DDP(_probe())
+    errors["compiled"] = value_error(lambda: register_comm_hook(compiled, Compression.thc(), delay=1))
+    errors["disagree"] = value_error(lambda: register_comm_hook(_ddp(), Compression.thc(), delay=rank))
+    errors["no delayed hook"] = value_error(lambda: delayed_state(_ddp()))
+    ddp = _ddp()
+    register_comm_hook(ddp, Compression.thc(), delay=1)
+    errors["wrong name"] = value_error(lambda: delayed_state(ddp).load_state_dict(
+        {"delay": 1, "means": {"nope": torch.zeros(3)}}))
+    try:  # Join: refused from the first hook under it, on every rank
+        with Join([ddp]):
+            _step(ddp, rank, 0)
+        errors["join"] = None
+    except Exception as e:  # noqa: BLE001 - what DDP makes of the hook's ValueError
+        errors["join"] = f"{type(e).__name__}: {e}"
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def values(tmp_path_factory):
+    return run(values_worker, np=2, args=(str(tmp_path_factory.mktemp("delayed")),), timeout=600)
+
+
+NAMES = list(CASES) + ["thc no_sync"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_applies_the_previous_steps_mean(values, name):
+    """Step t applies exactly the blocking run's step t - 1 (zeros at step 0), on every rank."""
+    for r in values:
+        rec = r[name]
+        for n in SHAPES:
+            np.testing.assert_array_equal(rec["delayed"][0][n], np.zeros(SHAPES[n]))
+            for t in range(1, STEPS):
+                np.testing.assert_array_equal(rec["delayed"][t][n], rec["blocking"][t - 1][n], err_msg=f"{n} step {t}")
+            np.testing.assert_array_equal(rec["last"][n], rec["blocking"][STEPS - 1][n])  # the drained mean
+        for a, b in zip(rec["delayed"], values[0][name]["delayed"]):  # replicas equal
+            for n in SHAPES:
+                np.testing.assert_array_equal(a[n], b[n])
+    if name in ("thc", "topkc", "powersgd"):  # compressed: not the plain mean
+        truth = (grads_of(0, 0)["w"] + grads_of(1, 0)["w"]).double().numpy() / 2
+        assert np.abs(values[0][name]["delayed"][1]["w"] - truth).max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["fp16", "thc", "routed"])
+def test_bucket_rebuild_is_exercised(values, name):
+    """DDP's first step has one bucket, the later steps the two it rebuilt (another layout)."""
+    layouts = values[0][name]["layouts"]
+    assert len(layouts[0]) == 1 and sorted(layouts[0][0]) == sorted(SHAPES)
+    assert all(len(step) == 2 for step in layouts[1:]), layouts
+    assert layouts[1] == layouts[-1] != layouts[0]
+
+
+@pytest.mark.parametrize("name", ["thc", "topkc", "powersgd", "signsgd", "routed", "thc bucket-view"])
+def test_error_feedback_balance(values, name):
+    """What the steps applied, plus the drained mean of the last step, plus the ranks' mean
+    pending residual, is the sum of the ranks' mean gradients (fp16 rounding aside)."""
+    r0, r1 = values[0][name], values[1][name]
+    for n, shape in SHAPES.items():
+        truth = sum((grads_of(0, 100 * t)[n] + grads_of(1, 100 * t)[n]).double().numpy() / 2 for t in range(STEPS))
+        total = sum(o[n] for o in r0["delayed"]) + r0["last"][n]
+        pending = [r["residuals"].get(n) for r in (r0, r1)]
+        if pending[0] is not None:
+            total = total + (pending[0] + pending[1]).reshape(shape) / 2
+        bound = STEPS * 2.0 ** -10 * np.abs(truth).max() + 1e-5
+        assert np.abs(total - truth).max() <= bound, (name, n)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_resume_after_drain_is_exact(values, name):
+    """A checkpoint taken after ``drain()`` (the compressor's state and the held means) resumes
+    a new model bit for bit (draining mid-run changes nothing: the first test)."""
+    for r in values:
+        rec = r[name]
+        for t, got, want in zip(range(DRAIN, STEPS), rec["resumed"], rec["continued"]):
+            for n in SHAPES:
+                np.testing.assert_array_equal(got[n], want[n], err_msg=f"{n} step {t}")
+        assert any(np.abs(x[n]).max() > 0 for x in rec["continued"] for n in SHAPES)
+
+
+def test_refusals(values):
+    for r in values:
+        e = r["errors"]
+        for bad in (2, -1, True, 1.0, "1"):
+            assert e[f"delay={bad!r}"].startswith(f"register_comm_hook: delay must be 0 (blocking) or 1"), bad
+        assert "find_unused_parameters=True or static_graph=True" in e["unused"]
+        assert "find_unused_parameters=True or static_graph=True" in e["static"]
+        assert "compiled DDP (optimize_ddp='python_reducer')" in e["compiled"]
+        assert "registers delay=0, rank 1 delay=1; every rank must register the same delay" in e["disagree"]
+        assert "has no hook registered with delay=1" in e["no delayed hook"]
+        assert "'nope' (shape [3]) is not a parameter" in e["wrong name"]
+        assert "delay=1: Join is not supported" in e["join"]
+
+
+def failing_worker(tmp):
+    import torch.distributed as dist
+    from torch_backend import Compression
+    from torch_backend.ddp import register_comm_hook
+    from torch_backend.ddp_delayed import delayed_state
+    rank = dist.get_rank()
+    where = "register"
+    try:
+        ddp = _ddp()
+        register_comm_hook(ddp, Compression.thc(), delay=1)
+        for t in range(5):
+            where = t
+            if rank == 1 and t == 2:
+                raise ValueError("rank 1 stops at step 2")
+            _step(ddp, rank, t)
+        where = "drain"
+        delayed_state(ddp).drain()
+        where = "done"
+    finally:
+        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+            json.dump(where, f)
+
+
+def test_a_rank_that_raises_makes_its_peer_raise(tmp_path):
+    """Rank 1 raises at step 2 and exits; rank 0, which posted step 2 without waiting, raises
+    at its next wait for it (step 3's hook) instead of hanging (the launch's timeout would
+    raise TimeoutError)."""
+    with pytest.raises(Exception) as info:
+        run(failing_worker, np=2, args=(str(tmp_path),), timeout=180)
+    assert not isinstance(info.value, TimeoutError)
+    where = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert where[1] == 2
+    assert where[0] in (2, 3, 4, "drain"), where  # after rank 1 left, never "done"
+    cause = info.value.__cause__ if isinstance(info.value.__cause__, WorkerError) else info.value
+    assert cause.errors == [0, 1]
