@@ -432,7 +432,7 @@ def make_comm_hook(ddp_model, compressor, per_tensor: bool = False, delay: int =
     return (state, hook) if not delay else _delayed(state, ddp_model)
 
 
-_STEPS = ddp_delayed.BucketSteps(_plan, _encode, _decode)  # the delayed hook runs this module's steps
+_STEPS = ddp_delayed.BucketSteps(_plan, _encode, _decode, _counts, _joined)  # the delayed hook runs these
 
 
 def _delayed(state, ddp_model):
@@ -479,7 +479,7 @@ def register_comm_hook(ddp_model, compressor, per_tensor: bool = False, delay: i
             PyTorch compressor; ``ddp_model`` is not a DDP model.
         ValueError: the compressor is already bound to a DDP model, or routes some tensor to a
             blocking two-round variant; ``delay`` not 0 or 1, or ``delay=1`` on a model it
-            cannot serve (compiled DDP, ``find_unused_parameters``, ``static_graph``).
+            cannot serve (compiled DDP, sparse gradients).
         RuntimeError: DDP's own refusal (e.g. the model has a hook already); the compressor is
             then left unbound.
     """

@@ -36,12 +36,26 @@ compressor's state has moved past it; then ``comp.state_dict(...)`` and the hook
 exactly: load both into a new model before its first step (:func:`delayed_state` finds the
 hook of a DDP model). Draining mid-run changes nothing in the numbers.
 
-**Refused**: ``delay`` other than 0 or 1 (ValueError at registration), compiled DDP (the
-Python reducer writes each ``.grad`` itself at the end of backward), ``find_unused_parameters``
-and ``static_graph`` (DDP drops what the hook delivers for a parameter no rank used in a step,
-which would lose the held mean of the step before), and ``Join`` (its shadow all-reduces
-receive no held mean; ValueError on every rank from the first hook under ``Join``, before
-anything is posted in that step), and sparse gradients (at their bucket, on every rank).
+**Unused parameters** (``find_unused_parameters=True``, ``static_graph=True``): DDP keeps a
+parameter that no rank used in a step untouched, dropping what the hook delivered for it (the
+previous step's mean). The hook counts each parameter's users in the same all-reduce as the
+blocking hook (:func:`torch_backend.ddp._counts`), and when it decodes a step it holds again
+what that step delivered and DDP dropped, added to the step's own mean: each mean is applied
+at the next step that uses its parameter, and the balance above holds. (The blocking hook keeps
+what DDP drops in error feedback instead, so with unused parameters the delayed run is not the
+blocking run shifted by a step.)
+
+**Join** (uneven inputs): a joined rank's shadow all-reduces run this hook on zero buckets; it
+posts zero payloads (the counts as they are), and decodes that step's sum into the same held
+means as its peers while its own error feedback stays as it was
+(:meth:`~hvd_gradcomp.codec.Codec.decode_joined`), so after ``Join`` (which broadcasts the
+model) and :meth:`DelayedHook.drain` every rank holds the same means.
+``divide_by_initial_world_size=False`` is refused as by the blocking hook.
+
+**Refused** at registration (ValueError, before anything is bound): ``delay`` other than 0 or
+1, compiled DDP (its Python reducer writes each ``.grad`` itself at the end of backward) and
+sparse gradients (an ``Embedding(sparse=True)``: its bucket is all-reduced uncompressed and
+blocking). Horovod's ``DistributedOptimizer`` has no delayed form.
 
 **A rank that fails**: its peers' next wait for the step it left (the next step's hook, or
 ``drain()``) raises the process group's error (Gloo: the connection closed); call ``drain()``
@@ -67,18 +81,23 @@ class BucketSteps(NamedTuple):
     computes the same bits without importing that module.
 
     plan(state, bucket, buffer, params) -> BucketPlan or None (a sparse bucket);
-    encode(compressor, plan, buffer, n) -> [(payload, ctx)] per unit;
-    decode(state, plan, encoded, reduced, counts, buffer): the mean written into ``buffer``.
+    encode(codec, plan, buffer, n) -> [(payload, ctx)] per unit;
+    decode(state, plan, encoded, reduced, counts, buffer): the mean written into ``buffer``;
+    counts(state, plan, params, joined, device) -> int32 [params, 2] (users, bucket views);
+    joined() -> bool: called by :func:`hook`, True on a rank DDP's ``Join`` shadows.
     """
 
     plan: Callable
     encode: Callable
     decode: Callable
+    counts: Callable
+    joined: Callable
 
 
 class _Posted(NamedTuple):
-    """One bucket's step in flight: its parameters, plan, codec contexts, packed payloads,
-    futures, and the buffer's (numel, dtype, device) to decode into."""
+    """One bucket's step in flight: its parameters, plan, codec contexts, packed payloads
+    (the counts last, where ``counts``), futures, the buffer's (numel, dtype, device) to
+    decode into, and whether this rank sent zeros (joined)."""
 
     params: list
     plan: object
@@ -86,6 +105,8 @@ class _Posted(NamedTuple):
     packed: object
     futures: list
     like: tuple
+    counts: bool
+    joined: bool
 
 
 def check_delay(delay) -> int:
@@ -97,17 +118,20 @@ def check_delay(delay) -> int:
 
 
 def check_model(ddp_model, spec) -> None:
-    """ValueError where delayed sync cannot serve ``ddp_model`` (module docstring)."""
-    why = None
+    """ValueError where delayed sync cannot serve ``ddp_model``: compiled DDP (the Python
+    reducer writes each ``.grad`` itself at the end of backward, from what the hook returns
+    there; :mod:`torch_backend.ddp_compiled`) and sparse gradients (an ``Embedding`` or
+    ``EmbeddingBag`` with ``sparse=True``)."""
     if getattr(ddp_model, "_use_python_reducer", False):
-        why = ("compiled DDP (optimize_ddp='python_reducer') writes each .grad itself at the end of "
-               "backward; use delay=0 there")
-    elif getattr(ddp_model, "find_unused_parameters", False) or getattr(ddp_model, "static_graph", False):
-        why = ("with find_unused_parameters=True or static_graph=True, DDP drops what the hook delivers "
-               "for a parameter no rank used in a step, which would lose the held mean of the step "
-               "before; build the DDP model without them, or use delay=0")
-    if why:
-        raise ValueError(f"register_comm_hook {spec!r}, delay=1: {why}")
+        raise ValueError(f"register_comm_hook {spec!r}, delay=1: compiled DDP (optimize_ddp='python_reducer') "
+                         f"is not supported (its reducer writes each .grad itself at the end of backward); "
+                         f"use delay=0 there")
+    sparse = [name for name, m in ddp_model.module.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(f"register_comm_hook {spec!r}, delay=1: sparse gradients (module {sparse[0]!r}, "
+                         f"sparse=True) are not supported (their bucket is all-reduced uncompressed, "
+                         f"blocking); use delay=0 or sparse=False")
 
 
 def delayed_state(ddp_model) -> "DelayedHook":
@@ -152,6 +176,7 @@ class DelayedHook:
     def __init__(self, state, delay: int, steps: BucketSteps):
         self.state, self.delay, self.steps = state, delay, steps
         self.held, self.previous, self.current = {}, [], []
+        self.delivered = {}  # {parameter: the mean delivered this step}, where DDP may drop it
 
     def register(self, ddp_model):
         """Remember this hook as ``ddp_model``'s (:func:`delayed_state`)."""
@@ -160,18 +185,37 @@ class DelayedHook:
 
     def _decode(self, posted: _Posted):
         """Wait for ``posted``'s all-reduces and hold each of its parameters' mean."""
-        engine = self.state.compressor.codec.engine
+        state = self.state
+        codec = state.codec
         try:
-            reduced = unpack_payloads(OPS, posted.packed, [engine.wait(f) for f in posted.futures],
+            reduced = unpack_payloads(OPS, posted.packed, [codec.engine.wait(f) for f in posted.futures],
                                       view=torch.Tensor.view)
         finally:
             posted.packed.buffers.clear()
         numel, dtype, device = posted.like
         out = torch.empty(numel, dtype=dtype, device=device)
+        units = len(posted.encoded)
         with torch.no_grad():
-            self.steps.decode(self.state, posted.plan, posted.encoded, reduced, None, out)
-        for p, m in zip(posted.params, posted.plan.members):
-            self.held[p] = out[m.offset:m.offset + m.numel].view(m.shape)
+            if posted.joined:  # the mean every rank decodes; this rank's own state kept (decode_joined)
+                keys = {ctx.info.key for _, ctx in posted.encoded if ctx is not None}
+                saved = {k: codec.store.read(k) for k in keys if codec.store.has(k)}
+            self.steps.decode(state, posted.plan, posted.encoded, reduced[:units], None, out)
+            if posted.joined:
+                for k, v in saved.items():
+                    codec.store.write(k, v)
+                for (_, ctx), payload in zip(posted.encoded, reduced):
+                    codec.decode_joined(payload, ctx)
+            dropped = None
+            if posted.counts:  # no rank used it, and DDP did not write its .grad: what this
+                counts = reduced[units]  # step delivered for it is held again, for the next
+                state.last_used[id(posted.plan)] = (counts[:, 0] > 0).to(torch.int32)
+                dropped = ((counts[:, 0] == 0) & (counts[:, 1] == 0)).to(dtype)
+            for i, (p, m) in enumerate(zip(posted.params, posted.plan.members)):
+                mean = out[m.offset:m.offset + m.numel].view(m.shape)
+                lost = self.delivered.pop(p, None) if dropped is not None else None
+                if lost is not None:
+                    mean.add_(lost * dropped[i])
+                self.held[p] = mean
 
     def _decode_for(self, params):
         """Decode the previous step's buckets, in posted order, up to the last one holding one of
@@ -186,30 +230,32 @@ class DelayedHook:
         for posted in done:
             self._decode(posted)
 
-    def step(self, bucket):
+    def step(self, bucket, joined: bool = False):
         """One bucket of DDP's backward: decode what it needs of the previous step, post this
-        step's payloads, return a completed future of the bucket holding the previous step's
-        mean (module docstring)."""
+        step's payloads (zeros on a ``joined`` rank), return a completed future of the bucket
+        holding the previous step's mean (module docstring)."""
         state = self.state
-        comp = state.compressor
-        join = getattr(state.ddp_model, "_join_config", None)
-        if join is not None and join.enable:
-            raise ValueError(f"hvd_gradcomp DDP hook {comp.spec!r}, delay=1: Join is not supported (a "
-                             f"joined rank's shadow all-reduces would receive no held mean); use delay=0 "
-                             f"with Join")
+        codec = state.codec
+        if not getattr(state.ddp_model, "_divide_by_initial_world_size", True):
+            raise ValueError(f"hvd_gradcomp DDP hook {codec.spec!r}: Join(..., divide_by_initial_world_size="
+                             f"False) is not supported (the hook divides by the process group's size); use "
+                             f"the default True")
         buffer, params = bucket.buffer(), bucket.parameters()
-        if buffer.is_sparse:
-            raise ValueError(f"hvd_gradcomp DDP hook {comp.spec!r}, delay=1: sparse gradients (bucket "
+        if buffer.is_sparse:  # (refused at registration: check_sparse)
+            raise ValueError(f"hvd_gradcomp DDP hook {codec.spec!r}, delay=1: sparse gradients (bucket "
                              f"{bucket.index()}) are not supported; use delay=0")
         self._decode_for(params)  # before planning: a rebuilt bucket's group takes the decoded state
         plan = self.steps.plan(state, bucket, buffer, params)
-        encoded = self.steps.encode(comp.codec, plan, buffer, state.world_size)
+        encoded = self.steps.encode(codec, plan, buffer, state.world_size)
         ptr = buffer.untyped_storage().data_ptr()
         encoded = [(p, _own(ctx, ptr)) for p, ctx in encoded]
-        copy = any(_shares(p, ptr) for p, _ in encoded)
-        packed, futures = post_payloads(OPS, [p for p, _ in encoded], comp.codec.engine.post, copy=copy)
+        payloads = [torch.zeros_like(p) if joined else p for p, _ in encoded]
+        if state.tracks_unused:
+            payloads.append(self.steps.counts(state, plan, params, joined, buffer.device))
+        copy = any(_shares(p, ptr) for p in payloads)
+        packed, futures = post_payloads(OPS, payloads, codec.engine.post, copy=copy)
         self.current.append(_Posted(list(params), plan, encoded, packed, futures,
-                                    (buffer.numel(), buffer.dtype, buffer.device)))
+                                    (buffer.numel(), buffer.dtype, buffer.device), state.tracks_unused, joined))
         with torch.no_grad():
             for p, g in zip(params, bucket.gradients()):
                 mean = self.held.pop(p, None)
@@ -217,6 +263,8 @@ class DelayedHook:
                     g.zero_()
                 else:
                     g.copy_(mean)
+                    if state.tracks_unused:  # held again if DDP drops it (known at the next decode)
+                        self.delivered[p] = mean
         if bucket.is_last():
             self._decode_for(None)  # (nothing left where every parameter is in a bucket)
             self.previous, self.current = self.current, []
@@ -231,6 +279,7 @@ class DelayedHook:
         if self.current:
             raise RuntimeError("DelayedHook.drain: called inside a backward; call it between steps")
         self._decode_for(None)
+        self.delivered.clear()
         names = self.state.names
         return {names[p]: mean for p, mean in self.held.items()}
 
@@ -256,7 +305,7 @@ class DelayedHook:
                 raise ValueError(f"DelayedHook.load_state_dict: {name!r} (shape {list(mean.shape)}) is "
                                  f"not a parameter of this model of that shape")
             held[p] = mean.detach().to(device=p.device, dtype=p.dtype)
-        self.previous, self.current, self.held = [], [], held
+        self.previous, self.current, self.held, self.delivered = [], [], held, {}
 
 
 def hook(state: DelayedHook, bucket):
@@ -266,4 +315,4 @@ def hook(state: DelayedHook, bucket):
     if not isinstance(state, DelayedHook):
         raise TypeError(f"hvd_gradcomp delayed DDP hook: the state must be a DelayedHook, got "
                         f"{type(state).__name__}; use register_comm_hook(ddp_model, compressor, delay=1)")
-    return state.step(bucket)
+    return state.step(bucket, state.steps.joined())

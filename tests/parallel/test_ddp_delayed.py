@@ -12,7 +12,10 @@ Launches (each kills its process group at its timeout):
    a float16 model, ``no_sync`` accumulation): a blocking run and a delayed run drained
    mid-run; the delayed run applies at step t exactly (bit for bit) what the blocking run
    applies at step t - 1, zeros at step 0, on every rank alike; error feedback's balance;
-   exact resume from a rank-0 checkpoint taken after ``drain()``; the refusals.
+   exact resume from a rank-0 checkpoint taken after ``drain()``; ``Join`` with uneven inputs
+   (rank 1 joins two steps early: the same shift, its error feedback kept); unused parameters
+   (``find_unused_parameters``, ``static_graph``: what DDP drops is applied later, the balance
+   holds); the refusals.
 2. rank 1 raises at step 2 and leaves: rank 0 raises (the wait for that step fails) instead of
    hanging.
 """
@@ -50,7 +53,7 @@ def _probe(half=False):
     class Reordered(Probe):
         def forward(self, grads):
             ps = dict(self.named_parameters())
-            return sum((ps[n] * grads[n].to(ps[n].dtype)).sum() for n in ORDER)
+            return sum((ps[n] * grads[n].to(ps[n].dtype)).sum() for n in ORDER if grads[n] is not None)
 
     m = Reordered()
     return m.half() if half else m
@@ -128,10 +131,79 @@ def _run_case(spec, options, half, rank, tmp, name, accumulate=1):
     return rec
 
 
+JOIN_SPECS = ["fp16", "thc"]
+EARLY = 2  # rank 1 joins this many steps before rank 0 ends its inputs
+AFTER = 2  # steps on both ranks after Join
+
+
+def _join_case(spec, rank):
+    """Rank 0 runs STEPS steps under ``Join``, rank 1 STEPS - EARLY, then both AFTER more:
+    {"blocking", "delayed": [each backward's gradients on this rank]}, the drained means."""
+    from torch.distributed.algorithms.join import Join
+    from torch_backend import Compression
+    from torch_backend.ddp import register_comm_hook
+    from torch_backend.ddp_delayed import delayed_state
+    rec = {}
+    for kind, delay in (("blocking", 0), ("delayed", 1)):
+        ddp = _ddp()
+        register_comm_hook(ddp, Compression.from_spec(spec), delay=delay)
+        mine = range(STEPS if rank == 0 else STEPS - EARLY)
+        with Join([ddp]):
+            outs = [_step(ddp, rank, t) for t in mine]
+        outs += [_step(ddp, rank, t) for t in range(STEPS, STEPS + AFTER)]
+        rec[kind] = outs
+        if delay:
+            rec["last"] = {k: v.double().numpy().copy() for k, v in delayed_state(ddp).drain().items()}
+    return rec
+
+
+USES = {  # the parameters each rank's forward uses at step t (None: all)
+    "sometimes": lambda rank, t: {"w", "b"} if t in (1, 3) else ({"w", "v"} if (rank, t) == (0, 2) else None),
+    "never v": lambda rank, t: {"w", "b"},
+}
+UNUSED = {  # name: (spec, DDP options, uses)
+    "unused thc": ("thc", {"find_unused_parameters": True}, "sometimes"),
+    "unused fp16": ("fp16", {"find_unused_parameters": True}, "sometimes"),
+    "unused topkc bucket-view": ("topkc:0.1", {"find_unused_parameters": True, "gradient_as_bucket_view": True},
+                                 "sometimes"),
+    "static thc": ("thc", {"static_graph": True}, "never v"),
+}
+
+
+def _unused_case(spec, options, uses, rank):
+    """Delayed steps where some parameters go unused (:data:`USES`): {"delayed": [each step's
+    gradients, zeros where DDP left .grad None], "last", "residuals", "truth": the ranks'
+    mean gradients summed over the steps (a parameter contributes zero where unused)}."""
+    import torch
+    from torch_backend import Compression
+    from torch_backend.ddp import register_comm_hook
+    from torch_backend.ddp_delayed import delayed_state
+    ddp = _ddp(**options)
+    comp = register_comm_hook(ddp, Compression.from_spec(spec), delay=1)
+    used = USES[uses]
+    outs, truth = [], {n: np.zeros(s) for n, s in SHAPES.items()}
+    for t in range(STEPS):
+        for p in ddp.parameters():
+            p.grad = None
+        for r in (0, 1):
+            for n, g in grads_of(r, 100 * t).items():
+                if used(r, t) is None or n in used(r, t):
+                    truth[n] += g.double().numpy() / 2
+        grads = grads_of(rank, 100 * t)
+        names = used(rank, t)
+        if names is not None:  # the unused ones out of the forward
+            grads = {n: (g if n in names else None) for n, g in grads.items()}
+        ddp(grads).backward()
+        outs.append({n: (np.zeros(p.shape) if p.grad is None else p.grad.detach().double().numpy().copy())
+                     for n, p in ddp.module.named_parameters()})
+    last = delayed_state(ddp).drain()
+    return {"delayed": outs, "last": {k: v.double().numpy().copy() for k, v in last.items()},
+            "residuals": _residuals(comp), "truth": truth}
+
+
 def values_worker(tmp):
     import torch
     import torch.distributed as dist
-    from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch_backend import Compression
     from torch_backend.ddp import register_comm_hook
@@ -143,9 +215,8 @@ def values_worker(tmp):
     errors = {}
     for bad in (2, -1, True, 1.0, "1"):
         errors[f"delay={bad!r}"] = value_error(lambda: register_comm_hook(_ddp(), Compression.thc(), delay=bad))
-    errors["unused"] = value_error(lambda: register_comm_hook(
-        _ddp(find_unused_parameters=True), Compression.thc(), delay=1))
-    errors["static"] = value_error(lambda: register_comm_hook(_ddp(static_graph=True), Compression.thc(), delay=1))
+    sparse = DDP(torch.nn.Sequential(torch.nn.Embedding(8, 4, sparse=True)))
+    errors["sparse"] = value_error(lambda: register_comm_hook(sparse, Compression.thc(), delay=1))
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
         compiled = DDP(_probe())
     errors["compiled"] = value_error(lambda: register_comm_hook(compiled, Compression.thc(), delay=1))
@@ -155,12 +226,10 @@ def values_worker(tmp):
     register_comm_hook(ddp, Compression.thc(), delay=1)
     errors["wrong name"] = value_error(lambda: delayed_state(ddp).load_state_dict(
         {"delay": 1, "means": {"nope": torch.zeros(3)}}))
-    try:  # Join: refused from the first hook under it, on every rank
-        with Join([ddp]):
-            _step(ddp, rank, 0)
-        errors["join"] = None
-    except Exception as e:  # noqa: BLE001 - what DDP makes of the hook's ValueError
-        errors["join"] = f"{type(e).__name__}: {e}"
+    for spec in JOIN_SPECS:
+        out[f"join {spec}"] = _join_case(spec, rank)
+    for name, (spec, options, uses) in UNUSED.items():
+        out[name] = _unused_case(spec, options, uses, rank)
     out["errors"] = errors
     return out
 
@@ -232,13 +301,11 @@ def test_refusals(values):
         e = r["errors"]
         for bad in (2, -1, True, 1.0, "1"):
             assert e[f"delay={bad!r}"].startswith(f"register_comm_hook: delay must be 0 (blocking) or 1"), bad
-        assert "find_unused_parameters=True or static_graph=True" in e["unused"]
-        assert "find_unused_parameters=True or static_graph=True" in e["static"]
+        assert "sparse gradients (module '0', sparse=True) are not supported" in e["sparse"]
         assert "compiled DDP (optimize_ddp='python_reducer')" in e["compiled"]
         assert "registers delay=0, rank 1 delay=1; every rank must register the same delay" in e["disagree"]
         assert "has no hook registered with delay=1" in e["no delayed hook"]
         assert "'nope' (shape [3]) is not a parameter" in e["wrong name"]
-        assert "delay=1: Join is not supported" in e["join"]
 
 
 def failing_worker(tmp):
@@ -276,3 +343,46 @@ def test_a_rank_that_raises_makes_its_peer_raise(tmp_path):
     assert where[0] in (2, 3, 4, "drain"), where  # after rank 1 left, never "done"
     cause = info.value.__cause__ if isinstance(info.value.__cause__, WorkerError) else info.value
     assert cause.errors == [0, 1]
+
+
+@pytest.mark.parametrize("spec", JOIN_SPECS)
+def test_join_with_uneven_inputs(values, spec):
+    """Under ``Join`` (rank 1 out of inputs two steps early) and after it, rank 0 applies at
+    each step exactly the blocking run's previous step (which rank 1's kept error feedback
+    decides after Join), rank 1 the same means as rank 0 at the same step, and both ranks
+    drain the same last mean (the blocking run's last step)."""
+    r0, r1 = values[0][f"join {spec}"], values[1][f"join {spec}"]
+    steps1 = list(range(STEPS - EARLY)) + list(range(STEPS, STEPS + AFTER))  # rank 1's steps among rank 0's
+    assert len(r0["delayed"]) == STEPS + AFTER and len(r1["delayed"]) == len(steps1)
+    for n in SHAPES:
+        np.testing.assert_array_equal(r0["delayed"][0][n], np.zeros(SHAPES[n]))
+        for t in range(1, STEPS + AFTER):
+            np.testing.assert_array_equal(r0["delayed"][t][n], r0["blocking"][t - 1][n], err_msg=f"{n} step {t}")
+        for k, t in enumerate(steps1):
+            np.testing.assert_array_equal(r1["delayed"][k][n], r0["delayed"][t][n], err_msg=f"{n} step {t}")
+        for r in (r0, r1):
+            np.testing.assert_array_equal(r["last"][n], r0["blocking"][-1][n])
+    if spec == "fp16":  # rank 1's zeros during Join: rank 0's mean is its own gradient's half
+        half = grads_of(0, 100 * (STEPS - 1))["w"].double().numpy() / 2
+        np.testing.assert_allclose(r0["blocking"][STEPS - 1]["w"], half, rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", list(UNUSED))
+def test_unused_parameters_balance(values, name):
+    """With parameters unused at some steps (on one rank, or on both: DDP drops what the hook
+    delivered), what the steps applied, plus the drained mean, plus the ranks' mean residual,
+    is the sum of the mean gradients; replicas equal."""
+    r0, r1 = values[0][name], values[1][name]
+    for n, shape in SHAPES.items():
+        for a, b in zip(r0["delayed"], r1["delayed"]):
+            np.testing.assert_array_equal(a[n], b[n])
+        np.testing.assert_array_equal(r0["last"][n], r1["last"][n])
+        truth = r0["truth"][n]
+        total = sum(o[n] for o in r0["delayed"]) + r0["last"][n]
+        pending = [r["residuals"].get(n) for r in (r0, r1)]
+        if pending[0] is not None:
+            total = total + (pending[0] + pending[1]).reshape(shape) / 2
+        bound = STEPS * 2.0 ** -10 * np.abs(truth).max() + 1e-5
+        assert np.abs(total - truth).max() <= bound, (name, n, np.abs(total - truth).max())
+    if name != "static thc":  # v's step-0 mean reached .grad only at step 2 (unused at step 1)
+        assert not r0["delayed"][1]["v"].any() and r0["delayed"][2]["v"].any()
