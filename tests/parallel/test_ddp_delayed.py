@@ -40,7 +40,8 @@ CASES = {  # name: (spec, DDP options, float16 model)
     "signsgd": ("signsgd", {}, False),
     "routed": (ROUTED, {}, False),
     "thc bucket-view": ("thc", {"gradient_as_bucket_view": True}, False),
-    "fp16 half": ("fp16", {}, True),  # the payload of a float16 bucket's cast is the bucket
+    "fp16 half": ("fp16", {}, True),
+    "float32 cast": ("none:dtype=float32", {}, False),  # the payload of this cast is the bucket itself
     "none half": ("none", {}, True),
 }
 ACCUMULATE = 2  # micro-batches per synchronised step in the no_sync case
