@@ -29,6 +29,13 @@ step's gradients into that buffer while the all-reduce may still be in flight.
 the synchronised step posts the accumulated gradient and the next synchronised step applies
 its mean (the delay counts synchronised steps).
 
+**Loss scaling** (``comp.set_loss_scale(scaler)``): a held mean is kept in the gradient's
+own units (the decoded mean divided by the loss scale its step was encoded at, a device copy
+taken then) and delivered times the scale of the step that applies it, which the scaler then
+divides out: a scale changed by ``scaler.update()`` in between does not scale an applied mean
+by S_old / S_new. An overflow at step t reaches ``.grad`` at step t + 1, whose optimizer step
+the scaler skips (the step that would apply it).
+
 **Checkpoints** (:meth:`DelayedHook.drain`, :meth:`DelayedHook.state_dict`): ``drain()`` waits
 for the step in flight and decodes it (no collective: its all-reduces were posted), so the
 compressor's state has moved past it; then ``comp.state_dict(...)`` and the hook's
@@ -97,7 +104,8 @@ class BucketSteps(NamedTuple):
 class _Posted(NamedTuple):
     """One bucket's step in flight: its parameters, plan, codec contexts, packed payloads
     (the counts last, where ``counts``), futures, the buffer's (numel, dtype, device) to
-    decode into, and whether this rank sent zeros (joined)."""
+    decode into, whether this rank sent zeros (joined), and the loss scale it was encoded at
+    (a 0-d float32 copy, or None)."""
 
     params: list
     plan: object
@@ -107,6 +115,7 @@ class _Posted(NamedTuple):
     like: tuple
     counts: bool
     joined: bool
+    scale: object
 
 
 def check_delay(delay) -> int:
@@ -200,6 +209,8 @@ class DelayedHook:
                 keys = {ctx.info.key for _, ctx in posted.encoded if ctx is not None}
                 saved = {k: codec.store.read(k) for k in keys if codec.store.has(k)}
             self.steps.decode(state, posted.plan, posted.encoded, reduced[:units], None, out)
+            if posted.scale is not None:  # held in the gradient's own units
+                out.div_(posted.scale)
             if posted.joined:
                 for k, v in saved.items():
                     codec.store.write(k, v)
@@ -249,13 +260,18 @@ class DelayedHook:
         encoded = self.steps.encode(codec, plan, buffer, state.world_size)
         ptr = buffer.untyped_storage().data_ptr()
         encoded = [(p, _own(ctx, ptr)) for p, ctx in encoded]
+        scale = now = None
+        if codec.scale_source is not None:  # this step's loss scale, kept for its decode
+            now = codec.frontend.scale_of(codec.scale_source)
+            scale = now.detach().clone()
+            encoded = [(p, c if c is None or c.scale is None else c._replace(scale=scale)) for p, c in encoded]
         payloads = [torch.zeros_like(p) if joined else p for p, _ in encoded]
         if state.tracks_unused:
             payloads.append(self.steps.counts(state, plan, params, joined, buffer.device))
         copy = any(_shares(p, ptr) for p in payloads)
         packed, futures = post_payloads(OPS, payloads, codec.engine.post, copy=copy)
         self.current.append(_Posted(list(params), plan, encoded, packed, futures,
-                                    (buffer.numel(), buffer.dtype, buffer.device), state.tracks_unused, joined))
+                                    (buffer.numel(), buffer.dtype, buffer.device), state.tracks_unused, joined, scale))
         with torch.no_grad():
             for p, g in zip(params, bucket.gradients()):
                 mean = self.held.pop(p, None)
@@ -263,6 +279,8 @@ class DelayedHook:
                     g.zero_()
                 else:
                     g.copy_(mean)
+                    if now is not None:  # at this step's loss scale, which the scaler divides out
+                        g.mul_(now)
                     if state.tracks_unused:  # held again if DDP drops it (known at the next decode)
                         self.delivered[p] = mean
         if bucket.is_last():

@@ -158,6 +158,32 @@ def _join_case(spec, rank):
     return rec
 
 
+SCALED_SPECS = ["none", "thc"]
+SCALES = [1024.0, 256.0, 256.0, 4096.0, 512.0, 1024.0]  # the loss scale of each step (powers of 2)
+
+
+def _scaled_case(spec, rank):
+    """Blocking and delayed runs under a loss scale (a 0-d tensor, changed in place between
+    steps as GradScaler's): {kind: [each step's gradients divided by its scale]}."""
+    import torch
+    from torch_backend import Compression
+    from torch_backend.ddp import register_comm_hook
+    rec = {}
+    for kind, delay in (("blocking", 0), ("delayed", 1)):
+        ddp = _ddp()
+        scale = torch.tensor(SCALES[0])
+        register_comm_hook(ddp, Compression.from_spec(spec).set_loss_scale(scale), delay=delay)
+        outs = []
+        for t, s in enumerate(SCALES):
+            scale.fill_(s)
+            for p in ddp.parameters():
+                p.grad = None
+            (ddp(grads_of(rank, 100 * t)) * s).backward()
+            outs.append({n: g / s for n, g in _grads(ddp).items()})
+        rec[kind] = outs
+    return rec
+
+
 USES = {  # the parameters each rank's forward uses at step t (None: all)
     "sometimes": lambda rank, t: {"w", "b"} if t in (1, 3) else ({"w", "v"} if (rank, t) == (0, 2) else None),
     "never v": lambda rank, t: {"w", "b"},
@@ -229,6 +255,8 @@ def values_worker(tmp):
         {"delay": 1, "means": {"nope": torch.zeros(3)}}))
     for spec in JOIN_SPECS:
         out[f"join {spec}"] = _join_case(spec, rank)
+    for spec in SCALED_SPECS:
+        out[f"scaled {spec}"] = _scaled_case(spec, rank)
     for name, (spec, options, uses) in UNUSED.items():
         out[name] = _unused_case(spec, options, uses, rank)
     out["errors"] = errors
@@ -387,3 +415,15 @@ def test_unused_parameters_balance(values, name):
         assert np.abs(total - truth).max() <= bound, (name, n, np.abs(total - truth).max())
     if name != "static thc":  # v's step-0 mean reached .grad only at step 2 (unused at step 1)
         assert not r0["delayed"][1]["v"].any() and r0["delayed"][2]["v"].any()
+
+
+@pytest.mark.parametrize("spec", SCALED_SPECS)
+def test_loss_scale_changed_between_steps(values, spec):
+    """Under a loss scale changed between steps, the delayed run's unscaled gradient at step
+    t is exactly the blocking run's at step t - 1 (the held mean is re-scaled to the scale of
+    the step that applies it)."""
+    for r in values:
+        rec = r[f"scaled {spec}"]
+        for n in SHAPES:
+            for t in range(1, len(SCALES)):
+                np.testing.assert_array_equal(rec["delayed"][t][n], rec["blocking"][t - 1][n], err_msg=f"{n} step {t}")
