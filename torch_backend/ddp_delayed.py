@@ -177,15 +177,18 @@ class DelayedHook:
     Attributes:
         state: the :class:`~torch_backend.ddp.HookState` (compressor, names, group, world size).
         delay: 1.
-        held: {parameter: its mean, in the bucket's dtype} to apply at its next bucket.
+        held: {parameter: its mean, in the bucket's dtype and the gradient's own units (no
+            loss scale)} to apply at its next bucket.
         previous: [_Posted] of the previous step not decoded yet, in posted order.
         current: [_Posted] of this step (moved to ``previous`` after DDP's last bucket).
+        delivered: {parameter: the held mean this step delivered}, kept where DDP may drop it
+            (unused parameters) until this step's decode says whether it did.
     """
 
     def __init__(self, state, delay: int, steps: BucketSteps):
         self.state, self.delay, self.steps = state, delay, steps
         self.held, self.previous, self.current = {}, [], []
-        self.delivered = {}  # {parameter: the mean delivered this step}, where DDP may drop it
+        self.delivered = {}
 
     def register(self, ddp_model):
         """Remember this hook as ``ddp_model``'s (:func:`delayed_state`)."""
@@ -292,7 +295,8 @@ class DelayedHook:
 
     def drain(self) -> dict:
         """Wait for the step in flight and decode it (call it on every rank between steps: no
-        collective is posted). Returns {parameter name: the mean the next step applies}.
+        collective is posted). Returns {parameter name: the mean the next step applies, in the
+        gradient's own units (no loss scale)}.
         Raises the process group's error where a peer failed; RuntimeError inside a backward."""
         if self.current:
             raise RuntimeError("DelayedHook.drain: called inside a backward; call it between steps")
