@@ -132,7 +132,7 @@ def _run_case(spec, options, half, rank, tmp, name, accumulate=1):
     return rec
 
 
-JOIN_SPECS = ["fp16", "thc"]
+JOIN_SPECS = ["fp16", "thc", "thc:subtract_own=true", "thc:error_feedback=false,subtract_own=true"]
 EARLY = 2  # rank 1 joins this many steps before rank 0 ends its inputs
 AFTER = 2  # steps on both ranks after Join
 
