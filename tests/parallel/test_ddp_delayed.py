@@ -38,6 +38,7 @@ CASES = {  # name: (spec, DDP options, float16 model)
     "topkc": ("topkc:0.1", {}, False),
     "powersgd": ("powersgd:2", {}, False),
     "signsgd": ("signsgd", {}, False),
+    "auto": ("auto", {}, False),  # adaptive: the scheme a tensor takes moves with the agreed figures
     "routed": (ROUTED, {}, False),
     "thc bucket-view": ("thc", {"gradient_as_bucket_view": True}, False),
     "fp16 half": ("fp16", {}, True),
@@ -298,7 +299,7 @@ def test_bucket_rebuild_is_exercised(values, name):
     assert layouts[1] == layouts[-1] != layouts[0]
 
 
-@pytest.mark.parametrize("name", ["thc", "topkc", "powersgd", "signsgd", "routed", "thc bucket-view"])
+@pytest.mark.parametrize("name", ["thc", "topkc", "powersgd", "signsgd", "auto", "routed", "thc bucket-view"])
 def test_error_feedback_balance(values, name):
     """What the steps applied, plus the drained mean of the last step, plus the ranks' mean
     pending residual, is the sum of the ranks' mean gradients (fp16 rounding aside)."""
@@ -313,10 +314,12 @@ def test_error_feedback_balance(values, name):
         assert np.abs(total - truth).max() <= bound, (name, n)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "auto"])
 def test_resume_after_drain_is_exact(values, name):
     """A checkpoint taken after ``drain()`` (the compressor's state and the held means) resumes
-    a new model bit for bit (draining mid-run changes nothing: the first test)."""
+    a new model bit for bit (draining mid-run changes nothing: the first test). Not ``auto``,
+    whose first step after a load is a float32 sync step by design (docs/auto.md; the
+    blocking hook's test_ddp.py::test_resume checks its totals instead)."""
     for r in values:
         rec = r[name]
         for t, got, want in zip(range(DRAIN, STEPS), rec["resumed"], rec["continued"]):
