@@ -65,6 +65,9 @@ else (:meth:`~hvd_gradcomp.codec.Codec.decode_joined`). The result is divided by
 the process group's size, as ``Join(..., divide_by_initial_world_size=True)`` (the default)
 does; ``False`` is refused.
 
+**Delayed sync** (``register_comm_hook(..., delay=1)``): step t's payloads posted during its
+backward, their mean applied at step t + 1 (:mod:`torch_backend.ddp_delayed`).
+
 Refused with a ValueError, before any collective and on every rank: a compressor already
 bound to a DDP model, a parameter DDP hands over that the model does not name, the papers'
 blocking two-round variants (their side all-reduce is Horovod's), and everything the Horovod
