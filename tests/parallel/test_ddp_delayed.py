@@ -8,14 +8,15 @@ bucket and rebuilds it into two after the first step, so the held means must fol
 parameters across layouts.
 
 Launches (each kills its process group at its timeout):
-1. every case (fp16, thc, topkc, powersgd, signsgd, routing rules, ``gradient_as_bucket_view``,
-   a float16 model, ``no_sync`` accumulation): a blocking run and a delayed run drained
-   mid-run; the delayed run applies at step t exactly (bit for bit) what the blocking run
-   applies at step t - 1, zeros at step 0, on every rank alike; error feedback's balance;
-   exact resume from a rank-0 checkpoint taken after ``drain()``; ``Join`` with uneven inputs
-   (rank 1 joins two steps early: the same shift, its error feedback kept); unused parameters
-   (``find_unused_parameters``, ``static_graph``: what DDP drops is applied later, the balance
-   holds); the refusals.
+1. every case (fp16, thc, topkc, powersgd, signsgd, auto, routing rules,
+   ``gradient_as_bucket_view``, a float16 model, a cast whose payload is the bucket itself,
+   ``no_sync`` accumulation): a blocking run and a delayed run drained mid-run; the delayed
+   run applies at step t exactly (bit for bit) what the blocking run applies at step t - 1,
+   zeros at step 0, on every rank alike; error feedback's balance; exact resume from a rank-0
+   checkpoint taken after ``drain()``; ``Join`` with uneven inputs (rank 1 joins two steps
+   early: the same shift, its error feedback kept, THC's ``subtract_own`` included); a loss
+   scale changed between steps; unused parameters (``find_unused_parameters``,
+   ``static_graph``: what DDP drops is applied later, the balance holds); the refusals.
 2. rank 1 raises at step 2 and leaves: rank 0 raises (the wait for that step fails) instead of
    hanging.
 """
