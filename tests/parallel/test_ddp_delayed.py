@@ -33,15 +33,18 @@ from tests.parallel.test_ddp import SHAPES, _probe_cls, _residuals, grads_of
 STEPS = 6
 DRAIN = 3  # drained (and checkpointed) after this many steps
 ROUTED = "v -> topkc:0.1; thc"  # w -> thc, v -> topkc, b -> fp16 (below min_numel)
-CASES = {  # name: (spec, DDP options, float16 model)
+CASES = {  # name: (spec, DDP options and per_tensor, float16 model)
     "fp16": ("fp16", {}, False),
     "thc": ("thc", {}, False),
     "topkc": ("topkc:0.1", {}, False),
     "powersgd": ("powersgd:2", {}, False),
     "signsgd": ("signsgd", {}, False),
-    "auto": ("auto", {}, False),  # adaptive: the scheme a tensor takes moves with the agreed figures
+    # adaptive (the scheme a tensor takes moves with the agreed figures); a link this slow
+    # makes its choice independent of the measured codec times (as tests/core/test_half.py)
+    "auto": ("auto:candidates=fp16|topkc:0.1,bandwidth_gbit=0.0001,latency_ms=0.1,warmup=3,every=4", {}, False),
     "routed": (ROUTED, {}, False),
     "thc bucket-view": ("thc", {"gradient_as_bucket_view": True}, False),
+    "topkc per-tensor": ("topkc:0.1", {"per_tensor": True}, False),
     "fp16 half": ("fp16", {}, True),
     "float32 cast": ("none:dtype=float32", {}, False),  # the payload of this cast is the bucket itself
     "none half": ("none", {}, True),
@@ -87,13 +90,15 @@ def _run_case(spec, options, half, rank, tmp, name, accumulate=1):
     from torch_backend import Compression
     from torch_backend.ddp import make_comm_hook, register_comm_hook
     from torch_backend.ddp_delayed import delayed_state
+    options = dict(options)
+    per = options.pop("per_tensor", False)  # the hook's option; the rest are DDP's
     blocking = _ddp(half, **options)
-    register_comm_hook(blocking, Compression.from_spec(spec))
+    register_comm_hook(blocking, Compression.from_spec(spec), per_tensor=per)
     rec = {"blocking": [_step(blocking, rank, t, accumulate) for t in range(STEPS)]}
     # delayed, through make_comm_hook (the bench's form), the buckets' layouts recorded
     delayed = _ddp(half, **options)
     comp = Compression.from_spec(spec)
-    state, fn = make_comm_hook(delayed, comp, delay=1)
+    state, fn = make_comm_hook(delayed, comp, per_tensor=per, delay=1)
     layouts = []
 
     def recorded(state, bucket):
@@ -114,7 +119,7 @@ def _run_case(spec, options, half, rank, tmp, name, accumulate=1):
     # step groups the tensors as the continued model does; across layouts only each tensor's
     # error feedback carries over, as with the blocking hook, docs/ddp.md.)
     continued = _ddp(half, cap=None, **options)
-    comp = register_comm_hook(continued, Compression.from_spec(spec), delay=1)
+    comp = register_comm_hook(continued, Compression.from_spec(spec), per_tensor=per, delay=1)
     path = os.path.join(tmp, f"{name}.pt")
     for t in range(DRAIN):
         _step(continued, rank, t, accumulate)
@@ -126,7 +131,7 @@ def _run_case(spec, options, half, rank, tmp, name, accumulate=1):
     dist.barrier()
     rec["continued"] = [_step(continued, rank, t, accumulate) for t in range(DRAIN, STEPS)]
     resumed = _ddp(half, cap=None, **options)
-    comp2 = register_comm_hook(resumed, Compression.from_spec(spec), delay=1)
+    comp2 = register_comm_hook(resumed, Compression.from_spec(spec), per_tensor=per, delay=1)
     saved = torch.load(path, weights_only=True)
     comp2.load_state_dict(saved["comp"])
     delayed_state(resumed).load_state_dict(saved["pending"])
