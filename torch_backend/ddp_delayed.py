@@ -276,7 +276,7 @@ class DelayedHook:
                              f"False) is not supported (the hook divides by the process group's size); use "
                              f"the default True")
         buffer, params = bucket.buffer(), bucket.parameters()
-        if buffer.is_sparse:  # (refused at registration: check_sparse)
+        if buffer.is_sparse:  # (an Embedding's refused at registration: check_model)
             raise ValueError(f"hvd_gradcomp DDP hook {codec.spec!r}, delay=1: sparse gradients (bucket "
                              f"{bucket.index()}) are not supported; use delay=0")
         self._decode_for(params)  # before planning: a rebuilt bucket's group takes the decoded state
