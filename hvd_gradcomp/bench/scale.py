@@ -51,30 +51,25 @@ import torch
 from hvd_gradcomp.buckets import Member
 from torch_backend.simulated import SimulatedEngine
 
-from . import data, report
+from . import data, report, scale_gpu
 from .scale_tables import (BASELINE, TARGET_VS_FP16, TOLERANCE, WINDOW, final_metric, modelled_tta,  # noqa: F401
                            step_parts, steps_to_target, sweep_block, validation_block)
 from .worker import rolling_mean
 from .workers import torch_workloads
 
 __all__ = ["ShakespeareWorkload", "WORKLOADS", "simulate", "steps_to_target", "sweep", "validate",
-           "modelled_tta", "sweep_block", "validation_block", "main", "ROWS", "VALIDATE_ROWS"]
+           "modelled_tta", "sweep_block", "validation_block", "main", "ROWS", "VALIDATE_ROWS",
+           "gpu_scaling", "model_params", "THC_4_LEVELS"]
 
-ROWS = ("fp16", "bf16", "thc", "thc:error_feedback=false", "thc:bits=2", "topkc:ratio=0.1",
+# THC with 4 levels a rank: without error feedback and with lanes for the other ranks, as
+# docs/thc.md and tta.ADAM_ROWS run it (its saturation rate the default, which counts the ranks)
+THC_4_LEVELS = "thc:bits=2,error_feedback=false,subtract_own=true"
+ROWS = ("fp16", "thc", "topkc:ratio=0.1", "bf16", "thc:error_feedback=false", THC_4_LEVELS,
         "powersgd:rank=4", "signsgd")
 VALIDATE_ROWS = ("fp16", "thc", "topkc:ratio=0.1")
 
 
-class ShakespeareWorkload(torch_workloads.LMCommWorkload):
-    """``lm-shakespeare``: ``lm-comm``'s model and recipe on Shakespeare's texts, character
-    (byte) level (:func:`.data.shakespeare_corpus`: 39 texts train, 3 plays validate); the
-    same windows, validation sample and sharding as the stdlib corpus."""
-
-    name = "lm-shakespeare"
-    defaults = dict(torch_workloads.LMCommWorkload.defaults, max_epochs=0.5)
-    load_corpus = staticmethod(data.shakespeare_corpus)
-
-
+ShakespeareWorkload = torch_workloads.ShakespeareWorkload  # lm-shakespeare (also in the real harness)
 WORKLOADS = {"lm-comm": torch_workloads.LMCommWorkload, "lm-shakespeare": ShakespeareWorkload}
 
 
@@ -365,6 +360,32 @@ def validate(opts, workers, rows, log=print):
     return out
 
 
+def model_params(workload):
+    """Trainable parameters of ``workload``'s model (built without its corpus)."""
+    shape = scale_gpu.model_shape(WORKLOADS[workload])
+    model = torch_workloads.ByteTransformer(shape["context"], shape["width"], 4, shape["layers"])
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def gpu_scaling(opts, results):
+    """``{"parts", "label"}`` for :func:`.scale_tables.sweep_block`: the step's compute and
+    codec scaled to ``opts.gpu`` (:func:`.scale_gpu.gpu_parts`), and the sentence saying how."""
+    gpu = scale_gpu.GPU_CLASSES[opts.gpu]
+    shape = scale_gpu.model_shape(WORKLOADS[opts.workload])
+    params = model_params(opts.workload)
+    flops = scale_gpu.step_flops(params, opts.batch_size, **shape)
+    floor_s = opts.gpu_floor_ms * 1e-3
+    parts = scale_gpu.gpu_parts(results, gpu, params, flops, opts.gpu_mfu, floor_s)
+    compute = flops / (gpu.bf16_tflops * 1e12 * opts.gpu_mfu)
+    label = (f"one {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s dense BF16, {gpu.hbm_tbs:g} TB/s): compute = "
+             f"{flops / 1e6:.0f} MFLOP a rank's step (6 x {params:,} parameters x {opts.batch_size} x "
+             f"{shape['context']} tokens + attention) at {opts.gpu_mfu:.0%} MFU = {compute * 1e6:.1f} us, "
+             f"raised to the assumed launch-bound floor of {opts.gpu_floor_ms:g} ms" if compute < floor_s else
+             f"one {gpu.name}: compute = {flops / 1e6:.0f} MFLOP at {opts.gpu_mfu:.0%} MFU")
+    label += f"; codec = {scale_gpu.CODEC_SOURCE}"
+    return {"parts": parts, "label": label}
+
+
 def _commit():
     from .tta import _git_commit
     text = _git_commit() or "unknown"
@@ -399,6 +420,14 @@ def build_parser():
                         "few repeats (calibrate()), instead of the runs' medians (inflated by other jobs)")
     p.add_argument("--calibrate-at", default="2,8",
                    help="N values calibrated (a run at another N takes the largest calibrated N below it)")
+    p.add_argument("--gpu", default="h100-sxm", choices=sorted(scale_gpu.GPU_CLASSES) + ["none"],
+                   help="also model the step with compute and codec scaled to this GPU class "
+                        "(hvd_gradcomp.bench.scale_gpu; 'none': the CPU-measured step only)")
+    p.add_argument("--gpu-mfu", type=float, default=0.4,
+                   help="the GPU's model-FLOPs utilisation (of its dense BF16 peak) for the compute")
+    p.add_argument("--gpu-floor-ms", type=float, default=1.0,
+                   help="the GPU compute's floor per step, ms (an assumption: a small model's step is "
+                        "kernel-launch bound)")
     p.add_argument("--deadline", type=float, default=0.0, help="stop starting runs after this many minutes")
     p.add_argument("--threads", type=int, default=1, help="PyTorch threads (the workers': 1)")
     p.add_argument("--out", default=os.path.join("runs", "scale"))
@@ -424,7 +453,8 @@ def main(argv=None):
         rows = [s.strip() for s in opts.compressors.split(";") if s.strip()]
         results = sweep(opts, _ints(opts.workers), rows)
         calibration = _calibrations(opts, results, print) if opts.calibrate else None
-        blocks["scale-sweep"] = sweep_block(results, gbps, opts.overlap, commit, opts, calibration)
+        gpu = None if opts.gpu == "none" else gpu_scaling(opts, results)
+        blocks["scale-sweep"] = sweep_block(results, gbps, opts.overlap, commit, opts, calibration, gpu)
         print(blocks["scale-sweep"], flush=True)
     if opts.update_doc:
         for name, block in blocks.items():

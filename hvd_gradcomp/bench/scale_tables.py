@@ -41,7 +41,7 @@ def modelled_tta(result, target, n, gbps, overlap, parts=None):
 def _fmt(v, kind="g"):
     if v is None:
         return "not reached"
-    return {"ms": f"{1e3 * v:.1f}", "s": f"{v:.1f}", "int": f"{int(v)}", "B": f"{int(v):,}"}.get(kind, f"{v:g}")
+    return {"ms": f"{1e3 * v:.3g}" if v < 1e-3 else f"{1e3 * v:.1f}", "s": f"{v:.1f}", "s3": f"{v:.3f}", "int": f"{int(v)}", "B": f"{int(v):,}"}.get(kind, f"{v:g}")
 
 
 def step_parts(results, calibration=None):
@@ -63,8 +63,59 @@ def step_parts(results, calibration=None):
     return out
 
 
-def sweep_block(results, gbps, overlap, commit, opts, calibration=None):
-    """The Markdown block of the sweep (simulated): one table of runs, one of winners."""
+def _tta_rows(results, parts, gbps, overlap):
+    """The runs' table rows and ``best``: ``{(n, gbps, overlap): (spec, tta_s)}``, from the
+    step ``parts`` (``{(n, spec): {"compute_s", "codec_s"}}``; runs without parts left out)."""
+    lines, best = [], {}
+    for n, rows in results.items():
+        target = TARGET_VS_FP16 * final_metric(rows[BASELINE])
+        for spec, res in rows.items():
+            part = parts.get((n, spec))
+            if part is None:
+                continue
+            cells = []
+            for o in (0.0, overlap):
+                for g in gbps:
+                    _, _, tta = modelled_tta(res, target, n, g, o, part)
+                    cells.append(_fmt(tta, "s" if tta is None or tta >= 0.1 else "s3"))
+                    if tta is not None and (best.get((n, g, o)) is None or tta < best[(n, g, o)][1]):
+                        best[(n, g, o)] = (spec, tta)
+            steps = steps_to_target(res, target)
+            lines.append(f"| {n} | {spec} | {_fmt(steps, 'int')} | {res['stop_reason']} at {res['steps_run']} | "
+                         f"{_fmt(res['bytes']['payload'], 'B')} | {_fmt(part['compute_s'], 'ms')} | "
+                         f"{_fmt(part['codec_s'], 'ms')} | " + " | ".join(cells) + " |")
+    return lines, best
+
+
+def _winners(results, parts, best, gbps, overlap):
+    """The table of the soonest row to FP16's target at each N and speed."""
+    lines = ["| N | " + " | ".join(f"{g:g} Gbit/s" for g in gbps) + " | " +
+             " | ".join(f"{g:g} Gbit/s ovl" for g in gbps) + " |", "|" + "---|" * (1 + 2 * len(gbps))]
+    for n, rows in results.items():
+        if (n, BASELINE) not in parts:
+            continue
+        fp16_target = TARGET_VS_FP16 * final_metric(rows[BASELINE])
+        cells = []
+        for o in (0.0, overlap):
+            for g in gbps:
+                spec, tta = best.get((n, g, o), (None, None))
+                _, _, base = modelled_tta(rows[BASELINE], fp16_target, n, g, o, parts[(n, BASELINE)])
+                cells.append("-" if spec is None else f"{spec} ({base / tta:.2f}x fp16)" if base else spec)
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _header(gbps, compute="compute ms", codec="codec ms"):
+    speeds = " | ".join(f"TTA s {g:g}G" for g in gbps)
+    return [f"| N | compressor | steps to target | stop | payload B/step | {compute} | {codec} | {speeds} | "
+            f"{' | '.join(f'TTA s {g:g}G ovl' for g in gbps)} |", "|" + "---|" * (7 + 2 * len(gbps))]
+
+
+def sweep_block(results, gbps, overlap, commit, opts, calibration=None, gpu=None):
+    """The Markdown block of the sweep (simulated): one table of runs and one of winners with
+    the CPU-measured step parts; with ``gpu`` (``{"parts": {(n, spec): {"compute_s",
+    "codec_s"}}, "label": text}``, :func:`.scale_gpu.gpu_parts`) the same two tables again
+    with the GPU-scaled parts, after them, apart."""
     parts = step_parts(results, calibration)
     how = ("compute (one rank's forward, backward and optimizer step: the fastest of the calibration "
            "repeats, for every row) and codec (one rank's encode + decode, the fastest of its "
@@ -74,38 +125,18 @@ def sweep_block(results, gbps, overlap, commit, opts, calibration=None):
              f"commit {commit}). Steps are simulated training with the real codec; seconds are "
              f"modelled: steps x ({how}, measured on this machine's CPU, one thread, + the ring "
              f"all-reduce of the payload at N, bench/model.py).", ""]
-    speeds = " | ".join(f"TTA s {g:g}G" for g in gbps)
-    lines += [f"| N | compressor | steps to target | stop | payload B/step | compute ms | codec ms | {speeds} | "
-              f"{' | '.join(f'TTA s {g:g}G ovl' for g in gbps)} |",
-              "|" + "---|" * (7 + 2 * len(gbps))]
-    best = {}
-    for n, rows in results.items():
-        target = TARGET_VS_FP16 * final_metric(rows[BASELINE])
-        for spec, res in rows.items():
-            cells, part = [], parts[(n, spec)]
-            for o in (0.0, overlap):
-                for g in gbps:
-                    steps, _, tta = modelled_tta(res, target, n, g, o, part)
-                    cells.append(_fmt(tta, "s"))
-                    if tta is not None and (best.get((n, g, o)) is None or tta < best[(n, g, o)][1]):
-                        best[(n, g, o)] = (spec, tta)
-            steps = steps_to_target(res, target)
-            lines.append(f"| {n} | {spec} | {_fmt(steps, 'int')} | {res['stop_reason']} at {res['steps_run']} | "
-                         f"{_fmt(res['bytes']['payload'], 'B')} | {_fmt(part['compute_s'], 'ms')} | "
-                         f"{_fmt(part['codec_s'], 'ms')} | " + " | ".join(cells) + " |")
-    lines += ["", f"Soonest to FP16's target (simulated steps x modelled step; 'ovl': the all-reduce "
-                  f"hidden behind {overlap:.2g} x the compute):", "",
-              "| N | " + " | ".join(f"{g:g} Gbit/s" for g in gbps) + " | " +
-              " | ".join(f"{g:g} Gbit/s ovl" for g in gbps) + " |", "|" + "---|" * (1 + 2 * len(gbps))]
-    for n, rows in results.items():
-        fp16_target = TARGET_VS_FP16 * final_metric(rows[BASELINE])
-        cells = []
-        for o in (0.0, overlap):
-            for g in gbps:
-                spec, tta = best.get((n, g, o), (None, None))
-                _, _, base = modelled_tta(rows[BASELINE], fp16_target, n, g, o, parts[(n, BASELINE)])
-                cells.append("-" if spec is None else f"{spec} ({base / tta:.2f}x fp16)" if base else spec)
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    rows, best = _tta_rows(results, parts, gbps, overlap)
+    lines += _header(gbps) + rows
+    lines += ["", f"Soonest to FP16's target, CPU-measured step (simulated steps x modelled step; 'ovl': "
+                  f"the all-reduce hidden behind {overlap:.2g} x the compute):", ""]
+    lines += _winners(results, parts, best, gbps, overlap)
+    if gpu:
+        rows, best = _tta_rows(results, gpu["parts"], gbps, overlap)
+        lines += ["", f"**Simulated steps, GPU-scaled step** (the same runs; the step's compute and "
+                      f"codec scaled to {gpu['label']}; not measured on a GPU):", ""]
+        lines += _header(gbps, "GPU compute ms", "GPU codec ms") + rows
+        lines += ["", "Soonest to FP16's target, GPU-scaled step:", ""]
+        lines += _winners(results, gpu["parts"], best, gbps, overlap)
     return "\n".join(lines)
 
 

@@ -77,6 +77,7 @@ WORKLOADS = {
     "digits": ("torch", "hvd_gradcomp.bench.workers.digits_torch", "digits", True),
     "lm": ("torch", "hvd_gradcomp.bench.workers.lm_torch", "lm", True),
     "lm-comm": ("torch", "hvd_gradcomp.bench.workers.lm_comm_torch", "lm-comm", True),
+    "lm-shakespeare": ("torch", "hvd_gradcomp.bench.workers.lm_shakespeare_torch", "lm-shakespeare", True),
     "digits-tf": ("tensorflow", "hvd_gradcomp.bench.workers.digits_tf", "digits", False),
     "digits-tf-eager": ("tensorflow", "hvd_gradcomp.bench.workers.digits_tf", "digits-eager", False),
 }
@@ -141,9 +142,9 @@ WORKLOAD_SWEEP_DEFAULTS = {
 # needing more steps than FP16 is still measured as long as it can still win or tie on time,
 # while rows that reach the target sooner do not run on. The report measures every row against
 # the same target again (report.apply_targets), from the saved evaluations.
-FP16_TTA_CAP = {"lm-comm": 1.5}
+FP16_TTA_CAP = {"lm-comm": 1.5, "lm-shakespeare": 1.5}
 # Workloads whose worker takes ``--recipe`` (the sweep's ``--recipe`` is passed on).
-RECIPE_WORKLOADS = ("lm-comm",)
+RECIPE_WORKLOADS = ("lm-comm", "lm-shakespeare")
 SWEEP_DEFAULTS = {"bandwidth": 500.0, "max_seconds": 120.0, "compressors": None,
                   "ddp_hooks": DEFAULT_DDP_HOOKS, "no_comm_reference": "on"}
 # The no-communication reference: FP32 (Horovod's own path) on an unthrottled loopback link.

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import data
 from ..worker import OPTIMIZERS, Recorder, optimizer_class, parse_optimizer
 
-__all__ = ["DigitsWorkload", "LMWorkload", "LMCommWorkload", "WORKLOADS", "train", "versions",
+__all__ = ["DigitsWorkload", "LMWorkload", "LMCommWorkload", "ShakespeareWorkload", "WORKLOADS", "train", "versions",
            "build_optimizer", "AdamProbe", "LRSchedule", "add_recipe_args", "make_schedule", "lr_factor", "decay_groups", "RECIPES"]
 
 
@@ -372,7 +372,19 @@ class AdamProbe:
         return {"every": self.every, "window": self.window, "steps": self.steps, "tensors": self.tensors}
 
 
-WORKLOADS = {"digits": DigitsWorkload, "lm": LMWorkload, "lm-comm": LMCommWorkload}
+class ShakespeareWorkload(LMCommWorkload):
+    """``lm-shakespeare``: ``lm-comm``'s model and recipe on Shakespeare's texts, character
+    (byte) level (:func:`hvd_gradcomp.bench.data.shakespeare_corpus`: 39 texts train, 3 plays
+    validate); the same windows, validation sample, sharding and FP16-relative target as
+    ``lm-comm``; a budget of 0.5 epochs (the corpus is 4.67 MB)."""
+
+    name = "lm-shakespeare"
+    defaults = dict(LMCommWorkload.defaults, max_epochs=0.5)
+    load_corpus = staticmethod(data.shakespeare_corpus)
+
+
+WORKLOADS = {"digits": DigitsWorkload, "lm": LMWorkload, "lm-comm": LMCommWorkload,
+             "lm-shakespeare": ShakespeareWorkload}
 
 
 def add_recipe_args(parser, cls):
