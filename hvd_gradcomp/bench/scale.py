@@ -51,7 +51,7 @@ import torch
 from hvd_gradcomp.buckets import Member
 from torch_backend.simulated import SimulatedEngine
 
-from . import data, report, scale_gpu
+from . import data, report, scale_gpu, scale_local
 from .scale_tables import (BASELINE, TARGET_VS_FP16, TOLERANCE, WINDOW, final_metric, modelled_tta,  # noqa: F401
                            step_parts, steps_to_target, sweep_block, validation_block)
 from .worker import rolling_mean
@@ -128,6 +128,16 @@ def simulate(workload, spec, n, *, seed=0, batch_size=16, max_epochs=1.0, lr=Non
     limit = budget if target is None else int(math.ceil(cap * budget))
     if max_steps:
         limit = min(limit, max_steps)
+    if scale_local.is_update_sync(spec):
+        if layout != "tensor":
+            raise ValueError(f"scale: {spec!r}: update-sync rows run in the tensor layout only")
+        part = scale_local.simulate_update_sync(cls, spec, n, seed=seed, batch_size=batch_size, lr=lr,
+                                                budget=budget, limit=limit, eval_every=eval_every,
+                                                target=target, log=log)
+        return dict({"workload": workload, "spec": spec, "n": n, "layout": layout, "seed": seed,
+                     "batch_size": batch_size, "lr": lr, "max_epochs": max_epochs, "budget_steps": budget,
+                     "eval_every": eval_every, "window": WINDOW, "target": target, "cap": cap,
+                     "wall_s": time.time() - wall0, "threads": torch.get_num_threads()}, **part)
     engine = SimulatedEngine(n, op="average" if layout == "tensor" else "sum")
     comps = engine.compressors(spec)
     named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
@@ -215,6 +225,10 @@ def calibrate(workload, spec, n, *, batch_size=16, reps=3, seed=0, layout="tenso
     other jobs on a shared machine do not inflate them: ``{"compute_s": one rank's
     forward + backward + optimizer step, "codec_s": one rank's encode + decode (the N ranks'
     summed / N)}``, seconds, on rank r's real micro-batches of the first epoch."""
+    if scale_local.is_update_sync(spec):  # one sync's codec (the change's, as large as a gradient) / H
+        inner, options = scale_local.parse(spec)
+        out = calibrate(workload, inner, n, batch_size=batch_size, reps=reps, seed=seed, layout=layout)
+        return dict(out, codec_s=out["codec_s"] / int(options.get("every", 1)))
     cls = WORKLOADS[workload]
     torch.manual_seed(seed)
     wl = cls(0, n, seed, batch_size)
@@ -253,7 +267,7 @@ def calibrate(workload, spec, n, *, batch_size=16, reps=3, seed=0, layout="tenso
 
 
 def _run_file(out, workload, spec, n, layout, max_epochs):
-    safe = spec.replace(":", "-").replace(",", "_").replace("=", "")
+    safe = spec.replace(":", "-").replace(",", "_").replace("=", "").replace(" ", "_").replace("(", "").replace(")", "")
     return os.path.join(out, f"{workload}-{layout}-e{max_epochs:g}-N{n}-{safe}.json")
 
 

@@ -62,3 +62,58 @@ def test_shakespeare_in_the_real_harness(tmp_path):
     assert meta["world_size"] == 2 and meta["target_vs_fp16"] == 1.02
     assert run["evals"]["step"][-1] == 4 and all(1.0 < m < 1000.0 for m in run["evals"]["metric"]), run["evals"]
     assert "hamlet_gut" in json.dumps(run)  # the corpus described: Shakespeare's validation plays
+
+
+# ---- update-sync rows (hvd_gradcomp/bench/scale_local.py) ----
+def test_update_sync_one_sync_is_diloco_by_hand():
+    """``none with update-sync(every=2)`` at 2 ranks: each rank steps AdamW on its own shard
+    twice, then the outer Nesterov SGD (0.7, 0.9) steps the synced parameters with minus the
+    mean change (float32, exact at 2 ranks); the evaluation sums each rank's shard."""
+    import copy
+    from hvd_gradcomp.bench.workers import torch_workloads
+    res = scale.simulate("lm-comm", "none with update-sync(every=2)", 2, max_steps=2, eval_every=2,
+                         seed=3, batch_size=2)
+    assert res["steps_run"] == 2 and res["ranks_agree"] and res["every"] == 2
+    torch.manual_seed(3)
+    cls = torch_workloads.LMCommWorkload
+    wls = [cls(r, 2, 3, 2) for r in range(2)]
+    models = [wls[0].model()]
+    models.append(copy.deepcopy(models[0]))
+    theta = [p.detach().clone() for p in models[0].parameters()]
+    opts = [torch_workloads.build_optimizer(wls[0], m.parameters(), cls.defaults["lr"], "") for m in models]
+    scheds = [wls[0].schedule(o, res["budget_steps"]) for o in opts]
+    iters = [w.batches(0) for w in wls]
+    for step in (1, 2):
+        for r in range(2):
+            models[r].zero_grad(set_to_none=True)
+            x, y = next(iters[r])
+            wls[r].loss(models[r], x, y).backward()
+            scheds[r].set(step)
+            opts[r].step()
+    outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
+    with torch.no_grad():
+        for th, a, b in zip(theta, models[0].parameters(), models[1].parameters()):
+            th.grad = -(((a - th) + (b - th)) * 0.5)
+        outer.step()
+        for p, th in zip(models[0].parameters(), theta):
+            p.copy_(th)
+    judge = cls(0, 1, 3, 2)
+    models[0].eval()
+    assert res["evals"]["step"] == [0, 2]
+    assert res["evals"]["metric"][1] == pytest.approx(judge.metric(*judge.evaluate(models[0])), rel=1e-6)
+
+
+def test_update_sync_bytes_and_refusals():
+    fp16 = scale.simulate("lm-comm", "fp16 with update-sync(every=8)", 2, max_steps=8, eval_every=8, batch_size=1)
+    params = scale.model_params("lm-comm")
+    assert fp16["bytes"]["payload"] == 2 * params / 8 and fp16["ranks_agree"]  # one sync's / H
+    topkc = scale.simulate("lm-comm", "topkc:ratio=0.1 with update-sync(every=1)", 3, max_steps=2, eval_every=2,
+                           batch_size=1)
+    grad = scale.simulate("lm-comm", "topkc:ratio=0.1", 3, max_steps=1, eval_every=1, batch_size=1)
+    assert topkc["bytes"] == grad["bytes"] and topkc["ranks_agree"]
+    with pytest.raises(ValueError, match="overlapped"):
+        scale.simulate("lm-comm", "fp16 with update-sync(every=2,overlap=true)", 2, max_steps=1)
+    with pytest.raises(ValueError, match="tensor layout"):
+        scale.simulate("lm-comm", "fp16 with update-sync(every=2)", 2, max_steps=1, layout="bucket")
+    cal = scale.calibrate("lm-comm", "fp16 with update-sync(every=8)", 2, batch_size=1, reps=1)
+    assert cal["codec_s"] > 0 and cal["compute_s"] > 0
