@@ -41,7 +41,7 @@ def modelled_tta(result, target, n, gbps, overlap, parts=None):
 def _fmt(v, kind="g"):
     if v is None:
         return "not reached"
-    return {"ms": f"{1e3 * v:.3g}" if v < 1e-3 else f"{1e3 * v:.1f}", "s": f"{v:.1f}", "s3": f"{v:.3f}", "int": f"{int(v)}", "B": f"{int(v):,}"}.get(kind, f"{v:g}")
+    return {"ms": f"{1e3 * v:.3g}" if v < 1e-3 else f"{1e3 * v:.1f}", "s": f"{v:.1f}", "s3": f"{v:.3g}", "int": f"{int(v)}", "B": f"{int(v):,}"}.get(kind, f"{v:g}")
 
 
 def step_parts(results, calibration=None):
@@ -77,7 +77,7 @@ def _tta_rows(results, parts, gbps, overlap):
             for o in (0.0, overlap):
                 for g in gbps:
                     _, _, tta = modelled_tta(res, target, n, g, o, part)
-                    cells.append(_fmt(tta, "s" if tta is None or tta >= 0.1 else "s3"))
+                    cells.append(_fmt(tta, "s3"))
                     if tta is not None and (best.get((n, g, o)) is None or tta < best[(n, g, o)][1]):
                         best[(n, g, o)] = (spec, tta)
             steps = steps_to_target(res, target)
