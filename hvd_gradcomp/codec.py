@@ -32,6 +32,7 @@ from .base import HALF_MAX, EmptyState, Scheme, TensorInfo, compress_tensor, fin
     saturate_output
 from .buckets import BucketPlan, GroupBook, Unit, flattens, group_key
 from .calls import AdapterCtx, Call, scheme_info
+from .powersgd_batched import batch_view, batched_scheme
 from .primitives import FLOAT_DTYPES
 from .records import TensorBook
 from .routing import RouteTable, Routing
@@ -287,9 +288,11 @@ class Codec:
         return plan
 
     def _units(self, members, dtype, op, group, like, per_tensor) -> tuple:
-        """The units of a bucket (:meth:`plan_bucket`): each member routed, flat groups formed."""
+        """The units of a bucket (:meth:`plan_bucket`): each member routed, flat groups formed,
+        and PowerSGD's matrices of one view batched (a group whose unit's scheme is a
+        :class:`~hvd_gradcomp.powersgd_batched.BatchedPowerSGD`: :func:`batch_view`)."""
         ops, book = self.ops, self.groups
-        slots, flat_slots = [], {}  # slots: units in order of their first tensor
+        slots, flat_slots = [], {}  # slots: units in order of their first tensor; flat_slots: by group
         for i, m in enumerate(members):
             if passes_through(dtype, m.numel):
                 continue
@@ -300,16 +303,18 @@ class Codec:
                 self.table.superseded.discard(m.key)
                 self.tensors.pending.pop(m.key, None)
             self.check_call(route.scheme, m.key, call, info)
+            view = None if per_tensor else batch_view(route.scheme, info, ops.name)
             flat = flattens(route.scheme) and not per_tensor
-            if flat and id(route.scheme) in flat_slots:
-                flat_slots[id(route.scheme)][1].append((i, info))
+            slot_key = id(route.scheme) if flat else (None if view is None else (id(route.scheme), view))
+            if slot_key is not None and slot_key in flat_slots:
+                flat_slots[slot_key][1].append((i, info))
                 continue
-            slot = (route.scheme, [(i, info)])
-            if flat:
-                flat_slots[id(route.scheme)] = slot
+            slot = (route.scheme, [(i, info)], view)
+            if slot_key is not None:
+                flat_slots[slot_key] = slot
             slots.append(slot)
         units = []
-        for scheme, grouped in slots:
+        for scheme, grouped, view in slots:
             if len(grouped) == 1:
                 (i, info), = grouped
                 m = members[i]
@@ -321,6 +326,8 @@ class Codec:
             gkey = group_key(keys)
             total = sum(members[i].numel for i in idx)
             book.add(gkey, keys, tuple(members[i].numel for i in idx), {members[i].key: infos[i] for i in idx})
+            if view is not None:  # a batch: its own scheme object, kept per group key
+                scheme = batched_scheme(scheme, gkey, keys, tuple(infos[i] for i in idx), view, self.tensors)
             first, info0 = members[idx[0]], infos[idx[0]]
             ginfo = type(info0)(gkey, (total,), dtype, info0.world_size, info0.rank, info0.op,
                                 info0.group, info0.nccl_avg)
