@@ -11,6 +11,7 @@ from hvd_gradcomp.orthogonalize import basis_rows, basis_rows_batched  # noqa: E
 from hvd_gradcomp.powersgd_batched import BatchedPowerSGD  # noqa: E402
 from torch_backend.ops import REFERENCE_OPS  # noqa: E402
 from torch_backend.simulated import SimulatedEngine  # noqa: E402
+from tests.backends import BACKENDS  # noqa: E402
 
 # Three matrices of one view, two conv kernels of another (16 x 36), a vector (fp16) and a
 # matrix alone in its view (per matrix).
@@ -224,3 +225,56 @@ def test_rebuilt_buckets_carry_each_matrix_over():
     for t, (o, r) in enumerate(zip(outs, refs)):
         for rank in range(RANKS):
             _close(o[rank], r[rank], f"step {t} rank {rank}")
+
+
+def test_fused_batched_basis_equals_per_matrix_fused():
+    """The CPU's fused batched basis (``cpu_powersgd.basis_batched``: the per-matrix C loop over
+    the batch) gives each matrix exactly the per-matrix fused form's rows, and is what
+    ``ops.fuse`` runs for ``basis_rows_batched`` on the CPU."""
+    try:
+        from torch_backend.kernels import cpu_powersgd
+    except ImportError as exc:  # no C compiler here
+        pytest.skip(f"the CPU kernels cannot be built: {exc}")
+    from torch_backend.ops import OPS
+    g = torch.Generator().manual_seed(6)
+    pt = torch.randn(4, 3, 70, generator=g)
+    fill = torch.rand(4, 3, 70, generator=g) * 2 - 1
+    pt[2, 1] = 0.0
+    got = cpu_powersgd.basis_batched(1e-4, pt, fill)
+    for b in range(4):
+        assert torch.equal(got[b], cpu_powersgd.basis(1e-4, pt[b], fill[b]))
+    assert torch.equal(OPS.fuse(basis_rows_batched, 1e-4)(pt, fill), got)
+    want = basis_rows_batched(REFERENCE_OPS, 1e-4, pt, fill)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_math_in_each_backend(backend):
+    """The batched products and basis (lowrank's ``*_batch``, ``basis_rows_batched``) equal the
+    per-matrix ones in each backend (TensorFlow's layout too: transposed views)."""
+    import numpy as np
+    from hvd_gradcomp.lowrank import (matrix_view, outer, outer_batch, times_left, times_left_batch, times_right,
+                                      times_right_batch)
+    from tests.backends import as_float64, backend_ops, backend_tensor
+    ops = backend_ops(backend)
+    rng = np.random.default_rng(4)
+    for shape, layout in (((12, 20), "torch"), ((3, 3, 4, 6), "tensorflow"), ((6, 4, 3, 3), "torch")):
+        v = matrix_view(shape, layout)
+        mats = rng.standard_normal((3,) + v.natural)
+        q = rng.standard_normal((3, 2, v.m))
+        p = rng.standard_normal((3, 2, v.n))
+        t = lambda a: backend_tensor(backend, a)  # noqa: E731
+        got = [as_float64(f(ops, t(mats), t(x), v)) for f, x in ((times_right_batch, q), (times_left_batch, p))]
+        got.append(as_float64(outer_batch(ops, t(p), t(q), v)))
+        for b in range(3):
+            want = [as_float64(times_right(ops, t(mats[b]), t(q[b]), v)), as_float64(times_left(ops, t(mats[b]), t(p[b]), v)),
+                    as_float64(outer(ops, t(p[b]), t(q[b]), v))]
+            for g_, w in zip(got, want):
+                np.testing.assert_allclose(g_[b], w, rtol=1e-5, atol=1e-5)
+    pt = rng.standard_normal((3, 3, 30))
+    pt[1, 1] = 0.0
+    fill = rng.uniform(-1, 1, (3, 3, 30))
+    got = as_float64(basis_rows_batched(ops, 1e-4, backend_tensor(backend, pt), backend_tensor(backend, fill)))
+    for b in range(3):
+        want = as_float64(basis_rows(ops, 1e-4, backend_tensor(backend, pt[b]), backend_tensor(backend, fill[b])))
+        np.testing.assert_allclose(got[b], want, atol=1e-5)
