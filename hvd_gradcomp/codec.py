@@ -32,6 +32,8 @@ from .base import HALF_MAX, EmptyState, Scheme, TensorInfo, compress_tensor, fin
     saturate_output
 from .buckets import BucketPlan, GroupBook, Unit, flattens, group_key
 from .calls import AdapterCtx, Call, scheme_info
+from .auto.group import auto_group, auto_group_key, group_choice
+from .auto.scheme import AutoScheme
 from .powersgd_batched import batch_view, batched_scheme
 from .primitives import FLOAT_DTYPES
 from .records import TensorBook
@@ -272,11 +274,20 @@ class Codec:
         :meth:`encode` refuses for any member (before any collective).
         """
         fast = None if layout is None else ("layout", layout, dtype, op, id(group), per_tensor)
+        # auto's tensors are grouped per choice between windows (auto/group.py): the plan also
+        # follows each one's group_choice (host facts), re-planned when one changes
+        token = None
+        if not per_tensor and any(isinstance(s, AutoScheme) for s in self.routing.schemes()):
+            known = None if fast is None else self.plans.get(("members",) + fast)
+            if known is None:
+                known = members = tuple(members() if callable(members) else members)
+            token = self._auto_token(known, dtype, op, group)
+            fast = None if fast is None else fast + (token,)
         plan = None if fast is None else self.plans.get(fast)
         if plan is not None:
             return plan
         members = tuple(members() if callable(members) else members)
-        sig = (tuple((m.key, tuple(m.shape), m.offset) for m in members), dtype, op, id(group), per_tensor)
+        sig = (tuple((m.key, tuple(m.shape), m.offset) for m in members), dtype, op, id(group), per_tensor, token)
         plan = self.plans.get(sig)
         if plan is None:
             plan = BucketPlan(members, self._units(members, dtype, op, group, like, per_tensor), dtype)
@@ -285,7 +296,23 @@ class Codec:
             self.plans[sig] = plan
         if fast is not None:
             self.plans[fast] = plan
+            if token is not None:
+                self.plans[("members",) + fast[:-1]] = members
         return plan
+
+    def _auto_token(self, members, dtype, op, group) -> tuple:
+        """Per member routed to ``auto``, the choice it may be grouped under at its next step
+        (:func:`~hvd_gradcomp.auto.group.group_choice`), else None: part of the plan's key."""
+        out = []
+        for m in members:
+            route = self.table.routes.get(m.key)
+            scheme = None if route is None else route.scheme
+            if not isinstance(scheme, AutoScheme):
+                out.append(None)
+                continue
+            world = self.world(group)[0]
+            out.append(group_choice(scheme, m.key, world, self.store))
+        return tuple(out)
 
     def _units(self, members, dtype, op, group, like, per_tensor) -> tuple:
         """The units of a bucket (:meth:`plan_bucket`): each member routed, flat groups formed,
@@ -306,6 +333,10 @@ class Codec:
             view = None if per_tensor else batch_view(route.scheme, info, ops.name)
             flat = flattens(route.scheme) and not per_tensor
             slot_key = id(route.scheme) if flat else (None if view is None else (id(route.scheme), view))
+            if isinstance(route.scheme, AutoScheme) and not per_tensor:  # grouped per choice (auto/group.py)
+                choice = group_choice(route.scheme, m.key, info.world_size, self.store)
+                if choice >= 0:
+                    view, slot_key = ("auto", choice), ("auto", id(route.scheme), choice)
             if slot_key is not None and slot_key in flat_slots:
                 flat_slots[slot_key][1].append((i, info))
                 continue
@@ -323,10 +354,13 @@ class Codec:
             idx = book.saved_order(tuple(i for i, _ in grouped), members)
             infos = dict(grouped)
             keys = tuple(members[i].key for i in idx)
-            gkey = group_key(keys)
+            auto = view is not None and view[0] == "auto"
+            gkey = auto_group_key(scheme, keys, view[1]) if auto else group_key(keys)
             total = sum(members[i].numel for i in idx)
             book.add(gkey, keys, tuple(members[i].numel for i in idx), {members[i].key: infos[i] for i in idx})
-            if view is not None:  # a batch: its own scheme object, kept per group key
+            if auto:  # auto's tensors on one choice: one auto tensor of their vector
+                scheme = auto_group(scheme, gkey, keys, view[1])
+            elif view is not None:  # a batch: its own scheme object, kept per group key
                 scheme = batched_scheme(scheme, gkey, keys, tuple(infos[i] for i in idx), view, self.tensors)
             first, info0 = members[idx[0]], infos[idx[0]]
             ginfo = type(info0)(gkey, (total,), dtype, info0.world_size, info0.rank, info0.op,
