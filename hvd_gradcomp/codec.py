@@ -303,21 +303,19 @@ class Codec:
     def _auto_token(self, members, dtype, op, group) -> tuple:
         """Per member routed to ``auto``, the choice it may be grouped under at its next step
         (:func:`~hvd_gradcomp.auto.group.group_choice`), else None: part of the plan's key."""
-        out = []
+        out, world = [], self.world(group)[0]
         for m in members:
             route = self.table.routes.get(m.key)
             scheme = None if route is None else route.scheme
-            if not isinstance(scheme, AutoScheme):
-                out.append(None)
-                continue
-            world = self.world(group)[0]
-            out.append(group_choice(scheme, m.key, world, self.store))
+            out.append(group_choice(scheme, m.key, world, self.store) if isinstance(scheme, AutoScheme) else None)
         return tuple(out)
 
     def _units(self, members, dtype, op, group, like, per_tensor) -> tuple:
         """The units of a bucket (:meth:`plan_bucket`): each member routed, flat groups formed,
-        and PowerSGD's matrices of one view batched (a group whose unit's scheme is a
-        :class:`~hvd_gradcomp.powersgd_batched.BatchedPowerSGD`: :func:`batch_view`)."""
+        PowerSGD's matrices of one view batched (a group whose unit's scheme is a
+        :class:`~hvd_gradcomp.powersgd_batched.BatchedPowerSGD`: :func:`batch_view`), and auto's
+        tensors on one choice between windows grouped (an
+        :class:`~hvd_gradcomp.auto.group.AutoGroup`: :func:`group_choice`)."""
         ops, book = self.ops, self.groups
         slots, flat_slots = [], {}  # slots: units in order of their first tensor; flat_slots: by group
         for i, m in enumerate(members):
@@ -330,22 +328,23 @@ class Codec:
                 self.table.superseded.discard(m.key)
                 self.tensors.pending.pop(m.key, None)
             self.check_call(route.scheme, m.key, call, info)
-            view = None if per_tensor else batch_view(route.scheme, info, ops.name)
+            # kind: None (flat or alone), ("batch", PowerSGD's matrix view) or ("auto", choice)
             flat = flattens(route.scheme) and not per_tensor
-            slot_key = id(route.scheme) if flat else (None if view is None else (id(route.scheme), view))
+            view = None if per_tensor else batch_view(route.scheme, info, ops.name)
+            kind = None if view is None else ("batch", view)
             if isinstance(route.scheme, AutoScheme) and not per_tensor:  # grouped per choice (auto/group.py)
                 choice = group_choice(route.scheme, m.key, info.world_size, self.store)
-                if choice >= 0:
-                    view, slot_key = ("auto", choice), ("auto", id(route.scheme), choice)
+                kind = None if choice < 0 else ("auto", choice)
+            slot_key = id(route.scheme) if flat else (None if kind is None else (id(route.scheme), kind))
             if slot_key is not None and slot_key in flat_slots:
                 flat_slots[slot_key][1].append((i, info))
                 continue
-            slot = (route.scheme, [(i, info)], view)
+            slot = (route.scheme, [(i, info)], kind)
             if slot_key is not None:
                 flat_slots[slot_key] = slot
             slots.append(slot)
         units = []
-        for scheme, grouped, view in slots:
+        for scheme, grouped, kind in slots:
             if len(grouped) == 1:
                 (i, info), = grouped
                 m = members[i]
@@ -354,14 +353,14 @@ class Codec:
             idx = book.saved_order(tuple(i for i, _ in grouped), members)
             infos = dict(grouped)
             keys = tuple(members[i].key for i in idx)
-            auto = view is not None and view[0] == "auto"
-            gkey = auto_group_key(scheme, keys, view[1]) if auto else group_key(keys)
+            auto = kind is not None and kind[0] == "auto"
+            gkey = auto_group_key(scheme, keys, kind[1]) if auto else group_key(keys)
             total = sum(members[i].numel for i in idx)
             book.add(gkey, keys, tuple(members[i].numel for i in idx), {members[i].key: infos[i] for i in idx})
             if auto:  # auto's tensors on one choice: one auto tensor of their vector
-                scheme = auto_group(scheme, gkey, keys, view[1])
-            elif view is not None:  # a batch: its own scheme object, kept per group key
-                scheme = batched_scheme(scheme, gkey, keys, tuple(infos[i] for i in idx), view, self.tensors)
+                scheme = auto_group(scheme, gkey, keys, kind[1])
+            elif kind is not None:  # a batch: its own scheme object, kept per group key
+                scheme = batched_scheme(scheme, gkey, keys, tuple(infos[i] for i in idx), kind[1], self.tensors)
             first, info0 = members[idx[0]], infos[idx[0]]
             ginfo = type(info0)(gkey, (total,), dtype, info0.world_size, info0.rank, info0.op,
                                 info0.group, info0.nccl_avg)

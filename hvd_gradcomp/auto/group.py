@@ -43,7 +43,7 @@ def group_choice(auto, key, world_size: int, store) -> int:
     at = _position(auto, key)
     if at is None or at[2] != world_size or auto._phase(at[0])[0]:
         return -1
-    step, choice, _ = at
+    choice = at[1]
     if not flattens(auto.candidates[choice]):
         return -1
     holder = auto.held_by.get(key, key)
