@@ -190,7 +190,13 @@ def test_auto_half_gradients_add_no_host_reads(dtype, monkeypatch):
     ops = _ops("torch")
     scheme = scheme_of("auto:candidates=fp16|bf16,bandwidth_gbit=1,latency_ms=0.1").bind(ops)
     info = TensorInfo("dev.auto", SHAPE, dtype, 1, 0, "average")
-    state = scheme.init(ops, info, backend_tensor("torch", [0.0]))
+    x = backend_tensor("torch", _grads()[0], dtype)
+    state = scheme.init(ops, info, x)
+    for _ in range(2):  # stepped: a residual of a half output makes no carry (a fresh state not
+        # stepped yet takes moved-in error feedback as one: auto/group.py)
+        payload, ctx = compress_tensor(scheme, ops, x, state, info)
+        _, state = finish_tensor(scheme, ops, payload, ctx, state, info, dtype=dtype)
+        assert "carry" not in state._fields
     assert composite.add_residual(scheme, ops, state, info, ops.zeros((info.numel,), "float32", None)) is None
 
 
