@@ -1,9 +1,9 @@
 """Checkpoints of a compressor's per-tensor state: per rank, or gathered for a rank-0 save.
 
-:func:`state_dict` and :func:`load_state_dict` are functions over a compressor
-(:class:`hvd_gradcomp.adapter.HorovodCompressor`, whose methods of the same names call them):
-they read its records, bucket groups and state store, and gather through its engine's
-``_from_every_rank``; the same for Horovod, DDP and FSDP.
+:func:`state_dict` and :func:`load_state_dict` are functions over a
+:class:`~hvd_gradcomp.codec.Codec` (the compressor's methods of the same names call them): they
+read its tensor book, group book and store, and gather through its engine (``codec.gather``);
+the same for Horovod, DDP and FSDP.
 """
 import logging
 
@@ -53,12 +53,12 @@ def _check_part(part, where: str):
             raise ValueError(f"load_state_dict: {where}[{name!r}] must be an integer or None, got {_what(value)}")
 
 
-def state_dict(comp, gather: bool = False) -> dict:
+def state_dict(codec, gather: bool = False) -> dict:
     """The compressor's state for a checkpoint.
 
     Args:
         gather: False (default): this rank's state, to be saved per rank and loaded on
-            the same rank. True: every rank's, collected by :meth:`_from_every_rank` (one
+            the same rank. True: every rank's, collected by ``codec.gather`` (one
             Horovod broadcast per rank: every rank must call it; each receives every
             rank's state, so memory is world size x residuals), for the usual "save on
             rank 0, load everywhere" habit.
@@ -69,45 +69,45 @@ def state_dict(comp, gather: bool = False) -> dict:
         "ranks": [per-rank dict of rank 0, 1, ...]}`` with values that pickle anywhere
         (PyTorch CPU tensors, NumPy arrays for TensorFlow).
     """
-    local = _local_state(comp, portable=gather)
+    local = _local_state(codec, portable=gather)
     if not gather:
         return local
-    parts = comp._from_every_rank(local, "hvd_gradcomp.state_dict")
-    return {"spec": comp.spec, "world_size": len(parts), "ranks": list(parts)}
+    parts = codec.gather(local, "hvd_gradcomp.state_dict")
+    return {"spec": codec.spec, "world_size": len(parts), "ranks": list(parts)}
 
 
-def _local_state(comp, portable: bool) -> dict:
-    tensors, buckets = group_checkpoint.group_entries(comp, portable)
-    for key in comp._infos:
-        if comp._has_state(key) and key not in comp._groups:
-            state = comp._read_state(key)
-            tensors[key] = {f: comp._export(v, portable) for f, v in zip(state._fields, state)}
-    for key, state in comp._pending.items():
+def _local_state(codec, portable: bool) -> dict:
+    tensors, buckets = group_checkpoint.group_entries(codec, portable)
+    for key in codec.tensors.infos:
+        if codec.store.has(key) and key not in codec.groups.groups:
+            state = codec.store.read(key)
+            tensors[key] = {f: codec.store.export(v, portable) for f, v in zip(state._fields, state)}
+    for key, state in codec.tensors.pending.items():
         tensors.setdefault(key, {f: v for f, v in zip(state._fields, state)})
-    routes = comp.table.texts()
-    size, rank = comp._job_world()
-    out = {"spec": comp.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
+    routes = codec.table.texts()
+    size, rank = codec.job_world()
+    out = {"spec": codec.spec, "tensors": tensors, "routes": routes, "rank": rank, "world_size": size}
     if buckets:
         out["buckets"] = buckets
     return out
 
 
-def _same_config(comp, spec) -> bool:
+def _same_config(codec, spec) -> bool:
     """True if the text ``spec`` describes this compressor's routing, schemes and configs."""
     try:
-        return Routing.from_spec(spec).spec() == comp.spec
+        return Routing.from_spec(spec).spec() == codec.spec
     except (ValueError, TypeError, AttributeError):
         return False
 
 
-def load_state_dict(comp, state_dict: dict, rank=None):
+def load_state_dict(codec, state_dict: dict, rank=None):
     """Restore what :meth:`state_dict` returned.
 
     Args:
         state_dict: per rank, or gathered (``state_dict(gather=True)``, e.g. saved by
             rank 0 and loaded on every rank).
         rank: which saved rank's state to load; default this process's rank
-            (:meth:`_job_world`: the bound DDP group's, Horovod's, else, before
+            (``codec.job_world()``: the bound DDP group's, Horovod's, else, before
             ``register_comm_hook`` in a job without Horovod, ``torch.distributed``'s).
             Gathered: that rank's part. Per rank: the dict must be that rank's (a
             per-rank dict of rank 0 loaded on rank 1 would resume rank 1 with rank 0's
@@ -134,15 +134,15 @@ def load_state_dict(comp, state_dict: dict, rank=None):
     if "spec" not in state_dict:
         raise ValueError(f"load_state_dict: state_dict has no 'spec' (keys {sorted(map(str, state_dict))}); "
                          f"is it truncated, or not a compressor's state_dict()?")
-    if not _same_config(comp, state_dict.get("spec")):
+    if not _same_config(codec, state_dict.get("spec")):
         raise ValueError(f"state_dict was saved by compressor {state_dict.get('spec')!r}, "
-                         f"this one is {comp.spec!r}")
+                         f"this one is {codec.spec!r}")
     # An engine that knows every key its layout makes (torch_backend.fsdp's) screens the
     # state first: keys it never makes are refused, or with rank= given dropped with a warning.
-    screen = getattr(comp.engine, "screen_state", None)
+    screen = getattr(codec.engine, "screen_state", None)
     if screen is not None:
         state_dict = screen(state_dict, rank)
-    size, me = comp._job_world()
+    size, me = codec.job_world()
     if rank is None:
         rank = me
     if "ranks" in state_dict:
@@ -155,13 +155,13 @@ def load_state_dict(comp, state_dict: dict, rank=None):
         if size is not None and len(parts) != size:
             log.warning("hvd_gradcomp: state of %d ranks loaded on %d: every rank takes rank 0's, "
                         "with its residuals reset to zero (agreed statistics kept)", len(parts), size)
-            _load_part(comp, parts[0], reset=True)
+            _load_part(codec, parts[0], reset=True)
             return
         if rank is None or not 0 <= rank < len(parts):
             raise ValueError(f"load_state_dict: rank must be in [0, {len(parts)}) for a state "
                              f"gathered from {len(parts)} ranks, got {rank!r} (is hvd.init() or "
                              f"torch.distributed.init_process_group() done? else pass rank=)")
-        _load_part(comp, parts[rank], reset=False)
+        _load_part(codec, parts[rank], reset=False)
         return
     _check_part(state_dict, "state_dict")
     saved = state_dict.get("rank")
@@ -170,58 +170,58 @@ def load_state_dict(comp, state_dict: dict, rank=None):
                          f"error feedback), and this is rank {rank}; save with "
                          f"state_dict(gather=True) to load one file on every rank, or pass "
                          f"rank={saved} to load it here anyway")
-    _load_part(comp, state_dict, reset=False)
+    _load_part(codec, state_dict, reset=False)
 
 
-def _import_field(comp, key, field, value):
+def _import_field(codec, key, field, value):
     """A saved field as the backend's tensor; ValueError naming it if it is none."""
     try:
-        return comp._import(value)
+        return codec.store.load(value)
     except (TypeError, ValueError, RuntimeError) as err:
         raise ValueError(f"load_state_dict: tensor {key!r} field {field!r} holds {_what(value)}, "
                          f"not a tensor ({err})") from None
 
 
-def _load_part(comp, part: dict, reset: bool):
+def _load_part(codec, part: dict, reset: bool):
     """Load one rank's state (``reset``: zero the rank-local fields)."""
-    tensors = {key: {f: _import_field(comp, key, f, v) for f, v in fields.items()}
+    tensors = {key: {f: _import_field(codec, key, f, v) for f, v in fields.items()}
                for key, fields in part["tensors"].items()}  # all, before anything is loaded
-    comp.table.load(part.get("routes", {}))
+    codec.table.load(part.get("routes", {}))
     local = {ERROR_FEEDBACK}
-    for scheme in comp.routing.schemes():
+    for scheme in codec.routing.schemes():
         local.update(scheme.rank_local_fields)
     for gkey, saved in part.get("buckets", {}).items():
-        group_checkpoint.load_group(comp, gkey, saved, reset)
+        group_checkpoint.load_group(codec, gkey, saved, reset)
     for key, fields in tensors.items():
         if reset:
-            fields = {f: comp._zeros_like(v) if f in local else v for f, v in fields.items()}
-        route = comp.table.routes.get(key)
+            fields = {f: codec.store.zeros_like(v) if f in local else v for f, v in fields.items()}
+        route = codec.table.routes.get(key)
         if set(fields) == {ERROR_FEEDBACK}:  # a bucketed run's: into whatever holds it now
-            group_checkpoint.load_error_feedback(comp, key, fields[ERROR_FEEDBACK])
+            group_checkpoint.load_error_feedback(codec, key, fields[ERROR_FEEDBACK])
             continue
-        held = comp._members.get(key)
-        if route is not None and held is not None and comp._has_state(held):
+        held = codec.groups.members.get(key)
+        if route is not None and held is not None and codec.store.has(held):
             # a per-tensor entry for a tensor a bucket group holds now: its error feedback
-            info = comp._member_infos[key]
-            state = comp._initial_state(route.scheme, info, comp._read_state(held)[0], FieldBag(fields))
-            flat = composite.residual_of(route.scheme, comp.ops, state, info)
+            info = codec.groups.member_infos[key]
+            state = codec.tensors.initial_state(route.scheme, info, codec.store.read(held)[0], FieldBag(fields))
+            flat = composite.residual_of(route.scheme, codec.ops, state, info)
             if flat is not None:
-                group_checkpoint.load_error_feedback(comp, key, flat)
+                group_checkpoint.load_error_feedback(codec, key, flat)
             continue
-        if route is not None and comp._has_state(key):
+        if route is not None and codec.store.has(key):
             scheme = route.scheme
             composite.check_loaded(scheme, key, FieldBag(fields))
-            current = comp._read_state(key)
+            current = codec.store.read(key)
             if scheme.adaptive:  # the loaded state's fields follow its own choice
-                current = composite.init_like(scheme, comp.ops, comp._infos[key], current[0], FieldBag(fields))
+                current = composite.init_like(scheme, codec.ops, codec.tensors.infos[key], current[0], FieldBag(fields))
             composite.forget(scheme, key)  # the loaded state replaces what the scheme mirrors of it
             loaded = type(current)(**{f: fields.get(f) for f in current._fields}) \
                 if set(fields) == set(current._fields) else None
             if loaded is None:
                 raise ValueError(f"{scheme.name}: loaded state for tensor {key!r} has fields "
                                  f"{sorted(fields)}, expected {list(current._fields)}")
-            comp._check_loaded(scheme, key, loaded, current)
-            comp._write_state(key, type(current)(*[
-                comp.ops.cast(comp._to_device(v, c), comp.ops.dtype(c)) for v, c in zip(loaded, current)]))
+            codec.tensors.check_loaded(scheme, key, loaded, current)
+            codec.store.write(key, type(current)(*[
+                codec.ops.cast(codec.store.to_device(v, c), codec.ops.dtype(c)) for v, c in zip(loaded, current)]))
         else:
-            comp._pending[key] = FieldBag(fields)
+            codec.tensors.pending[key] = FieldBag(fields)

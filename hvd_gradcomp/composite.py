@@ -221,7 +221,7 @@ def scatter_split(scheme, info):
 
     A reduce-scatter then sends each destination's values and every tensor's agreed part, so
     every rank steps the state of every tensor it sent while only the destination decodes
-    (:meth:`~hvd_gradcomp.engine_codec.EngineCodec.decode_scattered`). None (the default): the
+    (:func:`~hvd_gradcomp.scattered.decode_scattered`). None (the default): the
     scheme cannot be reduce-scattered (float agreed fields whose copies a reduce-scatter would
     round differently: TopKC's scores, PowerSGD's factors; the whole payload read by
     ``finish``: TopK; ``auto``, the warm-up, blocking variants). Called by

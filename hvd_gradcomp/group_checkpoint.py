@@ -1,6 +1,6 @@
 """The bucket groups' part of a checkpoint (:mod:`hvd_gradcomp.checkpoint`), as functions over
-a compressor: each tensor's error feedback sliced out of its group's flat state, the fields the
-ranks agree on per group, and loading both back into whatever holds them now (or keeping them
+a :class:`~hvd_gradcomp.codec.Codec`: each tensor's error feedback sliced out of its group's
+flat state, the fields the ranks agree on per group, and loading both back into whatever holds them now (or keeping them
 until the tensor or group is next sent). The groups themselves: :mod:`hvd_gradcomp.buckets`.
 """
 from . import composite
@@ -10,54 +10,54 @@ from .records import FieldBag
 __all__ = ["group_entries", "load_error_feedback", "load_group"]
 
 
-def group_entries(comp, portable: bool):
+def group_entries(codec, portable: bool):
     """``(tensors, buckets)`` of the groups for a checkpoint: per tensor ``{ERROR_FEEDBACK:
     its slice}`` (when the scheme keeps error feedback), per group ``{"members": keys,
     "fields": {agreed field: value}}``."""
     tensors, buckets = {}, {}
-    for gkey, grp in comp._groups.items():
-        if not comp._has_state(gkey):
+    for gkey, grp in codec.groups.groups.items():
+        if not codec.store.has(gkey):
             continue
-        scheme = comp._group_scheme(gkey)
-        state = comp._read_state(gkey)
-        flat = composite.residual_of(scheme, comp.ops, state, comp._infos[gkey])
+        scheme = codec.groups.scheme_of(gkey)
+        state = codec.store.read(gkey)
+        flat = composite.residual_of(scheme, codec.ops, state, codec.tensors.infos[gkey])
         for key, off, n in zip(grp.keys, grp.offsets, grp.numels):
-            if comp._members.get(key) == gkey and flat is not None:
-                tensors[key] = {ERROR_FEEDBACK: comp._export(flat[off:off + n], portable)}
+            if codec.groups.members.get(key) == gkey and flat is not None:
+                tensors[key] = {ERROR_FEEDBACK: codec.store.export(flat[off:off + n], portable)}
         local = set(scheme.rank_local_fields)
         # "local": this rank's own fields as they are (THC's rotated residual with its
         # padding), so the same group resumes bit for bit; other layouts take the slices.
         # Not of a group some tensors left (its own fields hold their stale slices).
         buckets[gkey] = {"members": list(grp.keys),
-                         "fields": {f: comp._export(v, portable) for f, v in zip(state._fields, state)
+                         "fields": {f: codec.store.export(v, portable) for f, v in zip(state._fields, state)
                                     if f not in local}}
-        if gkey not in comp._leaving:
-            buckets[gkey]["local"] = {f: comp._export(v, portable) for f, v in zip(state._fields, state)
+        if gkey not in codec.groups.leaving:
+            buckets[gkey]["local"] = {f: codec.store.export(v, portable) for f, v in zip(state._fields, state)
                                       if f in local}
-    for gkey, saved in comp._pending_groups.items():
+    for gkey, saved in codec.groups.pending.items():
         buckets.setdefault(gkey, saved)
     return tensors, buckets
 
 
-def load_error_feedback(comp, key, value):
+def load_error_feedback(codec, key, value):
     """A checkpoint's error feedback for tensor ``key`` (gradient coordinates): into the
     state that holds it now, or kept until the tensor is next sent."""
-    ops = comp.ops
-    gkey = comp._members.get(key)
-    holder = gkey if gkey is not None and comp._has_state(gkey) else (key if comp._has_state(key) else None)
-    if holder is None or key not in comp.table.routes:
-        comp._pending[key] = FieldBag({ERROR_FEEDBACK: value})
+    ops = codec.ops
+    gkey = codec.groups.members.get(key)
+    holder = gkey if gkey is not None and codec.store.has(gkey) else (key if codec.store.has(key) else None)
+    if holder is None or key not in codec.table.routes:
+        codec.tensors.pending[key] = FieldBag({ERROR_FEEDBACK: value})
         return
-    scheme = comp.table.routes[key].scheme
-    state, info = comp._read_state(holder), comp._infos[holder]
+    scheme = codec.table.routes[key].scheme
+    state, info = codec.store.read(holder), codec.tensors.infos[holder]
     current = composite.residual_of(scheme, ops, state, info)
     if current is None:
         return
-    value = ops.reshape(ops.cast(comp._to_device(value, current), "float32"), (-1,))
+    value = ops.reshape(ops.cast(codec.store.to_device(value, current), "float32"), (-1,))
     if holder == key:
         delta = value - current
     else:
-        grp = comp._groups[gkey]
+        grp = codec.groups.groups[gkey]
         j = grp.keys.index(key)
         off, n = grp.offsets[j], grp.numels[j]
         if tuple(ops.shape(value)) != (n,):
@@ -71,9 +71,9 @@ def load_error_feedback(comp, key, value):
                          f"expected {info.numel}")
     moved = composite.add_residual(scheme, ops, state, info, delta)
     if moved is not None:
-        comp._write_state(holder, moved)
+        codec.store.write(holder, moved)
 
-def load_group(comp, gkey, saved: dict, reset: bool = False):
+def load_group(codec, gkey, saved: dict, reset: bool = False):
     """A checkpoint's fields of group ``gkey``: into the group now, or kept until it is first
     sent (loaded only into a group of the same tensors; ``reset``: without this rank's own
     fields, as on another number of ranks)."""
@@ -82,13 +82,13 @@ def load_group(comp, gkey, saved: dict, reset: bool = False):
         raise ValueError(f"load_state_dict: bucket entry {gkey!r} must be a dict with 'members' "
                          f"(a list of tensor keys) and 'fields' (a dict), got {saved!r:.120}")
     own = {} if reset or not isinstance(saved.get("local"), dict) else dict(saved["local"])
-    grp = comp._groups.get(gkey)
-    if grp is not None and comp._has_state(gkey):
+    grp = codec.groups.groups.get(gkey)
+    if grp is not None and codec.store.has(gkey):
         if tuple(saved["members"]) == grp.keys:
-            state, scheme = comp._read_state(gkey), comp._group_scheme(gkey)
+            state, scheme = codec.store.read(gkey), codec.groups.scheme_of(gkey)
             composite.forget(scheme, gkey)  # what the scheme mirrors on the host (warm-up counts)
-            state = comp._with_agreed(scheme, state, saved["fields"], state[0])
-            comp._write_state(gkey, comp._with_agreed(scheme, state, own, state[0], local=True))
+            state = codec.groups.with_agreed(scheme, state, saved["fields"], state[0])
+            codec.store.write(gkey, codec.groups.with_agreed(scheme, state, own, state[0], local=True))
         return
-    comp._pending_groups[gkey] = {"members": list(saved["members"]), "fields": dict(saved["fields"]),
+    codec.groups.pending[gkey] = {"members": list(saved["members"]), "fields": dict(saved["fields"]),
                                   "local": own}

@@ -15,8 +15,8 @@ and the group's first ``decompress`` decodes every unit (docs/usage.md, "Grouped
 
 The three entry points are functions over a Horovod compressor
 (:class:`hvd_gradcomp.adapter.HorovodCompressor`, whose ``compress``/``decompress`` call them):
-they keep the group being returned in its ``_group`` and ``_pieces`` and compress through its
-``_compress_one``, ``_find_call`` and ``plan_bucket``.
+they keep the group being returned in its ``in_group`` and ``pieces``, find a member's call
+through its ``frontend`` and compress through its ``codec`` (``encode_call``, ``plan_bucket``).
 """
 import logging
 from typing import Any, NamedTuple
@@ -74,40 +74,40 @@ def compress_grouped(comp, tensor, call: Call):
     first member, with one payload dtype (module docstring); the others are returned as
     Horovod asks for them."""
     group = call.group
-    if comp._group is not None and comp._group[0] is group:
-        done = comp._group[1].pop(id(tensor), None)
+    if comp.in_group is not None and comp.in_group[0] is group:
+        done = comp.in_group[1].pop(id(tensor), None)
         if done is not None:
-            if not comp._group[1]:
-                comp._group = None
+            if not comp.in_group[1]:
+                comp.in_group = None
             return done
     results, keys = {}, {}
     for member in group:
         if id(member) in results:
             continue
-        member_call = call if member is tensor else comp._find_call(member)
-        payload, ctx, key = comp._compress_one(member, member_call)
+        member_call = call if member is tensor else comp.frontend.find_call(member)
+        payload, ctx, key = comp.codec.encode_call(member, member_call, comp.frontend.no_key_message)
         results[id(member)], keys[id(member)] = (payload, ctx), key
-    dtypes = {i: comp.ops.dtype(p) for i, (p, _) in results.items()}
+    dtypes = {i: comp.codec.ops.dtype(p) for i, (p, _) in results.items()}
     try:
         common = group_dtype(dtypes.values())
     except ValueError as e:
-        raise ValueError(f"{comp.spec}: grouped all-reduce of "
+        raise ValueError(f"{comp.codec.spec}: grouped all-reduce of "
                          f"{[keys[i] for i in results]}: {e}; use groups=None") from None
     if common is not None:
         extra = 0
         for i, (payload, ctx) in list(results.items()):
             if dtypes[i] == common:
                 continue
-            results[i] = (comp.ops.cast(payload, common), WidenedCtx(dtypes[i], ctx))
+            results[i] = (comp.codec.ops.cast(payload, common), WidenedCtx(dtypes[i], ctx))
             key = keys[i]
-            if key is not None and key in comp._wire:
-                w = comp._wire[key]
+            if key is not None and key in comp.codec.tensors.wire:
+                w = comp.codec.tensors.wire[key]
                 wide = w.payload * itemsize(common) // itemsize(dtypes[i])
                 extra += wide - w.payload
-                comp._wire[key] = w._replace(payload=wide)
+                comp.codec.tensors.wire[key] = w._replace(payload=wide)
         members = tuple(sorted((str(keys[i]), dtypes[i]) for i in results))
-        if members not in comp._warned:
-            comp._warned.add(members)
+        if members not in comp.warned:
+            comp.warned.add(members)
             hint = ("route the group's small tensors to thc as well ('thc:min_numel=1')"
                     if "int32" in dtypes.values() else "route a group's tensors to schemes of one "
                     "payload dtype")
@@ -116,7 +116,7 @@ def compress_grouped(comp, tensor, call: Call):
                         "bytes per step). To avoid it, %s, or use groups lists that keep them apart.",
                         ", ".join(f"{k} ({d})" for k, d in members), common, extra, hint)
     mine = results.pop(id(tensor))
-    comp._group = (group, results) if results else None
+    comp.in_group = (group, results) if results else None
     return mine
 
 
@@ -127,31 +127,31 @@ def compress_bucket(comp, tensor, call: Call):
     (views of one buffer per payload dtype, which Horovod's in-place grouped all-reduce
     sums); the others get their piece. None when the group cannot go as a bucket (mixed
     dtypes, a gradient that is not a float tensor): then each member is compressed alone."""
-    ops = comp.ops
-    if comp._pieces is not None:
-        done = comp._pieces.pop(id(tensor), None)
+    ops = comp.codec.ops
+    if comp.pieces is not None:
+        done = comp.pieces.pop(id(tensor), None)
         if done is not None:
             return done
     grads = [g for _, g in call.bucket]
     dtypes = {ops.dtype(g) for g in grads}
     if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES or \
-            any(comp._is_sparse(g) for g in grads) or all(g is not tensor for g in grads):
+            any(comp.frontend.is_sparse(g) for g in grads) or all(g is not tensor for g in grads):
         return None
     from .buckets import Member
     dtype = dtypes.pop()
     members, offset = [], 0
     for (name, g) in call.bucket:
-        key = comp._key(Call(key=name, owner=call.owner))
+        key = comp.codec.tensors.key(Call(key=name, owner=call.owner))
         shape = tuple(ops.shape(g))
         numel = 1
         for s in shape:
             numel *= s
         members.append(Member(key, name, shape, offset, numel))
         offset += numel
-    flat = ops.concat([ops.reshape(comp._detach(g), (-1,)) for g in grads], 0)
-    plan = comp.plan_bucket(members, dtype, call.op,  # (its members checked against the call's op)
+    flat = ops.concat([ops.reshape(comp.frontend.detach(g), (-1,)) for g in grads], 0)
+    plan = comp.codec.plan_bucket(members, dtype, call.op,  # (its members checked against the call's op)
                             call.process_set, flat)
-    encoded = [comp.encode_unit(unit, flat[unit.start:unit.stop] if unit.contiguous
+    encoded = [comp.codec.encode_unit(unit, flat[unit.start:unit.stop] if unit.contiguous
                                 else ops.gather(flat, unit.index)) for unit in plan.units]
     packed = pack_payloads(ops, [p for p, _ in encoded])
     buffers = packed.buffers
@@ -170,7 +170,7 @@ def compress_bucket(comp, tensor, call: Call):
     batch = GroupBatch(plan, [c for _, c in encoded], packed, pieces)
     results = {id(g): (piece, PieceCtx(j, batch)) for j, (g, piece) in enumerate(zip(grads, pieces))}
     mine = results.pop(id(tensor))
-    comp._pieces = results or None
+    comp.pieces = results or None
     return mine
 
 def decompress_piece(comp, payload, ctx: "PieceCtx"):
@@ -179,11 +179,11 @@ def decompress_piece(comp, payload, ctx: "PieceCtx"):
     so the buffers hold every member's sum by then)."""
     batch = ctx.batch
     if payload is not batch.pieces[ctx.index]:
-        raise RuntimeError(f"{comp.spec}: a grouped all-reduce returned a new tensor for piece "
+        raise RuntimeError(f"{comp.codec.spec}: a grouped all-reduce returned a new tensor for piece "
                            f"{ctx.index} instead of summing it in place (Horovod's "
                            f"grouped_allreduce_async_ does); the bucket cannot be decoded")
     if batch.outs is None:
-        ops, plan = comp.ops, batch.plan
+        ops, plan = comp.codec.ops, batch.plan
         outs = [ops.reshape(comp.decompress(p, uctx), (-1,))
                 for uctx, p in zip(batch.ctxs, unpack_payloads(ops, batch.packed))]
         if all(u.contiguous for u in plan.units):  # the units partition the flat vector

@@ -1,9 +1,49 @@
 """What Horovod does with a payload, as the adapters need to know it: the name of an op
 constant, the dtype of a TensorFlow grouped all-reduce, and whether an Average on a GPU is
 NCCL's ``ncclAvg`` (which divides by n before summing). Facts read from Horovod 0.28.1's
-sources; nothing here posts a collective.
+sources. :class:`HorovodCollectives`: the codec's collectives outside compress when no engine
+is bound (Horovod's world, object gather and blocking all-reduce).
 """
-__all__ = ["op_name", "group_dtype", "horovod_nccl_avg", "nccl_avg_rule"]
+__all__ = ["op_name", "group_dtype", "horovod_nccl_avg", "nccl_avg_rule", "HorovodCollectives"]
+
+
+class HorovodCollectives:
+    """Horovod's collectives as a codec uses them outside compress (route checks, checkpoints,
+    link calibration), for a compressor with no engine bound.
+
+    Args:
+        horovod: a callable returning the framework's Horovod module (``horovod.torch`` or
+            ``horovod.tensorflow``), imported when first needed.
+    """
+
+    __slots__ = ("horovod",)
+
+    def __init__(self, horovod):
+        self.horovod = horovod
+
+    def world(self, process_set=None):
+        """(size, rank) of ``process_set`` (None: the global set). Raises ValueError before
+        ``hvd.init()`` and ImportError without Horovod, as Horovod does."""
+        hvd = self.horovod()
+        if process_set is None or getattr(process_set, "process_set_id", 0) == 0:
+            return hvd.size(), hvd.rank()
+        return process_set.size(), process_set.rank()
+
+    def gather(self, obj, name: str) -> list:
+        """``[obj of rank 0, 1, ...]`` on every rank of the global set: one
+        ``hvd.broadcast_object`` per rank, in rank order."""
+        hvd = self.horovod()
+        return [hvd.broadcast_object(obj, root_rank=r, name=f"{name}.{r}") for r in range(hvd.size())]
+
+    def allreduce(self, x, average: bool, name: str, process_set=None):
+        """``x`` summed (``average``: averaged) over ``process_set``, blocking."""
+        hvd = self.horovod()
+        kwargs = {} if process_set is None else {"process_set": process_set}
+        return hvd.allreduce(x, op=hvd.Average if average else hvd.Sum, name=name, **kwargs)
+
+    def nccl_avg(self) -> bool:
+        """:func:`horovod_nccl_avg` of this Horovod."""
+        return horovod_nccl_avg(self.horovod())
 
 
 def group_dtype(dtypes):

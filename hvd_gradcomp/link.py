@@ -1,10 +1,10 @@
 """Link calibration for adaptive schemes: the link's rate and latency, measured by the engine's
 all-reduces, and the candidates' codec costs averaged over the ranks.
 
-:func:`calibrate` is a function over a compressor (:class:`hvd_gradcomp.adapter.HorovodCompressor`,
-whose ``calibrate`` method calls it): it reads the compressor's routing and primitives, and its
-collectives go through the compressor's ``_allreduce_host`` and ``_world`` (Horovod's, or a
-bound engine's, e.g. DDP's).
+:func:`calibrate` is a function over a :class:`~hvd_gradcomp.codec.Codec` (the compressor's
+``calibrate`` method calls it): it reads the codec's routing and primitives, and its
+collectives go through ``codec.allreduce_host`` and ``codec.world`` (Horovod's, or a bound
+engine's, e.g. DDP's).
 """
 import logging
 
@@ -13,7 +13,7 @@ __all__ = ["calibrate"]
 log = logging.getLogger("hvd_gradcomp")
 
 
-def calibrate(comp, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3, like=None,
+def calibrate(codec, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3, like=None,
               cached: bool = False):
     """Measure the link for this compressor's ``auto`` schemes (:mod:`hvd_gradcomp.auto`).
 
@@ -34,7 +34,7 @@ def calibrate(comp, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3
     all-reduce each: the start of its tensors (:func:`~hvd_gradcomp.auto.start_choice`).
 
     Args:
-        comp: the compressor.
+        codec: the compressor.
         process_set: the framework's process set of the gradients' all-reduces (None: global).
         sizes: two sizes, coordinates, small then large (default 4 KiB and 8 MiB).
         repeats: timed all-reduces per size (>= 1).
@@ -56,15 +56,15 @@ def calibrate(comp, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3
     import time
     from .auto import CALIBRATIONS, Link
     from .ring import ring_wire_bytes
-    size, _ = comp._world(process_set)
-    autos = [s for s in comp.routing.schemes() if s.adaptive]
-    where = (comp.ops.name, size, getattr(process_set, "process_set_id", 0), str(getattr(like, "device", None)))
+    size, _ = codec.world(process_set)
+    autos = [s for s in codec.routing.schemes() if s.adaptive]
+    where = (codec.ops.name, size, getattr(process_set, "process_set_id", 0), str(getattr(like, "device", None)))
     if cached and size > 1:
         known = CALIBRATIONS.get(where)
         have = known is not None and all(c in known[1] for s in autos for c in s.specs)
-        missing = comp._allreduce_host(comp.ops.constant([0.0 if have else 1.0], "float32", like), False,
+        missing = codec.allreduce_host(codec.ops.constant([0.0 if have else 1.0], "float32", like), False,
                                        "hvd_gradcomp.calibrate.cached", process_set)
-        if comp.ops.to_host(missing)[0] == 0:
+        if codec.ops.to_host(missing)[0] == 0:
             for scheme in autos:
                 scheme.set_link(known[0], [known[1][c] for c in scheme.specs])
             return known[0]
@@ -73,12 +73,12 @@ def calibrate(comp, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3
     else:
         seconds = []
         for n, dtype in ((sizes[0], "float32"), (sizes[1], "float32"), (sizes[1], "float16")):
-            x = comp.ops.zeros((n,), dtype, like)
+            x = codec.ops.zeros((n,), dtype, like)
             runs = []
             for i in range(repeats + 1):
                 start = time.perf_counter()
-                y = comp._allreduce_host(x, False, f"hvd_gradcomp.calibrate.{n}.{dtype}", process_set)
-                comp.ops.to_host(comp.ops.sum(comp.ops.cast(y[:1], "float32"), None))
+                y = codec.allreduce_host(x, False, f"hvd_gradcomp.calibrate.{n}.{dtype}", process_set)
+                codec.ops.to_host(codec.ops.sum(codec.ops.cast(y[:1], "float32"), None))
                 if i:
                     runs.append(time.perf_counter() - start)
             seconds.append(sorted(runs)[len(runs) // 2])
@@ -90,22 +90,22 @@ def calibrate(comp, process_set=None, sizes=(1 << 10, 1 << 21), repeats: int = 3
         # (A latency estimate above the float16 run's median, from a slow small all-reduce on
         # a busy host, would otherwise read as an infinite float16 rate.)
         rate16 = w16 / max(seconds[2] - latency, w16 / rate)
-        agreed = comp._allreduce_host(comp.ops.constant([rate, latency, rate16], "float64", like),
+        agreed = codec.allreduce_host(codec.ops.constant([rate, latency, rate16], "float64", like),
                                       True, "hvd_gradcomp.calibrate.link", process_set)
-        link = Link(*comp.ops.to_host(agreed))
-        if comp._world(None)[1] == 0:
+        link = Link(*codec.ops.to_host(agreed))
+        if codec.world(None)[1] == 0:
             log.info("hvd_gradcomp auto: link measured over %d ranks: %.1f MB/s (float16 "
                      "payloads %.1f MB/s), %.3f ms per all-reduce", size,
                      link.bytes_per_second / 1e6, link.fp16_bytes_per_second / 1e6,
                      link.latency_s * 1e3)
     costs_by_spec = CALIBRATIONS.get(where, (None, {}))[1]
-    for i, scheme in enumerate(comp.routing.schemes()):
+    for i, scheme in enumerate(codec.routing.schemes()):
         if not scheme.adaptive:
             continue
         costs = None
         if size > 1:  # each candidate's codec on the reference matrix, the ranks' mean
-            costs = comp.ops.to_host(comp._allreduce_host(
-                comp.ops.constant(scheme.reference_costs(comp.ops, like), "float64", like),
+            costs = codec.ops.to_host(codec.allreduce_host(
+                codec.ops.constant(scheme.reference_costs(codec.ops, like), "float64", like),
                 True, f"hvd_gradcomp.calibrate.codecs.{i}", process_set))
         scheme.set_link(link, costs)
         if costs is not None:

@@ -33,12 +33,13 @@ import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 from hvd_gradcomp.adapter import Call, HorovodCompressor
+from hvd_gradcomp.frontend import Frontend
 from hvd_gradcomp.horovod_ops import op_name
 from hvd_gradcomp.namespace import Namespace
 
 from .ops import OPS
 
-__all__ = ["Compressor", "Compression"]
+__all__ = ["Compressor", "Compression", "TFFrontend", "VariableStore"]
 
 _NO_KEY = ("{scheme}: cannot tell which variable this gradient belongs to; use the compressor "
            "through hvd.DistributedGradientTape / hvd.DistributedOptimizer, pass name= to "
@@ -147,54 +148,38 @@ class VariableStore:
         return tf.convert_to_tensor(value)
 
 
-class Compressor(HorovodCompressor):
-    """A Horovod compressor for TensorFlow tensors (see :class:`hvd_gradcomp.adapter.HorovodCompressor`).
+class TFFrontend(Frontend):
+    """What a codec needs of TensorFlow (:class:`hvd_gradcomp.frontend.Frontend`): Horovod's
+    calling frames (:func:`_find_call`), ``horovod.tensorflow``, first states built outside any
+    graph, static shapes, ``IndexedSlices`` counted in graph, the Keras loss scale. One per
+    compressor (it keeps the last batch of gradients it watched)."""
 
-    State is a tuple of non-trainable ``tf.Variable``s per gradient; ``state_dict()`` returns
-    their values as tensors.
-    """
-
-    __slots__ = ("_last_batch",)
-    ops = OPS
-
-    def __init__(self, routing):
-        super().__init__(routing, VariableStore())
-        self._last_batch = None
-
-    # Horovod's functions run under autograph inside tf.function; ours must not be converted
-    # (their Python branches are on static facts, and autograph would rewrite them).
-    @tf.autograph.experimental.do_not_convert
-    def compress(self, tensor, name=None):
-        return super().compress(tensor, name)
-
-    @tf.autograph.experimental.do_not_convert
-    def decompress(self, payload, ctx):
-        return super().decompress(payload, ctx)
-
+    __slots__ = ("last_batch",)
     no_key_message = _NO_KEY
-    _find_call = staticmethod(_find_call)
+    find_call = staticmethod(_find_call)
 
-    @staticmethod
-    def _horovod():
+    def __init__(self):
+        self.last_batch = None
+
+    def horovod(self):
         import horovod.tensorflow as hvd
         return hvd
 
-    def _on_gpu(self, tensor):
+    def on_gpu(self, tensor):
         # Inside a tf.function a tensor's device may still be unplaced (""): Horovod's op then
         # lands on a GPU whenever one is visible (its GPU kernel exists in a GPU build).
         device = getattr(tensor, "device", "") or ""
         return "GPU" in device.upper() or (not device and bool(tf.config.list_logical_devices("GPU")))
 
-    def _initial_state(self, scheme, info, like, loaded):
+    def build_state(self, build, like):
         with tf.init_scope():  # initial values must not live in the calling tf.function's graph
-            return super()._initial_state(scheme, info, None, loaded)
+            return build(None)
 
-    @staticmethod
-    def _scale_of(source):
+    def scale_of(self, source):
         scale = getattr(source, "loss_scale", source)  # Keras LossScaleOptimizer: a variable
         return tf.reshape(tf.cast(tf.convert_to_tensor(scale), tf.float32), [])
 
-    def _static(self, tensor, call):
+    def static(self, tensor, call):
         """Give a gradient with unknown dimensions (``sparse_as_dense`` on an embedding gives
         ``(None, 16)``) its variable's static shape, so the payload size is a function of the
         known shape and every rank posts the same size."""
@@ -207,21 +192,21 @@ class Compressor(HorovodCompressor):
                              f"compressors need a static shape (pass a tensor of known shape)")
         return tf.reshape(tensor, tf.TensorShape(known).as_list())
 
-    def _route_items(self, params):
+    def route_items(self, params):
         for item in params:
             name, var = (item.name, item) if isinstance(item, tf.Variable) else item
             pin = var.ref() if isinstance(var, tf.Variable) else None
             yield name, tuple(var.shape.as_list()), var.dtype.name, pin
 
-    def _watch_sparse(self, call):
+    def watch_sparse(self, call, compressor):
         """``IndexedSlices`` among the gradients of Horovod's ``allreduce_grads`` call: Horovod
-        gathers them on its sparse path, without compress. Once per traced call (the first dense gradient's
-        compress), an in-graph assign records this rank's bytes of each (values + indices)
-        and counts the step, in an int64 [2] variable read by bytes_per_step()."""
+        gathers them on its sparse path, without compress. Once per traced call (the first dense
+        gradient's compress), an in-graph assign records this rank's bytes of each (values +
+        indices) and counts the step, in an int64 [2] variable read by bytes_per_step()."""
         grads, variables = call.batch
-        if grads is self._last_batch:
+        if grads is self.last_batch:
             return
-        self._last_batch = grads
+        self.last_batch = grads
         for j, grad in enumerate(grads):
             if not isinstance(grad, tf.IndexedSlices):
                 continue
@@ -233,14 +218,38 @@ class Compressor(HorovodCompressor):
                     return ResourceVariable(tf.zeros([2], tf.int64), trainable=False,
                                             name=f"hvd_gradcomp_sparse_{key}")
 
-            entry = self._note_sparse(key, make, key if var is None else f"{key} ({var.name})")
+            entry = compressor.codec.tensors.note_sparse(key, make, compressor.spec,
+                                                         key if var is None else f"{key} ({var.name})")
             nbytes = (tf.size(grad.values, out_type=tf.int64) * grad.values.dtype.size
                       + tf.size(grad.indices, out_type=tf.int64) * grad.indices.dtype.size)
             entry.assign(tf.stack([nbytes, entry[1] + 1]))
 
-    def _read_sparse(self, entry):
+    def read_sparse(self, entry):
         value = entry.numpy()
         return int(value[0]), int(value[1])
+
+
+class Compressor(HorovodCompressor):
+    """A Horovod compressor for TensorFlow tensors (see :class:`hvd_gradcomp.adapter.HorovodCompressor`).
+
+    State is a tuple of non-trainable ``tf.Variable``s per gradient (:class:`VariableStore`);
+    ``state_dict()`` returns their values as tensors.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, routing):
+        super().__init__(routing, OPS, VariableStore(), TFFrontend())
+
+    # Horovod's functions run under autograph inside tf.function; ours must not be converted
+    # (their Python branches are on static facts, and autograph would rewrite them).
+    @tf.autograph.experimental.do_not_convert
+    def compress(self, tensor, name=None):
+        return super().compress(tensor, name)
+
+    @tf.autograph.experimental.do_not_convert
+    def decompress(self, payload, ctx):
+        return super().decompress(payload, ctx)
 
     def __hash__(self):  # Horovod caches its tf.function per compressor object
         return id(self)

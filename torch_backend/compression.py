@@ -24,13 +24,14 @@ import sys
 import torch
 
 from hvd_gradcomp.adapter import Call, HorovodCompressor
+from hvd_gradcomp.frontend import Frontend
 from hvd_gradcomp.horovod_ops import op_name
 from hvd_gradcomp.namespace import Namespace
 from hvd_gradcomp.store import DictStore
 
 from .ops import OPS
 
-__all__ = ["Compressor", "Compression", "check_compressor"]
+__all__ = ["Compressor", "Compression", "check_compressor", "TorchFrontend", "TorchStore"]
 
 _NO_KEY = ("{scheme}: cannot tell which parameter this gradient belongs to; use the compressor "
            "through hvd.DistributedOptimizer, pass name= to hvd.allreduce, or call "
@@ -123,44 +124,35 @@ class TorchStore(DictStore):
         return torch.as_tensor(value).to(like.device)
 
 
-class Compressor(HorovodCompressor):
-    """A Horovod compressor for PyTorch tensors (see :class:`hvd_gradcomp.adapter.HorovodCompressor`).
-
-    State (residuals, counters) is kept as tensors on the gradient's device, one set per
-    parameter. ``state_dict()`` returns CPU copies; ``load_state_dict`` moves them back.
-    """
-
-    __slots__ = ()
-    ops = OPS
-
-    def __init__(self, scheme):
-        super().__init__(scheme, TorchStore(OPS))
+class TorchFrontend(Frontend):
+    """What a codec needs of PyTorch (:class:`hvd_gradcomp.frontend.Frontend`): Horovod's
+    calling frames (:func:`_find_call`), ``horovod.torch``, sparse gradients, GradScaler's
+    scale, autograd, ``torch.distributed``'s world."""
 
     no_key_message = _NO_KEY
-    _find_call = staticmethod(_find_call)
+    find_call = staticmethod(_find_call)
 
-    @staticmethod
-    def _horovod():
+    def horovod(self):
         import horovod.torch as hvd
         return hvd
 
-    def _on_gpu(self, tensor):
+    def on_gpu(self, tensor):
         return tensor.device.type == "cuda"
 
-    def _process_world(self):
+    def process_world(self):
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             return dist.get_world_size(), dist.get_rank()
         return None, None
 
-    def _route_items(self, params):
+    def route_items(self, params):
         for name, p in params:
             yield name, tuple(p.shape), str(p.dtype).removeprefix("torch."), None
 
-    def _is_sparse(self, tensor):
+    def is_sparse(self, tensor):
         return isinstance(tensor, torch.Tensor) and tensor.is_sparse
 
-    def _uncompressed(self, payload):
+    def uncompressed(self, payload, compressor):
         """A sparse result in decompress: Horovod's ``synchronize()`` hands over the gathered
         gradient of parameter ``p`` (its frame); this rank's part is still ``p.grad``."""
         if not (isinstance(payload, torch.Tensor) and payload.is_sparse):
@@ -178,23 +170,36 @@ class Compressor(HorovodCompressor):
                 if grad is not None and grad.is_sparse:
                     nbytes = (grad._values().numel() * grad._values().element_size()
                               + grad._indices().numel() * grad._indices().element_size())
-                entry = self._note_sparse(names[p], lambda: [0, 0])
+                entry = compressor.codec.tensors.note_sparse(names[p], lambda: [0, 0], compressor.spec)
                 entry[0], entry[1] = nbytes, entry[1] + 1
                 return
             frame = frame.f_back
 
-    @staticmethod
-    def _scale_of(source):
+    def scale_of(self, source):
         scale = getattr(source, "_scale", source)  # GradScaler keeps it as a device tensor
         if scale is None:
             raise ValueError("set_loss_scale: the GradScaler has no scale yet; call it after the "
                              "first scaler.scale(loss)")
         return scale.reshape(()).float() if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
 
-    def _detach(self, tensor):
+    def detach(self, tensor):
         # A gradient has no history unless it was made with create_graph=True: no detach (one
         # dispatch a tensor and step fewer; docs/bench.md, "THC's per-call cost").
         return tensor.detach() if tensor.requires_grad else tensor
+
+
+class Compressor(HorovodCompressor):
+    """A Horovod compressor for PyTorch tensors (see :class:`hvd_gradcomp.adapter.HorovodCompressor`).
+
+    State (residuals, counters) is kept as tensors on the gradient's device, one set per
+    parameter (:class:`TorchStore`). ``state_dict()`` returns CPU copies; ``load_state_dict``
+    moves them back.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, routing):
+        super().__init__(routing, OPS, TorchStore(OPS), TorchFrontend())
 
 
 Compression = Namespace(Compressor)

@@ -61,7 +61,7 @@ gradient only to learn the payloads' shapes, sends zero payloads (contributing n
 rank in ``hvd.join()`` does: THC's and auto's count lanes see it) and keeps its rank-local
 state (:attr:`~hvd_gradcomp.base.Scheme.rank_local_fields`: its error feedback) as it was,
 while the fields the ranks agree on move on from the same all-reduced payload as everywhere
-else (:meth:`~hvd_gradcomp.adapter.HorovodCompressor.decode_joined`). The result is divided by
+else (:meth:`~hvd_gradcomp.codec.Codec.decode_joined`). The result is divided by
 the process group's size, as ``Join(..., divide_by_initial_world_size=True)`` (the default)
 does; ``False`` is refused.
 
@@ -100,7 +100,7 @@ class HookState:
     """What :func:`hook` needs: the compressor, the parameters' names, the process group.
 
     Attributes:
-        compressor: the bound compressor.
+        compressor: the bound compressor; codec: its codec (what the hook calls).
         names: {parameter tensor: name} (parameters hash by identity).
         group: the process group (None: the default one, or the DDP model's once bound).
         world_size: its size (None until bound).
@@ -112,6 +112,7 @@ class HookState:
 
     def __init__(self, compressor, names: dict, group, world_size, ddp_model, per_tensor=False):
         self.compressor = compressor
+        self.codec = compressor.codec
         self.names = names
         self.group = group
         self.world_size = world_size
@@ -129,14 +130,14 @@ class HookState:
         for a state made by :func:`comm_state`) and, where DDP drops unused parameters'
         results, start counting each parameter's users (``compiled``, or a model under the
         Python reducer: every parameter of a bucket arrived, nothing to count)."""
-        comp = self.compressor
+        codec = self.codec
         if ddp_model is not None:
             self.ddp_model = ddp_model
             self.group = ddp_model.process_group
         engine = ProcessGroupEngine(self.group)
         check_agreement(self, engine)  # before binding: nothing changed where it raises
-        comp.bind_engine(engine)
-        self.world_size, _ = comp.engine.world()
+        codec.bind_engine(engine)
+        self.world_size, _ = engine.world()
         model = self.ddp_model
         compiled = compiled or bool(getattr(model, "_use_python_reducer", False))
         self.tracks_unused = not compiled and (model is None or bool(getattr(
@@ -147,9 +148,9 @@ class HookState:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(
                         lambda param, used=used: used.add(id(param))))
-        if any(s.adaptive and s.link is None for s in comp.routing.schemes()):
+        if any(s.adaptive and s.link is None for s in codec.routing.schemes()):
             like = next(iter(self.names), None)
-            comp.calibrate(like=None if like is None else like.detach())
+            self.compressor.calibrate(like=None if like is None else like.detach())
         return self
 
 
@@ -230,8 +231,8 @@ def _plan(state: HookState, bucket, buffer, params):
             out.append(Member(name, name, tuple(g.shape), offset, g.numel()))
             offset += g.numel()
         return out
-    plan = state.compressor.plan_bucket(members, str(buffer.dtype).removeprefix("torch."), "sum",
-                                        state.group, buffer, per_tensor=state.per_tensor, layout=layout)
+    plan = state.codec.plan_bucket(members, str(buffer.dtype).removeprefix("torch."), "sum",
+                                   state.group, buffer, per_tensor=state.per_tensor, layout=layout)
     return plan if plan.members else None
 
 
@@ -261,14 +262,14 @@ def _flat(x):
     return x if x.dim() == 1 else x.reshape(-1)
 
 
-def _encode(comp, plan, buffer, n):
+def _encode(codec, plan, buffer, n):
     """``[(payload, ctx)]`` per unit of ``plan``, read from the bucket's ``buffer``."""
     encoded = []
     for unit in plan.units:
         x = buffer[unit.start:unit.stop] if unit.contiguous else runs.gather(buffer, unit)
         if len(unit.members) == 1 and x.shape != unit.info.shape:
             x = x.view(unit.info.shape)
-        payload, ctx = comp.encode_unit(unit, x)
+        payload, ctx = codec.encode_unit(unit, x)
         if ctx is None:  # sent as it is (none): divided first, as DDP's own all-reduce does, so
             payload = payload / n  # a float16 bucket's sum cannot overflow where its mean fits
         encoded.append((payload, ctx))
@@ -306,21 +307,21 @@ def _write_cast(dst, flat, factor, n):
 def _decode(state: HookState, plan, encoded, reduced, counts, buffer):
     """Decode every unit's summed payload into the bucket's ``buffer`` (the mean); with
     ``counts`` (the all-reduced :func:`_counts`), what DDP will drop is kept owed."""
-    comp, n = state.compressor, state.world_size
+    codec, n = state.codec, state.world_size
     dropped = None
     if counts is not None:  # no rank used it, and DDP will not write its .grad
         dropped = (counts[:, 0] == 0) & (counts[:, 1] == 0)
     slots = _slots(state, plan, buffer.device) if counts is not None else [None] * len(plan.units)
     outs = []
     for unit, slot, (_, ctx), payload in zip(plan.units, slots, encoded, reduced):
-        factor = comp.linear_decode(ctx) if unit.contiguous else None
+        factor = codec.linear_decode(ctx) if unit.contiguous else None
         if factor is not None:  # a cast: its mean written into the bucket
             _write_cast(buffer[unit.start:unit.stop], _flat(payload), factor, n)
             outs.append(None)
             continue
-        out = payload if ctx is None else comp.decode(payload, ctx, divide=n)
+        out = payload if ctx is None else codec.decode(payload, ctx, divide=n)
         if dropped is not None:
-            comp.add_error_feedback(ctx, _dropped_part(out, dropped, slot))
+            codec.add_error_feedback(ctx, _dropped_part(out, dropped, slot))
         outs.append(out)
     # Written into the bucket's buffer (one copy per unit) and the buffer returned: DDP then
     # sees its own views and copies nothing more per parameter.
@@ -376,12 +377,12 @@ def hook(state: HookState, bucket):
                         f"ddp_comm_hook=hook))")
     if isinstance(bucket, tuple):  # DDP's Python reducer (torch.compile, compiled autograd)
         return ddp_compiled.arrive(state, bucket[0], bucket[1], hook)
-    comp = state.compressor
-    if comp.engine is None:  # a state made by comm_state(): bound at the first backward
+    codec = state.codec
+    if codec.engine is None:  # a state made by comm_state(): bound at the first backward
         state.bind()
     joined = _joined()
     if state.ddp_model is not None and not getattr(state.ddp_model, "_divide_by_initial_world_size", True):
-        raise ValueError(f"hvd_gradcomp DDP hook {comp.spec!r}: Join(..., "
+        raise ValueError(f"hvd_gradcomp DDP hook {codec.spec!r}: Join(..., "
                          f"divide_by_initial_world_size=False) is not supported (the hook divides "
                          f"by the process group's size); use the default True")
     buffer, params = bucket.buffer(), bucket.parameters()
@@ -390,13 +391,13 @@ def hook(state: HookState, bucket):
         buffer.div_(state.world_size)
         fut = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
-    encoded = _encode(comp, plan, buffer, state.world_size)
+    encoded = _encode(codec, plan, buffer, state.world_size)
     payloads = [p for p, _ in encoded]
     if joined:  # zero payloads (the counts travel as they are)
         payloads = [torch.zeros_like(p) for p in payloads]
     if state.tracks_unused:  # users per parameter, and whether DDP writes its result anyway
         payloads.append(_counts(state, plan, params, joined, buffer.device))
-    packed, futures = post_payloads(OPS, payloads, comp.engine.post)
+    packed, futures = post_payloads(OPS, payloads, codec.engine.post)
 
     def finish(results):
         try:
@@ -409,11 +410,11 @@ def hook(state: HookState, bucket):
                 state.last_used[id(plan)] = (counts[:, 0] > 0).to(torch.int32)
             if joined:
                 for (_, ctx), payload in zip(encoded, reduced):
-                    comp.decode_joined(payload, ctx)
+                    codec.decode_joined(payload, ctx)
             else:
                 _decode(state, plan, encoded, reduced, counts, buffer)
         return buffer
-    return _future(comp.engine, futures, finish, buffer)
+    return _future(codec.engine, futures, finish, buffer)
 
 
 def make_comm_hook(ddp_model, compressor, per_tensor: bool = False):

@@ -1,6 +1,6 @@
 """The collectives a compressor needs outside compress, on a ``torch.distributed`` process group.
 
-A compressor bound to an engine (:meth:`hvd_gradcomp.adapter.HorovodCompressor.bind_engine`)
+A compressor bound to an engine (:meth:`hvd_gradcomp.codec.Codec.bind_engine`)
 takes its world size and rank, its checkpoints' object gather (``state_dict(gather=True)``),
 the route check and ``auto``'s link calibration from the engine instead of Horovod. The DDP
 hook (:mod:`torch_backend.ddp`), FSDP (:mod:`torch_backend.fsdp`) and update sync bind one.

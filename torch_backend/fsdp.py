@@ -137,7 +137,7 @@ class _ShardHook:
     flat holds, laid out as the compressor's (trainable) ones."""
 
     def __init__(self, comp, group, fsdp_group, layouts, replicas, late=None):
-        self.comp, self.group, self.fsdp_group = comp, group, fsdp_group
+        self.codec, self.group, self.fsdp_group = comp.codec, group, fsdp_group
         self.layouts, self.replicas, self.late = layouts, replicas, late
         self.partial = None  # (T, reduce-scattered shards in T's layout) kept while all-reduce is off
 
@@ -155,11 +155,11 @@ class _ShardHook:
             if late:
                 self._check_late()
             dtype = str(output.dtype).removeprefix("torch.")
-            plan = self.comp.plan_bucket(lay.members[0], dtype, "sum", self.group, x)
+            plan = self.codec.plan_bucket(lay.members[0], dtype, "sum", self.group, x)
             entries = []
             for unit in plan.units:
                 u = x[unit.start:unit.stop] if unit.contiguous else x.index_select(0, unit.index)
-                payload, ctx = self.comp.encode_unit(unit, u.view(unit.info.shape))
+                payload, ctx = self.codec.encode_unit(unit, u.view(unit.info.shape))
                 entries.append((unit, payload, ctx))
             # One all-reduce per payload dtype (hvd_gradcomp.payloads), each buffer a copy (a
             # payload may be a view of x). Blocking, or (overlap) posted with at most one in
@@ -238,10 +238,10 @@ class _ShardHook:
         if refused is not None:
             raise ValueError(refused[0])
         for (unit, _, ctx), summed in zip(entries, reduced):
-            out = self.comp.decode(summed, ctx, divide=divide).reshape(-1)
+            out = self.codec.decode(summed, ctx, divide=divide).reshape(-1)
             dropped = lay.dropped(unit, out)
             if dropped is not None:  # (the mean: a sum is divided by the replicas here)
-                self.comp.add_error_feedback(ctx, dropped if divide else dropped / self.replicas)
+                self.codec.add_error_feedback(ctx, dropped if divide else dropped / self.replicas)
             out = out.to(output.dtype)
             if unit.contiguous:
                 output[unit.start:unit.stop].copy_(out)
@@ -355,7 +355,7 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
                    f"shard size, numel): replicate_group must join the ranks with the same "
                    f"shard rank of equal shard meshes")
     settle(verdict, entries[0].fsdp_group.mesh_info.shard_process_group)  # (every rank raises it)
-    compressor.bind_engine(engine)
+    compressor.codec.bind_engine(engine)
     replicas, _ = engine.world()
     if any(s.adaptive and s.link is None for s in compressor.routing.schemes()):
         like = entries[0].fsdp_group.fsdp_params[0].sharded_param.to_local()

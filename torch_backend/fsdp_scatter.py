@@ -123,7 +123,7 @@ class _ScatterComm:
     """
 
     def __init__(self, comp, group, fsdp_group, layouts, rank, size, path):
-        self.comp, self.group, self.fsdp_group = comp, group, fsdp_group
+        self.codec, self.group, self.fsdp_group = comp.codec, group, fsdp_group
         self.layouts, self.rank, self.size, self.path = layouts, rank, size, path
 
     def allocate(self, size, *, dtype, device):
@@ -152,7 +152,7 @@ class _ScatterComm:
                              f"scatters over {dist.get_world_size(group)} ranks, installed for "
                              f"{self.size}")
         divide = self._divide(op)
-        size, comp = self.size, self.comp
+        size, codec = self.size, self.codec
         numel = output_tensor.numel()
         if input_tensor.numel() != size * numel:
             raise ValueError(f"install_reduce_scatter: FSDP module {self.path or '<root>'!r}: input of "
@@ -164,12 +164,12 @@ class _ScatterComm:
             entries, by_dtype = [], {}  # entries: (chunk, unit, payload, ctx, split)
             covered = True
             for j in range(size):
-                plan = comp.plan_bucket(lay.members[j], dtype, "sum", self.group, input_tensor)
+                plan = codec.plan_bucket(lay.members[j], dtype, "sum", self.group, input_tensor)
                 covered = covered and sum(u.info.numel for u in plan.units) == lay.full
                 src = lay.expand(chunks[j])  # (T's layout: zeros for a parameter without a gradient)
                 for unit in plan.units:
                     x = src[unit.start:unit.stop] if unit.contiguous else src.index_select(0, unit.index)
-                    payload, ctx = comp.encode_unit(unit, x.view(unit.info.shape))
+                    payload, ctx = codec.encode_unit(unit, x.view(unit.info.shape))
                     split = composite.scatter_split(unit.scheme, unit.info)
                     if split is None:  # install refused these schemes: a route that changed since
                         raise ValueError(f"install_reduce_scatter: tensor {unit.key!r} is routed to "
@@ -199,7 +199,7 @@ class _ScatterComm:
         feedback of its own chunk: the whole sum of every rank's share, as only this rank
         received it. ``words``: :meth:`CallLayout.present_words`, appended to every region and
         checked (:meth:`CallLayout.check_present`) before anything is decoded."""
-        size, me, comp = self.size, self.rank, self.comp
+        size, me, codec = self.size, self.rank, self.codec
         like = words if words is not None else entries[0][2]
         values = [[e[2][:e[4]] for e in entries if e[0] == j] for j in range(size)]
         lengths = [sum(v.numel() for v in vs) for vs in values]
@@ -229,13 +229,13 @@ class _ScatterComm:
             tail = got[off_a:off_a + n_a]
             off_a += n_a
             if j != me:
-                comp.decode_scattered(None, tail, ctx)
+                codec.decode_scattered(None, tail, ctx)
                 continue
-            out = comp.decode_scattered(got[off_v:off_v + split], tail, ctx, divide=divide).reshape(-1)
+            out = codec.decode_scattered(got[off_v:off_v + split], tail, ctx, divide=divide).reshape(-1)
             off_v += split
             dropped = lay.dropped(unit, out)
             if dropped is not None:
-                comp.add_error_feedback(ctx, dropped if divide is None else dropped * float(divide))
+                codec.add_error_feedback(ctx, dropped if divide is None else dropped * float(divide))
             out = out.to(output.dtype)
             if unit.contiguous:
                 output[unit.start:unit.stop].copy_(out)
@@ -344,7 +344,7 @@ def install_reduce_scatter(model, compressor, per="param"):
     g = entries[0].fsdp_group  # its replicas: HSDP's, or install's (which turned HSDP's off)
     settle(verdict, g.mesh_info.replicate_process_group if isinstance(g.mesh_info, HSDPMeshInfo)
            else getattr(g, "_hvd_gradcomp_replicas", None))
-    compressor.bind_engine(engine)
+    compressor.codec.bind_engine(engine)
     for e in entries:
         layouts = Layouts(e, per, range(e.size))
         e.module.set_custom_reduce_scatter(_ScatterComm(compressor, group, e.fsdp_group, layouts, e.rank,

@@ -144,7 +144,7 @@ class SimulatedEngine:
                 raise ValueError("SimulatedEngine.bind: one compressor object given for several "
                                  "ranks; each rank needs its own (its own state)")
         for r, comp in enumerate(compressors):
-            comp.bind_engine(self._views[r])
+            comp.codec.bind_engine(self._views[r])
         return compressors
 
     def compressors(self, spec: str) -> list:
@@ -235,14 +235,14 @@ class SimulatedEngine:
         encoded, plans = [], []
         for r in range(n):
             t0 = self.clock()
-            plan = compressors[r].plan_bucket(members, dtype, self.op, None, buffers[r])
+            plan = compressors[r].codec.plan_bucket(members, dtype, self.op, None, buffers[r])
             units = []
             for unit in plan.units:
                 buf = buffers[r]
                 x = buf[unit.start:unit.stop] if unit.contiguous else buf.index_select(0, unit.index)
                 if len(unit.members) == 1 and tuple(x.shape) != tuple(unit.info.shape):
                     x = x.view(unit.info.shape)
-                units.append(compressors[r].encode_unit(unit, x))
+                units.append(compressors[r].codec.encode_unit(unit, x))
             self.timings["encode_s"][r] += self.clock() - t0
             plans.append(plan)
             encoded.append(units)
@@ -271,9 +271,9 @@ class SimulatedEngine:
             for unit, (_, ctx), payload in zip(plans[r].units, encoded[r], reduced):
                 payload = payload.clone()  # each rank decodes its own copy, as after a real collective
                 if self.op == "sum":
-                    dec = compressors[r].decode(payload, ctx, divide=n)
+                    dec = compressors[r].codec.decode(payload, ctx, divide=n)
                 else:
-                    dec = compressors[r].decode(payload, ctx)
+                    dec = compressors[r].codec.decode(payload, ctx)
                 dec = dec.reshape(-1).to(out.dtype)
                 if unit.contiguous:
                     out[unit.start:unit.stop] = dec

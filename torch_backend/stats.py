@@ -44,8 +44,8 @@ class CompressionStats(StatsLogger):
     """
 
     def __init__(self, compression, parameters, *, every=0, logger=None, log_dir=None, rank=None):
-        if rank is None and callable(getattr(compression, "_job_world", None)):
-            rank = compression._job_world()[1]
+        if rank is None and hasattr(compression, "codec"):
+            rank = compression.codec.job_world()[1]
             if rank is None:
                 raise ValueError("CompressionStats: this process's rank is unknown: neither hvd.init() "
                                  "nor torch.distributed.init_process_group() is done; pass rank=")

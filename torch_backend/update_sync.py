@@ -18,7 +18,7 @@ Usage::
 and steps its own optimizer on its own gradient (each rank's optimizer state, e.g. Adam's
 moments, sees only that rank's gradients). Every ``every`` = H steps, each rank compresses the
 change of each parameter since the last sync, ``delta_r = p_r - theta``, under the parameter's
-name as the tensor key (:meth:`~hvd_gradcomp.adapter.HorovodCompressor.encode`, so routing
+name as the tensor key (:meth:`~hvd_gradcomp.codec.Codec.encode`, so routing
 rules match parameter names), and the ranks sum the payloads by one all-reduce per tensor
 (posted as soon as the tensor is encoded; Horovod's ``allreduce_async``, or
 ``dist.all_reduce(async_op=True)`` on the group). The decoded mean ``d = sum_r C(delta_r) / n``
@@ -242,7 +242,7 @@ class UpdateSync:
                              f"of its own (its state is kept per parameter name)")
         if self.backend == _TORCH:
             from .engine import ProcessGroupEngine
-            compression.bind_engine(ProcessGroupEngine(self.group))
+            compression.codec.bind_engine(ProcessGroupEngine(self.group))
         elif compression.engine is not None:
             raise ValueError(f"UpdateSync: compressor {compression.spec!r} is bound to "
                              f"{compression.engine!r}; give UpdateSync a compressor of its own")

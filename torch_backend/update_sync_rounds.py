@@ -125,12 +125,12 @@ class Exchange:
         Returns ``(posted, deltas)``: the handles for :meth:`collect`, and with ``keep`` copies
         of the float32 changes (the overlapped schedule's eager rule; a copy, as a payload may
         be the change itself, summed in place), else None."""
-        comp, posted, deltas = self.compressor, [], []
+        codec, posted, deltas = self.compressor.codec, [], []
         group = self.group if self.backend == TORCH else None
         for name, p, anchor in zip(names, params, anchors):
             t0 = time.perf_counter()
             delta = p.detach().float() - anchor.float()
-            payload, ctx = comp.encode(delta, name, op="sum", group=group)
+            payload, ctx = codec.encode(delta, name, op="sum", group=group)
             t1 = time.perf_counter()
             if keep:
                 deltas.append(delta.clone())
@@ -148,7 +148,7 @@ class Exchange:
             t0 = time.perf_counter()
             summed = self._wait(handle)
             t1 = time.perf_counter()
-            means.append(self.compressor.decode(summed, ctx, divide=size).reshape(shape))
+            means.append(self.compressor.codec.decode(summed, ctx, divide=size).reshape(shape))
             self.times["comm_s"] += t1 - t0
             self.times["decode_s"] += time.perf_counter() - t1
         return means

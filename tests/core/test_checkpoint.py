@@ -81,7 +81,7 @@ def test_damaged_checkpoints_raise_value_error(backend):
         with pytest.raises(ValueError) as err:
             comp.load_state_dict(damaged, rank=0)
         assert str(err.value).startswith(message), (what, str(err.value))
-        assert not comp._pending and not comp.table.saved, what  # nothing loaded
+        assert not comp.codec.tensors.pending and not comp.table.saved, what  # nothing loaded
 
 
 @requires_backend("torch")
@@ -97,13 +97,13 @@ def test_rank_unknown_without_any_process_group():
     state = _per_rank("torch")
     gathered = {"spec": SPEC, "world_size": 2, "ranks": [state, {**state, "rank": 1}]}
     comp = Compression.from_spec(SPEC)
-    assert comp._job_world() == (None, None)
+    assert comp.codec.job_world() == (None, None)
     with pytest.raises(ValueError, match=r"load_state_dict: rank must be in \[0, 2\) for a state gathered from "
                                          r"2 ranks, got None \(is hvd.init\(\) or "
                                          r"torch.distributed.init_process_group\(\) done\? else pass rank=\)"):
         comp.load_state_dict(gathered)
     comp.load_state_dict(gathered, rank=1)
-    assert set(comp._pending) == {"w"}
+    assert set(comp.codec.tensors.pending) == {"w"}
     params = [torch_param()]
     with pytest.raises(ValueError, match=r"CompressionStats: this process's rank is unknown: neither hvd.init\(\) "
                                          r"nor torch.distributed.init_process_group\(\) is done; pass rank="):

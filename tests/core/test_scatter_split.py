@@ -5,7 +5,7 @@ For each scheme that defines it and 2 or 8 ranks: every rank compresses its own 
 3000-coordinate tensor for four steps; the payloads are summed; one rank (the destination)
 decompresses the whole sum, and every rank steps its state from the sum with the values
 zeroed (``receive`` and ``finish`` of the agreed part only), as
-:meth:`~hvd_gradcomp.engine_codec.EngineCodec.decode_scattered` does. Checked against the plain
+:func:`~hvd_gradcomp.scattered.decode_scattered` does. Checked against the plain
 all-reduce path (:func:`~hvd_gradcomp.base.finish_tensor` of the whole sum on every rank): the
 same output bit for bit and the same states (for fp16 at 8 ranks, whose agreed scale the split
 keeps at 1/n, the output to float16 rounding instead); the agreed part is integer. And the

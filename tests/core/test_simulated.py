@@ -149,7 +149,7 @@ def test_bucket_of_several_members_against_one_by_one(spec):
     comps, solo = e.compressors(spec), alone.compressors(spec)
     bufs = _buffers(n, 0)
     outs = e.allreduce_bucket(comps, bufs, MEMBERS)
-    plan = comps[0].plan_bucket(MEMBERS, "float32", "sum", None, bufs[0])
+    plan = comps[0].codec.plan_bucket(MEMBERS, "float32", "sum", None, bufs[0])
     assert sum(len(u.members) for u in plan.units) == len(MEMBERS)
     for m in MEMBERS:
         parts = [b[m.offset:m.offset + m.numel].clone() for b in bufs]

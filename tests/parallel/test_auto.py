@@ -107,9 +107,9 @@ def _gate_run(allreduce, tensor, comp, rank):
     for t in range(GATE_STEPS):
         outs.append(np.asarray(allreduce(tensor(t)), dtype=np.float64))
         choices.append(comp.metrics()["g"].get("scheme"))
-        state = comp._read_state("g")
+        state = comp.codec.store.read("g")
         fields.append(tuple(state._fields))
-        pending = composite.residual_of(comp.scheme, comp.ops, state, comp._infos["g"])
+        pending = composite.residual_of(comp.scheme, comp.ops, state, comp.codec.tensors.infos["g"])
         owed.append(np.zeros(SHAPE) if pending is None else
                     np.asarray(comp.ops.to_host(pending), dtype=np.float64).reshape(SHAPE))
     return {"outs": outs, "choices": choices, "fields": fields, "owed": owed,

@@ -62,9 +62,9 @@ def _scenarios(hvd, comp_of, tensor, to_numpy, rank):
 
     def pending(comp, name="w"):
         """This rank's pending error feedback (float64, gradient coordinates)."""
-        state = comp._read_state(name) if comp._has_state(name) else None
+        state = comp.codec.store.read(name) if comp.codec.store.has(name) else None
         scheme = comp.table.routes[name].scheme
-        owed = None if state is None else composite.residual_of(scheme, comp.ops, state, comp._infos[name])
+        owed = None if state is None else composite.residual_of(scheme, comp.ops, state, comp.codec.tensors.infos[name])
         return np.zeros(SHAPE) if owed is None else \
             np.asarray(comp.ops.to_host(owed), dtype=np.float64).reshape(SHAPE)
 

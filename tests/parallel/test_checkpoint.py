@@ -99,7 +99,7 @@ def engine_worker(engine, tmp):
             "bytes": tuple(comp.bytes_per_step()),
             "fields": {k: {f: tuple(v.shape) for f, v in fields.items()} for k, fields in local.items()},
             "metrics": {k: sorted(m) for k, m in comp.metrics().items()},
-            "worlds": {k: (i.world_size, i.rank) for k, i in comp._infos.items()},
+            "worlds": {k: (i.world_size, i.rank) for k, i in comp.codec.tensors.infos.items()},
             "gathered": [p["rank"] for p in state["ranks"]],
             "wrong_rank": value_error(lambda: comp.load_state_dict(other)),
             "wrong_spec": value_error(lambda: Compression.from_spec("thc:bits=2").load_state_dict(mine)),
@@ -127,7 +127,7 @@ def _load_before_register(spec, path, other, rank):
     ddp = DDP(_probe_cls()())
     register_comm_hook(ddp, comp, per_tensor=True)  # the saved run's layout (make() above)
     resumed = [_step(ddp, grads_of(rank, t)) for t in range(STEPS, STEPS + RESUME)]
-    return {"load_first": resumed, "load_first_world": comp._job_world(), "stats_rank": stats_rank,
+    return {"load_first": resumed, "load_first_world": comp.codec.job_world(), "stats_rank": stats_rank,
             "stats_rank_bound": CompressionStats(comp, ddp.parameters()).rank,
             "wrong_rank_unbound": value_error(lambda: Compression.from_spec(spec).load_state_dict(other))}
 

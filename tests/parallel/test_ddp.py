@@ -95,11 +95,11 @@ def _agreed(comp):
     group): all but the rank-local ones (error feedback) and THC's per-rank diagnostic
     ``saturated``."""
     out = {}
-    for key in comp._infos:
-        if not comp._has_state(key):
+    for key in comp.codec.tensors.infos:
+        if not comp.codec.store.has(key):
             continue
-        state = comp._read_state(key)
-        scheme = comp._group_scheme(key) if key in comp._groups else comp.table.routes[key].scheme
+        state = comp.codec.store.read(key)
+        scheme = comp.codec.groups.scheme_of(key) if key in comp.codec.groups.groups else comp.table.routes[key].scheme
         out[key] = {f: v.double().numpy().copy() for f, v in zip(state._fields, state)
                     if f not in scheme.rank_local_fields and not f.endswith("saturated")}
     return out
@@ -150,8 +150,8 @@ def values_worker(tmp):
             calls.append(c.calls)
         rec = {"outs": outs, "calls": calls, "bytes": comp.bytes_per_step().payload,
                "residuals": _residuals(comp), "routes": comp.routes(),
-               "worlds": sorted({(i.world_size, i.rank) for i in comp._infos.values()}),
-               "groups": sorted(set(comp._groups) & set(comp._holders.values()))}  # those sending now
+               "worlds": sorted({(i.world_size, i.rank) for i in comp.codec.tensors.infos.values()}),
+               "groups": sorted(set(comp.codec.groups.groups) & set(comp.codec.groups.holders.values()))}  # those sending now
         if not scaled:  # exact resume from a checkpoint saved on rank 0
             path = os.path.join(tmp, f"{text}.pt")
             state = comp.state_dict(gather=True)
@@ -446,7 +446,7 @@ def features_worker():
         comp = register_comm_hook(ddp, Compression.topkc(0.1), per_tensor=True)
         outs = [_step(ddp, grads_of(rank, t)) for t in range(3)]
         state = comp.state_dict(gather=True)
-        out["group"] = {"outs": outs, "worlds": sorted({(i.world_size, i.rank) for i in comp._infos.values()}),
+        out["group"] = {"outs": outs, "worlds": sorted({(i.world_size, i.rank) for i in comp.codec.tensors.infos.values()}),
                         "gathered": [p["rank"] for p in state["ranks"]], "bytes": comp.bytes_per_step().payload}
     dist.barrier()
 

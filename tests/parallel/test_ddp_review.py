@@ -109,7 +109,7 @@ def review_worker(tmp):
             w = comp.wire_bytes()
             reports.append({"bytes": comp.bytes_per_step().payload, "wire_sum": sum(v.payload for v in w.values()),
                             "wire_keys": sorted(w), "metrics_keys": sorted(comp.metrics()),
-                            "groups": sorted(comp._groups)})
+                            "groups": sorted(comp.codec.groups.groups)})
         return {"outs": outs, "calls": calls, "reports": reports, "owed": owed(comp)}
 
     out = {}

@@ -135,7 +135,7 @@ def _train(mesh, spec, tmp, replicate_group=None, resume=True, per="param"):
     comp = install(model, Compression.from_spec(spec), replicate_group=replicate_group, per=per)
     outs = [_step(model, opt, grads_of(rank, t)) for t in range(STEPS)]
     rec = {"outs": outs, "residuals": _residuals(comp), "routes": comp.routes(), "params": _params(model),
-           "worlds": sorted({(i.world_size, i.rank) for i in comp._infos.values()})}
+           "worlds": sorted({(i.world_size, i.rank) for i in comp.codec.tensors.infos.values()})}
     if resume:
         path = os.path.join(tmp, f"{spec}-{per}-rank{rank}.pt")
         torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "comp": comp.state_dict()}, path)
@@ -192,7 +192,7 @@ def two_worker(tmp):
     model, opt = _build(shard, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16))
     comp = install(model, Compression.thc(), replicate_group=group)
     out["reduce fp16"] = ([_step(model, opt, grads_of(rank, t)) for t in range(STEPS)], _residuals(comp),
-                          {k: i.dtype for k, i in comp._infos.items() if k in comp.routes()})
+                          {k: i.dtype for k, i in comp.codec.tensors.infos.items() if k in comp.routes()})
     model, opt = _build(shard, offload_policy=CPUOffloadPolicy(pin_memory=False))
     install(model, Compression.topkc(0.1), replicate_group=group)
     out["offload"] = [_step(model, opt, grads_of(rank, t)) for t in range(2)]

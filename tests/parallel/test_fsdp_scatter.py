@@ -56,8 +56,8 @@ def _train(mesh, spec, tmp, per="param", both=False, resume=True, **kw):
     model, opt, comp, other = build()
     outs = [_step(model, opt, grads_of(rank, t)) for t in range(STEPS)]
     rec = {"outs": outs, "residuals": _residuals(comp), "routes": comp.routes(), "params": _params(model),
-           "worlds": sorted({(i.world_size, i.rank) for i in comp._infos.values()}),
-           "dtypes": sorted({i.dtype for i in comp._infos.values()})}
+           "worlds": sorted({(i.world_size, i.rank) for i in comp.codec.tensors.infos.values()}),
+           "dtypes": sorted({i.dtype for i in comp.codec.tensors.infos.values()})}
     if resume:
         path = os.path.join(tmp, f"{spec}-{per}-{both}-rank{rank}.pt")
         torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "comp": comp.state_dict(),
@@ -102,12 +102,12 @@ def two_worker(tmp):
     model, opt = _build(mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16))
     comp = install_reduce_scatter(model, Compression.thc())
     out["reduce fp16"] = ([_step(model, opt, grads_of(rank, t)) for t in range(STEPS)], _residuals(comp),
-                          sorted({i.dtype for i in comp._infos.values()}))
+                          sorted({i.dtype for i in comp.codec.tensors.infos.values()}))
     # bfloat16 reduction (FSDP's op Avg), signSGD
     model, opt = _build(mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
     comp = install_reduce_scatter(model, Compression.signsgd())
     out["reduce bf16"] = ([_step(model, opt, grads_of(rank, t)) for t in range(STEPS)], _residuals(comp),
-                          sorted({i.dtype for i in comp._infos.values()}))
+                          sorted({i.dtype for i in comp.codec.tensors.infos.values()}))
     # refusals, on every rank
     errors = {}
     model, _ = _build(mesh)

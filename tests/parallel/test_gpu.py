@@ -51,7 +51,7 @@ def _worker():
                 y = hvd.allreduce(x, op=hvd.Average, name=f"gpu.{spec}", compression=comp)
                 assert y.device.type == device, (spec, y.device)
                 results.append(y.double().cpu().numpy())
-            info = comp._infos[f"gpu.{spec}"]
+            info = comp.codec.tensors.infos[f"gpu.{spec}"]
             out[(device, spec)] = (results, bool(info.nccl_avg))
     own = []
     for step in range(STEPS):

@@ -52,7 +52,7 @@ def worker(tmp):
         for groups in (0, 1):
             comp = Compression.from_spec(spec)
             outs, run_ = _train(hvd, torch, comp, groups, STEPS)
-            rec = {"outs": outs, "owed": _owed(comp), "groups": sorted(comp._groups),
+            rec = {"outs": outs, "owed": _owed(comp), "groups": sorted(comp.codec.groups.groups),
                    "bytes": comp.bytes_per_step().payload}
             if groups:  # the grouped run's checkpoint into an ungrouped compressor
                 buf = io.BytesIO()

@@ -223,7 +223,7 @@ def worker():
     leaf = torch.arange(16, dtype=torch.float32).requires_grad_()
     for tensor in (leaf * (hvd.rank() + 1), leaf):
         hvd.allreduce(tensor, name="grad_t", compression=comp)
-    kept = comp._read_state("grad_t")
+    kept = comp.codec.store.read("grad_t")
     out["autograd"] = [(f, bool(t.requires_grad), t.grad_fn is None) for f, t in zip(kept._fields, kept)]
     return out
 

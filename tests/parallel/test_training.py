@@ -61,7 +61,7 @@ def worker_fp16_large_and_tiny():
             out[f"{label}_{op_name}_steps"] = [
                 hvd.allreduce(x, name=f"{label}_{op_name}_steps", op=op, compression=comp).numpy()
                 for _ in range(3)]
-        out[f"scale_{op_name}"] = {k: float(comp._read_state(k).fp16_scale) for k in comp._infos}
+        out[f"scale_{op_name}"] = {k: float(comp.codec.store.read(k).fp16_scale) for k in comp.codec.tensors.infos}
     # Horovod's own fp16 (no pre-scale) overflows on the same sum: why the pre-scale exists.
     out["horovod_big_sum"] = hvd.allreduce(big, name="hvd_big", op=hvd.Sum, compression=hvd.Compression.fp16).numpy()
     return out

@@ -73,9 +73,9 @@ def _residuals(comp):
     from hvd_gradcomp import composite
     from torch_backend import OPS
     out = {}
-    for key, info in comp._infos.items():
+    for key, info in comp.codec.tensors.infos.items():
         scheme = comp.table.routes[key].scheme
-        r = composite.residual_of(scheme, OPS, comp._read_state(key), info) if comp._has_state(key) else None
+        r = composite.residual_of(scheme, OPS, comp.codec.store.read(key), info) if comp.codec.store.has(key) else None
         out[key] = None if r is None else r.double().numpy().copy()
     return out
 
@@ -166,8 +166,8 @@ def _checks(backend):
     used = Compression.topkc(0.1)
     if backend == "torch":
         from torch_backend.engine import ProcessGroupEngine
-        used.bind_engine(ProcessGroupEngine())
-    used.encode(torch.randn(64, 64), "w")
+        used.codec.bind_engine(ProcessGroupEngine())
+    used.codec.encode(torch.randn(64, 64), "w")
     refusals = {
         "every": lambda: UpdateSync(opt, model=m, every=0),
         "used": lambda: UpdateSync(opt, model=m, compression=used),

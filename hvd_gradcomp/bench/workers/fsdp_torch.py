@@ -74,12 +74,12 @@ def native_spec(spec):
 
 
 def timed_compressor(comp, clock):
-    """Time ``comp``'s codec calls from FSDP's hooks: its class becomes a subclass (no new
-    state, the same slots) whose ``plan_bucket``, ``encode_unit``, ``decode`` and
+    """Time ``comp``'s codec calls from FSDP's hooks: its codec's class becomes a subclass (no
+    new state, the same slots) whose ``plan_bucket``, ``encode_unit``, ``decode`` and
     ``decode_scattered`` add their duration (``clock()`` seconds, e.g. :func:`..device.clock`,
     which drains the GPU first) to the class's ``codec_s``. Returns the subclass; its
     ``take()`` reads and resets ``codec_s``."""
-    base = type(comp)
+    base = type(comp.codec)
 
     def timed(name):
         inner = getattr(base, name)
@@ -101,7 +101,7 @@ def timed_compressor(comp, clock):
         out, Timed.codec_s = Timed.codec_s, 0.0
         return out
     Timed.take = staticmethod(take)
-    comp.__class__ = Timed
+    comp.codec.__class__ = Timed
     return Timed
 
 
