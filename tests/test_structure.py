@@ -33,18 +33,6 @@ PACKAGES = ("hvd_gradcomp", "torch_backend", "tf_backend", "tests")
 _MODULE_TEXT = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 MAX_LINES = 550
 
-# The codec refactor's files (issue 48), being rewritten while the compressor's mixins become one
-# owned Codec: their size is checked, and an import edge *from* one of them may be allow-listed
-# below, only until that lands; then this set is emptied.
-LEAD_OWNED = {
-    "hvd_gradcomp/adapter.py", "hvd_gradcomp/buckets.py", "hvd_gradcomp/records.py",
-    "hvd_gradcomp/engine_codec.py", "hvd_gradcomp/checkpoint.py",
-    "hvd_gradcomp/group_checkpoint.py", "hvd_gradcomp/grouped.py", "hvd_gradcomp/link.py",
-    "torch_backend/compression.py", "tf_backend/compression.py",
-}
-# Import edges (importer path, imported module) that close a circle, each in a lead-owned
-# importer; an entry whose edge is gone fails, so the list only shrinks. None today.
-ALLOWED_EDGES = set()
 # Test files (tests/**/test_*.py) over MAX_LINES when the check came, to be split by job as they
 # are next edited; an entry that is short now, or gone, fails, so the list only shrinks. Every
 # other module, test helpers (tests/core/triton_checks.py, tests/hvdrun.py, ...) included, is
@@ -191,8 +179,6 @@ def import_circles(graph=None):
         graph, modules = import_graph()
     else:
         modules = {m: m for m in graph}
-    graph = {v: {w: line for w, line in ws.items() if (modules[v], w) not in ALLOWED_EDGES}
-             for v, ws in graph.items()}
     lines = []
     for component in _strongly_connected(graph):
         lines.append("circle among: " + ", ".join(component))
@@ -215,12 +201,8 @@ def test_no_import_circle():
 
 
 def test_allow_lists_are_still_needed():
-    graph, modules = import_graph()
+    _, modules = import_graph()
     paths = {path: module for module, path in modules.items()}
-    for importer, imported in ALLOWED_EDGES:
-        assert importer in LEAD_OWNED, f"{importer}: only lead-owned files may be allow-listed"
-        assert importer in paths and imported in graph[paths[importer]], \
-            f"{importer} no longer imports {imported}: drop the entry from ALLOWED_EDGES"
     for path in LONG_TEST_FILES:
         assert os.path.basename(path).startswith("test_"), f"{path}: only test files may be listed"
         assert path in paths and _count_lines(path) > MAX_LINES, \
@@ -229,11 +211,11 @@ def test_allow_lists_are_still_needed():
 
 def test_module_sizes():
     """Every module of the packages and of tests/ at most MAX_LINES lines (``wc -l``), but the
-    lead-owned files while the codec refactor runs and the listed test files."""
+    listed test files (no module of ``hvd_gradcomp``, ``torch_backend`` or ``tf_backend`` is
+    exempt)."""
     _, modules = import_graph()
     long = sorted(f"{path}: {_count_lines(path)} lines" for path in modules.values()
-                  if path not in LEAD_OWNED and path not in LONG_TEST_FILES
-                  and _count_lines(path) > MAX_LINES)
+                  if path not in LONG_TEST_FILES and _count_lines(path) > MAX_LINES)
     assert not long, f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(long)
 
 
