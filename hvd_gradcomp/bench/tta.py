@@ -64,7 +64,7 @@ import time
 
 from typing import NamedTuple, Optional
 
-from . import device, fp16_estimate, launch, linkcheck, netem, publish, report
+from . import device, fp16_estimate, launch, linkcheck, netem, publish, report, report_plot, report_table
 from .worker import PROGRESS_PREFIX
 
 __all__ = ["main", "plan_sweep", "run_sweep", "report_sweep", "SweepPlan", "SweepOutcome",
@@ -1196,7 +1196,7 @@ def run_sweep(plan: SweepPlan, args) -> SweepOutcome:
                 if ref:  # FP16 stopped early: its TTA is estimated (fp16_estimate)
                     results[run.run_id].setdefault("meta", {})["fp16_estimate"] = \
                         fp16_estimate.reference_meta(ref, args.fp16_steps)
-                elif extra:  # what stopped it, for the report (report.stop_note)
+                elif extra:  # what stopped it, for the report (report_table.stop_note)
                     results[run.run_id].setdefault("meta", {})["stop_cap"] = dict(stops[stop_group(run)])
                 note_fp16(run, results[run.run_id], stops, getattr(args, "tta_cap", None))
     except KeyboardInterrupt:
@@ -1236,16 +1236,16 @@ def report_sweep(plan: SweepPlan, args, outcome: SweepOutcome, argv, t_start):
     report.write_summary_csv(os.path.join(plan.out_dir, "summary.csv"), summary)
     report.write_json(os.path.join(plan.out_dir, "results.json"), sweep, rows, results, summary)
     for w in plan.workloads:
-        sel = report.plot_rows(rows, results, w)
+        sel = report_plot.plot_rows(rows, results, w)
         if sel:
             title = f"{w} ({WORKLOADS[w][0]}), {args.workers} workers: time to accuracy"
-            report.plot(report.plot_path(plan.out_dir, w), sel, results, title, desc)
-        auto_rows = report.choice_rows(rows, results, w)
+            report_plot.plot(report_plot.plot_path(plan.out_dir, w), sel, results, title, desc)
+        auto_rows = report_plot.choice_rows(rows, results, w)
         if auto_rows:
-            report.plot_choices(report.choices_plot_path(plan.out_dir, w), auto_rows, results,
+            report_plot.plot_choices(report_plot.choices_plot_path(plan.out_dir, w), auto_rows, results,
                                 f"{w}: what auto sent each tensor with, step by step")
-    table = report.format_table(rows, desc, results)
-    md = report.markdown_table(rows, desc, results)
+    table = report_table.format_table(rows, desc, results)
+    md = report_table.markdown_table(rows, desc, results)
     elapsed = time.time() - t_start
     with open(os.path.join(plan.out_dir, "summary.md"), "w") as f:
         f.write(md + "\n")

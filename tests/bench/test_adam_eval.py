@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hvd_gradcomp.bench import publish, report, tta
+from hvd_gradcomp.bench import publish, report, report_plot, report_table, tta
 from hvd_gradcomp.bench.worker import parse_optimizer
 from hvd_gradcomp.bench.workers import torch_workloads
 
@@ -94,7 +94,7 @@ def test_absolute_targets_get_steps_to_target_too():
 
 def test_table_has_steps_to_target_beside_the_step_time_ratio():
     rows, _ = _sweep()
-    text = report.format_table(rows, NET)
+    text = report_table.format_table(rows, NET)
     lines = text.splitlines()
     header = lines[3]
     assert "best DDP TTA/ours  steps to target  FP16 step/ours  final" in header
@@ -104,7 +104,7 @@ def test_table_has_steps_to_target_beside_the_step_time_ratio():
     assert "fp16 with adamw(lr=1e-3)" in lines[8] and "50 (0.71x)" in lines[8]
     assert "70 (1.00x)" in body["fp16"] and "80 (1.14x)" in body["thc"] and "2.00x" in body["thc"]
     assert "not reached" in body["topkc:ratio=0.1"]
-    md = report.markdown_table(rows, NET)
+    md = report_table.markdown_table(rows, NET)
     assert "| steps to target | FP16 step/ours |" in md
     assert "| lm-comm | fp16 with adamw(lr=1e-3) |" in md
     assert "| 80 (1.14x) | 2.00x |" in md
@@ -285,15 +285,15 @@ def test_rows_after_fp16_stop_at_its_target_or_a_multiple_of_its_tta():
 
 def test_the_table_says_what_stopped_the_rows_after_fp16():
     rows, results = _sweep()
-    assert report.stop_note(rows, results) == ""  # nothing recorded: nothing said
+    assert report_table.stop_note(rows, results) == ""  # nothing recorded: nothing said
     results["lm-comm-horovod-thc"]["meta"]["stop_cap"] = {"target": 5.1, "fp16_tta_s": 14.0, "cap": 1.5,
                                                           "max_seconds": 21.0, "fp16_steps": 90}
     note = "lm-comm: every row after FP16 stopped at the target or when its training clock passed 1.5 x FP16's TTA (14.0 s), i.e. 21.0 s"
-    assert note in report.stop_note(rows, results) and note in report.markdown_table(rows, NET, results)
-    assert note not in report.markdown_table(rows, NET)
+    assert note in report_table.stop_note(rows, results) and note in report_table.markdown_table(rows, NET, results)
+    assert note not in report_table.markdown_table(rows, NET)
     del results["lm-comm-horovod-thc"]["meta"]["stop_cap"]  # a sweep of the step cap (issue 25's)
     results["lm-comm-horovod-thc"]["meta"].update(target=5.1, argv=["w", "--max-steps", "135"])
-    assert report.stop_note(rows, results) == (
+    assert report_table.stop_note(rows, results) == (
         "lm-comm: every row after FP16 stopped at the target or after 135 steps (1.50 x FP16's 90 steps).")
 
 
@@ -339,8 +339,8 @@ def test_accumulate_and_update_sync_rows():
     report.apply_targets(rows, res)
     assert [r["target"] for r in rows] == [pytest.approx(5.1)] * 3  # from row a alone
     assert len(report.aggregate(rows)) == 3
-    assert report.converged_levels(rows) == {"FP16": pytest.approx(5.0)}  # row a's level only
-    text = report.markdown_table(rows, NET)
+    assert report_plot.converged_levels(rows) == {"FP16": pytest.approx(5.0)}  # row a's level only
+    text = report_table.markdown_table(rows, NET)
     assert "accumulate(K) rows: K micro-batches" in text and "update-sync rows: each rank steps" in text
 
 
@@ -373,8 +373,8 @@ def test_groups_rows():
     report.apply_targets(rows, res)
     assert [r["num_groups"] for r in rows] == [0, 1] and [r["target"] for r in rows] == [pytest.approx(5.1)] * 2
     assert len(report.aggregate(rows)) == 2
-    assert report.converged_levels(rows) == {"FP16": pytest.approx(5.0)}
-    assert "groups(G) rows: Horovod's num_groups=G" in report.markdown_table(rows, NET)
+    assert report_plot.converged_levels(rows) == {"FP16": pytest.approx(5.0)}
+    assert "groups(G) rows: Horovod's num_groups=G" in report_table.markdown_table(rows, NET)
 
 
 def test_worker_refuses_groups_with_update_sync(capsys):

@@ -8,7 +8,7 @@ test).
 """
 import pytest
 
-from hvd_gradcomp.bench import netem, report, tta
+from hvd_gradcomp.bench import netem, report, report_plot, report_table, tta
 
 
 def _plan(*argv):
@@ -156,10 +156,10 @@ def test_fsdp_targets_and_ratios_against_fp16_fsdp(tmp_path):
     assert h["target"] == pytest.approx(20.4) and f["target"] == t["target"] == pytest.approx(10.2)
     assert t["tta_s"] == 1.0 and t["tta_vs_fp16"] == pytest.approx(2.0) and t["fp16_bytes_ratio"] == 4.0
     assert t["bytes_reduce_scatter"] == 1000 and t["mesh"] == "2x2" and h["mesh"] is None
-    assert report.converged_levels(rows) == {"FP16": 20.0, "FP16-FSDP": 10.0}
-    table = report.format_table(rows, {"mode": "netns", "note": "x", "qdisc": "q"}, results)
+    assert report_plot.converged_levels(rows) == {"FP16": 20.0, "FP16-FSDP": 10.0}
+    table = report_table.format_table(rows, {"mode": "netns", "note": "x", "qdisc": "q"}, results)
     assert "FSDP rows: HSDP (FSDP2 fully_shard on a replicas x shards mesh, 2x2)" in table
-    report.plot(str(tmp_path / "p.png"), rows, results, "t", {"note": "x"})
+    report_plot.plot(str(tmp_path / "p.png"), rows, results, "t", {"note": "x"})
     # Without FP16-FSDP the FSDP rows have no target: never Horovod's FP16 instead.
     del results["f"]
     rows = [report.summarize(k, v, {"mode": "netns"}) for k, v in results.items()]

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from hvd_gradcomp.bench import fp16_estimate, report, tta
+from hvd_gradcomp.bench import fp16_estimate, report, report_table, tta
 from hvd_gradcomp.bench.worker import Recorder, WaitTimer
 
 
@@ -169,7 +169,7 @@ def test_wait_share_in_rows_table_and_csv(tmp_path):
     rows = [report.summarize(k, v, NET) for k, v in results.items()]
     assert rows[0]["wait_share"] == pytest.approx(0.75) and rows[1]["wait_share"] == pytest.approx(0.125)
     assert rows[1]["comm_share"] == pytest.approx(0.5)
-    table = report.markdown_table(rows, NET, results)
+    table = report_table.markdown_table(rows, NET, results)
     head = [line for line in table.splitlines() if line.startswith("| workload")][0]
     assert head.split(" | ")[-2:] == ["comm", "wait |"]
     assert "| 75% | 75% |" in table and "| 50% | 12% |" in table
@@ -180,7 +180,7 @@ def test_wait_share_in_rows_table_and_csv(tmp_path):
     # Records without the wait (older sweeps, workers that do not measure it): no column.
     old = {"a": _result("fp16", "fp16", (1.0, 0.0, 3.0, 3.0), [10, 9, 8], wait=False)}
     rows = [report.summarize(k, v, NET) for k, v in old.items()]
-    assert rows[0]["wait_share"] is None and "| wait" not in report.markdown_table(rows, NET, old)
+    assert rows[0]["wait_share"] is None and "| wait" not in report_table.markdown_table(rows, NET, old)
 
 
 # ---- FP16's estimated TTA on a slow link ----
@@ -233,7 +233,7 @@ def test_fp16_stopped_early_gets_the_labelled_estimate(tmp_path):
     assert rows[0]["tta_s"] == 12.0 and rows[0]["steps_to_target"] == 3  # 3 steps x 4 s
     assert rows[1]["target"] == pytest.approx(8.16) and rows[1]["tta_s"] == 6.0  # step 4 x 1.5 s
     assert rows[1]["tta_vs_fp16"] == pytest.approx(2.0)
-    table = report.markdown_table(rows, NET, results)
+    table = report_table.markdown_table(rows, NET, results)
     line = [x for x in table.splitlines() if x.startswith("| lm-comm | fp16 |")][0]
     assert "| 12.0 (est.) |" in line and "| 3 at 50 Mbit/s |" in line
     assert ("fp16 (lm-comm) stopped after 2 steps at 5 Mbit/s: its TTA (est.) is its steps to target at "

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from hvd_gradcomp.bench import publish, report, tta
+from hvd_gradcomp.bench import publish, report, report_plot, report_table, tta
 from hvd_gradcomp.bench.worker import Recorder, TimedCompressor, rolling_mean
 
 
@@ -287,10 +287,10 @@ def test_csv_and_json_schema(tmp_path):
 
 def test_table_says_loopback_and_marks_failures():
     rows, _ = _rows_and_results(LOOP)
-    text = report.format_table(rows, LOOP)
+    text = report_table.format_table(rows, LOOP)
     assert text.splitlines()[0].startswith("Network: LOOPBACK")
     assert "thc [failed (exit 1)]" in text and "2.00x" in text
-    md = report.markdown_table(rows, LOOP)
+    md = report_table.markdown_table(rows, LOOP)
     assert "LOOPBACK" in md and md.count("\n| ") == 5  # header + 4 runs
     assert all(r["network_mode"] == "loopback" for r in rows)
 
@@ -300,7 +300,7 @@ def test_plot_writes_png(tmp_path, higher):
     results = {"fp16": _fake_result("fp16", higher=higher), "none": _fake_result("none", step_s=0.3, higher=higher),
                "ddp": _fake_result("ddp:fp16", system="ddp", higher=higher)}
     rows = [report.summarize(k, v, NET) for k, v in results.items()]
-    path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
+    path = report_plot.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
     with open(path, "rb") as f:
         head = f.read(8)
     assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 10_000
@@ -351,12 +351,12 @@ def test_summarize_splits_startup_from_steady_clock():
     assert row["repeat"] == 1
     cols = report.RUN_COLUMNS
     assert cols.index("tta_steady_s") == cols.index("tta_s") + 1 and cols.index("startup_s") == cols.index("tta_s") + 2
-    text = report.format_table([row], NET)
+    text = report_table.format_table([row], NET)
     header = text.splitlines()[3]
     assert "TTA s  steady TTA s  start s" in header and "steady TTA = clock from the end" in text
     assert " 5.4           0.4      7.5" in text.splitlines()[5]
     old = dict(row, startup_s=None)  # a sweep before start-up was recorded: the old columns
-    assert "steady TTA" not in report.format_table([old], NET)
+    assert "steady TTA" not in report_table.format_table([old], NET)
 
 
 def test_interleave_orders_rounds_and_names_repeats():
@@ -414,13 +414,13 @@ def test_aggregate_medians_spread_and_ratios_from_medians():
 
 def test_table_and_files_with_repeats(tmp_path):
     rows, results = _repeated_rows()
-    text = report.format_table(rows, NET)
+    text = report_table.format_table(rows, NET)
     lines = text.splitlines()
     assert "Each row: 3 repeats" in lines[1] and "min-max" in lines[1]
     assert "TTA s median (min-max)" in lines[3] and len(lines) == 7  # 2 rows, not 6
     assert "0.6 (0.3-0.9)" in lines[5] and "0.3 (0.3-nr)" in lines[6] and "6.0 (5.0-7.0)" in lines[5]
     assert "2.00x" in lines[6]
-    md = report.markdown_table(rows, NET)
+    md = report_table.markdown_table(rows, NET)
     assert md.count("\n| ") == 3
     summary = report.aggregate(rows)
     report.write_csvs(str(tmp_path), rows, results)
@@ -437,7 +437,7 @@ def test_table_and_files_with_repeats(tmp_path):
     assert float(summ[0]["tta_s_max"]) == pytest.approx(0.9) and summ[1]["tta_s_max"] == ""
     data = json.loads((tmp_path / "results.json").read_text())
     assert len(data["runs"]) == 6 and len(data["summary"]) == 2
-    path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
+    path = report_plot.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
     assert os.path.getsize(path) > 10_000
 
 
@@ -452,9 +452,9 @@ def test_plot_rows_by_workload_not_by_id_prefix():
     results = {"digits-horovod-fp16": {"evals": [1]}, "digits-tf-horovod-fp16": {"evals": [1]},
                "digits-tf-horovod-thc": {"evals": [1]},
                "digits-horovod-thc": {"evals": [1]}, "digits-horovod-none": {"evals": []}}
-    assert [r["run_id"] for r in report.plot_rows(rows, results, "digits")] == \
+    assert [r["run_id"] for r in report_plot.plot_rows(rows, results, "digits")] == \
         ["digits-horovod-fp16", "digits-horovod-thc"]
-    assert [r["run_id"] for r in report.plot_rows(rows, results, "digits-tf")] == \
+    assert [r["run_id"] for r in report_plot.plot_rows(rows, results, "digits-tf")] == \
         ["digits-tf-horovod-fp16", "digits-tf-horovod-thc"]
     assert [report.workload_name(r) for r in rows[:3]] == ["digits", "digits-tf", "digits-tf"]
 
@@ -536,8 +536,8 @@ def test_reference_row_is_never_a_baseline_or_best():
     assert odd[2]["tta_vs_fp16"] == pytest.approx(1.0) and odd[3]["tta_vs_best_ddp"] == pytest.approx(1.0)
     # The plots' FP32 level is the FP32 row's, not the reference's (also spec "none").
     assert fp32["final_metric"] != ref["final_metric"] == pytest.approx(0.99)
-    assert report.converged_levels(rows) == {"FP16": fp16["final_metric"], "FP32": fp32["final_metric"]}
-    assert report.converged_levels([ref]) == {}
+    assert report_plot.converged_levels(rows) == {"FP16": fp16["final_metric"], "FP32": fp32["final_metric"]}
+    assert report_plot.converged_levels([ref]) == {}
 
 
 def test_reference_in_table_aggregate_and_plot(tmp_path):
@@ -551,18 +551,18 @@ def test_reference_in_table_aggregate_and_plot(tmp_path):
     assert [(s["run_id"], s["reference"], s["repeats"]) for s in summary] == [
         ("a-horovod-none", False, 2), ("a-horovod-nocomm", True, 2)]
     assert summary[1]["tta_s"] == pytest.approx(0.3) and summary[1]["network_mode"] == "loopback"
-    text = report.format_table(rows, NET)
+    text = report_table.format_table(rows, NET)
     assert text.splitlines()[0].startswith("Network: emulated: 500 Mbit/s")  # the sweep's
     assert "The no-communication row is a reference, not a competitor" in text.splitlines()[1]
     assert tta.NOCOMM_LABEL in text.splitlines()[-1] and "0.3 (0.3-0.3)" in text.splitlines()[-1]
     single = [r for r in rows if r["repeat"] == 1]
-    md = report.markdown_table(single, NET)
+    md = report_table.markdown_table(single, NET)
     assert f"| digits | {tta.NOCOMM_LABEL} | 0.3 |" in md and md.count("\n| ") == 3
-    assert "reference, not a competitor" not in report.format_table(single[:1], NET)
+    assert "reference, not a competitor" not in report_table.format_table(single[:1], NET)
     report.write_csvs(str(tmp_path), rows, results)
     with open(tmp_path / "runs.csv") as f:
         assert [r["reference"] for r in csv.DictReader(f)] == ["False", "True", "False", "True"]
-    path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
+    path = report_plot.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
     assert os.path.getsize(path) > 10_000
 
 
@@ -572,10 +572,10 @@ def test_auto_rows_show_what_each_tensor_ended_on():
     row = report.summarize("a", res, NET)
     assert row["choices"] == "fc1.weight: fp16; fc2.weight: powersgd:rank=4"
     assert "auto (digits) ended on: fc1.weight: fp16; fc2.weight: powersgd:rank=4" in \
-        report.format_table([row], NET).splitlines()[-1]
-    assert report.markdown_table([row], NET).endswith("fc2.weight: powersgd:rank=4")
+        report_table.format_table([row], NET).splitlines()[-1]
+    assert report_table.markdown_table([row], NET).endswith("fc2.weight: powersgd:rank=4")
     plain = report.summarize("b", _fake_result("fp16"), NET)
-    assert plain["choices"] is None and "ended on" not in report.format_table([plain], NET)
+    assert plain["choices"] is None and "ended on" not in report_table.format_table([plain], NET)
 
 
 def test_auto_choices_over_time_segments_plot_and_publish(tmp_path):
@@ -591,18 +591,18 @@ def test_auto_choices_over_time_segments_plot_and_publish(tmp_path):
          "predicted_ms": {"fp16": 2.0, "topkc:ratio=0.1": 6.0}, "errors": {"fp16": 0.0, "topkc:ratio=0.1": 0.9}},
         {"key": "fc2.weight", "step": 6, "scheme": "fp16", "reason": "current choice over the error budget",
          "predicted_ms": {"fp16": 80.0, "topkc:ratio=0.1": 45.0}, "errors": {"fp16": 0.0, "topkc:ratio=0.1": 0.99}}]
-    assert report.choice_segments(res) == {
+    assert report_plot.choice_segments(res) == {
         "fc1.weight": [(1, 10, "fp16")],
         "fc2.weight": [(1, 3, "fp16"), (4, 7, "topkc:ratio=0.1"), (8, 10, "fp16")]}
     results = {"digits-horovod-auto": res, "digits-horovod-fp16": _fake_result("fp16")}
     rows = [report.summarize(k, v, NET) for k, v in results.items()]
-    assert [r["run_id"] for r in report.choice_rows(rows, results, "digits")] == ["digits-horovod-auto"]
-    path = report.plot_choices(report.choices_plot_path(str(tmp_path), "digits"),
-                               report.choice_rows(rows, results, "digits"), results, "t")
+    assert [r["run_id"] for r in report_plot.choice_rows(rows, results, "digits")] == ["digits-horovod-auto"]
+    path = report_plot.plot_choices(report_plot.choices_plot_path(str(tmp_path), "digits"),
+                               report_plot.choice_rows(rows, results, "digits"), results, "t")
     assert path.endswith("auto_digits.png") and os.path.getsize(path) > 1000
     sweep = {"network": dict(NET, world_size=2), "workloads": ["digits"], "date": "d", "git_commit": "c", "argv": [],
              "cpu_count": 2, "elapsed_s": 60.0, "link_check": None}
     block = publish.render_block(sweep, rows, results, str(tmp_path), str(tmp_path / "doc.md"))
     assert "![auto_digits.png](auto_digits.png)" in block and "![tta_digits.png](tta_digits.png)" in block
     del res["bytes_per_step"]["decisions"]
-    assert report.choice_rows(rows, results, "digits") == []
+    assert report_plot.choice_rows(rows, results, "digits") == []
