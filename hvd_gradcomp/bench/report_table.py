@@ -115,7 +115,7 @@ def _cells(row, columns=_TABLE):
 
 def stop_note(rows, results):
     """A sentence per workload whose rows after FP16 were stopped by the harness at FP16's
-    target or a cap (``tta.stop_flags``), read from the runs' saved records: the time cap
+    target or a cap (``tta_run.stop_flags``), read from the runs' saved records: the time cap
     (``meta["stop_cap"]``: cap x FP16's TTA) or, for sweeps saved before it, the step cap
     (``--max-steps N`` in the worker's ``argv``); "" when there is none."""
     out = []

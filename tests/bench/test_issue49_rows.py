@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from hvd_gradcomp.bench import fp16_estimate, report, report_table, tta
+from hvd_gradcomp.bench import fp16_estimate, report, report_table, tta, tta_run
 from hvd_gradcomp.bench.worker import Recorder, WaitTimer
 
 
@@ -23,7 +23,7 @@ def test_update_sync_overlap_options_parse_and_round_trip():
     assert tta.parse_row(row.text()) == row
     run = tta.plan_runs(["lm-comm"], [row.text()], [])[0]
     assert run.label == "fp16 with update-sync(every=8,overlap=true,fragments=2,eager=false)"
-    cmd = tta._command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
+    cmd = tta_run.command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
     assert cmd[cmd.index("--update-sync") + 1] == "every=8,overlap=true,fragments=2,eager=false"
 
 
@@ -53,7 +53,7 @@ def test_delay_clause_parses_and_plans_a_ddp_row_of_ours():
     assert (run.system, run.spec, run.delay, run.label) == ("ddp", "ours:fp16", 1, "fp16 with delay(1) on DDP")
     assert run.row_id == "lm-comm-ddp-ours-fp16-with-delay-1" and run.row_id != plan[0].row_id
     assert run.again(2, 2).delay == 1
-    cmd = tta._command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
+    cmd = tta_run.command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
     assert cmd[cmd.index("--hook") + 1] == "ours:fp16" and cmd[cmd.index("--delay") + 1] == "1"
     assert run.unavailable == tta.delay_support()  # None once the hook takes delay=
 
@@ -222,7 +222,7 @@ def test_fp16_stopped_early_gets_the_labelled_estimate(tmp_path):
                     update_sync="every=16")
     stops = {}
     run = tta.plan_runs(["lm-comm"], ["fp16"], [])[0]
-    tta.note_fp16(run, fp16, stops)
+    tta_run.note_fp16(run, fp16, stops)
     assert stops["lm-comm"] == {"target": pytest.approx(8.16), "fp16_tta_s": 12.0, "cap": 1.5,
                                 "max_seconds": 18.0, "fp16_steps": 5, "estimated": True}
     results = {"f": fp16, "o": other}

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from hvd_gradcomp.bench import publish, report, report_plot, report_table, tta
+from hvd_gradcomp.bench import publish, report, report_plot, report_table, tta, tta_hooks, tta_run, tta_sweep
 from hvd_gradcomp.bench.worker import Recorder, TimedCompressor, rolling_mean
 
 
@@ -53,15 +53,15 @@ def test_default_specs_are_buildable_and_skip_missing(monkeypatch):
 
 
 def test_parse_ddp_hooks():
-    assert tta.parse_ddp_hooks("fp16; powersgd:rank=4") == ["fp16", "powersgd:rank=4"]
-    assert tta.parse_ddp_hooks("off") == [] and tta.parse_ddp_hooks("") == []
+    assert tta_hooks.parse_ddp_hooks("fp16; powersgd:rank=4") == ["fp16", "powersgd:rank=4"]
+    assert tta_hooks.parse_ddp_hooks("off") == [] and tta_hooks.parse_ddp_hooks("") == []
     for bad in ("topkc", "powersgd:ratio=2", "fp16:x=1"):
         with pytest.raises(ValueError, match="ddp hook must be"):
-            tta.parse_ddp_hooks(bad)
+            tta_hooks.parse_ddp_hooks(bad)
     # this project's compressors as DDP hooks: "<spec> on DDP" rows
-    assert tta.parse_ddp_hooks("ours:thc; ours:powersgd:rank=4") == ["ours:thc", "ours:powersgd:rank=4"]
+    assert tta_hooks.parse_ddp_hooks("ours:thc; ours:powersgd:rank=4") == ["ours:thc", "ours:powersgd:rank=4"]
     with pytest.raises(ValueError):
-        tta.parse_ddp_hooks("ours:nosuchscheme")
+        tta_hooks.parse_ddp_hooks("ours:nosuchscheme")
     plan = tta.plan_runs(["digits"], [], ["ours:thc"])
     assert [(r.system, r.spec, r.label) for r in plan] == [("ddp", "ours:thc", "thc on DDP")]
 
@@ -92,19 +92,19 @@ def test_tensorflow_eager_workload_runs_auto_and_every_row_eagerly(tmp_path, cap
     plan = tta.plan_runs(["digits-tf-eager"], ["fp16", "auto"], [])
     assert [r.run_id for r in plan] == ["digits-tf-eager-horovod-fp16", "digits-tf-eager-horovod-auto"]
     assert "skipped" not in capsys.readouterr().err
-    args = tta.build_parser().parse_args([])
+    args = tta_sweep.build_parser().parse_args([])
     for r in plan:
-        cmd = tta._command(r, args, str(tmp_path / "r.json"))
+        cmd = tta_run.command(r, args, str(tmp_path / "r.json"))
         assert cmd[2] == "hvd_gradcomp.bench.workers.digits_tf" and cmd.count("--eager") == 1
     row = {"workload": "digits-eager", "framework": "tensorflow"}
     assert report.workload_name(row) == "digits-tf-eager"
 
 
 def test_workers_are_launched_as_modules_of_the_package(tmp_path):
-    args = tta.build_parser().parse_args(["--worker-args", "--max-steps 3", "--max-seconds", "9"])
+    args = tta_sweep.build_parser().parse_args(["--worker-args", "--max-steps 3", "--max-seconds", "9"])
     out = str(tmp_path / "r.json")
     plan = tta.plan_runs(["digits", "lm", "digits-tf"], ["fp16"], ["powersgd:rank=4"])
-    commands = {r.run_id: tta._command(r, args, out) for r in plan}
+    commands = {r.run_id: tta_run.command(r, args, out) for r in plan}
     expect = {"digits-horovod-fp16": "digits_torch", "digits-ddp-powersgd-rank-4": "ddp_torch",
               "lm-horovod-fp16": "lm_torch", "lm-ddp-powersgd-rank-4": "ddp_torch",
               "digits-tf-horovod-fp16": "digits_tf"}
@@ -317,9 +317,9 @@ def test_update_doc_replaces_only_the_block(tmp_path):
 
 
 def test_update_doc_is_repeatable():
-    args = tta.build_parser().parse_args(["--update-doc", "docs/tta.md", "--update-doc", "README.md"])
+    args = tta_sweep.build_parser().parse_args(["--update-doc", "docs/tta.md", "--update-doc", "README.md"])
     assert args.update_doc == ["docs/tta.md", "README.md"]
-    assert tta.build_parser().parse_args([]).update_doc == []
+    assert tta_sweep.build_parser().parse_args([]).update_doc == []
 
 
 # ---- start-up split, repeats ----
@@ -369,10 +369,10 @@ def test_interleave_orders_rounds_and_names_repeats():
     assert [r.run_id for r in tta.interleave(plan, 1)] == [r.run_id for r in plan]  # no suffix
     with pytest.raises(ValueError, match="--repeats must be an integer >= 1, got 0"):
         tta.interleave(plan, 0)
-    args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--repeats", "3"])
-    assert [r.run_id for r in tta.plan_sweep(args).runs] == [
+    args = tta_sweep.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--repeats", "3"])
+    assert [r.run_id for r in tta_sweep.plan_sweep(args).runs] == [
         f"digits-horovod-{row}-r{k}" for k in (1, 2, 3) for row in ("fp16", "none-nocomm")]
-    assert tta.build_parser().parse_args([]).repeats == 1
+    assert tta_sweep.build_parser().parse_args([]).repeats == 1
 
 
 def _repeated_rows():
@@ -472,33 +472,33 @@ def test_plan_adds_one_no_comm_reference_per_workload():
     assert not any(r.reference for r in plan if not r.run_id.endswith("-nocomm"))
     assert plan[0].label == "fp32 (none)"  # the FP32 competitor row keeps its own label
     # The same training as the FP32 row: the same worker command.
-    args = tta.build_parser().parse_args([])
-    assert tta._command(ref, args, "o.json") == tta._command(plan[0], args, "o.json")
+    args = tta_sweep.build_parser().parse_args([])
+    assert tta_run.command(ref, args, "o.json") == tta_run.command(plan[0], args, "o.json")
     # Repeats keep the flag and name the rounds as for every row.
     runs = tta.interleave(plan[:4], 2)
     assert [r.run_id for r in runs if r.reference] == ["digits-horovod-none-nocomm-r1", "digits-horovod-none-nocomm-r2"]
     assert all(r.label == tta.NOCOMM_LABEL for r in runs if r.reference)
     # In the sweep by default, after every other row of its workload; off on request.
-    args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off"])
-    assert [r.run_id for r in tta.plan_sweep(args).runs] == ["digits-horovod-fp16", "digits-horovod-none-nocomm"]
+    args = tta_sweep.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off"])
+    assert [r.run_id for r in tta_sweep.plan_sweep(args).runs] == ["digits-horovod-fp16", "digits-horovod-none-nocomm"]
     assert args.no_comm_reference == "on"  # the default, filled in by plan_sweep
-    args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--no-comm-reference", "off"])
-    assert [r.run_id for r in tta.plan_sweep(args).runs] == ["digits-horovod-fp16"]
+    args = tta_sweep.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--no-comm-reference", "off"])
+    assert [r.run_id for r in tta_sweep.plan_sweep(args).runs] == ["digits-horovod-fp16"]
 
 
 def test_reference_runs_on_an_unthrottled_loopback_link():
     from hvd_gradcomp.bench import netem
     net = netem.EmulatedNetwork(2, netem.LinkConfig(500))  # not set up: only its identity counts
     plan = tta.plan_runs(["digits"], ["none"], ["fp16"], reference=True)
-    assert tta.network_for(net, plan[0]) is net and tta.network_for(net, plan[1]) is net
-    own = tta.network_for(net, plan[2])
+    assert tta_run.network_for(net, plan[0]) is net and tta_run.network_for(net, plan[1]) is net
+    own = tta_run.network_for(net, plan[2])
     assert isinstance(own, netem.LoopbackNetwork) and own.world_size == 2
     d = own.describe()
     assert d["mode"] == "loopback" and d["bandwidth_mbit"] is None and "no-communication reference" in d["note"]
-    stub = tta._stub_result(plan[2], "timeout", "", d)
+    stub = tta_run.stub_result(plan[2], "timeout", "", d)
     assert stub["meta"]["reference"] is True and stub["network"]["mode"] == "loopback"
-    assert "network" not in tta._stub_result(plan[0], "timeout") and \
-        tta._stub_result(plan[0], "timeout")["meta"]["reference"] is False
+    assert "network" not in tta_run.stub_result(plan[0], "timeout") and \
+        tta_run.stub_result(plan[0], "timeout")["meta"]["reference"] is False
 
 
 def _reference_result(step_s=0.05, final=None):
