@@ -39,7 +39,7 @@ MAX_LINES = 550
 # held to MAX_LINES.
 LONG_TEST_FILES = {
     "tests/core/test_powersgd.py", "tests/parallel/test_ddp.py", "tests/parallel/test_ddp_review.py",
-    "tests/parallel/test_thc.py", "tests/parallel/test_topkc.py",
+    "tests/parallel/test_thc.py",
 }
 
 
