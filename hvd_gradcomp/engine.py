@@ -1,15 +1,15 @@
 """What a compressor needs of the engine that moves its payloads: the :class:`Engine` protocol.
 
 An engine (DDP's process group, FSDP2's replicas, an in-process simulation) binds itself to a
-compressor with ``compressor.bind_engine(engine)``; the compressor then takes its world size
-and rank, its checkpoints' object gather and ``auto``'s link calibration from the engine
-instead of Horovod. The engine's step, for each bucket::
+compressor's codec with ``codec = compressor.codec.bind_engine(engine)``; the codec then takes
+its world size and rank, its checkpoints' object gather and ``auto``'s link calibration from
+the engine instead of Horovod. The engine's step, for each bucket::
 
-    plan = comp.plan_bucket(members, dtype, "sum", group, buffer)      # cached per layout
-    encoded = [comp.encode_unit(u, buffer[u.start:u.stop]) for u in plan.units]
+    plan = codec.plan_bucket(members, dtype, "sum", group, buffer)     # cached per layout
+    encoded = [codec.encode_unit(u, buffer[u.start:u.stop]) for u in plan.units]
     packed, works = post_payloads(ops, [p for p, _ in encoded], engine.post)
     reduced = unpack_payloads(ops, packed, [engine.wait(w) for w in works])
-    outs = [comp.decode(p, ctx, divide=world_size) for (_, ctx), p in zip(encoded, reduced)]
+    outs = [codec.decode(p, ctx, divide=world_size) for (_, ctx), p in zip(encoded, reduced)]
 
 (:mod:`hvd_gradcomp.payloads`: one collective per payload dtype). Protocol:
 
@@ -20,7 +20,7 @@ instead of Horovod. The engine's step, for each bucket::
   asynchronous (every rank posts the same buffers in the same order);
 - ``wait(work) -> tensor``: the summed buffer of a posted work.
 
-The compressor itself calls ``world``, ``gather`` and ``allreduce`` only; ``post`` and ``wait``
+The codec itself calls ``world``, ``gather`` and ``allreduce`` only; ``post`` and ``wait``
 are the engine's own payload path (the step above), so an engine that moves its payloads
 otherwise (Horovod; ``torch_backend.simulated``, which reduces N virtual ranks' payloads in
 one process) needs only the first three.

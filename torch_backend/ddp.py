@@ -65,6 +65,9 @@ else (:meth:`~hvd_gradcomp.codec.Codec.decode_joined`). The result is divided by
 the process group's size, as ``Join(..., divide_by_initial_world_size=True)`` (the default)
 does; ``False`` is refused.
 
+**Delayed sync** (``register_comm_hook(..., delay=1)``): step t's payloads posted during its
+backward, their mean applied at step t + 1 (:mod:`torch_backend.ddp_delayed`).
+
 Refused with a ValueError, before any collective and on every rank: a compressor already
 bound to a DDP model, a parameter DDP hands over that the model does not name, the papers'
 blocking two-round variants (their side all-reduce is Horovod's), and everything the Horovod
@@ -81,7 +84,7 @@ import torch.distributed as dist
 from hvd_gradcomp.buckets import Member
 from hvd_gradcomp.payloads import post_payloads, unpack_payloads
 
-from . import ddp_compiled
+from . import ddp_compiled, ddp_delayed
 from .compression import check_compressor
 from .kernels import runs
 from .ops import OPS
@@ -124,6 +127,7 @@ class HookState:
         self.slots = {}  # id(plan) -> (plan, its units' slots): where DDP may drop results
         self._hooks = []
         self.ready = None  # ddp_compiled.ReadyBuckets, under the Python reducer
+        self.delay = 0  # register_comm_hook's delay (ddp_delayed); part of the ranks' agreement
 
     def bind(self, ddp_model=None, compiled=False):
         """Bind the compressor to the process group (at registration, or at the first backward
@@ -158,8 +162,9 @@ def fingerprint(state: HookState) -> tuple:
     """What every rank of a DDP model must agree on (issue 47) beyond what DDP checks itself
     (the parameters' count, shapes and ``requires_grad``, at construction): the compressor's
     canonical spec (schemes, options, rules) and ``per_tensor``, which decide each bucket's
-    plan and so the layout of the payloads the ranks sum."""
-    return state.compressor.spec, state.per_tensor
+    plan and so the layout of the payloads the ranks sum, and ``delay`` (which step's payloads
+    the ranks sum together)."""
+    return state.compressor.spec, state.per_tensor, state.delay
 
 
 def check_agreement(state: HookState, engine) -> None:
@@ -169,9 +174,9 @@ def check_agreement(state: HookState, engine) -> None:
     different payload layouts would otherwise meet inside Gloo (one rank aborted, its peer reset
     mid-backward) or, with equal sizes, be summed silently."""
     seen = engine.gather(fingerprint(state))
-    spec, per = seen[0]
+    spec, per, delay = seen[0]
     where = "register_comm_hook: the ranks of the DDP process group disagree: rank 0"
-    for rank, (spec_r, per_r) in enumerate(seen):
+    for rank, (spec_r, per_r, delay_r) in enumerate(seen):
         if spec_r != spec:
             raise ValueError(f"{where} registers compressor {spec!r}, rank {rank} {spec_r!r}; every rank must "
                              f"register the same spec (the ranks sum each other's payloads, whose layout the "
@@ -179,6 +184,9 @@ def check_agreement(state: HookState, engine) -> None:
         if per_r != per:
             raise ValueError(f"{where} registers per_tensor={per}, rank {rank} per_tensor={per_r}; every rank "
                              f"must register the same per_tensor")
+        if delay_r != delay:
+            raise ValueError(f"{where} registers delay={delay}, rank {rank} delay={delay_r}; every rank "
+                             f"must register the same delay")
 
 
 def comm_state(module, compressor, process_group=None, per_tensor=False) -> HookState:
@@ -417,26 +425,40 @@ def hook(state: HookState, bucket):
     return _future(codec.engine, futures, finish, buffer)
 
 
-def make_comm_hook(ddp_model, compressor, per_tensor: bool = False):
+def make_comm_hook(ddp_model, compressor, per_tensor: bool = False, delay: int = 0):
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``, with ``compressor``
     bound to the model's process group: what :func:`register_comm_hook` registers, for callers
     that wrap the hook (e.g. to time it). Arguments and errors as there; the compressor is
-    bound here (register_comm_hook binds only once DDP has accepted the hook)."""
-    return _model_state(ddp_model, compressor, per_tensor).bind(ddp_model), hook
+    bound here (register_comm_hook binds only once DDP has accepted the hook). With
+    ``delay=1``: a :class:`~torch_backend.ddp_delayed.DelayedHook` and its hook."""
+    state = _model_state(ddp_model, compressor, per_tensor, delay).bind(ddp_model)
+    return (state, hook) if not delay else _delayed(state, ddp_model)
 
 
-def _model_state(ddp_model, compressor, per_tensor) -> HookState:
+_STEPS = ddp_delayed.BucketSteps(_plan, _encode, _decode, _counts, _joined)  # the delayed hook runs these
+
+
+def _delayed(state, ddp_model):
+    """(state, hook) of the delayed hook over a bound :class:`HookState`."""
+    return ddp_delayed.DelayedHook(state, state.delay, _STEPS).register(ddp_model), ddp_delayed.hook
+
+
+def _model_state(ddp_model, compressor, per_tensor, delay=0) -> HookState:
     """The unbound :class:`HookState` of a DDP model, its arguments checked."""
     from torch.nn.parallel import DistributedDataParallel
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_comm_hook: expected a DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}")
     _check_compressor(compressor)
+    if ddp_delayed.check_delay(delay):
+        ddp_delayed.check_model(ddp_model, compressor.spec)
     names = {p: name for name, p in ddp_model.module.named_parameters()}
-    return HookState(compressor, names, ddp_model.process_group, None, ddp_model, per_tensor)
+    state = HookState(compressor, names, ddp_model.process_group, None, ddp_model, per_tensor)
+    state.delay = delay
+    return state
 
 
-def register_comm_hook(ddp_model, compressor, per_tensor: bool = False):
+def register_comm_hook(ddp_model, compressor, per_tensor: bool = False, delay: int = 0):
     """Install ``compressor`` as ``ddp_model``'s communication hook.
 
     Args:
@@ -446,6 +468,9 @@ def register_comm_hook(ddp_model, compressor, per_tensor: bool = False):
             other model.
         per_tensor: compress each gradient alone instead of one codec call per bucket and
             route (module docstring); the same numbers for the casts, more operations.
+        delay: 0 (blocking) or 1: delayed sync, step t's payloads posted during step t's
+            backward and their mean applied at step t + 1 (:mod:`torch_backend.ddp_delayed`;
+            ``ddp_delayed.delayed_state(ddp_model)`` drains it and saves its held means).
 
     Binds the compressor to the model's process group (ranks, world size, checkpoints) once
     DDP has accepted the hook, and for ``auto`` without ``bandwidth_gbit`` measures the link
@@ -456,12 +481,19 @@ def register_comm_hook(ddp_model, compressor, per_tensor: bool = False):
         TypeError: ``compressor`` is a factory (``Compression.fp16`` without the call) or not a
             PyTorch compressor; ``ddp_model`` is not a DDP model.
         ValueError: the compressor is already bound to a DDP model, or routes some tensor to a
-            blocking two-round variant.
+            blocking two-round variant; ``delay`` not 0 or 1, or ``delay=1`` on a model it
+            cannot serve (compiled DDP, sparse gradients).
         RuntimeError: DDP's own refusal (e.g. the model has a hook already); the compressor is
             then left unbound.
     """
-    state = _model_state(ddp_model, compressor, per_tensor)
+    state = _model_state(ddp_model, compressor, per_tensor, delay)
     ddp_compiled.check_model(ddp_model, compressor.spec)
+    if delay:  # DDP's checks first: nothing bound if it refuses
+        delayed = ddp_delayed.DelayedHook(state, delay, _STEPS)
+        ddp_model.register_comm_hook(delayed, ddp_delayed.hook)
+        state.bind(ddp_model)
+        delayed.register(ddp_model)
+        return compressor
     ddp_model.register_comm_hook(state, hook)  # DDP's checks first: nothing bound if it refuses
     state.bind(ddp_model)
     return compressor

@@ -137,7 +137,8 @@ class _ShardHook:
     flat holds, laid out as the compressor's (trainable) ones."""
 
     def __init__(self, comp, group, fsdp_group, layouts, replicas, late=None):
-        self.codec, self.group, self.fsdp_group = comp.codec, group, fsdp_group
+        self.compressor, self.codec = comp, comp.codec  # the user's (checkpoints) and its codec
+        self.group, self.fsdp_group = group, fsdp_group
         self.layouts, self.replicas, self.late = layouts, replicas, late
         self.partial = None  # (T, reduce-scattered shards in T's layout) kept while all-reduce is off
 

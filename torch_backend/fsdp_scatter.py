@@ -123,7 +123,8 @@ class _ScatterComm:
     """
 
     def __init__(self, comp, group, fsdp_group, layouts, rank, size, path):
-        self.codec, self.group, self.fsdp_group = comp.codec, group, fsdp_group
+        self.compressor, self.codec = comp, comp.codec  # the user's (checkpoints) and its codec
+        self.group, self.fsdp_group = group, fsdp_group
         self.layouts, self.rank, self.size, self.path = layouts, rank, size, path
 
     def allocate(self, size, *, dtype, device):

@@ -340,10 +340,14 @@ def parse_row(text):
     return Row("none" if spec == "fp32" else spec, opt, accumulate or 1, sync, groups or 0, delay or 0)
 
 
-def delay_support():
+def delay_support(delay=1):
     """None when this checkout's DDP hook takes ``delay=`` (``torch_backend.ddp``'s
     ``register_comm_hook`` has a ``delay`` parameter, read from its source without importing
-    torch), else why not (a ``delay(D)`` row is then planned as not run, with that reason)."""
+    torch) and ``delay`` is 1 (the hook's only delay), else why not (a ``delay(D)`` row is then
+    planned as not run, with that reason)."""
+    if delay > 1:
+        return (f"torch_backend.ddp's delayed hook takes delay=1 only (step t's mean applied at step "
+                f"t + 1), not delay={delay}")
     import ast
     import importlib.util
     try:
@@ -436,7 +440,7 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None, fs
                                      f"(PyTorch workloads only)")
                 label = Row(s, parsed.optimizer, delay=parsed.delay).text() + " on DDP"
                 plan.append(RunSpec(w, "ddp", f"ours:{s}", label, optimizer=parsed.optimizer,
-                                    unavailable=why or delay_support(), delay=parsed.delay))
+                                    unavailable=why or delay_support(parsed.delay), delay=parsed.delay))
                 continue
             if (parsed.accumulate > 1 or parsed.update_sync is not None or parsed.groups) \
                     and WORKLOADS[w][0] != "torch":

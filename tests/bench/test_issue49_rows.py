@@ -56,6 +56,9 @@ def test_delay_clause_parses_and_plans_a_ddp_row_of_ours():
     cmd = tta_run.command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
     assert cmd[cmd.index("--hook") + 1] == "ours:fp16" and cmd[cmd.index("--delay") + 1] == "1"
     assert run.unavailable == tta.delay_support()  # None once the hook takes delay=
+    deeper = tta.plan_runs(["lm-comm"], ["fp16 with delay(2)"], [])[0]
+    assert deeper.unavailable == "torch_backend.ddp's delayed hook takes delay=1 only (step t's mean " \
+                                 "applied at step t + 1), not delay=2"
 
 
 @pytest.mark.parametrize("text, words", [

@@ -131,7 +131,7 @@ def worker(tmp):
 def _compressors(model):
     """(install_reduce_scatter's, install's) compressors of ``model``'s root parameter group."""
     g = model._get_fsdp_state()._fsdp_param_groups[0]
-    return g._reduce_scatter_comm.comp, g._all_reduce_hook.comp
+    return g._reduce_scatter_comm.compressor, g._all_reduce_hook.compressor
 
 
 @pytest.fixture(scope="module")
