@@ -19,13 +19,13 @@ import ctypes
 
 import torch
 
-from hvd_gradcomp.orthogonalize import basis_rows
+from hvd_gradcomp.orthogonalize import basis_rows, basis_rows_batched
 from hvd_gradcomp.powersgd import CONTROL, _agree_kernel, agree_tolerance
 from torch_backend.kernels.forms import register
 from torch_backend.kernels import cbuild
 from torch_backend.reference_ops import REFERENCE_OPS
 
-__all__ = ["basis", "agree", "MAX_RANK"]
+__all__ = ["basis", "basis_batched", "agree", "MAX_RANK"]
 
 MAX_RANK = 64
 
@@ -53,6 +53,24 @@ def basis(rel_tol, pt, fillt):
     return out
 
 
+def basis_batched(rel_tol, pt, fillt):
+    """Fused ``basis_rows_batched`` (PowerSGD batched): float32 [B, r, n], the C loop of
+    :func:`basis` run on each matrix of the batch in turn (one call: no PyTorch operation per
+    matrix), so each row equals the per-matrix fused form's bit for bit."""
+    if (torch.compiler.is_compiling() or not (pt.is_cpu and fillt.is_cpu) or pt.dtype != torch.float32
+            or fillt.dtype != torch.float32 or pt.dim() != 3 or pt.shape != fillt.shape):
+        return basis_rows_batched(REFERENCE_OPS, rel_tol, pt, fillt)
+    b, r, n = pt.shape
+    pt, fillt = pt.contiguous(), fillt.contiguous()
+    out = torch.empty((b, r, n), dtype=torch.float32)
+    step = 4 * r * n  # bytes per matrix
+    for j in range(b if r and n else 0):
+        if _lib.hgc_basis(pt.data_ptr() + j * step, fillt.data_ptr() + j * step, n, r, float(rel_tol),
+                          out.data_ptr() + j * step) < 0:
+            return basis_rows_batched(REFERENCE_OPS, rel_tol, pt, fillt)  # more than MAX_RANK rows
+    return out
+
+
 def agree(world_size, payload):
     """Fused ``_agree_kernel`` (step 8 of the alternating variant): ``(keep float32 0-d, ok bool
     0-d)``, the reference's values, but ``ok`` from a double sum (the same verdict except where
@@ -69,4 +87,5 @@ def agree(world_size, payload):
 
 
 register(basis_rows, "cpu", lambda plan: True, basis, "cpu_powersgd.basis")
+register(basis_rows_batched, "cpu", lambda plan: True, basis_batched, "cpu_powersgd.basis_batched")
 register(_agree_kernel, "cpu", lambda plan: True, agree, "cpu_powersgd.agree")
