@@ -18,12 +18,7 @@ ONLY_FP16 = f"auto:{LINK},candidates=fp16"
 SHAPES = (("a", (64, 64)), ("b", (64,)), ("c", (32, 64)), ("d", (48, 64)), ("e", (40, 40)))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _members(shapes=SHAPES):

@@ -53,9 +53,9 @@ class _Rank:
     allreduce = post = wait = gather
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("spec", CATALOGUE)
 def test_bare_codec_equals_the_compressors(spec):
-    torch.set_num_threads(1)
     n, steps = 2, 3
     engine = SimulatedEngine(n)
     comps = engine.compressors(spec)
