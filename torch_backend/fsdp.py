@@ -107,6 +107,14 @@ gradients, bit for bit, while the link carries each group's payload during the b
 the groups before it. Refused with a post-accumulate-grad hook on a parameter (it would read
 the gradient before the sum arrives) and on CUDA (FSDP's all-reduce stream overlaps there).
 
+**Delayed sync** (``install(..., delay=1)``; :mod:`torch_backend.fsdp_delayed`). Each hook
+posts its module's all-reduce without waiting and hands FSDP that module's previous step's
+decoded mean (zeros at the first step, on every replica alike), so step t's all-reduce runs
+beside step t + 1's forward and backward: the blocking run's gradients shifted by one step,
+bit for bit (the hooks run this class's :meth:`~_ShardHook.take_input`,
+:meth:`~_ShardHook.encode` and :meth:`~_ShardHook.decode`). ``delayed_state(model).drain()``
+before a checkpoint and after the last step. Refused with ``overlap=True``.
+
 **The reduce-scatter.** :func:`install_reduce_scatter` (in :mod:`torch_backend.fsdp_scatter`,
 re-exported here; its docstring has the design) compresses FSDP's reduce-scatter within the
 shard group with a compressor of its own.

@@ -14,7 +14,7 @@ Launches (each kills its process group at its timeout):
    the replicas' mean residual = the sum of the mean gradients); exact resume from per-rank
    checkpoints (model, optimizer, compressor, held means) taken after ``drain()``; on 2 ranks
    also micro-batches with ``set_requires_all_reduce(False)``, a frozen parameter, a parameter
-   unused in some steps (balance), and the refusals;
+   unused in some steps (balance), a loss scale changed between steps, and the refusals;
 3. rank 1 raises at step 2 and leaves: rank 0 raises (its wait for that step fails) instead of
    hanging.
 """
@@ -134,6 +134,30 @@ def _frozen_and_unused(shard, group, rank):
     return out
 
 
+SCALES = [1024.0, 256.0, 256.0, 4096.0, 512.0, 1024.0]  # the loss scale of each step (powers of 2)
+
+
+def _scaled(shard, group, rank, spec):
+    """Blocking and delayed runs under a loss scale (a 0-d tensor, changed in place between
+    steps as GradScaler's): {kind: [each step's gradients divided by its scale]}."""
+    import torch
+    from torch_backend import Compression
+    from torch_backend.fsdp import install
+    rec = {}
+    for kind, delay in (("blocking", 0), ("delayed", 1)):
+        model, opt = _build(shard)
+        scale = torch.tensor(SCALES[0])
+        install(model, Compression.from_spec(spec).set_loss_scale(scale), replicate_group=group, delay=delay)
+        outs = []
+        for t, s in enumerate(SCALES):
+            scale.fill_(s)
+            opt.zero_grad(set_to_none=True)
+            (model(grads_of(rank, 100 * t)) * s).backward()
+            outs.append({n: g / s for n, g in _grads(model).items()})
+        rec[kind] = outs
+    return rec
+
+
 def _refusals(shard, group, rank):
     import torch
     from torch_backend import Compression
@@ -168,6 +192,8 @@ def two_worker(tmp):
         out[f"{spec} per group"] = _case(shard, spec, tmp, group, per="group")
     out["thc micro"] = _case(shard, "thc", tmp, group, micro=2)
     out["frozen"] = _frozen_and_unused(shard, group, rank)
+    for spec in SCALED:
+        out[f"scaled {spec}"] = _scaled(shard, group, rank, spec)
     out["errors"] = _refusals(shard, group, rank)
     return out
 
@@ -190,6 +216,7 @@ def four(tmp_path_factory):
     return run(four_worker, np=4, args=(str(tmp_path_factory.mktemp("fsdpdelay4")),), timeout=600)
 
 
+SCALED = ["thc", "topkc:0.1"]
 TWO = SPECS + [f"{s} per group" for s in GROUP_SPECS] + ["thc micro"]
 FOUR = ["fp16", "thc", "topkc:0.1", "powersgd:2", "topkc:0.1 per group"]
 
@@ -313,6 +340,19 @@ def test_frozen_and_unused(two):
     # blk.b's mean of step 4 waits through step 5 (unused) and is drained: it was held
     np.testing.assert_array_equal(two[0]["frozen"]["last"][_key("blk.b", 0, 1)].reshape(SHAPES["blk.b"]),
                                   two[0]["frozen"]["blocking"][4]["blk.b"])
+
+
+@pytest.mark.parametrize("spec", SCALED)
+def test_loss_scale_changed_between_steps(two, spec):
+    """Under a loss scale changed between steps, the delayed run's unscaled gradient at step
+    t is exactly the blocking run's at step t - 1 (the held mean is re-scaled to the scale of
+    the step that applies it)."""
+    for r in two:
+        rec = r[f"scaled {spec}"]
+        for n in SHAPES:
+            np.testing.assert_array_equal(rec["delayed"][0][n], np.zeros(SHAPES[n]))
+            for t in range(1, len(SCALES)):
+                np.testing.assert_array_equal(rec["delayed"][t][n], rec["blocking"][t - 1][n], err_msg=f"{n} step {t}")
 
 
 def test_refusals(two):
