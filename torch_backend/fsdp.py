@@ -207,7 +207,8 @@ class _ShardHook:
         # One all-reduce per payload dtype (hvd_gradcomp.payloads), each buffer a copy (a
         # payload may be a view of x). Blocking, or (overlap) posted with at most one in
         # flight on the replicas' group: Gloo aborted the process now and then with two of
-        # them running at once ("terminate called without an active exception").
+        # them running at once ("terminate called without an active exception"); (delay=1)
+        # posted, the groups' all-reduces of a step in flight together (fsdp_delayed).
         # Each trainable parameter's "has a gradient here" word rides along, last in the
         # buffer of its dtype (checked in decode); as int32, alone, where no payload dtype
         # sums R ones exactly
