@@ -14,7 +14,9 @@ Launches (each kills its process group at its timeout):
    the replicas' mean residual = the sum of the mean gradients); exact resume from per-rank
    checkpoints (model, optimizer, compressor, held means) taken after ``drain()``; on 2 ranks
    also micro-batches with ``set_requires_all_reduce(False)``, a frozen parameter, a parameter
-   unused in some steps (balance), a loss scale changed between steps, and the refusals;
+   unused in some steps (balance), a module not called in some steps, a loss scale changed
+   between steps, and the refusals; on 4 ranks THC on a blocking ``install_reduce_scatter``
+   under a delayed ``install``;
 3. rank 1 raises at step 2 and leaves: rank 0 raises (its wait for that step fails) instead of
    hanging.
 """
@@ -134,6 +136,32 @@ def _frozen_and_unused(shard, group, rank):
     return out
 
 
+def _skipping_root(self, grads):
+    """The probe root's forward, ``head`` skipped (not called) where its gradient is None."""
+    out = (self.s * grads["s"]).sum() + self.blk(grads)
+    return out + self.head(grads) if grads["head.v"] is not None else out
+
+
+def _skipped_module(shard, group, rank):
+    """``head`` (an FSDP module) not called at odd steps, so its hook is not either:
+    {"blocking", "delayed", "last", "residuals 0", "residuals 1"} (thc)."""
+    import types
+    from torch_backend import Compression
+    from torch_backend.fsdp import install
+    from torch_backend.fsdp_delayed import delayed_state
+    out = {}
+    for delay in (0, 1):
+        model, opt = _build(shard)
+        model.forward = types.MethodType(_skipping_root, model)
+        comp = install(model, Compression.thc(), replicate_group=group, delay=delay)
+        out["delayed" if delay else "blocking"] = [
+            _step(model, opt, rank, t, uses=set(SHAPES) - ({"head.v"} if t % 2 else set())) for t in range(STEPS)]
+        if delay:
+            out["last"] = _np(delayed_state(model).drain())
+        out[f"residuals {delay}"] = _residuals(comp)
+    return out
+
+
 SCALES = [1024.0, 256.0, 256.0, 4096.0, 512.0, 1024.0]  # the loss scale of each step (powers of 2)
 
 
@@ -192,6 +220,7 @@ def two_worker(tmp):
         out[f"{spec} per group"] = _case(shard, spec, tmp, group, per="group")
     out["thc micro"] = _case(shard, "thc", tmp, group, micro=2)
     out["frozen"] = _frozen_and_unused(shard, group, rank)
+    out["skipped"] = _skipped_module(shard, group, rank)
     for spec in SCALED:
         out[f"scaled {spec}"] = _scaled(shard, group, rank, spec)
     out["errors"] = _refusals(shard, group, rank)
@@ -203,6 +232,22 @@ def four_worker(tmp):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {spec: _case(mesh, spec, tmp) for spec in ("fp16", "thc", "topkc:0.1", "powersgd:2")}
     out["topkc:0.1 per group"] = _case(mesh, "topkc:0.1", tmp, per="group")
+    out["both"] = _both(mesh)
+    return out
+
+
+def _both(mesh):
+    """THC on the reduce-scatter (blocking) and across the replicas, blocking and delayed:
+    {"blocking", "delayed": gradients per step}."""
+    import torch.distributed as dist
+    from torch_backend import Compression
+    from torch_backend.fsdp import install, install_reduce_scatter
+    out = {}
+    for delay in (0, 1):
+        model, opt = _build(mesh)
+        install_reduce_scatter(model, Compression.thc())
+        install(model, Compression.thc(), delay=delay)
+        out["delayed" if delay else "blocking"] = [_step(model, opt, dist.get_rank(), t) for t in range(STEPS)]
     return out
 
 
@@ -219,6 +264,12 @@ def four(tmp_path_factory):
 SCALED = ["thc", "topkc:0.1"]
 TWO = SPECS + [f"{s} per group" for s in GROUP_SPECS] + ["thc micro"]
 FOUR = ["fp16", "thc", "topkc:0.1", "powersgd:2", "topkc:0.1 per group"]
+
+
+def test_four_ranks_with_a_compressed_reduce_scatter(four):
+    """install_reduce_scatter (blocking, THC) under install(delay=1) (THC): the blocking pair's
+    gradients shifted by one step, bit for bit, the same on every rank."""
+    check_shift(four, "both")
 
 
 def check_shift(results, name):
@@ -340,6 +391,32 @@ def test_frozen_and_unused(two):
     # blk.b's mean of step 4 waits through step 5 (unused) and is drained: it was held
     np.testing.assert_array_equal(two[0]["frozen"]["last"][_key("blk.b", 0, 1)].reshape(SHAPES["blk.b"]),
                                   two[0]["frozen"]["blocking"][4]["blk.b"])
+
+
+def test_a_module_skipped_in_some_steps(two):
+    """``head`` not called at odd steps (its hook neither): its .grad is None there in both
+    runs, its mean of an even step stays in flight through the odd one and is applied at the
+    next even step; the other modules shift by one step exactly; the balance holds."""
+    for r in two:
+        rec = r["skipped"]
+        for t in range(STEPS):
+            assert (rec["blocking"][t]["head.v"] is None) == (rec["delayed"][t]["head.v"] is None) == bool(t % 2)
+            for n in ("s", "blk.w", "blk.b"):
+                want = np.zeros(SHAPES[n]) if t == 0 else rec["blocking"][t - 1][n]
+                np.testing.assert_array_equal(rec["delayed"][t][n], want, err_msg=f"{n} step {t}")
+            if t % 2 == 0:
+                want = np.zeros(SHAPES["head.v"]) if t == 0 else rec["blocking"][t - 2]["head.v"]
+                np.testing.assert_array_equal(rec["delayed"][t]["head.v"], want, err_msg=f"head.v step {t}")
+        np.testing.assert_array_equal(rec["last"][_key("head.v", 0, 1)].reshape(SHAPES["head.v"]),
+                                      rec["blocking"][4]["head.v"])
+    n = "head.v"
+    truth = sum(grads_of(r, 100 * t)[n].double().numpy() for r in range(2) for t in range(0, STEPS, 2)) / 2
+    rec = two[0]["skipped"]
+    total = sum(o[n] for o in rec["delayed"] if o[n] is not None) + rec["last"][_key(n, 0, 1)].reshape(SHAPES[n])
+    parts = [r["skipped"]["residuals 1"].get(_key(n, 0, 1)) for r in two]
+    if parts[0] is not None:
+        total = total + ((parts[0] + parts[1]) / 2).reshape(SHAPES[n])
+    assert np.abs(total - truth).max() <= STEPS * 2.0 ** -10 * np.abs(truth).max() + 1e-5
 
 
 @pytest.mark.parametrize("spec", SCALED)
