@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from .fsdp_shards import shard_key
 
-__all__ = ["DelayedShardHook", "DelayedSync", "check_delay", "delay_verdict", "delayed_state"]
+__all__ = ["DelayedShardHook", "DelayedSync", "check_delay", "delay_verdict", "delayed_state", "wrap"]
 
 _STATES = weakref.WeakKeyDictionary()  # root FSDP module -> its DelayedSync
 
@@ -216,9 +216,10 @@ class DelayedSync:
 
     def load_state_dict(self, sd: dict):
         """Hold ``sd``'s means (of :meth:`state_dict`, saved on this rank's shard) for the next
-        step. Call it after ``install(..., delay=1)``, before the first step. Raises
-        ValueError for another delay, or a key or size this rank's shards do not have
-        (another mesh, another shard rank's file)."""
+        step, in place of any held now (a step in flight is drained first). Call it after
+        ``install(..., delay=1)``, before the first step. Raises ValueError for another delay,
+        or a key or size this rank's shards do not have (another mesh, another shard rank's
+        file)."""
         if not isinstance(sd, dict) or sd.get("delay") != self.delay:
             raise ValueError(f"DelayedSync.load_state_dict: saved with delay="
                              f"{sd.get('delay') if isinstance(sd, dict) else None!r}, this install has "
@@ -236,8 +237,9 @@ class DelayedSync:
                                  f"shard of this rank's layout of that size (saved on another mesh or "
                                  f"shard rank?); load each rank's own file on the same mesh")
             held[key] = found, mean
+        self.drain()  # (no work left in flight unwaited)
         for hook in self.hooks:
-            hook.inflight, hook.held = [], {}
+            hook.held = {}
         for (hook, i, _), mean in held.values():
             hook.held[i] = mean.detach().reshape(-1).to(device=hook.steps.fsdp_group.device)
 
