@@ -206,6 +206,13 @@ def _refusals(shard, group, rank):
     install(model, Compression.fp16(), replicate_group=group, delay=1)
     errors["wrong key"] = value_error(lambda: delayed_state(model).load_state_dict(
         {"delay": 1, "means": {"nope[shard 0/1]": torch.zeros(3)}}))
+    # blk.b has a gradient on rank 0 only: refused on every rank at that step's decode (drain)
+    import types
+    model, opt = _build(shard)
+    model.blk.forward = types.MethodType(_skipping, model.blk)
+    install(model, Compression.thc(), replicate_group=group, delay=1)
+    _step(model, opt, rank, 0, uses=None if rank == 0 else set(SHAPES) - {"blk.b"})
+    errors["some ranks"] = value_error(lambda: delayed_state(model).drain())
     return errors
 
 
@@ -442,6 +449,7 @@ def test_refusals(two):
         assert "has no FSDP all-reduce hook installed with delay=1" in e["no delayed hook"]
         assert "rank 0 installs delay=0, rank 1 delay=1; every rank must install the same delay" in e["disagree"]
         assert "'nope[shard 0/1]' (3 values) is not a shard of this rank's layout" in e["wrong key"]
+        assert "parameter 'blk.b' has a gradient on some ranks only in this backward" in e["some ranks"]
 
 
 def failing_worker(tmp):
