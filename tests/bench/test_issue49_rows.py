@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from hvd_gradcomp.bench import fp16_estimate, report, tta
+from hvd_gradcomp.bench import fp16_estimate, report, report_table, tta, tta_run
 from hvd_gradcomp.bench.worker import Recorder, WaitTimer
 
 
@@ -23,7 +23,7 @@ def test_update_sync_overlap_options_parse_and_round_trip():
     assert tta.parse_row(row.text()) == row
     run = tta.plan_runs(["lm-comm"], [row.text()], [])[0]
     assert run.label == "fp16 with update-sync(every=8,overlap=true,fragments=2,eager=false)"
-    cmd = tta._command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
+    cmd = tta_run.command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
     assert cmd[cmd.index("--update-sync") + 1] == "every=8,overlap=true,fragments=2,eager=false"
 
 
@@ -53,7 +53,7 @@ def test_delay_clause_parses_and_plans_a_ddp_row_of_ours():
     assert (run.system, run.spec, run.delay, run.label) == ("ddp", "ours:fp16", 1, "fp16 with delay(1) on DDP")
     assert run.row_id == "lm-comm-ddp-ours-fp16-with-delay-1" and run.row_id != plan[0].row_id
     assert run.again(2, 2).delay == 1
-    cmd = tta._command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
+    cmd = tta_run.command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
     assert cmd[cmd.index("--hook") + 1] == "ours:fp16" and cmd[cmd.index("--delay") + 1] == "1"
     assert run.unavailable == tta.delay_support()  # None once the hook takes delay=
     deeper = tta.plan_runs(["lm-comm"], ["fp16 with delay(2)"], [])[0]
@@ -172,7 +172,7 @@ def test_wait_share_in_rows_table_and_csv(tmp_path):
     rows = [report.summarize(k, v, NET) for k, v in results.items()]
     assert rows[0]["wait_share"] == pytest.approx(0.75) and rows[1]["wait_share"] == pytest.approx(0.125)
     assert rows[1]["comm_share"] == pytest.approx(0.5)
-    table = report.markdown_table(rows, NET, results)
+    table = report_table.markdown_table(rows, NET, results)
     head = [line for line in table.splitlines() if line.startswith("| workload")][0]
     assert head.split(" | ")[-2:] == ["comm", "wait |"]
     assert "| 75% | 75% |" in table and "| 50% | 12% |" in table
@@ -183,7 +183,7 @@ def test_wait_share_in_rows_table_and_csv(tmp_path):
     # Records without the wait (older sweeps, workers that do not measure it): no column.
     old = {"a": _result("fp16", "fp16", (1.0, 0.0, 3.0, 3.0), [10, 9, 8], wait=False)}
     rows = [report.summarize(k, v, NET) for k, v in old.items()]
-    assert rows[0]["wait_share"] is None and "| wait" not in report.markdown_table(rows, NET, old)
+    assert rows[0]["wait_share"] is None and "| wait" not in report_table.markdown_table(rows, NET, old)
 
 
 # ---- FP16's estimated TTA on a slow link ----
@@ -225,7 +225,7 @@ def test_fp16_stopped_early_gets_the_labelled_estimate(tmp_path):
                     update_sync="every=16")
     stops = {}
     run = tta.plan_runs(["lm-comm"], ["fp16"], [])[0]
-    tta.note_fp16(run, fp16, stops)
+    tta_run.note_fp16(run, fp16, stops)
     assert stops["lm-comm"] == {"target": pytest.approx(8.16), "fp16_tta_s": 12.0, "cap": 1.5,
                                 "max_seconds": 18.0, "fp16_steps": 5, "estimated": True}
     results = {"f": fp16, "o": other}
@@ -236,7 +236,7 @@ def test_fp16_stopped_early_gets_the_labelled_estimate(tmp_path):
     assert rows[0]["tta_s"] == 12.0 and rows[0]["steps_to_target"] == 3  # 3 steps x 4 s
     assert rows[1]["target"] == pytest.approx(8.16) and rows[1]["tta_s"] == 6.0  # step 4 x 1.5 s
     assert rows[1]["tta_vs_fp16"] == pytest.approx(2.0)
-    table = report.markdown_table(rows, NET, results)
+    table = report_table.markdown_table(rows, NET, results)
     line = [x for x in table.splitlines() if x.startswith("| lm-comm | fp16 |")][0]
     assert "| 12.0 (est.) |" in line and "| 3 at 50 Mbit/s |" in line
     assert ("fp16 (lm-comm) stopped after 2 steps at 5 Mbit/s: its TTA (est.) is its steps to target at "

@@ -178,7 +178,7 @@ def test_compiled_arithmetic_is_exact_float32(compiled):
 
 def test_ptx_only_compile(runs):
     """Where ptxas cannot run, the compiler's stages up to PTX still build each kernel
-    module's first kernel for sm_90 (tests/core/triton_checks.py, compile_sm90)."""
+    module's first kernel for sm_90 (tests/core/triton_aot.py, compile_sm90)."""
     kernels = _kernels(runs["compiled"]["ptx_only"])
     assert len(kernels) == 5, kernels  # triton_thc, _thc_words, _topkc, _powersgd, _signsgd
     for name, facts in kernels.items():

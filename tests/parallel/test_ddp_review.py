@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.ddprun import run
-from tests.parallel.test_ddp import _Counter, grads_of
+from tests.parallel.ddp_probe import AllReduceCounter as _Counter, grads_of
 
 # registration order; FORWARD: the order the loss uses them (backward readiness: reversed)
 MANY = {"l0.weight": (32, 64), "l0.bias": (64,), "l1.weight": (48, 64), "l1.bias": (48,),
@@ -98,7 +98,7 @@ def review_worker(tmp):
         return {n: (np.zeros(p.shape) if p.grad is None else p.grad.detach().double().numpy().copy())
                 for n, p in ddp.module.named_parameters()}
 
-    from tests.parallel.test_ddp import _residuals as owed
+    from tests.parallel.ddp_probe import residuals as owed
 
     def train(ddp, comp, steps, shapes=MANY, half=(), skip_odd=(), factor=1.0, first=0):
         outs, calls, reports = [], [], []

@@ -24,7 +24,9 @@ import triton.language as tl
 from hvd_gradcomp.orthogonalize import basis_rows
 from hvd_gradcomp.powersgd import CONTROL, _agree_kernel, agree_tolerance
 
-from . import register
+from torch_backend.reference_ops import REFERENCE_OPS
+
+from .forms import register
 from .triton_thc import _OPTIONS, _on
 
 __all__ = ["basis", "agree", "AOT", "MAX_N", "MAX_RANK"]
@@ -75,7 +77,6 @@ def basis(rel_tol, pt, fillt):
     [r, n], the orthonormal basis' columns as rows (module docstring)."""
     if (pt.dim() != 2 or pt.shape != fillt.shape or pt.dtype != torch.float32 or fillt.dtype != torch.float32
             or pt.shape[0] > MAX_RANK or pt.shape[1] > MAX_N or pt.device != fillt.device):
-        from torch_backend.ops import REFERENCE_OPS
         return basis_rows(REFERENCE_OPS, rel_tol, pt, fillt)
     r, n = pt.shape
     out = torch.empty((r, n), dtype=torch.float32, device=pt.device)
@@ -114,7 +115,6 @@ def agree(world_size, payload):
     values), ``ok`` from a float32 sum in another order (the same verdict but where the finite
     values sum to within rounding of float32's largest)."""
     if payload.dim() != 1 or payload.dtype != torch.float32 or payload.shape[0] < CONTROL:
-        from torch_backend.ops import REFERENCE_OPS
         return _agree_kernel(REFERENCE_OPS, world_size, payload)
     payload = payload.contiguous()
     keep = torch.empty((), dtype=torch.float32, device=payload.device)
