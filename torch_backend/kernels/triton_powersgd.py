@@ -1,6 +1,7 @@
-"""Triton fused forms of PowerSGD's projection basis (:func:`hvd_gradcomp.orthogonalize.basis_rows`)
-and of its check on receipt (:func:`agree`, ``powersgd._agree_kernel``; CUDA, the "cuda"
-provider of :mod:`torch_backend.kernels`, whose docstring is the contract). The basis:
+"""Triton fused forms of PowerSGD's projection basis (:func:`hvd_gradcomp.orthogonalize.basis_rows`),
+of the batched basis (:func:`basis_batched`, ``basis_rows_batched``) and of the check on receipt
+(:func:`agree`, ``powersgd._agree_kernel``; CUDA, the "cuda" provider of
+:mod:`torch_backend.kernels`, whose docstring is the contract). The basis:
 
 One program per factor: its ``r`` rows (the basis' columns) in turn, each held whole in
 registers (a tile of ``next_pow2(n)``): a zero row takes the fill's, it is scaled by its peak,
@@ -12,10 +13,19 @@ Float operations are rounded once each (``tl.div_rn``, ``tl.sqrt_rn``, no multip
 rounding of the reference's (and the same bits on every rank, as PowerSGD's basis fingerprints
 need).
 
-Plans covered: every ``rel_tol``; factors of float32 CUDA tensors with ``r <=``
-:data:`MAX_RANK` rows of ``n <=`` :data:`MAX_N` (else the reference). Launch path: no host
-read, one program, the current stream of the tensors' device. Tested in Triton's interpreter on
-CPU tensors and compiled ahead of time for sm_90 (:data:`AOT`); not yet run on a GPU.
+The batched basis (PowerSGD batched, :mod:`hvd_gradcomp.powersgd_batched`) is one launch for the
+whole batch: one program per matrix (``program_id(0)``), each the per-matrix program above on
+its matrix (the same jit body, ``_rows``), the rows read in place through their strides (the
+payload's and fill's first ``n`` columns need no copy). In the interpreter each matrix gets the
+per-matrix form's bits; compiled, within the same float32 rounding (a load's layout, and so a
+sum's order, may follow its pointer's alignment), the same bits on every rank (every rank
+launches the same shapes and strides). The reference runs about 65 launches a batch at rank 4.
+
+Plans covered: every ``rel_tol``; factors (batches of factors) of float32 CUDA tensors with
+``r <=`` :data:`MAX_RANK` rows of ``n <=`` :data:`MAX_N` (else the reference). Launch path: no
+host read, one launch (one program; the batch: one a matrix), the current stream of the
+tensors' device. Tested in Triton's interpreter on CPU tensors and compiled ahead of time for
+sm_90 (:data:`AOT`); not yet run on a GPU.
 """
 import torch
 import triton
@@ -111,7 +121,7 @@ def basis_batched(rel_tol, pt, fillt):
     """Fused ``basis_rows_batched`` (PowerSGD batched), one launch for the batch: ``pt``, ``fillt``
     float32 [B, r, n] on one CUDA device (any strides; slices of a payload are read in place);
     returns float32 [B, r, n], each matrix's basis as :func:`basis` gives it (the same program
-    on each matrix, ``program_id`` the matrix: the same bits)."""
+    on each matrix, ``program_id`` the matrix; module docstring)."""
     if (pt.dim() != 3 or pt.shape != fillt.shape or pt.dtype != torch.float32 or fillt.dtype != torch.float32
             or pt.shape[1] > MAX_RANK or pt.shape[2] > MAX_N or pt.device != fillt.device):
         return basis_rows_batched(REFERENCE_OPS, rel_tol, pt, fillt)
