@@ -54,7 +54,8 @@ from tests.core.triton_aot import aot_all
 from tests.core.triton_compare import (BLOCK, TOL_RANGE, close_in_groups, close_nonfinite,
                                        equal_values, randn_on, same_structure, seeded)
 from tests.core.triton_powersgd_checks import (POWERSGD_BATCHED_CASES, POWERSGD_CASES, check_powersgd,
-                                               check_powersgd_agree, check_powersgd_batched)
+                                               check_powersgd_agree, check_powersgd_batched,
+                                               check_powersgd_batched_scheme)
 from tests.core.triton_scheme_checks import check_refusals, check_schemes
 from torch_backend import kernels
 from torch_backend.ops import REFERENCE_OPS
@@ -376,7 +377,7 @@ def check_names():
             + [f"topkc{case!r}" for case in TOPKC_CASES] + [f"powersgd{case!r}" for case in POWERSGD_CASES]
             + [f"powersgd_batched{case!r}" for case in POWERSGD_BATCHED_CASES]
             + [f"signsgd{case!r}" for case in SIGNSGD_CASES]
-            + ["powersgd_agree", "schemes", "refusals"])
+            + ["powersgd_agree", "powersgd_batched_scheme", "schemes", "refusals"])
 
 
 def run_all(device, nonfinite_only=False):
@@ -391,7 +392,8 @@ def run_all(device, nonfinite_only=False):
               + [(f"powersgd{case!r}", check_powersgd, case) for case in POWERSGD_CASES]
               + [(f"powersgd_batched{case!r}", check_powersgd_batched, case) for case in POWERSGD_BATCHED_CASES]
               + [(f"signsgd{case!r}", check_signsgd, case) for case in SIGNSGD_CASES]
-              + [("powersgd_agree", check_powersgd_agree, ()), ("schemes", check_schemes, ()),
+              + [("powersgd_agree", check_powersgd_agree, ()),
+                 ("powersgd_batched_scheme", check_powersgd_batched_scheme, ()), ("schemes", check_schemes, ()),
                  ("refusals", check_refusals, ())])
     return _run(device, checks)
 

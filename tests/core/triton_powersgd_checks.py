@@ -10,14 +10,17 @@ interpreter (compiled, within the same contract: a sum's order may follow the ro
 ``tl.dot`` here and no matrix product of an inf in the reference (an inf row turns NaN in the
 scaling before any product), so nothing depends on the CPU's vector width.
 """
+import os
+import warnings
+
 import torch
 
-from tests.core.triton_compare import equal_values, randn_on, same_structure, seeded
+from tests.core.triton_compare import close_relative, equal_values, randn_on, same_structure, seeded
 from torch_backend import kernels
 from torch_backend.ops import REFERENCE_OPS
 
 __all__ = ["POWERSGD_CASES", "POWERSGD_BATCHED_CASES", "check_powersgd", "check_powersgd_batched",
-           "check_powersgd_agree"]
+           "check_powersgd_agree", "check_powersgd_batched_scheme"]
 
 R = REFERENCE_OPS
 
@@ -99,6 +102,52 @@ def check_powersgd_batched(device, b, r, n, width, special):
         # strides change: on CUDA, the per-matrix form's contract instead of its bits.
         problems += (equal_values(f"{tag}: matrix {j} against triton_powersgd.basis", got[j], one)
                      if got.device.type == "cpu" else _basis_problems(f"{tag}: matrix {j} vs basis", got[j], one))
+    return problems
+
+
+def _batched_run(mode, device, steps=4):
+    """PowerSGD batched (rank 2) over 2 simulated ranks (torch_backend/simulated.py), one bucket
+    of three 32 x 48 matrices and two 16 x 4 x 3 x 3 kernels (two batches), ``steps`` steps with
+    ``HVD_GRADCOMP_KERNELS=mode``: each step's outputs, rank by rank."""
+    from hvd_gradcomp.buckets import Member
+    from torch_backend.simulated import SimulatedEngine
+    shapes = [(32, 48)] * 3 + [(16, 4, 3, 3)] * 2
+    members, offset = [], 0
+    for j, shape in enumerate(shapes):
+        numel = int(torch.Size(shape).numel())
+        members.append(Member(f"m{j}", f"layer.m{j}", shape, offset, numel))
+        offset += numel
+    g, dev = seeded(5, device)
+    grads = [[randn_on(g, offset, dev) for _ in range(2)] for _ in range(steps)]
+    old = os.environ.get(kernels.ENV)
+    os.environ[kernels.ENV] = mode
+    try:
+        engine = SimulatedEngine(2)
+        comps = engine.compressors("powersgd:2")
+        return [engine.allreduce_bucket(comps, [x.clone() for x in bufs], tuple(members)) for bufs in grads]
+    finally:
+        if old is None:
+            os.environ.pop(kernels.ENV, None)
+        else:
+            os.environ[kernels.ENV] = old
+
+
+def check_powersgd_batched_scheme(device):
+    """Whole steps of PowerSGD batched with the Triton forms (``HVD_GRADCOMP_KERNELS=triton``:
+    ``ops.fuse`` picks ``basis_batched`` and ``agree``, no fallback warning) against the
+    reference compositions (``off``): every rank's output within 1e-5 of the reference's norm
+    (the bases differ by float32 rounding, the steps after follow them)."""
+    kernels._CHOSEN.clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "hvd_gradcomp: the fused form", RuntimeWarning)
+        got = _batched_run("triton", device)
+    chosen = {getattr(form, "__name__", None) for form in kernels._CHOSEN.values() if form is not None}
+    problems = [f"powersgd batched: ops.fuse never ran {name} (chosen: {sorted(chosen)})"
+                for name in ("basis_batched", "agree") if name not in chosen]
+    want = _batched_run("off", device)
+    for step, (outs, refs) in enumerate(zip(got, want)):
+        for rank, (a, b) in enumerate(zip(outs, refs)):
+            problems += close_relative(f"powersgd batched step {step} rank {rank}", a, b, 1e-5)
     return problems
 
 
