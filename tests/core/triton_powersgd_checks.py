@@ -44,15 +44,17 @@ def _basis_problems(tag, got, want):
 def check_powersgd(device, r, n, special):
     """PowerSGD's ``basis_rows`` (module docstring): within float32 rounding of the reference,
     the same rows zero; ``special``: a zero row (takes the fill's) and a dependent one (exact
-    zeros), or a NaN row (it and the rows after it non-finite)."""
+    zeros), or a NaN row (it and the rows after it non-finite). An odd ``n``'s rows are slices of
+    wider ones (the payload's and fill's first ``n`` columns, read through their strides)."""
     from hvd_gradcomp.orthogonalize import DEPENDENT_TOL, basis_rows
     from torch_backend.kernels import triton_powersgd
     form = kernels.fused_form(basis_rows, DEPENDENT_TOL, "cuda")
     if form is not triton_powersgd.basis:
         return [f"powersgd: the registry gives {form}, not triton_powersgd.basis"]
     g, dev = seeded(r * 7 + n, device)
-    pt = randn_on(g, r * n, dev).reshape(r, n)
-    fill = randn_on(g, r * n, dev).reshape(r, n)
+    wide, fwide = (n + 4, n + 3) if n % 2 else (n, n)  # odd n: slices read in place, as PowerSGD's
+    pt = randn_on(g, r * wide, dev).reshape(r, wide)[:, :n]
+    fill = randn_on(g, r * fwide, dev).reshape(r, fwide)[:, :n]
     if special == "dependent":
         pt[1] = 0.0
         pt[2] = pt[0] * -3.0

@@ -15,8 +15,8 @@ need).
 
 The batched basis (PowerSGD batched, :mod:`hvd_gradcomp.powersgd_batched`) is one launch for the
 whole batch: one program per matrix (``program_id(0)``), each the per-matrix program above on
-its matrix (the same jit body, ``_rows``), the rows read in place through their strides (the
-payload's and fill's first ``n`` columns need no copy). In the interpreter each matrix gets the
+its matrix (the same jit body, ``_rows``). Both read the rows in place through their strides
+(the payload's and fill's first ``n`` columns need no copy). In the interpreter each matrix gets the
 per-matrix form's bits; compiled, within the same float32 rounding (a load's layout, and so a
 sum's order, may follow its pointer's alignment), the same bits on every rank (every rank
 launches the same shapes and strides). The reference runs about 65 launches a batch at rank 4.
@@ -85,8 +85,8 @@ def _rows(pt_ptr, fill_ptr, out_ptr, n, r, pt_row, fill_row, rel_tol, NP: tl.con
 
 
 @triton.jit
-def _basis(pt_ptr, fill_ptr, out_ptr, n, r, rel_tol, NP: tl.constexpr):
-    _rows(pt_ptr, fill_ptr, out_ptr, n, r, n, n, rel_tol, NP)
+def _basis(pt_ptr, fill_ptr, out_ptr, n, r, pt_row, fill_row, rel_tol, NP: tl.constexpr):
+    _rows(pt_ptr, fill_ptr, out_ptr, n, r, pt_row, fill_row, rel_tol, NP)
 
 
 @triton.jit
@@ -97,24 +97,26 @@ def _basis_batched(pt_ptr, fill_ptr, out_ptr, n, r, pt_mat, pt_row, fill_mat, fi
 
 
 def basis(rel_tol, pt, fillt):
-    """Fused ``basis_rows``: ``pt``, ``fillt`` float32 [r, n] on one CUDA device; returns float32
-    [r, n], the orthonormal basis' columns as rows (module docstring)."""
+    """Fused ``basis_rows``: ``pt``, ``fillt`` float32 [r, n] on one CUDA device (any strides; the
+    payload's and fill's first ``n`` columns are read in place); returns float32 [r, n], the
+    orthonormal basis' columns as rows (module docstring)."""
     if (pt.dim() != 2 or pt.shape != fillt.shape or pt.dtype != torch.float32 or fillt.dtype != torch.float32
             or pt.shape[0] > MAX_RANK or pt.shape[1] > MAX_N or pt.device != fillt.device):
         return basis_rows(REFERENCE_OPS, rel_tol, pt, fillt)
     r, n = pt.shape
     out = torch.empty((r, n), dtype=torch.float32, device=pt.device)
     if r and n:
+        pt, fillt = _rows_of(pt), _rows_of(fillt)
         with _on(pt):
-            _basis[(1,)](pt.contiguous(), fillt.contiguous(), out, n, r, float(rel_tol),
+            _basis[(1,)](pt, fillt, out, n, r, pt.stride(0), fillt.stride(0), float(rel_tol),
                          NP=triton.next_power_of_2(n), **_OPTIONS)
     return out
 
 
-
 def _rows_of(t):
-    """``t`` (float32 [B, r, n]) with unit stride along its rows (a copy only where it has not)."""
-    return t if t.stride(2) == 1 else t.contiguous()
+    """``t`` (float32 [..., n]) with unit stride along its rows (a copy only where it has not)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
 
 
 def basis_batched(rel_tol, pt, fillt):
@@ -178,8 +180,8 @@ register(_agree_kernel, "cuda", lambda plan: True, agree, "triton_powersgd.agree
 
 # Ahead-of-time compile (tests): (name, kernel, signature, constexprs) at a small and the
 # largest row.
-_SIGNATURE = {"pt_ptr": "*fp32", "fill_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "r": "i32",
-              "rel_tol": "fp32", "NP": "constexpr"}
+_SIGNATURE = {"pt_ptr": "*fp32", "fill_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "r": "i32", "pt_row": "i32",
+              "fill_row": "i32", "rel_tol": "fp32", "NP": "constexpr"}
 AOT = [(f"basis[NP={np_}]", _basis, _SIGNATURE, {"NP": np_}) for np_ in (256, MAX_N)] + [
     (f"basis_batched[NP={np_}]", _basis_batched,
      {"pt_ptr": "*fp32", "fill_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "r": "i32", "pt_mat": "i32",
