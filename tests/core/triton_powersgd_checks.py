@@ -109,11 +109,12 @@ def check_powersgd_batched(device, b, r, n, width, special):
 
 def _batched_run(mode, device, steps=4):
     """PowerSGD batched (rank 2) over 2 simulated ranks (torch_backend/simulated.py), one bucket
-    of three 32 x 48 matrices and two 16 x 4 x 3 x 3 kernels (two batches), ``steps`` steps with
-    ``HVD_GRADCOMP_KERNELS=mode``: each step's outputs, rank by rank."""
+    of three 32 x 48 matrices and two 16 x 4 x 3 x 3 kernels (two batches) and a 24 x 40 matrix
+    (alone in its view: per matrix), ``steps`` steps with ``HVD_GRADCOMP_KERNELS=mode``: each
+    step's outputs, rank by rank."""
     from hvd_gradcomp.buckets import Member
     from torch_backend.simulated import SimulatedEngine
-    shapes = [(32, 48)] * 3 + [(16, 4, 3, 3)] * 2
+    shapes = [(32, 48)] * 3 + [(16, 4, 3, 3)] * 2 + [(24, 40)]
     members, offset = [], 0
     for j, shape in enumerate(shapes):
         numel = int(torch.Size(shape).numel())
@@ -136,7 +137,7 @@ def _batched_run(mode, device, steps=4):
 
 def check_powersgd_batched_scheme(device):
     """Whole steps of PowerSGD batched with the Triton forms (``HVD_GRADCOMP_KERNELS=triton``:
-    ``ops.fuse`` picks ``basis_batched`` and ``agree``, no fallback warning) against the
+    ``ops.fuse`` picks ``basis_batched``, ``basis`` and ``agree``, no fallback warning) against the
     reference compositions (``off``): every rank's output within 1e-5 of the reference's norm
     (the bases differ by float32 rounding, the steps after follow them)."""
     kernels._CHOSEN.clear()
@@ -145,7 +146,7 @@ def check_powersgd_batched_scheme(device):
         got = _batched_run("triton", device)
     chosen = {getattr(form, "__name__", None) for form in kernels._CHOSEN.values() if form is not None}
     problems = [f"powersgd batched: ops.fuse never ran {name} (chosen: {sorted(chosen)})"
-                for name in ("basis_batched", "agree") if name not in chosen]
+                for name in ("basis_batched", "basis", "agree") if name not in chosen]
     want = _batched_run("off", device)
     for step, (outs, refs) in enumerate(zip(got, want)):
         for rank, (a, b) in enumerate(zip(outs, refs)):
