@@ -530,6 +530,16 @@ def test_triton_topkc_kernel_on_cuda():
     assert problems == [], "\n".join(problems)
 
 
+def test_triton_powersgd_kernels_on_cuda():
+    """PowerSGD's Triton basis, batched basis and check on receipt on CUDA against the reference
+    on CUDA (tests/core/triton_powersgd_checks.py)."""
+    c = _triton_checks()
+    problems = ([p for case in c.POWERSGD_CASES for p in c.check_powersgd("cuda", *case)]
+                + c.check_powersgd_agree("cuda")
+                + [p for case in c.POWERSGD_BATCHED_CASES for p in c.check_powersgd_batched("cuda", *case)])
+    assert problems == [], "\n".join(problems)
+
+
 def test_triton_forms_in_schemes_on_cuda():
     """Whole THC and TopKC steps through ``one_rank(OPS)`` on CUDA (the Triton forms, chosen
     by ``ops.fuse`` with no fallback warning) against ``one_rank(REFERENCE_OPS)``; plans

@@ -33,7 +33,8 @@ docstrings):
 default on CUDA): :func:`check_schemes` runs whole schemes through ``one_rank(OPS)`` against
 ``one_rank(REFERENCE_OPS)`` with any fallback warning raised as an error.
 
-The comparisons are in :mod:`tests.core.triton_compare`, the whole-scheme checks in
+The comparisons are in :mod:`tests.core.triton_compare`, PowerSGD's checks in
+:mod:`tests.core.triton_powersgd_checks`, the whole-scheme checks in
 :mod:`tests.core.triton_scheme_checks`, the ahead-of-time compile for sm_90 in
 :mod:`tests.core.triton_aot`; this module holds the kernels' checks, runs them all
 (:func:`run_all`, the names ``tests/core/test_devices.py`` calls included) and is the
@@ -52,6 +53,9 @@ from hvd_gradcomp.thc import THCConfig, THCScheme
 from tests.core.triton_aot import aot_all
 from tests.core.triton_compare import (BLOCK, TOL_RANGE, close_in_groups, close_nonfinite,
                                        equal_values, randn_on, same_structure, seeded)
+from tests.core.triton_powersgd_checks import (POWERSGD_BATCHED_CASES, POWERSGD_CASES, check_powersgd,
+                                               check_powersgd_agree, check_powersgd_batched,
+                                               check_powersgd_batched_scheme)
 from tests.core.triton_scheme_checks import check_refusals, check_schemes
 from torch_backend import kernels
 from torch_backend.ops import REFERENCE_OPS
@@ -246,83 +250,6 @@ def check_topkc(device, d, plan, nonfinite=False, seed=0):
     return problems
 
 
-def check_powersgd(device, r, n, special):
-    """PowerSGD's ``basis_rows`` (module docstring): within float32 rounding of the reference,
-    the same rows zero; ``special``: a zero row (takes the fill's) and a dependent one (exact
-    zeros), or a NaN row (it and the rows after it non-finite)."""
-    from hvd_gradcomp.orthogonalize import DEPENDENT_TOL, basis_rows
-    from torch_backend.kernels import triton_powersgd
-    form = kernels.fused_form(basis_rows, DEPENDENT_TOL, "cuda")
-    if form is not triton_powersgd.basis:
-        return [f"powersgd: the registry gives {form}, not triton_powersgd.basis"]
-    g, dev = seeded(r * 7 + n, device)
-    pt = randn_on(g, r * n, dev).reshape(r, n)
-    fill = randn_on(g, r * n, dev).reshape(r, n)
-    if special == "dependent":
-        pt[1] = 0.0
-        pt[2] = pt[0] * -3.0
-    elif special == "nan":
-        pt[1, n // 2] = float("nan")
-    tag = f"powersgd basis r={r} n={n} {special}"
-    got = form(DEPENDENT_TOL, pt, fill)
-    want = basis_rows(R, DEPENDENT_TOL, pt, fill)
-    problems = same_structure(tag, got, want)
-    if problems:
-        return problems
-    if not torch.equal(got.isnan().cpu(), want.isnan().cpu()):
-        return [f"{tag}: NaN where the reference has none, or the reverse"]
-    finite = ~want.isnan()
-    err = float((got - want)[finite].abs().max()) if bool(finite.any()) else 0.0
-    if err > 1e-6:
-        problems.append(f"{tag}: max difference {err:.3g} > 1e-6")
-    if not torch.equal((got.abs().sum(1) > 0).cpu(), (want.abs().sum(1) > 0).cpu()):
-        problems.append(f"{tag}: other rows are zero than the reference's")
-    return problems
-
-
-def check_powersgd_agree(device):
-    """PowerSGD's ``_agree_kernel``: the reference's ``(keep, ok)`` for payloads whose ranks
-    agree, disagree in parity or in a fingerprint, or hold a NaN or an inf (longer than one
-    tile of the sum, and shorter)."""
-    from hvd_gradcomp.powersgd import _agree_kernel
-    from torch_backend.kernels import triton_powersgd
-    form = kernels.fused_form(_agree_kernel, 2, "cuda")
-    if form is not triton_powersgd.agree:
-        return [f"powersgd agree: the registry gives {form}, not triton_powersgd.agree"]
-    g, dev = seeded(11, device)
-    problems = []
-    for n, length in ((2, 3000), (64, 40)):
-        body = randn_on(g, length, dev)
-        f = randn_on(g, 2, dev)
-        agreed = torch.stack([torch.tensor(float(n), device=dev), torch.tensor(0.0, device=dev), n * f[0],
-                              n * f[0] ** 2, n * f[1], n * f[1] ** 2])
-        variants = {"agreed": agreed.clone(), "parity": agreed.clone(), "print": agreed.clone()}
-        variants["parity"][1] = 1.0
-        variants["print"][3] = variants["print"][3] * 1.01 + 0.5
-        for name, control in list(variants.items()):
-            variants[name] = torch.cat([body, control])
-        variants["nan"] = variants["agreed"].clone()
-        variants["nan"][5] = float("nan")
-        variants["inf"] = variants["agreed"].clone()
-        variants["inf"][-1] = float("inf")
-        for name, payload in variants.items():
-            got, want = form(n, payload), _agree_kernel(R, n, payload)
-            tag = f"powersgd agree n={n} len={length} {name}"
-            problems += same_structure(tag, got, want)
-            if [float(got[0]), bool(got[1])] != [float(want[0]), bool(want[1])]:
-                problems.append(f"{tag}: {float(got[0]), bool(got[1])} against {float(want[0]), bool(want[1])}")
-    return problems
-
-
-POWERSGD_CASES = [
-    # (r, n, special)
-    (4, 256, "dependent"),
-    (1, 5, "none"),
-    (8, 1001, "dependent"),
-    (3, 4096, "nan"),
-]
-
-
 TOPKC_CASES = [
     # (d, (chunk, error_feedback, blocking, beta), nonfinite)
     (3000, (256, True, False, 1.0), False),
@@ -448,8 +375,9 @@ def check_names():
     """The keys of :func:`run_all`'s result, in order (for the tests' parameters)."""
     return (["thc" + repr(case) for case in THC_CASES]
             + [f"topkc{case!r}" for case in TOPKC_CASES] + [f"powersgd{case!r}" for case in POWERSGD_CASES]
+            + [f"powersgd_batched{case!r}" for case in POWERSGD_BATCHED_CASES]
             + [f"signsgd{case!r}" for case in SIGNSGD_CASES]
-            + ["powersgd_agree", "schemes", "refusals"])
+            + ["powersgd_agree", "powersgd_batched_scheme", "schemes", "refusals"])
 
 
 def run_all(device, nonfinite_only=False):
@@ -462,8 +390,10 @@ def run_all(device, nonfinite_only=False):
     checks = ([("thc" + repr(case), check_thc, case) for case in THC_CASES]
               + [(f"topkc{case!r}", check_topkc, case) for case in TOPKC_CASES]
               + [(f"powersgd{case!r}", check_powersgd, case) for case in POWERSGD_CASES]
+              + [(f"powersgd_batched{case!r}", check_powersgd_batched, case) for case in POWERSGD_BATCHED_CASES]
               + [(f"signsgd{case!r}", check_signsgd, case) for case in SIGNSGD_CASES]
-              + [("powersgd_agree", check_powersgd_agree, ()), ("schemes", check_schemes, ()),
+              + [("powersgd_agree", check_powersgd_agree, ()),
+                 ("powersgd_batched_scheme", check_powersgd_batched_scheme, ()), ("schemes", check_schemes, ()),
                  ("refusals", check_refusals, ())])
     return _run(device, checks)
 
