@@ -61,7 +61,9 @@ Flags (class attributes of :class:`Scheme`, with their defaults):
 - ``flattens`` (False): the math is over the tensor's flat vector (no use of its shape), so a
   bucket's tensors of this scheme may be compressed as one vector of their concatenated
   coordinates (:mod:`~hvd_gradcomp.buckets`): the casts, TopK, TopKC (not EF21, which keeps
-  per-tensor estimates), THC, signSGD. Not PowerSGD (matrices) or ``auto`` (per tensor).
+  per-tensor estimates), THC, signSGD. Not PowerSGD (matrices: batched per shape instead,
+  :mod:`~hvd_gradcomp.powersgd_batched`) or ``auto`` (adaptive: its tensors on one flattening
+  choice are grouped between windows by :mod:`~hvd_gradcomp.auto.group`).
 
 What composites (``auto``, the FP16 warm-up), checkpoints and reports need beyond the
 lifecycle (error feedback in the gradient's coordinates, the payload dtype, the state a loaded

@@ -13,8 +13,12 @@ already) hands the compressor a bucket as a flat buffer and the layout of its te
   tensors): THC's blocks and TopKC's chunks span tensor boundaries. A group whose tensors are
   contiguous in the buffer is read and written as a view (no copy); otherwise through one
   gather and one scatter with a cached index;
-- a **single tensor**: a scheme that needs the tensor's shape (PowerSGD's matrices), changes
-  scheme per tensor (``auto``) or keeps per-tensor estimates (TopKC's EF21), or a group of one.
+- a **batch** of same-shape matrices (PowerSGD, :mod:`~hvd_gradcomp.powersgd_batched`): one
+  batched product, orthogonalisation and payload per shape, each matrix keeping its own state;
+- ``auto``'s tensors on one flattening choice between windows, as one group
+  (:mod:`~hvd_gradcomp.auto.group`); in a window each is sent alone;
+- a **single tensor**: a scheme that needs the tensor's shape and has no batched form, keeps
+  per-tensor estimates (TopKC's EF21), or a group of one.
 
 The codec's work per step then follows the bucket count and the bytes, not the tensor count.
 

@@ -32,6 +32,9 @@ from .base import HALF_MAX, EmptyState, Scheme, TensorInfo, compress_tensor, fin
     saturate_output
 from .buckets import BucketPlan, GroupBook, Unit, flattens, group_key
 from .calls import AdapterCtx, Call, scheme_info
+from .auto.group import auto_group, auto_group_key, group_choice
+from .auto.scheme import AutoScheme
+from .powersgd_batched import batch_view, batched_scheme
 from .primitives import FLOAT_DTYPES
 from .records import TensorBook
 from .routing import RouteTable, Routing
@@ -271,11 +274,20 @@ class Codec:
         :meth:`encode` refuses for any member (before any collective).
         """
         fast = None if layout is None else ("layout", layout, dtype, op, id(group), per_tensor)
+        # auto's tensors are grouped per choice between windows (auto/group.py): the plan also
+        # follows each one's group_choice (host facts), re-planned when one changes
+        token = None
+        if not per_tensor and any(isinstance(s, AutoScheme) for s in self.routing.schemes()):
+            known = None if fast is None else self.plans.get(("members",) + fast)
+            if known is None:
+                known = members = tuple(members() if callable(members) else members)
+            token = self._auto_token(known, dtype, op, group)
+            fast = None if fast is None else fast + (token,)
         plan = None if fast is None else self.plans.get(fast)
         if plan is not None:
             return plan
         members = tuple(members() if callable(members) else members)
-        sig = (tuple((m.key, tuple(m.shape), m.offset) for m in members), dtype, op, id(group), per_tensor)
+        sig = (tuple((m.key, tuple(m.shape), m.offset) for m in members), dtype, op, id(group), per_tensor, token)
         plan = self.plans.get(sig)
         if plan is None:
             plan = BucketPlan(members, self._units(members, dtype, op, group, like, per_tensor), dtype)
@@ -284,12 +296,28 @@ class Codec:
             self.plans[sig] = plan
         if fast is not None:
             self.plans[fast] = plan
+            if token is not None:
+                self.plans[("members",) + fast[:-1]] = members
         return plan
 
+    def _auto_token(self, members, dtype, op, group) -> tuple:
+        """Per member routed to ``auto``, the choice it may be grouped under at its next step
+        (:func:`~hvd_gradcomp.auto.group.group_choice`), else None: part of the plan's key."""
+        out, world = [], self.world(group)[0]
+        for m in members:
+            route = self.table.routes.get(m.key)
+            scheme = None if route is None else route.scheme
+            out.append(group_choice(scheme, m.key, world, self.store) if isinstance(scheme, AutoScheme) else None)
+        return tuple(out)
+
     def _units(self, members, dtype, op, group, like, per_tensor) -> tuple:
-        """The units of a bucket (:meth:`plan_bucket`): each member routed, flat groups formed."""
+        """The units of a bucket (:meth:`plan_bucket`): each member routed, flat groups formed,
+        PowerSGD's matrices of one view batched (a group whose unit's scheme is a
+        :class:`~hvd_gradcomp.powersgd_batched.BatchedPowerSGD`: :func:`batch_view`), and auto's
+        tensors on one choice between windows grouped (an
+        :class:`~hvd_gradcomp.auto.group.AutoGroup`: :func:`group_choice`)."""
         ops, book = self.ops, self.groups
-        slots, flat_slots = [], {}  # slots: units in order of their first tensor
+        slots, flat_slots = [], {}  # slots: units in order of their first tensor; flat_slots: by group
         for i, m in enumerate(members):
             if passes_through(dtype, m.numel):
                 continue
@@ -300,16 +328,23 @@ class Codec:
                 self.table.superseded.discard(m.key)
                 self.tensors.pending.pop(m.key, None)
             self.check_call(route.scheme, m.key, call, info)
+            # kind: None (flat or alone), ("batch", PowerSGD's matrix view) or ("auto", choice)
             flat = flattens(route.scheme) and not per_tensor
-            if flat and id(route.scheme) in flat_slots:
-                flat_slots[id(route.scheme)][1].append((i, info))
+            view = None if per_tensor else batch_view(route.scheme, info, ops.name)
+            kind = None if view is None else ("batch", view)
+            if isinstance(route.scheme, AutoScheme) and not per_tensor:  # grouped per choice (auto/group.py)
+                choice = group_choice(route.scheme, m.key, info.world_size, self.store)
+                kind = None if choice < 0 else ("auto", choice)
+            slot_key = id(route.scheme) if flat else (None if kind is None else (id(route.scheme), kind))
+            if slot_key is not None and slot_key in flat_slots:
+                flat_slots[slot_key][1].append((i, info))
                 continue
-            slot = (route.scheme, [(i, info)])
-            if flat:
-                flat_slots[id(route.scheme)] = slot
+            slot = (route.scheme, [(i, info)], kind)
+            if slot_key is not None:
+                flat_slots[slot_key] = slot
             slots.append(slot)
         units = []
-        for scheme, grouped in slots:
+        for scheme, grouped, kind in slots:
             if len(grouped) == 1:
                 (i, info), = grouped
                 m = members[i]
@@ -318,9 +353,14 @@ class Codec:
             idx = book.saved_order(tuple(i for i, _ in grouped), members)
             infos = dict(grouped)
             keys = tuple(members[i].key for i in idx)
-            gkey = group_key(keys)
+            auto = kind is not None and kind[0] == "auto"
+            gkey = auto_group_key(scheme, keys, kind[1]) if auto else group_key(keys)
             total = sum(members[i].numel for i in idx)
             book.add(gkey, keys, tuple(members[i].numel for i in idx), {members[i].key: infos[i] for i in idx})
+            if auto:  # auto's tensors on one choice: one auto tensor of their vector
+                scheme = auto_group(scheme, gkey, keys, kind[1])
+            elif kind is not None:  # a batch: its own scheme object, kept per group key
+                scheme = batched_scheme(scheme, gkey, keys, tuple(infos[i] for i in idx), kind[1], self.tensors)
             first, info0 = members[idx[0]], infos[idx[0]]
             ginfo = type(info0)(gkey, (total,), dtype, info0.world_size, info0.rank, info0.op,
                                 info0.group, info0.nccl_avg)

@@ -6,7 +6,8 @@ plain layout (no ``n x m`` transpose is ever materialised); used by :mod:`~hvd_g
 """
 from typing import NamedTuple
 
-__all__ = ["View", "matrix_view", "transposed", "times_right", "times_left", "outer", "minus_outer", "pad"]
+__all__ = ["View", "matrix_view", "transposed", "times_right", "times_left", "outer", "minus_outer", "pad",
+           "transposed_batch", "times_right_batch", "times_left_batch", "outer_batch", "pad_batch"]
 
 
 class View(NamedTuple):
@@ -76,3 +77,37 @@ def pad(ops, x, width):
     """[r, w] zero-padded on the right to [r, width]."""
     r, w = ops.shape(x)
     return x if w == width else ops.concat([x, ops.zeros((r, width - w), "float32", x)], 1)
+
+
+# ---- the same on a batch of equal views (PowerSGD batched: hvd_gradcomp/powersgd_batched.py) ----
+# ``mats`` [B, *v.natural], factors [B, r, n] / [B, r, m]; each product is one batched matmul.
+def transposed_batch(ops, x):
+    """``x`` [B, a, b] as [B, b, a]."""
+    return ops.transpose(x, (0, 2, 1))
+
+
+def times_right_batch(ops, mats, ft, v):
+    """``(M_b F_b)^T`` [B, r, n] for ``ft`` = ``F_b^T`` [B, r, m]: :func:`times_right` per matrix."""
+    if v.transposed:  # mats = M^T [B, m, n]
+        return ops.matmul(ft, mats)
+    return ops.matmul(ft, transposed_batch(ops, mats))
+
+
+def times_left_batch(ops, mats, ft, v):
+    """``F_b^T M_b`` [B, r, m] for ``ft`` [B, r, n]: :func:`times_left` per matrix."""
+    if v.transposed:
+        return ops.matmul(ft, transposed_batch(ops, mats))
+    return ops.matmul(ft, mats)
+
+
+def outer_batch(ops, pt, qt, v):
+    """``P_b Q_b^T`` in the plain layout [B, *v.natural]: :func:`outer` per matrix."""
+    if v.transposed:
+        return ops.matmul(transposed_batch(ops, qt), pt)
+    return ops.matmul(transposed_batch(ops, pt), qt)
+
+
+def pad_batch(ops, x, width):
+    """[B, r, w] zero-padded on the right to [B, r, width]."""
+    b, r, w = ops.shape(x)
+    return x if w == width else ops.concat([x, ops.zeros((b, r, width - w), "float32", x)], 2)

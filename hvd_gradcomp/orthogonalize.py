@@ -30,7 +30,7 @@ previous step's basis) is replaced by the matching column of a fill matrix that 
 holds (PowerSGD's shared random matrix) before orthogonalising.
 """
 
-__all__ = ["orthogonalize", "basis", "basis_rows", "DEPENDENT_TOL"]
+__all__ = ["orthogonalize", "basis", "basis_rows", "orthogonalize_batched", "basis_rows_batched", "DEPENDENT_TOL"]
 
 # A column whose part orthogonal to the earlier columns is below this fraction of its own
 # norm is treated as dependent. After two projection passes an exactly dependent float32
@@ -102,3 +102,45 @@ def basis_rows(ops, rel_tol, pt, fillt):
     rel_tol)``; the CPU's fused form is one C loop, ``torch_backend/kernels/cpu_powersgd.py``):
     ``pt``, ``fillt`` float32 [r, n]; returns float32 [r, n], the basis' columns as rows."""
     return ops.transpose(basis(ops, ops.transpose(pt, (1, 0)), ops.transpose(fillt, (1, 0)), rel_tol), (1, 0))
+
+
+# ---- the same on a batch of factors (PowerSGD batched: hvd_gradcomp/powersgd_batched.py) ----
+def orthogonalize_batched(ops, p, rel_tol: float = DEPENDENT_TOL):
+    """:func:`orthogonalize` of each matrix of a batch, in one set of operations for the batch
+    (the same steps and guards, the column loop over the r columns; no loop over the batch).
+
+    Args:
+        p: float32 [B, n, r] (static shape).
+
+    Returns:
+        float32 [B, n, r]: ``out[b]`` equals ``orthogonalize(ops, p[b])`` within float32
+        rounding (the same operations in the same order per matrix; a batched product may sum
+        in another order than a single one).
+    """
+    b, n, r = ops.shape(p)
+    p = p * (1.0 / ops.maximum(ops.reshape(ops.max(ops.abs(p), 1), (b, 1, r)), _TINY))
+    norms0 = ops.norm(p, 1)  # [B, r]
+    cols = []
+    for j in range(r):
+        v, norm0 = p[:, :, j:j + 1], norms0[:, j:j + 1]  # [B, n, 1], [B, 1]
+        if cols:
+            basis_ = ops.concat(cols, 2) if len(cols) > 1 else cols[0]  # [B, n, j]
+            basis_t = ops.transpose(basis_, (0, 2, 1))
+            for _ in range(2):
+                v = v - ops.matmul(basis_, ops.matmul(basis_t, v))
+        norm = ops.norm(v, 1)  # [B, 1]
+        keep = norm > norm0 * rel_tol
+        scale = ops.where(keep, 1.0 / ops.maximum(norm, _TINY), 0.0)
+        cols.append(v * ops.reshape(scale, (b, 1, 1)))
+    return ops.concat(cols, 2) if r > 1 else cols[0]
+
+
+def basis_rows_batched(ops, rel_tol, pt, fillt):
+    """:func:`basis_rows` of each matrix of a batch (as a kernel: ``ops.fuse(basis_rows_batched,
+    rel_tol)``): ``pt``, ``fillt`` float32 [B, r, n]; returns float32 [B, r, n], each basis'
+    columns as rows. A row of ``pt`` that is exactly zero is replaced by ``fillt``'s first."""
+    b, r, n = ops.shape(pt)
+    top = ops.reshape(ops.max(ops.abs(pt), 2), (b, r, 1))
+    zero = ops.logical_and(ops.isfinite(top), ops.where(top > 0.0, False, True))
+    p = ops.transpose(ops.where(zero, fillt, pt), (0, 2, 1))
+    return ops.transpose(orthogonalize_batched(ops, p, rel_tol), (0, 2, 1))

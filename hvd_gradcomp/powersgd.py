@@ -191,6 +191,10 @@ class PowerSGDScheme(Scheme):
         # ops.name of the backend this scheme last ran with (for wire(), which gets no ops).
         self._layout = None
         self._fingerprint_weights = {}  # tensor key -> (the state's fill, its weights): _weights
+        # group key -> the BatchedPowerSGD of a bucket's matrices of one view sent by this scheme
+        # (hvd_gradcomp.powersgd_batched; made by the codec's plan_bucket)
+        self.batches = {}
+        self.batch_clock = 0  # batch steps so far (which batch held a matrix last: _batch_row)
 
     def bind(self, ops):
         """Remember the backend's kernel layout (``ops.name``) for :meth:`wire`, which gets no
@@ -261,12 +265,26 @@ class PowerSGDScheme(Scheme):
             empty = ops.zeros((0,), "float32", like)
             return PowerSGDState(residual, empty, self._random_q(ops, info, v.m, like), zero, empty, zero,
                                  version)
+        held = None if self.ef21 else self._batch_row(info)
+        if held is not None:  # a matrix leaving a batch (a rebuilt bucket): its factors as they were
+            p, q, step, fill = held
+            return PowerSGDState(residual, p, q, step, fill, zero, version)
         fill = self._fill(ops, info, max(v.n, v.m), like)
         q = transposed(ops, orthogonalize(ops, transposed(ops, fill[:, :v.m])))
         if self.ef21:
             return PowerSGDEF21State(residual, ops.zeros(v.natural, "float32", like),
                                      ops.zeros((r, v.n), "float32", like), q, zero, fill, zero, version)
         return PowerSGDState(residual, ops.zeros((r, v.n), "float32", like), q, zero, fill, zero, version)
+
+    def _batch_row(self, info):
+        """``(p, q, step, fill)`` of ``info``'s tensor in the batch of this scheme that stepped
+        it last (:meth:`~hvd_gradcomp.powersgd_batched.BatchedPowerSGD.row`), or None."""
+        held = [b for b in self.batches.values() if info.key in b.keys and b.stepped]
+        for batch in sorted(held, key=lambda b: -b.stepped):
+            row = batch.row(info.key)
+            if row is not None:
+                return row
+        return None
 
     # ---- compress ----
     def compress(self, ops, x, state, info, finite):

@@ -35,6 +35,17 @@ def pytest_runtest_setup(item):
             pytest.skip(why)
 
 
+@pytest.fixture
+def one_thread():
+    """PyTorch on one thread for the test (its float sums in one order whatever the CPU's core
+    count), the previous count restored after; used by ``pytest.mark.usefixtures("one_thread")``."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # The exit status of the session, for pytest_unconfigure below.
 _EXIT = {}
 

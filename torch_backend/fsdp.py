@@ -107,6 +107,14 @@ gradients, bit for bit, while the link carries each group's payload during the b
 the groups before it. Refused with a post-accumulate-grad hook on a parameter (it would read
 the gradient before the sum arrives) and on CUDA (FSDP's all-reduce stream overlaps there).
 
+**Delayed sync** (``install(..., delay=1)``; :mod:`torch_backend.fsdp_delayed`). Each hook
+posts its module's all-reduce without waiting and hands FSDP that module's previous step's
+decoded mean (zeros at the first step, on every replica alike), so step t's all-reduce runs
+beside step t + 1's forward and backward: the blocking run's gradients shifted by one step,
+bit for bit (the hooks run this class's :meth:`~_ShardHook.take_input`,
+:meth:`~_ShardHook.encode` and :meth:`~_ShardHook.decode`). ``delayed_state(model).drain()``
+before a checkpoint and after the last step. Refused with ``overlap=True``.
+
 **The reduce-scatter.** :func:`install_reduce_scatter` (in :mod:`torch_backend.fsdp_scatter`,
 re-exported here; its docstring has the design) compresses FSDP's reduce-scatter within the
 shard group with a compressor of its own.
@@ -117,6 +125,7 @@ import torch.distributed as dist
 from hvd_gradcomp.payloads import post_payloads, unpack_payloads
 
 from .engine import ProcessGroupEngine
+from .fsdp_delayed import DelayedShardHook, check_delay, delay_verdict, wrap
 from .fsdp_overlap import Overlap
 from .ops import OPS
 from .fsdp_scatter import install_reduce_scatter
@@ -144,42 +153,20 @@ class _ShardHook:
 
     def __call__(self, output: torch.Tensor) -> None:
         with torch.no_grad():
-            lay = self.layouts.now(output.numel(), "install")
-            x = lay.expand(output)  # output itself unless a trainable parameter has no gradient
-            if not self.fsdp_group.all_reduce_grads:  # set_requires_all_reduce(False)
-                self._keep(lay, x)
-                output.zero_()
+            lay, x = self.take_input(output)
+            if x is None:
                 return
-            if self.partial is not None:
-                x = self._take(lay, x)
             late = self.late is not None
             if late:
                 self._check_late()
-            dtype = str(output.dtype).removeprefix("torch.")
-            plan = self.codec.plan_bucket(lay.members[0], dtype, "sum", self.group, x)
-            entries = []
-            for unit in plan.units:
-                u = x[unit.start:unit.stop] if unit.contiguous else x.index_select(0, unit.index)
-                payload, ctx = self.codec.encode_unit(unit, u.view(unit.info.shape))
-                entries.append((unit, payload, ctx))
-            # One all-reduce per payload dtype (hvd_gradcomp.payloads), each buffer a copy (a
-            # payload may be a view of x). Blocking, or (overlap) posted with at most one in
-            # flight on the replicas' group: Gloo aborted the process now and then with two of
-            # them running at once ("terminate called without an active exception").
-            # Each trainable parameter's "has a gradient here" word rides along, last in the
-            # buffer of its dtype (checked in _decode); as int32, alone, where no payload dtype
-            # sums R ones exactly
-            carrier = word_carrier({p.dtype for _, p, _ in entries}, self.replicas) or torch.int32
-            words = lay.present_words(carrier, x, failed=self.layouts.presence.failed or ())
-            self.layouts.presence.failed = None
             post = (lambda flat: self.late.post(flat, self.group)) if late else \
                 (lambda flat: dist.all_reduce(flat, group=self.group))
-            posted = post_payloads(OPS, [p for _, p, _ in entries] + [words], post, copy=True)
+            entries, posted = self.encode(lay, x, post)
             summed = x.clone() if late and x is output else x  # (units cover it all)
 
             def finish():
                 with torch.no_grad():
-                    self._decode(lay, summed, entries, posted)
+                    self.decode(lay, summed, entries, posted)
                     if not lay.same:
                         mine = summed.new_empty(lay.numel)
                         lay.shrink_into(summed, mine)
@@ -187,8 +174,48 @@ class _ShardHook:
             if late and self.late.defer(finish):
                 output.zero_()  # FSDP sets (or adds) zeros now; the sum is added at the end of backward
             else:
-                self._decode(lay, x, entries, posted)
+                self.decode(lay, x, entries, posted)
                 lay.shrink_into(x, output)
+
+    def take_input(self, output):
+        """``(lay, x)``: the call's :class:`~torch_backend.fsdp_shards.CallLayout` and its flat
+        shard in T's layout (``output`` itself where W is T) plus the shards kept while the
+        all-reduce was off; ``(lay, None)`` where it is off (``set_requires_all_reduce(False)``:
+        ``output`` kept and zeroed, nothing to send)."""
+        lay = self.layouts.now(output.numel(), "install")
+        x = lay.expand(output)  # output itself unless a trainable parameter has no gradient
+        if not self.fsdp_group.all_reduce_grads:  # set_requires_all_reduce(False)
+            self._keep(lay, x)
+            output.zero_()
+            return lay, None
+        if self.partial is not None:
+            x = self._take(lay, x)
+        return lay, x
+
+    def encode(self, lay, x, post):
+        """Encode ``x`` (T's layout) unit by unit and post the payloads, each trainable
+        parameter's presence word last, through ``post(flat)`` (one call per payload dtype,
+        each ``flat`` a copy: it returns a work or None). Returns ``(entries, posted)`` for
+        :meth:`decode`: ``[(unit, payload, ctx)]`` and :func:`post_payloads`' answer."""
+        dtype = str(x.dtype).removeprefix("torch.")
+        plan = self.codec.plan_bucket(lay.members[0], dtype, "sum", self.group, x)
+        entries = []
+        for unit in plan.units:
+            u = x[unit.start:unit.stop] if unit.contiguous else x.index_select(0, unit.index)
+            payload, ctx = self.codec.encode_unit(unit, u.view(unit.info.shape))
+            entries.append((unit, payload, ctx))
+        # One all-reduce per payload dtype (hvd_gradcomp.payloads), each buffer a copy (a
+        # payload may be a view of x). Blocking, or (overlap) posted with at most one in
+        # flight on the replicas' group: Gloo aborted the process now and then with two of
+        # them running at once ("terminate called without an active exception"); (delay=1)
+        # posted, the groups' all-reduces of a step in flight together (fsdp_delayed).
+        # Each trainable parameter's "has a gradient here" word rides along, last in the
+        # buffer of its dtype (checked in decode); as int32, alone, where no payload dtype
+        # sums R ones exactly
+        carrier = word_carrier({p.dtype for _, p, _ in entries}, self.replicas) or torch.int32
+        words = lay.present_words(carrier, x, failed=self.layouts.presence.failed or ())
+        self.layouts.presence.failed = None
+        return entries, post_payloads(OPS, [p for _, p, _ in entries] + [words], post, copy=True)
 
     def _keep(self, lay, x):
         """Add ``x`` (T's layout) to the shards kept while all-reduce is off."""
@@ -223,7 +250,7 @@ class _ShardHook:
                                  "backward), which would read the gradient before the all-reduce "
                                  "across replicas is added; install with overlap=False")
 
-    def _decode(self, lay, output, entries, posted):
+    def decode(self, lay, output, entries, posted):
         """Wait for each posted all-reduce (``posted``: :func:`post_payloads`' answer, the
         words last) and write its units' decoded sums into ``output`` (T's layout); what FSDP
         will not write (a trainable parameter without a gradient in this call) goes back into
@@ -250,7 +277,7 @@ class _ShardHook:
                 output.index_copy_(0, unit.index, out)
 
 
-def install(model, compressor, replicate_group=None, per="param", overlap=False):
+def install(model, compressor, replicate_group=None, per="param", overlap=False, delay=0):
     """Compress FSDP2's all-reduce across replicas with ``compressor``.
 
     Args:
@@ -269,6 +296,9 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
         overlap: post each group's all-reduce in its hook and finish them all at the end of
             backward, so that they travel while backward goes on (module docstring, "Overlap";
             CPU tensors: on CUDA FSDP's all-reduce stream overlaps already).
+        delay: 0 (default): blocking; 1: delayed sync, step t's all-reduce posted without
+            waiting and its mean applied at step t + 1 (module docstring, "Delayed sync";
+            :mod:`torch_backend.fsdp_delayed`: ``delayed_state(model).drain()`` and checkpoints).
 
     Every rank calls it at the same point (one ``all_gather_object`` on the replicas' group
     checks that they agree on the shards; ``auto`` without ``bandwidth_gbit`` measures the
@@ -278,17 +308,19 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
     Raises:
         TypeError: ``model`` is not an FSDP module, ``compressor`` not a PyTorch compressor
             (or a factory such as ``Compression.fp16`` without the call).
-        ValueError: ``per`` is neither; the compressor is bound already or routes a tensor to a
-            blocking variant; ``overlap=True`` on CUDA parameters;
+        ValueError: ``per`` is neither; ``delay`` not 0 or 1, or 1 with ``overlap=True``; the
+            compressor is bound already or routes a tensor to a blocking variant;
+            ``overlap=True`` on CUDA parameters;
             no replicas' group (shard-only mesh without ``replicate_group``), a
             ``replicate_group`` that is not the mesh's, an FSDP module with several parameter
             groups or an all-reduce hook already, replicas that disagree on shard ranks, sizes
-            or layout, or that install another compressor spec, ``per`` or other frozen
+            or layout, or that install another compressor spec, ``per``, ``delay`` or other frozen
             parameters (the same message on every rank, naming both). Raised on every rank
             before the hook is set.
         RuntimeError: a PyTorch without FSDP2 or without the internals named above.
     """
     FSDPModule, FSDPMeshInfo, HSDPMeshInfo = _fsdp_api()
+    delay = check_delay(delay, overlap)
     names = _checked_names("install", model, compressor, per)
     entries = []
     for path, module in model.named_modules():
@@ -344,9 +376,10 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
     layout = [(e.path, e.rank, e.size, sum(fp.sharded_param.to_local().numel() for fp in e.fsdp_group.fsdp_params))
               for e in entries]
     engine = layout_engine(ProcessGroupEngine(group), "install", entries, per, [entries[0].rank])
-    seen = engine.gather((fingerprint(compressor, per, entries), layout, loaded_error(compressor, engine)))
+    seen = engine.gather((fingerprint(compressor, per, entries), layout, loaded_error(compressor, engine), delay))
+    ranks = dist.get_process_group_ranks(group)
     verdict = next((s[2] for s in seen if s[2] is not None), None) or agreement_error(
-        "install", [s[0] for s in seen], dist.get_process_group_ranks(group), "replicas' group")
+        "install", [s[0] for s in seen], ranks, "replicas' group") or delay_verdict([s[3] for s in seen], ranks)
     seen = [s[1] for s in seen]
     if verdict is None and any(other != layout for other in seen):
         bad = next(i for i, other in enumerate(seen) if other != layout)
@@ -361,6 +394,7 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
     if any(s.adaptive and s.link is None for s in compressor.routing.schemes()):
         like = entries[0].fsdp_group.fsdp_params[0].sharded_param.to_local()
         compressor.calibrate(like=like.detach())
+    hooks = []
     for e in entries:
         g = e.fsdp_group
         if isinstance(g.mesh_info, HSDPMeshInfo):  # turn FSDP's own all-reduce off (docstring)
@@ -371,5 +405,9 @@ def install(model, compressor, replicate_group=None, per="param", overlap=False)
             g.mesh_info = new
         g._hvd_gradcomp_replicas = group  # (install_reduce_scatter's checks reach them: settle)
         Presence.of(g).carried = True  # (a reduce-scatter's refusal rides in this hook's words)
-        e.module.set_all_reduce_hook(_ShardHook(compressor, group, g, Layouts(e, per, [e.rank]), replicas, late))
+        hook = _ShardHook(compressor, group, g, Layouts(e, per, [e.rank]), replicas, late)
+        hooks.append(DelayedShardHook(hook) if delay else hook)
+        e.module.set_all_reduce_hook(hooks[-1])
+    if delay:  # (delayed_state(model) finds them)
+        wrap(model, hooks)
     return compressor

@@ -244,7 +244,7 @@ class _ScatterComm:
                 output.index_copy_(0, unit.index, out)
 
 
-def install_reduce_scatter(model, compressor, per="param"):
+def install_reduce_scatter(model, compressor, per="param", delay=0):
     """Compress FSDP2's reduce-scatter within the shard group with ``compressor``.
 
     Args:
@@ -259,6 +259,9 @@ def install_reduce_scatter(model, compressor, per="param"):
         per: ``"param"`` (default) or ``"group"``, as :func:`install`: the tensors each shard
             chunk is cut into, keyed ``"<parameter name>[shard j/S]"`` or ``"<module
             path>[shard j/S]"``.
+        delay: 0 only: the reduce-scatter has no delayed form (``install(..., delay=1)``
+            delays the all-reduce across replicas; the reduce-scatter within the shard group,
+            compressed or not, stays blocking).
 
     Every rank of the model calls it at the same point (one ``all_gather_object`` on the shard
     group checks that the ranks agree on the layout). Returns the compressor, bound to the
@@ -267,7 +270,7 @@ def install_reduce_scatter(model, compressor, per="param"):
 
     Raises:
         TypeError: ``model`` is not an FSDP module; ``compressor`` not a PyTorch compressor.
-        ValueError: ``per`` is neither; the compressor is bound already; a scheme of its
+        ValueError: ``delay`` other than 0; ``per`` is neither; the compressor is bound already; a scheme of its
             routing cannot be reduce-scattered (named, with the reason: ``topkc``, ``topk``,
             ``powersgd``, ``auto``, blocking two-round variants); a shard group of one rank
             (FSDP then reduce-scatters nothing); an FSDP module with several parameter groups,
@@ -278,6 +281,10 @@ def install_reduce_scatter(model, compressor, per="param"):
         RuntimeError: a PyTorch without FSDP2 or without the internals named in the module
             docstring.
     """
+    if type(delay) is not int or delay != 0:
+        raise ValueError(f"install_reduce_scatter: delay={delay!r} is not supported: the reduce-scatter within "
+                         f"the shard group has no delayed form (its output is the shard FSDP writes at once); "
+                         f"delay the all-reduce across replicas instead, install(model, comp, delay=1)")
     FSDPModule, FSDPMeshInfo, HSDPMeshInfo = _fsdp_api()
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter

@@ -156,6 +156,8 @@ class AutoScheme(AutoWindow, Scheme):
         self._clock = {}  # step -> [host time of the step's first compress, shadow seconds]
         self._gate = (None, None)  # (probe step, this rank's step lanes for it: _round)
         self._types = {}  # field names -> (AutoState class, candidate state class)
+        self.held_by = {}  # tensor key -> the key of the AutoGroup sending it now (auto/group.py)
+        self.groups = {}  # group key -> its AutoGroup
         self.decisions = {}  # key -> the last Decision
         self.history = []  # every Decision of this process, in order (host values)
 
@@ -216,7 +218,11 @@ class AutoScheme(AutoWindow, Scheme):
 
     def init(self, ops, info: TensorInfo, like):
         """A fresh state at step 0 on the start choice (:func:`start_choice`); the tensor's
-        host mirror starts over too."""
+        host mirror starts over too. A tensor leaving an :class:`~hvd_gradcomp.auto.group.AutoGroup`
+        (sent alone again before its window) starts from the group's step and choice instead."""
+        left = self._leaving(ops, info, like)
+        if left is not None:
+            return left
         self.forget(info.key)
         reference = dataclasses.replace(info, key="auto.reference", shape=REFERENCE_SHAPE,
                                         dtype="float32")
@@ -225,6 +231,19 @@ class AutoScheme(AutoWindow, Scheme):
             self.fallback, self.config.hysteresis, self.start_costs, self.config.step_penalty,
             self._dtypes(reference))
         return self._state(ops, like, 0, choice, self.candidates[choice].init(ops, info, like))
+
+    def _leaving(self, ops, info, like):
+        """The state of a tensor leaving its group: the group's device step (one host read, at
+        the window's start) and choice, the candidate's fresh state, the mirror at the group's;
+        None if no group holds it."""
+        gkey = self.held_by.pop(info.key, None)
+        at = None if gkey is None else self._counters.get(gkey)
+        if at is None or at[2] != info.world_size:
+            return None
+        grp = self.groups.get(gkey)
+        step = at[0] if grp is None or grp.step is None else int(ops.to_host(grp.step))
+        self._counters[info.key] = at
+        return self._state(ops, like, step, at[1], self.candidates[at[1]].init(ops, info, like))
 
     def init_like(self, ops, info: TensorInfo, like, loaded):
         """The fresh state of the loaded state's choice (its fields differ by choice), with a
@@ -268,7 +287,9 @@ class AutoScheme(AutoWindow, Scheme):
         hold: with neither, the output is then not clamped, exactly as for the fixed fp16 and
         bf16 schemes (its overflow is the sum's own). Never reads the device: a carry made
         here only when ``residual`` is not all 0 would take a host read (a device sync on a
-        GPU) per tensor and step of every float16/bfloat16 gradient (issue 35)."""
+        GPU) per tensor and step of every float16/bfloat16 gradient (issue 35). A state not
+        stepped yet (no host mirror: error feedback moved into a fresh state, e.g. a checkpoint's
+        slice of a grouped tensor, :mod:`~hvd_gradcomp.auto.group`) takes it as a ``carry``."""
         at = self._counters.get(info.key)
         choice = at[1] if at is not None else int(ops.to_host(state.choice))
         inner = self._inner(state)
@@ -276,8 +297,9 @@ class AutoScheme(AutoWindow, Scheme):
         absorbed = composite.add_residual(self.candidates[choice], ops, inner, info, residual)
         if absorbed is not None:
             return self._pack(state.step, state.choice, absorbed, carry)
-        if carry is None:
-            return None
+        if carry is None:  # a state not stepped yet (error feedback moved into it from a bucket
+            # group's checkpoint or holder) keeps it as a carry, which its sync step delivers
+            return None if at is not None else self._pack(state.step, state.choice, inner, residual)
         return self._pack(state.step, state.choice, inner, carry + residual)
 
     def _position(self, ops, state, info):

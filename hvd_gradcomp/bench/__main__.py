@@ -15,9 +15,9 @@ Each command's ``--help`` lists its options.
 import importlib
 import sys
 
-COMMANDS = {"tta": "hvd_gradcomp.bench.tta", "overhead": "hvd_gradcomp.bench.overhead",
+COMMANDS = {"tta": "hvd_gradcomp.bench.tta_sweep", "overhead": "hvd_gradcomp.bench.overhead",
             "codec": "hvd_gradcomp.bench.codec", "percall": "hvd_gradcomp.bench.percall",
-            "model": "hvd_gradcomp.bench.model", "publish": "hvd_gradcomp.bench.publish",
+            "model": "hvd_gradcomp.bench.model_projection", "publish": "hvd_gradcomp.bench.publish",
             "autospeed": "hvd_gradcomp.bench.autospeed", "scale": "hvd_gradcomp.bench.scale"}
 
 

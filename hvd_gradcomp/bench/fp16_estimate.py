@@ -118,7 +118,7 @@ def estimated_tta(result):
 
 
 def stop_values(result, cap):
-    """The stops of the rows after an FP16 run stopped early (``tta.note_fp16``'s dict): the
+    """The stops of the rows after an FP16 run stopped early (``tta_run.note_fp16``'s dict): the
     reference's target and schedule length, the estimated TTA and ``cap`` x it; None when the
     run has no estimate."""
     est = (result.get("meta") or {}).get("fp16_estimate")

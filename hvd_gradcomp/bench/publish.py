@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from . import report
+from . import report, report_plot, report_table
 
 __all__ = ["render_block", "load_results", "publish", "main"]
 
@@ -66,10 +66,10 @@ def render_block(sweep, rows, results, out_dir, doc_path):
         the block text (no markers).
     """
     network = sweep["network"]
-    plots = [report.plot_path(out_dir, w) for w in sweep["workloads"]
-             if report.plot_rows(rows, results, w)]
-    plots += [report.choices_plot_path(out_dir, w) for w in sweep["workloads"]
-              if report.choice_rows(rows, results, w)]
+    plots = [report_plot.plot_path(out_dir, w) for w in sweep["workloads"]
+             if report_plot.plot_rows(rows, results, w)]
+    plots += [report_plot.choices_plot_path(out_dir, w) for w in sweep["workloads"]
+              if report_plot.choice_rows(rows, results, w)]
     rel = [os.path.relpath(p, os.path.dirname(os.path.abspath(doc_path))) for p in plots]
     link_check = sweep.get("link_check")
     lc = ""
@@ -78,7 +78,7 @@ def render_block(sweep, rows, results, out_dir, doc_path):
               f"{link_check['seconds']:.3f} s against {link_check['model_seconds']:.3f} s for the ring "
               f"model (ratio {link_check['ratio']:.2f}).")
     elapsed = sweep["elapsed_s"]
-    return (report.markdown_table(rows, network, results) + "\n\n"
+    return (report_table.markdown_table(rows, network, results) + "\n\n"
             + "\n".join(f"![{os.path.basename(p)}]({p})" for p in rel)
             + f"\n\nRun of {sweep['date']} at commit `{sweep['git_commit']}`: {len(rows)} runs in "
               f"{elapsed / 60:.1f} min, {network['world_size']} workers, {sweep['cpu_count']} cores; "

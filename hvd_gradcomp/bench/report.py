@@ -1,4 +1,6 @@
-"""Outputs of the time-to-accuracy harness: summaries, CSV/JSON, the table, the plots.
+"""Outputs of the time-to-accuracy harness: each run's summary row, targets and ratios, the
+repeats' aggregate, CSV/JSON; the text and Markdown table are in :mod:`.report_table`, the
+plots in :mod:`.report_plot`.
 
 Definitions (all times are the training clock of rank 0: the sum of step times, evaluation
 excluded, in seconds):
@@ -43,9 +45,11 @@ from . import fp16_estimate
 from .fp16_estimate import is_fp16_row as _is_fp16, is_reference
 from .worker import rolling_mean
 
-__all__ = ["stop_note", "wait_share", "time_to_target", "first_reached", "apply_targets", "adam_ratios", "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate", "is_reference", "converged_levels", "RUN_COLUMNS",
-           "SUMMARY_COLUMNS", "STEP_COLUMNS", "EVAL_COLUMNS", "write_summary_csv", "write_csvs", "write_json", "format_table", "markdown_table", "plot",
-           "plot_rows", "plot_path", "update_doc"]
+__all__ = ["wait_share", "time_to_target", "first_reached", "apply_targets", "adam_ratios",
+           "format_adam_ratios", "ADAM_COLUMNS", "summarize", "add_baseline_ratios", "aggregate",
+           "row_key", "repeated", "workload_name", "is_reference", "RUN_COLUMNS", "SUMMARY_COLUMNS",
+           "SPREAD_KEYS", "STEP_COLUMNS", "EVAL_COLUMNS", "write_summary_csv", "write_csvs",
+           "write_json", "update_doc"]
 
 RUN_COLUMNS = [
     "run_id", "repeat", "workload", "framework", "system", "reference", "label", "spec", "optimizer", "accumulate", "update_sync", "num_groups", "delay", "status", "stop_reason",
@@ -281,12 +285,6 @@ def format_adam_ratios(lines):
     return "\n".join(out)
 
 
-def _choice_notes(rows):
-    """Lines under a table: what each ``auto`` row's tensors ended on (its ``choices``)."""
-    return [f"{r.get('label') or r.get('spec')} ({r.get('workload')}) ended on: {r['choices']}"
-            for r in rows if r.get("choices")]
-
-
 def add_baseline_ratios(rows):
     """Fill ``tta_vs_fp16`` and ``fp16_bytes_ratio`` against the FP16 run of the same workload
     and system, and ``tta_vs_best_ddp`` against the fastest DDP run of the same workload (the
@@ -327,7 +325,7 @@ def _median_or_none(values):
     return statistics.median(vals) if vals else None
 
 
-def _row_key(r):
+def row_key(r):
     """What makes runs repeats of one table row: (workload, framework, system, spec,
     optimizer, accumulate, update_sync, num_groups, reference), so the FP32 row and the no-communication reference (also spec
     ``none``) stay apart, and so do rows of one spec under different optimizers."""
@@ -337,7 +335,7 @@ def _row_key(r):
 
 
 def aggregate(rows):
-    """One summary row per row key (:func:`_row_key`: workload, framework, system, spec,
+    """One summary row per row key (:func:`row_key`: workload, framework, system, spec,
     optimizer, accumulate, update_sync, num_groups, reference) over its repeats, in the order
     the rows first appear (so round 1's order, the table order).
 
@@ -352,7 +350,7 @@ def aggregate(rows):
     """
     groups = {}
     for r in rows:
-        groups.setdefault(_row_key(r), []).append(r)
+        groups.setdefault(row_key(r), []).append(r)
     out = []
     for members in groups.values():
         ok = [r for r in members if r.get("status") == "ok"]
@@ -461,250 +459,6 @@ def write_json(path, sweep_meta, rows, results, summary=None):
         json.dump(data, f, indent=1)
 
 
-def _fmt(v, kind):
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if kind == "s":
-        return f"{v:.1f}"
-    if kind == "x":
-        return f"{v:.2f}x"
-    if kind == "pct":
-        return f"{100 * v:.0f}%"
-    if kind == "mb":
-        return f"{v / 1e6:.3f}"
-    if kind == "ms":
-        return f"{v:.0f}"
-    return str(v)
-
-
-def _reach_text(row):
-    """``steps to target``: the steps, with ours/FP16's marked ``x`` when FP16 reached it
-    (``152 (1.13x)``); "not reached" for a run that evaluated and never reached it; "-" for a
-    run without evaluations."""
-    n, ratio = row.get("steps_to_target"), row.get("steps_vs_fp16")
-    if n is None:
-        return "not reached" if row.get("status") == "ok" and row.get("final_metric") is not None else "-"
-    return f"{n:.0f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
-
-
-def _metric_text(row):
-    v = row.get("final_metric")
-    if v is None:
-        return "-"
-    return f"{100 * v:.1f}%" if row.get("higher_is_better") else f"{v:.2f}"
-
-
-_TABLE = [  # header, key, format
-    ("workload", "workload", None), ("run", "label", None), ("TTA s", "tta_s", "s"),
-    ("FP16 TTA/ours", "tta_vs_fp16", "x"), ("best DDP TTA/ours", "tta_vs_best_ddp", "x"),
-    ("steps to target", "steps_to_target", "reach"), ("FP16 step/ours", "step_time_vs_fp16", "x"),
-    ("final", None, "metric"), ("steps", "steps", None),
-    ("step ms", "step_ms_median", "ms"), ("MB/step", "bytes_per_step", "mb"),
-    ("FP16 B/ours", "fp16_bytes_ratio", "x"), ("compute", "compute_share", "pct"),
-    ("codec", "codec_share", "pct"), ("comm", "comm_share", "pct"),
-]
-
-
-# Shown after "TTA s" when some row has a start-up time (sweeps before it have none, and
-# their published blocks stay as they were).
-_STARTUP_COLUMNS = [("steady TTA s", "tta_steady_s", "s"), ("start s", "startup_s", "s")]
-
-
-# Shown after "comm" when some row measured its wait (sweeps before it did not).
-_WAIT_COLUMN = ("wait", "wait_share", "pct")
-
-
-def _columns(rows):
-    """The table's (header, key, format) list for these rows (see :data:`_STARTUP_COLUMNS`,
-    :data:`_WAIT_COLUMN`)."""
-    cols = list(_TABLE)
-    if any(r.get("wait_share") is not None for r in rows):
-        cols.append(_WAIT_COLUMN)
-    if any(r.get("startup_s") is not None for r in rows):
-        cols[3:3] = _STARTUP_COLUMNS
-    if repeated(rows):
-        cols = [("TTA s median (min-max)" if k == "tta_s" else h, k, f) for h, k, f in cols]
-    return cols
-
-
-def _spread(row, key, kind):
-    """``median (min-max)`` of a summary over repeats (:func:`aggregate`); for TTA columns
-    "nr" as the max when some repeat did not reach the target, "not reached" as the median
-    when half of them did not."""
-    med, lo, hi = row.get(key), row.get(key + "_min"), row.get(key + "_max")
-    if key == "startup_s":
-        return "-" if med is None else f"{_fmt(med, kind)} ({_fmt(lo, kind)}-{_fmt(hi, kind)})"
-    text = "not reached" if med is None else _fmt(med, kind)
-    if lo is None:  # no repeat reached the target
-        return text
-    return f"{text} ({_fmt(lo, kind)}-{'nr' if hi is None else _fmt(hi, kind)})"
-
-
-def _cells(row, columns=_TABLE):
-    out = []
-    for _, key, kind in columns:
-        if kind == "metric":
-            out.append(_metric_text(row))
-        elif kind == "reach":
-            out.append(_reach_text(row))
-        elif key == "workload":
-            out.append(f"{workload_name(row)}")
-        elif key == "label" and row.get("status") != "ok":
-            out.append(f"{row.get('label')} [{row.get('status')}]")
-        elif key in SPREAD_KEYS and (row.get("repeats") or 1) > 1 and row.get("runs_ok"):
-            out.append(_spread(row, key, kind))
-        elif key == "tta_s" and row.get("status") == "ok" and row.get("tta_s") is None:
-            out.append("not reached")
-        else:
-            out.append(_fmt(row.get(key), kind))
-        if row.get("fp16_estimate"):  # FP16 stopped early on a slow link: its cells say so
-            out[-1] = fp16_estimate.cell_text(row, key, out[-1])
-    return out
-
-
-def stop_note(rows, results):
-    """A sentence per workload whose rows after FP16 were stopped by the harness at FP16's
-    target or a cap (``tta.stop_flags``), read from the runs' saved records: the time cap
-    (``meta["stop_cap"]``: cap x FP16's TTA) or, for sweeps saved before it, the step cap
-    (``--max-steps N`` in the worker's ``argv``); "" when there is none."""
-    out = []
-    groups = dict.fromkeys((workload_name(r), r.get("system") == "fsdp") for r in rows)
-    for w, fsdp in groups:
-        fp16 = next((r for r in rows if workload_name(r) == w and _is_fp16(r) and not is_reference(r)
-                     and r.get("system") != "ddp" and (r.get("system") == "fsdp") == fsdp), None)
-        for r in rows:
-            if workload_name(r) != w or r is fp16 or r.get("status") != "ok" or (r.get("system") == "fsdp") != fsdp:
-                continue
-            meta = (results.get(r.get("run_id")) or {}).get("meta") or {}
-            cap = meta.get("stop_cap")
-            if cap:
-                who, base = ("FSDP row", "FP16-FSDP") if fsdp else ("row", "FP16")
-                est = " estimated" if cap.get("estimated") else ""
-                out.append(f"{w}: every {who} after {base} stopped at the target or when its training "
-                           f"clock passed {cap['cap']:g} x {base}'s{est} TTA ({cap['fp16_tta_s']:.1f} s), "
-                           f"i.e. {cap['max_seconds']:.1f} s (checked at each evaluation).")
-                break
-            argv = [str(a) for a in meta.get("argv") or []]
-            if "--max-steps" in argv and meta.get("target") is not None and meta.get("target_vs_fp16"):
-                n = argv[len(argv) - 1 - argv[::-1].index("--max-steps") + 1]
-                base = f" ({int(n) / fp16['steps']:.2f} x FP16's {fp16['steps']} steps)" if fp16 and fp16.get("steps") else ""
-                out.append(f"{w}: every row after FP16 stopped at the target or after {n} steps{base}.")
-                break
-    return " ".join(out)
-
-
-def table_header(network, rows, results=None):
-    """The lines above the table: network, definitions (and, given the runs' ``results``,
-    what stopped the rows after FP16: :func:`stop_note`)."""
-    mode = network.get("mode")
-    if mode == "loopback":
-        net = f"Network: {network.get('note')}"
-    else:
-        net = f"Network: {network.get('note')} ({network.get('qdisc')})"
-    if network.get("malloc") == "keep":
-        net += (". glibc malloc, every row: freed memory kept (no mmap, no trim), so large "
-                "tensors are not page-faulted in again each step")
-    elif network.get("malloc"):
-        net += f". glibc malloc: {network['malloc']}"
-    targets = sorted({(r.get("workload"), r.get("target"), r.get("target_vs_fp16"), r.get("system") == "fsdp")
-                      for r in rows if r.get("target") is not None}, key=str)
-    estimated = {r.get("workload") for r in rows if r.get("fp16_estimate")}  # FP16 stopped early
-    tt = ", ".join((f"{w} {t:.4g} ({f:g} x {'FP16-FSDP' if fsdp else 'FP16'}'s final rolling metric "
-                    + ("in the reference sweep named below" if w in estimated and not fsdp else "in this sweep") + ")"
-                    + (" for the FSDP rows" if fsdp else "")) if f else f"{w} {t}"
-                   for w, t, f, fsdp in targets)
-    lines = [net, f"Targets (rolling metric): {tt}. TTA = training clock to target; ratios are "
-                  "FP16 / ours (> 1 better), against the FP16 run of the same workload and system, "
-                  "and best DDP / ours against the fastest DDP row of the same workload. "
-                  "steps to target = optimizer steps to the evaluation that reached the target, "
-                  "with ours / FP16's (> 1: more steps than FP16, the convergence cost); "
-                  "FP16 step/ours = FP16's median step time over ours (> 1: faster steps, the "
-                  "speed), so FP16 TTA/ours is about FP16 step/ours divided by the steps ratio. "
-                  "codec = compress+decompress share of the clock (the overhead)."]
-    note = stop_note(rows, results) if results else ""
-    if note:
-        lines[1] += " " + note
-    note = fp16_estimate.header_note(rows)
-    if note:
-        lines[1] += " " + note
-    if any((r.get("accumulate") or 1) > 1 for r in rows):
-        lines[1] += (" accumulate(K) rows: K micro-batches (of the usual size) per optimizer step "
-                     "and all-reduce; their steps are micro-batches, so steps compare with FP16's "
-                     "at equal data, and step ms is a micro-batch's median.")
-    if any(r.get("num_groups") for r in rows):
-        lines[1] += (" groups(G) rows: Horovod's num_groups=G, the gradients all-reduced in G "
-                     "groups, each compressed as one bucket per route (one codec call per group "
-                     "and route instead of one per tensor).")
-    if any(r.get("wait_share") is not None for r in rows):
-        lines[1] += (" wait = the share of the clock a step was blocked on the link, a part of "
-                     "comm (comm less the posting of collectives): gradient rows wait for their "
-                     "all-reduces after backward (all of comm); update-sync rows in the sync's "
-                     "waits and count check (with overlap: for the round in flight); '-': not "
-                     "measured.")
-    if any(r.get("delay") for r in rows):
-        lines[1] += (" delay(D) rows: our compressor as a DDP hook with delayed gradient sync "
-                     "(torch_backend.ddp.register_comm_hook(..., delay=D)): step t's mean is "
-                     "applied at step t + D, its all-reduce running beside the next steps.")
-    if any(r.get("update_sync") for r in rows):
-        lines[1] += (" update-sync rows: each rank steps its own optimizer on its own gradient and "
-                     "the ranks all-reduce the compressed parameter change every H steps "
-                     "(torch_backend.UpdateSync; H > 1: local steps with an outer Nesterov step).")
-    if any(r.get("startup_s") is not None for r in rows):
-        lines[1] += (" steady TTA = clock from the end of the first step to target; start = wall "
-                     "seconds from the worker's process start to the end of its first step "
-                     "(imports, Horovod init, tracing, first step), rank 0.")
-    if any(r.get("system") == "fsdp" for r in rows):
-        meshes = sorted({r.get("mesh") for r in rows if r.get("system") == "fsdp" and r.get("mesh")})
-        lines[1] += (f" FSDP rows: HSDP (FSDP2 fully_shard on a replicas x shards mesh, "
-                     f"{', '.join(meshes) or '?'}), reduced in float16; FP16-FSDP (FSDP's own "
-                     "float16 reduce-scatter and all-reduce) is their baseline: their target, ratios "
-                     "and time cap are FP16-FSDP's; '<spec> on FSDP' compresses the all-reduce across "
-                     "replicas (torch_backend.fsdp.install), ', rs <spec>' the reduce-scatter too; "
-                     "their B/step is each rank's bytes to the all-reduce across replicas (its "
-                     "shards), the reduce-scatter within a replica apart (runs.csv "
-                     "bytes_reduce_scatter).")
-    if any(is_reference(r) for r in rows):
-        lines[1] += (" The no-communication row is a reference, not a competitor: the same FP32 "
-                     "training on an unthrottled loopback link (the network left out), the limit "
-                     "any compressor can approach; its comm share is the loopback all-reduce's "
-                     "own CPU cost, and it is never a baseline.")
-    if repeated(rows):
-        n = max(r.get("repeat") or 1 for r in rows)
-        lines[1] += (f" Each row: {n} repeats, run interleaved (round 1 of every row, then round "
-                     "2, ...); numbers are medians over the repeats, the TTA and start columns "
-                     "with their min-max in parentheses (nr: a repeat did not reach the "
-                     "target); ratios from the medians.")
-    return lines
-
-
-def format_table(rows, network, results=None):
-    """The summary as fixed-width text (printed at the end of a sweep): one line per run, or
-    per row over its repeats (:func:`aggregate`) when the sweep repeated its runs; ``results``
-    (run id -> record) adds :func:`stop_note` to the header."""
-    columns = _columns(rows)
-    header = [h for h, _, _ in columns]
-    body = [_cells(r, columns) for r in (aggregate(rows) if repeated(rows) else rows)]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
-    line = lambda cells: "  ".join(c.rjust(w) if i > 1 else c.ljust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    out = table_header(network, rows, results) + ["", line(header), line(["-" * w for w in widths])]
-    out += [line(b) for b in body]
-    notes = _choice_notes(aggregate(rows) if repeated(rows) else rows)
-    return "\n".join(out + ([""] + notes if notes else []))
-
-
-def markdown_table(rows, network, results=None):
-    """The summary as a Markdown table with the same columns and rows (for docs); ``results``
-    as in :func:`format_table`."""
-    columns = _columns(rows)
-    header = [h for h, _, _ in columns]
-    out = ["\n\n".join(table_header(network, rows, results)), "",
-           "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(_cells(r, columns)) + " |" for r in (aggregate(rows) if repeated(rows) else rows)]
-    notes = _choice_notes(aggregate(rows) if repeated(rows) else rows)
-    return "\n".join(out + ([""] + notes if notes else []))
-
-
 def workload_name(row):
     """The sweep's name of a row's workload: the worker's ``workload`` field, with ``-tf`` for
     TensorFlow runs (the TF digits worker records ``"digits"``, or ``"digits-eager"`` with its
@@ -715,193 +469,6 @@ def workload_name(row):
         base, eager = (w[:-len("-eager")], True) if w.endswith("-eager") else (w, False)
         w = base + "-tf" + ("-eager" if eager else "")
     return w
-
-
-def plot_rows(rows, results, workload):
-    """The summary rows drawn in ``workload``'s plot: runs of that workload (by
-    :func:`workload_name`; by the run id prefix ``<workload>-`` for records without the field,
-    so ``digits`` never takes ``digits-tf`` runs that have it) whose result has evaluations
-    (``results``: run id -> result dict). Empty: no plot."""
-    def ours(r):
-        name = workload_name(r)
-        return name == workload if name else r["run_id"].startswith(workload + "-")
-    return [r for r in rows if ours(r) and results[r["run_id"]].get("evals")]
-
-
-def plot_path(out_dir, workload):
-    """Where a sweep writes ``workload``'s plot: ``<out_dir>/tta_<workload>.png``."""
-    return os.path.join(out_dir, f"tta_{workload}.png")
-
-
-def converged_levels(rows):
-    """``{"FP16": level, "FP32": level, "FP16-FSDP": level}``: the median final rolling metric
-    of the Horovod rows ``fp16`` and ``none`` (FP32) and of FP16-FSDP (``fsdp:fp16``) among
-    ``rows``, for those present (None where no repeat has a final metric). DDP rows, other
-    FSDP rows, the no-communication reference (also spec ``none``) and rows with another
-    optimizer, gradient accumulation, groups or update sync are not levels."""
-    finals = {}
-    for r in rows:
-        plain = not r.get("optimizer") and (r.get("accumulate") or 1) == 1 and not r.get("update_sync") \
-            and not r.get("num_groups")
-        if r.get("system") == "fsdp" and plain and r.get("spec") == "fsdp:fp16":
-            name = "FP16-FSDP"
-        elif r.get("system") not in ("ddp", "fsdp") and not is_reference(r) and plain and r.get("spec") in ("fp16", "none"):
-            name = "FP16" if r["spec"] == "fp16" else "FP32"
-        else:
-            continue
-        finals.setdefault(name, [])
-        if r.get("final_metric") is not None:
-            finals[name].append(r["final_metric"])
-    return {k: statistics.median(v) if v else None for k, v in finals.items()}
-
-
-def plot(path, rows, results, title, network):
-    """Metric (rolling mean) against training clock, one line per row; FP16/FP32 levels dashed.
-
-    ``rows``/``results`` are those of one workload and framework (Horovod and DDP runs alike).
-    A row run once is drawn as its curve. A row with repeats (several runs of one spec, see
-    :func:`aggregate`) is drawn as the median of its repeats' curves, each linearly
-    interpolated onto a common grid of 200 clock points from 0 to the longest repeat's last
-    evaluation (a repeat counts only up to its own last evaluation), with the band between
-    their min and max shaded. The FP16 and FP32 levels are the final rolling metrics (median
-    over repeats) of the Horovod runs ``fp16`` and ``none`` (FP32); the target is dotted.
-    The no-communication reference (:func:`is_reference`) is drawn as a grey dash-dot line
-    of its own and is not the FP32 level.
-    Writes a PNG with matplotlib's Agg backend.
-    """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    import numpy as np
-    higher = True
-    groups = {}
-    for r in rows:
-        groups.setdefault(_row_key(r), []).append(r)
-    for members in groups.values():
-        curves = []
-        for r in members:
-            res = results.get(r["run_id"]) or {}
-            e = res.get("evals") or {}
-            if e.get("t"):
-                window = int(res.get("meta", {}).get("window", 5))
-                curves.append((e["t"], rolling_mean(e["metric"], window)))
-        if not curves:
-            continue
-        r = members[0]
-        higher = bool(r.get("higher_is_better", True))
-        style = {"ddp": "--", "fsdp": ":"}.get(r.get("system"), "-")
-        extra = {}
-        if is_reference(r):
-            style, extra = "-.", {"color": "dimgrey"}
-        if len(curves) == 1:
-            ax.plot(curves[0][0], curves[0][1], style, label=r["label"], linewidth=1.6, **extra)
-        else:
-            grid = np.linspace(0.0, max(t[-1] for t, _ in curves), 200)
-            ys = np.array([np.where(grid <= t[-1], np.interp(grid, t, y), np.nan) for t, y in curves])
-            line, = ax.plot(grid, np.nanmedian(ys, axis=0), style, linewidth=1.6,
-                            label=f"{r['label']} (median of {len(curves)})", **extra)
-            ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=line.get_color(),
-                            alpha=0.2, linewidth=0)
-    levels = converged_levels(rows)
-    colors = {"FP16": "black", "FP32": "grey", "FP16-FSDP": "darkblue"}
-    for name, level in levels.items():
-        if level is not None:
-            ax.axhline(level, linestyle="--", color=colors[name], linewidth=1,
-                       label=f"{name} converged ({level:.3g})")
-    targets = {r.get("target") for r in rows if r.get("target") is not None}
-    for t in targets:
-        ax.axhline(t, linestyle=":", color="red", linewidth=1, label=f"target {t:g}")
-    metric = next((results[r["run_id"]].get("meta", {}).get("metric") for r in rows
-                   if results.get(r["run_id"], {}).get("meta")), "metric")
-    ax.set_xlabel("training time (s, rank 0 clock, evaluation excluded)")
-    ax.set_ylabel(f"{metric} (rolling mean)")
-    if higher:
-        ymin = min([t for t in targets] + [0.8]) - 0.05
-        ax.set_ylim(ymin, 1.0)
-    else:
-        ax.set_yscale("log")
-        top = max([t for t in targets] + [1.0]) * 4
-        ax.set_ylim(top=top)
-    sub = network.get("note", "")
-    ax.set_title(f"{title}\n{sub}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right" if higher else "upper right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def choice_rows(rows, results, workload):
-    """The rows of ``workload`` (as :func:`plot_rows`) whose record holds ``auto`` decisions
-    (``bytes_per_step["decisions"]``). Empty: no choices plot."""
-    return [r for r in plot_rows(rows, results, workload)
-            if ((results[r["run_id"]].get("bytes_per_step") or {}).get("decisions"))]
-
-
-def choices_plot_path(out_dir, workload):
-    """Where a sweep writes ``workload``'s plot of ``auto``'s choices over the steps:
-    ``<out_dir>/auto_<workload>.png``."""
-    return os.path.join(out_dir, f"auto_{workload}.png")
-
-
-def choice_segments(result):
-    """``{tensor key: [(first step, last step, scheme spec), ...]}`` of one ``auto`` run: each
-    tensor starts on fp16 at step 1 (the training steps, counted from 1) and takes a decision's
-    scheme from the step after its probe. ``result`` is a run's record
-    (``bytes_per_step["decisions"]``, ``steps``)."""
-    decisions = (result.get("bytes_per_step") or {}).get("decisions") or []
-    last = (result.get("steps") or {}).get("step") or [0]
-    end = max([last[-1]] + [d["step"] + 1 for d in decisions])  # the last step trained
-    per_key = {}
-    for d in sorted(decisions, key=lambda d: d["step"]):
-        per_key.setdefault(d["key"], []).append((d["step"] + 2, d["scheme"]))  # probe = step + 1
-    out = {}
-    for key, changes in sorted(per_key.items()):
-        segments, start, scheme = [], 1, "fp16"
-        for at, new in changes:
-            if new != scheme:
-                if at > start:
-                    segments.append((start, at - 1, scheme))
-                start, scheme = at, new
-        if start <= end:  # a decision at the run's last step never took effect
-            segments.append((start, end, scheme))
-        out[key] = segments
-    return out
-
-
-def plot_choices(path, rows, results, title):
-    """``auto``'s choice per tensor over the training steps, one panel per ``auto`` row of one
-    workload (:func:`choice_rows`): a horizontal band per tensor, coloured by the scheme it
-    used at each step (:func:`choice_segments`). Writes a PNG with matplotlib's Agg backend."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-    panels = [(r, choice_segments(results[r["run_id"]])) for r in rows]
-    schemes = sorted({seg[2] for _, segs in panels for per in segs.values() for seg in per})
-    colors = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(schemes)}
-    height = sum(max(1, len(segs)) for _, segs in panels)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 1.2 + 0.35 * height), dpi=110, squeeze=False)
-    for ax, (row, segs) in zip(axes[:, 0], panels):
-        keys = list(segs)
-        for y, key in enumerate(keys):
-            for first, last, scheme in segs[key]:
-                ax.barh(y, last - first + 1, left=first - 0.5, height=0.7, color=colors[scheme])
-        ax.set_yticks(range(len(keys)))
-        ax.set_yticklabels(keys, fontsize=7)
-        ax.invert_yaxis()
-        repeat = f" (repeat {row['repeat']})" if len(panels) > 1 and row.get("repeat") else ""
-        ax.set_title(f"{row.get('label') or row.get('spec')}{repeat}", fontsize=9)
-        ax.set_xlabel("training step")
-    handles = [Patch(color=colors[s], label=s) for s in schemes]
-    fig.legend(handles=handles, fontsize=7, loc="upper right")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.82, 1))
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def update_doc(doc_path, block, name="tta-demo"):

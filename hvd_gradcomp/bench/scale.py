@@ -401,8 +401,8 @@ def gpu_scaling(opts, results):
 
 
 def _commit():
-    from .tta import _git_commit
-    text = _git_commit() or "unknown"
+    from .tta_run import git_commit
+    text = git_commit() or "unknown"
     return text[:12] + ("-dirty" if text.endswith("-dirty") else "")
 
 

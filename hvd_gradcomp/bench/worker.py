@@ -1,7 +1,7 @@
 """What every time-to-accuracy worker shares (framework-free; used by :mod:`.workers`).
 
 A worker (``python -m hvd_gradcomp.bench.workers.<name>``) trains one model with one
-compressor and writes one JSON file (rank 0) that the harness (:mod:`hvd_gradcomp.bench.tta`)
+compressor and writes one JSON file (rank 0) that the harness (:mod:`hvd_gradcomp.bench.tta_sweep`)
 collects:
 
 1. :func:`add_common_args`: the flags every worker takes (``--compression SPEC``, ``--seed``,

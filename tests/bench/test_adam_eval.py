@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hvd_gradcomp.bench import publish, report, tta
+from hvd_gradcomp.bench import publish, report, report_plot, report_table, tta, tta_run, tta_sweep
 from hvd_gradcomp.bench.worker import parse_optimizer
 from hvd_gradcomp.bench.workers import torch_workloads
 
@@ -94,7 +94,7 @@ def test_absolute_targets_get_steps_to_target_too():
 
 def test_table_has_steps_to_target_beside_the_step_time_ratio():
     rows, _ = _sweep()
-    text = report.format_table(rows, NET)
+    text = report_table.format_table(rows, NET)
     lines = text.splitlines()
     header = lines[3]
     assert "best DDP TTA/ours  steps to target  FP16 step/ours  final" in header
@@ -104,7 +104,7 @@ def test_table_has_steps_to_target_beside_the_step_time_ratio():
     assert "fp16 with adamw(lr=1e-3)" in lines[8] and "50 (0.71x)" in lines[8]
     assert "70 (1.00x)" in body["fp16"] and "80 (1.14x)" in body["thc"] and "2.00x" in body["thc"]
     assert "not reached" in body["topkc:ratio=0.1"]
-    md = report.markdown_table(rows, NET)
+    md = report_table.markdown_table(rows, NET)
     assert "| steps to target | FP16 step/ours |" in md
     assert "| lm-comm | fp16 with adamw(lr=1e-3) |" in md
     assert "| 80 (1.14x) | 2.00x |" in md
@@ -167,11 +167,11 @@ def test_rows_with_an_optimizer_are_planned_labelled_and_passed_on(tmp_path):
     assert [r.run_id for r in plan] == ["lm-comm-horovod-fp16", "lm-comm-horovod-topkc-ratio-0-1-with-adam-lr-6-3e-3",
                                         "lm-comm-horovod-none-with-sgd"]
     assert plan[1].label == "topkc:ratio=0.1 with adam(lr=6.3e-3)" and plan[1].optimizer == "adam(lr=6.3e-3)"
-    args = tta.build_parser().parse_args([])
-    cmd = tta._command(plan[1], args, "o.json")
+    args = tta_sweep.build_parser().parse_args([])
+    cmd = tta_run.command(plan[1], args, "o.json")
     assert cmd[2] == "hvd_gradcomp.bench.workers.lm_comm_torch"
     assert cmd[3:7] == ["--compression", "topkc:ratio=0.1", "--optimizer", "adam(lr=6.3e-3)"]
-    assert "--optimizer" not in tta._command(plan[0], args, "o.json")
+    assert "--optimizer" not in tta_run.command(plan[0], args, "o.json")
     again = tta.interleave(plan, 2)
     assert again[4].optimizer == "adam(lr=6.3e-3)" and again[4].run_id.endswith("-r2")
 
@@ -214,8 +214,8 @@ def test_build_optimizer_imports_lazily_and_fails_clearly():
 # ---- lm-comm's sweep defaults and stop rule ----
 
 def test_lm_comm_sweep_defaults_and_rows_this_checkout_cannot_run(capsys):
-    args = tta.build_parser().parse_args(["--workloads", "lm-comm"])
-    plan = tta.plan_sweep(args)
+    args = tta_sweep.build_parser().parse_args(["--workloads", "lm-comm"])
+    plan = tta_sweep.plan_sweep(args)
     planned = capsys.readouterr().err
     assert (args.bandwidth, args.max_seconds, args.ddp_hooks, args.no_comm_reference) == (50.0, 0.0, "off", "off")
     assert plan.link.bandwidth_mbit == 50.0
@@ -227,73 +227,73 @@ def test_lm_comm_sweep_defaults_and_rows_this_checkout_cannot_run(capsys):
     for r in plan.runs:  # a spec this checkout cannot build is planned as a row that says why
         if r.unavailable:
             assert "error_feedback" in r.unavailable or "fp16_warmup" in r.unavailable, r.unavailable
-            res = tta.execute(None, r, args, "/nonexistent")  # no launch, no network
+            res = tta_run.execute(None, r, args, "/nonexistent")  # no launch, no network
             assert res["status"].startswith("not run: ") and res["meta"]["label"] == r.label
             assert f"default row {r.label!r} cannot run on this checkout" in planned
             assert f"tta: run {r.run_id} not run: " in capsys.readouterr().err
     # Other sweeps keep their defaults (make demo unchanged); a mixed sweep too.
     for argv in ([], ["--workloads", "lm,lm-comm"]):
-        args = tta.build_parser().parse_args(argv)
-        tta.plan_sweep(args)
+        args = tta_sweep.build_parser().parse_args(argv)
+        tta_sweep.plan_sweep(args)
         assert (args.bandwidth, args.max_seconds, args.ddp_hooks, args.no_comm_reference) == (
             500.0, 120.0, tta.DEFAULT_DDP_HOOKS, "on")
-    args = tta.build_parser().parse_args(["--workloads", "lm-comm", "--bandwidth", "100", "--compressors", "fp16"])
-    plan = tta.plan_sweep(args)
+    args = tta_sweep.build_parser().parse_args(["--workloads", "lm-comm", "--bandwidth", "100", "--compressors", "fp16"])
+    plan = tta_sweep.plan_sweep(args)
     assert args.bandwidth == 100.0 and [r.label for r in plan.runs] == ["fp16"]
 
 
 def test_rows_after_fp16_stop_at_its_target_or_a_multiple_of_its_tta():
     plan = tta.plan_runs(["lm-comm", "lm"], ["fp16", "thc", "fp16 with adamw", "fp16 with accumulate(2)"], [])
     stops = {}
-    assert tta.stop_flags(plan[1], stops) == []  # FP16 has not run yet
+    assert tta_run.stop_flags(plan[1], stops) == []  # FP16 has not run yet
     # window 1, an evaluation every 10 steps of 0.1 s: final 5.0 -> target 5.1, reached at step 80 (8 s)
     fp16 = _lm_result("fp16", [100, 20, 10, 8, 6, 5.5, 5.2, 5.15, 5.05, 5.0])
-    tta.note_fp16(plan[1], fp16, stops)  # not the baseline: nothing noted
-    tta.note_fp16(plan[3], fp16, stops)  # fp16 with accumulation is not the baseline either
+    tta_run.note_fp16(plan[1], fp16, stops)  # not the baseline: nothing noted
+    tta_run.note_fp16(plan[3], fp16, stops)  # fp16 with accumulation is not the baseline either
     assert stops == {}
-    tta.note_fp16(plan[0], dict(fp16, status="failed (exit 1)"), stops)
+    tta_run.note_fp16(plan[0], dict(fp16, status="failed (exit 1)"), stops)
     assert stops == {}
-    tta.note_fp16(plan[0], fp16, stops)
+    tta_run.note_fp16(plan[0], fp16, stops)
     stop = stops["lm-comm"]
     assert stop["target"] == pytest.approx(5.1) and stop["fp16_tta_s"] == pytest.approx(8.0)
     assert stop["cap"] == 1.5 and stop["max_seconds"] == pytest.approx(12.0) and stop["fp16_steps"] == 90
-    assert tta.stop_flags(plan[1], stops) == ["--target", "5.1", "--epochs-past-target", "0",
+    assert tta_run.stop_flags(plan[1], stops) == ["--target", "5.1", "--epochs-past-target", "0",
                                               "--max-seconds", "12", "--max-epochs", "1e9",
                                               "--schedule-steps", "90"]
-    assert tta.stop_flags(plan[2], stops)[:2] == ["--target", "5.1"]  # fp16 under another optimizer
-    assert tta.stop_flags(plan[3], stops)[:2] == ["--target", "5.1"]  # and with accumulation
-    assert tta.stop_flags(plan[0], stops) == []  # the baseline runs its budget
+    assert tta_run.stop_flags(plan[2], stops)[:2] == ["--target", "5.1"]  # fp16 under another optimizer
+    assert tta_run.stop_flags(plan[3], stops)[:2] == ["--target", "5.1"]  # and with accumulation
+    assert tta_run.stop_flags(plan[0], stops) == []  # the baseline runs its budget
     other = {}
-    tta.note_fp16(plan[0], fp16, other, cap=2.0)  # --tta-cap 2
+    tta_run.note_fp16(plan[0], fp16, other, cap=2.0)  # --tta-cap 2
     assert other["lm-comm"]["max_seconds"] == pytest.approx(16.0)
     lm_fp16 = _lm_result("fp16", [100, 10])
     lm_fp16["meta"]["target_vs_fp16"] = None
-    tta.note_fp16(plan[4], lm_fp16, stops)  # lm has an absolute target
-    assert "lm" not in stops and tta.stop_flags(plan[5], stops) == []
-    args = tta.build_parser().parse_args(["--worker-args", "--max-seconds 4"])
-    cmd = tta._command(plan[1], args, "o.json", tta.stop_flags(plan[1], stops))
+    tta_run.note_fp16(plan[4], lm_fp16, stops)  # lm has an absolute target
+    assert "lm" not in stops and tta_run.stop_flags(plan[5], stops) == []
+    args = tta_sweep.build_parser().parse_args(["--worker-args", "--max-seconds 4"])
+    cmd = tta_run.command(plan[1], args, "o.json", tta_run.stop_flags(plan[1], stops))
     assert cmd[-2:] == ["--max-seconds", "4"] and cmd.index("--target") < len(cmd) - 2
-    args = tta.build_parser().parse_args(["--budget-epochs", "0.5"])  # FP16's budget; the others: 1e9
-    cmd = tta._command(plan[1], args, "o.json", tta.stop_flags(plan[1], stops))
+    args = tta_sweep.build_parser().parse_args(["--budget-epochs", "0.5"])  # FP16's budget; the others: 1e9
+    cmd = tta_run.command(plan[1], args, "o.json", tta_run.stop_flags(plan[1], stops))
     assert cmd[cmd.index("--max-epochs") + 1] == "0.5" and cmd[len(cmd) - 1 - cmd[::-1].index("--max-epochs") + 1] == "1e9"
-    assert tta._command(plan[0], args, "o.json")[-2:] == ["--max-epochs", "0.5"]
+    assert tta_run.command(plan[0], args, "o.json")[-2:] == ["--max-epochs", "0.5"]
     with pytest.raises(ValueError, match="--budget-epochs must be > 0"):
-        tta.plan_sweep(tta.build_parser().parse_args(["--workloads", "lm-comm", "--budget-epochs", "0"]))
+        tta_sweep.plan_sweep(tta_sweep.build_parser().parse_args(["--workloads", "lm-comm", "--budget-epochs", "0"]))
     with pytest.raises(ValueError, match="--tta-cap must be > 0"):
-        tta.plan_sweep(tta.build_parser().parse_args(["--workloads", "lm-comm", "--tta-cap", "0"]))
+        tta_sweep.plan_sweep(tta_sweep.build_parser().parse_args(["--workloads", "lm-comm", "--tta-cap", "0"]))
 
 
 def test_the_table_says_what_stopped_the_rows_after_fp16():
     rows, results = _sweep()
-    assert report.stop_note(rows, results) == ""  # nothing recorded: nothing said
+    assert report_table.stop_note(rows, results) == ""  # nothing recorded: nothing said
     results["lm-comm-horovod-thc"]["meta"]["stop_cap"] = {"target": 5.1, "fp16_tta_s": 14.0, "cap": 1.5,
                                                           "max_seconds": 21.0, "fp16_steps": 90}
     note = "lm-comm: every row after FP16 stopped at the target or when its training clock passed 1.5 x FP16's TTA (14.0 s), i.e. 21.0 s"
-    assert note in report.stop_note(rows, results) and note in report.markdown_table(rows, NET, results)
-    assert note not in report.markdown_table(rows, NET)
+    assert note in report_table.stop_note(rows, results) and note in report_table.markdown_table(rows, NET, results)
+    assert note not in report_table.markdown_table(rows, NET)
     del results["lm-comm-horovod-thc"]["meta"]["stop_cap"]  # a sweep of the step cap (issue 25's)
     results["lm-comm-horovod-thc"]["meta"].update(target=5.1, argv=["w", "--max-steps", "135"])
-    assert report.stop_note(rows, results) == (
+    assert report_table.stop_note(rows, results) == (
         "lm-comm: every row after FP16 stopped at the target or after 135 steps (1.50 x FP16's 90 steps).")
 
 
@@ -322,12 +322,12 @@ def test_accumulate_and_update_sync_rows():
                                         "lm-comm-horovod-fp16-with-update-sync-every-8",
                                         "lm-comm-horovod-topkc-ratio-0-1-with-update-sync-every-1"]
     assert [r.label for r in plan][1:3] == ["fp16 with accumulate(4)", "fp16 with update-sync(every=8)"]
-    args = tta.build_parser().parse_args(["--recipe", "adam-constant"])
-    cmd = tta._command(plan[1], args, "o.json")
+    args = tta_sweep.build_parser().parse_args(["--recipe", "adam-constant"])
+    cmd = tta_run.command(plan[1], args, "o.json")
     assert cmd[cmd.index("--accumulate") + 1] == "4" and cmd[cmd.index("--recipe") + 1] == "adam-constant"
-    cmd = tta._command(plan[3], args, "o.json")
+    cmd = tta_run.command(plan[3], args, "o.json")
     assert cmd[cmd.index("--update-sync") + 1] == "every=1" and "--accumulate" not in cmd
-    assert "--recipe" not in tta._command(tta.plan_runs(["lm"], ["fp16"], [])[0], args, "o.json")
+    assert "--recipe" not in tta_run.command(tta.plan_runs(["lm"], ["fp16"], [])[0], args, "o.json")
     assert tta.interleave(plan, 2)[6].update_sync == "every=8"
     with pytest.raises(ValueError, match="PyTorch workloads only, not on digits-tf"):
         tta.plan_runs(["digits-tf"], ["fp16 with accumulate(2)"], [])
@@ -339,8 +339,8 @@ def test_accumulate_and_update_sync_rows():
     report.apply_targets(rows, res)
     assert [r["target"] for r in rows] == [pytest.approx(5.1)] * 3  # from row a alone
     assert len(report.aggregate(rows)) == 3
-    assert report.converged_levels(rows) == {"FP16": pytest.approx(5.0)}  # row a's level only
-    text = report.markdown_table(rows, NET)
+    assert report_plot.converged_levels(rows) == {"FP16": pytest.approx(5.0)}  # row a's level only
+    text = report_table.markdown_table(rows, NET)
     assert "accumulate(K) rows: K micro-batches" in text and "update-sync rows: each rank steps" in text
 
 
@@ -359,12 +359,12 @@ def test_groups_rows():
     plan = tta.plan_runs(["lm-comm"], tta.parse_compressors("fp16; fp16 with groups(1); thc with groups(3)"), [])
     assert [r.run_id for r in plan] == ["lm-comm-horovod-fp16", "lm-comm-horovod-fp16-with-groups-1",
                                         "lm-comm-horovod-thc-with-groups-3"]
-    assert [tta._is_fp16_baseline(r) for r in plan] == [True, False, False]
+    assert [tta_run.is_fp16_baseline(r) for r in plan] == [True, False, False]
     assert plan[2].label == "thc with groups(3)" and tta.interleave(plan, 2)[5].groups == 3
-    args = tta.build_parser().parse_args([])
-    cmd = tta._command(plan[2], args, "o.json")
+    args = tta_sweep.build_parser().parse_args([])
+    cmd = tta_run.command(plan[2], args, "o.json")
     assert cmd[cmd.index("--num-groups") + 1] == "3"
-    assert "--num-groups" not in tta._command(plan[0], args, "o.json")
+    assert "--num-groups" not in tta_run.command(plan[0], args, "o.json")
     with pytest.raises(ValueError, match="PyTorch workloads only, not on digits-tf"):
         tta.plan_runs(["digits-tf"], ["fp16 with groups(2)"], [])
     res = {"a": _lm_result("fp16", [10, 5.0]), "b": _lm_result("fp16", [10, 4.0])}
@@ -373,8 +373,8 @@ def test_groups_rows():
     report.apply_targets(rows, res)
     assert [r["num_groups"] for r in rows] == [0, 1] and [r["target"] for r in rows] == [pytest.approx(5.1)] * 2
     assert len(report.aggregate(rows)) == 2
-    assert report.converged_levels(rows) == {"FP16": pytest.approx(5.0)}
-    assert "groups(G) rows: Horovod's num_groups=G" in report.markdown_table(rows, NET)
+    assert report_plot.converged_levels(rows) == {"FP16": pytest.approx(5.0)}
+    assert "groups(G) rows: Horovod's num_groups=G" in report_table.markdown_table(rows, NET)
 
 
 def test_worker_refuses_groups_with_update_sync(capsys):

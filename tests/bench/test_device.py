@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hvd_gradcomp.bench import device, netem, tta
+from hvd_gradcomp.bench import device, netem, tta, tta_hooks, tta_run, tta_sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(_cuda(), reason="checks the refusal where CUDA i
 
 def test_harness_refuses_cuda_without_a_gpu(tmp_path, capsys):
     out = tmp_path / "sweep"
-    status = tta.main(["--device", "cuda", "--loopback", "--out", str(out), "--no-progress"])
+    status = tta_sweep.main(["--device", "cuda", "--loopback", "--out", str(out), "--no-progress"])
     err = capsys.readouterr().err
     assert status == 2
     assert "--device cuda: PyTorch" in err and "sees no CUDA device" in err and "--device cpu" in err
@@ -34,10 +34,10 @@ def test_harness_refuses_cuda_without_a_gpu(tmp_path, capsys):
 
 
 def test_harness_refuses_tf_workloads_on_cuda():
-    args = tta.build_parser().parse_args(["--device", "cuda", "--workloads", "digits,digits-tf"])
+    args = tta_sweep.build_parser().parse_args(["--device", "cuda", "--workloads", "digits,digits-tf"])
     with pytest.raises(device.DeviceUnavailable, match="only the PyTorch workloads run on CUDA"):
         device.check_sweep(args, ["torch", "tensorflow"])
-    args = tta.build_parser().parse_args(["--workloads", "digits-tf"])
+    args = tta_sweep.build_parser().parse_args(["--workloads", "digits-tf"])
     device.check_sweep(args, ["tensorflow"])  # the CPU default takes every workload
 
 
@@ -54,12 +54,12 @@ def test_workers_refuse_cuda_without_a_gpu(module):
 
 
 def test_harness_passes_device_to_workers():
-    args = tta.build_parser().parse_args(["--device", "cuda", "--loopback"])
-    plan_runs = tta.plan_runs(["digits"], ["fp16"], tta.parse_ddp_hooks("fp16"), reference=False)
-    cmds = [tta._command(run, args, "/tmp/x.json") for run in plan_runs]
+    args = tta_sweep.build_parser().parse_args(["--device", "cuda", "--loopback"])
+    plan_runs = tta.plan_runs(["digits"], ["fp16"], tta_hooks.parse_ddp_hooks("fp16"), reference=False)
+    cmds = [tta_run.command(run, args, "/tmp/x.json") for run in plan_runs]
     assert cmds and all(c[c.index("--device") + 1] == "cuda" for c in cmds)
-    args = tta.build_parser().parse_args(["--loopback"])
-    assert all("--device" not in tta._command(run, args, "/tmp/x.json") for run in plan_runs)
+    args = tta_sweep.build_parser().parse_args(["--loopback"])
+    assert all("--device" not in tta_run.command(run, args, "/tmp/x.json") for run in plan_runs)
 
 
 def test_nccl_env_only_on_rate_limited_gpu_runs():

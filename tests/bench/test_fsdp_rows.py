@@ -8,25 +8,25 @@ test).
 """
 import pytest
 
-from hvd_gradcomp.bench import netem, report, tta
+from hvd_gradcomp.bench import netem, report, report_plot, report_table, tta, tta_hooks, tta_run, tta_sweep
 
 
 def _plan(*argv):
-    args = tta.build_parser().parse_args(list(argv))
-    return tta.plan_sweep(args), args
+    args = tta_sweep.build_parser().parse_args(list(argv))
+    return tta_sweep.plan_sweep(args), args
 
 
 # ---- options ----
 
 def test_parse_fsdp_hooks_puts_fp16_fsdp_first():
-    assert tta.parse_fsdp_hooks("thc; topkc:ratio=0.1 ;fp16; fp32 with rs=thc; thc with overlap", 2) == [
+    assert tta_hooks.parse_fsdp_hooks("thc; topkc:ratio=0.1 ;fp16; fp32 with rs=thc; thc with overlap", 2) == [
         ("fp16", None, False), ("thc", None, False), ("topkc:ratio=0.1", None, False), ("none", "thc", False),
         ("thc", None, True)]
-    assert tta.parse_fsdp_hooks("off") == [] and tta.parse_fsdp_hooks(" ") == []
+    assert tta_hooks.parse_fsdp_hooks("off") == [] and tta_hooks.parse_fsdp_hooks(" ") == []
 
 
 def test_parse_fsdp_hooks_adds_the_missing_baseline(capsys):
-    assert tta.parse_fsdp_hooks("thc with rs=signsgd", 2) == [("fp16", None, False), ("thc", "signsgd", False)]
+    assert tta_hooks.parse_fsdp_hooks("thc with rs=signsgd", 2) == [("fp16", None, False), ("thc", "signsgd", False)]
     assert "FP16-FSDP ('fp16'), their baseline, added first" in capsys.readouterr().err
 
 
@@ -44,7 +44,7 @@ def test_parse_fsdp_hooks_adds_the_missing_baseline(capsys):
 ])
 def test_parse_fsdp_hooks_rejects(text, shards, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("+", r"\+")):
-        tta.parse_fsdp_hooks(text, shards)
+        tta_hooks.parse_fsdp_hooks(text, shards)
 
 
 @pytest.mark.parametrize("text, workers, expect", [
@@ -56,10 +56,10 @@ def test_parse_fsdp_hooks_rejects(text, shards, words):
 ])
 def test_parse_fsdp_mesh(text, workers, expect):
     if isinstance(expect, tuple):
-        assert tta.parse_fsdp_mesh(text, workers) == expect
+        assert tta_hooks.parse_fsdp_mesh(text, workers) == expect
     else:
         with pytest.raises(ValueError, match=expect):
-            tta.parse_fsdp_mesh(text, workers)
+            tta_hooks.parse_fsdp_mesh(text, workers)
 
 
 # ---- the plan ----
@@ -75,12 +75,12 @@ def test_plan_fsdp_rows_beside_horovod_and_ddp(tmp_path):
                   ("fsdp", "thc", None, "thc on FSDP", "lm-fsdp-thc"),
                   ("fsdp", "fp16", "thc", "FP16-FSDP, rs thc", "lm-fsdp-fp16-with-rs-thc"),
                   ("fsdp", "thc", None, "thc on FSDP, overlap", "lm-fsdp-thc-with-overlap")]
-    assert "--overlap" in tta._command(plan.runs[5], args, "/tmp/x.json")
-    assert "--overlap" not in tta._command(plan.runs[3], args, "/tmp/x.json")
+    assert "--overlap" in tta_run.command(plan.runs[5], args, "/tmp/x.json")
+    assert "--overlap" not in tta_run.command(plan.runs[3], args, "/tmp/x.json")
     # digits takes no FSDP rows; the network: one host per replica (its 2 shards share it)
     assert {r.system for r in plan.runs if r.workload == "digits"} == {"horovod", "ddp"}
     assert plan.fsdp_mesh == (2, 2) and plan.ranks_per_host == 2
-    cmd = tta._command(plan.runs[4], args, "/tmp/x.json")
+    cmd = tta_run.command(plan.runs[4], args, "/tmp/x.json")
     assert cmd[1:3] == ["-m", "hvd_gradcomp.bench.workers.fsdp_torch"]
     i = cmd.index("--workload")
     assert cmd[i:i + 8] == ["--workload", "lm", "--compression", "fp16", "--mesh", "2x2",
@@ -118,15 +118,15 @@ def test_fsdp_rows_stop_at_fp16_fsdps_target_not_horovods():
                                          "steps_run": 40},
                 "evals": {"t": [0.0, 5.0, 10.0], "metric": [300.0, 2 * final, final]}, "steps": {"step": [1]}}
 
-    tta.note_fp16(fsdp_fp16, result(10.0), stops)
-    assert tta.stop_flags(tta.RunSpec("lm-comm", "horovod", "thc"), stops) == []  # Horovod's FP16 not yet run
-    tta.note_fp16(hvd_fp16, result(20.0), stops)
+    tta_run.note_fp16(fsdp_fp16, result(10.0), stops)
+    assert tta_run.stop_flags(tta.RunSpec("lm-comm", "horovod", "thc"), stops) == []  # Horovod's FP16 not yet run
+    tta_run.note_fp16(hvd_fp16, result(20.0), stops)
     assert stops["lm-comm fsdp"]["target"] == pytest.approx(10.2) and stops["lm-comm"]["target"] == pytest.approx(20.4)
     assert stops["lm-comm fsdp"]["max_seconds"] == pytest.approx(15.0)  # 1.5 x FP16-FSDP's TTA (10 s)
-    flags = tta.stop_flags(thc, stops)
+    flags = tta_run.stop_flags(thc, stops)
     assert flags[:2] == ["--target", "10.2"] and flags[flags.index("--max-seconds") + 1] == "15"
-    assert tta.stop_flags(rs, stops)[:2] == ["--target", "10.2"]  # rs rows are not the baseline
-    assert tta.stop_flags(fsdp_fp16, stops) == []
+    assert tta_run.stop_flags(rs, stops)[:2] == ["--target", "10.2"]  # rs rows are not the baseline
+    assert tta_run.stop_flags(fsdp_fp16, stops) == []
 
 
 # ---- the report ----
@@ -156,10 +156,10 @@ def test_fsdp_targets_and_ratios_against_fp16_fsdp(tmp_path):
     assert h["target"] == pytest.approx(20.4) and f["target"] == t["target"] == pytest.approx(10.2)
     assert t["tta_s"] == 1.0 and t["tta_vs_fp16"] == pytest.approx(2.0) and t["fp16_bytes_ratio"] == 4.0
     assert t["bytes_reduce_scatter"] == 1000 and t["mesh"] == "2x2" and h["mesh"] is None
-    assert report.converged_levels(rows) == {"FP16": 20.0, "FP16-FSDP": 10.0}
-    table = report.format_table(rows, {"mode": "netns", "note": "x", "qdisc": "q"}, results)
+    assert report_plot.converged_levels(rows) == {"FP16": 20.0, "FP16-FSDP": 10.0}
+    table = report_table.format_table(rows, {"mode": "netns", "note": "x", "qdisc": "q"}, results)
     assert "FSDP rows: HSDP (FSDP2 fully_shard on a replicas x shards mesh, 2x2)" in table
-    report.plot(str(tmp_path / "p.png"), rows, results, "t", {"note": "x"})
+    report_plot.plot(str(tmp_path / "p.png"), rows, results, "t", {"note": "x"})
     # Without FP16-FSDP the FSDP rows have no target: never Horovod's FP16 instead.
     del results["f"]
     rows = [report.summarize(k, v, {"mode": "netns"}) for k, v in results.items()]

@@ -3,14 +3,11 @@ options and the delay(D) clause (parsing, refusals, planning, the worker command
 share (recorded per step, timed by WaitTimer, reported), and FP16's estimated TTA on a slow
 link (fp16_estimate: the reference's steps to target x the median step measured here)."""
 import json
-import os
-import subprocess
-import sys
 import types
 
 import pytest
 
-from hvd_gradcomp.bench import fp16_estimate, report, tta
+from hvd_gradcomp.bench import fp16_estimate, report, report_table, tta, tta_run
 from hvd_gradcomp.bench.worker import Recorder, WaitTimer
 
 
@@ -23,7 +20,7 @@ def test_update_sync_overlap_options_parse_and_round_trip():
     assert tta.parse_row(row.text()) == row
     run = tta.plan_runs(["lm-comm"], [row.text()], [])[0]
     assert run.label == "fp16 with update-sync(every=8,overlap=true,fragments=2,eager=false)"
-    cmd = tta._command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
+    cmd = tta_run.command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
     assert cmd[cmd.index("--update-sync") + 1] == "every=8,overlap=true,fragments=2,eager=false"
 
 
@@ -53,9 +50,9 @@ def test_delay_clause_parses_and_plans_a_ddp_row_of_ours():
     assert (run.system, run.spec, run.delay, run.label) == ("ddp", "ours:fp16", 1, "fp16 with delay(1) on DDP")
     assert run.row_id == "lm-comm-ddp-ours-fp16-with-delay-1" and run.row_id != plan[0].row_id
     assert run.again(2, 2).delay == 1
-    cmd = tta._command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
+    cmd = tta_run.command(run, types.SimpleNamespace(seed=0, max_seconds=0, worker_args="", recipe=None), "x.json")
     assert cmd[cmd.index("--hook") + 1] == "ours:fp16" and cmd[cmd.index("--delay") + 1] == "1"
-    assert run.unavailable == tta.delay_support()  # None once the hook takes delay=
+    assert run.unavailable is None and tta.delay_support(1) is None  # the DDP hook takes delay=1
     deeper = tta.plan_runs(["lm-comm"], ["fp16 with delay(2)"], [])[0]
     assert deeper.unavailable == "torch_backend.ddp's delayed hook takes delay=1 only (step t's mean " \
                                  "applied at step t + 1), not delay=2"
@@ -77,29 +74,6 @@ def test_delay_clause_refused_clearly(text, words):
 def test_delay_rows_need_a_ddp_workload():
     with pytest.raises(ValueError, match="delay.D. rows run on DDP, which digits-tf has not"):
         tta.plan_runs(["digits-tf"], ["fp16 with delay(1)"], [])
-
-
-def _delay_support_with(tmp_path, source):
-    """tta.delay_support() in a fresh interpreter whose torch_backend.ddp is ``source``."""
-    pkg = tmp_path / "torch_backend"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "ddp.py").write_text(source)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(tta.__file__))))
-    code = "from hvd_gradcomp.bench import tta; print(repr(tta.delay_support()))"
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{root}")
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
-
-
-def test_delay_support_reads_the_hooks_signature(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    assert _delay_support_with(tmp_path / "a", "def register_comm_hook(m, c, per_tensor=False, delay=0):\n    pass\n") == "None"
-    why = _delay_support_with(tmp_path / "b", "def register_comm_hook(m, c, per_tensor=False):\n    pass\n")
-    assert "has no delay= option" in why
 
 
 # ---- the wait share ----
@@ -172,7 +146,7 @@ def test_wait_share_in_rows_table_and_csv(tmp_path):
     rows = [report.summarize(k, v, NET) for k, v in results.items()]
     assert rows[0]["wait_share"] == pytest.approx(0.75) and rows[1]["wait_share"] == pytest.approx(0.125)
     assert rows[1]["comm_share"] == pytest.approx(0.5)
-    table = report.markdown_table(rows, NET, results)
+    table = report_table.markdown_table(rows, NET, results)
     head = [line for line in table.splitlines() if line.startswith("| workload")][0]
     assert head.split(" | ")[-2:] == ["comm", "wait |"]
     assert "| 75% | 75% |" in table and "| 50% | 12% |" in table
@@ -183,7 +157,7 @@ def test_wait_share_in_rows_table_and_csv(tmp_path):
     # Records without the wait (older sweeps, workers that do not measure it): no column.
     old = {"a": _result("fp16", "fp16", (1.0, 0.0, 3.0, 3.0), [10, 9, 8], wait=False)}
     rows = [report.summarize(k, v, NET) for k, v in old.items()]
-    assert rows[0]["wait_share"] is None and "| wait" not in report.markdown_table(rows, NET, old)
+    assert rows[0]["wait_share"] is None and "| wait" not in report_table.markdown_table(rows, NET, old)
 
 
 # ---- FP16's estimated TTA on a slow link ----
@@ -225,7 +199,7 @@ def test_fp16_stopped_early_gets_the_labelled_estimate(tmp_path):
                     update_sync="every=16")
     stops = {}
     run = tta.plan_runs(["lm-comm"], ["fp16"], [])[0]
-    tta.note_fp16(run, fp16, stops)
+    tta_run.note_fp16(run, fp16, stops)
     assert stops["lm-comm"] == {"target": pytest.approx(8.16), "fp16_tta_s": 12.0, "cap": 1.5,
                                 "max_seconds": 18.0, "fp16_steps": 5, "estimated": True}
     results = {"f": fp16, "o": other}
@@ -236,7 +210,7 @@ def test_fp16_stopped_early_gets_the_labelled_estimate(tmp_path):
     assert rows[0]["tta_s"] == 12.0 and rows[0]["steps_to_target"] == 3  # 3 steps x 4 s
     assert rows[1]["target"] == pytest.approx(8.16) and rows[1]["tta_s"] == 6.0  # step 4 x 1.5 s
     assert rows[1]["tta_vs_fp16"] == pytest.approx(2.0)
-    table = report.markdown_table(rows, NET, results)
+    table = report_table.markdown_table(rows, NET, results)
     line = [x for x in table.splitlines() if x.startswith("| lm-comm | fp16 |")][0]
     assert "| 12.0 (est.) |" in line and "| 3 at 50 Mbit/s |" in line
     assert ("fp16 (lm-comm) stopped after 2 steps at 5 Mbit/s: its TTA (est.) is its steps to target at "

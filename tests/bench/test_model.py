@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from hvd_gradcomp.bench import model
+from hvd_gradcomp.bench import model, model_projection
 from hvd_gradcomp.bench.model import (Measurement, Network, allreduce_time, latency, load_inputs,
                                       predict_step_time, tta_ratio, winning_ranges)
 from tests.conftest import ROOT
@@ -93,12 +93,12 @@ def test_auto_choice_takes_the_best_candidate_past_the_hysteresis():
               "thc": Measurement(0.1, 0.01, 2.5e7),  # 0.1 + 0.01 + 0.02 = 0.13 s: ratio 1.385
               "topkc": Measurement(0.1, 0.0, 1e7, side_collectives=161),  # blocking: never a candidate
               "topk": Measurement(0.1, 0.0, 1e6)}  # not among auto's candidates
-    choice, ratio = model.auto_choice(inputs, 2, 10, NO_LATENCY)
+    choice, ratio = model_projection.auto_choice(inputs, 2, 10, NO_LATENCY)
     assert choice == "thc" and ratio == pytest.approx(0.18 / 0.13)
     # A gain below the hysteresis (10 %: ratio < 1.111) keeps fp16.
     inputs["thc"] = Measurement(0.1, 0.05, 2.5e7)  # 0.17 s: ratio 1.059
-    assert model.auto_choice(inputs, 2, 10, NO_LATENCY) == ("fp16", 1.0)
-    assert model.auto_choice(inputs, 2, 10, NO_LATENCY, hysteresis=0.0)[0] == "thc"
+    assert model_projection.auto_choice(inputs, 2, 10, NO_LATENCY) == ("fp16", 1.0)
+    assert model_projection.auto_choice(inputs, 2, 10, NO_LATENCY, hysteresis=0.0)[0] == "thc"
 
 
 def test_side_collective_latency_can_lose_at_scale():
@@ -195,7 +195,7 @@ def test_command_writes_table_csv_and_heatmap(tmp_path, capsys):
     inputs.write_text(json.dumps({"fp16": _entry(), "small": _entry(codec_s=0.02, payload_bytes=1e6,
                                                                       side_collectives=20)}))
     out = tmp_path / "out"
-    assert model.main(["--inputs", str(inputs), "--workers", "8,64", "--gbps", "10,100",
+    assert model_projection.main(["--inputs", str(inputs), "--workers", "8,64", "--gbps", "10,100",
                        "--out", str(out)]) == 0
     text = (out / "model.txt").read_text()
     assert "small: TTA ratio vs FP16" in text and "beats FP16" in text
@@ -258,6 +258,6 @@ def test_check_command_prints_the_comparison(tmp_path, capsys):
         w = csv.DictWriter(f, fieldnames=list(row))
         w.writeheader()
         w.writerow(row)
-    assert model.main(["--check", str(path)]) == 0
+    assert model_projection.main(["--check", str(path)]) == 0
     out = capsys.readouterr().out
     assert "topkc" in out and "500.0" in out

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from hvd_gradcomp.base import TensorInfo
-from hvd_gradcomp.bench import model, overhead
+from hvd_gradcomp.bench import model, overhead, overhead_timing
 from hvd_gradcomp.registry import SCHEMES, make_scheme, parse_spec
 from hvd_gradcomp.routing import Routing
 from tests.backends import BACKENDS, backend_ops, usable_backends
@@ -33,7 +33,7 @@ def run(tmp_path_factory):
 
 
 def test_csv_columns(run):
-    assert run["header"] == overhead.COLUMNS
+    assert run["header"] == overhead_timing.COLUMNS
 
 
 def test_one_row_per_framework_case_and_scheme(run):
@@ -74,32 +74,32 @@ def test_table_has_definitions_and_ratios(run):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_floor_bytes_hand_cases(backend):
-    ops = overhead.no_collective(backend_ops(backend))
+    ops = overhead_timing.no_collective(backend_ops(backend))
     like = ops.zeros((4,), "float32", None)
     d = 1024
     info = TensorInfo("t", (d,), "float32", 8, 0)
     topk = make_scheme("topk")
     # residual state 4d read + written, dense float32 payload 4d written + read: 2*4d * 3 = 24 d.
-    assert overhead.floor_bytes(topk, info, ops, topk.init(ops, info, like)) == 24 * d
+    assert overhead_timing.floor_bytes(topk, info, ops, topk.init(ops, info, like)) == 24 * d
     topkc = make_scheme("topkc", chunk=256, ratio=0.01)
     # m = 4 chunks, k = 1: payload 256 values + 4 scores + 16 vote slots in fp16 = 552 B, no
     # side collective; state: residual 4d + agreed scores 4 float32 = 16 B + realigned int64.
     expected = 2 * 4 * d + 2 * (4 * d + 16 + 8) + 2 * 552
-    assert overhead.floor_bytes(topkc, info, ops, topkc.init(ops, info, like)) == expected
+    assert overhead_timing.floor_bytes(topkc, info, ops, topkc.init(ops, info, like)) == expected
     current = make_scheme("topkc", chunk=256, ratio=0.01, selection="current")
     # The blocking variant: payload 512 B; side 4 float32 = 16 B; residual 4d, no scores.
     expected = 2 * 4 * d + 2 * (4 * d + 8) + 2 * 512 + 2 * 16
-    assert overhead.floor_bytes(current, info, ops, current.init(ops, info, like)) == expected
+    assert overhead_timing.floor_bytes(current, info, ops, current.init(ops, info, like)) == expected
     # Below min_numel (1024 for topkc) the routing sends the tensor as fp16 (no state): 12 d.
     small = TensorInfo("b", (1000,), "float32", 8, 0)
     fp16 = Routing.single(topkc).decide(None, 1000).scheme
     assert fp16.name == "fp16"
     # (8 ranks: fp16's agreed 0-d scale read and written, 8 B)
-    assert overhead.floor_bytes(fp16, small, ops, fp16.init(ops, small, like)) == 2 * 4000 + 2 * 2000 + 8
+    assert overhead_timing.floor_bytes(fp16, small, ops, fp16.init(ops, small, like)) == 2 * 4000 + 2 * 2000 + 8
 
 
 def test_no_collective_is_identity():
-    ops = overhead.no_collective(backend_ops(BACKENDS[0]))
+    ops = overhead_timing.no_collective(backend_ops(BACKENDS[0]))
     x = ops.zeros((3,), "float32", None)
     assert ops.allreduce(x, "sum", "name") is x
 
@@ -113,7 +113,7 @@ def test_all_means_every_fixed_scheme():
 def test_model_inputs_for_a_tiny_reference(monkeypatch):
     monkeypatch.setitem(model.REFERENCE_MODELS, "tiny", {
         "shapes": [(64, 32), (64,), (64, 32)], "compute_s": 0.05, "note": "two matrices and a bias"})
-    runner = overhead._runner(BACKENDS[0], "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
+    runner = overhead_timing.make_runner(BACKENDS[0], "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
     schemes = overhead._build_schemes("topkc topkc:selection=current")
     data = overhead.model_inputs(runner, schemes, "tiny", world_size=8, warmup=1, reps=1, min_reps=1,
                                  budget=0, copy_gbps=10.0, worker_counts=(8, 16),
@@ -147,8 +147,8 @@ def test_specs_are_compressors_routed_per_tensor():
     its routing picks: a 64-coordinate bias under thc as fp16, as in training."""
     schemes = overhead._build_schemes("thc thc:min_numel=32")
     assert [(spec, r.min_numel) for spec, r in schemes] == [("fp16", 1), ("thc", 1024), ("thc:min_numel=32", 32)]
-    runner = overhead._runner(BACKENDS[0], "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
-    rows = overhead.measure(runner, schemes, "bias 64", (64,), world_size=8, warmup=0, reps=1, min_reps=1,
+    runner = overhead_timing.make_runner(BACKENDS[0], "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
+    rows = overhead_timing.measure(runner, schemes, "bias 64", (64,), world_size=8, warmup=0, reps=1, min_reps=1,
                             budget=0)
     by = {r["spec"]: r for r in rows}
     assert all(r["error"] == "" and r["reps"] == 1 for r in rows), rows
@@ -167,7 +167,7 @@ def test_timed_call_is_one_training_step(backend):
     and TopKC's agreed scores move on): the outputs equal scheme_steps' over the same steps."""
     import numpy as np
     from tests.backends import scheme_steps
-    runner = overhead._runner(backend, "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
+    runner = overhead_timing.make_runner(backend, "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
     gen = np.random.default_rng(5)
     array = (gen.standard_normal(4096) * np.repeat(gen.uniform(0.1, 2.0, 16), 256)).astype(np.float32)
     grad = runner.tensor(array)
@@ -189,12 +189,12 @@ def test_ddp_hook_rows_time_pytorchs_own_hooks():
     """DDP's fp16 and PowerSGD hooks run inside a one-rank DDP backward on the same tensor as
     the schemes, in the same rounds; their rows carry the hook's wire bytes and a time."""
     import torch.distributed as dist
-    runner = overhead._runner("torch", "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
+    runner = overhead_timing.make_runner("torch", "cpu", type("A", (), {"threads": 0, "tf_inner": 1, "clock": "host"})())
     try:
-        rows = overhead.measure(runner, overhead._build_schemes("powersgd:rank=2"), "m", (64, 48),
+        rows = overhead_timing.measure(runner, overhead._build_schemes("powersgd:rank=2"), "m", (64, 48),
                                 world_size=8, warmup=1, reps=3, min_reps=3, budget=0,
                                 ddp_hooks=("fp16", "powersgd:rank=2"))
-        flat = overhead.measure(runner, overhead._build_schemes(""), "v", (300,), world_size=8,
+        flat = overhead_timing.measure(runner, overhead._build_schemes(""), "v", (300,), world_size=8,
                                 warmup=1, reps=2, min_reps=2, budget=0, ddp_hooks=("powersgd:rank=2",))
     finally:
         if dist.is_initialized():
@@ -209,7 +209,7 @@ def test_ddp_hook_rows_time_pytorchs_own_hooks():
     # A vector: PowerSGD's hook all-reduces it uncompressed, 4 bytes a coordinate.
     assert {r["spec"]: r["payload_bytes"] for r in flat} == {"fp16": 600, "ddp powersgd:rank=2": 1200}
     with pytest.raises(ValueError, match="fp16 or powersgd"):
-        overhead.DDPHook("topk", runner.tensor(__import__("numpy").zeros(4, "float32")), 8)
+        overhead_timing.DDPHook("topk", runner.tensor(__import__("numpy").zeros(4, "float32")), 8)
 
 
 def test_whole_model_table_sums_a_step():

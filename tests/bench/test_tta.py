@@ -1,20 +1,18 @@
 """The time-to-accuracy harness's pieces (no training here; see test_tta_smoke.py for a sweep).
 
-Spec and hook parsing, run planning, the rolling mean and time-to-target, the stop rule,
-the compressor timing proxy, the CSV/JSON schema, the table, the plots and the doc update.
+Spec and hook parsing, run planning, the summaries, the CSV/JSON schema, the table, the plots,
+repeats, the no-communication reference and the doc update (the worker's records, the rolling
+mean, time-to-target and the stop rule: test_worker_records.py).
 """
 import csv
 import importlib.util
 import json
 import os
 import sys
-import time
-import types
 
 import pytest
 
-from hvd_gradcomp.bench import publish, report, tta
-from hvd_gradcomp.bench.worker import Recorder, TimedCompressor, rolling_mean
+from hvd_gradcomp.bench import publish, report, report_plot, report_table, tta, tta_hooks, tta_run, tta_sweep
 
 
 # ---- specs, hooks, plan ----
@@ -53,15 +51,15 @@ def test_default_specs_are_buildable_and_skip_missing(monkeypatch):
 
 
 def test_parse_ddp_hooks():
-    assert tta.parse_ddp_hooks("fp16; powersgd:rank=4") == ["fp16", "powersgd:rank=4"]
-    assert tta.parse_ddp_hooks("off") == [] and tta.parse_ddp_hooks("") == []
+    assert tta_hooks.parse_ddp_hooks("fp16; powersgd:rank=4") == ["fp16", "powersgd:rank=4"]
+    assert tta_hooks.parse_ddp_hooks("off") == [] and tta_hooks.parse_ddp_hooks("") == []
     for bad in ("topkc", "powersgd:ratio=2", "fp16:x=1"):
         with pytest.raises(ValueError, match="ddp hook must be"):
-            tta.parse_ddp_hooks(bad)
+            tta_hooks.parse_ddp_hooks(bad)
     # this project's compressors as DDP hooks: "<spec> on DDP" rows
-    assert tta.parse_ddp_hooks("ours:thc; ours:powersgd:rank=4") == ["ours:thc", "ours:powersgd:rank=4"]
+    assert tta_hooks.parse_ddp_hooks("ours:thc; ours:powersgd:rank=4") == ["ours:thc", "ours:powersgd:rank=4"]
     with pytest.raises(ValueError):
-        tta.parse_ddp_hooks("ours:nosuchscheme")
+        tta_hooks.parse_ddp_hooks("ours:nosuchscheme")
     plan = tta.plan_runs(["digits"], [], ["ours:thc"])
     assert [(r.system, r.spec, r.label) for r in plan] == [("ddp", "ours:thc", "thc on DDP")]
 
@@ -92,19 +90,19 @@ def test_tensorflow_eager_workload_runs_auto_and_every_row_eagerly(tmp_path, cap
     plan = tta.plan_runs(["digits-tf-eager"], ["fp16", "auto"], [])
     assert [r.run_id for r in plan] == ["digits-tf-eager-horovod-fp16", "digits-tf-eager-horovod-auto"]
     assert "skipped" not in capsys.readouterr().err
-    args = tta.build_parser().parse_args([])
+    args = tta_sweep.build_parser().parse_args([])
     for r in plan:
-        cmd = tta._command(r, args, str(tmp_path / "r.json"))
+        cmd = tta_run.command(r, args, str(tmp_path / "r.json"))
         assert cmd[2] == "hvd_gradcomp.bench.workers.digits_tf" and cmd.count("--eager") == 1
     row = {"workload": "digits-eager", "framework": "tensorflow"}
     assert report.workload_name(row) == "digits-tf-eager"
 
 
 def test_workers_are_launched_as_modules_of_the_package(tmp_path):
-    args = tta.build_parser().parse_args(["--worker-args", "--max-steps 3", "--max-seconds", "9"])
+    args = tta_sweep.build_parser().parse_args(["--worker-args", "--max-steps 3", "--max-seconds", "9"])
     out = str(tmp_path / "r.json")
     plan = tta.plan_runs(["digits", "lm", "digits-tf"], ["fp16"], ["powersgd:rank=4"])
-    commands = {r.run_id: tta._command(r, args, out) for r in plan}
+    commands = {r.run_id: tta_run.command(r, args, out) for r in plan}
     expect = {"digits-horovod-fp16": "digits_torch", "digits-ddp-powersgd-rank-4": "ddp_torch",
               "lm-horovod-fp16": "lm_torch", "lm-ddp-powersgd-rank-4": "ddp_torch",
               "digits-tf-horovod-fp16": "digits_tf"}
@@ -119,104 +117,6 @@ def test_workers_are_launched_as_modules_of_the_package(tmp_path):
     ddp = commands["lm-ddp-powersgd-rank-4"]
     assert ddp[3:7] == ["--workload", "lm", "--hook", "powersgd:rank=4"]
     assert commands["digits-horovod-fp16"][3:5] == ["--compression", "fp16"]
-
-
-# ---- rolling mean, time-to-target, stop rule ----
-
-def test_rolling_mean_is_trailing():
-    assert rolling_mean([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
-    assert rolling_mean([], 3) == []
-
-
-def test_time_to_target_accuracy_and_perplexity():
-    t = [0, 1, 2, 3, 4, 5]
-    acc = [0.1, 0.9, 0.94, 0.97, 0.97, 0.98]
-    assert report.time_to_target(t, acc, 0.96, True, window=1) == 3
-    assert report.time_to_target(t, acc, 0.96, True, window=2) == 4  # (0.97 + 0.97) / 2
-    assert report.time_to_target(t, acc, 0.99, True, window=1) is None
-    ppl = [200, 20, 12, 10, 9, 9]
-    assert report.time_to_target(t, ppl, 10.5, False, window=1) == 3
-    assert report.time_to_target(t, ppl, 10.5, False, window=3) == 4  # (12 + 10 + 9) / 3 > 10.5
-    with pytest.raises(ValueError, match="equal length"):
-        report.time_to_target([0, 1], [0.5], 0.9)
-    with pytest.raises(ValueError, match="window must be >= 1"):
-        report.time_to_target([0], [0.5], 0.9, window=0)
-
-
-def _args(**kw):
-    base = dict(compression="fp16", seed=0, batch_size=8, lr=0.1, target=0.9, eval_every=2,
-                window=1, epochs_past_target=1.0, max_epochs=10, max_seconds=0.0, max_steps=0,
-                out=None, progress=False)
-    base.update(kw)
-    return types.SimpleNamespace(**base)
-
-
-def test_recorder_stops_one_epoch_past_target():
-    rec = Recorder(_args(), 0, 2, steps_per_epoch=4, higher_is_better=True, meta={})
-    metrics = iter([0.5, 0.95, 0.95, 0.95, 0.95])
-    assert not rec.evaluate(0.1, 0.0)
-    stops = []
-    for _ in range(12):
-        rec.step(0.01, 0.002, 0.005, 1.0)
-        if rec.due():
-            stops.append((rec.step_count, rec.evaluate(next(metrics), rec.clock)))
-            if stops[-1][1]:
-                break
-    # target met at step 4 (epoch 1); one epoch later (step 8) the run stops
-    assert stops == [(2, False), (4, False), (6, False), (8, True)]
-    assert rec.stop_reason == "target+epochs"
-    assert rec.clock == pytest.approx(8 * 0.017)
-    assert rec.steps["epoch"][-1] == 2.0
-
-
-def test_recorder_caps_and_divergence():
-    rec = Recorder(_args(max_seconds=0.05), 0, 2, 4, True, {})
-    rec.step(0.03, 0, 0.03, 1.0)
-    rec.step(0.03, 0, -0.01, 1.0)  # a negative remainder is clamped to 0
-    assert rec.steps["comm_s"][-1] == 0.0
-    assert rec.evaluate(0.2, 0.06) and rec.stop_reason == "max_seconds"
-    rec = Recorder(_args(max_steps=3), 0, 2, 4, False, {})
-    assert rec.max_steps == 3
-    assert rec.evaluate(float("nan"), 0) and rec.stop_reason == "diverged"
-
-
-def test_recorder_writes_json(tmp_path):
-    out = tmp_path / "r.json"
-    rec = Recorder(_args(out=str(out)), 0, 2, 4, True, {"workload": "digits"})
-    rec.evaluate(0.5, 0)
-    rec.step(0.1, 0.01, 0.02, 2.0)
-    rec.write({"payload": 10, "side": 2, "side_collectives": 1})
-    data = json.loads(out.read_text())
-    assert data["meta"]["workload"] == "digits" and data["meta"]["world_size"] == 2
-    assert data["steps"]["t"] == [pytest.approx(0.13)] and data["evals"]["metric"] == [0.5]
-    Recorder(_args(out=str(tmp_path / "other.json")), 1, 2, 4, True, {}).write()
-    assert not (tmp_path / "other.json").exists()  # only rank 0 writes
-
-
-# ---- timing proxy ----
-
-def test_timed_compressor_separates_side_collectives():
-    side = types.SimpleNamespace(allreduce=lambda x, **kw: (time.sleep(0.05), x)[1])
-
-    class Inner:
-        def compress(self, t):
-            time.sleep(0.02)
-            side.allreduce(t, name="scores")
-            return t, None
-
-        def decompress(self, p, ctx):
-            time.sleep(0.01)
-            return p
-
-    timed = TimedCompressor(Inner(), side, "allreduce")
-    side.allreduce(1)  # outside compress: not counted
-    payload, ctx = timed.compress(3)
-    assert timed.decompress(payload, ctx) == 3
-    comp, decomp, side_s = timed.take()
-    assert 0.015 < comp < 0.045 and 0.008 < decomp < 0.03 and 0.045 < side_s < 0.09
-    assert timed.take() == (0.0, 0.0, 0.0)
-    timed.close()
-    assert side.allreduce(5) == 5 and side.allreduce.__name__ == "<lambda>"
 
 
 # ---- summaries, CSV/JSON, table, plots ----
@@ -287,10 +187,10 @@ def test_csv_and_json_schema(tmp_path):
 
 def test_table_says_loopback_and_marks_failures():
     rows, _ = _rows_and_results(LOOP)
-    text = report.format_table(rows, LOOP)
+    text = report_table.format_table(rows, LOOP)
     assert text.splitlines()[0].startswith("Network: LOOPBACK")
     assert "thc [failed (exit 1)]" in text and "2.00x" in text
-    md = report.markdown_table(rows, LOOP)
+    md = report_table.markdown_table(rows, LOOP)
     assert "LOOPBACK" in md and md.count("\n| ") == 5  # header + 4 runs
     assert all(r["network_mode"] == "loopback" for r in rows)
 
@@ -300,7 +200,7 @@ def test_plot_writes_png(tmp_path, higher):
     results = {"fp16": _fake_result("fp16", higher=higher), "none": _fake_result("none", step_s=0.3, higher=higher),
                "ddp": _fake_result("ddp:fp16", system="ddp", higher=higher)}
     rows = [report.summarize(k, v, NET) for k, v in results.items()]
-    path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
+    path = report_plot.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
     with open(path, "rb") as f:
         head = f.read(8)
     assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 10_000
@@ -317,26 +217,12 @@ def test_update_doc_replaces_only_the_block(tmp_path):
 
 
 def test_update_doc_is_repeatable():
-    args = tta.build_parser().parse_args(["--update-doc", "docs/tta.md", "--update-doc", "README.md"])
+    args = tta_sweep.build_parser().parse_args(["--update-doc", "docs/tta.md", "--update-doc", "README.md"])
     assert args.update_doc == ["docs/tta.md", "README.md"]
-    assert tta.build_parser().parse_args([]).update_doc == []
+    assert tta_sweep.build_parser().parse_args([]).update_doc == []
 
 
 # ---- start-up split, repeats ----
-
-def test_recorder_records_startup(tmp_path):
-    out = tmp_path / "r.json"
-    rec = Recorder(_args(out=str(out)), 0, 2, 4, True, {})
-    assert rec.process_start <= time.time()
-    before = time.time()
-    rec.step(0.1, 0.0, 0.0, 1.0)
-    rec.step(0.1, 0.0, 0.0, 1.0)  # only the first step's end counts
-    rec.write()
-    meta = json.loads(out.read_text())["meta"]
-    assert before <= meta["first_step_end"] <= time.time()
-    assert meta["startup_s"] == pytest.approx(meta["first_step_end"] - meta["process_start"])
-    assert meta["startup_s"] > 0
-
 
 def test_summarize_splits_startup_from_steady_clock():
     res = _fake_result("fp16", step_s=0.2)
@@ -351,12 +237,12 @@ def test_summarize_splits_startup_from_steady_clock():
     assert row["repeat"] == 1
     cols = report.RUN_COLUMNS
     assert cols.index("tta_steady_s") == cols.index("tta_s") + 1 and cols.index("startup_s") == cols.index("tta_s") + 2
-    text = report.format_table([row], NET)
+    text = report_table.format_table([row], NET)
     header = text.splitlines()[3]
     assert "TTA s  steady TTA s  start s" in header and "steady TTA = clock from the end" in text
     assert " 5.4           0.4      7.5" in text.splitlines()[5]
     old = dict(row, startup_s=None)  # a sweep before start-up was recorded: the old columns
-    assert "steady TTA" not in report.format_table([old], NET)
+    assert "steady TTA" not in report_table.format_table([old], NET)
 
 
 def test_interleave_orders_rounds_and_names_repeats():
@@ -369,10 +255,10 @@ def test_interleave_orders_rounds_and_names_repeats():
     assert [r.run_id for r in tta.interleave(plan, 1)] == [r.run_id for r in plan]  # no suffix
     with pytest.raises(ValueError, match="--repeats must be an integer >= 1, got 0"):
         tta.interleave(plan, 0)
-    args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--repeats", "3"])
-    assert [r.run_id for r in tta.plan_sweep(args).runs] == [
+    args = tta_sweep.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--repeats", "3"])
+    assert [r.run_id for r in tta_sweep.plan_sweep(args).runs] == [
         f"digits-horovod-{row}-r{k}" for k in (1, 2, 3) for row in ("fp16", "none-nocomm")]
-    assert tta.build_parser().parse_args([]).repeats == 1
+    assert tta_sweep.build_parser().parse_args([]).repeats == 1
 
 
 def _repeated_rows():
@@ -414,13 +300,13 @@ def test_aggregate_medians_spread_and_ratios_from_medians():
 
 def test_table_and_files_with_repeats(tmp_path):
     rows, results = _repeated_rows()
-    text = report.format_table(rows, NET)
+    text = report_table.format_table(rows, NET)
     lines = text.splitlines()
     assert "Each row: 3 repeats" in lines[1] and "min-max" in lines[1]
     assert "TTA s median (min-max)" in lines[3] and len(lines) == 7  # 2 rows, not 6
     assert "0.6 (0.3-0.9)" in lines[5] and "0.3 (0.3-nr)" in lines[6] and "6.0 (5.0-7.0)" in lines[5]
     assert "2.00x" in lines[6]
-    md = report.markdown_table(rows, NET)
+    md = report_table.markdown_table(rows, NET)
     assert md.count("\n| ") == 3
     summary = report.aggregate(rows)
     report.write_csvs(str(tmp_path), rows, results)
@@ -437,7 +323,7 @@ def test_table_and_files_with_repeats(tmp_path):
     assert float(summ[0]["tta_s_max"]) == pytest.approx(0.9) and summ[1]["tta_s_max"] == ""
     data = json.loads((tmp_path / "results.json").read_text())
     assert len(data["runs"]) == 6 and len(data["summary"]) == 2
-    path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
+    path = report_plot.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
     assert os.path.getsize(path) > 10_000
 
 
@@ -452,9 +338,9 @@ def test_plot_rows_by_workload_not_by_id_prefix():
     results = {"digits-horovod-fp16": {"evals": [1]}, "digits-tf-horovod-fp16": {"evals": [1]},
                "digits-tf-horovod-thc": {"evals": [1]},
                "digits-horovod-thc": {"evals": [1]}, "digits-horovod-none": {"evals": []}}
-    assert [r["run_id"] for r in report.plot_rows(rows, results, "digits")] == \
+    assert [r["run_id"] for r in report_plot.plot_rows(rows, results, "digits")] == \
         ["digits-horovod-fp16", "digits-horovod-thc"]
-    assert [r["run_id"] for r in report.plot_rows(rows, results, "digits-tf")] == \
+    assert [r["run_id"] for r in report_plot.plot_rows(rows, results, "digits-tf")] == \
         ["digits-tf-horovod-fp16", "digits-tf-horovod-thc"]
     assert [report.workload_name(r) for r in rows[:3]] == ["digits", "digits-tf", "digits-tf"]
 
@@ -472,33 +358,33 @@ def test_plan_adds_one_no_comm_reference_per_workload():
     assert not any(r.reference for r in plan if not r.run_id.endswith("-nocomm"))
     assert plan[0].label == "fp32 (none)"  # the FP32 competitor row keeps its own label
     # The same training as the FP32 row: the same worker command.
-    args = tta.build_parser().parse_args([])
-    assert tta._command(ref, args, "o.json") == tta._command(plan[0], args, "o.json")
+    args = tta_sweep.build_parser().parse_args([])
+    assert tta_run.command(ref, args, "o.json") == tta_run.command(plan[0], args, "o.json")
     # Repeats keep the flag and name the rounds as for every row.
     runs = tta.interleave(plan[:4], 2)
     assert [r.run_id for r in runs if r.reference] == ["digits-horovod-none-nocomm-r1", "digits-horovod-none-nocomm-r2"]
     assert all(r.label == tta.NOCOMM_LABEL for r in runs if r.reference)
     # In the sweep by default, after every other row of its workload; off on request.
-    args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off"])
-    assert [r.run_id for r in tta.plan_sweep(args).runs] == ["digits-horovod-fp16", "digits-horovod-none-nocomm"]
+    args = tta_sweep.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off"])
+    assert [r.run_id for r in tta_sweep.plan_sweep(args).runs] == ["digits-horovod-fp16", "digits-horovod-none-nocomm"]
     assert args.no_comm_reference == "on"  # the default, filled in by plan_sweep
-    args = tta.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--no-comm-reference", "off"])
-    assert [r.run_id for r in tta.plan_sweep(args).runs] == ["digits-horovod-fp16"]
+    args = tta_sweep.build_parser().parse_args(["--compressors", "fp16", "--ddp-hooks", "off", "--no-comm-reference", "off"])
+    assert [r.run_id for r in tta_sweep.plan_sweep(args).runs] == ["digits-horovod-fp16"]
 
 
 def test_reference_runs_on_an_unthrottled_loopback_link():
     from hvd_gradcomp.bench import netem
     net = netem.EmulatedNetwork(2, netem.LinkConfig(500))  # not set up: only its identity counts
     plan = tta.plan_runs(["digits"], ["none"], ["fp16"], reference=True)
-    assert tta.network_for(net, plan[0]) is net and tta.network_for(net, plan[1]) is net
-    own = tta.network_for(net, plan[2])
+    assert tta_run.network_for(net, plan[0]) is net and tta_run.network_for(net, plan[1]) is net
+    own = tta_run.network_for(net, plan[2])
     assert isinstance(own, netem.LoopbackNetwork) and own.world_size == 2
     d = own.describe()
     assert d["mode"] == "loopback" and d["bandwidth_mbit"] is None and "no-communication reference" in d["note"]
-    stub = tta._stub_result(plan[2], "timeout", "", d)
+    stub = tta_run.stub_result(plan[2], "timeout", "", d)
     assert stub["meta"]["reference"] is True and stub["network"]["mode"] == "loopback"
-    assert "network" not in tta._stub_result(plan[0], "timeout") and \
-        tta._stub_result(plan[0], "timeout")["meta"]["reference"] is False
+    assert "network" not in tta_run.stub_result(plan[0], "timeout") and \
+        tta_run.stub_result(plan[0], "timeout")["meta"]["reference"] is False
 
 
 def _reference_result(step_s=0.05, final=None):
@@ -536,8 +422,8 @@ def test_reference_row_is_never_a_baseline_or_best():
     assert odd[2]["tta_vs_fp16"] == pytest.approx(1.0) and odd[3]["tta_vs_best_ddp"] == pytest.approx(1.0)
     # The plots' FP32 level is the FP32 row's, not the reference's (also spec "none").
     assert fp32["final_metric"] != ref["final_metric"] == pytest.approx(0.99)
-    assert report.converged_levels(rows) == {"FP16": fp16["final_metric"], "FP32": fp32["final_metric"]}
-    assert report.converged_levels([ref]) == {}
+    assert report_plot.converged_levels(rows) == {"FP16": fp16["final_metric"], "FP32": fp32["final_metric"]}
+    assert report_plot.converged_levels([ref]) == {}
 
 
 def test_reference_in_table_aggregate_and_plot(tmp_path):
@@ -551,18 +437,18 @@ def test_reference_in_table_aggregate_and_plot(tmp_path):
     assert [(s["run_id"], s["reference"], s["repeats"]) for s in summary] == [
         ("a-horovod-none", False, 2), ("a-horovod-nocomm", True, 2)]
     assert summary[1]["tta_s"] == pytest.approx(0.3) and summary[1]["network_mode"] == "loopback"
-    text = report.format_table(rows, NET)
+    text = report_table.format_table(rows, NET)
     assert text.splitlines()[0].startswith("Network: emulated: 500 Mbit/s")  # the sweep's
     assert "The no-communication row is a reference, not a competitor" in text.splitlines()[1]
     assert tta.NOCOMM_LABEL in text.splitlines()[-1] and "0.3 (0.3-0.3)" in text.splitlines()[-1]
     single = [r for r in rows if r["repeat"] == 1]
-    md = report.markdown_table(single, NET)
+    md = report_table.markdown_table(single, NET)
     assert f"| digits | {tta.NOCOMM_LABEL} | 0.3 |" in md and md.count("\n| ") == 3
-    assert "reference, not a competitor" not in report.format_table(single[:1], NET)
+    assert "reference, not a competitor" not in report_table.format_table(single[:1], NET)
     report.write_csvs(str(tmp_path), rows, results)
     with open(tmp_path / "runs.csv") as f:
         assert [r["reference"] for r in csv.DictReader(f)] == ["False", "True", "False", "True"]
-    path = report.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
+    path = report_plot.plot(str(tmp_path / "p.png"), rows, results, "digits", NET)
     assert os.path.getsize(path) > 10_000
 
 
@@ -572,10 +458,10 @@ def test_auto_rows_show_what_each_tensor_ended_on():
     row = report.summarize("a", res, NET)
     assert row["choices"] == "fc1.weight: fp16; fc2.weight: powersgd:rank=4"
     assert "auto (digits) ended on: fc1.weight: fp16; fc2.weight: powersgd:rank=4" in \
-        report.format_table([row], NET).splitlines()[-1]
-    assert report.markdown_table([row], NET).endswith("fc2.weight: powersgd:rank=4")
+        report_table.format_table([row], NET).splitlines()[-1]
+    assert report_table.markdown_table([row], NET).endswith("fc2.weight: powersgd:rank=4")
     plain = report.summarize("b", _fake_result("fp16"), NET)
-    assert plain["choices"] is None and "ended on" not in report.format_table([plain], NET)
+    assert plain["choices"] is None and "ended on" not in report_table.format_table([plain], NET)
 
 
 def test_auto_choices_over_time_segments_plot_and_publish(tmp_path):
@@ -591,18 +477,18 @@ def test_auto_choices_over_time_segments_plot_and_publish(tmp_path):
          "predicted_ms": {"fp16": 2.0, "topkc:ratio=0.1": 6.0}, "errors": {"fp16": 0.0, "topkc:ratio=0.1": 0.9}},
         {"key": "fc2.weight", "step": 6, "scheme": "fp16", "reason": "current choice over the error budget",
          "predicted_ms": {"fp16": 80.0, "topkc:ratio=0.1": 45.0}, "errors": {"fp16": 0.0, "topkc:ratio=0.1": 0.99}}]
-    assert report.choice_segments(res) == {
+    assert report_plot.choice_segments(res) == {
         "fc1.weight": [(1, 10, "fp16")],
         "fc2.weight": [(1, 3, "fp16"), (4, 7, "topkc:ratio=0.1"), (8, 10, "fp16")]}
     results = {"digits-horovod-auto": res, "digits-horovod-fp16": _fake_result("fp16")}
     rows = [report.summarize(k, v, NET) for k, v in results.items()]
-    assert [r["run_id"] for r in report.choice_rows(rows, results, "digits")] == ["digits-horovod-auto"]
-    path = report.plot_choices(report.choices_plot_path(str(tmp_path), "digits"),
-                               report.choice_rows(rows, results, "digits"), results, "t")
+    assert [r["run_id"] for r in report_plot.choice_rows(rows, results, "digits")] == ["digits-horovod-auto"]
+    path = report_plot.plot_choices(report_plot.choices_plot_path(str(tmp_path), "digits"),
+                               report_plot.choice_rows(rows, results, "digits"), results, "t")
     assert path.endswith("auto_digits.png") and os.path.getsize(path) > 1000
     sweep = {"network": dict(NET, world_size=2), "workloads": ["digits"], "date": "d", "git_commit": "c", "argv": [],
              "cpu_count": 2, "elapsed_s": 60.0, "link_check": None}
     block = publish.render_block(sweep, rows, results, str(tmp_path), str(tmp_path / "doc.md"))
     assert "![auto_digits.png](auto_digits.png)" in block and "![tta_digits.png](tta_digits.png)" in block
     del res["bytes_per_step"]["decisions"]
-    assert report.choice_rows(rows, results, "digits") == []
+    assert report_plot.choice_rows(rows, results, "digits") == []

@@ -105,18 +105,18 @@ class _HostReads:
 
     def gpu_ops(self, ops):
         """``ops`` as a GPU runs them: select blends both branches; device constants counted."""
-        from torch_backend.ops import _where_tree
+        from torch_backend.reference_ops import where_tree
         constant = ops.constant
 
         def counted_constant(value, dtype, like):
             if self.active and like is not None:
                 self.reads.append("constant")
             return constant(value, dtype, like)
-        return dataclasses.replace(ops, select=lambda pred, t, f: _where_tree(pred, t(), f()),
+        return dataclasses.replace(ops, select=lambda pred, t, f: where_tree(pred, t(), f()),
                                    constant=counted_constant)
 
     def patch_kernels(self, monkeypatch, ops):
-        """Fused kernels run with the module's ``OPS`` (torch_backend.ops._fuse_eager): count there too."""
+        """Fused kernels run with the module's ``OPS`` (torch_backend.ops._fuse_eager, the eager reference of ops.fuse): count there too."""
         import torch_backend.ops as module
         monkeypatch.setattr(module, "OPS", ops)
 
@@ -190,7 +190,13 @@ def test_auto_half_gradients_add_no_host_reads(dtype, monkeypatch):
     ops = _ops("torch")
     scheme = scheme_of("auto:candidates=fp16|bf16,bandwidth_gbit=1,latency_ms=0.1").bind(ops)
     info = TensorInfo("dev.auto", SHAPE, dtype, 1, 0, "average")
-    state = scheme.init(ops, info, backend_tensor("torch", [0.0]))
+    x = backend_tensor("torch", _grads()[0], dtype)
+    state = scheme.init(ops, info, x)
+    for _ in range(2):  # stepped: a residual of a half output makes no carry (a fresh state not
+        # stepped yet takes moved-in error feedback as one: auto/group.py)
+        payload, ctx = compress_tensor(scheme, ops, x, state, info)
+        _, state = finish_tensor(scheme, ops, payload, ctx, state, info, dtype=dtype)
+        assert "carry" not in state._fields
     assert composite.add_residual(scheme, ops, state, info, ops.zeros((info.numel,), "float32", None)) is None
 
 
@@ -371,11 +377,11 @@ def test_reduced_precision_is_seen(way, user_precision):
     without calling the legacy getters that raise once the new API is in use (read on the
     CPU for CUDA too: only flags are read)."""
     import torch
-    from torch_backend.ops import _reduced_fp32
-    assert (_reduced_fp32(True), _reduced_fp32(False)) == (False, False)
+    from torch_backend.reference_ops import reduced_fp32
+    assert (reduced_fp32(True), reduced_fp32(False)) == (False, False)
     set_way, expected = PRECISION_WAYS[way]
     set_way(torch)
-    assert (_reduced_fp32(True), _reduced_fp32(False)) == expected
+    assert (reduced_fp32(True), reduced_fp32(False)) == expected
 
 
 @pytest.mark.skipif("torch" not in BACKENDS, reason="PyTorch backend not under test")
@@ -439,7 +445,8 @@ def test_compiled_rotation_exact_under_reduced_precision(device, user_precision)
     products shows the reduction where this device has it (else the test says so and skips)."""
     import dataclasses
     import torch
-    from torch_backend.ops import COMPILED_OPS, _matmul, OPS
+    from torch_backend.ops import COMPILED_OPS, OPS
+    from torch_backend.reference_ops import _matmul
     torch.set_float32_matmul_precision("medium")
     _, _, rotation = _codec_product_errors(one_rank(COMPILED_OPS), device)
     assert rotation <= 2e-6, rotation
@@ -520,6 +527,16 @@ def test_triton_topkc_kernel_on_cuda():
     """TopKC's correct kernel in Triton on CUDA against the reference on CUDA."""
     checks = _triton_checks()
     problems = [p for case in checks.TOPKC_CASES for p in checks.check_topkc("cuda", *case)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_triton_powersgd_kernels_on_cuda():
+    """PowerSGD's Triton basis, batched basis and check on receipt on CUDA against the reference
+    on CUDA (tests/core/triton_powersgd_checks.py)."""
+    c = _triton_checks()
+    problems = ([p for case in c.POWERSGD_CASES for p in c.check_powersgd("cuda", *case)]
+                + c.check_powersgd_agree("cuda")
+                + [p for case in c.POWERSGD_BATCHED_CASES for p in c.check_powersgd_batched("cuda", *case)])
     assert problems == [], "\n".join(problems)
 
 

@@ -1,8 +1,8 @@
 """TopKC's ``error_feedback="ef21"`` at the scheme level, one process, in each backend.
 
-Several ranks of one tensor are simulated as in tests/core/test_topkc.py (its ``Ranks``: each
-rank compresses with its own state, the all-reduce sums the payloads in their dtype, Average
-scales by 1/n) and checked step by step against the float64 EF21 recursion
+Several ranks of one tensor are simulated as in tests/core/test_topkc.py
+(tests/core/topkc_emulation.py's ``Ranks``: each rank compresses with its own state, the
+all-reduce sums the payloads in their dtype, Average scales by 1/n) and checked step by step against the float64 EF21 recursion
 (tests/reference.py:RefTopKCEF21); then what the one-all-reduce contract asks of it: a failed
 step leaves every state as it was, ranks whose states differ realign, the spec round-trips.
 The real multi-rank runs are in tests/parallel/test_warmup.py.
@@ -14,7 +14,7 @@ from hvd_gradcomp.base import finish_tensor
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
 from hvd_gradcomp.topkc import TopKCEF21State
 from tests.backends import BACKENDS, as_float64
-from tests.core.test_topkc import Ranks
+from tests.core.topkc_emulation import Ranks
 from tests.reference import RefTopKCEF21
 
 SHAPE = (7, 13)  # 91 coordinates: the last chunk is padded

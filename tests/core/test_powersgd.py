@@ -5,7 +5,8 @@ compression at size 1), so these tests call the scheme directly with
 ``one_rank_ops(backend)``: the backend's primitives with the side all-reduce replaced by the
 identity, which is exactly what an all-reduce over one rank does. Several ranks of the
 (collective-free) alternating variant are simulated in one process by summing their payloads
-(:func:`_simulate`); real Horovod with 2 ranks is in tests/parallel/test_powersgd.py.
+(tests/core/powersgd_emulation.py; their tests: tests/core/test_powersgd_ranks.py); real
+Horovod with 2 ranks is in tests/parallel/test_powersgd.py.
 """
 
 import numpy as np
@@ -18,6 +19,7 @@ from hvd_gradcomp.powersgd import (CONTROL, STATE_VERSION, PowerSGDConfig, Power
 from hvd_gradcomp.registry import make_scheme, parse_spec, to_spec
 from hvd_gradcomp.routing import Routing
 from tests.backends import BACKENDS, as_float64, backend_tensor, backend_unusable, one_rank_ops, scheme_steps
+from tests.core.powersgd_emulation import rank_grads, simulate
 from tests.reference import gram_schmidt64
 
 TWO = dict(variant="two_round")
@@ -42,47 +44,6 @@ def _routed(scheme, shape, key="w"):
     """The scheme a compressor of ``scheme`` sends a float32 tensor of ``shape`` with: the
     routing's decision (``scheme`` itself, or its fallback where it does not accept it)."""
     return Routing.single(scheme).decide(key, TensorInfo(key, tuple(shape), "float32", 1, 0)).scheme
-
-
-def _simulate(backend, scheme, grads, states=None, op="sum", key="w", contribute=None):
-    """W ranks of the alternating variant in one process: grads[step][rank] (NumPy).
-
-    Each rank compresses; the payloads are summed in float32 (divided by W for "average"),
-    as Horovod does; every rank decompresses and finishes with that sum. ``states``: the
-    ranks' initial states (fresh when None). ``contribute[step][rank] = False``: that rank
-    sits the step out (``hvd.join()``): it adds zeros and its state stays. Returns one dict
-    per step: outs (per rank, None when sitting out), before and after (states), payload.
-    """
-    ops = one_rank_ops(backend)
-    world = len(grads[0])
-    shape = np.shape(grads[0][0])
-    infos = [TensorInfo(key, shape, "float32", world, r, op) for r in range(world)]
-    if states is None:
-        states = [scheme.init(ops, info, None) for info in infos]
-    log = []
-    for t, xs in enumerate(grads):
-        live = [True] * world if contribute is None else contribute[t]
-        sent = {}
-        for r in range(world):
-            if live[r]:
-                sent[r] = compress_tensor(scheme, ops, _tensor(backend, xs[r]), states[r], infos[r])
-        total = None
-        for payload, _ in sent.values():
-            total = payload if total is None else total + payload
-        if op == "average":
-            total = total * (1.0 / world)
-        outs, after = [], []
-        for r in range(world):
-            if live[r]:
-                out, new = finish_tensor(scheme, ops, total, sent[r][1], states[r], infos[r])
-                outs.append(out)
-                after.append(new)
-            else:
-                outs.append(None)
-                after.append(states[r])
-        log.append({"outs": outs, "before": states, "after": after, "payload": total})
-        states = after
-    return log
 
 
 # ---------------------------------------------------------------- configuration and policy
@@ -414,150 +375,6 @@ def test_low_precision_inputs_keep_dtype(backend, variant):
         np.testing.assert_allclose(_np(out), _np(x), atol=2e-2 * np.abs(a).max())
 
 
-# ---------------------------------------------------------------- several ranks, simulated
-def _reference(grads, q0_t, fill, average, error_feedback=True):
-    """The alternating variant in float64 by hand: grads[step][rank] -> outputs per step."""
-    world, r = len(grads[0]), q0_t.shape[0]
-    n, m = grads[0][0].shape
-    residual = [np.zeros((n, m))] * world
-    q, p = q0_t.T.astype(np.float64), None
-    outs = []
-    for t, xs in enumerate(grads):
-        ms = [x + e if error_feedback else x for x, e in zip(xs, residual)]
-        if t % 2 == 0:
-            local = [mi @ q for mi in ms]
-            agg = sum(local) / (world if average else 1)
-            outs.append(agg @ q.T)
-            residual = [mi - li @ q.T for mi, li in zip(ms, local)]
-            p = _fill_basis64(agg, fill[:, :n].T)
-        else:
-            local = [mi.T @ p for mi in ms]
-            agg = sum(local) / (world if average else 1)
-            outs.append(p @ agg.T)
-            residual = [mi - p @ li.T for mi, li in zip(ms, local)]
-            q = _fill_basis64(agg, fill[:, :m].T)
-    return outs
-
-
-def _fill_basis64(a, fill):
-    a = a.copy()
-    zero = ~(np.abs(a).max(0) > 0)
-    a[:, zero] = fill[:, zero]
-    return _orth64(a)
-
-
-def _grads(seed, world, steps, shape):
-    rng = np.random.default_rng(seed)
-    return [[rng.standard_normal(shape) for _ in range(world)] for _ in range(steps)]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("op", ["sum", "average"])
-def test_ranks_agree_and_match_float64_reference(backend, op):
-    world, shape = 3, (24, 20)
-    scheme = PowerSGDScheme(PowerSGDConfig(rank=2))
-    grads = _grads(30, world, 6, shape)
-    log = _simulate(backend, scheme, grads, op=op)
-    q0 = _np(log[0]["before"][0].q)
-    fill = _np(log[0]["before"][0].fill)
-    want = _reference(grads, q0, fill, op == "average")
-    for step, ref in zip(log, want):
-        outs = [_np(o) for o in step["outs"]]
-        for o in outs[1:]:
-            np.testing.assert_array_equal(o, outs[0])  # bit-identical on every rank
-        np.testing.assert_allclose(outs[0], ref, rtol=0, atol=1e-4 * np.abs(ref).max())
-        for field in ("p", "q", "step", "realigned"):  # the shared state too
-            for s in step["after"][1:]:
-                np.testing.assert_array_equal(_np(getattr(s, field)), _np(getattr(step["after"][0], field)))
-        assert int(_np(step["after"][0].realigned)) == 0
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_joined_rank_is_no_disagreement(backend):
-    """A rank sitting a step out (hvd.join) adds zeros: the others still agree; the output is
-    the sum of the contributors' decodes. The joined rank, stale afterwards, is caught next."""
-    scheme = PowerSGDScheme(PowerSGDConfig(rank=2))
-    grads = _grads(31, 3, 3, (24, 20))
-    live = [[True] * 3, [True, True, False], [True] * 3]
-    log = _simulate(backend, scheme, grads, contribute=live)
-    # The output is the sum of ranks 0 and 1's own decodes, M_r - E_r' (error feedback identity).
-    decoded = sum(grads[1][r] + _np(log[1]["before"][r].residual) - _np(log[1]["after"][r].residual)
-                  for r in (0, 1))
-    for r in (0, 1):
-        np.testing.assert_allclose(_np(log[1]["outs"][r]), decoded, rtol=0, atol=1e-5 * np.abs(decoded).max())
-    assert log[1]["after"][2] is log[1]["before"][2]  # the joined rank's state stays
-    assert int(_np(log[1]["after"][0].realigned)) == 0 and int(_np(log[1]["after"][0].step)) == 2
-    # Step 2: rank 2 is at step 1, the others at step 2: disagreement, zero output, realigned.
-    for r in range(3):
-        assert (_np(log[2]["outs"][r]) == 0).all()
-        assert int(_np(log[2]["after"][r].realigned)) == 1
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("op", ["sum", "average"])
-@pytest.mark.parametrize("case", ["parity", "basis"])
-def test_disagreement_realigns_every_rank(backend, op, case):
-    """Rank 0 resumes from a checkpoint alone (its state is 3 steps, or 2 steps, ahead): the
-    ranks disagree on the parity (3) or, with the same parity, on the basis (2). The step's
-    output is 0 on every rank, each keeps its whole corrected gradient in the residual, and
-    every rank leaves with the same basis and step 0; from then on they agree."""
-    world, shape = 2, (24, 20)
-    scheme = PowerSGDScheme(PowerSGDConfig(rank=2))
-    ahead = 3 if case == "parity" else 2
-    warm = _simulate(backend, scheme, _grads(40, world, ahead, shape), op=op)
-    fresh = _simulate(backend, scheme, _grads(41, world, 1, shape), op=op)[0]["before"]
-    states = [warm[-1]["after"][0], fresh[1]]
-    grads = _grads(42, world, 4, shape)
-    log = _simulate(backend, scheme, grads, states=states, op=op)
-    first = log[0]
-    for r in range(world):
-        assert (_np(first["outs"][r]) == 0).all()
-        corrected = grads[0][r] + _np(states[r].residual)
-        np.testing.assert_allclose(_np(first["after"][r].residual), corrected, rtol=1e-6, atol=1e-6)
-        assert int(_np(first["after"][r].step)) == 0 and int(_np(first["after"][r].realigned)) == 1
-        assert (_np(first["after"][r].p) == 0).all()
-        q = _np(first["after"][r].q)
-        np.testing.assert_allclose(q @ q.T, np.eye(2), atol=1e-5)
-    for field in ("p", "q", "step", "realigned"):
-        np.testing.assert_array_equal(_np(getattr(first["after"][0], field)),
-                                      _np(getattr(first["after"][1], field)))
-    # Afterwards: agreement, identical outputs, and error feedback delivers what step 0 held back.
-    total_out, total_in = 0.0, sum(grads[0][r] + _np(states[r].residual) for r in range(world))
-    for t, step in enumerate(log[1:], 1):
-        outs = [_np(o) for o in step["outs"]]
-        np.testing.assert_array_equal(outs[0], outs[1])
-        assert int(_np(step["after"][0].realigned)) == 1
-        total_out = total_out + outs[0] * (world if op == "average" else 1)
-        total_in = total_in + sum(grads[t])
-    left = sum(_np(s.residual) for s in log[-1]["after"])
-    np.testing.assert_allclose(total_out + left, total_in, rtol=0, atol=1e-4 * np.abs(total_in).max())
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_agreeing_ranks_never_flagged(backend):
-    """Identical bases never read as a disagreement, whatever the op, scale or world size."""
-    scheme = PowerSGDScheme(PowerSGDConfig(rank=3))
-    for world, op, scale in ((2, "sum", 1e-20), (5, "average", 1.0), (3, "sum", 1e20), (2, "average", 1e3)):
-        grads = [[g * scale for g in gs] for gs in _grads(50 + world, world, 4, (20, 30))]
-        log = _simulate(backend, scheme, grads, op=op)
-        assert int(_np(log[-1]["after"][0].realigned)) == 0, (world, op, scale)
-        assert int(_np(log[-1]["after"][0].step)) == 4
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_nonfinite_on_one_rank_keeps_every_state(backend):
-    scheme = PowerSGDScheme(PowerSGDConfig(rank=2))
-    grads = _grads(60, 2, 3, (24, 20))
-    grads[1][0][3, 5] = np.nan
-    log = _simulate(backend, scheme, grads)
-    for r in range(2):
-        assert np.isnan(_np(log[1]["outs"][r])).all()
-        for field in PowerSGDState._fields:
-            np.testing.assert_array_equal(_np(getattr(log[1]["after"][r], field)),
-                                          _np(getattr(log[1]["before"][r], field)))
-        assert np.isfinite(_np(log[2]["outs"][r])).all()
-
-
 # ---------------------------------------------------------------- TensorFlow kernels
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_conv_kernels_use_output_channels_as_rows(backend):
@@ -598,14 +415,14 @@ def test_old_state_format_refused_with_reason():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_state_resume_equals_uninterrupted(backend):
     scheme = PowerSGDScheme(PowerSGDConfig(rank=2))
-    grads = _grads(80, 2, 6, (24, 20))
-    full = _simulate(backend, scheme, grads)
-    first = _simulate(backend, scheme, grads[:3])
+    grads = rank_grads(80, 2, 6, (24, 20))
+    full = simulate(backend, scheme, grads)
+    first = simulate(backend, scheme, grads[:3])
     saved = [PowerSGDState(*[_np(v) for v in s]) for s in first[-1]["after"]]
     ops = one_rank_ops(backend)
     restored = [PowerSGDState(*[_tensor(backend, v, ops.dtype(f)) for v, f in zip(s, orig)])
                 for s, orig in zip(saved, first[-1]["after"])]
-    rest = _simulate(backend, scheme, grads[3:], states=restored)
+    rest = simulate(backend, scheme, grads[3:], states=restored)
     for a, b in zip(full[3:], rest):
         for x, y in zip(a["outs"], b["outs"]):
             np.testing.assert_array_equal(_np(x), _np(y))

@@ -145,11 +145,11 @@ def test_torch_select_blend_for_gpu_tensors():
     checked on CPU tensors: the same values as the branch."""
     import torch
 
-    from torch_backend.ops import _where_tree
+    from torch_backend.reference_ops import where_tree
     a = (torch.arange(4.0), (torch.ones(2), None))
     b = (-torch.arange(4.0), (torch.zeros(2), None))
     for flag in (True, False):
-        got = _where_tree(torch.tensor(flag), a, b)
+        got = where_tree(torch.tensor(flag), a, b)
         want = a if flag else b
         assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0]) and got[1][1] is None
 

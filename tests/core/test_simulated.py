@@ -28,12 +28,7 @@ MEMBERS = (Member("w1", "layer.w1", (64, 80), 0, 5120), Member("b1", "layer.b1",
 SIZE = 9216 + 512 + 6144
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _buffers(n, step, seed=0):

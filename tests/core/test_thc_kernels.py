@@ -432,7 +432,7 @@ def test_decode_unpacks_lanes_in_int32(op, monkeypatch):
         masked.append((str(a.dtype), a.numel()))
         return torch_and(a, b)
     torch_and = module.OPS.bitwise_and
-    # The fused kernels run with the module's OPS (torch_backend.ops._fuse_eager): the
+    # The fused kernels run with the module's OPS (torch_backend.ops._fuse_eager, the eager reference of ops.fuse): the
     # reference composition, not the hand-written fused forms of torch_backend.kernels (whose
     # CPU decode unpacks in uint32 in C: tests/core/test_cpu_kernels.py).
     monkeypatch.setenv("HVD_GRADCOMP_KERNELS", "0")

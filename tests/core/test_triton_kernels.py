@@ -8,7 +8,8 @@ they run over):
    an unknown op, flush bound on and off, error feedback on and off, saturation on and off, a
    NaN gradient, a finite gradient whose rotation overflows, a non-finite rank, ranks whose
    fingerprints disagree), TopKC's correct kernel (chunk sizes, residual decay, no error
-   feedback, the blocking form with non-finite values), and whole schemes through
+   feedback, the blocking form with non-finite values), PowerSGD's basis, batched basis and
+   check on receipt (tests/core/triton_powersgd_checks.py), and whole schemes through
    ``one_rank(OPS)`` with ``HVD_GRADCOMP_KERNELS=triton`` against ``one_rank(REFERENCE_OPS)``.
    What "agrees" means: tests/core/triton_checks.py.
 2. An ahead-of-time compile of every kernel for sm_90 (``triton.compile`` with
@@ -155,9 +156,9 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert {k.split("[")[0] for k in kernels} == {
         "triton_thc.rotate", "triton_thc.quantize", "triton_thc.decode", "triton_thc_words.scales",
         "triton_thc_words.tail", "triton_thc_words.noise", "triton_thc_words.receive", "triton_thc_words.finish",
-        "triton_topkc.correct", "triton_powersgd.basis", "triton_powersgd.agree", "triton_signsgd.blocks",
-        "triton_signsgd.pack", "triton_signsgd.stats", "triton_signsgd.receive", "triton_signsgd.decode",
-        "triton_signsgd.residual"}
+        "triton_topkc.correct", "triton_powersgd.basis", "triton_powersgd.basis_batched", "triton_powersgd.agree",
+        "triton_signsgd.blocks", "triton_signsgd.pack", "triton_signsgd.stats", "triton_signsgd.receive",
+        "triton_signsgd.decode", "triton_signsgd.residual"}
     for name, facts in kernels.items():
         assert "error" not in facts, f"{name}: {facts.get('error')}"
         assert facts["target"] and facts["entry"] and facts["ptx"] > 0, (name, facts)
@@ -178,7 +179,7 @@ def test_compiled_arithmetic_is_exact_float32(compiled):
 
 def test_ptx_only_compile(runs):
     """Where ptxas cannot run, the compiler's stages up to PTX still build each kernel
-    module's first kernel for sm_90 (tests/core/triton_checks.py, compile_sm90)."""
+    module's first kernel for sm_90 (tests/core/triton_aot.py, compile_sm90)."""
     kernels = _kernels(runs["compiled"]["ptx_only"])
     assert len(kernels) == 5, kernels  # triton_thc, _thc_words, _topkc, _powersgd, _signsgd
     for name, facts in kernels.items():

@@ -277,6 +277,24 @@ class Ranks:
         return ref
 
 
+def fails_cleanly_on_rank_1(sim, xs, gen):
+    """One step in which rank 1's gradient counts as not finite: NaN in every coordinate of
+    every rank's output, every rank's whole state as it was, rank 1's "not finite" word set;
+    then a finite step that matches the reference (returned)."""
+    before = [state_np(st) for st in sim.states]
+    sim.wrap = True
+    log = sim.step(xs)
+    sim.wrap = False
+    assert all(np.isnan(out).all() for out in log["outs"])
+    for b, st in zip(before, log["after"]):
+        for f, v in zip(st._fields, st):
+            np.testing.assert_array_equal(as_numpy(v), b[f], err_msg=f)
+    assert int(split_payload(log["own"][1], sim.lay)[3][1]) == 1
+    log = sim.step([gen.standard_normal(sim.shape) for _ in range(sim.n)])
+    sim.check_reference(log)
+    return log
+
+
 def top_level_misses_allowed(n, bits, count):
     """How many of ``count`` lane sums may fall short of n L when every rank sits at the top.
 

@@ -32,99 +32,35 @@ docstrings):
 ``ops.fuse`` must pick the Triton forms (``HVD_GRADCOMP_KERNELS=triton`` on CPU tensors, the
 default on CUDA): :func:`check_schemes` runs whole schemes through ``one_rank(OPS)`` against
 ``one_rank(REFERENCE_OPS)`` with any fallback warning raised as an error.
+
+The comparisons are in :mod:`tests.core.triton_compare`, PowerSGD's checks in
+:mod:`tests.core.triton_powersgd_checks`, the whole-scheme checks in
+:mod:`tests.core.triton_scheme_checks`, the ahead-of-time compile for sm_90 in
+:mod:`tests.core.triton_aot`; this module holds the kernels' checks, runs them all
+(:func:`run_all`, the names ``tests/core/test_devices.py`` calls included) and is the
+subprocess's entry point.
 """
 import json
 import os
-import re
 import sys
 import warnings
 
 import torch
 
 from hvd_gradcomp import hadamard, thc_kernels, topkc
-from hvd_gradcomp.base import TensorInfo, compress_tensor, finish_tensor
-from hvd_gradcomp.primitives import one_rank
+from hvd_gradcomp.base import TensorInfo
 from hvd_gradcomp.thc import THCConfig, THCScheme
+from tests.core.triton_aot import aot_all
+from tests.core.triton_compare import (BLOCK, TOL_RANGE, close_in_groups, close_nonfinite,
+                                       equal_values, randn_on, same_structure, seeded)
+from tests.core.triton_powersgd_checks import (POWERSGD_BATCHED_CASES, POWERSGD_CASES, check_powersgd,
+                                               check_powersgd_agree, check_powersgd_batched,
+                                               check_powersgd_batched_scheme)
+from tests.core.triton_scheme_checks import check_refusals, check_schemes
 from torch_backend import kernels
-from torch_backend.ops import OPS, REFERENCE_OPS
-
-TOL = 2.0 ** -20
-TOL_RANGE = 2.0 ** -17  # a block's norm: 1024 squares summed in another order
-BLOCK = 1024
+from torch_backend.ops import REFERENCE_OPS
 
 R = REFERENCE_OPS
-
-
-# ---- comparisons ----
-def _structure(name, got, want):
-    got = got if isinstance(got, tuple) else (got,)
-    want = want if isinstance(want, tuple) else (want,)
-    if len(got) != len(want):
-        return [f"{name}: {len(got)} outputs, reference {len(want)}"]
-    out = []
-    for i, (a, b) in enumerate(zip(got, want)):
-        if (tuple(a.shape), a.dtype, a.device) != (tuple(b.shape), b.dtype, b.device):
-            out.append(f"{name}[{i}]: {tuple(a.shape)} {a.dtype} {a.device}, reference "
-                       f"{tuple(b.shape)} {b.dtype} {b.device}")
-    return out
-
-
-def _equal(name, a, b):
-    a, b = a.cpu().reshape(-1), b.cpu().reshape(-1)
-    if a.is_floating_point():
-        same = torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(
-            torch.nan_to_num(a, 0.0, 1.0, -1.0), torch.nan_to_num(b, 0.0, 1.0, -1.0))
-    else:
-        same = torch.equal(a, b)
-    if same:
-        return []
-    differ = (a != b) if not a.is_floating_point() else ~((a == b) | (torch.isnan(a) & torch.isnan(b)))
-    return [f"{name}: {int(differ.sum())} of {a.numel()} values differ (first at {int(differ.nonzero()[0])})"]
-
-
-def _close(name, a, b, group=BLOCK, tol=TOL):
-    """Within ``tol`` of the reference, relative to the norm of each group of ``group`` values."""
-    a, b = a.detach().cpu().double().reshape(-1), b.detach().cpu().double().reshape(-1)
-    if not torch.equal(torch.isnan(a), torch.isnan(b)):
-        return [f"{name}: NaN at other positions than the reference's"]
-    if not torch.equal(torch.isinf(a), torch.isinf(b)) or not torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]):
-        return [f"{name}: inf at other positions than the reference's"]
-    finite = torch.isfinite(b)
-    a, b = torch.where(finite, a, 0.0), torch.where(finite, b, 0.0)
-    pad = -a.numel() % group
-    a, b = torch.cat([a, a.new_zeros(pad)]), torch.cat([b, b.new_zeros(pad)])
-    err = (a - b).reshape(-1, group).abs().amax(1)
-    bound = tol * b.reshape(-1, group).norm(dim=1) + 1e-30
-    if bool((err <= bound).all()):
-        return []
-    worst = float((err / bound).max())
-    return [f"{name}: off by {worst:.3g} x the tolerance ({tol:.3g} of the group's norm)"]
-
-
-def _close_nonfinite(name, a, b, group=BLOCK, tol=TOL):
-    """:func:`_close` for an output of a step that is not finite (module docstring): within
-    ``tol`` in each group of ``group`` values that is finite in the reference ``b``; in every
-    other group at least one non-finite value in ``a`` (of any kind, at any position)."""
-    a, b = a.detach().cpu().double().reshape(-1), b.detach().cpu().double().reshape(-1)
-    pad = -a.numel() % group
-    a, b = torch.cat([a, a.new_zeros(pad)]).reshape(-1, group), torch.cat([b, b.new_zeros(pad)]).reshape(-1, group)
-    finite_ref, finite_got = torch.isfinite(b).all(1), torch.isfinite(a).all(1)
-    problems = []
-    lost = (~finite_ref & finite_got).nonzero().flatten().tolist()
-    if lost:
-        problems.append(f"{name}: finite in groups {lost[:8]} where the reference is not")
-    keep = finite_ref.nonzero().flatten()
-    if keep.numel():
-        problems += _close(name, a[keep].reshape(-1), b[keep].reshape(-1), group, tol)
-    return problems
-
-
-def _gen(seed, device):
-    return torch.Generator().manual_seed(seed), torch.device(device)
-
-
-def _randn(g, n, device, scale=1.0):
-    return (torch.randn(n, generator=g, dtype=torch.float32) * scale).to(device)
 
 
 # ---- THC ----
@@ -160,8 +96,8 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
     wraps; rank 0 decodes with its own words)."""
     scheme, info, lay, plan = _thc(n, op, ef, flush, saturation, d, own)
     rotate, quantize, decode, noise, receive, finish = _forms(plan)
-    g, dev = _gen(seed, device)
-    x = _randn(g, d, dev, 3.0)
+    g, dev = seeded(seed, device)
+    x = randn_on(g, d, dev, 3.0)
     x[: d // 3] *= 50.0  # blocks of different scales
     finite = torch.tensor(True, device=dev)
     if nonfinite == "nan":
@@ -170,7 +106,7 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
     state = scheme.init(R, info, x)
     if nonfinite == "overflow":  # x * diag all +3e38 / 32 in block 0: its rotation overflows
         x[:BLOCK] = torch.where(state.diag[:BLOCK] > 0, 3e38, -3e38)
-    residual = _randn(g, lay.padded, dev, 2.0) if ef else state.residual
+    residual = randn_on(g, lay.padded, dev, 2.0) if ef else state.residual
     if ef:
         residual[lay.padded - BLOCK:] *= 1e3  # a block whose residual the flush bound clips
     hmat = hadamard.sylvester(R, 32, x)
@@ -180,17 +116,17 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
     strided = torch.stack([x, -x], 1)[:, 0]  # x as a non-contiguous view: the form copies it
     got = rotate(plan, strided, residual, state.diag, hmat, finite)
     want = thc_kernels._rotate_kernel(R, plan, x, residual, state.diag, hmat, finite)
-    problems += _structure(f"{tag}: rotate", got, want)
+    problems += same_structure(f"{tag}: rotate", got, want)
     if problems:
         return problems
-    close = _close_nonfinite if not bool(want[4]) else _close
+    close = close_nonfinite if not bool(want[4]) else close_in_groups
     for name, a, b in zip(("y", "held", "wanted"), got, want):
         if name == "wanted":
             problems += close(f"{tag}: rotate {name}", a, b, 1, TOL_RANGE)
         else:
             problems += close(f"{tag}: rotate {name}", a, b)
-    problems += _equal(f"{tag}: rotate stats", got[3], want[3])
-    problems += _equal(f"{tag}: rotate finite", got[4], want[4])
+    problems += equal_values(f"{tag}: rotate stats", got[3], want[3])
+    problems += equal_values(f"{tag}: rotate finite", got[4], want[4])
     if nonfinite in ("nan", "overflow") and bool(want[4]):
         problems.append(f"{tag}: the reference found the gradient finite (the case tests nothing)")
 
@@ -203,25 +139,25 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
         key = torch.tensor(rng_key(seed, rank), dtype=torch.int64, device=dev)
         rows, cols = thc_kernels._noise_kernel(R, plan, key, ranges)
         got = noise(plan, key, ranges)
-        problems += _structure(f"{tag}: noise[{rank}]", got, (rows, cols))
+        problems += same_structure(f"{tag}: noise[{rank}]", got, (rows, cols))
         if not problems:
-            problems += _equal(f"{tag}: noise[{rank}] rows", got[0], rows)
-            problems += _equal(f"{tag}: noise[{rank}] cols", got[1], cols)
+            problems += equal_values(f"{tag}: noise[{rank}] rows", got[0], rows)
+            problems += equal_values(f"{tag}: noise[{rank}] cols", got[1], cols)
         fingerprint = torch.tensor(5 + (rank if nonfinite == "mismatch" else 0), dtype=torch.int64, device=dev)
         rank_finite = torch.logical_and(finite, torch.tensor(not (nonfinite == "rank" and rank == n - 1), device=dev))
         got = quantize(plan, y, held, ranges, rows, cols, fingerprint, rank_finite, stats)
         want = thc_kernels._quantize_kernel(R, plan, y, held, ranges, rows, cols, fingerprint, rank_finite, stats)
-        problems += _structure(f"{tag}: quantize[{rank}]", got, want)
+        problems += same_structure(f"{tag}: quantize[{rank}]", got, want)
         if problems:
             return problems
         if bool(finite):
-            problems += _equal(f"{tag}: quantize[{rank}] payload", got[0], want[0])
-            problems += _equal(f"{tag}: quantize[{rank}] residual", got[1], want[1])
-            problems += _equal(f"{tag}: quantize[{rank}] saturated", got[2], want[2])
+            problems += equal_values(f"{tag}: quantize[{rank}] payload", got[0], want[0])
+            problems += equal_values(f"{tag}: quantize[{rank}] residual", got[1], want[1])
+            problems += equal_values(f"{tag}: quantize[{rank}] saturated", got[2], want[2])
             if rank == 0 and int(want[2]) == 0:
                 problems.append(f"{tag}: nothing saturated (the case tests no clipping)")
         else:  # levels undefined; the statistics and control words are not
-            problems += _equal(f"{tag}: quantize[{rank}] tail", got[0][lay.words:], want[0][lay.words:])
+            problems += equal_values(f"{tag}: quantize[{rank}] tail", got[0][lay.words:], want[0][lay.words:])
         payloads.append(want[0])
     if not bool(finite):
         return problems
@@ -236,24 +172,24 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
     reduced = total.to(torch.int32)
     received = thc_kernels._receive_kernel(R, plan, reduced)
     got = receive(plan, reduced)
-    problems += _structure(f"{tag}: receive", got, received)
+    problems += same_structure(f"{tag}: receive", got, received)
     for name, a, b in zip(("count", "bad", "mismatch", "inferred"), got, received):
-        problems += _equal(f"{tag}: receive {name}", a, b)
+        problems += equal_values(f"{tag}: receive {name}", a, b)
     count, bad, mismatch, inferred = received
     # Step 8's small fields from the same payload, against counters that differ from zero.
     small = [torch.tensor(v, dtype=torch.int64, device=dev) for v in (7, 2, 11, 13)]
     want = thc_kernels._finish_kernel(R, plan, reduced, ranges, *small, bad, mismatch, inferred)
     got = finish(plan, reduced, ranges, *small, bad, mismatch, inferred)
-    problems += _structure(f"{tag}: finish", got, want)
+    problems += same_structure(f"{tag}: finish", got, want)
     for name, a, b in zip(("ranges", "step", "realigned", "saturated", "ok"), got, want):
-        problems += _equal(f"{tag}: finish {name}", a, b)
+        problems += equal_values(f"{tag}: finish {name}", a, b)
     mine = payloads[0][:lay.words].clone() if own else None
     got = decode(plan, reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred, mine)
     want = thc_kernels._decode_kernel(R, plan, reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred,
                                       mine)
-    problems += _structure(f"{tag}: decode", got, want)
+    problems += same_structure(f"{tag}: decode", got, want)
     if not problems:
-        problems += _close(f"{tag}: decode", got, want)
+        problems += close_in_groups(f"{tag}: decode", got, want)
         expect = {"rank": "nan", "mismatch": "zero"}.get(nonfinite, "value")
         seen = ("nan" if bool(torch.isnan(want).all()) else "zero" if not bool(want.any()) else "value")
         if seen != expect:
@@ -297,98 +233,21 @@ def check_topkc(device, d, plan, nonfinite=False, seed=0):
     form = kernels.fused_form(topkc._correct_kernel, plan, "cuda")
     if form is not triton_topkc.correct:
         return [f"topkc {plan}: the registry gives {form}, not triton_topkc.correct"]
-    g, dev = _gen(seed, device)
-    flat = _randn(g, d, dev)
+    g, dev = seeded(seed, device)
+    flat = randn_on(g, d, dev)
     flat[: d // 4] *= 30.0
     if nonfinite:
         flat[3], flat[d - 2] = float("inf"), float("nan")
-    residual = _randn(g, d, dev, 0.5) if plan[1] else flat
+    residual = randn_on(g, d, dev, 0.5) if plan[1] else flat
     tag = f"topkc d={d} plan={plan}{' nonfinite' if nonfinite else ''}"
     got = form(plan, flat, residual)
     want = topkc._correct_kernel(R, plan, flat, residual)
-    problems = _structure(tag, got, want)
+    problems = same_structure(tag, got, want)
     if problems:
         return problems
-    problems += _equal(f"{tag}: chunks", got[0], want[0])
-    problems += _close(f"{tag}: scores", got[1], want[1], 1)
+    problems += equal_values(f"{tag}: chunks", got[0], want[0])
+    problems += close_in_groups(f"{tag}: scores", got[1], want[1], 1)
     return problems
-
-
-def check_powersgd(device, r, n, special):
-    """PowerSGD's ``basis_rows`` (module docstring): within float32 rounding of the reference,
-    the same rows zero; ``special``: a zero row (takes the fill's) and a dependent one (exact
-    zeros), or a NaN row (it and the rows after it non-finite)."""
-    from hvd_gradcomp.orthogonalize import DEPENDENT_TOL, basis_rows
-    from torch_backend.kernels import triton_powersgd
-    form = kernels.fused_form(basis_rows, DEPENDENT_TOL, "cuda")
-    if form is not triton_powersgd.basis:
-        return [f"powersgd: the registry gives {form}, not triton_powersgd.basis"]
-    g, dev = _gen(r * 7 + n, device)
-    pt = _randn(g, r * n, dev).reshape(r, n)
-    fill = _randn(g, r * n, dev).reshape(r, n)
-    if special == "dependent":
-        pt[1] = 0.0
-        pt[2] = pt[0] * -3.0
-    elif special == "nan":
-        pt[1, n // 2] = float("nan")
-    tag = f"powersgd basis r={r} n={n} {special}"
-    got = form(DEPENDENT_TOL, pt, fill)
-    want = basis_rows(R, DEPENDENT_TOL, pt, fill)
-    problems = _structure(tag, got, want)
-    if problems:
-        return problems
-    if not torch.equal(got.isnan().cpu(), want.isnan().cpu()):
-        return [f"{tag}: NaN where the reference has none, or the reverse"]
-    finite = ~want.isnan()
-    err = float((got - want)[finite].abs().max()) if bool(finite.any()) else 0.0
-    if err > 1e-6:
-        problems.append(f"{tag}: max difference {err:.3g} > 1e-6")
-    if not torch.equal((got.abs().sum(1) > 0).cpu(), (want.abs().sum(1) > 0).cpu()):
-        problems.append(f"{tag}: other rows are zero than the reference's")
-    return problems
-
-
-def check_powersgd_agree(device):
-    """PowerSGD's ``_agree_kernel``: the reference's ``(keep, ok)`` for payloads whose ranks
-    agree, disagree in parity or in a fingerprint, or hold a NaN or an inf (longer than one
-    tile of the sum, and shorter)."""
-    from hvd_gradcomp.powersgd import _agree_kernel
-    from torch_backend.kernels import triton_powersgd
-    form = kernels.fused_form(_agree_kernel, 2, "cuda")
-    if form is not triton_powersgd.agree:
-        return [f"powersgd agree: the registry gives {form}, not triton_powersgd.agree"]
-    g, dev = _gen(11, device)
-    problems = []
-    for n, length in ((2, 3000), (64, 40)):
-        body = _randn(g, length, dev)
-        f = _randn(g, 2, dev)
-        agreed = torch.stack([torch.tensor(float(n), device=dev), torch.tensor(0.0, device=dev), n * f[0],
-                              n * f[0] ** 2, n * f[1], n * f[1] ** 2])
-        variants = {"agreed": agreed.clone(), "parity": agreed.clone(), "print": agreed.clone()}
-        variants["parity"][1] = 1.0
-        variants["print"][3] = variants["print"][3] * 1.01 + 0.5
-        for name, control in list(variants.items()):
-            variants[name] = torch.cat([body, control])
-        variants["nan"] = variants["agreed"].clone()
-        variants["nan"][5] = float("nan")
-        variants["inf"] = variants["agreed"].clone()
-        variants["inf"][-1] = float("inf")
-        for name, payload in variants.items():
-            got, want = form(n, payload), _agree_kernel(R, n, payload)
-            tag = f"powersgd agree n={n} len={length} {name}"
-            problems += _structure(tag, got, want)
-            if [float(got[0]), bool(got[1])] != [float(want[0]), bool(want[1])]:
-                problems.append(f"{tag}: {float(got[0]), bool(got[1])} against {float(want[0]), bool(want[1])}")
-    return problems
-
-
-POWERSGD_CASES = [
-    # (r, n, special)
-    (4, 256, "dependent"),
-    (1, 5, "none"),
-    (8, 1001, "dependent"),
-    (3, 4096, "nan"),
-]
 
 
 TOPKC_CASES = [
@@ -423,13 +282,13 @@ def check_signsgd(device, d, n, op, ef=True, block=1024, nonfinite=None, seed=0)
         return [f"signsgd {plan}: the registry gives {forms}, not {want_forms}"]
     encode, receive, decode, residual = forms
     tag = f"signsgd d={d} n={n} op={op} ef={ef} block={block} {nonfinite or ''}".strip()
-    g, dev = _gen(seed, device)
+    g, dev = seeded(seed, device)
     problems, payloads, first = [], [], None
     for rank in range(n):
-        x = _randn(g, d, dev, 2.0 + rank)
+        x = randn_on(g, d, dev, 2.0 + rank)
         x[: d // 4] *= 1e-3  # blocks of other scales
         x[d // 2 - 1] = 0.0  # sign(0) = +1
-        e = _randn(g, d, dev, 0.3) if ef else x
+        e = randn_on(g, d, dev, 0.3) if ef else x
         flag = None
         if nonfinite == "nan" or (nonfinite == "rank" and rank == n - 1):
             x[d // 2] = float("nan")
@@ -438,10 +297,10 @@ def check_signsgd(device, d, n, op, ef=True, block=1024, nonfinite=None, seed=0)
         strided = torch.stack([x, -x], 1)[:, 0]  # a view: the form copies it
         got = encode(plan, strided, e, flag)
         want = S._encode_kernel(R, plan, x, e, flag)
-        problems += _structure(f"{tag}: encode[{rank}]", got, want)
+        problems += same_structure(f"{tag}: encode[{rank}]", got, want)
         if problems:
             return problems
-        problems += _equal(f"{tag}: encode[{rank}] corrected", got[1].view(torch.int32), want[1].view(torch.int32))
+        problems += equal_values(f"{tag}: encode[{rank}] corrected", got[1].view(torch.int32), want[1].view(torch.int32))
         problems += _signsgd_payload(f"{tag}: encode[{rank}]", got[0], want[0], want[1], plan, d)
         payloads.append(want[0])
         first = want[1] if first is None else first
@@ -451,22 +310,22 @@ def check_signsgd(device, d, n, op, ef=True, block=1024, nonfinite=None, seed=0)
         total = torch.div(total, n, rounding_mode="trunc")
     reduced = total.to(torch.int32)
     got, want = receive(plan, reduced, first), S._receive_kernel(R, plan, reduced, first)
-    problems += _structure(f"{tag}: receive", got, want)
+    problems += same_structure(f"{tag}: receive", got, want)
     for name, a, b in zip(("count", "bad", "scale", "inferred"), got, want):
-        problems += _equal(f"{tag}: receive {name}", a.view(torch.int32) if a.is_floating_point() else a,
+        problems += equal_values(f"{tag}: receive {name}", a.view(torch.int32) if a.is_floating_point() else a,
                            b.view(torch.int32) if b.is_floating_point() else b)
     got, ref = decode(plan, reduced, *want), S._decode_kernel(R, plan, reduced, *want)
-    problems += _structure(f"{tag}: decode", got, ref)
+    problems += same_structure(f"{tag}: decode", got, ref)
     if not problems:
-        problems += _equal(f"{tag}: decode", got, ref)
+        problems += equal_values(f"{tag}: decode", got, ref)
         expect = "nan" if nonfinite in ("nan", "rank", "flag") else "value"
         seen = "nan" if bool(torch.isnan(ref).all()) else "value"
         if seen != expect:
             problems.append(f"{tag}: the reference decoded {seen}, the case means {expect}")
     got, ref = residual(plan, first, want[2]), S._residual_kernel(R, plan, first, want[2])
-    problems += _structure(f"{tag}: residual", got, ref)
+    problems += same_structure(f"{tag}: residual", got, ref)
     if not problems:
-        problems += _equal(f"{tag}: residual", got.view(torch.int32), ref.view(torch.int32))
+        problems += equal_values(f"{tag}: residual", got.view(torch.int32), ref.view(torch.int32))
     return problems
 
 
@@ -476,8 +335,8 @@ def _signsgd_payload(name, got, want, corrected, plan, d):
     B = plan.block
     nb = corrected.shape[0] // B
     words, stats = -(-nb * B // plan.signs.lanes), -(-2 * nb // plan.stats.lanes)
-    problems = _equal(f"{name} sign words", got[:words], want[:words])
-    problems += _equal(f"{name} control words", got[words + stats:], want[words + stats:])
+    problems = equal_values(f"{name} sign words", got[:words], want[:words])
+    problems += equal_values(f"{name} control words", got[words + stats:], want[words + stats:])
     lay = plan.stats
 
     def pairs(p):
@@ -486,7 +345,7 @@ def _signsgd_payload(name, got, want, corrected, plan, d):
         return torch.cat(lanes)[:2 * nb].reshape(nb, 2)
 
     a, b = pairs(got), pairs(want)
-    problems += _equal(f"{name} has-data flags", a[:, 1], b[:, 1])
+    problems += equal_values(f"{name} has-data flags", a[:, 1], b[:, 1])
     moved = (a[:, 0] != b[:, 0]).nonzero().flatten()
     if moved.numel():
         size = torch.full((nb,), float(B), dtype=torch.float64)
@@ -512,133 +371,13 @@ SIGNSGD_CASES = [
 ]
 
 
-# ---- whole schemes ----
-SCHEMES = [
-    # (spec, world size, op): compress / decompress / finish for STEPS steps
-    ("thc", 1, "average"),
-    ("thc:flush=none,saturation=false", 4, "sum"),
-    ("thc:error_feedback=false", 2, None),
-    ("thc:range=current", 2, "sum"),  # rotate, noise and quantise apart, around the side all-reduce
-    ("topkc:ratio=0.2,chunk=128", 1, "average"),
-    ("topkc:ratio=0.3,chunk=100,residual_decay=0.9", 2, "sum"),
-    ("topkc:ratio=0.2,selection=current,chunk=64", 1, "average"),
-    ("signsgd", 2, "average"),
-    ("signsgd:block=100", 3, None),
-]
-STEPS = 3
-
-
-def _scheme_inputs(device, d=2999, seed=3):
-    """The gradients of :func:`_scheme_run`'s steps: float32 [d] each, every 7th 10x larger."""
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(d, generator=g) * (1.0 + 9.0 * (torch.arange(d) % 7 == 0))).to(device) for _ in range(STEPS)]
-
-
-def _scheme_run(ops, spec, n, op, device, d=2999, seed=3):
-    from hvd_gradcomp.registry import make_scheme, parse_spec
-    name, options = parse_spec(spec)
-    scheme = make_scheme(name, **options)
-    info = TensorInfo(f"triton.{spec}", (d,), "float32", n, 0, op)
-    xs = _scheme_inputs(device, d, seed)
-    state = scheme.init(ops, info, xs[0])
-    steps = []
-    for x in xs:
-        payload, ctx = compress_tensor(scheme, ops, x, state, info)
-        out, state = finish_tensor(scheme, ops, payload, ctx, state, info)
-        steps.append((payload, out))
-    return steps, state
-
-
-def check_schemes(device):
-    """Whole schemes through ``one_rank(OPS)`` (the Triton forms) against
-    ``one_rank(REFERENCE_OPS)``: payloads equal (THC: level words equal except where a float32
-    rounding of the rotation moves a floor, at most 1 in 1000), outputs and state within TOL
-    relative to their norms (THC: 1e-4 when a level moved), and every Triton form chosen. A
-    float state field (a residual) is held to TOL of the larger of its own norm and the last
-    gradient's: its error is the rotation's, whose float32 sums in another order (``tl.dot``
-    against the reference's product) err relative to the rotated block, of the gradient's size,
-    while the residual itself may be a small fraction of it (on an H200: 1.3e-6 of the residual's
-    norm, THC with flush=none, saturation=false, 4 ranks)."""
-    problems = []
-    kernels._CHOSEN.clear()
-    for spec, n, op in SCHEMES:
-        with warnings.catch_warnings():
-            # a fused form that fails falls back to the reference with this warning: an error here
-            warnings.filterwarnings("error", "hvd_gradcomp: the fused form", RuntimeWarning)
-            got, got_state = _scheme_run(one_rank(OPS), spec, n, op, device)
-        want, want_state = _scheme_run(one_rank(REFERENCE_OPS), spec, n, op, device)
-        tol = TOL
-        for step, ((p, out), (p_ref, out_ref)) in enumerate(zip(got, want)):
-            tag = f"{spec} n={n} op={op} step {step}"
-            problems += _structure(tag, (p, out), (p_ref, out_ref))
-            if p.dtype == torch.int32:
-                moved = int((p != p_ref).sum())
-                if moved > max(1, p.numel() // 1000):
-                    problems.append(f"{tag}: {moved} of {p.numel()} payload words differ")
-                tol = tol if moved == 0 else 1e-4
-            else:
-                problems += _close(f"{tag}: payload", p.float(), p_ref.float(), p.numel())
-            problems += _close_rel(f"{tag}: output", out, out_ref, tol)
-        grad_norm = float(_scheme_inputs("cpu")[-1].double().norm())
-        for field, a, b in zip(want_state._fields, got_state, want_state):
-            if a.is_floating_point():
-                problems += _close_rel(f"{spec}: state {field}", a, b, tol, at_least=grad_norm)
-            else:
-                problems += _equal(f"{spec}: state {field}", a, b)
-    chosen = {getattr(form, "__name__", None) for form in kernels._CHOSEN.values() if form is not None}
-    # (a compress with agreed ranges is one encode call; range="current" runs the three apart)
-    for name in ("encode", "rotate", "noise", "quantize", "decode", "receive", "finish", "correct", "residual"):
-        if name not in chosen:
-            problems.append(f"ops.fuse never ran the Triton form {name} (chosen: {sorted(chosen)})")
-    return problems
-
-
-def _close_rel(name, a, b, tol, at_least=0.0):
-    """``a`` within ``tol`` of ``b`` relative to the larger of ``b``'s norm and ``at_least``."""
-    a, b = a.detach().cpu().double().reshape(-1), b.detach().cpu().double().reshape(-1)
-    err, size = float((a - b).norm()), max(float(b.norm()), at_least)
-    return [] if err <= tol * size + 1e-30 else [f"{name}: relative error {err / max(size, 1e-30):.3g} > {tol:.3g}"]
-
-
-def check_refusals(device):
-    """Plans outside the forms' reach keep the reference: THC's full rotation and other
-    rotation stages (blocks other than 1024), TopKC's chunks above ``MAX_CHUNK``; and such a
-    plan's scheme runs the reference through ``ops.fuse``, equal to it bit for bit."""
-    from torch_backend.kernels import triton_topkc
-    problems = []
-    for spec_kwargs in ({"rotation": "full"}, {"rotation_stages": 9}, {"rotation_stages": 11}):
-        scheme = THCScheme(THCConfig(**spec_kwargs))
-        info = TensorInfo("triton.refused", (3000,), "float32", 2, 0, "sum")
-        plan = scheme._plan(info, scheme.layout(info))
-        for fn in (thc_kernels._rotate_kernel, thc_kernels._quantize_kernel, thc_kernels._decode_kernel):
-            if kernels.fused_form(fn, plan, "cuda") is not None:
-                problems.append(f"thc {spec_kwargs}: a fused form of {fn.__name__} for block {plan.block}")
-    from hvd_gradcomp.signsgd_kernels import _encode_kernel as signsgd_encode
-    from hvd_gradcomp.registry import make_scheme
-    from torch_backend.kernels import triton_signsgd
-    scheme = make_scheme("signsgd", block=None)
-    info = TensorInfo("triton.refused", (triton_signsgd.MAX_BLOCK + 1,), "float32", 2, 0, "sum")
-    if kernels.fused_form(signsgd_encode, scheme._plan(info, scheme.layout(info)), "cuda") is not None:
-        problems.append(f"signsgd: a fused form for a block of {triton_signsgd.MAX_BLOCK + 1}")
-    big = (triton_topkc.MAX_CHUNK + 1, True, False, 1.0)
-    if kernels.fused_form(topkc._correct_kernel, big, "cuda") is not None:
-        problems.append(f"topkc: a fused form for chunk {big[0]}")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", "hvd_gradcomp: the fused form", RuntimeWarning)
-        got, _ = _scheme_run(one_rank(OPS), "thc:rotation_stages=9", 2, "sum", device)
-    want, _ = _scheme_run(one_rank(REFERENCE_OPS), "thc:rotation_stages=9", 2, "sum", device)
-    for step, ((p, out), (p_ref, out_ref)) in enumerate(zip(got, want)):
-        problems += _equal(f"thc:rotation_stages=9 step {step}: payload", p, p_ref)
-        problems += _equal(f"thc:rotation_stages=9 step {step}: output", out, out_ref)
-    return problems
-
-
 def check_names():
     """The keys of :func:`run_all`'s result, in order (for the tests' parameters)."""
     return (["thc" + repr(case) for case in THC_CASES]
             + [f"topkc{case!r}" for case in TOPKC_CASES] + [f"powersgd{case!r}" for case in POWERSGD_CASES]
+            + [f"powersgd_batched{case!r}" for case in POWERSGD_BATCHED_CASES]
             + [f"signsgd{case!r}" for case in SIGNSGD_CASES]
-            + ["powersgd_agree", "schemes", "refusals"])
+            + ["powersgd_agree", "powersgd_batched_scheme", "schemes", "refusals"])
 
 
 def run_all(device, nonfinite_only=False):
@@ -651,8 +390,10 @@ def run_all(device, nonfinite_only=False):
     checks = ([("thc" + repr(case), check_thc, case) for case in THC_CASES]
               + [(f"topkc{case!r}", check_topkc, case) for case in TOPKC_CASES]
               + [(f"powersgd{case!r}", check_powersgd, case) for case in POWERSGD_CASES]
+              + [(f"powersgd_batched{case!r}", check_powersgd_batched, case) for case in POWERSGD_BATCHED_CASES]
               + [(f"signsgd{case!r}", check_signsgd, case) for case in SIGNSGD_CASES]
-              + [("powersgd_agree", check_powersgd_agree, ()), ("schemes", check_schemes, ()),
+              + [("powersgd_agree", check_powersgd_agree, ()),
+                 ("powersgd_batched_scheme", check_powersgd_batched_scheme, ()), ("schemes", check_schemes, ()),
                  ("refusals", check_refusals, ())])
     return _run(device, checks)
 
@@ -664,84 +405,6 @@ def _run(device, checks):
             results[name] = check(device, *args)
         except Exception as exc:  # noqa: BLE001 - one failing check reports, the others still run
             results[name] = [f"{name}: raised {type(exc).__name__}: {exc}"]
-    return results
-
-
-# ---- ahead-of-time compile for sm_90, no GPU needed ----
-PTX_VERSION = 84  # PTX ISA 8.4 (CUDA 12.4, which knows sm_90) when Triton's ptxas cannot run
-
-
-def ptxas_runs() -> bool:
-    """True if the ptxas that Triton bundles (or ``TRITON_PTXAS_BLACKWELL_PATH`` names) runs."""
-    from triton.backends.nvidia.compiler import get_ptxas
-    try:
-        return get_ptxas(90).version is not None
-    except Exception:  # noqa: BLE001 - no binary, not executable, wrong machine
-        return False
-
-
-def compile_sm90(fn, signature, constexprs, options, cubin=True):
-    """(ptx text, cubin bytes or None) of a Triton kernel for sm_90 (``GPUTarget("cuda", 90,
-    32)``), without a GPU. ``cubin``: through ``triton.compile`` (which runs ptxas); otherwise
-    the compiler's stages up to PTX only (ttir, ttgir, llir, ptx; PTX ISA :data:`PTX_VERSION`),
-    for a machine where ptxas cannot run."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton._C.libtriton import ir
-    src = ASTSource(fn, signature, constexprs=constexprs)
-    target = GPUTarget("cuda", 90, 32)
-    if cubin:
-        kernel = triton.compile(src, target=target, options=dict(options))
-        return kernel.asm["ptx"], kernel.asm["cubin"]
-    backend = make_backend(target)
-    opts = backend.parse_options(dict(options, ptx_version=PTX_VERSION))
-    stages = {}
-    backend.add_stages(stages, opts, src.language)
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    module = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
-    metadata = {"hash": "aot", "target": target, **opts.__dict__}
-    for ext, stage in stages.items():
-        module = stage(module, metadata)
-        if ext == "ptx":
-            return module, None
-    raise RuntimeError("no ptx stage in Triton's CUDA backend")
-
-
-def aot_all(ptx_only=False, limit=None):
-    """Every Triton kernel of the two providers compiled for sm_90 (each module's ``AOT``
-    variants): {name: {"ptx": text's facts, "cubin": bytes, "error": ...}}, plus
-    ``"uncovered"``: jit functions of the providers that no ``AOT`` entry compiles (neither a
-    kernel there nor named in one); ``"ptxas_runs"``. ``ptx_only``: the stages up to
-    PTX alone (:func:`compile_sm90`); ``limit``: the first ``limit`` entries of each module."""
-    from triton.runtime.jit import JITFunction
-    from torch_backend.kernels import triton_powersgd, triton_signsgd, triton_thc, triton_thc_words, triton_topkc
-    cubin = ptxas_runs() and not ptx_only
-    results, uncovered = {"ptxas_runs": ptxas_runs()}, []
-    for module in (triton_thc, triton_thc_words, triton_topkc, triton_powersgd, triton_signsgd):
-        jitted = {name: value for name, value in vars(module).items() if isinstance(value, JITFunction)}
-        covered = {fn for _, fn, _, _ in module.AOT}
-        grew = True
-        while grew:  # helpers named in a covered kernel (or helper) are compiled in it
-            sources = "\n".join(fn.src for fn in covered)
-            called = {fn for name, fn in jitted.items() if re.search(rf"\b{name}\b", sources)}
-            grew = not called <= covered
-            covered |= called
-        uncovered += [f"{module.__name__}.{name}" for name, fn in jitted.items() if fn not in covered]
-        entries = module.AOT[:limit] if limit else module.AOT
-        for name, fn, signature, constexprs in entries:
-            key = f"{module.__name__.rsplit('.', 1)[1]}.{name}"
-            try:
-                ptx, binary = compile_sm90(fn, signature, constexprs, module._OPTIONS, cubin)
-            except Exception as exc:  # noqa: BLE001 - reported, the test fails on it
-                results[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-                continue
-            results[key] = {"target": ".target sm_90" in ptx, "entry": f".entry {fn.__name__}" in ptx,
-                            "ptx": len(ptx), "cubin": len(binary) if binary is not None else None,
-                            "tf32": "tf32" in ptx, "approx": ".approx" in ptx, "fma": "fma." in ptx}
-    results["uncovered"] = uncovered
     return results
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests import ddprun, hvdrun
-from tests.parallel.test_ddp import RESUME, SHAPES, SPECS, STEPS, _probe_cls, check_resumed_totals, grads_of
+from tests.parallel.ddp_probe import RESUME, SHAPES, SPECS, STEPS, check_resumed_totals, grads_of, probe_cls as _probe_cls
 
 
 def _horovod_engine():
@@ -53,7 +53,7 @@ def _ddp_engine():
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch_backend import Compression
     from torch_backend.ddp import register_comm_hook
-    from tests.parallel.test_ddp import _step
+    from tests.parallel.ddp_probe import probe_step as _step
     Probe = _probe_cls()
 
     def make(spec):
@@ -74,7 +74,7 @@ def engine_worker(engine, tmp):
     import torch
     from torch_backend import Compression
     from tests.hvdrun import value_error
-    from tests.parallel.test_ddp import _residuals
+    from tests.parallel.ddp_probe import residuals as _residuals
     rank, make, gather, barrier = (_horovod_engine if engine == "horovod" else _ddp_engine)()
     out = {}
     for spec in SPECS:
@@ -120,7 +120,7 @@ def _load_before_register(spec, path, other, rank):
     from torch_backend.ddp import register_comm_hook
     from torch_backend.stats import CompressionStats
     from tests.hvdrun import value_error
-    from tests.parallel.test_ddp import _step
+    from tests.parallel.ddp_probe import probe_step as _step
     comp = Compression.from_spec(spec)
     stats_rank = CompressionStats(comp, _probe_cls()().parameters()).rank
     comp.load_state_dict(torch.load(path, weights_only=False))

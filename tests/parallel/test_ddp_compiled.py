@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from tests.ddprun import run
-from tests.parallel.test_ddp import SHAPES, _Counter, _probe_cls, _residuals, _step, grads_of
+from tests.parallel.ddp_probe import (SHAPES, AllReduceCounter as _Counter, grads_of, probe_cls as _probe_cls,
+                                      probe_step as _step, residuals as _residuals)
 
 SPECS = ["fp16", "thc", "topkc:0.1", "powersgd:2", "signsgd"]
 STEPS = 4

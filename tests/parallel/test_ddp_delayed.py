@@ -28,7 +28,7 @@ import pytest
 
 from tests.ddprun import run
 from tests.hvdrun import WorkerError
-from tests.parallel.test_ddp import SHAPES, _probe_cls, _residuals, grads_of
+from tests.parallel.ddp_probe import SHAPES, grads_of, probe_cls as _probe_cls, residuals as _residuals
 
 STEPS = 6
 DRAIN = 3  # drained (and checkpointed) after this many steps

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.hvdrun import run
-from tests.parallel.test_ddp import SHAPES, _probe_cls, _residuals as _owed, grads_of
+from tests.parallel.ddp_probe import SHAPES, grads_of, probe_cls as _probe_cls, residuals as _owed
 
 SPECS = ["none", "fp16", "topkc:0.1", "thc", "signsgd", "powersgd:2", "topk:0.1"]
 STEPS = 4

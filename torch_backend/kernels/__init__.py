@@ -22,7 +22,8 @@ of the first tensor argument. A fused form whose first call raises (a kernel tha
 build on this machine, say) is dropped for that plan and device with one ``RuntimeWarning``
 naming it, and the reference runs from then on.
 
-Providers register on import and are imported on the first call on their device type:
+Providers register on import (:func:`register`, kept in :mod:`~torch_backend.kernels.forms`,
+which imports no provider) and are imported on the first call on their device type:
 ``"cuda"``: the Triton kernels (when ``triton`` imports); ``"cpu"``: the compiled CPU loops;
 both: the constant tables cached per device (:mod:`~torch_backend.kernels.tables`).
 A provider that cannot be imported (no ``triton``, no compiled library) leaves the reference in
@@ -37,6 +38,8 @@ without a GPU).
 import importlib
 import os
 import warnings
+
+from .forms import has_form, register, registered
 
 __all__ = ["register", "dispatch", "fused_form", "mode", "status", "ENV", "PROVIDERS"]
 
@@ -53,23 +56,10 @@ PROVIDERS = {
 # "triton" mode: these providers serve every device type.
 _TRITON = "cuda"
 
-# (reference fn, provider device type) -> [(accepts, run, name)]
-_FORMS = {}
-# reference fns that have a fused form on some device type (filled by register)
-_HAVE = set()
 # provider module -> None (imported) or the reason it could not be
 _LOADED = {}
 # (fn, plan, device type, mode) -> run or None, after the first call decided
 _CHOSEN = {}
-
-
-def register(reference, device: str, accepts, run, name: str = None):
-    """Make ``run(plan, *tensors)`` the fused form of ``reference`` on ``device`` (a torch device
-    type, ``"cuda"`` or ``"cpu"``) for the plans where ``accepts(plan)`` is true. Called by the
-    provider modules on import."""
-    _FORMS.setdefault((reference, device), []).append(
-        (accepts, run, name or getattr(run, "__name__", repr(run))))
-    _HAVE.add(reference)
 
 
 def mode() -> str:
@@ -110,7 +100,7 @@ def fused_form(reference, plan, device: str):
     accepts ``plan``, or None. For tests and benchmarks: ``ops.fuse`` goes through
     :func:`dispatch`."""
     _load(device)
-    for accepts, run, _ in _FORMS.get((reference, device), ()):
+    for accepts, run, _ in registered(reference, device):
         if accepts(plan):
             return run
     return None
@@ -137,7 +127,7 @@ def dispatch(fn, plan, reference):
     """``Primitives.fuse``'s choice for ``fn`` and ``plan``: ``reference`` (a callable of the
     tensors) where no fused form applies, else a runner that calls the fused form on the device
     types it serves and ``reference`` elsewhere (module docstring)."""
-    if fn not in _HAVE and not _pending():
+    if not has_form(fn) and not _pending():
         return reference
     current = mode()
     if current == "off":

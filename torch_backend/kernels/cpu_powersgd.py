@@ -19,12 +19,13 @@ import ctypes
 
 import torch
 
-from hvd_gradcomp.orthogonalize import basis_rows
+from hvd_gradcomp.orthogonalize import basis_rows, basis_rows_batched
 from hvd_gradcomp.powersgd import CONTROL, _agree_kernel, agree_tolerance
-from torch_backend import kernels
+from torch_backend.kernels.forms import register
 from torch_backend.kernels import cbuild
+from torch_backend.reference_ops import REFERENCE_OPS
 
-__all__ = ["basis", "agree", "MAX_RANK"]
+__all__ = ["basis", "basis_batched", "agree", "MAX_RANK"]
 
 MAX_RANK = 64
 
@@ -37,22 +38,36 @@ _lib.hgc_powersgd_agree.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_fl
 _lib.hgc_powersgd_agree.restype = None
 
 
-def _ops():
-    from torch_backend.ops import REFERENCE_OPS
-    return REFERENCE_OPS
-
 
 def basis(rel_tol, pt, fillt):
     """Fused ``basis_rows``: float32 [r, n], the orthonormal basis' columns as rows (module
     docstring)."""
     if (torch.compiler.is_compiling() or not (pt.is_cpu and fillt.is_cpu) or pt.dtype != torch.float32
             or fillt.dtype != torch.float32 or pt.dim() != 2 or pt.shape != fillt.shape):
-        return basis_rows(_ops(), rel_tol, pt, fillt)
+        return basis_rows(REFERENCE_OPS, rel_tol, pt, fillt)
     r, n = pt.shape
     pt, fillt = pt.contiguous(), fillt.contiguous()
     out = torch.empty((r, n), dtype=torch.float32)
     if r and n and _lib.hgc_basis(pt.data_ptr(), fillt.data_ptr(), n, r, float(rel_tol), out.data_ptr()) < 0:
-        return basis_rows(_ops(), rel_tol, pt, fillt)  # more than MAX_RANK rows: the C loop refused
+        return basis_rows(REFERENCE_OPS, rel_tol, pt, fillt)  # more than MAX_RANK rows: the C loop refused
+    return out
+
+
+def basis_batched(rel_tol, pt, fillt):
+    """Fused ``basis_rows_batched`` (PowerSGD batched): float32 [B, r, n], the C loop of
+    :func:`basis` run on each matrix of the batch in turn (one call: no PyTorch operation per
+    matrix), so each row equals the per-matrix fused form's bit for bit."""
+    if (torch.compiler.is_compiling() or not (pt.is_cpu and fillt.is_cpu) or pt.dtype != torch.float32
+            or fillt.dtype != torch.float32 or pt.dim() != 3 or pt.shape != fillt.shape):
+        return basis_rows_batched(REFERENCE_OPS, rel_tol, pt, fillt)
+    b, r, n = pt.shape
+    pt, fillt = pt.contiguous(), fillt.contiguous()
+    out = torch.empty((b, r, n), dtype=torch.float32)
+    step = 4 * r * n  # bytes per matrix
+    for j in range(b if r and n else 0):
+        if _lib.hgc_basis(pt.data_ptr() + j * step, fillt.data_ptr() + j * step, n, r, float(rel_tol),
+                          out.data_ptr() + j * step) < 0:
+            return basis_rows_batched(REFERENCE_OPS, rel_tol, pt, fillt)  # more than MAX_RANK rows
     return out
 
 
@@ -62,7 +77,7 @@ def agree(world_size, payload):
     the finite values' float32 sum would round across float32's largest value)."""
     if (torch.compiler.is_compiling() or not payload.is_cpu or payload.dtype != torch.float32
             or payload.dim() != 1 or payload.shape[0] < CONTROL):
-        return _agree_kernel(_ops(), world_size, payload)
+        return _agree_kernel(REFERENCE_OPS, world_size, payload)
     payload = payload.contiguous()
     keep = torch.empty((), dtype=torch.float32)
     ok = torch.empty((), dtype=torch.bool)
@@ -71,5 +86,6 @@ def agree(world_size, payload):
     return keep, ok
 
 
-kernels.register(basis_rows, "cpu", lambda plan: True, basis, "cpu_powersgd.basis")
-kernels.register(_agree_kernel, "cpu", lambda plan: True, agree, "cpu_powersgd.agree")
+register(basis_rows, "cpu", lambda plan: True, basis, "cpu_powersgd.basis")
+register(basis_rows_batched, "cpu", lambda plan: True, basis_batched, "cpu_powersgd.basis_batched")
+register(_agree_kernel, "cpu", lambda plan: True, agree, "cpu_powersgd.agree")

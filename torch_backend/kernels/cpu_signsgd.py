@@ -39,8 +39,9 @@ import torch
 
 from hvd_gradcomp.signsgd_kernels import (CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel,
                                           _residual_kernel)
-from torch_backend import kernels
+from torch_backend.kernels.forms import register
 from torch_backend.kernels import cbuild
+from torch_backend.reference_ops import REFERENCE_OPS
 
 __all__ = ["accepts", "encode", "receive", "decode", "residual"]
 
@@ -60,10 +61,6 @@ def accepts(plan) -> bool:
     """True for every signSGD plan (its lanes fit an int32 word by construction)."""
     return isinstance(plan, _Plan) and plan.block >= 1
 
-
-def _ops():
-    from torch_backend.ops import REFERENCE_OPS
-    return REFERENCE_OPS
 
 
 def _cpu(*tensors) -> bool:
@@ -88,7 +85,7 @@ def encode(plan, x, residual, finite):
     boundary of the block sums); ``finite`` None: the sum alone decides."""
     if not (_cpu(x, residual) and x.dtype == torch.float32 and residual.dtype == torch.float32
             and (finite is None or (finite.is_cpu and finite.dtype == torch.bool))):
-        return _encode_kernel(_ops(), plan, x, residual, finite)
+        return _encode_kernel(REFERENCE_OPS, plan, x, residual, finite)
     d, B = x.shape[0], plan.block
     nb = -(-d // B)
     padded = nb * B
@@ -104,7 +101,7 @@ def encode(plan, x, residual, finite):
                                      corrected.data_ptr(), payload.data_ptr(), plan.signs.lanes, plan.signs.width,
                                      plan.signs.guard, plan.stats.lanes, plan.stats.width)
     if status < 0:  # no memory for the block sums: the composition, this call
-        return _encode_kernel(_ops(), plan, x, x if residual is None else residual, finite)
+        return _encode_kernel(REFERENCE_OPS, plan, x, x if residual is None else residual, finite)
     return payload, corrected
 
 
@@ -113,7 +110,7 @@ def receive(plan, payload, corrected):
     (PyTorch's ``exp2`` of the C loop's float32 means: the reference's bit for bit) and
     ``inferred`` bool 0-d."""
     if not (_cpu(payload) and payload.dtype == torch.int32):
-        return _receive_kernel(_ops(), plan, payload, corrected)
+        return _receive_kernel(REFERENCE_OPS, plan, payload, corrected)
     padded = corrected.shape[0]
     nb = padded // plan.block
     words, _ = _words(plan, padded)
@@ -133,7 +130,7 @@ def decode(plan, payload, count, bad, scale, inferred):
     if not (_cpu(payload, count, bad, scale, inferred) and payload.dtype == torch.int32
             and count.dtype == torch.int64 and bad.dtype == torch.int64 and scale.dtype == torch.float32
             and inferred.dtype == torch.bool):
-        return _decode_kernel(_ops(), plan, payload, count, bad, scale, inferred)
+        return _decode_kernel(REFERENCE_OPS, plan, payload, count, bad, scale, inferred)
     padded = scale.shape[0] * plan.block
     payload, scale = payload.contiguous(), scale.contiguous()
     count, bad, inferred = count.contiguous(), bad.contiguous(), inferred.contiguous()
@@ -148,7 +145,7 @@ def decode(plan, payload, count, bad, scale, inferred):
 def residual(plan, corrected, scale):
     """Fused ``_residual_kernel`` (step 6): float32 [P], the reference's bit for bit."""
     if not (_cpu(corrected, scale) and corrected.dtype == torch.float32 and scale.dtype == torch.float32):
-        return _residual_kernel(_ops(), plan, corrected, scale)
+        return _residual_kernel(REFERENCE_OPS, plan, corrected, scale)
     corrected, scale = corrected.contiguous(), scale.contiguous()
     out = torch.empty(corrected.shape[0], dtype=torch.float32)
     _lib.hgc_signsgd_residual(corrected.data_ptr(), corrected.shape[0], plan.block, scale.data_ptr(),
@@ -156,7 +153,7 @@ def residual(plan, corrected, scale):
     return out
 
 
-kernels.register(_encode_kernel, "cpu", accepts, encode, "cpu_signsgd.encode")
-kernels.register(_receive_kernel, "cpu", accepts, receive, "cpu_signsgd.receive")
-kernels.register(_decode_kernel, "cpu", accepts, decode, "cpu_signsgd.decode")
-kernels.register(_residual_kernel, "cpu", accepts, residual, "cpu_signsgd.residual")
+register(_encode_kernel, "cpu", accepts, encode, "cpu_signsgd.encode")
+register(_receive_kernel, "cpu", accepts, receive, "cpu_signsgd.receive")
+register(_decode_kernel, "cpu", accepts, decode, "cpu_signsgd.decode")
+register(_residual_kernel, "cpu", accepts, residual, "cpu_signsgd.residual")

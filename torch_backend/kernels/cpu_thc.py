@@ -58,8 +58,9 @@ import torch
 
 from hvd_gradcomp.thc_kernels import (_CONTROL, _TINY_RANGE, _decode_kernel, _encode_kernel, _finish_kernel, _grid,
                                       _noise_kernel, _quantize_kernel, _receive_kernel, _rotate_kernel, _top_level)
-from torch_backend import kernels
+from torch_backend.kernels.forms import register
 from torch_backend.kernels import cbuild
+from torch_backend.reference_ops import REFERENCE_OPS
 
 __all__ = ["accepts", "rotate", "quantize", "encode", "decode", "noise", "receive", "finish", "MAX_BLOCK"]
 
@@ -120,10 +121,6 @@ def _ptr(t):
     return t.data_ptr() if t.numel() else None
 
 
-def _ops():
-    from torch_backend.ops import REFERENCE_OPS
-    return REFERENCE_OPS
-
 
 def _summed_code(plan) -> int:
     """1 (Sum), 0 (Average) or -1 (unknown: the count word's verdict), as the C loops take it."""
@@ -136,7 +133,7 @@ def rotate(plan, x, residual, diag, hmat, finite):
     docstring); ``finite`` None: the block ranges alone decide."""
     if not (_ok(x, residual, diag) and x.dtype == torch.float32 and diag.dtype == torch.float32
             and residual.dtype == torch.float32 and _flag_ok(finite)):
-        return _rotate_kernel(_ops(), plan, x, residual, diag, hmat, finite)
+        return _rotate_kernel(REFERENCE_OPS, plan, x, residual, diag, hmat, finite)
     padded, block = diag.shape[0], plan.block
     x, diag = x.contiguous(), diag.contiguous()
     flush = plan.error_feedback and plan.flush is not None
@@ -164,7 +161,7 @@ def quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words
     if not (_ok(y, held, ranges, rows, cols, fingerprint, finite, stats_words) and y.dtype == torch.float32
             and ranges.dtype == torch.float32 and rows.dtype == torch.int32 and cols.dtype == torch.int32
             and fingerprint.dtype == torch.int64 and finite.dtype == torch.bool and stats_words.dtype == torch.int32):
-        return _quantize_kernel(_ops(), plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words)
+        return _quantize_kernel(REFERENCE_OPS, plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words)
     lay, block = plan.levels, plan.block
     padded = y.shape[0]
     words = -(-padded // lay.lanes)
@@ -197,7 +194,7 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
     if not (_ok(x, residual, diag, ranges, key, fingerprint) and x.dtype == torch.float32
             and residual.dtype == torch.float32 and diag.dtype == torch.float32 and ranges.dtype == torch.float32
             and key.dtype == torch.int64 and fingerprint.dtype == torch.int64 and _flag_ok(finite)):
-        return _encode_kernel(_ops(), plan, x, residual, diag, hmat, ranges, key, fingerprint, finite)
+        return _encode_kernel(REFERENCE_OPS, plan, x, residual, diag, hmat, ranges, key, fingerprint, finite)
     padded, block, lay, slay = diag.shape[0], plan.block, plan.levels, plan.stats
     x, diag, ranges = x.contiguous(), diag.contiguous(), ranges.contiguous()
     key, fingerprint = key.contiguous(), fingerprint.contiguous()
@@ -225,7 +222,7 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
         lay.lanes, lay.width, lay.guard, lay.offset, _grid(lay.top), _TINY_RANGE, 0.5 * top_level - 1.0, -1.0,
         top_level - 1.0, -1.0 - margin, top_level - 1.0 + margin, saturated.data_ptr())
     if status < 0:  # no memory for the C call's scratch: the composition, this call
-        return _encode_kernel(_ops(), plan, x, residual_in if ef else residual, diag, hmat, ranges, key,
+        return _encode_kernel(REFERENCE_OPS, plan, x, residual_in if ef else residual, diag, hmat, ranges, key,
                               fingerprint, finite)
     return payload, residual, y, held, saturated
 
@@ -240,7 +237,7 @@ def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, ow
             and (own is None) == (not lay.others)
             and (own is None or (_ok(own) and own.dtype == torch.int32
                                  and own.numel() == -(-diag.shape[0] // lay.lanes)))):
-        return _decode_kernel(_ops(), plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
+        return _decode_kernel(REFERENCE_OPS, plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
     block = plan.block
     padded = diag.shape[0]
     payload, ranges, diag = payload.contiguous(), ranges.contiguous(), diag.contiguous()
@@ -260,7 +257,7 @@ def noise(plan, key, ranges):
     """Fused ``_noise_kernel`` (step 3's random bits): ``(rows int32 [nb], cols int32 [B])``,
     the reference's bit for bit (integer hashing, one loop)."""
     if not _ok(key, ranges) or key.dtype != torch.int64:
-        return _noise_kernel(_ops(), plan, key, ranges)
+        return _noise_kernel(REFERENCE_OPS, plan, key, ranges)
     blocks, block = ranges.shape[0], plan.block
     key = key.contiguous()
     rows = torch.empty(blocks, dtype=torch.int32)
@@ -274,7 +271,7 @@ def receive(plan, payload):
     ``(mismatch, inferred)`` bool 0-d, views of two small tensors; the reference's values
     exactly (integer arithmetic)."""
     if not (_ok(payload) and payload.dtype == torch.int32):
-        return _receive_kernel(_ops(), plan, payload)
+        return _receive_kernel(REFERENCE_OPS, plan, payload)
     tail = payload[payload.shape[0] - _CONTROL:].contiguous()
     counts = torch.empty(2, dtype=torch.int64)
     flags = torch.empty(2, dtype=torch.bool)
@@ -293,7 +290,7 @@ def finish(plan, payload, ranges, step, realigned, saturated, new_saturated, bad
             and payload.dtype == torch.int32 and ranges.dtype == torch.float32
             and all(t.dtype == torch.int64 for t in small)
             and mismatch.dtype == torch.bool and inferred.dtype == torch.bool):
-        return _finish_kernel(_ops(), plan, payload, ranges, step, realigned, saturated, new_saturated, bad,
+        return _finish_kernel(REFERENCE_OPS, plan, payload, ranges, step, realigned, saturated, new_saturated, bad,
                               mismatch, inferred)
     nb, lay = ranges.shape[0], plan.stats
     stop = payload.shape[0] - _CONTROL
@@ -309,10 +306,10 @@ def finish(plan, payload, ranges, step, realigned, saturated, new_saturated, bad
     return (torch.where(ok, torch.exp2(e), ranges), *fields.unbind(), ok)
 
 
-kernels.register(_rotate_kernel, "cpu", accepts, rotate, "cpu_thc.rotate")
-kernels.register(_quantize_kernel, "cpu", accepts, quantize, "cpu_thc.quantize")
-kernels.register(_encode_kernel, "cpu", accepts, encode, "cpu_thc.encode")
-kernels.register(_decode_kernel, "cpu", accepts, decode, "cpu_thc.decode")
-kernels.register(_noise_kernel, "cpu", accepts, noise, "cpu_thc.noise")
-kernels.register(_receive_kernel, "cpu", accepts, receive, "cpu_thc.receive")
-kernels.register(_finish_kernel, "cpu", accepts, finish, "cpu_thc.finish")
+register(_rotate_kernel, "cpu", accepts, rotate, "cpu_thc.rotate")
+register(_quantize_kernel, "cpu", accepts, quantize, "cpu_thc.quantize")
+register(_encode_kernel, "cpu", accepts, encode, "cpu_thc.encode")
+register(_decode_kernel, "cpu", accepts, decode, "cpu_thc.decode")
+register(_noise_kernel, "cpu", accepts, noise, "cpu_thc.noise")
+register(_receive_kernel, "cpu", accepts, receive, "cpu_thc.receive")
+register(_finish_kernel, "cpu", accepts, finish, "cpu_thc.finish")

@@ -36,8 +36,9 @@ import ctypes
 import torch
 
 from hvd_gradcomp.topkc import _correct_kernel, _pack_kernel, _scatter_kernel, _top_kernel
-from torch_backend import kernels
+from torch_backend.kernels.forms import register
 from torch_backend.kernels import cbuild
+from torch_backend.reference_ops import REFERENCE_OPS
 
 __all__ = ["accepts", "correct", "pack", "scatter", "top", "STREAM_MIN"]
 
@@ -78,7 +79,6 @@ def _ptr(t):
 
 
 def _reference(fn, plan, *tensors):
-    from torch_backend.ops import REFERENCE_OPS
     return fn(REFERENCE_OPS, plan, *tensors)
 
 
@@ -175,7 +175,7 @@ def top(plan, values):
     return out
 
 
-kernels.register(_correct_kernel, "cpu", accepts, correct, "cpu_topkc.correct")
-kernels.register(_pack_kernel, "cpu", accepts, pack, "cpu_topkc.pack")
-kernels.register(_scatter_kernel, "cpu", accepts, scatter, "cpu_topkc.scatter")
-kernels.register(_top_kernel, "cpu", accepts, top, "cpu_topkc.top")
+register(_correct_kernel, "cpu", accepts, correct, "cpu_topkc.correct")
+register(_pack_kernel, "cpu", accepts, pack, "cpu_topkc.pack")
+register(_scatter_kernel, "cpu", accepts, scatter, "cpu_topkc.scatter")
+register(_top_kernel, "cpu", accepts, top, "cpu_topkc.top")

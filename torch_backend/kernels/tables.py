@@ -14,29 +14,26 @@ as the Triton providers are).
 import torch
 
 from hvd_gradcomp import hadamard
-from torch_backend import kernels
+from torch_backend.kernels.forms import register
+from torch_backend.reference_ops import REFERENCE_OPS
 
 __all__ = ["sylvester"]
 
 _CACHE = {}
 
 
-def _reference():
-    from torch_backend.ops import REFERENCE_OPS
-    return REFERENCE_OPS
-
 
 def sylvester(size: int, like):
     """float32 [size, size] on ``like``'s device: :func:`hvd_gradcomp.hadamard.sylvester`'s
     matrix, built once per (size, device) and shared; read it, never write into it."""
     if torch.compiler.is_compiling():
-        return hadamard.sylvester(_reference(), size, like)
+        return hadamard.sylvester(REFERENCE_OPS, size, like)
     key = (size, like.device)
     matrix = _CACHE.get(key)
     if matrix is None:
-        matrix = _CACHE[key] = hadamard.sylvester(_reference(), size, like)
+        matrix = _CACHE[key] = hadamard.sylvester(REFERENCE_OPS, size, like)
     return matrix
 
 
 for _device in ("cpu", "cuda"):
-    kernels.register(hadamard.sylvester, _device, lambda size: True, sylvester, "tables.sylvester")
+    register(hadamard.sylvester, _device, lambda size: True, sylvester, "tables.sylvester")

@@ -43,7 +43,7 @@ import triton.language as tl
 from hvd_gradcomp.signsgd_kernels import (CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel,
                                           _residual_kernel)
 
-from . import register
+from .forms import register
 from .triton_thc_words import _MANTISSAS, _OPTIONS, _exact, _on, _scale_lane, op_code
 
 __all__ = ["accepts", "encode", "receive", "decode", "residual", "AOT", "MAX_BLOCK", "TILE"]

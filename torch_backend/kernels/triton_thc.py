@@ -53,7 +53,7 @@ import triton.language as tl
 
 from hvd_gradcomp import thc_kernels as core
 
-from . import register
+from .forms import register
 from .triton_thc_words import _OPTIONS, _exact, _on, finish, noise, op_code, receive, scales, tail
 
 __all__ = ["accepts", "rotate", "quantize", "decode", "AOT", "BLOCK", "TILE"]

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from hvd_gradcomp import topkc as core
 
-from . import register
+from .forms import register
 from .triton_thc import _OPTIONS, _on
 
 __all__ = ["accepts", "correct", "AOT", "MAX_CHUNK"]

@@ -1,6 +1,6 @@
 """The time-to-accuracy workers: one training run per launch, run as modules on every rank.
 
-The harness (:mod:`hvd_gradcomp.bench.tta`) starts each of them with
+The harness (:mod:`hvd_gradcomp.bench.tta_sweep`) starts each of them with
 ``python -m hvd_gradcomp.bench.workers.<name> ...`` on every rank, never by file path, so an
 installed package (``pip install .[bench]``) runs ``python -m hvd_gradcomp.bench tta`` as
 well as a source checkout does. Each is also an ordinary Horovod program::

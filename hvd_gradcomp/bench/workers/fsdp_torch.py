@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device as devices
-from ..tta import fsdp_compression, fsdp_label, parse_fsdp_mesh
+from ..tta_hooks import fsdp_compression, fsdp_label, parse_fsdp_mesh
 from ..worker import add_common_args
 from . import torch_workloads
 
