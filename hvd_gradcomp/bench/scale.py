@@ -52,7 +52,7 @@ from hvd_gradcomp.buckets import Member
 from torch_backend.simulated import SimulatedEngine
 
 from . import data, report, scale_gpu, scale_local
-from .scale_tables import (BASELINE, TARGET_VS_FP16, TOLERANCE, WINDOW, final_metric, modelled_tta,  # noqa: F401
+from .scale_tables import (BASELINE, stop_reason, TARGET_VS_FP16, TOLERANCE, WINDOW, final_metric, modelled_tta,  # noqa: F401
                            step_parts, steps_to_target, sweep_block, validation_block)
 from .worker import rolling_mean
 from .workers import torch_workloads
@@ -201,12 +201,7 @@ def simulate(workload, spec, n, *, seed=0, batch_size=16, max_epochs=1.0, lr=Non
         compute.append(t_fb / n + time.perf_counter() - t0)
         if step % eval_every == 0 or step >= limit or step == budget:
             roll = evaluate()
-            if not math.isfinite(evals["metric"][-1]):
-                stop = "diverged"
-            elif target is not None and roll <= target:
-                stop = "target"
-            elif step >= limit:
-                stop = "budget" if target is None or limit == budget else "cap"
+            stop = stop_reason(evals["metric"][-1], roll, target, step, limit, budget)
             if log:
                 log(f"  {spec} N={n} step {step}/{limit} ppl {evals['metric'][-1]:.3f} (rolling {roll:.3f})")
     w = comps[0].bytes_per_step()

@@ -25,7 +25,6 @@ real Horovod runs (the gradient rows are: docs/scale.md); the overlapped sync (`
 ``fragments``) is refused here.
 """
 import copy
-import math
 import statistics
 import time
 
@@ -34,7 +33,7 @@ import torch
 from hvd_gradcomp.buckets import Member
 from torch_backend.simulated import SimulatedEngine
 
-from .scale_tables import WINDOW
+from .scale_tables import WINDOW, stop_reason
 from .worker import rolling_mean
 from .workers import torch_workloads
 
@@ -157,12 +156,7 @@ def simulate_update_sync(cls, row, n, *, seed, batch_size, lr, budget, limit, ev
         codec.append(sync_codec / every)
         if step % eval_every == 0 or step >= limit or step == budget:
             roll = evaluate()
-            if not math.isfinite(evals["metric"][-1]):
-                stop = "diverged"
-            elif target is not None and roll <= target:
-                stop = "target"
-            elif step >= limit:
-                stop = "budget" if target is None or limit == budget else "cap"
+            stop = stop_reason(evals["metric"][-1], roll, target, step, limit, budget)
             if log:
                 log(f"  {row} N={n} step {step}/{limit} ppl {evals['metric'][-1]:.3f} (rolling {roll:.3f})")
     w = comps[0].bytes_per_step()  # one sync's (each parameter's last call)

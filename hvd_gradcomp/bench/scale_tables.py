@@ -1,6 +1,8 @@
 """The tables of the scale study (:mod:`.scale`): steps to target, the modelled time to
 accuracy, and the Markdown blocks of the sweep and of the validation, from saved run results
 (dicts of :func:`.scale.simulate`, and the real harness's worker results)."""
+import math
+
 from . import report
 from .model import Measurement, Network, predict_step_time
 from .worker import rolling_mean
@@ -180,3 +182,18 @@ def _last_common(sim, real):
     a = rolling_mean(se["metric"], sim.get("window", WINDOW))[se["step"].index(step)]
     b = rolling_mean(re_["metric"], int(real["meta"].get("window", WINDOW)))[re_["step"].index(step)]
     return f"{step}: {a:.3f} / {b:.3f}"
+
+
+def stop_reason(metric, rolling, target, step, limit, budget):
+    """Why a simulated run stops after the evaluation at ``step`` (its last ``metric`` and the
+    ``rolling`` mean), or None to go on: "diverged" (a non-finite metric), "target" (the rolling
+    metric at or below ``target``), "budget" (``limit`` reached with no target, or the limit is
+    the budget) or "cap" (the limit past the budget reached)."""
+    if not math.isfinite(metric):
+        return "diverged"
+    if target is not None and rolling <= target:
+        return "target"
+    if step >= limit:
+        return "budget" if target is None or limit == budget else "cap"
+    return None
+
