@@ -33,14 +33,16 @@ What it does:
    are printed side by side (steps within 10%, bytes equal exactly: ``ok``).
 
 Results: one JSON per run in ``--out`` (default ``runs/scale``; a run already there is reused,
-so a sweep resumes), and the Markdown blocks ``scale-validation`` and ``scale-sweep`` printed
-and, with ``--update-doc FILE``, written between ``<!-- NAME:start/end -->`` in FILE.
+so a sweep resumes), and the Markdown blocks ``scale-validation`` and ``scale-sweep`` (or the
+name ``--sweep-block`` gives, for a second sweep beside the first) printed and, with
+``--update-doc FILE``, written between ``<!-- NAME:start/end -->`` in FILE.
 """
 import argparse
 import copy
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -441,12 +443,20 @@ def build_parser():
     p.add_argument("--threads", type=int, default=1, help="PyTorch threads (the workers': 1)")
     p.add_argument("--out", default=os.path.join("runs", "scale"))
     p.add_argument("--update-doc", default=None, help="write the blocks into this Markdown file")
+    p.add_argument("--sweep-block", default="scale-sweep",
+                   help="the name of the block --update-doc writes the sweep into (between "
+                        "<!-- NAME:start/end -->), so that a second sweep (another budget or set of "
+                        "N) can stand beside the first")
     p.add_argument("--verbose", action="store_true")
     return p
 
 
 def main(argv=None):
-    opts = build_parser().parse_args(argv)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", opts.sweep_block) or opts.sweep_block == "scale-validation":
+        parser.error(f"--sweep-block must be lower-case letters, digits and single hyphens, and not "
+                     f"'scale-validation' (the validation's block), got {opts.sweep_block!r}")
     if opts.max_epochs is None:
         opts.max_epochs = float(WORKLOADS[opts.workload].defaults["max_epochs"])
     opts.deadline_s = 60.0 * opts.deadline
@@ -463,8 +473,8 @@ def main(argv=None):
         results = sweep(opts, _ints(opts.workers), rows)
         calibration = _calibrations(opts, results, print) if opts.calibrate else None
         gpu = None if opts.gpu == "none" else gpu_scaling(opts, results)
-        blocks["scale-sweep"] = sweep_block(results, gbps, opts.overlap, commit, opts, calibration, gpu)
-        print(blocks["scale-sweep"], flush=True)
+        blocks[opts.sweep_block] = sweep_block(results, gbps, opts.overlap, commit, opts, calibration, gpu)
+        print(blocks[opts.sweep_block], flush=True)
     if opts.update_doc:
         for name, block in blocks.items():
             report.update_doc(opts.update_doc, block, name)

@@ -209,3 +209,28 @@ def test_calibrated_step_parts():
     assert parts[(8, "fp16")] == {"compute_s": 0.01, "codec_s": 0.001}  # N=2's calibration
     parts = scale.step_parts({2: {"fp16": res}, 8: {"topkc": res}}, {(2, "fp16"): {"compute_s": 0.02, "codec_s": 0.001}})
     assert parts[(8, "topkc")] == {"compute_s": 9.0, "codec_s": 9.0}  # not calibrated: the run's
+
+
+def test_second_sweep_block_beside_the_first(tmp_path, capsys):
+    """``--sweep-block NAME`` writes the sweep into that block of ``--update-doc``'s file and
+    leaves the ``scale-sweep`` block as it was (a second budget beside the first); a name that
+    is not a block name, or the validation's, is refused before anything runs."""
+    import json
+    fp16 = dict(_result([10.0, 5.0, 4.0], [0, 10, 20], 2_000_000), window=1)
+    with open(scale._run_file(str(tmp_path), "lm-comm", "fp16", 32, "tensor", 1.75), "w") as f:
+        json.dump(fp16, f)
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- scale-sweep:start -->\nold sweep\n<!-- scale-sweep:end -->\n"
+                   "<!-- scale-sweep-long:start -->\n<!-- scale-sweep-long:end -->\n")
+    assert scale.main(["--cached", "--workers", "32", "--compressors", "fp16", "--max-epochs", "1.75",
+                       "--gpu", "none", "--out", str(tmp_path), "--update-doc", str(doc),
+                       "--sweep-block", "scale-sweep-long"]) == 0
+    text = doc.read_text()
+    old, long = text.split("<!-- scale-sweep-long:start -->")
+    assert "old sweep" in old and "| 32 | fp16 |" not in old
+    assert "budget 1.75 epochs" in long and "| 32 | fp16 | 20 |" in long
+    capsys.readouterr()
+    for bad in ("scale-validation", "Scale Sweep", "a--b", ""):
+        with pytest.raises(SystemExit):
+            scale.main(["--cached", "--out", str(tmp_path), "--sweep-block", bad])
+        assert "--sweep-block" in capsys.readouterr().err
