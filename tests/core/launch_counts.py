@@ -14,8 +14,9 @@ default ``bucket_cap_mb``, after DDP's rebuild at the first step), recorded by a
 Gloo DDP run; the hook then runs on each bucket through a duck-typed bucket and an engine whose
 all-reduce (world size 1) completes at once, so every callback runs on this thread.
 
-``python -m tests.core.launch_counts SPEC [STEPS]`` prints one JSON line: per counted step the
-Triton launches by kernel, the torch launches by operation, and the totals.
+``python -m tests.core.launch_counts SPEC [STEPS]`` prints one JSON line: for the last step the
+Triton launches by kernel, the torch launches by operation, and the totals, counted with the
+GPU's paths where the CPU takes its own (:func:`gpu_paths`).
 """
 import collections
 import contextlib
@@ -26,7 +27,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Counter", "counting", "model_a_buckets", "hook_steps"]
+__all__ = ["Counter", "counting", "gpu_paths", "model_a_buckets", "hook_steps"]
 
 # Operations that launch nothing on a GPU (allocations, aliases) besides views.
 _FREE = {"empty", "empty_strided", "empty_like", "detach", "alias", "lift_fresh", "_local_scalar_dense",
@@ -152,6 +153,25 @@ def model_a_buckets():
     return module, [seen[i] for i in sorted(seen)]
 
 
+@contextlib.contextmanager
+def gpu_paths():
+    """The host paths a GPU does not take, replaced by the GPU's while the block runs:
+    ``ops.select`` blends both branches (``torch.where`` per tensor) instead of reading its
+    predicate, and a bucket's non-contiguous group is gathered and scattered by
+    ``index_select``/``index_copy_`` instead of the CPU's ``memcpy`` runs."""
+    from torch_backend.kernels import runs
+    from torch_backend.ops import OPS
+    from torch_backend.reference_ops import where_tree
+    saved = OPS.select, runs._lib, runs._why
+    object.__setattr__(OPS, "select", lambda pred, t, f: where_tree(pred, t(), f()))
+    runs._lib, runs._why = None, "counting a GPU's launches"
+    try:
+        yield
+    finally:
+        object.__setattr__(OPS, "select", saved[0])
+        runs._lib, runs._why = saved[1], saved[2]
+
+
 def hook_steps(spec, module, buckets, steps=2, per_tensor=False, seed=0):
     """Run the DDP hook of ``spec`` on ``buckets`` (lists of ``module``'s parameters) for
     ``steps`` steps, the last one counted; returns ``(triton Counter, torch Counter)``."""
@@ -184,7 +204,8 @@ def main(argv):
     steps = int(argv[1]) if len(argv) > 1 else 2
     torch.set_num_threads(1)
     module, buckets = model_a_buckets()
-    triton_calls, ops = hook_steps(spec, module, buckets, steps)
+    with gpu_paths():
+        triton_calls, ops = hook_steps(spec, module, buckets, steps)
     print(json.dumps({"spec": spec, "buckets": len(buckets), "tensors": sum(len(b) for b in buckets),
                       "triton": dict(triton_calls), "torch": dict(ops), "triton_total": sum(triton_calls.values()),
                       "torch_total": sum(ops.values())}))

@@ -55,3 +55,17 @@ def test_fused_form_matches_per_step_forms(interpreted, name):
     """Each check finds no difference, and the bucket's launches do not grow with its members."""
     assert name in interpreted, sorted(interpreted)
     assert interpreted[name] == [], "\n".join(interpreted[name])
+
+
+def test_fused_forms_on_cuda():
+    """The same checks on CUDA tensors (compiled kernels; the ticket's atomics between programs
+    running at once): run by ``make gpu-check``; skipped without CUDA."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from torch_backend import kernels
+    if kernels.mode() == "off":
+        pytest.skip(f"{kernels.ENV}=off: no fused form runs")
+    from tests.core.triton_fused_checks import run_all
+    bad = {name: problems for name, problems in run_all("cuda").items() if problems}
+    assert not bad, "\n".join(p for problems in bad.values() for p in problems)
