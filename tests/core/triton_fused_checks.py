@@ -29,7 +29,7 @@ from tests.core.triton_compare import equal_values, randn_on, same_structure, se
 __all__ = ["ENCODE_CASES", "check_encode", "check_bucket", "run_all"]
 
 ENCODE_CASES = [
-    # (d, n, op, ef, flush, saturation, finite, nonfinite)
+    # (d, n, op, ef, flush, saturation, finite, nonfinite[, own])
     (3000, 2, "sum", True, 1.0, True, None, None),
     (2999, 8, "average", True, 1.0, True, None, None),
     (3073, 3, None, True, 1.0, False, None, None),
@@ -37,17 +37,21 @@ ENCODE_CASES = [
     (70000, 2, "average", True, 0.5, True, None, None),  # 69 blocks, 300 programs: several loop steps
     (2500, 3, "average", True, 1.0, True, True, "nan"),
     (3100, 2, "sum", True, None, True, None, "overflow"),
+    # subtract_own (the trailing own): lanes for the other ranks, no offset
+    (3000, 2, "average", False, None, True, None, None, True),
+    (3073, 3, "sum", True, 1.0, True, None, None, True),
 ]
 
 
-def check_encode(device, d, n, op, ef, flush, saturation, finite, nonfinite, seed=0):
+def check_encode(device, d, n, op, ef, flush, saturation, finite, nonfinite, own=False, seed=0):
     """The two-launch encode against the five-launch one and the reference's quantiser
-    (module docstring)."""
+    (module docstring); ``own``: ``subtract_own``'s lanes."""
     from hvd_gradcomp import hadamard
     from torch_backend import kernels
     from torch_backend.kernels import triton_thc, triton_thc_fused
-    scheme, info, lay, plan = _thc(n, op, ef, flush, saturation, d)
-    tag = f"encode d={d} n={n} op={op} ef={ef} flush={flush} sat={saturation} finite={finite} {nonfinite or ''}"
+    scheme, info, lay, plan = _thc(n, op, ef, flush, saturation, d, own)
+    tag = (f"encode d={d} n={n} op={op} ef={ef} flush={flush} sat={saturation} finite={finite} own={own} "
+           f"{nonfinite or ''}")
     form = kernels.fused_form(thc_kernels._encode_kernel, plan, "cuda")
     if form is not triton_thc_fused.encode:
         return [f"{tag}: the registry gives {form}, not triton_thc_fused.encode"]
