@@ -97,8 +97,10 @@ def build_parser():
                         "FP16-FSDP, FSDP's own float16 collectives, the rows' baseline, always run "
                         "first; none: FSDP's own float32; any other: ours, torch_backend.fsdp.install), "
                         "optionally 'with rs=SPEC' (the reduce-scatter within a replica compressed "
-                        "too: none, fp16, bf16, thc, signsgd), e.g. 'fp16;thc;topkc:ratio=0.1;thc "
-                        "with rs=thc'; 'off' for none")
+                        "too: none, fp16, bf16, thc, signsgd), 'with overlap' (install(..., "
+                        "overlap=True)) or 'with delay(1)' (install(..., delay=1): step t's mean "
+                        "applied at step t + 1), e.g. 'fp16;thc;topkc:ratio=0.1;thc with rs=thc;thc "
+                        "with delay(1)'; 'off' for none")
     p.add_argument("--fsdp-mesh", default=None, metavar="RxS",
                    help="the FSDP rows' mesh: R replicas of S shards, R x S = --workers (default "
                         "2 x (workers / 2))")
