@@ -447,6 +447,13 @@ class Codec:
             return None
         return composite.decode_factor(ctx.scheme, scheme_info(ctx.info, ctx.scale))
 
+    def as_sent_zeros(self, ctx):
+        """``ctx`` (of :meth:`encode` or :meth:`encode_unit`; None passes) as a rank that posted a
+        zero payload in place of its own holds it, so that it decodes the mean its peers decode
+        (DDP's ``Join`` under the delayed hook): the scheme's
+        :func:`~hvd_gradcomp.composite.sent_zeros` (THC's and SparseLoCo's own words zeroed)."""
+        return None if ctx is None else ctx._replace(inner=composite.sent_zeros(ctx.scheme, self.ops, ctx.inner))
+
     def decode_joined(self, payload, ctx):
         """The state step of a rank that contributed zeros (DDP's ``Join``): the fields every
         rank agrees on move on from the all-reduced ``payload``, this rank's own fields

@@ -146,5 +146,8 @@ class AutoGroup(Scheme):
     def metrics(self, state) -> dict:
         return self.auto.metrics(state)
 
+    def sent_zeros(self, ops, ctx):
+        return self.auto.sent_zeros(ops, ctx)
+
     def spec(self) -> str:
         return self.auto.spec()
