@@ -19,13 +19,14 @@ applied by one of these rules (issue 49):
   part fresh and only the others' stale (eager updates, arXiv 2502.12996, applied to the
   gradient); the ranks' weights drift apart, and the table gives the largest difference.
 
-Every variant runs the same steps (``--max-epochs`` of rank 0's shard, the schedule's length),
-evaluates the validation perplexity of rank 0's weights every ``--eval-every`` steps and keeps
-the rolling mean of ``--window`` evaluations (the harness's rule,
-:func:`.worker.rolling_mean`). The target is ``--target-vs-blocking`` (1.02, the harness's
-``target_vs_fp16``) times the blocking run's final rolling perplexity; steps to target is the
-first evaluation whose rolling mean reaches it. Results are simulated (one process, no link),
-one seed; they measure convergence, never time.
+The blocking run takes the schedule's steps (``--max-epochs`` of rank 0's shard), evaluating
+the validation perplexity of rank 0's weights every ``--eval-every`` steps; the target is
+``--target-vs-blocking`` (1.02, the harness's ``target_vs_fp16``) times its final rolling mean
+of 5 evaluations (the harness's rule, :func:`.worker.rolling_mean`). Every other variant then
+runs until its rolling mean reaches the target or for ``--overrun`` times the schedule's steps
+(at the schedule's final learning rate past its end, as the harness's rows that outlast FP16's
+budget), and steps to target is the first evaluation that reached it. Results are simulated
+(one process, no link), one seed; they measure convergence, never time.
 """
 import argparse
 import copy
@@ -52,14 +53,17 @@ def _check_variant(name):
 
 
 def run_variant(variant, workers, max_epochs=1.75, batch_size=16, seed=0, eval_every=20, lr=2e-3,
-                max_steps=None, log=None):
+                max_steps=None, log=None, target=None, overrun=1.0, window=5):
     """:func:`train`'s result dict alone."""
-    return train(variant, workers, max_epochs, batch_size, seed, eval_every, lr, max_steps, log)[0]
+    return train(variant, workers, max_epochs, batch_size, seed, eval_every, lr, max_steps, log,
+                 target, overrun, window)[0]
 
 
 def train(variant, workers, max_epochs=1.75, batch_size=16, seed=0, eval_every=20, lr=2e-3,
-          max_steps=None, log=None):
-    """Train ``lm-comm`` with ``workers`` virtual ranks under ``variant``'s rule (module docs).
+          max_steps=None, log=None, target=None, overrun=1.0, window=5):
+    """Train ``lm-comm`` with ``workers`` virtual ranks under ``variant``'s rule (module docs):
+    the schedule's steps times ``overrun`` (capped by ``max_steps``), stopping at the first
+    evaluation whose rolling mean of ``window`` is at most ``target`` (None: no stop).
 
     Returns ``(result, models)``: the models (one, or one per rank for ``delay+eager``) and a
     dict: variant, workers, steps (taken), evals ([[step, perplexity], ...], the first at
@@ -67,13 +71,14 @@ def train(variant, workers, max_epochs=1.75, batch_size=16, seed=0, eval_every=2
     weights at the end; 0.0 where the ranks share their weights), seconds (wall clock).
 
     Raises:
-        ValueError: an unknown ``variant``, ``workers`` < 1, ``max_epochs`` <= 0.
+        ValueError: an unknown ``variant``, ``workers`` < 1, ``max_epochs`` <= 0, ``overrun`` < 1.
     """
     from .workers.torch_workloads import LMCommWorkload
 
     _check_variant(variant)
-    if workers < 1 or max_epochs <= 0:
-        raise ValueError(f"staleness: workers must be >= 1 and max_epochs > 0, got {workers}, {max_epochs}")
+    if workers < 1 or max_epochs <= 0 or overrun < 1:
+        raise ValueError(f"staleness: workers must be >= 1, max_epochs > 0 and overrun >= 1, got {workers}, "
+                         f"{max_epochs}, {overrun}")
     data = [LMCommWorkload(r, workers, seed, batch_size) for r in range(workers)]
     torch.manual_seed(seed)
     models = [data[0].model()]
@@ -81,7 +86,8 @@ def train(variant, workers, max_epochs=1.75, batch_size=16, seed=0, eval_every=2
     if eager:  # each rank keeps its own weights (and optimizer state)
         models += [copy.deepcopy(models[0]) for _ in range(workers - 1)]
     total = math.ceil(max_epochs * data[0].steps_per_epoch)
-    steps = min(total, max_steps) if max_steps else total
+    steps = math.ceil(total * overrun)
+    steps = min(steps, max_steps) if max_steps else steps
     opts = [data[0].optimizer(list(m.named_parameters()), lr) for m in models]
     schedules = [data[0].schedule(o, total) for o in opts]
     params = [list(m.parameters()) for m in models]
@@ -140,9 +146,12 @@ def train(variant, workers, max_epochs=1.75, batch_size=16, seed=0, eval_every=2
             evals.append([step, evaluate()])
             if log is not None:
                 log(f"staleness {variant} N={workers}: step {step}/{steps}, perplexity {evals[-1][1]:.3f}")
+            if target is not None and steps_to(evals, target, window) is not None:
+                break
     divergence = max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(params[0], params[-1]))
     return {"variant": variant, "workers": workers, "steps": step, "evals": evals, "divergence": divergence,
-            "seconds": time.time() - t0, "batch_size": batch_size, "max_epochs": max_epochs, "seed": seed}, models
+            "seconds": time.time() - t0, "batch_size": batch_size, "max_epochs": max_epochs, "seed": seed,
+            "schedule_steps": total, "target": target}, models
 
 
 def steps_to(evals, target, window=5):
@@ -167,14 +176,15 @@ def render(results, target_vs_blocking=1.02, window=5):
         target = target_vs_blocking * final[id(base)]
         base_steps = steps_to(base["evals"], target, window)
         lines += [f"N = {n}: target {target:.3f} ({target_vs_blocking} x blocking's final rolling perplexity), "
-                  f"{base['steps']} steps each, batch {base['batch_size']} a rank, seed {base['seed']}", "",
-                  "| variant | final rolling perplexity | steps to target | vs blocking | ranks' largest weight difference |",
-                  "|---|---|---|---|---|"]
+                  f"a schedule of {base['steps']} steps, batch {base['batch_size']} a rank, seed {base['seed']}", "",
+                  "| variant | steps run | rolling perplexity at the end | steps to target | vs blocking | "
+                  "ranks' largest weight difference |",
+                  "|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: VARIANTS.index(r["variant"])):
             s = steps_to(r["evals"], target, window)
             ratio = f"{s / base_steps:.2f}x" if s and base_steps else "-"
-            lines.append(f"| {r['variant']} | {final[id(r)]:.3f} | {s if s else 'not reached'} | {ratio} | "
-                         f"{r['divergence']:.3g} |")
+            lines.append(f"| {r['variant']} | {r['steps']} | {final[id(r)]:.3f} | {s if s else 'not reached'} | "
+                         f"{ratio} | {r['divergence']:.3g} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -198,6 +208,8 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-vs-blocking", type=float, default=1.02)
+    p.add_argument("--overrun", type=float, default=3.0,
+                   help="the other variants run at most this many times the schedule's steps (default 3)")
     p.add_argument("--out", default="runs/staleness", help="one JSON per run, reused when present")
     p.add_argument("--update-doc", default=None, help="write the table into this file's block")
     p.add_argument("--doc-block", default="staleness")
@@ -207,20 +219,26 @@ def main(argv=None):
     if "blocking" not in variants:
         p.error("--variants must include blocking (it sets the target)")
     os.makedirs(args.out, exist_ok=True)
+    commit = _commit()
     results = []
     for n in [int(w) for w in args.workers.split(",")]:
-        for v in variants:
-            path = os.path.join(args.out, f"{v.replace('+', '-')}-n{n}-s{args.seed}-e{args.max_epochs}"
-                                          f"-b{args.batch_size}-m{args.max_steps or 0}.json")
+        target = None  # from this N's blocking run, which runs first
+        for v in ["blocking"] + [v for v in variants if v != "blocking"]:
+            tail = "" if v == "blocking" else f"-o{args.overrun:g}-t{args.target_vs_blocking:g}"
+            path = os.path.join(args.out, f"{v.replace('+', '-')}-n{n}-s{args.seed}-e{args.max_epochs:g}"
+                                          f"-b{args.batch_size}-m{args.max_steps or 0}{tail}.json")
             if os.path.exists(path):
                 with open(path) as f:
-                    results.append(json.load(f))
-                continue
-            r = run_variant(v, n, args.max_epochs, args.batch_size, args.seed, args.eval_every,
-                            max_steps=args.max_steps, log=lambda m: print(m, file=sys.stderr, flush=True))
-            r["commit"] = _commit()
-            with open(path, "w") as f:
-                json.dump(r, f)
+                    r = json.load(f)
+            else:
+                r = run_variant(v, n, args.max_epochs, args.batch_size, args.seed, args.eval_every,
+                                max_steps=args.max_steps, log=lambda m: print(m, file=sys.stderr, flush=True),
+                                target=target, overrun=1.0 if v == "blocking" else args.overrun)
+                r["commit"] = commit
+                with open(path, "w") as f:
+                    json.dump(r, f)
+            if v == "blocking":
+                target = args.target_vs_blocking * rolling_mean([e[1] for e in r["evals"] if e[0] > 0], 5)[-1]
             results.append(r)
     table = render(results, args.target_vs_blocking)
     commits = sorted({r.get("commit", "unknown")[:12] for r in results})

@@ -38,10 +38,17 @@ def test_steps_to_and_render():
             "batch_size": 16, "seed": 0}
     late = dict(base, variant="delay", evals=[[0, 50.0], [10, 12.0], [20, 9.0], [30, 8.0], [40, 6.0]])
     text = staleness.render([late, base], target_vs_blocking=1.2, window=1)
-    assert "| blocking | 5.000 | 30 | 1.00x |" in text  # target 6.0: reached at step 30
-    assert "| delay | 6.000 | 40 | 1.33x |" in text
+    assert "| blocking | 40 | 5.000 | 30 | 1.00x |" in text  # target 6.0: reached at step 30
+    assert "| delay | 40 | 6.000 | 40 | 1.33x |" in text
     with pytest.raises(ValueError, match="no blocking run"):
         staleness.render([late])
+
+
+def test_a_variant_stops_at_the_target(one_thread):
+    r = staleness.run_variant("delay", 1, max_steps=6, eval_every=2, target=1e9, window=1)
+    assert r["steps"] == 2 and [e[0] for e in r["evals"]] == [0, 2]
+    r = staleness.run_variant("delay", 1, max_steps=4, eval_every=2, target=1e-9, window=1)
+    assert r["steps"] == 4  # never reached: the steps run out
 
 
 def test_bad_arguments():
@@ -49,5 +56,7 @@ def test_bad_arguments():
         staleness.run_variant("delay2", 2)
     with pytest.raises(ValueError, match="workers must be >= 1"):
         staleness.run_variant("delay", 0)
+    with pytest.raises(ValueError, match="overrun >= 1"):
+        staleness.run_variant("delay", 2, overrun=0.5)
     with pytest.raises(SystemExit):
         staleness.main(["--variants", "delay"])  # no blocking run to set the target
