@@ -62,7 +62,7 @@ def run_variant(variant, workers, max_epochs=1.75, batch_size=16, seed=0, eval_e
 def train(variant, workers, max_epochs=1.75, batch_size=16, seed=0, eval_every=20, lr=2e-3,
           max_steps=None, log=None, target=None, overrun=1.0, window=5):
     """Train ``lm-comm`` with ``workers`` virtual ranks under ``variant``'s rule (module docs):
-    the schedule's steps times ``overrun`` (capped by ``max_steps``), stopping at the first
+    the schedule's steps (or ``max_steps``, when fewer) times ``overrun``, stopping at the first
     evaluation whose rolling mean of ``window`` is at most ``target`` (None: no stop).
 
     Returns ``(result, models)``: the models (one, or one per rank for ``delay+eager``) and a
@@ -86,8 +86,7 @@ def train(variant, workers, max_epochs=1.75, batch_size=16, seed=0, eval_every=2
     if eager:  # each rank keeps its own weights (and optimizer state)
         models += [copy.deepcopy(models[0]) for _ in range(workers - 1)]
     total = math.ceil(max_epochs * data[0].steps_per_epoch)
-    steps = math.ceil(total * overrun)
-    steps = min(steps, max_steps) if max_steps else steps
+    steps = math.ceil(min(total, max_steps or total) * overrun)  # max_steps: the blocking run's length
     opts = [data[0].optimizer(list(m.named_parameters()), lr) for m in models]
     schedules = [data[0].schedule(o, total) for o in opts]
     params = [list(m.parameters()) for m in models]
@@ -175,15 +174,19 @@ def render(results, target_vs_blocking=1.02, window=5):
         final = {id(r): rolling_mean([v for s, v in r["evals"] if s > 0], window)[-1] for r in rows}
         target = target_vs_blocking * final[id(base)]
         base_steps = steps_to(base["evals"], target, window)
-        lines += [f"N = {n}: target {target:.3f} ({target_vs_blocking} x blocking's final rolling perplexity), "
-                  f"a schedule of {base['steps']} steps, batch {base['batch_size']} a rank, seed {base['seed']}", "",
+        schedule = base.get("schedule_steps", base["steps"])
+        cut = f", blocking stopped at {base['steps']} (--max-steps)" if base["steps"] < schedule else ""
+        lines += [f"N = {n}: target {target:.3f} ({target_vs_blocking} x blocking's final rolling perplexity over "
+                  f"{window} evaluations), a schedule of {schedule} steps{cut}, batch {base['batch_size']} a rank, "
+                  f"seed {base['seed']}", "",
                   "| variant | steps run | rolling perplexity at the end | steps to target | vs blocking | "
                   "ranks' largest weight difference |",
                   "|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: VARIANTS.index(r["variant"])):
             s = steps_to(r["evals"], target, window)
             ratio = f"{s / base_steps:.2f}x" if s and base_steps else "-"
-            lines.append(f"| {r['variant']} | {r['steps']} | {final[id(r)]:.3f} | {s if s else 'not reached'} | "
+            lines.append(f"| {r['variant']} | {r['steps']} | {final[id(r)]:.3f} | "
+                         f"{s if s else 'not reached in ' + str(r['steps'])} | "
                          f"{ratio} | {r['divergence']:.3g} |")
         lines.append("")
     return "\n".join(lines)
@@ -201,18 +204,22 @@ def _commit():
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m hvd_gradcomp.bench staleness", description=__doc__.splitlines()[0])
     p.add_argument("--workers", default="2", help="comma-separated virtual rank counts (default 2)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (default: all; blocking always runs first)")
     p.add_argument("--max-epochs", type=float, default=1.75, help="the schedule's length in epochs (lm-comm's 1.75)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (the schedule keeps its length)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop the blocking run after this many steps, the others after --overrun times as "
+                        "many (a quick look; the schedule keeps its length)")
     p.add_argument("--batch-size", type=int, default=16, help="per rank (lm-comm's 16)")
-    p.add_argument("--eval-every", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target-vs-blocking", type=float, default=1.02)
+    p.add_argument("--eval-every", type=int, default=20, help="steps between evaluations (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="default 0")
+    p.add_argument("--target-vs-blocking", type=float, default=1.02,
+                   help="the target: this times the blocking run's final rolling perplexity (default 1.02)")
     p.add_argument("--overrun", type=float, default=3.0,
-                   help="the other variants run at most this many times the schedule's steps (default 3)")
-    p.add_argument("--out", default="runs/staleness", help="one JSON per run, reused when present")
+                   help="the other variants run at most this many times the blocking run's steps (default 3)")
+    p.add_argument("--out", default="runs/staleness", help="one JSON per run, reused when its options match")
     p.add_argument("--update-doc", default=None, help="write the table into this file's block")
-    p.add_argument("--doc-block", default="staleness")
+    p.add_argument("--doc-block", default="staleness", help="the block's name (default staleness)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     variants = [_check_variant(v.strip()) for v in args.variants.split(",") if v.strip()]
@@ -226,7 +233,7 @@ def main(argv=None):
         for v in ["blocking"] + [v for v in variants if v != "blocking"]:
             tail = "" if v == "blocking" else f"-o{args.overrun:g}-t{args.target_vs_blocking:g}"
             path = os.path.join(args.out, f"{v.replace('+', '-')}-n{n}-s{args.seed}-e{args.max_epochs:g}"
-                                          f"-b{args.batch_size}-m{args.max_steps or 0}{tail}.json")
+                                          f"-b{args.batch_size}-m{args.max_steps or 0}-v{args.eval_every}{tail}.json")
             if os.path.exists(path):
                 with open(path) as f:
                     r = json.load(f)
@@ -242,9 +249,10 @@ def main(argv=None):
             results.append(r)
     table = render(results, args.target_vs_blocking)
     commits = sorted({r.get("commit", "unknown")[:12] for r in results})
+    given = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+             if k not in ("out", "update_doc", "doc_block") and v != p.get_default(k)]
     table += (f"\nSimulated (one process, no link, exact float32 mean), lm-comm's AdamW recipe; "
-              f"commit {', '.join(commits)}; `python -m hvd_gradcomp.bench staleness --workers {args.workers} "
-              f"--variants {','.join(variants)}`.\n")
+              f"commit {', '.join(commits)}; `python -m hvd_gradcomp.bench staleness {' '.join(given)}`.\n")
     print(table)
     if args.update_doc:
         from .report import update_doc
