@@ -156,7 +156,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert {k.split("[")[0] for k in kernels} == {
         "triton_thc.rotate", "triton_thc.quantize", "triton_thc.decode", "triton_thc_fused.words", "triton_thc_words.scales",
         "triton_thc_words.tail", "triton_thc_words.noise", "triton_thc_words.receive", "triton_thc_words.finish",
-        "triton_topkc.correct", "triton_powersgd.basis", "triton_powersgd.basis_batched", "triton_powersgd.agree",
+        "triton_topkc.correct", "triton_topkc.scatter", "triton_powersgd.basis", "triton_powersgd.basis_batched", "triton_powersgd.agree",
         "triton_signsgd.blocks", "triton_signsgd.pack", "triton_signsgd.stats", "triton_signsgd.receive",
         "triton_signsgd.decode", "triton_signsgd.residual"}
     for name, facts in kernels.items():

@@ -13,7 +13,9 @@ bit for bit, and their launches counted: ``python -m tests.core.triton_fused_che
 - ``bucket``: a bucket of several THC members through the codec (``plan_bucket``, one unit,
   ``encode_unit``) on the Triton forms equals the same unit's encode by the per-step forms bit
   for bit, and its Triton launches per step (encode, receive, decode, finish) are the same for
-  2 and 16 members.
+  2 and 16 members;
+- ``scatter``: TopKC's decode in two launches (:func:`torch_backend.kernels.triton_topkc.scatter`)
+  against ``_scatter_kernel``'s composition, bit for bit.
 """
 import json
 import os
@@ -26,7 +28,7 @@ from hvd_gradcomp import thc_kernels
 from tests.core.triton_checks import R, _thc, rng_key
 from tests.core.triton_compare import equal_values, randn_on, same_structure, seeded
 
-__all__ = ["ENCODE_CASES", "check_encode", "check_bucket", "run_all"]
+__all__ = ["ENCODE_CASES", "SCATTER_CASES", "check_encode", "check_bucket", "check_scatter", "run_all"]
 
 ENCODE_CASES = [
     # (d, n, op, ef, flush, saturation, finite, nonfinite[, own])
@@ -164,9 +166,45 @@ def check_bucket(device, seed=0):
     return problems
 
 
+SCATTER_CASES = [
+    # (d, chunk, k, payload dtype, split: None, False or True, a NaN in the payload)
+    (3000, 256, 4, "float16", False, False),
+    (3000, 256, 12, "bfloat16", None, True),
+    (1001, 100, 3, "float32", True, True),
+    (777, 64, 13, "float16", None, False),
+]
+
+
+def check_scatter(device, d, chunk, k, dtype, split, nan, seed=0):
+    """TopKC's decode in two launches (``triton_topkc.scatter``) against ``_scatter_kernel``'s
+    composition, bit for bit: chunks in a shuffled order, the last one padded, a split vote
+    (times 0, NaN kept), a NaN from a failed rank."""
+    from hvd_gradcomp import topkc_kernels
+    from torch_backend import kernels
+    from torch_backend.kernels import triton_topkc
+    plan = (chunk, d, 0.125, dtype)
+    form = kernels.fused_form(topkc_kernels._scatter_kernel, plan, "cuda")
+    tag = f"scatter d={d} chunk={chunk} k={k} {dtype} split={split} nan={nan}"
+    if form is not triton_topkc.scatter:
+        return [f"{tag}: the registry gives {form}, not triton_topkc.scatter"]
+    g, dev = seeded(seed, device)
+    m = -(-d // chunk)
+    idx = torch.randperm(m - 1, generator=g)[:k - 1].tolist()  # distinct, below the last
+    idx = torch.tensor(idx + [m - 1], dtype=torch.int64, device=dev)  # the padded chunk too
+    payload = randn_on(g, k * chunk + m + 16, dev, 100.0).to(getattr(torch, dtype))
+    if nan:
+        payload[chunk + 3] = float("nan")
+    extra = () if split is None else (torch.tensor(split, device=dev),)
+    got = form(plan, payload, idx, *extra)
+    want = topkc_kernels._scatter_kernel(R, plan, payload, idx, *extra)
+    problems = same_structure(tag, got, want)
+    return problems or equal_values(tag, got, want)
+
+
 def run_all(device):
     """{check name: [problems]} for every check on ``device``."""
-    checks = [(f"encode{case!r}", check_encode, case) for case in ENCODE_CASES] + [("bucket", check_bucket, ())]
+    checks = ([(f"encode{case!r}", check_encode, case) for case in ENCODE_CASES] + [("bucket", check_bucket, ())]
+              + [(f"scatter{case!r}", check_scatter, case) for case in SCATTER_CASES])
     results = {}
     for name, check, args in checks:
         try:
@@ -177,7 +215,8 @@ def run_all(device):
 
 
 def check_names():
-    return [f"encode{case!r}" for case in ENCODE_CASES] + ["bucket"]
+    return ([f"encode{case!r}" for case in ENCODE_CASES] + ["bucket"]
+            + [f"scatter{case!r}" for case in SCATTER_CASES])
 
 
 if __name__ == "__main__":
