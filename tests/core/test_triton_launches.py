@@ -1,4 +1,4 @@
-"""Launches per bucket of THC's Triton forms (issue 51, item 1), without a GPU: the checks of
+"""Launches per bucket of THC's and TopKC's Triton forms (issue 51, item 1), without a GPU: the checks of
 tests/core/triton_fused_checks.py in Triton's interpreter (``TRITON_INTERPRET=1``,
 ``HVD_GRADCOMP_KERNELS=triton``: the Triton forms on CPU tensors), in a subprocess killed when
 it runs over its time:
@@ -9,7 +9,9 @@ it runs over its time:
   reference's quantiser; its ticket is zero after every launch;
 - a bucket of 2 and of 16 THC members (one unit) encodes bit for bit as with the per-step
   forms, in the same number of Triton launches per step (encode, receive, decode, finish),
-  two of them the encode's.
+  two of them the encode's;
+- TopKC's decode in two launches (``triton_topkc.scatter``) equals ``_scatter_kernel``'s
+  composition bit for bit.
 
 Counted, not timed. The ahead-of-time compile of the new kernel for sm_90 is in
 tests/core/test_triton_kernels.py (every provider kernel). Skipped where Triton is missing.
