@@ -32,7 +32,7 @@ from .base import HALF_MAX, EmptyState, Scheme, TensorInfo, compress_tensor, fin
     saturate_output
 from .buckets import BucketPlan, GroupBook, Unit, flattens, group_key
 from .calls import AdapterCtx, Call, scheme_info
-from .auto.group import auto_group, auto_group_key, group_choice
+from .auto.group import auto_group, auto_group_key, group_choice, group_choices
 from .auto.scheme import AutoScheme
 from .powersgd_batched import batch_view, batched_scheme
 from .primitives import FLOAT_DTYPES
@@ -276,12 +276,13 @@ class Codec:
         fast = None if layout is None else ("layout", layout, dtype, op, id(group), per_tensor)
         # auto's tensors are grouped per choice between windows (auto/group.py): the plan also
         # follows each one's group_choice (host facts), re-planned when one changes
-        token = None
+        token = routed = None
         if not per_tensor and any(isinstance(s, AutoScheme) for s in self.routing.schemes()):
-            known = None if fast is None else self.plans.get(("members",) + fast)
-            if known is None:
-                known = members = tuple(members() if callable(members) else members)
-            token = self._auto_token(known, dtype, op, group)
+            routed = None if fast is None else self.plans.get(("auto",) + fast)
+            if routed is None:  # (cached per layout once the plan has routed every member)
+                members = tuple(members() if callable(members) else members)
+                routed = self._auto_routed(members)
+            token = group_choices(routed, self.world(group)[0], self.store)
             fast = None if fast is None else fast + (token,)
         plan = None if fast is None else self.plans.get(fast)
         if plan is not None:
@@ -297,17 +298,18 @@ class Codec:
         if fast is not None:
             self.plans[fast] = plan
             if token is not None:
-                self.plans[("members",) + fast[:-1]] = members
+                self.plans[("auto",) + fast[:-1]] = self._auto_routed(members)
         return plan
 
-    def _auto_token(self, members, dtype, op, group) -> tuple:
-        """Per member routed to ``auto``, the choice it may be grouped under at its next step
-        (:func:`~hvd_gradcomp.auto.group.group_choice`), else None: part of the plan's key."""
-        out, world = [], self.world(group)[0]
+    def _auto_routed(self, members) -> tuple:
+        """``(auto scheme or None, key)`` per member routed to ``auto`` or not routed yet (None),
+        in order: the tensors whose :func:`~hvd_gradcomp.auto.group.group_choices` (once per
+        group: the host Python per step follows the groups) key the bucket's plan."""
+        routes, out = self.table.routes, []
         for m in members:
-            route = self.table.routes.get(m.key)
-            scheme = None if route is None else route.scheme
-            out.append(group_choice(scheme, m.key, world, self.store) if isinstance(scheme, AutoScheme) else None)
+            route = routes.get(m.key)
+            if route is None or isinstance(route.scheme, AutoScheme):
+                out.append((None if route is None else route.scheme, m.key))
         return tuple(out)
 
     def _units(self, members, dtype, op, group, like, per_tensor) -> tuple:
@@ -444,6 +446,13 @@ class Codec:
         if ctx is None or ctx.scale is not None or self.store.has(ctx.info.key):
             return None
         return composite.decode_factor(ctx.scheme, scheme_info(ctx.info, ctx.scale))
+
+    def as_sent_zeros(self, ctx):
+        """``ctx`` (of :meth:`encode` or :meth:`encode_unit`; None passes) as a rank that posted a
+        zero payload in place of its own holds it, so that it decodes the mean its peers decode
+        (DDP's ``Join`` under the delayed hook): the scheme's
+        :func:`~hvd_gradcomp.composite.sent_zeros` (THC's and SparseLoCo's own words zeroed)."""
+        return None if ctx is None else ctx._replace(inner=composite.sent_zeros(ctx.scheme, self.ops, ctx.inner))
 
     def decode_joined(self, payload, ctx):
         """The state step of a rank that contributed zeros (DDP's ``Join``): the fields every

@@ -23,6 +23,9 @@ A scheme overrides a hook only where the default is wrong for it:
   warm-up's step count).
 - :func:`decode_factor`: decoding is the payload's cast times a constant (the casts), so an
   engine may fuse the cast, the scaling and the write into its buffer.
+- :func:`sent_zeros`: ``decompress``/``finish`` read this rank's own sent words from the ctx
+  (THC's and SparseLoCo's ``subtract_own``), so a rank that sent zeros instead (DDP's
+  ``Join`` under the delayed hook) must decode with those words zeroed.
 - :func:`scatter_split`: the payload is a values part that only ``decompress`` reads and an
   agreed part, summed exactly, that is all ``receive`` and ``finish`` read, so an engine may
   reduce-scatter it (FSDP2's reduce-scatter, :mod:`torch_backend.fsdp`).
@@ -33,7 +36,8 @@ This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it
 import inspect
 
 __all__ = ["residual_of", "residual_field", "add_residual", "payload_dtype", "hand_over", "init_like",
-           "forget", "check_loaded", "metrics", "decode_factor", "carry_over", "scatter_split", "blocks",
+           "forget", "check_loaded", "metrics", "decode_factor", "carry_over", "scatter_split", "sent_zeros",
+           "blocks",
            "HOOKS", "check_hooks"]
 
 # Each hook's method, as a scheme defines it: name -> its arguments after ``self``.
@@ -49,6 +53,7 @@ HOOKS = {
     "decode_factor": ("info",),
     "carry_over": ("ops", "state", "olds", "info"),
     "scatter_split": ("info",),
+    "sent_zeros": ("ops", "ctx"),
 }
 
 
@@ -205,6 +210,16 @@ def decode_factor(scheme, info):
     Default: None."""
     hook = _hook(scheme, "decode_factor")
     return hook(info) if hook is not None else None
+
+
+def sent_zeros(scheme, ops, ctx):
+    """``scheme``'s compress ``ctx`` as a rank that sent a zero payload instead of its own holds
+    it: a joined rank under DDP's ``Join`` posts zeros but decodes the mean its peers decode
+    (:mod:`torch_backend.ddp_delayed`), so whatever of its own sent words the ctx keeps for
+    ``receive``/``decompress``/``finish`` to take off the sum (THC's and SparseLoCo's ``own``
+    under ``subtract_own``) must be zeros. Default: ``ctx`` itself (the ctx keeps no sent words)."""
+    hook = _hook(scheme, "sent_zeros")
+    return hook(ops, ctx) if hook is not None else ctx
 
 
 def scatter_split(scheme, info):

@@ -359,6 +359,11 @@ class SparseLoCoScheme(Scheme):
     def payload_dtype(self, info: TensorInfo) -> str:
         return "int32"
 
+    def sent_zeros(self, ops, ctx):
+        """``ctx`` with ``own`` (this rank's level words, taken off the sum under
+        ``subtract_own``) zeroed (:func:`~hvd_gradcomp.composite.sent_zeros`)."""
+        return ctx if ctx.own is None else ctx._replace(own=ctx.own * 0)
+
     def metrics(self, state) -> dict:
         """``{"realigned": int64 []}``: steps whose output was 0 because the ranks disagreed."""
         return {"realigned": state.realigned}

@@ -457,6 +457,11 @@ class THCScheme(Scheme):
     def payload_dtype(self, info: TensorInfo) -> str:
         return "int32"
 
+    def sent_zeros(self, ops, ctx):
+        """``ctx`` with ``own`` (this rank's level words, taken off the sum under
+        ``subtract_own``) zeroed (:func:`~hvd_gradcomp.composite.sent_zeros`)."""
+        return ctx if ctx.own is None else ctx._replace(own=ctx.own * 0)
+
     def scatter_split(self, info: TensorInfo):
         """The ``m`` level words are the values; the statistics and the four control words
         (exact int32 sums) are the agreed part, all that steps 6 and 8 read besides the ctx

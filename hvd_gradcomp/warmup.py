@@ -194,6 +194,11 @@ class WarmupScheme(Scheme):
     def payload_dtype(self, info: TensorInfo) -> str:
         return composite.payload_dtype(self.inner, info)
 
+    def sent_zeros(self, ops, ctx):
+        """A warm-up step's FP16 payload is summed whole (its ctx's ``half`` is read only at the
+        hand-over, into this rank's own state); a later step's ctx is the scheme's."""
+        return ctx if ctx.warm else ctx._replace(inner=composite.sent_zeros(self.inner, ops, ctx.inner))
+
     def metrics(self, state) -> dict:
         return composite.metrics(self.inner, self._split(state)[0])
 

@@ -54,8 +54,8 @@ blocking run shifted by a step.)
 
 **Join** (uneven inputs): a joined rank's shadow all-reduces run this hook on zero buckets; it
 posts zero payloads (the counts as they are), and decodes that step's sum into the same held
-means as its peers (as a rank that sent zeros: a scheme that takes its own words off the sum,
-``subtract_own``, takes zeros off) while its own error feedback stays as it was
+means as its peers (as a rank that sent zeros, :meth:`~hvd_gradcomp.codec.Codec.as_sent_zeros`:
+a scheme that takes its own words off the sum, ``subtract_own``, takes zeros off) while its own error feedback stays as it was
 (:meth:`~hvd_gradcomp.codec.Codec.decode_joined`), so after ``Join`` (which broadcasts the
 model) and :meth:`DelayedHook.drain` every rank holds the same means.
 ``divide_by_initial_world_size=False`` is refused as by the blocking hook.
@@ -171,25 +171,6 @@ def _own(obj, storage_ptr):
     return obj
 
 
-def _as_sent_zeros(obj):
-    """A codec context as a rank that sent zero payloads (a joined one) holds it: every
-    tensor field named ``own`` (a scheme's record of the words this rank sent, which it takes
-    off the reduced sum: THC's and SparseLoCo's ``subtract_own``) zeroed; ``obj`` itself
-    where it has none."""
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        changes = {}
-        for f in obj._fields:
-            v = getattr(obj, f)
-            w = torch.zeros_like(v) if f == "own" and isinstance(v, torch.Tensor) else _as_sent_zeros(v)
-            if w is not v:
-                changes[f] = w
-        return obj._replace(**changes) if changes else obj
-    if isinstance(obj, (tuple, list)):
-        items = [_as_sent_zeros(o) for o in obj]
-        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
-    return obj
-
-
 class DelayedHook:
     """The state of :func:`hook`: a bound :class:`~torch_backend.ddp.HookState`, the steps
     in flight and the means held for the next step (module docstring).
@@ -231,7 +212,7 @@ class DelayedHook:
             if posted.joined:  # the mean every rank decodes; this rank's own state kept (decode_joined)
                 keys = {ctx.info.key for _, ctx in posted.encoded if ctx is not None}
                 saved = {k: codec.store.read(k) for k in keys if codec.store.has(k)}
-            encoded = [(p, _as_sent_zeros(c)) for p, c in posted.encoded] if posted.joined else posted.encoded
+            encoded = [(p, codec.as_sent_zeros(c)) for p, c in posted.encoded] if posted.joined else posted.encoded
             self.steps.decode(state, posted.plan, encoded, reduced[:units], None, out)
             if posted.scale is not None:  # held in the gradient's own units
                 out.div_(posted.scale)

@@ -25,7 +25,7 @@ under its key, the group's counters and agreed fields under the group key).
 from ..base import Scheme, TensorInfo, WireBytes
 from ..buckets import flattens, group_key
 
-__all__ = ["AutoGroup", "group_choice", "auto_group_key", "auto_group"]
+__all__ = ["AutoGroup", "group_choice", "group_choices", "auto_group_key", "auto_group"]
 
 
 def _position(auto, key):
@@ -50,6 +50,24 @@ def group_choice(auto, key, world_size: int, store) -> int:
     if store.has(holder) and "carry" in store.read(holder)._fields:
         return -1
     return choice
+
+
+def group_choices(routed, world_size: int, store) -> tuple:
+    """:func:`group_choice` of each ``(auto, key)`` of ``routed`` (None for a pair whose ``auto``
+    is None: a tensor routed elsewhere), computed once per holder: the members an
+    :class:`AutoGroup` holds share its position, choice and stored state, so a bucket's plan
+    key costs one :func:`group_choice` per group and per tensor sent alone, not per tensor."""
+    memo, out = {}, []
+    for auto, key in routed:
+        if auto is None:
+            out.append(None)
+            continue
+        holder = (id(auto), auto.held_by.get(key, key))
+        choice = memo.get(holder)
+        if choice is None:
+            choice = memo[holder] = group_choice(auto, key, world_size, store)
+        out.append(choice)
+    return tuple(out)
 
 
 def auto_group_key(auto, keys, choice: int) -> str:
@@ -127,6 +145,9 @@ class AutoGroup(Scheme):
 
     def metrics(self, state) -> dict:
         return self.auto.metrics(state)
+
+    def sent_zeros(self, ops, ctx):
+        return self.auto.sent_zeros(ops, ctx)
 
     def spec(self) -> str:
         return self.auto.spec()

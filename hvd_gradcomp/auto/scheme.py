@@ -482,6 +482,14 @@ class AutoScheme(AutoWindow, Scheme):
         own = cand.wire(info)
         return own._replace(payload=own.payload + itemsize(composite.payload_dtype(cand, info)))
 
+    def sent_zeros(self, ops, ctx):
+        """The chosen candidate's ctx as a rank that sent zeros
+        (:func:`~hvd_gradcomp.composite.sent_zeros`); a flush or sync step's float32 payload
+        is summed whole."""
+        if ctx.probe in ("flush", "sync"):
+            return ctx
+        return ctx._replace(inner=composite.sent_zeros(self.candidates[ctx.choice], ops, ctx.inner))
+
     def metrics(self, state) -> dict:
         return {"choice": state.choice, "step": state.step}
 

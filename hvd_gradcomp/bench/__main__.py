@@ -9,6 +9,7 @@ Commands:
     publish   a finished sweep's table and plots into a docs block, from its results.json
     autospeed auto against fixed fp16 on the link as it is: first window's cost, settled ratio
     scale     steps to FP16's target at 2-64 ranks, simulated in one process; TTA from the ring model
+    staleness what one step of delay costs in steps (delayed hooks), simulated in one process
 
 Each command's ``--help`` lists its options.
 """
@@ -18,7 +19,8 @@ import sys
 COMMANDS = {"tta": "hvd_gradcomp.bench.tta_sweep", "overhead": "hvd_gradcomp.bench.overhead",
             "codec": "hvd_gradcomp.bench.codec", "percall": "hvd_gradcomp.bench.percall",
             "model": "hvd_gradcomp.bench.model_projection", "publish": "hvd_gradcomp.bench.publish",
-            "autospeed": "hvd_gradcomp.bench.autospeed", "scale": "hvd_gradcomp.bench.scale"}
+            "autospeed": "hvd_gradcomp.bench.autospeed", "scale": "hvd_gradcomp.bench.scale",
+            "staleness": "hvd_gradcomp.bench.staleness"}
 
 
 def main(argv=None):

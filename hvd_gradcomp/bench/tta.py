@@ -117,12 +117,12 @@ class RunSpec:
     FSDP rows (``system="fsdp"``, :func:`.tta_hooks.parse_fsdp_hooks`): ``spec`` compresses the all-reduce
     across replicas (``fp16``: FP16-FSDP, FSDP's own float16 collectives; ``none``: its float32
     ones), ``reduce_scatter`` the reduce-scatter within the shard group (None: FSDP's own),
-    ``overlap`` installs the hook with ``overlap=True``; label :func:`.tta_hooks.fsdp_label`, row id
-    ``<workload>-fsdp-<spec>[-with-rs-<spec>][-with-overlap]``.
+    ``overlap`` installs the hook with ``overlap=True``, ``delay`` with ``delay=1``; label
+    :func:`.tta_hooks.fsdp_label`, row id ``<workload>-fsdp-<spec>[-with-delay-1][-with-rs-<spec>][-with-overlap]``.
 
     ``delay``: D >= 1 on a DDP row of ours (spec ``ours:<spec>``, from a ``SPEC with delay(D)``
     row): the hook registered with ``delay=D`` (delayed gradient sync; ``--delay D``), label
-    ``SPEC with delay(D) on DDP``.
+    ``SPEC with delay(D) on DDP``; on an FSDP row, ``install(..., delay=1)``.
     """
 
     def __init__(self, workload, system, spec, label=None, repeat=1, repeats=1, reference=False,
@@ -145,7 +145,7 @@ class RunSpec:
         if tail and not label:
             self.label += tail
         if system == "fsdp" and not label:
-            self.label = fsdp_label(spec, self.reduce_scatter, self.overlap)
+            self.label = fsdp_label(spec, self.reduce_scatter, self.overlap, self.delay)
         if self.reduce_scatter:
             tail += f" with rs={self.reduce_scatter}"
         if self.overlap:
@@ -446,7 +446,8 @@ def plan_runs(workloads, specs, ddp_hooks, reference=False, unavailable=None, fs
                     label = f"{h.partition(':')[2]} on DDP"
                 plan.append(RunSpec(w, "ddp", h, label))
         if fsdp_rows and w in FSDP_WORKLOADS:
-            plan.extend(RunSpec(w, "fsdp", spec, reduce_scatter=rs, overlap=ov) for spec, rs, ov in fsdp_rows)
+            plan.extend(RunSpec(w, "fsdp", spec, reduce_scatter=rs, overlap=ov, delay=d)
+                        for spec, rs, ov, d in fsdp_rows)
         elif fsdp_rows:
             print(f"tta: FSDP rows skipped on {w}: they run on {', '.join(FSDP_WORKLOADS)} only", file=sys.stderr)
         if reference:

@@ -38,29 +38,32 @@ def parse_ddp_hooks(text):
     return hooks
 
 
-def fsdp_label(spec, reduce_scatter=None, overlap=False):
+def fsdp_label(spec, reduce_scatter=None, overlap=False, delay=0):
     """An FSDP row's label: ``FP16-FSDP`` (spec ``fp16``), ``FP32-FSDP`` (``none``) or ``<spec>
-    on FSDP``, followed by ``, rs <spec>`` when the reduce-scatter is compressed too and
-    ``, overlap`` with ``install(..., overlap=True)`` (the worker's ``label``,
-    :mod:`.workers.fsdp_torch`)."""
+    on FSDP``, followed by ``, rs <spec>`` when the reduce-scatter is compressed too,
+    ``, overlap`` with ``install(..., overlap=True)`` and ``, delay(D)`` with ``install(...,
+    delay=D)`` (the worker's ``label``, :mod:`.workers.fsdp_torch`)."""
     out = {"fp16": "FP16-FSDP", "none": "FP32-FSDP"}.get(spec, f"{spec} on FSDP")
-    return out + (f", rs {reduce_scatter}" if reduce_scatter else "") + (", overlap" if overlap else "")
+    return (out + (f", rs {reduce_scatter}" if reduce_scatter else "") + (", overlap" if overlap else "")
+            + (f", delay({delay})" if delay else ""))
 
 
-def fsdp_compression(spec, reduce_scatter=None, overlap=False):
-    """An FSDP run's ``meta.compression``: ``fsdp:<spec>[ with rs=<spec>][ with overlap]`` (the
-    worker records the same)."""
+def fsdp_compression(spec, reduce_scatter=None, overlap=False, delay=0):
+    """An FSDP run's ``meta.compression``: ``fsdp:<spec>[ with rs=<spec>][ with overlap][ with
+    delay(D)]`` (the worker records the same)."""
     return (f"fsdp:{spec}" + (f" with rs={reduce_scatter}" if reduce_scatter else "")
-            + (" with overlap" if overlap else ""))
+            + (" with overlap" if overlap else "") + (f" with delay({delay})" if delay else ""))
 
 
 def parse_fsdp_hooks(text, shards=2):
-    """``"fp16; thc; topkc:0.1; fp16 with rs=thc; thc with overlap"`` -> ``[(spec, rs or None,
-    overlap), ...]`` (``;`` separates rows; ``""``/``"off"`` -> []). A row is the all-reduce's
+    """``"fp16; thc; topkc:0.1; fp16 with rs=thc; thc with overlap; thc with delay(1)"`` ->
+    ``[(spec, rs or None, overlap, delay), ...]`` (``;`` separates rows; ``""``/``"off"`` -> []). A row is the all-reduce's
     spec across replicas (``fp16``: FP16-FSDP, FSDP's own float16 collectives; ``none``/``fp32``:
     FSDP's own float32 ones; any other: our compressor through ``torch_backend.fsdp.install``),
     optionally ``with rs=SPEC``: the reduce-scatter within the shard group compressed by
-    ``install_reduce_scatter``, and ``with overlap``: our hook installed with ``overlap=True``.
+    ``install_reduce_scatter``, ``with overlap``: our hook installed with ``overlap=True``, and
+    ``with delay(1)``: installed with ``delay=1`` (delayed sync across replicas,
+    :mod:`torch_backend.fsdp_delayed`).
     FP16-FSDP (``fp16``), the FSDP rows' baseline, is put first (added when missing, with a note
     on stderr): it sets their target and ratios.
 
@@ -72,7 +75,8 @@ def parse_fsdp_hooks(text, shards=2):
         ValueError: a bad spec (the registry's message); a blocking two-round variant (install
             refuses them); an ``rs=`` spec that cannot be reduce-scattered (named, with why), or
             ``rs=`` with one shard per replica; ``overlap`` on FSDP's own collectives (``fp16``,
-            ``none``); an unknown clause; a row given twice.
+            ``none``); ``delay`` other than 1, on FSDP's own collectives, or with ``overlap``
+            (install refuses both together); an unknown clause; a row given twice.
     """
     if text.strip().lower() in ("", "off", "no"):
         return []
@@ -82,15 +86,22 @@ def parse_fsdp_hooks(text, shards=2):
             continue
         parts = [x.strip() for x in row.split(" with ")]
         spec = "none" if parts[0] == "fp32" else parts[0]
-        rs, overlap = None, False
+        rs, overlap, delay = None, False, 0
         for clause in parts[1:]:
             key, eq, val = (x.strip() for x in clause.partition("="))
             if key == "overlap" and not eq and not overlap:
                 overlap = True
                 continue
+            d = re.fullmatch(r"delay\((.*)\)", clause)
+            if d and not delay:
+                if d.group(1).strip() != "1":
+                    raise ValueError(f"fsdp row {row!r}: delay(D) takes D = 1 (install(..., delay=1)), "
+                                     f"got {d.group(1).strip()!r}")
+                delay = 1
+                continue
             if key != "rs" or not eq or not val or rs is not None:
-                raise ValueError(f"fsdp row {row!r}: expected 'SPEC', 'SPEC with rs=SPEC' or 'SPEC with "
-                                 f"overlap', got clause {clause!r}")
+                raise ValueError(f"fsdp row {row!r}: expected 'SPEC', 'SPEC with rs=SPEC', 'SPEC with "
+                                 f"overlap' or 'SPEC with delay(1)', got clause {clause!r}")
             rs = val
         if not spec:
             raise ValueError(f"fsdp row {row!r}: expected a compressor spec before 'with'")
@@ -98,6 +109,12 @@ def parse_fsdp_hooks(text, shards=2):
         if overlap and spec in (FSDP_BASELINE, "none"):
             raise ValueError(f"fsdp row {row!r}: overlap installs our hook with overlap=True; "
                              f"{spec!r} is FSDP's own all-reduce (overlap needs one of this project's specs, e.g. thc)")
+        if delay and spec in (FSDP_BASELINE, "none"):
+            raise ValueError(f"fsdp row {row!r}: delay(1) installs our hook with delay=1; {spec!r} is "
+                             f"FSDP's own all-reduce (delay needs one of this project's specs, e.g. thc)")
+        if delay and overlap:
+            raise ValueError(f"fsdp row {row!r}: delay(1) and overlap together: install refuses them "
+                             f"(delay posts without waiting already); pick one")
         blocking = [s.spec() for s in Routing.from_spec(spec).schemes() if s.blocking]
         if blocking:
             raise ValueError(f"fsdp row {row!r}: {blocking[0]} is a blocking two-round variant, which "
@@ -114,10 +131,10 @@ def parse_fsdp_hooks(text, shards=2):
                 if why is not None:
                     raise ValueError(f"fsdp row {row!r}: rs={rs} routes tensors to {scheme.spec()}, which "
                                      f"cannot be reduce-scattered: {why}")
-        if (spec, rs, overlap) in out:
+        if (spec, rs, overlap, delay) in out:
             raise ValueError(f"fsdp row {row!r} given twice")
-        out.append((spec, rs, overlap))
-    base = (FSDP_BASELINE, None, False)
+        out.append((spec, rs, overlap, delay))
+    base = (FSDP_BASELINE, None, False, 0)
     if out and base not in out:
         print(f"tta: FSDP rows: FP16-FSDP ({FSDP_BASELINE!r}), their baseline, added first", file=sys.stderr)
     return [base] + [r for r in out if r != base] if out else []

@@ -65,6 +65,8 @@ def command(run, args, out_json, extra=()):
             cmd += ["--reduce-scatter", run.reduce_scatter]
         if run.overlap:
             cmd += ["--overlap"]
+        if run.delay:
+            cmd += ["--delay", str(run.delay)]
     else:
         cmd += ["--compression", run.spec]
     if run.optimizer:
@@ -98,7 +100,7 @@ def stub_result(run, status, error="", network=None):
                     "num_groups": run.groups, "delay": run.delay,
                     "repeat": run.repeat, "reference": run.reference}}
     if run.system == "fsdp":  # as the worker records it (workers.fsdp_torch)
-        out["meta"]["compression"] = fsdp_compression(run.spec, run.reduce_scatter, run.overlap)
+        out["meta"]["compression"] = fsdp_compression(run.spec, run.reduce_scatter, run.overlap, run.delay)
     if network is not None:
         out["network"] = network
     return out

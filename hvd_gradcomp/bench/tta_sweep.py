@@ -83,13 +83,14 @@ def build_parser():
                         "codec call per group and route), update-sync(every=H,...) (compressed "
                         "update sync, torch_backend.UpdateSync; also overlap=true, fragments=F, "
                         "eager=true/false), delay(D) (delayed gradient sync: the row runs on DDP "
-                        "with our hook, register_comm_hook(..., delay=D); reported as not run where "
-                        "this checkout's hook has no delay=). Default: every registered "
+                        "with our hook, register_comm_hook(..., delay=D); a delay(D) with D >= 2 is "
+                        "reported as not run: the hook takes delay=1 only). Default: every registered "
                         f"default, from {'; '.join(DEFAULT_CANDIDATES)}; for lm-comm alone: "
                         f"{'; '.join(ADAM_ROWS)}. 'off': no Horovod rows (with --ddp-hooks or "
                         "--fsdp-hooks rows). Every scheme's options: python -m hvd_gradcomp --list")
     p.add_argument("--ddp-hooks", default=None,
-                   help="';'-separated DDP hooks for PyTorch workloads (none, fp16, powersgd:rank=R); "
+                   help="';'-separated DDP hooks for PyTorch workloads (none, fp16, powersgd:rank=R: "
+                        "DDP's own; ours:SPEC: our compressor as a DDP hook); "
                         f"'off' for none (default {DEFAULT_DDP_HOOKS}; lm-comm alone: off)")
     p.add_argument("--fsdp-hooks", default="off",
                    help="';'-separated FSDP rows for the LM workloads (lm, lm-comm): HSDP on the "
@@ -97,8 +98,10 @@ def build_parser():
                         "FP16-FSDP, FSDP's own float16 collectives, the rows' baseline, always run "
                         "first; none: FSDP's own float32; any other: ours, torch_backend.fsdp.install), "
                         "optionally 'with rs=SPEC' (the reduce-scatter within a replica compressed "
-                        "too: none, fp16, bf16, thc, signsgd), e.g. 'fp16;thc;topkc:ratio=0.1;thc "
-                        "with rs=thc'; 'off' for none")
+                        "too: none, fp16, bf16, thc, signsgd), 'with overlap' (install(..., "
+                        "overlap=True)) or 'with delay(1)' (install(..., delay=1): step t's mean "
+                        "applied at step t + 1), e.g. 'fp16;thc;topkc:ratio=0.1;thc with rs=thc;thc "
+                        "with delay(1)'; 'off' for none")
     p.add_argument("--fsdp-mesh", default=None, metavar="RxS",
                    help="the FSDP rows' mesh: R replicas of S shards, R x S = --workers (default "
                         "2 x (workers / 2))")

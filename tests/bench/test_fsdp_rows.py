@@ -6,6 +6,8 @@ FSDP rows, the table's note, the worker's codec timer and byte count, and the em
 hosts of several ranks (addresses, namespaces; the rate split itself is measured in the smoke
 test).
 """
+import re
+
 import pytest
 
 from hvd_gradcomp.bench import netem, report, report_plot, report_table, tta, tta_hooks, tta_run, tta_sweep
@@ -19,14 +21,15 @@ def _plan(*argv):
 # ---- options ----
 
 def test_parse_fsdp_hooks_puts_fp16_fsdp_first():
-    assert tta_hooks.parse_fsdp_hooks("thc; topkc:ratio=0.1 ;fp16; fp32 with rs=thc; thc with overlap", 2) == [
-        ("fp16", None, False), ("thc", None, False), ("topkc:ratio=0.1", None, False), ("none", "thc", False),
-        ("thc", None, True)]
+    assert tta_hooks.parse_fsdp_hooks("thc; topkc:ratio=0.1 ;fp16; fp32 with rs=thc; thc with overlap; "
+                                      "thc with delay(1); thc with delay(1) with rs=fp16", 2) == [
+        ("fp16", None, False, 0), ("thc", None, False, 0), ("topkc:ratio=0.1", None, False, 0),
+        ("none", "thc", False, 0), ("thc", None, True, 0), ("thc", None, False, 1), ("thc", "fp16", False, 1)]
     assert tta_hooks.parse_fsdp_hooks("off") == [] and tta_hooks.parse_fsdp_hooks(" ") == []
 
 
 def test_parse_fsdp_hooks_adds_the_missing_baseline(capsys):
-    assert tta_hooks.parse_fsdp_hooks("thc with rs=signsgd", 2) == [("fp16", None, False), ("thc", "signsgd", False)]
+    assert tta_hooks.parse_fsdp_hooks("thc with rs=signsgd", 2) == [("fp16", None, False, 0), ("thc", "signsgd", False, 0)]
     assert "FP16-FSDP ('fp16'), their baseline, added first" in capsys.readouterr().err
 
 
@@ -36,14 +39,18 @@ def test_parse_fsdp_hooks_adds_the_missing_baseline(capsys):
     ("thc with rs=topkc:ratio=0.1", 2, "rs=topkc:ratio=0.1 routes tensors to topkc:ratio=0.1, which cannot be reduce-scattered"),
     ("thc with rs=powersgd:rank=4", 2, "cannot be reduce-scattered"),
     ("thc with rs=thc", 1, "one shard per replica"),
-    ("thc with ar=thc", 2, "expected 'SPEC', 'SPEC with rs=SPEC' or 'SPEC with overlap'"),
-    ("thc with rs=thc with rs=fp16", 2, "expected 'SPEC', 'SPEC with rs=SPEC' or 'SPEC with overlap'"),
+    ("thc with ar=thc", 2, "expected 'SPEC', 'SPEC with rs=SPEC', 'SPEC with overlap' or 'SPEC with delay(1)'"),
+    ("thc with rs=thc with rs=fp16", 2, "expected 'SPEC', 'SPEC with rs=SPEC', 'SPEC with overlap'"),
+    ("thc with delay(2)", 2, "delay(D) takes D = 1"),
+    ("thc with delay(1) with delay(1)", 2, "got clause 'delay(1)'"),
+    ("fp16 with delay(1)", 2, "delay(1) installs our hook with delay=1; 'fp16' is FSDP's own all-reduce"),
+    ("thc with delay(1) with overlap", 2, "delay(1) and overlap together"),
     ("thc with overlap with overlap", 2, "got clause 'overlap'"),
     ("fp16 with overlap", 2, "'fp16' is FSDP's own all-reduce"),
     ("thc; thc", 2, "given twice"),
 ])
 def test_parse_fsdp_hooks_rejects(text, shards, words):
-    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("+", r"\+")):
+    with pytest.raises(ValueError, match=re.escape(words)):
         tta_hooks.parse_fsdp_hooks(text, shards)
 
 
@@ -66,7 +73,7 @@ def test_parse_fsdp_mesh(text, workers, expect):
 
 def test_plan_fsdp_rows_beside_horovod_and_ddp(tmp_path):
     plan, args = _plan("--workloads", "lm,digits", "--compressors", "fp16", "--ddp-hooks", "fp16",
-                       "--fsdp-hooks", "thc; fp16 with rs=thc; thc with overlap", "--workers", "4",
+                       "--fsdp-hooks", "thc; fp16 with rs=thc; thc with overlap; thc with delay(1)", "--workers", "4",
                        "--fsdp-mesh", "2x2", "--no-comm-reference", "off", "--out", str(tmp_path))
     lm = [(r.system, r.spec, r.reduce_scatter, r.label, r.run_id) for r in plan.runs if r.workload == "lm"]
     assert lm == [("horovod", "fp16", None, "fp16", "lm-horovod-fp16"),
@@ -74,9 +81,13 @@ def test_plan_fsdp_rows_beside_horovod_and_ddp(tmp_path):
                   ("fsdp", "fp16", None, "FP16-FSDP", "lm-fsdp-fp16"),
                   ("fsdp", "thc", None, "thc on FSDP", "lm-fsdp-thc"),
                   ("fsdp", "fp16", "thc", "FP16-FSDP, rs thc", "lm-fsdp-fp16-with-rs-thc"),
-                  ("fsdp", "thc", None, "thc on FSDP, overlap", "lm-fsdp-thc-with-overlap")]
+                  ("fsdp", "thc", None, "thc on FSDP, overlap", "lm-fsdp-thc-with-overlap"),
+                  ("fsdp", "thc", None, "thc on FSDP, delay(1)", "lm-fsdp-thc-with-delay-1")]
     assert "--overlap" in tta_run.command(plan.runs[5], args, "/tmp/x.json")
     assert "--overlap" not in tta_run.command(plan.runs[3], args, "/tmp/x.json")
+    delayed = tta_run.command(plan.runs[6], args, "/tmp/x.json")
+    assert delayed[delayed.index("--delay") + 1] == "1" and "--delay" not in tta_run.command(plan.runs[3], args, "/tmp/x.json")
+    assert tta_run.stub_result(plan.runs[6], "failed")["meta"]["compression"] == "fsdp:thc with delay(1)"
     # digits takes no FSDP rows; the network: one host per replica (its 2 shards share it)
     assert {r.system for r in plan.runs if r.workload == "digits"} == {"horovod", "ddp"}
     assert plan.fsdp_mesh == (2, 2) and plan.ranks_per_host == 2

@@ -26,7 +26,7 @@ def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     (out / "doc.md").write_text("intro\n<!-- tta-fsdp:start -->\n<!-- tta-fsdp:end -->\n")
     cmd = [sys.executable, "-m", "hvd_gradcomp.bench", "tta", "--workloads", "lm-comm", "--compressors", "off",
-           "--fsdp-hooks", "fp16;thc;thc with overlap", "--workers", "4", "--fsdp-mesh", "2x2", "--bandwidth", "200",
+           "--fsdp-hooks", "fp16;thc;thc with overlap;thc with delay(1)", "--workers", "4", "--fsdp-mesh", "2x2", "--bandwidth", "200",
            "--out", str(out), "--no-progress", "--skip-link-check",
            "--update-doc", str(out / "doc.md"), "--doc-block", "tta-fsdp",
            "--worker-args", f"--max-steps {STEPS} --eval-every 2 --batch-size 4"]
@@ -42,23 +42,27 @@ def test_fsdp_rows_ran(sweep):
     out, res = sweep
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     runs = _runs(out)
-    assert list(runs) == ["FP16-FSDP", "thc on FSDP", "thc on FSDP, overlap"]
+    assert list(runs) == ["FP16-FSDP", "thc on FSDP", "thc on FSDP, overlap", "thc on FSDP, delay(1)"]
     fp16, thc, over = runs["FP16-FSDP"], runs["thc on FSDP"], runs["thc on FSDP, overlap"]
-    assert [r["system"] for r in runs.values()] == ["fsdp", "fsdp", "fsdp"]
+    late = runs["thc on FSDP, delay(1)"]
+    assert [r["system"] for r in runs.values()] == ["fsdp"] * 4
     assert fp16["spec"] == "fsdp:fp16" and thc["spec"] == "fsdp:thc" and over["spec"] == "fsdp:thc with overlap"
+    assert late["spec"] == "fsdp:thc with delay(1)"
     for r in runs.values():
         assert r["status"] == "ok" and r["mesh"] == "2x2" and r["world_size"] == "4"
         assert int(r["params"]) == PARAMS and 0 < int(r["steps"]) <= STEPS
         assert float(r["compute_share"]) + float(r["codec_share"]) + float(r["comm_share"]) == pytest.approx(1.0)
     assert int(fp16["steps"]) == STEPS and float(fp16["codec_share"]) == 0  # FSDP's own collectives
     assert float(thc["codec_share"]) > 0 and float(over["codec_share"]) > 0  # our codec inside FSDP's hook
+    assert float(late["codec_share"]) > 0
     # overlap=True delivers the blocking hook's gradients: the same losses step for step (where
     # the time cap stopped neither early)
     if over["steps"] == thc["steps"]:
         assert over["final_metric"] == thc["final_metric"]
     for run_id, flags in (("lm-comm-fsdp-fp16", "--compression fp16 --mesh 2x2"),
                           ("lm-comm-fsdp-thc", "--compression thc --mesh 2x2"),
-                          ("lm-comm-fsdp-thc-with-overlap", "--compression thc --mesh 2x2 --overlap")):
+                          ("lm-comm-fsdp-thc-with-overlap", "--compression thc --mesh 2x2 --overlap"),
+                          ("lm-comm-fsdp-thc-with-delay-1", "--compression thc --mesh 2x2 --delay 1")):
         command = (out / "logs" / run_id / "command.txt").read_text()
         assert "-m hvd_gradcomp.bench.workers.fsdp_torch --workload lm-comm " + flags in command
     assert "FP16-FSDP" in res.stdout and "FSDP rows: HSDP" in res.stdout

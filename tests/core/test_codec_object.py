@@ -83,3 +83,29 @@ def test_bare_codec_equals_the_compressors(spec):
                     out[u.index] = mean.reshape(-1)
             assert torch.equal(out, want[r]), f"{spec}: step {step}, rank {r}"
     assert sorted(bare[0].store.states) == sorted(k for k in comps[0].codec.store.states)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("spec", CATALOGUE + ["thc:error_feedback=false,subtract_own=true",
+                                             "auto:candidates=thc:subtract_own=true|fp16,bandwidth_gbit=0.01"])
+def test_a_rank_that_sent_zeros_decodes_its_peers_mean(spec):
+    """DDP's ``Join`` under the delayed hook: after 6 steps of both ranks (auto: its window, then
+    its choices: THC on a group), rank 1 posts zeros in place of its payload, and decoding the
+    sum with :meth:`Codec.as_sent_zeros` of its ctx gives rank 0's result bit for bit (a scheme
+    that takes its own words off the sum, ``subtract_own``, takes zeros off)."""
+    n, steps = 2, 7
+    bare = [Codec(Compression.from_spec(spec).routing, OPS, DictStore(OPS), Frontend()).bind_engine(_Rank(r, n))
+            for r in range(n)]
+    for step in range(steps):
+        joined = step == steps - 1
+        bufs = _buffers(n, step, seed=11)
+        plans = [c.plan_bucket(MEMBERS, "float32", "sum", None, b) for c, b in zip(bare, bufs)]
+        for k, u in enumerate(plans[0].units):
+            x = [(b[u.start:u.stop] if u.contiguous else b.index_select(0, u.index)).view(u.info.shape) for b in bufs]
+            (p0, c0), (p1, c1) = bare[0].encode_unit(u, x[0]), bare[1].encode_unit(plans[1].units[k], x[1])
+            if c0 is None:
+                continue
+            summed = p0 + (torch.zeros_like(p1) if joined else p1)  # (two ranks: one addition)
+            mine = bare[0].decode(summed.clone(), c0, divide=n)
+            theirs = bare[1].decode(summed.clone(), bare[1].as_sent_zeros(c1) if joined else c1, divide=n)
+            assert torch.equal(mine, theirs), f"{spec}: step {step}, unit {k} ({u.info.key})"

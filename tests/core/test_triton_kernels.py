@@ -154,9 +154,9 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert compiled["uncovered"] == [], compiled["uncovered"]
     kernels = _kernels(compiled)
     assert {k.split("[")[0] for k in kernels} == {
-        "triton_thc.rotate", "triton_thc.quantize", "triton_thc.decode", "triton_thc_words.scales",
+        "triton_thc.rotate", "triton_thc.quantize", "triton_thc.decode", "triton_thc_fused.words", "triton_thc_words.scales",
         "triton_thc_words.tail", "triton_thc_words.noise", "triton_thc_words.receive", "triton_thc_words.finish",
-        "triton_topkc.correct", "triton_powersgd.basis", "triton_powersgd.basis_batched", "triton_powersgd.agree",
+        "triton_topkc.correct", "triton_topkc.scatter", "triton_powersgd.basis", "triton_powersgd.basis_batched", "triton_powersgd.agree",
         "triton_signsgd.blocks", "triton_signsgd.pack", "triton_signsgd.stats", "triton_signsgd.receive",
         "triton_signsgd.decode", "triton_signsgd.residual"}
     for name, facts in kernels.items():
@@ -181,7 +181,7 @@ def test_ptx_only_compile(runs):
     """Where ptxas cannot run, the compiler's stages up to PTX still build each kernel
     module's first kernel for sm_90 (tests/core/triton_aot.py, compile_sm90)."""
     kernels = _kernels(runs["compiled"]["ptx_only"])
-    assert len(kernels) == 5, kernels  # triton_thc, _thc_words, _topkc, _powersgd, _signsgd
+    assert len(kernels) == 6, kernels  # triton_thc, _thc_words, _thc_fused, _topkc, _powersgd, _signsgd
     for name, facts in kernels.items():
         assert "error" not in facts, f"{name}: {facts.get('error')}"
         assert facts["target"] and facts["entry"] and facts["cubin"] is None, (name, facts)

@@ -57,10 +57,11 @@ def aot_all(ptx_only=False, limit=None):
     kernel there nor named in one); ``"ptxas_runs"``. ``ptx_only``: the stages up to
     PTX alone (:func:`compile_sm90`); ``limit``: the first ``limit`` entries of each module."""
     from triton.runtime.jit import JITFunction
-    from torch_backend.kernels import triton_powersgd, triton_signsgd, triton_thc, triton_thc_words, triton_topkc
+    from torch_backend.kernels import (triton_powersgd, triton_signsgd, triton_thc, triton_thc_fused, triton_thc_words,
+                                       triton_topkc)
     cubin = ptxas_runs() and not ptx_only
     results, uncovered = {"ptxas_runs": ptxas_runs()}, []
-    for module in (triton_thc, triton_thc_words, triton_topkc, triton_powersgd, triton_signsgd):
+    for module in (triton_thc, triton_thc_words, triton_thc_fused, triton_topkc, triton_powersgd, triton_signsgd):
         jitted = {name: value for name, value in vars(module).items() if isinstance(value, JITFunction)}
         covered = {fn for _, fn, _, _ in module.AOT}
         grew = True

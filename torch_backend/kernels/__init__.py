@@ -47,7 +47,8 @@ ENV = "HVD_GRADCOMP_KERNELS"
 
 # Device type -> provider modules, imported on the first lookup for that device type.
 PROVIDERS = {
-    "cuda": ("torch_backend.kernels.triton_thc", "torch_backend.kernels.triton_topkc",
+    "cuda": ("torch_backend.kernels.triton_thc", "torch_backend.kernels.triton_thc_fused",
+             "torch_backend.kernels.triton_topkc",
              "torch_backend.kernels.triton_powersgd", "torch_backend.kernels.triton_signsgd",
              "torch_backend.kernels.tables"),
     "cpu": ("torch_backend.kernels.cpu_thc", "torch_backend.kernels.cpu_topkc", "torch_backend.kernels.cpu_powersgd",

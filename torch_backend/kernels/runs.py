@@ -60,7 +60,10 @@ def gather(buffer, unit):
 def scatter(buffer, unit, values):
     """Write ``values`` (1-D [unit.info.numel], cast to the buffer's dtype) into the unit's
     coordinates of ``buffer`` in place (``buffer[unit.index] = values``)."""
-    values = values.reshape(-1).to(buffer.dtype)
+    if values.dim() != 1:  # (1-D already, or of the buffer's dtype: no operation recorded)
+        values = values.reshape(-1)
+    if values.dtype != buffer.dtype:
+        values = values.to(buffer.dtype)
     if not _direct(buffer) or not unit.runs or values.device.type != "cpu":
         buffer.index_copy_(0, unit.index, values)
         return

@@ -56,7 +56,7 @@ from hvd_gradcomp import thc_kernels as core
 from .forms import register
 from .triton_thc_words import _OPTIONS, _exact, _on, finish, noise, op_code, receive, scales, tail
 
-__all__ = ["accepts", "rotate", "quantize", "decode", "AOT", "BLOCK", "TILE"]
+__all__ = ["accepts", "rotate", "rotate_blocks", "quantize", "decode", "encode", "AOT", "BLOCK", "TILE"]
 
 BLOCK = 1024  # the rotation block these kernels cover (a [32, 32] tile)
 SIDE = 32
@@ -209,6 +209,14 @@ def rotate(plan, x, residual, diag, hmat, finite):
         statistics int32 [ceil(2 nb / lanes)] or [0] with ``range="current"``, finite bool 0-d),
         as the reference's.
     """
+    y, held, wanted = rotate_blocks(plan, x, residual, diag, hmat)
+    stats, ok = scales(plan, wanted, finite)
+    return y, held, wanted, stats, ok
+
+
+def rotate_blocks(plan, x, residual, diag, hmat):
+    """The block programs of :func:`rotate` (one launch): ``(y float32 [P], held float32 [P]
+    with a flush bound else [0], wanted float32 [nb])``, without the statistics program."""
     x, residual, diag, hmat = x.contiguous(), residual.contiguous(), diag.contiguous(), hmat.contiguous()
     padded = diag.shape[0]
     nb = padded // BLOCK
@@ -221,8 +229,7 @@ def rotate(plan, x, residual, diag, hmat, finite):
                        x.shape[0], _range_scale(plan), float(plan.flush) if flush else 1.0,
                        EF=bool(plan.error_feedback), FLUSH=flush, SATURATION=bool(plan.threshold), S=SIDE,
                        **_OPTIONS)
-    stats, ok = scales(plan, wanted, finite)
-    return y, held, wanted, stats, ok
+    return y, held, wanted
 
 
 def quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words):
@@ -286,9 +293,11 @@ def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, ow
 
 
 def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
-    """Fused ``_encode_kernel`` (steps 1-5 with agreed ranges): :func:`rotate`, ``noise`` and
+    """``_encode_kernel`` (steps 1-5 with agreed ranges) as :func:`rotate`, ``noise`` and
     :func:`quantize` in turn (five launches), the outputs as theirs (``y`` [0] without error
-    feedback, as the reference's)."""
+    feedback, as the reference's). Not registered: the registered form is
+    :func:`torch_backend.kernels.triton_thc_fused.encode` (two launches, the same bits); this
+    one is what the tests compare it with."""
     y, held, _, stats, finite = rotate(plan, x, residual, diag, hmat, finite)
     rows, cols = noise(plan, key, ranges)
     payload, residual, saturated = quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats)
@@ -306,7 +315,6 @@ register(core._receive_kernel, "cuda", accepts, receive, "triton_thc_words.recei
 register(core._finish_kernel, "cuda", _accepts_stats, finish, "triton_thc_words.finish")
 register(core._quantize_kernel, "cuda", accepts, quantize, "triton_thc.quantize")
 register(core._decode_kernel, "cuda", accepts, decode, "triton_thc.decode")
-register(core._encode_kernel, "cuda", accepts, encode, "triton_thc.encode")
 
 
 # ---- ahead-of-time compile (tests): (name, kernel, signature, constexprs) ----

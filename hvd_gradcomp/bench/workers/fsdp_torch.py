@@ -121,7 +121,7 @@ class FSDPTrainer:
     (:func:`.torch_workloads.make_schedule`), set before each optimizer step."""
 
     def __init__(self, workload, model, local, lr, mesh, spec, rs_spec, calib_every, device="cpu",
-                 optimizer="", overlap=False):
+                 optimizer="", overlap=False, delay=0):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from torch_backend import Compression
         from torch_backend.fsdp import install, install_reduce_scatter
@@ -140,7 +140,7 @@ class FSDPTrainer:
         self.timers = []
         self.compressor = self.scatter = None
         if self.native is None:
-            self.compressor = install(model, Compression.from_spec(spec), overlap=overlap)
+            self.compressor = install(model, Compression.from_spec(spec), overlap=overlap, delay=delay)
             self.timers.append(timed_compressor(self.compressor, self.clock))
         if rs_spec:
             self.scatter = install_reduce_scatter(model, Compression.from_spec(rs_spec))
@@ -215,6 +215,9 @@ def main(argv=None):
     parser.add_argument("--mesh", default="", help="RxS: R replicas of S shards (default 2 x world/2)")
     parser.add_argument("--overlap", action="store_true",
                         help="install our hook with overlap=True (torch_backend.fsdp.install)")
+    parser.add_argument("--delay", type=int, default=0,
+                        help="install our hook with delay=D (1: step t's mean applied at step t + 1; "
+                             "torch_backend.fsdp.install); 0: blocking")
     parser.add_argument("--reduce-scatter", default="",
                         help="compress the reduce-scatter within the shard group too: none, fp16, "
                              "bf16, thc, signsgd (S >= 2)")
@@ -223,13 +226,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
     devices.require_device(parser, args.device)
     spec, rs_spec = args.compression.strip(), args.reduce_scatter.strip() or None
-    args.compression = fsdp_compression(spec, rs_spec, args.overlap)
+    args.compression = fsdp_compression(spec, rs_spec, args.overlap, args.delay)
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     rank, size = dist.get_rank(), dist.get_world_size()
     try:
         replicas, shards = parse_fsdp_mesh(args.mesh, size)
         if args.overlap and native_spec(spec) is not None:
             raise ValueError(f"--overlap installs our hook with overlap=True; {spec!r} is FSDP's own "
+                             f"all-reduce")
+        if args.delay and native_spec(spec) is not None:
+            raise ValueError(f"--delay installs our hook with delay={args.delay}; {spec!r} is FSDP's own "
                              f"all-reduce")
         if rs_spec and shards < 2:
             raise ValueError(f"--reduce-scatter {rs_spec}: the mesh {replicas}x{shards} has one shard per "
@@ -250,13 +256,14 @@ def main(argv=None):
     mesh = init_device_mesh(torch.device(device).type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
     try:
         trainer = FSDPTrainer(wl, model, local, args.lr, mesh, spec, rs_spec, args.eval_every, device,
-                              args.optimizer, overlap=args.overlap)
+                              args.optimizer, overlap=args.overlap, delay=args.delay)
     except (ValueError, TypeError) as e:  # a spec install refuses: the same message on every rank
         print(f"fsdp worker: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         return 2
     trainer.schedule = torch_workloads.make_schedule(wl, trainer.opt, args)
-    meta = {"framework": "torch", "system": "fsdp", "label": fsdp_label("none" if spec == "fp32" else spec, rs_spec, args.overlap),
+    meta = {"framework": "torch", "system": "fsdp", "label": fsdp_label("none" if spec == "fp32" else spec, rs_spec, args.overlap,
+                                                                     args.delay),
             "device": str(device),
             "mesh": f"{replicas}x{shards}", "replicas": replicas, "shards": shards,
             "all_reduce": f"native {trainer.reduce_dtype}".replace("torch.", "") if trainer.native is not None else spec,
@@ -266,6 +273,9 @@ def main(argv=None):
             "schedule_steps": None if trainer.schedule is None else trainer.schedule.total,
             "optimizer_class": type(trainer.opt).__name__}
     torch_workloads.train(wl, trainer.model, trainer, args, rank, size, meta, trainer.bytes_per_step)
+    if args.delay:  # the last step's all-reduces, in flight: waited for (a peer's failure raises here)
+        from torch_backend.fsdp_delayed import delayed_state
+        delayed_state(trainer.model).drain()
     dist.barrier()  # leave together: a rank tearing down Gloo early can abort its peer
     # Then leave without Gloo's teardown: destroying a 2-D mesh's subgroups aborted a rank now
     # and then after every result was written and the barrier passed ("terminate called
