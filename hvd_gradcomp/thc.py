@@ -156,6 +156,7 @@ collective, on every rank).
 References: THC (NSDI 2024) for rotate-clamp-quantise and ``T``; Suresh et al., "Distributed
 Mean Estimation with Limited Communication", ICML 2017, for the randomized Hadamard rotation.
 """
+import logging
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
@@ -167,6 +168,9 @@ from .thc_kernels import (_CONTROL, _Plan, _decode_kernel, _encode_kernel, _fini
                           _quantize_kernel, _receive_kernel, _rotate_kernel)
 from .options import error_feedback_option, option, seed_option, validate
 from .saturation import grid_saturation_rate, saturation_threshold
+
+log = logging.getLogger(__name__)
+_WARNED = set()  # (world size, bits, lane_bits): the one-level warning given once a process
 
 __all__ = ["THCConfig", "THCState", "THCScheme", "saturation_threshold", "grid_saturation_rate", "lane_layout",
            "wire_bits", "exact_words", "MAX_WORLD_SIZE"]
@@ -354,6 +358,12 @@ class THCScheme(Scheme):
                     f"lane_bits=none or leave it unset (lanes widen for bits: {32 / wide.lanes:.2f} bits a "
                     f"coordinate), or leave bits at its default {type(cfg).bits} (levels follow the world size)")
             levels = wide  # lane_bits at its default gives way to the bits asked for
+        if levels.top == 1 and cfg.error_feedback and (n, cfg.bits, cfg.lane_bits) not in _WARNED:
+            _WARNED.add((n, cfg.bits, cfg.lane_bits))
+            log.warning("thc: at %d ranks its %s-bit lanes hold 1 level a rank above zero (%s), and error "
+                        "feedback at 1 level can run away (docs/scale.md: default THC's perplexity turned NaN "
+                        "at 32 ranks on lm-comm); use thc:error_feedback=false, or bits=2 (4 levels, the lanes "
+                        "widen), or lane_bits=none", n, cfg.lane_bits, info.key)
         stats = stats_layout(n, levels.guard)
         stats_words = 0 if self.blocking else -(-2 * (padded // block) // stats.lanes)
         h = min(13, (31 - levels.guard - n.bit_length()) // 2)

@@ -444,3 +444,21 @@ def test_explicit_bits_and_lane_bits_that_do_not_fit_are_refused(spec, n, op, le
         f"lane_bits=none or leave it unset (lanes widen for bits: "), str(err.value)
     if lane_bits == 16:  # where they fit, both are kept: 16-bit lanes hold 255 levels at 2 ranks
         assert scheme.layout(TensorInfo("w", (4096,), "float32", 2, 0, op)).levels.top == 255
+
+
+def test_one_level_a_rank_with_error_feedback_warns_once(caplog):
+    # default lanes at 32 ranks hold 1 level a rank: error feedback there ran away (docs/scale.md)
+    def layout(spec, n):
+        thc._WARNED.clear() if spec == "first" else None
+        name, options = parse_spec("thc" if spec == "first" else spec)
+        scheme = make_scheme(name, **options)
+        return scheme.layout(TensorInfo("embed.weight", (4096,), "float32", n, 0, "average"))
+
+    with caplog.at_level("WARNING", logger="hvd_gradcomp.thc"):
+        assert layout("first", 32).levels.top == 1
+        layout("thc", 32)  # the same layout again: no second warning
+        assert layout("thc:error_feedback=false", 32).levels.top == 1  # nothing to run away
+        assert layout("thc", 8).levels.top > 1 and layout("thc:bits=2", 32).levels.top > 1
+    warned = [r.getMessage() for r in caplog.records if r.name == "hvd_gradcomp.thc"]
+    assert len(warned) == 1 and "at 32 ranks" in warned[0] and "embed.weight" in warned[0]
+    assert "error_feedback=false" in warned[0]
