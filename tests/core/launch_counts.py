@@ -20,6 +20,7 @@ GPU's paths where the CPU takes its own (:func:`gpu_paths`).
 """
 import collections
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -135,7 +136,9 @@ def model_a_buckets():
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # one rank only; a bounded timeout besides the caller's (test_triton_launches.py runs this
+        # module in its own session under a timeout that kills the whole process group)
+        dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
     module, loss = model_a()
     ddp = DDP(module)
     seen = {}
