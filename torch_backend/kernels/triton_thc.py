@@ -56,7 +56,7 @@ from hvd_gradcomp import thc_kernels as core
 from .forms import register
 from .triton_thc_words import _OPTIONS, _exact, _on, finish, noise, op_code, receive, scales, tail
 
-__all__ = ["accepts", "rotate", "rotate_blocks", "quantize", "decode", "encode", "AOT", "BLOCK", "TILE"]
+__all__ = ["accepts", "rotate", "rotate_blocks", "quantize", "quantize_lane", "decode", "encode", "AOT", "BLOCK", "TILE"]
 
 BLOCK = 1024  # the rotation block these kernels cover (a [32, 32] tile)
 SIDE = 32
@@ -113,6 +113,20 @@ def _rotate(x_ptr, res_ptr, diag_ptr, h_ptr, y_ptr, held_ptr, wanted_ptr, d, ran
 
 
 @triton.jit
+def quantize_lane(y, top, noise, m, grid_step, tiny, centre, upper, below, above):
+    """One lane's levels ``floor(clip(y / delta + centre) + noise)`` of the coordinates ``y``
+    (their blocks' ranges ``top``, masked by ``m``): ``(q, delta, saturated 0/1)``; shared by
+    the five-launch encode and the fused one (:mod:`.triton_thc_fused`)."""
+    live = top > 0.0
+    delta = top * grid_step
+    inv = tl.where(live, tl.div_rn(1.0, tl.maximum(delta, tiny)), 0.0)
+    u = y * inv + tl.where(live, centre, -1.0)
+    clipped = tl.minimum(tl.maximum(u, -1.0, propagate_nan=tl.PropagateNan.ALL), upper,
+                         propagate_nan=tl.PropagateNan.ALL)
+    return tl.floor(clipped + noise), delta, tl.where(m & ((u < below) | (u > above)), 1, 0)
+
+
+@triton.jit
 def _quantize(y_ptr, held_ptr, ranges_ptr, rows_ptr, cols_ptr, payload_ptr, res_ptr, sat_ptr,
               P, W, grid_step, tiny, centre, upper, below, above,
               LANES: tl.constexpr, WIDTH: tl.constexpr, GUARD: tl.constexpr, OFFSET: tl.constexpr,
@@ -128,17 +142,11 @@ def _quantize(y_ptr, held_ptr, ranges_ptr, rows_ptr, cols_ptr, payload_ptr, res_
         y = tl.load(y_ptr + c, mask=m, other=0.0)
         blk = c // B
         top = tl.load(ranges_ptr + blk, mask=m, other=0.0)
-        live = top > 0.0
-        delta = top * grid_step
-        inv = tl.where(live, tl.div_rn(1.0, tl.maximum(delta, tiny)), 0.0)
-        u = y * inv + tl.where(live, centre, -1.0)
-        clipped = tl.minimum(tl.maximum(u, -1.0, propagate_nan=tl.PropagateNan.ALL), upper,
-                             propagate_nan=tl.PropagateNan.ALL)
-        saturated += tl.where(m & ((u < below) | (u > above)), 1, 0)
         row = tl.load(rows_ptr + blk, mask=m, other=0)
         col = tl.load(cols_ptr + (c % B), mask=m, other=0)
-        noise = (row ^ col).to(tl.float32, bitcast=True)
-        q = tl.floor(clipped + noise)
+        q, delta, sat = quantize_lane(y, top, (row ^ col).to(tl.float32, bitcast=True), m, grid_step, tiny,
+                                      centre, upper, below, above)
+        saturated += sat
         if EF:
             res = y - q * delta + top
             if FLUSH:

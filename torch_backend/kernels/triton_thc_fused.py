@@ -33,7 +33,7 @@ import triton.language as tl
 from hvd_gradcomp import thc_kernels as core
 
 from .forms import register
-from .triton_thc import accepts, rotate_blocks
+from .triton_thc import accepts, quantize_lane, rotate_blocks
 from .triton_thc_words import _MANTISSAS, _OPTIONS, SMALL, _lowbias32, _on, _scale_lane
 
 __all__ = ["encode", "ticket", "AOT", "TILE"]
@@ -92,17 +92,11 @@ def _words(y_ptr, held_ptr, ranges_ptr, key_ptr, fp_ptr, finite_ptr, wanted_ptr,
         y = tl.load(y_ptr + c, mask=m, other=0.0)
         blk = c // B
         top = tl.load(ranges_ptr + blk, mask=m, other=0.0)
-        live = top > 0.0
-        delta = top * grid_step
-        inv = tl.where(live, tl.div_rn(1.0, tl.maximum(delta, tiny)), 0.0)
-        u = y * inv + tl.where(live, centre, -1.0)
-        clipped = tl.minimum(tl.maximum(u, -1.0, propagate_nan=tl.PropagateNan.ALL), upper,
-                             propagate_nan=tl.PropagateNan.ALL)
-        saturated += tl.where(m & ((u < below) | (u > above)), 1, 0)
         row = (_hash_bits(blk, k, offset) | 0x3F800000).to(tl.int32)
         col = _hash_bits(NB + (c % B), k, offset).to(tl.int32)
-        noise = (row ^ col).to(tl.float32, bitcast=True)
-        q = tl.floor(clipped + noise)
+        q, delta, sat = quantize_lane(y, top, (row ^ col).to(tl.float32, bitcast=True), m, grid_step, tiny,
+                                      centre, upper, below, above)
+        saturated += sat
         if EF:
             res = y - q * delta + top
             if FLUSH:
