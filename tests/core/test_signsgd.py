@@ -301,7 +301,8 @@ def test_fused_forms_are_registered():
 
 @pytest.mark.parametrize("n,op", [(1, "sum"), (2, "average"), (3, None), (8, "average"), (1024, "average")])
 @pytest.mark.parametrize("d,block,ef", [(1, 1024, True), (91, 16, True), (3000, 1024, True), (5000, 7, False),
-                                         (2999, None, True), (70000, 1024, True)])
+                                         (2999, None, True), (70000, 1024, True),
+                                         (600001, 1000, True)])  # several tiles of the C loop
 @pytest.mark.parametrize("finite", [None, True, False])
 def test_encode_matches_reference(n, op, d, block, ef, finite):
     torch, K, _, cpu, R = _torch_kernels()
@@ -359,12 +360,15 @@ def _reduced(torch, K, R, plan, n, op, d, bad_rank=None):
 
 @pytest.mark.parametrize("n,op", [(1, "sum"), (2, "sum"), (2, "average"), (3, None), (5, "average"),
                                   (16, "average"), (1024, "average")])
-@pytest.mark.parametrize("d,block", [(37, 1024), (3000, 1024), (5001, 100), (777, None)])
+@pytest.mark.parametrize("d,block", [(37, 1024), (3000, 1024), (5001, 100), (777, None),
+                                     (70001, 1000)])  # several tiles of the C decode
 @pytest.mark.parametrize("bad", [False, True])
 def test_receive_decode_and_residual_are_bit_exact(n, op, d, block, bad):
     torch, K, _, cpu, R = _torch_kernels()
     if n == 1024 and d > 1000:
         pytest.skip("one size at 1024 ranks is enough")
+    if n > 5 and d > 10000:
+        pytest.skip("several decode tiles: up to 5 ranks are enough")
     plan = _plan(n, op, d, True, block)
     reduced, corrected = _reduced(torch, K, R, plan, n, op, d, bad_rank=n - 1 if bad else None)
     got, want = cpu.receive(plan, reduced, corrected), K._receive_kernel(R, plan, reduced, corrected)
@@ -376,8 +380,10 @@ def test_receive_decode_and_residual_are_bit_exact(n, op, d, block, bad):
     ref = K._decode_kernel(R, plan, reduced, *want)
     assert _bitwise(torch, out, ref)
     assert bool(torch.isnan(ref).all()) == bad and (bad or bool(ref.abs().sum() > 0))
+    ref = K._residual_kernel(R, plan, corrected, want[2])
     left = cpu.residual(plan, corrected, want[2])
-    assert _bitwise(torch, left, K._residual_kernel(R, plan, corrected, want[2]))
+    assert _bitwise(torch, left, ref)
+    assert left.data_ptr() == corrected.data_ptr()  # written over p: no fresh [P] buffer
 
 
 @pytest.mark.parametrize("spec,n,op", [("signsgd", 2, "average"), ("signsgd:block=64", 3, None),
@@ -436,7 +442,7 @@ def test_fused_result_independent_of_vector_width():
             payload, corrected = cpu.encode(plan, x, e, None)
             reduced = payload * 3 // 3  # any words: the decoder's integer paths
             count, bad, scale, inferred = cpu.receive(plan, reduced, corrected)
-            return [payload, corrected, scale, cpu.decode(plan, reduced, count, bad, scale, inferred),
+            return [payload, corrected.clone(), scale, cpu.decode(plan, reduced, count, bad, scale, inferred),
                     cpu.residual(plan, corrected, scale)]
         finally:
             cpu._lib = native

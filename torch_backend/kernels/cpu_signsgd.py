@@ -4,10 +4,10 @@ decode and the residual.
 Each is one compiled C loop (``csrc/signsgd.c``, built by :mod:`torch_backend.kernels.cbuild`)
 over the kernel's per-coordinate work, where the reference runs one PyTorch operation per step
 of the math (about 14 passes over the gradient and 120 operations a call): encode reads ``g``
-and ``e`` once and writes ``p`` and the sign words (tiles of 256 words, each lane's coordinates
-contiguous), with the block sums, scales' codes and control words after; decode writes each
-coordinate once from its word; the residual is one pass over ``p``. The agreed scales' ``exp2``
-stays PyTorch's (as in :mod:`~torch_backend.kernels.cpu_thc`), so every rank computes the same
+and ``e`` once and writes ``p``, its block sums and the sign words in the same pass (tiles of
+16,384 words, each lane's coordinates contiguous), then the scales' codes and control words;
+decode writes each coordinate once from its word; the residual is one pass over ``p``, written in
+place. The agreed scales' ``exp2`` stays PyTorch's (as in :mod:`~torch_backend.kernels.cpu_thc`), so every rank computes the same
 scales whichever form it runs.
 
 Plans: every signSGD plan (any block, world size, op, with or without error feedback), on CPU
@@ -26,7 +26,8 @@ What equals the reference (tests/core/test_signsgd.py checks each):
 - ``_receive_kernel``: integer sums, the reference's float32 mean, then PyTorch's ``exp2``: bit
   for bit.
 - ``_decode_kernel`` and ``_residual_kernel``: the same float32 operations in the same order
-  (compiled without contraction): bit for bit.
+  (compiled without contraction): bit for bit. The residual is written over its input ``corrected``
+  (the encode's ``p``, dead after step 6), not into a new tensor.
 
 Same result on every rank and CPU: the C source fixes every float operation's order and is
 compiled without ``-ffast-math`` or contraction.
@@ -53,7 +54,7 @@ _lib.hgc_signsgd_receive.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P]
 _lib.hgc_signsgd_receive.restype = None
 _lib.hgc_signsgd_decode.argtypes = [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _F, _P]
 _lib.hgc_signsgd_decode.restype = None
-_lib.hgc_signsgd_residual.argtypes = [_P, _I, _I, _P, _P]
+_lib.hgc_signsgd_residual.argtypes = [_P, _I, _I, _P]
 _lib.hgc_signsgd_residual.restype = None
 
 
@@ -143,13 +144,14 @@ def decode(plan, payload, count, bad, scale, inferred):
 
 
 def residual(plan, corrected, scale):
-    """Fused ``_residual_kernel`` (step 6): float32 [P], the reference's bit for bit."""
+    """Fused ``_residual_kernel`` (step 6): float32 [P], the reference's bit for bit, written over
+    ``corrected`` when it is a contiguous float32 CPU tensor (``p`` is the encode's own buffer,
+    read by nothing after step 6: one pass that reads and writes each coordinate where it lies,
+    no fresh [P] buffer, whose pages glibc would fault in again each step) and returned."""
     if not (_cpu(corrected, scale) and corrected.dtype == torch.float32 and scale.dtype == torch.float32):
         return _residual_kernel(REFERENCE_OPS, plan, corrected, scale)
-    corrected, scale = corrected.contiguous(), scale.contiguous()
-    out = torch.empty(corrected.shape[0], dtype=torch.float32)
-    _lib.hgc_signsgd_residual(corrected.data_ptr(), corrected.shape[0], plan.block, scale.data_ptr(),
-                              out.data_ptr())
+    out, scale = corrected.contiguous(), scale.contiguous()
+    _lib.hgc_signsgd_residual(out.data_ptr(), out.shape[0], plan.block, scale.data_ptr())
     return out
 
 

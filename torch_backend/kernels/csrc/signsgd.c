@@ -21,7 +21,10 @@
 #include <string.h>
 
 #define ACC 16   /* partial sums a run (a fixed number: results independent of the vector width) */
-#define TILE 256 /* words a tile: each lane's TILE coordinates of a tile are contiguous */
+#define TILE 16384 /* sign words an encode tile (64 KiB of the payload, in L2): each lane's TILE
+                    * coordinates of a tile are contiguous, so each of the 3 lanes-many streams of
+                    * g, e and p runs 64 KiB before it jumps (at 256 words the jumps cost a third) */
+#define DTILE 4096 /* words a decode tile: their exact values on the stack (16 KiB) */
 
 /* lanes.exact_words of one all-reduced word, modulo 2**32: the word under Sum (or without guard
  * bits); under Average the multiple of 2**guard next to n w away from zero (w >= 0 here: the
@@ -45,22 +48,6 @@ static inline int64_t exact64(int64_t w, int64_t n, int64_t guard, int as_is)
     return (w < 0 ? down : up) - bias;
 }
 
-/* Sum of |v[0..m)| in ACC partial sums combined pairwise (a fixed order). */
-static float abs_sum(const float *restrict v, int64_t m)
-{
-    float acc[ACC] = {0};
-    int64_t i = 0;
-    for (; i + ACC <= m; i += ACC)
-        for (int q = 0; q < ACC; q++)
-            acc[q] = acc[q] + fabsf(v[i + q]);
-    for (int q = 0; i < m; i++, q++)
-        acc[q] = acc[q] + fabsf(v[i]);
-    for (int w = ACC / 2; w >= 1; w /= 2)
-        for (int q = 0; q < w; q++)
-            acc[q] = acc[q] + acc[q + w];
-    return acc[0];
-}
-
 /* ---- _encode_kernel (steps 1-3) ----
  *
  * x: float32 [d]; residual: float32 [d] or NULL (no error feedback); finite_p: the incoming flag
@@ -81,45 +68,70 @@ int32_t hgc_signsgd_encode(const float *restrict x, int64_t d, const float *rest
     float *sums = calloc((size_t)(nb > 0 ? nb : 1), sizeof(float));
     if (!sums)
         return -1;
-    uint32_t acc[TILE];
+    uint32_t *restrict words = (uint32_t *)payload; /* the lanes add up in place */
     for (int64_t i0 = 0; i0 < W; i0 += TILE) {
         int64_t t = W - i0 < TILE ? W - i0 : TILE;
-        memset(acc, 0, sizeof acc);
+        memset(words + i0, 0, (size_t)t * sizeof(uint32_t));
         for (int64_t j = 0; j < lanes; j++) {
             int64_t start = j * W + i0;
             if (start >= P)
                 break;
             int64_t end = start + t < P ? start + t : P;
             unsigned shift = (unsigned)(guard + j * width);
-            /* p and its bit, coordinate by coordinate (the gradient's part, then the padding) */
+            /* p, its bit and the block sums of the run in one pass, block by block: each
+             * block's part of the run adds up in ACC partial sums (coordinate s + i into
+             * partial i % ACC), combined pairwise, then into sums[b] in run order */
             int64_t real = end < d ? end : d;
-            float *restrict c = corrected;
-            if (residual) {
-                for (int64_t k = start; k < real; k++) {
-                    float v = x[k] + residual[k];
-                    c[k] = v;
-                    acc[k - start] += (uint32_t)(v >= 0.0f) << shift;
-                }
-            } else {
-                for (int64_t k = start; k < real; k++) {
-                    float v = x[k];
-                    c[k] = v;
-                    acc[k - start] += (uint32_t)(v >= 0.0f) << shift;
-                }
-            }
-            for (int64_t k = real > start ? real : start; k < end; k++) {
-                c[k] = 0.0f;
-                acc[k - start] += (uint32_t)1 << shift;
-            }
-            /* the block sums of the run, block by block (the run's p is in cache) */
             for (int64_t s = start; s < end;) {
                 int64_t b = s / B;
                 int64_t e = (b + 1) * B < end ? (b + 1) * B : end;
-                sums[b] = sums[b] + abs_sum(corrected + s, e - s);
+                int64_t r = e < real ? e : real; /* the gradient's part of [s, e) */
+                uint32_t *restrict a = words + i0 + (s - start);
+                float *restrict c = corrected + s;
+                const float *restrict xs = x + s;
+                const float *restrict es = residual ? residual + s : NULL;
+                float part[ACC] = {0};
+                int64_t m = r > s ? r - s : 0, i = 0;
+                if (es) {
+                    for (; i + ACC <= m; i += ACC)
+                        for (int q = 0; q < ACC; q++) {
+                            float v = xs[i + q] + es[i + q];
+                            c[i + q] = v;
+                            a[i + q] += (uint32_t)(v >= 0.0f) << shift;
+                            part[q] = part[q] + fabsf(v);
+                        }
+                    for (int q = 0; i < m; i++, q++) {
+                        float v = xs[i] + es[i];
+                        c[i] = v;
+                        a[i] += (uint32_t)(v >= 0.0f) << shift;
+                        part[q] = part[q] + fabsf(v);
+                    }
+                } else {
+                    for (; i + ACC <= m; i += ACC)
+                        for (int q = 0; q < ACC; q++) {
+                            float v = xs[i + q];
+                            c[i + q] = v;
+                            a[i + q] += (uint32_t)(v >= 0.0f) << shift;
+                            part[q] = part[q] + fabsf(v);
+                        }
+                    for (int q = 0; i < m; i++, q++) {
+                        float v = xs[i];
+                        c[i] = v;
+                        a[i] += (uint32_t)(v >= 0.0f) << shift;
+                        part[q] = part[q] + fabsf(v);
+                    }
+                }
+                for (; i < e - s; i++) { /* the padding: p = 0, bit 1, nothing to the sum */
+                    c[i] = 0.0f;
+                    a[i] += (uint32_t)1 << shift;
+                }
+                for (int w = ACC / 2; w >= 1; w /= 2)
+                    for (int q = 0; q < w; q++)
+                        part[q] = part[q] + part[q + w];
+                sums[b] = sums[b] + part[0];
                 s = e;
             }
         }
-        memcpy(payload + i0, acc, (size_t)t * sizeof(int32_t));
     }
     float total = 0.0f;
     for (int64_t b = 0; b < nb; b++)
@@ -196,9 +208,9 @@ void hgc_signsgd_decode(const int32_t *restrict payload, int64_t P, int64_t B, c
     int as_is = is_sum || guard == 0;
     float count = (float)*count_p, poison = *bad_p > 0 ? NAN : 0.0f;
     uint32_t low = (uint32_t)(((uint64_t)1 << guard) - 1), mask = (uint32_t)(((uint64_t)1 << width) - 1);
-    uint32_t ex[TILE];
-    for (int64_t i0 = 0; i0 < W; i0 += TILE) {
-        int64_t t = W - i0 < TILE ? W - i0 : TILE;
+    uint32_t ex[DTILE];
+    for (int64_t i0 = 0; i0 < W; i0 += DTILE) {
+        int64_t t = W - i0 < DTILE ? W - i0 : DTILE;
         if (as_is) {
             for (int64_t i = 0; i < t; i++)
                 ex[i] = (uint32_t)payload[i0 + i];
@@ -227,18 +239,17 @@ void hgc_signsgd_decode(const int32_t *restrict payload, int64_t P, int64_t B, c
 
 /* ---- _residual_kernel (step 6) ----
  *
- * p: float32 [P]; scale: float32 [nb]; out: float32 [P], (p + S) - [p >= 0] (S 2) per block. */
-void hgc_signsgd_residual(const float *restrict p, int64_t P, int64_t B, const float *restrict scale,
-                          float *restrict out)
+ * p: float32 [P], overwritten in place with (p + S) - [p >= 0] (S 2) per block (scale: float32
+ * [nb], S): each coordinate is read once and written once where it was read, no second array. */
+void hgc_signsgd_residual(float *p, int64_t P, int64_t B, const float *restrict scale)
 {
     for (int64_t b = 0; b < P / B; b++) {
         float s = scale[b], s2 = s * 2.0f;
-        const float *restrict pb = p + b * B;
-        float *restrict ob = out + b * B;
+        float *restrict pb = p + b * B;
         for (int64_t k = 0; k < B; k++) {
             float v = pb[k];
             float bit = v >= 0.0f ? 1.0f : 0.0f;
-            ob[k] = (v + s) - bit * s2;
+            pb[k] = (v + s) - bit * s2;
         }
     }
 }
