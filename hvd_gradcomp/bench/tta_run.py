@@ -58,6 +58,9 @@ def command(run, args, out_json, extra=()):
         cmd += ["--workload", wname, "--hook", run.spec]
         if run.delay:
             cmd += ["--delay", str(run.delay)]
+        cap = getattr(args, "ddp_bucket_cap_mb", None)
+        if cap is not None and run.spec.split(":")[0] in ("ours", "none", "fp32"):
+            cmd += ["--bucket-cap-mb", f"{cap:g}"]
     elif run.system == "fsdp":
         r, s = getattr(args, "fsdp_mesh_shape", None) or parse_fsdp_mesh(getattr(args, "fsdp_mesh", None), args.workers)
         cmd += ["--workload", wname, "--compression", run.spec, "--mesh", f"{r}x{s}"]

@@ -157,6 +157,11 @@ def build_parser():
                    help="lm-comm's training recipe for every row: adamw-cosine (the default: AdamW "
                         "(0.9, 0.95), weight decay 0.1 on matrices, 5%% linear warm-up, cosine decay "
                         "to 10%%) or adam-constant (issue 25's: Adam, constant 2e-3)")
+    p.add_argument("--ddp-bucket-cap-mb", type=float, default=None,
+                   help="DDP's bucket_cap_mb for the rows of our hooks on DDP (ours:SPEC, delay(D) "
+                        "rows) and DDP fp32 (default: 64, the whole gradient in one bucket posted "
+                        "after backward; smaller: buckets overlap the rest of backward); DDP's own "
+                        "fp16 and PowerSGD hooks keep one bucket")
     p.add_argument("--run-timeout", type=float, default=0.0,
                    help="wall-clock limit per run (s); 0 = 3 x max-seconds + 300")
     p.add_argument("--worker-args", default="",
@@ -237,10 +242,13 @@ def plan_sweep(args) -> SweepPlan:
 
     Raises:
         ValueError: an unknown workload, a bad compressor spec, DDP hook or FSDP row, an FSDP
-            mesh the workers do not divide into, ``--ranks-per-host`` not dividing the workers,
+            mesh the workers do not divide into, ``--ddp-bucket-cap-mb`` not above 0, ``--ranks-per-host`` not dividing the workers,
             a sweep with no rows, or a link setting out of range (the message says which).
     """
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    cap = getattr(args, "ddp_bucket_cap_mb", None)
+    if cap is not None and not cap > 0:
+        raise ValueError(f"--ddp-bucket-cap-mb must be > 0, got {cap:g}")
     defaults = sweep_defaults(workloads)
     for key in ("bandwidth", "max_seconds", "ddp_hooks", "no_comm_reference"):
         if getattr(args, key, None) is None:

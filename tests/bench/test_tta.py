@@ -119,6 +119,26 @@ def test_workers_are_launched_as_modules_of_the_package(tmp_path):
     assert commands["digits-horovod-fp16"][3:5] == ["--compression", "fp16"]
 
 
+def test_ddp_bucket_cap_reaches_our_ddp_rows_only(tmp_path, capsys):
+    """--ddp-bucket-cap-mb: our hooks' DDP rows (and DDP fp32) get --bucket-cap-mb; Horovod rows
+    and DDP's own fp16/PowerSGD hooks (one bucket: powerSGD_hook hangs on Gloo with several) do
+    not; a cap not above 0 is refused at planning, and the worker refuses it for DDP's hooks."""
+    from hvd_gradcomp.bench.workers import ddp_torch
+    args = tta_sweep.build_parser().parse_args(["--ddp-bucket-cap-mb", "0.25"])
+    plan = tta.plan_runs(["lm-comm"], ["fp16", "thc with delay(1)"], ["ours:thc", "fp16", "powersgd:rank=4", "fp32"])
+    caps = {r.run_id: tta_run.command(r, args, str(tmp_path / "r.json")) for r in plan}
+    got = {k: (c[c.index("--bucket-cap-mb") + 1] if "--bucket-cap-mb" in c else None) for k, c in caps.items()}
+    assert got == {"lm-comm-horovod-fp16": None, "lm-comm-ddp-ours-thc-with-delay-1": "0.25",
+                   "lm-comm-ddp-ours-thc": "0.25", "lm-comm-ddp-fp16": None,
+                   "lm-comm-ddp-powersgd-rank-4": None, "lm-comm-ddp-fp32": "0.25"}, got
+    bad = tta_sweep.build_parser().parse_args(["--workloads", "lm-comm", "--ddp-bucket-cap-mb", "0"])
+    with pytest.raises(ValueError, match="--ddp-bucket-cap-mb must be > 0"):
+        tta_sweep.plan_sweep(bad)
+    with pytest.raises(SystemExit):
+        ddp_torch.main(["--workload", "lm-comm", "--hook", "powersgd:rank=4", "--bucket-cap-mb", "1"])
+    assert "--bucket-cap-mb must be > 0 and is for --hook ours:<spec> or none only" in capsys.readouterr().err
+
+
 # ---- summaries, CSV/JSON, table, plots ----
 
 def _fake_result(spec, system="horovod", step_s=0.1, payload=8000, reach_at=3, higher=True):

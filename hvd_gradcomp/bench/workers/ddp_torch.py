@@ -101,16 +101,18 @@ def delayed_hook(ddp_model, compressor, delay):
 
 
 class DDPTrainer:
-    def __init__(self, workload, model, lr, hook, rank, seed, calib_every, device="cpu", optimizer="", delay=0):
+    def __init__(self, workload, model, lr, hook, rank, seed, calib_every, device="cpu", optimizer="", delay=0,
+                 bucket_cap_mb=64.0):
         self.workload = workload
         self.device, self.clock = device, devices.clock(device)
-        # One bucket of up to 64 MiB (an explicit cap also sizes DDP's first bucket): the whole
-        # gradient of every workload (17.4 MB at most) in one all-reduce, as Horovod's default
-        # fusion buffer (128 MiB in 0.28.1) holds it. With DDP's default small first bucket,
-        # powerSGD_hook on Gloo hung here: each bucket's future callback issues a nested
-        # all-reduce from a Gloo thread and waits for it, and with two buckets the ranks
-        # could post those in different orders.
-        self.model = DDP(model, bucket_cap_mb=64,  # broadcasts rank 0's parameters
+        # By default one bucket of up to 64 MiB (an explicit cap also sizes DDP's first bucket):
+        # the whole gradient of every workload (17.4 MB at most) in one all-reduce, as Horovod's
+        # default fusion buffer (128 MiB in 0.28.1) holds it. With DDP's default small first
+        # bucket, powerSGD_hook on Gloo hung here: each bucket's future callback issues a nested
+        # all-reduce from a Gloo thread and waits for it, and with two buckets the ranks could
+        # post those in different orders. A smaller cap (--bucket-cap-mb, our hooks only) posts
+        # buckets during backward, overlapping their all-reduces with the rest of it.
+        self.model = DDP(model, bucket_cap_mb=bucket_cap_mb,  # broadcasts rank 0's parameters
                          device_ids=None if torch.device(device).type == "cpu" else [torch.device(device).index])
         self.opt = torch_workloads.build_optimizer(workload, self.model.parameters(), lr, optimizer)
         self.schedule = None  # the recipe's learning-rate schedule (torch_workloads.make_schedule)
@@ -190,6 +192,9 @@ def main(argv=None):
     parser.add_argument("--delay", type=int, default=0,
                         help="ours:<spec> only: delayed gradient sync, step t's mean applied at step "
                              "t + D (torch_backend.ddp.register_comm_hook(..., delay=D)); 0: none")
+    parser.add_argument("--bucket-cap-mb", type=float, default=64.0,
+                        help="DDP's bucket_cap_mb (default 64: the whole gradient in one bucket); "
+                             "smaller: buckets posted during backward (ours:<spec> and none only)")
     if known.workload == "digits":
         parser.add_argument("--hidden", type=int, default=2048)
     devices.add_device_arg(parser)
@@ -199,6 +204,9 @@ def main(argv=None):
     hook, hook_rank = parse_hook(args.hook)
     if args.delay < 0 or (args.delay and hook != "ours"):
         parser.error(f"--delay must be >= 0 and is for --hook ours:<spec> only, got {args.delay} with {args.hook}")
+    if args.bucket_cap_mb <= 0 or (args.bucket_cap_mb != 64.0 and hook not in ("ours", "none")):
+        parser.error(f"--bucket-cap-mb must be > 0 and is for --hook ours:<spec> or none only (DDP's "
+                     f"powerSGD_hook hangs on Gloo with several buckets), got {args.bucket_cap_mb:g} with {args.hook}")
     args.compression = f"ddp:{args.hook}"
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -211,13 +219,16 @@ def main(argv=None):
         wl.recipe = args.recipe
     model = wl.model().to(device)
     trainer = DDPTrainer(wl, model, args.lr, hook, hook_rank, args.seed, args.eval_every, device, args.optimizer,
-                         args.delay)
+                         args.delay, args.bucket_cap_mb)
     trainer.schedule = torch_workloads.make_schedule(wl, trainer.opt, args)
     label = {"none": "DDP fp32", "fp16": "DDP fp16_compress_hook",
              "powersgd": f"DDP powerSGD_hook rank={hook_rank}", "ours": f"{hook_rank} on DDP"}[hook]
     if args.delay:
         label = f"{hook_rank} with delay({args.delay}) on DDP"
+    if args.bucket_cap_mb != 64.0:
+        label += f" (buckets of {args.bucket_cap_mb:g} MB)"
     meta = {"framework": "torch", "system": "ddp", "label": label, "hook": args.hook, "delay": args.delay,
+            "bucket_cap_mb": args.bucket_cap_mb,
             "ddp_start_powerSGD_iter": 2 if hook == "powersgd" else None, "device": str(device)}
     if hook == "ours":
         def wire():
