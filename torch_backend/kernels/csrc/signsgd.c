@@ -22,8 +22,9 @@
 
 #define ACC 16   /* partial sums a run (a fixed number: results independent of the vector width) */
 #define TILE 16384 /* sign words an encode tile (64 KiB of the payload, in L2): each lane's TILE
-                    * coordinates of a tile are contiguous, so each of the 3 lanes-many streams of
-                    * g, e and p runs 64 KiB before it jumps (at 256 words the jumps cost a third) */
+                    * coordinates of a tile are contiguous, so each lane's streams of g, e and p
+                    * (3 x lanes streams) run 64 KiB before they jump (at 256 words the jumps
+                    * cost about a third of the encode) */
 #define DTILE 4096 /* words a decode tile: their exact values on the stack (16 KiB) */
 
 /* lanes.exact_words of one all-reduced word, modulo 2**32: the word under Sum (or without guard
