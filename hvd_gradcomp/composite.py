@@ -37,7 +37,7 @@ import inspect
 
 __all__ = ["residual_of", "residual_field", "add_residual", "payload_dtype", "hand_over", "init_like",
            "forget", "check_loaded", "metrics", "decode_factor", "carry_over", "scatter_split", "sent_zeros",
-           "blocks",
+           "own_zeroed", "blocks",
            "HOOKS", "check_hooks"]
 
 # Each hook's method, as a scheme defines it: name -> its arguments after ``self``.
@@ -220,6 +220,13 @@ def sent_zeros(scheme, ops, ctx):
     under ``subtract_own``) must be zeros. Default: ``ctx`` itself (the ctx keeps no sent words)."""
     hook = _hook(scheme, "sent_zeros")
     return hook(ops, ctx) if hook is not None else ctx
+
+
+def own_zeroed(ctx):
+    """``ctx`` with its ``own`` field (this rank's sent level words, taken off the sum under
+    ``subtract_own``) zeroed, or ``ctx`` itself where it keeps none: THC's and SparseLoCo's
+    :func:`sent_zeros` hook."""
+    return ctx if ctx.own is None else ctx._replace(own=ctx.own * 0)
 
 
 def scatter_split(scheme, info):

@@ -106,6 +106,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
+from . import composite
 from .base import Scheme, TensorInfo, WireBytes
 from .lanes import (LaneLayout, as_reduced, control_words, exact_words, lane_layout, others_words, pack,
                     read_control, says_sum, unpack)
@@ -360,9 +361,8 @@ class SparseLoCoScheme(Scheme):
         return "int32"
 
     def sent_zeros(self, ops, ctx):
-        """``ctx`` with ``own`` (this rank's level words, taken off the sum under
-        ``subtract_own``) zeroed (:func:`~hvd_gradcomp.composite.sent_zeros`)."""
-        return ctx if ctx.own is None else ctx._replace(own=ctx.own * 0)
+        """``ctx`` with ``own`` zeroed (:func:`~hvd_gradcomp.composite.sent_zeros`)."""
+        return composite.own_zeroed(ctx)
 
     def metrics(self, state) -> dict:
         """``{"realigned": int64 []}``: steps whose output was 0 because the ranks disagreed."""

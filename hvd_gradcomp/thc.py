@@ -161,7 +161,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
-from . import hadamard, rng
+from . import composite, hadamard, rng
 from .base import Scheme, TensorInfo, WireBytes
 from .lanes import MAX_WORLD_SIZE, LaneLayout, exact_words, lane_layout, stats_layout, wire_bits
 from .thc_kernels import (_CONTROL, _Plan, _decode_kernel, _encode_kernel, _finish_kernel, _noise_kernel, _pad,
@@ -468,9 +468,8 @@ class THCScheme(Scheme):
         return "int32"
 
     def sent_zeros(self, ops, ctx):
-        """``ctx`` with ``own`` (this rank's level words, taken off the sum under
-        ``subtract_own``) zeroed (:func:`~hvd_gradcomp.composite.sent_zeros`)."""
-        return ctx if ctx.own is None else ctx._replace(own=ctx.own * 0)
+        """``ctx`` with ``own`` zeroed (:func:`~hvd_gradcomp.composite.sent_zeros`)."""
+        return composite.own_zeroed(ctx)
 
     def scatter_split(self, info: TensorInfo):
         """The ``m`` level words are the values; the statistics and the four control words

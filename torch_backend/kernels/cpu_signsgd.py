@@ -7,8 +7,8 @@ of the math (about 14 passes over the gradient and 120 operations a call): encod
 and ``e`` once and writes ``p``, its block sums and the sign words in the same pass (tiles of
 16,384 words, each lane's coordinates contiguous), then the scales' codes and control words;
 decode writes each coordinate once from its word; the residual is one pass over ``p``, written in
-place. The agreed scales' ``exp2`` stays PyTorch's (as in :mod:`~torch_backend.kernels.cpu_thc`), so every rank computes the same
-scales whichever form it runs.
+place. The agreed scales' ``exp2`` stays PyTorch's (as in :mod:`~torch_backend.kernels.cpu_thc`),
+so every rank computes the same scales whichever form it runs.
 
 Plans: every signSGD plan (any block, world size, op, with or without error feedback), on CPU
 float32/int32 tensors; anything else (another device, dtype, or ``torch.compile`` tracing) runs
@@ -26,8 +26,8 @@ What equals the reference (tests/core/test_signsgd.py checks each):
 - ``_receive_kernel``: integer sums, the reference's float32 mean, then PyTorch's ``exp2``: bit
   for bit.
 - ``_decode_kernel`` and ``_residual_kernel``: the same float32 operations in the same order
-  (compiled without contraction): bit for bit. The residual is written over its input ``corrected``
-  (the encode's ``p``, dead after step 6), not into a new tensor.
+  (compiled without contraction): bit for bit. The residual is written over its input
+  ``corrected`` (the encode's ``p``, dead after step 6), not into a new tensor.
 
 Same result on every rank and CPU: the C source fixes every float operation's order and is
 compiled without ``-ffast-math`` or contraction.

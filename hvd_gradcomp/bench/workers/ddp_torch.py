@@ -100,9 +100,12 @@ def delayed_hook(ddp_model, compressor, delay):
     raise ValueError("--delay: this checkout's torch_backend.ddp.register_comm_hook has no delay= option")
 
 
+ONE_BUCKET_MB = 64.0  # DDP's bucket_cap_mb by default: every workload's whole gradient in one bucket
+
+
 class DDPTrainer:
     def __init__(self, workload, model, lr, hook, rank, seed, calib_every, device="cpu", optimizer="", delay=0,
-                 bucket_cap_mb=64.0):
+                 bucket_cap_mb=ONE_BUCKET_MB):
         self.workload = workload
         self.device, self.clock = device, devices.clock(device)
         # By default one bucket of up to 64 MiB (an explicit cap also sizes DDP's first bucket):
@@ -192,7 +195,7 @@ def main(argv=None):
     parser.add_argument("--delay", type=int, default=0,
                         help="ours:<spec> only: delayed gradient sync, step t's mean applied at step "
                              "t + D (torch_backend.ddp.register_comm_hook(..., delay=D)); 0: none")
-    parser.add_argument("--bucket-cap-mb", type=float, default=64.0,
+    parser.add_argument("--bucket-cap-mb", type=float, default=ONE_BUCKET_MB,
                         help="DDP's bucket_cap_mb (default 64: the whole gradient in one bucket); "
                              "smaller: buckets posted during backward (ours:<spec> and none only)")
     if known.workload == "digits":
@@ -204,7 +207,7 @@ def main(argv=None):
     hook, hook_rank = parse_hook(args.hook)
     if args.delay < 0 or (args.delay and hook != "ours"):
         parser.error(f"--delay must be >= 0 and is for --hook ours:<spec> only, got {args.delay} with {args.hook}")
-    if args.bucket_cap_mb <= 0 or (args.bucket_cap_mb != 64.0 and hook not in ("ours", "none")):
+    if args.bucket_cap_mb <= 0 or (args.bucket_cap_mb != ONE_BUCKET_MB and hook not in ("ours", "none")):
         parser.error(f"--bucket-cap-mb must be > 0 and is for --hook ours:<spec> or none only (DDP's "
                      f"powerSGD_hook hangs on Gloo with several buckets), got {args.bucket_cap_mb:g} with {args.hook}")
     args.compression = f"ddp:{args.hook}"
@@ -225,7 +228,7 @@ def main(argv=None):
              "powersgd": f"DDP powerSGD_hook rank={hook_rank}", "ours": f"{hook_rank} on DDP"}[hook]
     if args.delay:
         label = f"{hook_rank} with delay({args.delay}) on DDP"
-    if args.bucket_cap_mb != 64.0:
+    if args.bucket_cap_mb != ONE_BUCKET_MB:
         label += f" (buckets of {args.bucket_cap_mb:g} MB)"
     meta = {"framework": "torch", "system": "ddp", "label": label, "hook": args.hook, "delay": args.delay,
             "bucket_cap_mb": args.bucket_cap_mb,

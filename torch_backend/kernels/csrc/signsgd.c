@@ -49,6 +49,29 @@ static inline int64_t exact64(int64_t w, int64_t n, int64_t guard, int as_is)
     return (w < 0 ? down : up) - bias;
 }
 
+/* p = x (+ e) over [0, m) of one block's part of a run: p stored in c, its bit (p >= 0) added at
+ * `shift` into the lane words a, |p| into partial part[i % ACC]. `has_e` is a constant at each
+ * call, so the inlined loop is specialised (x + 0 would turn -0.0 into +0.0 in p). */
+static inline void bits_and_sums(const float *restrict x, const float *restrict e, int has_e,
+                                 float *restrict c, uint32_t *restrict a, int64_t m, unsigned shift,
+                                 float part[ACC])
+{
+    int64_t i = 0;
+    for (; i + ACC <= m; i += ACC)
+        for (int q = 0; q < ACC; q++) {
+            float v = has_e ? x[i + q] + e[i + q] : x[i + q];
+            c[i + q] = v;
+            a[i + q] += (uint32_t)(v >= 0.0f) << shift;
+            part[q] = part[q] + fabsf(v);
+        }
+    for (int q = 0; i < m; i++, q++) {
+        float v = has_e ? x[i] + e[i] : x[i];
+        c[i] = v;
+        a[i] += (uint32_t)(v >= 0.0f) << shift;
+        part[q] = part[q] + fabsf(v);
+    }
+}
+
 /* ---- _encode_kernel (steps 1-3) ----
  *
  * x: float32 [d]; residual: float32 [d] or NULL (no error feedback); finite_p: the incoming flag
@@ -90,39 +113,13 @@ int32_t hgc_signsgd_encode(const float *restrict x, int64_t d, const float *rest
                 uint32_t *restrict a = words + i0 + (s - start);
                 float *restrict c = corrected + s;
                 const float *restrict xs = x + s;
-                const float *restrict es = residual ? residual + s : NULL;
+                int64_t m = r > s ? r - s : 0;
                 float part[ACC] = {0};
-                int64_t m = r > s ? r - s : 0, i = 0;
-                if (es) {
-                    for (; i + ACC <= m; i += ACC)
-                        for (int q = 0; q < ACC; q++) {
-                            float v = xs[i + q] + es[i + q];
-                            c[i + q] = v;
-                            a[i + q] += (uint32_t)(v >= 0.0f) << shift;
-                            part[q] = part[q] + fabsf(v);
-                        }
-                    for (int q = 0; i < m; i++, q++) {
-                        float v = xs[i] + es[i];
-                        c[i] = v;
-                        a[i] += (uint32_t)(v >= 0.0f) << shift;
-                        part[q] = part[q] + fabsf(v);
-                    }
-                } else {
-                    for (; i + ACC <= m; i += ACC)
-                        for (int q = 0; q < ACC; q++) {
-                            float v = xs[i + q];
-                            c[i + q] = v;
-                            a[i + q] += (uint32_t)(v >= 0.0f) << shift;
-                            part[q] = part[q] + fabsf(v);
-                        }
-                    for (int q = 0; i < m; i++, q++) {
-                        float v = xs[i];
-                        c[i] = v;
-                        a[i] += (uint32_t)(v >= 0.0f) << shift;
-                        part[q] = part[q] + fabsf(v);
-                    }
-                }
-                for (; i < e - s; i++) { /* the padding: p = 0, bit 1, nothing to the sum */
+                if (residual)
+                    bits_and_sums(xs, residual + s, 1, c, a, m, shift, part);
+                else
+                    bits_and_sums(xs, xs, 0, c, a, m, shift, part);
+                for (int64_t i = m; i < e - s; i++) { /* the padding: p = 0, bit 1, nothing to the sum */
                     c[i] = 0.0f;
                     a[i] += (uint32_t)1 << shift;
                 }
