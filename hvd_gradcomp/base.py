@@ -379,11 +379,14 @@ def compress_tensor(scheme: Scheme, ops, tensor, state, info: TensorInfo):
     return scheme.compress(ops, x, state, info, finite)
 
 
-def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo, dtype=None, scale=None):
+def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo, dtype=None, scale=None,
+                  factor=1.0, into=None):
     """The rest of the step once Horovod has all-reduced ``payload``: ``(out, new_state)``.
 
-    ``out`` is ``scheme.decompress`` in the gradient's shape and ``dtype`` (default
-    ``info.dtype``), times ``scale`` (a loss scale: a 0-d float32 tensor, or None) when given;
+    ``out`` is ``scheme.decompress`` times ``factor`` (a Python float: an engine's ``1 / n``)
+    in the gradient's shape and ``dtype`` (default ``info.dtype``), times ``scale`` (a loss
+    scale: a 0-d float32 tensor, or None) when given; with a float32 ``dtype`` and no ``scale``
+    it may be written into ``into`` (:func:`~hvd_gradcomp.composite.decompress_into`);
     ``new_state`` is ``scheme.finish`` (the state stays as it was when the all-reduced payload
     says a rank failed); both get the ctx of ``scheme.receive``. Used by the adapters, the
     overhead benchmark and the tests alike.
@@ -398,8 +401,9 @@ def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo, dt
     clamped: its overflow is the sum's own, as in an uncompressed all-reduce.
     """
     dtype = dtype or info.dtype
+    into = into if dtype == "float32" and scale is None else None  # (nothing else may follow the write)
     ctx = scheme.receive(ops, payload, ctx, info)
-    out = scheme.decompress(ops, payload, ctx, info)
+    out = composite.decompress_into(scheme, ops, payload, ctx, info, factor, into)
     out = ops.reshape(out, info.shape)
     new_state = scheme.finish(ops, payload, ctx, state, info)
     if dtype in HALF_MAX:

@@ -405,7 +405,7 @@ class Codec:
             self.store.write(info.key, new_state)
         return out
 
-    def decode(self, payload, ctx, divide=None):
+    def decode(self, payload, ctx, divide=None, into=None):
         """The all-reduced ``payload`` of :meth:`encode` mapped back; the tensor's state moves on.
 
         Args:
@@ -416,6 +416,11 @@ class Codec:
                 gradient's dtype (DDP's mean of a sum), so a float16 gradient's mean is never
                 formed from an overflowing float16 sum; a finite value beyond a half dtype's
                 range is clamped and the excess kept in error feedback.
+            into: None, or a flat float32 tensor of the gradient's numel (an engine's bucket
+                slice) that the result may be written into, with ``divide`` folded into the same
+                pass (:func:`~hvd_gradcomp.composite.decompress_into`: signSGD's fused decode);
+                used only for a float32 gradient without a loss scale. The result then shares
+                ``into``'s storage; otherwise it is a new tensor for the caller to copy.
         """
         if ctx is None:
             return payload if divide is None else payload / divide
@@ -425,9 +430,10 @@ class Codec:
         sinfo = scheme_info(info, scale)
         has_state = self.store.has(info.key)
         state = self.store.read(info.key) if has_state else EmptyState()
-        out, new_state = finish_tensor(scheme, self.ops, payload, inner, state, sinfo, dtype="float32")
-        if divide != 1:  # (times 1.0 is the identity: no pass over the output at world size 1)
-            out = out * (1.0 / divide)
+        # (times 1.0 is the identity: no pass over the output at world size 1)
+        out, new_state = finish_tensor(scheme, self.ops, payload, inner, state, sinfo, dtype="float32",
+                                       factor=1.0 / divide if divide != 1 else 1.0,
+                                       into=into if info.dtype == "float32" and scale is None else None)
         if info.dtype in HALF_MAX:  # clamp the mean: each rank keeps the excess (Average's share)
             out, new_state = saturate_output(scheme, self.ops, out, new_state,
                                              dataclasses.replace(sinfo, op="average"), HALF_MAX[info.dtype], scale)

@@ -21,6 +21,8 @@ A scheme overrides a hook only where the default is wrong for it:
 - :func:`metrics`: diagnostics to report.
 - :func:`carry_over`: a new bucket group's state from its tensors' earlier holders (the FP16
   warm-up's step count).
+- :func:`decompress_into`: a fused decode that folds an engine's divide into its own pass and
+  writes into the engine's buffer (signSGD), so no multiply or copy follows it.
 - :func:`decode_factor`: decoding is the payload's cast times a constant (the casts), so an
   engine may fuse the cast, the scaling and the write into its buffer.
 - :func:`sent_zeros`: ``decompress``/``finish`` read this rank's own sent words from the ctx
@@ -36,8 +38,8 @@ This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it
 import inspect
 
 __all__ = ["residual_of", "residual_field", "add_residual", "payload_dtype", "hand_over", "init_like",
-           "forget", "check_loaded", "metrics", "decode_factor", "carry_over", "scatter_split", "sent_zeros",
-           "own_zeroed", "blocks",
+           "forget", "check_loaded", "metrics", "decompress_into", "decode_factor", "carry_over", "scatter_split",
+           "sent_zeros", "own_zeroed", "blocks",
            "HOOKS", "check_hooks"]
 
 # Each hook's method, as a scheme defines it: name -> its arguments after ``self``.
@@ -50,6 +52,7 @@ HOOKS = {
     "forget": ("key",),
     "check_loaded": ("key", "loaded"),
     "metrics": ("state",),
+    "decompress_into": ("ops", "payload", "ctx", "info", "factor", "into"),
     "decode_factor": ("info",),
     "carry_over": ("ops", "state", "olds", "info"),
     "scatter_split": ("info",),
@@ -201,6 +204,23 @@ def carry_over(scheme, ops, state, olds, info):
     rank); the FP16 warm-up keeps its step count."""
     hook = _hook(scheme, "carry_over")
     return hook(ops, state, olds, info) if hook is not None else state
+
+
+def decompress_into(scheme, ops, payload, ctx, info, factor=1.0, into=None):
+    """``scheme.decompress`` times ``factor`` (a Python float; the product rounded after the
+    decoded value, as one multiply after it), possibly written into ``into``.
+
+    ``into``: None, or a flat float32 tensor of ``info.numel`` values (an engine's bucket slice)
+    that the scheme may write the result into and return, viewed in ``info.shape`` or flat; a
+    backend or scheme that cannot returns a new tensor, and the caller copies it (the engines
+    compare storage). Called by :func:`~hvd_gradcomp.base.finish_tensor` for
+    :meth:`~hvd_gradcomp.codec.Codec.decode`'s ``divide`` (``factor = 1 / divide``).
+    Default: ``decompress``, then the multiply unless ``factor`` is 1 (``into`` unused)."""
+    hook = _hook(scheme, "decompress_into")
+    if hook is not None:
+        return hook(ops, payload, ctx, info, factor, into)
+    out = scheme.decompress(ops, payload, ctx, info)
+    return out * factor if factor != 1.0 else out
 
 
 def decode_factor(scheme, info):

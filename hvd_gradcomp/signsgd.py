@@ -62,7 +62,8 @@ under Average at 8); the scales ``32 / (B lanes_s / 2)`` more (0.03 at ``B = 102
 Integer payload: Horovod's prescale/postscale factors must stay 1 and the op must be Sum or
 Average (the adapters refuse the rest, before any collective).
 
-Kernels: steps 1-3, 4-5's small words, 4-5 and 6's residual are the kernels of
+Kernels: steps 1-3, 4-5's small words, 4-5 (with an engine's ``1 / n`` folded in, written into
+its bucket: :func:`~hvd_gradcomp.composite.decompress_into`) and 6's residual are the kernels of
 :mod:`hvd_gradcomp.signsgd_kernels` (compositions of the primitives: the reference), called
 through ``ops.fuse``, so a backend may run a fused form: PyTorch's CPU runs one C loop each
 (``torch_backend/kernels/cpu_signsgd.py``), CUDA Triton programs
@@ -176,8 +177,15 @@ class SignSGDScheme(Scheme):
         return ctx._replace(count=count, bad=bad, scale=scale, inferred=inferred)
 
     def decompress(self, ops, payload, ctx, info):
-        plan = self._plan(info, self.layout(info))
-        out = ops.fuse(_decode_kernel, plan)(payload, ctx.count, ctx.bad, ctx.scale, ctx.inferred)
+        """Steps 4-5 (one kernel, ``_decode_kernel``)."""
+        return self.decompress_into(ops, payload, ctx, info, 1.0, None)
+
+    def decompress_into(self, ops, payload, ctx, info, factor, into):
+        """Steps 4-5 times ``factor``, in the decode's own pass, written into ``into`` where the
+        backend's fused form can (:func:`~hvd_gradcomp.composite.decompress_into`): an engine's
+        mean lands in its bucket with no multiply or copy after it."""
+        plan = self._plan(info, self.layout(info))._replace(factor=factor)
+        out = ops.fuse(_decode_kernel, plan)(payload, ctx.count, ctx.bad, ctx.scale, ctx.inferred, into)
         return out[:info.numel] if ops.shape(out)[0] > info.numel else out
 
     def finish(self, ops, payload, ctx, state, info):

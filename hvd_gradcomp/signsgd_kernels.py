@@ -26,6 +26,7 @@ class _Plan(NamedTuple):
     error_feedback: bool
     world_size: int  # n
     op: object  # "sum", "average" or None (unknown: the count word decides)
+    factor: float = 1.0  # the decode's output times this, rounded after it (Codec.decode's 1 / divide)
 
 
 def summed(plan: _Plan, inferred):
@@ -81,10 +82,14 @@ def _receive_kernel(ops, plan: _Plan, payload, corrected):
     return control[0], control[1], scale, inferred
 
 
-def _decode_kernel(ops, plan: _Plan, payload, count, bad, scale, inferred):
+def _decode_kernel(ops, plan: _Plan, payload, count, bad, scale, inferred, into=None):
     """Steps 4-5: float32 [P], ``S (2 V - c)`` per block (times ``1/n`` under Average), NaN
-    everywhere when some rank was not finite (``bad > 0``). ``scale``: float32 [nb], the agreed
-    ``S``; ``count``, ``bad``: int64 0-d; ``inferred``: bool 0-d (:func:`_receive_kernel`)."""
+    everywhere when some rank was not finite (``bad > 0``), then times ``plan.factor`` (its own
+    rounding, as a separate product) unless it is 1. ``scale``: float32 [nb], the agreed ``S``;
+    ``count``, ``bad``: int64 0-d; ``inferred``: bool 0-d (:func:`_receive_kernel`). ``into``:
+    None, or a float32 [d] tensor (``d <= P``, the gradient's coordinates) that a fused form may
+    write the first ``d`` values into and return instead of a new [P] (an engine's bucket, so no
+    copy follows); this composition returns a new tensor."""
     n, lay, B = plan.world_size, plan.signs, plan.block
     nb = ops.shape(scale)[0]
     padded = nb * B
@@ -96,8 +101,9 @@ def _decode_kernel(ops, plan: _Plan, payload, count, bad, scale, inferred):
     positive = ops.cast(lanes[:padded] if lay.lanes * words > padded else lanes, "float32")
     factor = as_reduced(ops, ops.reshape(scale, (nb, 1)), is_sum, n) + ops.where(bad > 0, float("nan"), 0.0)
     # S (2 V - c) per block (times 1/n under Average), in two passes over the counts V.
-    return ops.reshape(ops.reshape(positive, (nb, B)) * (factor * 2.0) - factor * ops.cast(count, "float32"),
-                       (padded,))
+    out = ops.reshape(ops.reshape(positive, (nb, B)) * (factor * 2.0) - factor * ops.cast(count, "float32"),
+                      (padded,))
+    return out * plan.factor if plan.factor != 1.0 else out
 
 
 def _residual_kernel(ops, plan: _Plan, corrected, scale):

@@ -327,15 +327,17 @@ def _decode(state: HookState, plan, encoded, reduced, counts, buffer):
             _write_cast(buffer[unit.start:unit.stop], _flat(payload), factor, n)
             outs.append(None)
             continue
-        out = payload if ctx is None else codec.decode(payload, ctx, divide=n)
+        dst = buffer[unit.start:unit.stop] if unit.contiguous else None
+        out = payload if ctx is None else codec.decode(payload, ctx, divide=n, into=dst)
         if dropped is not None:
             codec.add_error_feedback(ctx, _dropped_part(out, dropped, slot))
         outs.append(out)
-    # Written into the bucket's buffer (one copy per unit) and the buffer returned: DDP then
-    # sees its own views and copies nothing more per parameter.
+    # Written into the bucket's buffer (one copy per unit, none where the decode wrote there
+    # itself) and the buffer returned: DDP then sees its own views and copies nothing more per
+    # parameter.
     for unit, out in zip(plan.units, outs):
         if out is not None and unit.contiguous:
-            buffer[unit.start:unit.stop].copy_(_flat(out))
+            runs.write_into(buffer[unit.start:unit.stop], out)
         elif out is not None:
             runs.scatter(buffer, unit, out)
 

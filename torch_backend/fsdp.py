@@ -125,6 +125,7 @@ import torch.distributed as dist
 from hvd_gradcomp.payloads import post_payloads, unpack_payloads
 
 from .engine import ProcessGroupEngine
+from .kernels import runs
 from .fsdp_delayed import DelayedShardHook, check_delay, delay_verdict, wrap
 from .fsdp_overlap import Overlap
 from .ops import OPS
@@ -266,13 +267,14 @@ class _ShardHook:
         if refused is not None:
             raise ValueError(refused[0])
         for (unit, _, ctx), summed in zip(entries, reduced):
-            out = self.codec.decode(summed, ctx, divide=divide).reshape(-1)
+            dst = output[unit.start:unit.stop] if unit.contiguous and divide is not None else None
+            out = self.codec.decode(summed, ctx, divide=divide, into=dst).reshape(-1)
             dropped = lay.dropped(unit, out)
             if dropped is not None:  # (the mean: a sum is divided by the replicas here)
                 self.codec.add_error_feedback(ctx, dropped if divide else dropped / self.replicas)
             out = out.to(output.dtype)
             if unit.contiguous:
-                output[unit.start:unit.stop].copy_(out)
+                runs.write_into(output[unit.start:unit.stop], out)
             else:
                 output.index_copy_(0, unit.index, out)
 

@@ -124,27 +124,30 @@ def test_checkpoint_saved_while_grouped_balances():
     """A checkpoint saved on a grouped step (each member's error feedback under its key, the
     group's counters under its key) loaded into new compressors: their first step syncs each
     tensor (float32, what was owed delivered), then they group again; across the two runs the
-    delivered mean plus what is still owed is the mean of the inputs."""
+    delivered mean plus what is still owed is the mean of the inputs. Saved after the first
+    step that ran a group (which step that is follows the measured times: a decision may
+    regroup the tensors, and a group formed for the next step has no state yet)."""
     members = _members()
-    grads = _grads(members, 12, 2, seed=2)
+    grads = _grads(members, 14, 2, seed=2)
     engine = SimulatedEngine(2)
     comps = engine.compressors(LOSSY)
     inputs = torch.zeros(sum(m.numel for m in members), dtype=torch.float64)
     delivered = torch.zeros_like(inputs)
     saved = None
-    for t, bufs in enumerate(grads[:7]):
+    for t, bufs in enumerate(grads[:8]):
         out = engine.allreduce_bucket(comps, bufs, members)
         inputs += (bufs[0].double() + bufs[1].double()) / 2
         delivered += out[0].double()
-    assert _groups(comps[0], members, grads[0][0]), "step 7 is grouped"
-    saved = [c.state_dict() for c in comps]
-    assert any("buckets" in s for s in saved)
+        saved = [c.state_dict() for c in comps]
+        if any("buckets" in s for s in saved):
+            break
+    assert any("buckets" in s for s in saved), "no step of 8 ran a group"
     engine2 = SimulatedEngine(2)
     comps2 = engine2.compressors(LOSSY)
     for c, s in zip(comps2, saved):
         c.load_state_dict(s)
     grouped = []
-    for bufs in grads[7:]:
+    for bufs in grads[t + 1:]:
         grouped.append(_groups(comps2[0], members, bufs[0]))
         out = engine2.allreduce_bucket(comps2, bufs, members)
         assert torch.equal(out[0], out[1])

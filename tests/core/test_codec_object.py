@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hvd_gradcomp import SCHEMES, make_scheme  # noqa: E402
+from hvd_gradcomp.buckets import Member  # noqa: E402
 from hvd_gradcomp.codec import Codec  # noqa: E402
 from hvd_gradcomp.frontend import Frontend  # noqa: E402
 from hvd_gradcomp.store import DictStore  # noqa: E402
@@ -83,6 +84,48 @@ def test_bare_codec_equals_the_compressors(spec):
                     out[u.index] = mean.reshape(-1)
             assert torch.equal(out, want[r]), f"{spec}: step {step}, rank {r}"
     assert sorted(bare[0].store.states) == sorted(k for k in comps[0].codec.store.states)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("spec", ["signsgd", "signsgd:block=1000", "thc", "topkc:0.1", "fp16"])
+def test_decode_into_the_bucket_equals_decode_then_copy(spec):
+    """:meth:`Codec.decode`'s ``into`` (the DDP hook's and FSDP's bucket slice): over 3 steps at
+    2 ranks on a contiguous bucket, the mean and the states are those of decode-then-copy bit
+    for bit; signSGD's fused decode writes into the slice itself (``divide`` folded in), the
+    others return a new tensor and leave the slice alone."""
+    n = 2
+    members = (Member("w1", "layer.w1", (64, 80), 0, 5120), Member("b1", "layer.b1", (4093,), 5120, 4093))
+    size = 5120 + 4093
+    ways = [[Codec(Compression.from_spec(spec).routing, OPS, DictStore(OPS), Frontend()).bind_engine(_Rank(r, n))
+             for r in range(n)] for _ in range(2)]
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        bufs = [torch.randn(size, generator=gen) * (1 + r) for r in range(n)]
+        outs = []
+        for into, codecs in enumerate(ways):
+            plans = [c.plan_bucket(members, "float32", "sum", None, b) for c, b in zip(codecs, bufs)]
+            assert all(u.contiguous for u in plans[0].units)
+            encoded = [[c.encode_unit(u, b[u.start:u.stop].view(u.info.shape)) for u in p.units]
+                       for c, b, p in zip(codecs, bufs, plans)]
+            out = torch.full((size,), 7.0)
+            for k, u in enumerate(plans[0].units):
+                payloads = [encoded[q][k][0] for q in range(n)]
+                summed = (payloads[0] + payloads[1]).to(payloads[0].dtype)
+                ctx = encoded[0][k][1]
+                dst = out[u.start:u.stop]
+                mean = summed / n if ctx is None else codecs[0].decode(summed, ctx, divide=n,
+                                                                         into=dst if into else None)
+                if into and mean.data_ptr() == dst.data_ptr():
+                    assert spec.startswith("signsgd"), f"{spec}: only signSGD's decode writes into the bucket"
+                else:
+                    assert not (into and spec.startswith("signsgd")), f"{spec}: unit {k} was copied"
+                    assert bool((dst == 7.0).all()), f"{spec}: the slice was written and the result is another tensor"
+                    dst.copy_(mean.reshape(-1))
+            outs.append(out)
+        assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), f"{spec}: step {step}"
+        for key, state in ways[0][0].store.states.items():
+            other = ways[1][0].store.states[key]
+            assert all(torch.equal(a, b) for a, b in zip(state, other) if isinstance(a, torch.Tensor)), key
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -380,6 +380,17 @@ def test_receive_decode_and_residual_are_bit_exact(n, op, d, block, bad):
     ref = K._decode_kernel(R, plan, reduced, *want)
     assert _bitwise(torch, out, ref)
     assert bool(torch.isnan(ref).all()) == bad and (bad or bool(ref.abs().sum() > 0))
+    # An engine's mean written into its bucket: 1/n folded in (the reference's own product,
+    # bit for bit), only the gradient's d coordinates written, the rest of the bucket untouched.
+    folded = plan._replace(factor=1.0 / 3)
+    bucket = torch.full((d + 5,), 7.0)
+    into = bucket[2:2 + d]
+    got = cpu.decode(folded, reduced, *want, into)
+    assert got.data_ptr() == into.data_ptr() and got.shape == (d,)
+    assert _bitwise(torch, into, ref[:d] * (1.0 / 3))
+    assert _bitwise(torch, K._decode_kernel(R, folded, reduced, *want, into), ref * (1.0 / 3))
+    assert (bucket[:2] == 7.0).all() and (bucket[2 + d:] == 7.0).all()
+    assert cpu.decode(plan, reduced, *want, bucket[:d].double()).dtype == torch.float32  # not writable: a new one
     ref = K._residual_kernel(R, plan, corrected, want[2])
     left = cpu.residual(plan, corrected, want[2])
     assert _bitwise(torch, left, ref)

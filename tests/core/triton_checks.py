@@ -322,6 +322,16 @@ def check_signsgd(device, d, n, op, ef=True, block=1024, nonfinite=None, seed=0)
         seen = "nan" if bool(torch.isnan(ref).all()) else "value"
         if seen != expect:
             problems.append(f"{tag}: the reference decoded {seen}, the case means {expect}")
+    # An engine's mean written into its bucket: 1/n folded in, only the d coordinates written.
+    folded = plan._replace(factor=1.0 / n) if n > 1 else plan
+    bucket = torch.full((d + 3,), 7.0, device=dev)
+    got = decode(folded, reduced, *want, bucket[1:1 + d])
+    if got.data_ptr() != bucket[1:].data_ptr() or tuple(got.shape) != (d,):
+        problems.append(f"{tag}: decode into a bucket slice returned another tensor")
+    else:
+        problems += equal_values(f"{tag}: decode into", got, S._decode_kernel(R, folded, reduced, *want)[:d])
+        problems += equal_values(f"{tag}: decode into, the bucket around it", bucket[[0, d + 1, d + 2]],
+                                 torch.full((3,), 7.0, device=dev))
     got, ref = residual(plan, first, want[2]), S._residual_kernel(R, plan, first, want[2])
     problems += same_structure(f"{tag}: residual", got, ref)
     if not problems:

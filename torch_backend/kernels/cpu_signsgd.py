@@ -6,7 +6,8 @@ over the kernel's per-coordinate work, where the reference runs one PyTorch oper
 of the math (about 14 passes over the gradient and 120 operations a call): encode reads ``g``
 and ``e`` once and writes ``p``, its block sums and the sign words in the same pass (tiles of
 16,384 words, each lane's coordinates contiguous), then the scales' codes and control words;
-decode writes each coordinate once from its word; the residual is one pass over ``p``, written in
+decode writes each coordinate once from its word (into the engine's bucket, with its ``1 / n``
+folded in, when it offers one: :func:`hvd_gradcomp.composite.decompress_into`); the residual is one pass over ``p``, written in
 place. The agreed scales' ``exp2`` stays PyTorch's (as in :mod:`~torch_backend.kernels.cpu_thc`),
 so every rank computes the same scales whichever form it runs.
 
@@ -40,7 +41,7 @@ import torch
 
 from hvd_gradcomp.signsgd_kernels import (CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel,
                                           _residual_kernel)
-from torch_backend.kernels.forms import register
+from torch_backend.kernels.forms import register, writable
 from torch_backend.kernels import cbuild
 from torch_backend.reference_ops import REFERENCE_OPS
 
@@ -52,7 +53,7 @@ _lib.hgc_signsgd_encode.argtypes = [_P, _I, _P, _I, _I, _P, _F, _F, _P, _P, _I, 
 _lib.hgc_signsgd_encode.restype = ctypes.c_int32
 _lib.hgc_signsgd_receive.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P]
 _lib.hgc_signsgd_receive.restype = None
-_lib.hgc_signsgd_decode.argtypes = [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _F, _P]
+_lib.hgc_signsgd_decode.argtypes = [_P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _F, ctypes.c_int, _F, _P]
 _lib.hgc_signsgd_decode.restype = None
 _lib.hgc_signsgd_residual.argtypes = [_P, _I, _I, _P]
 _lib.hgc_signsgd_residual.restype = None
@@ -126,20 +127,23 @@ def receive(plan, payload, corrected):
     return count, bad, torch.exp2(e), inferred
 
 
-def decode(plan, payload, count, bad, scale, inferred):
-    """Fused ``_decode_kernel`` (steps 4-5): float32 [P], the reference's bit for bit."""
+def decode(plan, payload, count, bad, scale, inferred, into=None):
+    """Fused ``_decode_kernel`` (steps 4-5, times ``plan.factor``): the reference's values bit for
+    bit, written into ``into`` (its [d] coordinates, returned) when it is a contiguous float32 CPU
+    tensor of at most P values, else a new float32 [P]."""
     if not (_cpu(payload, count, bad, scale, inferred) and payload.dtype == torch.int32
             and count.dtype == torch.int64 and bad.dtype == torch.int64 and scale.dtype == torch.float32
             and inferred.dtype == torch.bool):
-        return _decode_kernel(REFERENCE_OPS, plan, payload, count, bad, scale, inferred)
+        return _decode_kernel(REFERENCE_OPS, plan, payload, count, bad, scale, inferred, into)
     padded = scale.shape[0] * plan.block
     payload, scale = payload.contiguous(), scale.contiguous()
     count, bad, inferred = count.contiguous(), bad.contiguous(), inferred.contiguous()
-    out = torch.empty(padded, dtype=torch.float32)
+    out = into if writable(into, padded, payload.device) else torch.empty(padded, dtype=torch.float32)
     lay = plan.signs
-    _lib.hgc_signsgd_decode(payload.data_ptr(), padded, plan.block, scale.data_ptr(), lay.lanes, lay.width,
-                            lay.guard, plan.world_size, _summed_code(plan), count.data_ptr(), bad.data_ptr(),
-                            inferred.data_ptr(), 1.0 / plan.world_size, out.data_ptr())
+    _lib.hgc_signsgd_decode(payload.data_ptr(), padded, out.shape[0], plan.block, scale.data_ptr(), lay.lanes,
+                            lay.width, lay.guard, plan.world_size, _summed_code(plan), count.data_ptr(),
+                            bad.data_ptr(), inferred.data_ptr(), 1.0 / plan.world_size, int(plan.factor != 1.0),
+                            plan.factor, out.data_ptr())
     return out
 
 

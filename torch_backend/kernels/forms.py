@@ -4,7 +4,9 @@
 Kept apart from :mod:`torch_backend.kernels`, which imports the providers, so that a provider
 registers here without importing the package that imports it (no import circle).
 """
-__all__ = ["register", "registered", "has_form"]
+import torch
+
+__all__ = ["register", "registered", "has_form", "writable"]
 
 # (reference fn, provider device type) -> [(accepts, run, name)]
 _FORMS = {}
@@ -29,3 +31,11 @@ def registered(reference, device: str):
 def has_form(reference) -> bool:
     """True when ``reference`` has a fused form registered on some device type."""
     return reference in _HAVE
+
+
+def writable(into, limit: int, device) -> bool:
+    """True when a fused form may write its float32 result into ``into`` (a kernel's optional
+    destination, e.g. an engine's bucket slice): a contiguous float32 1-D tensor of at most
+    ``limit`` values on ``device``."""
+    return (into is not None and into.dtype == torch.float32 and into.dim() == 1 and into.shape[0] <= limit
+            and into.device == device and into.is_contiguous())

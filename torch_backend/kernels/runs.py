@@ -1,4 +1,5 @@
-"""Gather and write back a bucket's flat group that is not contiguous in the bucket.
+"""Gather and write back a bucket's flat group that is not contiguous in the bucket; write a
+contiguous one's decoded values unless the decode already wrote them there.
 
 A DDP bucket (:mod:`torch_backend.ddp`, FSDP's flat shards) may hold the tensors of one flat
 group (:mod:`hvd_gradcomp.buckets`) with tensors of other routes between them (e.g. THC's
@@ -14,7 +15,7 @@ import functools
 
 import torch
 
-__all__ = ["gather", "scatter"]
+__all__ = ["gather", "scatter", "write_into"]
 
 _lib = None
 _why = None
@@ -69,3 +70,12 @@ def scatter(buffer, unit, values):
         return
     values = values.contiguous()
     _lib.hgc_copy_runs(buffer.data_ptr(), values.data_ptr(), _flat_runs(unit.runs), len(unit.runs), buffer.element_size(), 0)
+
+
+def write_into(dst, values):
+    """Copy ``values`` (the unit's decoded values, any shape of ``dst.numel()``) into ``dst`` (a
+    contiguous unit's slice of the bucket), unless they already are ``dst``'s storage (a decode
+    that wrote into it: :meth:`hvd_gradcomp.codec.Codec.decode`'s ``into``)."""
+    if values.data_ptr() == dst.data_ptr() and values.dtype == dst.dtype and values.is_contiguous():
+        return
+    dst.copy_(values if values.dim() == 1 else values.reshape(-1))

@@ -43,7 +43,7 @@ import triton.language as tl
 from hvd_gradcomp.signsgd_kernels import (CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel,
                                           _residual_kernel)
 
-from .forms import register
+from .forms import register, writable
 from .triton_thc_words import _MANTISSAS, _OPTIONS, _exact, _on, _scale_lane, op_code
 
 __all__ = ["accepts", "encode", "receive", "decode", "residual", "AOT", "MAX_BLOCK", "TILE"]
@@ -156,11 +156,12 @@ def _receive(payload_ptr, counts_ptr, inferred_ptr, e_ptr, NB, W, WS, N: tl.cons
 
 
 @triton.jit
-def _decode(payload_ptr, scale_ptr, count_ptr, bad_ptr, inferred_ptr, out_ptr, P, W, B, inv_n,
+def _decode(payload_ptr, scale_ptr, count_ptr, bad_ptr, inferred_ptr, out_ptr, D, W, B, inv_n, factor,
             N: tl.constexpr, OP: tl.constexpr, LANES: tl.constexpr, WIDTH: tl.constexpr, GUARD: tl.constexpr,
-            TILE_W: tl.constexpr):
-    """Coordinates ``j W + i`` of the tile's words ``i``: ``V`` the exact lane sum, ``f`` the
-    block's ``S`` (times ``inv_n`` under Average) plus NaN when a rank failed, out ``V (f 2) - f c``."""
+            FACTOR: tl.constexpr, TILE_W: tl.constexpr):
+    """Coordinates ``j W + i < D`` of the tile's words ``i``: ``V`` the exact lane sum, ``f`` the
+    block's ``S`` (times ``inv_n`` under Average) plus NaN when a rank failed, out ``V (f 2) - f c``
+    (times ``factor``, rounded after it, when ``FACTOR``)."""
     i = tl.program_id(0).to(tl.int64) * TILE_W + tl.arange(0, TILE_W)
     inside = i < W
     inferred = tl.load(inferred_ptr) != 0
@@ -170,7 +171,7 @@ def _decode(payload_ptr, scale_ptr, count_ptr, bad_ptr, inferred_ptr, out_ptr, P
     mask: tl.constexpr = (1 << WIDTH) - 1
     for j in tl.static_range(LANES):
         k = j * W + i
-        m = inside & (k < P)
+        m = inside & (k < D)
         v = ((exact >> (GUARD + j * WIDTH)) & mask).to(tl.float32)
         s = tl.load(scale_ptr + k // B, mask=m, other=0.0)
         if OP == 1:
@@ -180,7 +181,10 @@ def _decode(payload_ptr, scale_ptr, count_ptr, bad_ptr, inferred_ptr, out_ptr, P
         else:
             f = tl.where(inferred, s, s * inv_n)
         f = f + poison
-        tl.store(out_ptr + k, v * (f * 2.0) - f * count, mask=m)
+        value = v * (f * 2.0) - f * count
+        if FACTOR:
+            value = value * factor
+        tl.store(out_ptr + k, value, mask=m)
 
 
 @triton.jit
@@ -239,18 +243,21 @@ def receive(plan, payload, corrected):
     return counts[0], counts[1], torch.exp2(e), inferred
 
 
-def decode(plan, payload, count, bad, scale, inferred):
-    """Fused ``_decode_kernel`` (steps 4-5), one launch: float32 [P], the reference's bit for bit."""
+def decode(plan, payload, count, bad, scale, inferred, into=None):
+    """Fused ``_decode_kernel`` (steps 4-5, times ``plan.factor``), one launch: the reference's
+    values bit for bit, written into ``into`` (its [d] coordinates, returned) when it is a
+    contiguous float32 tensor on the payload's device of at most P values, else a new float32 [P]."""
     padded = scale.shape[0] * plan.block
     _, words, _ = _sizes(plan, padded)
     payload, scale = payload.contiguous(), scale.contiguous()
-    out = torch.empty(padded, dtype=torch.float32, device=payload.device)
+    out = into if writable(into, padded, payload.device) else torch.empty(padded, dtype=torch.float32,
+                                                                          device=payload.device)
     lay = plan.signs
     with _on(payload):
         _decode[(-(-words // TILE),)](payload, scale, count.contiguous(), bad.contiguous(), inferred.contiguous(),
-                                      out, padded, words, plan.block, 1.0 / plan.world_size, N=plan.world_size,
-                                      OP=op_code(plan.op), LANES=lay.lanes, WIDTH=lay.width, GUARD=lay.guard,
-                                      TILE_W=TILE, **_OPTIONS)
+                                      out, out.shape[0], words, plan.block, 1.0 / plan.world_size, plan.factor,
+                                      N=plan.world_size, OP=op_code(plan.op), LANES=lay.lanes, WIDTH=lay.width,
+                                      GUARD=lay.guard, FACTOR=plan.factor != 1.0, TILE_W=TILE, **_OPTIONS)
     return out
 
 
@@ -283,9 +290,9 @@ _RECEIVE_SIG = {"payload_ptr": "*i32", "counts_ptr": "*i64", "inferred_ptr": "*i
                 "W": "i32", "WS": "i32", "N": "constexpr", "OP": "constexpr", "WIDTH": "constexpr",
                 "GUARD": "constexpr", "T": "constexpr"}
 _DECODE_SIG = {"payload_ptr": "*i32", "scale_ptr": "*fp32", "count_ptr": "*i64", "bad_ptr": "*i64",
-               "inferred_ptr": "*i1", "out_ptr": "*fp32", "P": "i32", "W": "i32", "B": "i32", "inv_n": "fp32",
-               "N": "constexpr", "OP": "constexpr", "LANES": "constexpr", "WIDTH": "constexpr", "GUARD": "constexpr",
-               "TILE_W": "constexpr"}
+               "inferred_ptr": "*i1", "out_ptr": "*fp32", "D": "i32", "W": "i32", "B": "i32", "inv_n": "fp32",
+               "factor": "fp32", "N": "constexpr", "OP": "constexpr", "LANES": "constexpr", "WIDTH": "constexpr",
+               "GUARD": "constexpr", "FACTOR": "constexpr", "TILE_W": "constexpr"}
 _RESIDUAL_SIG = {"p_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp32", "P": "i32", "B": "i32",
                  "STEP": "constexpr"}
 
@@ -311,7 +318,7 @@ def _aot():
                  {"N": n, "OP": op_code(op), "WIDTH": slay.width, "GUARD": slay.guard, "T": SMALL}),
                 (f"decode[{tag}]", _decode, _DECODE_SIG,
                  {"N": n, "OP": op_code(op), "LANES": lay.lanes, "WIDTH": lay.width, "GUARD": lay.guard,
-                  "TILE_W": TILE})]
+                  "FACTOR": n == 2, "TILE_W": TILE})]
     return out
 
 

@@ -195,11 +195,22 @@ void hgc_signsgd_receive(const int32_t *restrict payload, int64_t W, int64_t nb,
  * payload: the all-reduced words (the first W the sign lanes); scale: float32 [nb], the agreed
  * S; count_p, bad_p: int64; inferred_p: one byte; summed as in hgc_signsgd_receive; inv_n: 1/n
  * rounded to float32. Per block f = (Sum ? S : S inv_n) + (bad > 0 ? NaN : 0); for coordinate
- * k of block b, V = lane (k / W) of the exact word k % W, out[k] = float(V) (f 2) - f float(c). */
-void hgc_signsgd_decode(const int32_t *restrict payload, int64_t P, int64_t B, const float *restrict scale,
-                        int64_t lanes, int64_t width, int64_t guard, int64_t n, int64_t summed,
-                        const int64_t *count_p, const int64_t *bad_p, const uint8_t *inferred_p, float inv_n,
-                        float *restrict out)
+ * k of block b, V = lane (k / W) of the exact word k % W, out[k] = float(V) (f 2) - f float(c),
+ * then times `factor` (a second float32 rounding, as the reference's separate product) when
+ * has_factor. Only coordinates k < D are written (D <= P: out may hold just the gradient's d). */
+static inline void decode_run(const uint32_t *restrict ex, float *restrict out, int64_t m, unsigned shift,
+                              uint32_t mask, float a, float fc, int has_factor, float factor)
+{
+    for (int64_t k = 0; k < m; k++) {
+        float v = (float)(int32_t)((ex[k] >> shift) & mask) * a - fc;
+        out[k] = has_factor ? v * factor : v;
+    }
+}
+
+void hgc_signsgd_decode(const int32_t *restrict payload, int64_t P, int64_t D, int64_t B,
+                        const float *restrict scale, int64_t lanes, int64_t width, int64_t guard, int64_t n,
+                        int64_t summed, const int64_t *count_p, const int64_t *bad_p, const uint8_t *inferred_p,
+                        float inv_n, int has_factor, float factor, float *restrict out)
 {
     int64_t W = (P + lanes - 1) / lanes;
     int is_sum = summed < 0 ? (*inferred_p != 0) : (int)summed;
@@ -218,17 +229,18 @@ void hgc_signsgd_decode(const int32_t *restrict payload, int64_t P, int64_t B, c
         }
         for (int64_t j = 0; j < lanes; j++) {
             int64_t start = j * W + i0;
-            if (start >= P)
+            if (start >= D)
                 break;
-            int64_t end = start + t < P ? start + t : P;
+            int64_t end = start + t < D ? start + t : D;
             unsigned shift = (unsigned)(guard + j * width);
             for (int64_t s = start; s < end;) {
                 int64_t b = s / B;
                 int64_t e = (b + 1) * B < end ? (b + 1) * B : end;
                 float f = (is_sum ? scale[b] : scale[b] * inv_n) + poison;
-                float a = f * 2.0f, fc = f * count;
-                for (int64_t k = s; k < e; k++)
-                    out[k] = (float)(int32_t)((ex[k - start] >> shift) & mask) * a - fc;
+                if (has_factor)
+                    decode_run(ex + (s - start), out + s, e - s, shift, mask, f * 2.0f, f * count, 1, factor);
+                else
+                    decode_run(ex + (s - start), out + s, e - s, shift, mask, f * 2.0f, f * count, 0, 1.0f);
                 s = e;
             }
         }
