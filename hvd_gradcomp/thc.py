@@ -301,8 +301,9 @@ class THCScheme(Scheme):
     The arithmetic is in kernels that the backends may compile or replace by fused forms
     (``Primitives.fuse``): ``_encode_kernel`` (steps 1-5; with ``range="current"`` its parts
     ``_rotate_kernel``, ``_noise_kernel`` and ``_quantize_kernel`` around the side all-reduce),
-    ``_receive_kernel``, ``_decode_kernel`` and ``_finish_kernel``; the methods here hold the
-    Python-side sizes and keys.
+    ``_receive_kernel``, ``_decode_kernel`` (with an engine's ``1 / n`` folded in, written into
+    its bucket: :func:`~hvd_gradcomp.composite.decompress_into`) and ``_finish_kernel``; the
+    methods here hold the Python-side sizes and keys.
     """
 
     name = "thc"
@@ -444,9 +445,16 @@ class THCScheme(Scheme):
 
     # ---- decompress / finish ----
     def decompress(self, ops, payload, ctx, info):
-        plan = self._plan(info, self.layout(info))
+        """Steps 6-7 (one kernel, ``_decode_kernel``)."""
+        return self.decompress_into(ops, payload, ctx, info, 1.0, None)
+
+    def decompress_into(self, ops, payload, ctx, info, factor, into):
+        """Steps 6-7 times ``factor``, in the decode's last pass, written into ``into`` where the
+        backend's fused form can (:func:`~hvd_gradcomp.composite.decompress_into`): an engine's
+        mean lands in its bucket with no multiply or copy after it."""
+        plan = self._plan(info, self.layout(info))._replace(factor=factor)
         out = ops.fuse(_decode_kernel, plan)(payload, ctx.ranges, ctx.diag, ctx.hmat, ctx.count,
-                                             ctx.bad, ctx.mismatch, ctx.inferred, ctx.own)
+                                             ctx.bad, ctx.mismatch, ctx.inferred, ctx.own, into)
         return out[:info.numel] if ops.shape(out)[0] > info.numel else out
 
     def finish(self, ops, payload, ctx, state, info):

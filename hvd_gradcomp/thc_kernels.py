@@ -40,6 +40,7 @@ class _Plan(NamedTuple):
     error_feedback: bool
     world_size: int  # n
     op: object  # "sum", "average" or None (unknown: inferred from the count word)
+    factor: float = 1.0  # the decode's output times this, rounded after it (Codec.decode's 1 / divide)
 
 
 # ---- kernels: tensors in, tensors out, no collective (see Primitives.fuse) ----
@@ -184,11 +185,15 @@ def _encode_kernel(ops, plan: _Plan, x, residual, diag, hmat, ranges, key, finge
     return payload, residual, y, held, saturated
 
 
-def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own=None):
-    """Steps 6-7: float32 [P], the rotated-back sum (or average) of the contributors. ``own``:
-    with lanes for the other ranks only (``subtract_own``), this rank's level words as sent
-    (int32 [m]); the lanes summed are then the others' (:func:`~hvd_gradcomp.lanes.others_words`)
-    plus this rank's own."""
+def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own=None,
+                   into=None):
+    """Steps 6-7: float32 [P], the rotated-back sum (or average) of the contributors, times
+    ``plan.factor`` (its own rounding, as a separate product) unless it is 1. ``own``: with lanes
+    for the other ranks only (``subtract_own``), this rank's level words as sent (int32 [m]); the
+    lanes summed are then the others' (:func:`~hvd_gradcomp.lanes.others_words`) plus this
+    rank's own. ``into``: None, or a float32 [d] tensor (``d <= P``) that a fused form may write
+    the first ``d`` values into and return (an engine's bucket); this composition returns a new
+    tensor."""
     n, B, lay = plan.world_size, plan.block, plan.levels
     nb, padded = ops.shape(ranges)[0], ops.shape(diag)[0]
     summed = _summed(plan, inferred)
@@ -219,7 +224,8 @@ def _decode_kernel(ops, plan: _Plan, payload, ranges, diag, hmat, count, bad, mi
     a = top * (_grid(plan.levels.top) * scale)
     offset = ops.cast(count, "float32") * (0.5 * _top_level(plan.levels.top)) + ops.where(bad > 0, float("nan"), 0.0)
     values = ops.reshape((total - offset) * a, (padded,))
-    return hadamard.irht(ops, values, diag, hadamard.nested_factors(B, hmat))
+    out = hadamard.irht(ops, values, diag, hadamard.nested_factors(B, hmat))
+    return out * plan.factor if plan.factor != 1.0 else out
 
 
 def _finish_kernel(ops, plan: _Plan, payload, ranges, step, realigned, saturated, new_saturated,

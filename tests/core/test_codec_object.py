@@ -86,13 +86,17 @@ def test_bare_codec_equals_the_compressors(spec):
     assert sorted(bare[0].store.states) == sorted(k for k in comps[0].codec.store.states)
 
 
+WRITES_INTO = ("signsgd", "thc")  # the schemes whose decode writes into the engine's buffer
+
+
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("spec", ["signsgd", "signsgd:block=1000", "thc", "topkc:0.1", "fp16"])
+@pytest.mark.parametrize("spec", ["signsgd", "signsgd:block=1000", "thc", "thc:subtract_own=true", "topkc:0.1",
+                                  "fp16"])
 def test_decode_into_the_bucket_equals_decode_then_copy(spec):
     """:meth:`Codec.decode`'s ``into`` (the DDP hook's and FSDP's bucket slice): over 3 steps at
     2 ranks on a contiguous bucket, the mean and the states are those of decode-then-copy bit
-    for bit; signSGD's fused decode writes into the slice itself (``divide`` folded in), the
-    others return a new tensor and leave the slice alone."""
+    for bit; signSGD's and THC's fused decodes write into the slice itself (``divide`` folded
+    in), the others return a new tensor and leave the slice alone."""
     n = 2
     members = (Member("w1", "layer.w1", (64, 80), 0, 5120), Member("b1", "layer.b1", (4093,), 5120, 4093))
     size = 5120 + 4093
@@ -116,9 +120,9 @@ def test_decode_into_the_bucket_equals_decode_then_copy(spec):
                 mean = summed / n if ctx is None else codecs[0].decode(summed, ctx, divide=n,
                                                                          into=dst if into else None)
                 if into and mean.data_ptr() == dst.data_ptr():
-                    assert spec.startswith("signsgd"), f"{spec}: only signSGD's decode writes into the bucket"
+                    assert spec.startswith(WRITES_INTO), f"{spec}: only {WRITES_INTO} write into the bucket"
                 else:
-                    assert not (into and spec.startswith("signsgd")), f"{spec}: unit {k} was copied"
+                    assert not (into and spec.startswith(WRITES_INTO)), f"{spec}: unit {k} was copied"
                     assert bool((dst == 7.0).all()), f"{spec}: the slice was written and the result is another tensor"
                     dst.copy_(mean.reshape(-1))
             outs.append(out)

@@ -252,6 +252,16 @@ def test_decode_matches_reference(n, op, config, d):
     assert (got.shape, got.dtype) == (ref.shape, ref.dtype)
     tol = block_tol(ref, lay.block, 1e-5) + 1e-30
     assert ((got - ref).abs() <= tol).all(), float(((got - ref).abs() - tol).max())
+    # An engine's mean written into its bucket: the same loop's values times 1/3 (rounded after
+    # them, as a separate product), only the gradient's d coordinates written (the block that
+    # crosses d decoded aside), the bucket around them untouched.
+    bucket = torch.full((d + 5,), 7.0)
+    into = bucket[2:2 + d]
+    out = cpu_thc.decode(plan._replace(factor=1.0 / 3), payload, ranges, diag, hmat, count, bad, mismatch,
+                         inferred, None, into)
+    assert out.data_ptr() == into.data_ptr() and out.shape == (d,)
+    assert torch.equal(into.view(torch.int32), (got[:d] * (1.0 / 3)).view(torch.int32))
+    assert (bucket[:2] == 7.0).all() and (bucket[2 + d:] == 7.0).all()
 
 
 def _no_decode_fallback(*args, **kwargs):

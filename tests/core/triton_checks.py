@@ -194,6 +194,16 @@ def check_thc(device, d, n, op, ef=True, flush=1.0, saturation=True, nonfinite=N
         seen = ("nan" if bool(torch.isnan(want).all()) else "zero" if not bool(want.any()) else "value")
         if seen != expect:
             problems.append(f"{tag}: the reference decoded {seen}, the case means {expect}")
+    if not problems:  # an engine's mean into its bucket: 1/n folded in, only the d coordinates written
+        bucket = torch.full((d + 3,), 7.0, device=dev)
+        into = decode(plan._replace(factor=0.5), reduced, ranges, state.diag, hmat, count, bad, mismatch, inferred,
+                      mine, bucket[1:1 + d])
+        if into.data_ptr() != bucket[1:].data_ptr() or tuple(into.shape) != (d,):
+            problems.append(f"{tag}: decode into a bucket slice returned another tensor")
+        else:
+            problems += equal_values(f"{tag}: decode into", into, got[:d] * 0.5)
+            problems += equal_values(f"{tag}: decode into, the bucket around it", bucket[[0, d + 1, d + 2]],
+                                     torch.full((3,), 7.0, device=dev))
     return problems
 
 

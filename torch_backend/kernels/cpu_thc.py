@@ -58,7 +58,7 @@ import torch
 
 from hvd_gradcomp.thc_kernels import (_CONTROL, _TINY_RANGE, _decode_kernel, _encode_kernel, _finish_kernel, _grid,
                                       _noise_kernel, _quantize_kernel, _receive_kernel, _rotate_kernel, _top_level)
-from torch_backend.kernels.forms import register
+from torch_backend.kernels.forms import register, writable
 from torch_backend.kernels import cbuild
 from torch_backend.reference_ops import REFERENCE_OPS
 
@@ -72,8 +72,9 @@ _lib.hgc_thc_rotate.argtypes = [_P, _I, _P, _I, _I, _P, _P, _P, _P, _F, _F]
 _lib.hgc_thc_rotate.restype = None
 _lib.hgc_thc_quantize.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I] + [_F] * 7
 _lib.hgc_thc_quantize.restype = _I
-_lib.hgc_thc_decode.argtypes = [_P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _F, _F, _F, _P, _P]
-_lib.hgc_thc_decode.restype = None
+_lib.hgc_thc_decode.argtypes = [_P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _F, _F, _F,
+                                ctypes.c_int, _F, _P, _P]
+_lib.hgc_thc_decode.restype = ctypes.c_int32
 _lib.hgc_thc_noise.argtypes = [_P, _I, _I, _P, _P]
 _lib.hgc_thc_noise.restype = None
 _lib.hgc_thc_scales.argtypes = [_P, _I, _P, _I, _I, _I, _P]
@@ -227,9 +228,11 @@ def encode(plan, x, residual, diag, hmat, ranges, key, fingerprint, finite):
     return payload, residual, y, held, saturated
 
 
-def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own=None):
-    """Fused ``_decode_kernel`` (steps 6-7): float32 [P] within float32 rounding of the
-    reference's (module docstring); ``own``: this rank's level words (``subtract_own``)."""
+def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own=None, into=None):
+    """Fused ``_decode_kernel`` (steps 6-7, times ``plan.factor``): float32 [P] within float32
+    rounding of the reference's (module docstring); ``own``: this rank's level words
+    (``subtract_own``). Written into ``into`` (its [d] coordinates, returned) when it is a
+    contiguous float32 CPU tensor of at most P values."""
     lay = plan.levels
     if not (_ok(payload, ranges, diag, count, bad, mismatch, inferred) and payload.dtype == torch.int32
             and ranges.dtype == torch.float32 and diag.dtype == torch.float32 and count.dtype == torch.int64
@@ -237,19 +240,24 @@ def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, ow
             and (own is None) == (not lay.others)
             and (own is None or (_ok(own) and own.dtype == torch.int32
                                  and own.numel() == -(-diag.shape[0] // lay.lanes)))):
-        return _decode_kernel(REFERENCE_OPS, plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own)
+        return _decode_kernel(REFERENCE_OPS, plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own,
+                              into)
     block = plan.block
     padded = diag.shape[0]
     payload, ranges, diag = payload.contiguous(), ranges.contiguous(), diag.contiguous()
     own = own.contiguous() if own is not None else None
     count, bad = count.contiguous(), bad.contiguous()
     mismatch, inferred = mismatch.contiguous(), inferred.contiguous()
-    out = torch.empty(padded, dtype=torch.float32)
+    out = into if writable(into, padded, payload.device) else torch.empty(padded, dtype=torch.float32)
     summed = _summed_code(plan)
-    _lib.hgc_thc_decode(_ptr(payload), _ptr(ranges), padded, block, _ptr(diag), lay.lanes, lay.width, lay.guard,
-                        lay.offset, plan.world_size, summed, count.data_ptr(), bad.data_ptr(),
-                        mismatch.data_ptr(), inferred.data_ptr(), _grid(lay.top), 0.5 * _top_level(lay.top),
-                        1.0 / plan.world_size, _ptr(own) if own is not None else None, _ptr(out))
+    status = _lib.hgc_thc_decode(_ptr(payload), _ptr(ranges), padded, out.shape[0], block, _ptr(diag), lay.lanes,
+                                 lay.width, lay.guard, lay.offset, plan.world_size, summed, count.data_ptr(),
+                                 bad.data_ptr(), mismatch.data_ptr(), inferred.data_ptr(), _grid(lay.top),
+                                 0.5 * _top_level(lay.top), 1.0 / plan.world_size, int(plan.factor != 1.0),
+                                 plan.factor, _ptr(own) if own is not None else None, _ptr(out))
+    if status < 0:  # no memory for the block that crosses d: the composition, this call
+        return _decode_kernel(REFERENCE_OPS, plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own,
+                              into)
     return out
 
 

@@ -53,7 +53,7 @@ import triton.language as tl
 
 from hvd_gradcomp import thc_kernels as core
 
-from .forms import register
+from .forms import register, writable
 from .triton_thc_words import _OPTIONS, _exact, _on, finish, noise, op_code, receive, scales, tail
 
 __all__ = ["accepts", "rotate", "rotate_blocks", "quantize", "quantize_lane", "decode", "encode", "AOT", "BLOCK", "TILE"]
@@ -161,9 +161,11 @@ def _quantize(y_ptr, held_ptr, ranges_ptr, rows_ptr, cols_ptr, payload_ptr, res_
 
 @triton.jit
 def _decode(payload_ptr, ranges_ptr, diag_ptr, h_ptr, count_ptr, bad_ptr, mismatch_ptr, inferred_ptr,
-            own_ptr, out_ptr, W, grid_step, inv_n, half_top,
+            own_ptr, out_ptr, W, D, grid_step, inv_n, half_top, factor,
             N: tl.constexpr, OP: tl.constexpr, WIDTH: tl.constexpr, GUARD: tl.constexpr,
-            OFFSET: tl.constexpr, OWN: tl.constexpr, S: tl.constexpr):
+            OFFSET: tl.constexpr, OWN: tl.constexpr, FACTOR: tl.constexpr, S: tl.constexpr):
+    # Writes coordinates c < D only (out may be an engine's [d] bucket slice); FACTOR: the result
+    # times factor, rounded after it (the reference's separate product).
     # OP: 0 Average, 1 Sum, 2 unknown (the count word's inference decides). OWN: lanes for the
     # other ranks only (lanes.others_words): own_ptr holds this rank's words as sent.
     b = tl.program_id(0)
@@ -196,7 +198,10 @@ def _decode(payload_ptr, ranges_ptr, diag_ptr, h_ptr, count_ptr, bad_ptr, mismat
     v = (total - offset) * a
     h = tl.load(h_ptr + tile)
     back = tl.dot(tl.dot(h, v, input_precision="ieee"), h, input_precision="ieee")
-    tl.store(out_ptr + c, back * tl.load(diag_ptr + c))
+    value = back * tl.load(diag_ptr + c)
+    if FACTOR:
+        value = value * factor
+    tl.store(out_ptr + c, value, mask=c < D)
 
 
 def _range_scale(plan) -> float:
@@ -273,30 +278,34 @@ def quantize(plan, y, held, ranges, rows, cols, fingerprint, finite, stats_words
     return payload, residual, tail(plan, payload, w, stats_words, fingerprint, finite, partial)
 
 
-def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own=None):
-    """Fused ``_decode_kernel`` (steps 6-7).
+def decode(plan, payload, ranges, diag, hmat, count, bad, mismatch, inferred, own=None, into=None):
+    """Fused ``_decode_kernel`` (steps 6-7, times ``plan.factor``).
 
     Args:
         payload: int32 [w + S + 4], all-reduced; ranges: float32 [nb]; diag: float32 [P];
         hmat: float32 [32, 32]; count, bad: int64 0-d; mismatch, inferred: bool 0-d;
         own: int32 [w], this rank's level words as sent, with lanes for the other ranks only
             (``plan.levels.others``), else None.
+        into: None, or a float32 [d <= P] tensor on the same device (an engine's bucket slice).
 
     Returns:
-        float32 [P]: the rotated-back sum (or average) of the contributors, as the reference's.
+        float32 [P]: the rotated-back sum (or average) of the contributors, as the reference's;
+        ``into`` itself, its d coordinates written, when it is contiguous float32.
     """
     payload, ranges, diag, hmat = payload.contiguous(), ranges.contiguous(), diag.contiguous(), hmat.contiguous()
     lay, n = plan.levels, plan.world_size
     padded = diag.shape[0]
-    out = torch.empty(padded, dtype=torch.float32, device=diag.device)
+    out = into if writable(into, padded, diag.device) else torch.empty(padded, dtype=torch.float32,
+                                                                       device=diag.device)
     op = op_code(plan.op)
     mine = own.contiguous() if lay.others else payload
     with _on(diag):
-        _decode[(padded // BLOCK,)](payload, ranges, diag, hmat, count, bad, mismatch, inferred, mine, out,
-                                    -(-padded // lay.lanes), core._grid(lay.top), 1.0 / n,
-                                    0.5 * core._top_level(lay.top), N=n, OP=op, WIDTH=lay.width,
-                                    GUARD=lay.guard, OFFSET=lay.offset, OWN=bool(lay.others), S=SIDE,
-                                    **_OPTIONS)
+        _decode[(-(-out.shape[0] // BLOCK),)](payload, ranges, diag, hmat, count, bad, mismatch, inferred, mine,
+                                              out, -(-padded // lay.lanes), out.shape[0], core._grid(lay.top),
+                                              1.0 / n, 0.5 * core._top_level(lay.top), plan.factor, N=n, OP=op,
+                                              WIDTH=lay.width, GUARD=lay.guard, OFFSET=lay.offset,
+                                              OWN=bool(lay.others), FACTOR=plan.factor != 1.0, S=SIDE,
+                                              **_OPTIONS)
     return out
 
 
@@ -337,9 +346,10 @@ _QUANTIZE_SIG = {"y_ptr": "*fp32", "held_ptr": "*fp32", "ranges_ptr": "*fp32", "
                  "B": "constexpr", "TILE_W": "constexpr"}
 _DECODE_SIG = {"payload_ptr": "*i32", "ranges_ptr": "*fp32", "diag_ptr": "*fp32", "h_ptr": "*fp32",
                "count_ptr": "*i64", "bad_ptr": "*i64", "mismatch_ptr": "*i1", "inferred_ptr": "*i1",
-               "own_ptr": "*i32", "out_ptr": "*fp32", "W": "i32", "grid_step": "fp32", "inv_n": "fp32",
-               "half_top": "fp32", "N": "constexpr", "OP": "constexpr", "WIDTH": "constexpr",
-               "GUARD": "constexpr", "OFFSET": "constexpr", "OWN": "constexpr", "S": "constexpr"}
+               "own_ptr": "*i32", "out_ptr": "*fp32", "W": "i32", "D": "i32", "grid_step": "fp32",
+               "inv_n": "fp32", "half_top": "fp32", "factor": "fp32", "N": "constexpr", "OP": "constexpr",
+               "WIDTH": "constexpr", "GUARD": "constexpr", "OFFSET": "constexpr", "OWN": "constexpr",
+               "FACTOR": "constexpr", "S": "constexpr"}
 
 
 def _aot():
@@ -347,7 +357,8 @@ def _aot():
     (error feedback, flush bound, saturation) combinations; the quantiser and decoder at THC's
     default layouts for 8 ranks under Average (guard bits, offset) and 2 ranks under Sum (no
     guard bits), the decoder with the op unknown, and the decoder with lanes for the other ranks
-    only (``subtract_own``) at 2 ranks under Average. The small steps' programs:
+    only (``subtract_own``) at 2 ranks under Average; the decoders at 2 ranks with an engine's
+    ``1 / n`` folded in (``FACTOR``). The small steps' programs:
     ``triton_thc_words.AOT``."""
     from hvd_gradcomp.lanes import lane_layout
     out = [(f"rotate[ef={ef},flush={flush},saturation={sat}]", _rotate, _ROTATE_SIG,
@@ -360,11 +371,11 @@ def _aot():
                      "EF": ef, "FLUSH": flush, "B": BLOCK, "TILE_W": TILE}))
         out.append((f"decode[n={n},op={op}]", _decode, _DECODE_SIG,
                     {"N": n, "OP": op_code(op), "WIDTH": lay.width, "GUARD": lay.guard,
-                     "OFFSET": lay.offset, "OWN": False, "S": SIDE}))
+                     "OFFSET": lay.offset, "OWN": False, "FACTOR": n == 2, "S": SIDE}))
     lay = lane_layout(4, 2, 8, "average", subtract_own=True)
     out.append(("decode[n=2,op=average,own]", _decode, _DECODE_SIG,
                 {"N": 2, "OP": op_code("average"), "WIDTH": lay.width, "GUARD": lay.guard,
-                 "OFFSET": 0, "OWN": True, "S": SIDE}))
+                 "OFFSET": 0, "OWN": True, "FACTOR": True, "S": SIDE}))
     return out
 
 

@@ -325,7 +325,10 @@ int64_t hgc_thc_quantize(const float *restrict y, const float *restrict held,
  *   zero (lanes.exact_words), plus count offset;
  *   S = (exact >> (guard + j width)) & (2**width - 1)
  *   value = (float(S) - (float(count) half_top + (bad > 0 ? NaN : 0))) (R_b (grid scale))
- *   with scale = mismatch ? 0 : (summed ? 1 : inv_n); then per block out = (H_B value) diag.
+ *   with scale = mismatch ? 0 : (summed ? 1 : inv_n); then per block out = (H_B value) diag,
+ *   times factor (a second float32 rounding, as the reference's separate product) when has_factor.
+ * Only coordinates k < D are written to out (D <= P: out may hold just the gradient's d, an
+ * engine's bucket slice); a block that crosses D is decoded in scratch and its head copied.
  * S reads bits 0..31 of exact only (guard + lanes width <= 32), so exact is formed modulo 2**32,
  * in uint32: n word rounded to a multiple of 2**guard (up for word >= 0, down for a negative
  * word) has the same low 32 bits as the reference's int64 value (rounding to a multiple of
@@ -360,14 +363,14 @@ static inline void decode_run(const int32_t *restrict wp, const int32_t *restric
     }
 }
 
-void hgc_thc_decode(const int32_t *restrict payload, const float *restrict ranges, int64_t P,
-                    int64_t B, const float *restrict diag, int64_t lanes, int64_t width,
-                    int64_t guard, int64_t offset, int64_t n, int64_t summed,
-                    const int64_t *count_p, const int64_t *bad_p, const uint8_t *mismatch_p,
-                    const uint8_t *inferred_p, float grid, float half_top, float inv_n,
-                    const int32_t *restrict own, float *restrict out)
+int32_t hgc_thc_decode(const int32_t *restrict payload, const float *restrict ranges, int64_t P,
+                       int64_t D, int64_t B, const float *restrict diag, int64_t lanes, int64_t width,
+                       int64_t guard, int64_t offset, int64_t n, int64_t summed,
+                       const int64_t *count_p, const int64_t *bad_p, const uint8_t *mismatch_p,
+                       const uint8_t *inferred_p, float grid, float half_top, float inv_n,
+                       int has_factor, float factor, const int32_t *restrict own, float *restrict out)
 {
-    int64_t W = (P + lanes - 1) / lanes, nb = P / B;
+    int64_t W = (P + lanes - 1) / lanes;
     int is_sum = summed < 0 ? (*inferred_p != 0) : (int)summed;
     int64_t count = *count_p;
     int exact_as_is = is_sum || guard == 0;
@@ -378,9 +381,15 @@ void hgc_thc_decode(const int32_t *restrict payload, const float *restrict range
     uint32_t low = (uint32_t)(((uint64_t)1 << guard) - 1);
     uint32_t mask = width >= 32 ? 0xFFFFFFFFu : (uint32_t)(((uint64_t)1 << width) - 1);
     int wide = width >= 32;
-    for (int64_t b = 0; b < nb; b++) {
+    float *scratch = NULL; /* the block that crosses D, when out stops there */
+    if (D < P && D % B) {
+        scratch = malloc((size_t)B * sizeof(float));
+        if (!scratch)
+            return -1;
+    }
+    for (int64_t b = 0; b * B < D; b++) {
         float a = ranges[b] * gs;
-        float *restrict ob = out + b * B;
+        float *restrict ob = (b + 1) * B <= D ? out + b * B : scratch;
         for (int64_t s = b * B; s < (b + 1) * B;) {
             int64_t j = s / W;
             int64_t e = (j + 1) * W < (b + 1) * B ? (j + 1) * W : (b + 1) * B;
@@ -400,9 +409,18 @@ void hgc_thc_decode(const int32_t *restrict payload, const float *restrict range
         }
         wht(ob, B);
         const float *restrict db = diag + b * B;
-        for (int64_t k = 0; k < B; k++)
-            ob[k] = ob[k] * db[k];
+        if (has_factor) {
+            for (int64_t k = 0; k < B; k++)
+                ob[k] = (ob[k] * db[k]) * factor;
+        } else {
+            for (int64_t k = 0; k < B; k++)
+                ob[k] = ob[k] * db[k];
+        }
+        if (ob == scratch)
+            memcpy(out + b * B, scratch, (size_t)(D - b * B) * sizeof(float));
     }
+    free(scratch);
+    return 0;
 }
 
 
