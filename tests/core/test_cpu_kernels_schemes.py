@@ -427,16 +427,21 @@ def test_result_independent_of_vector_width():
         one, zero = torch.tensor(3), torch.tensor(0)
         no = torch.tensor(False)
         lev = lay.levels
-        lib.hgc_thc_decode.argtypes = [P, P, I, I, P, I, I, I, I, I, I, P, P, P, P, F, F, F, P, P]
+        lib.hgc_thc_decode.argtypes = [P, P, I, I, I, P, I, I, I, I, I, I, P, P, P, P, F, F, F, ctypes.c_int, F, P, P]
+        lib.hgc_thc_decode.restype = ctypes.c_int32
         outs = []
         for own in (None, torch.randint(0, 1 << 20, (words,), dtype=torch.int32,
                                         generator=torch.Generator().manual_seed(2))):
-            out = torch.empty(padded)
-            lib.hgc_thc_decode(payload.data_ptr(), ranges.data_ptr(), padded, block, diag.data_ptr(), lev.lanes,
-                               lev.width, lev.guard, lev.offset, 3, 0, one.data_ptr(), zero.data_ptr(),
-                               no.data_ptr(), no.data_ptr(), K._grid(lev.top), 0.5 * K._top_level(lev.top),
-                               1.0 / 3, None if own is None else own.data_ptr(), out.data_ptr())
-            outs.append(out)
+            # the whole [P], and an engine's [d] with 1/2 folded in (the block that crosses d aside)
+            for size, factor in ((padded, 1.0), (x.numel(), 0.5)):
+                out = torch.empty(size)
+                assert lib.hgc_thc_decode(payload.data_ptr(), ranges.data_ptr(), padded, size, block,
+                                          diag.data_ptr(), lev.lanes, lev.width, lev.guard, lev.offset, 3, 0,
+                                          one.data_ptr(), zero.data_ptr(), no.data_ptr(), no.data_ptr(),
+                                          K._grid(lev.top), 0.5 * K._top_level(lev.top), 1.0 / 3,
+                                          int(factor != 1.0), factor, None if own is None else own.data_ptr(),
+                                          out.data_ptr()) == 0
+                outs.append(out)
         return torch.cat([y, held, wanted] + outs)
 
     native = run(cbuild.load("thc"))

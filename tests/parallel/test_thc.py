@@ -110,14 +110,15 @@ def _own_against_plain(hvd, torch, Compression, OPS, TensorInfo, n, r):
 
 
 def _spy_op(comp):
-    """A list that fills with the TensorInfo.op of each decompress of ``comp``'s scheme."""
+    """A list that fills with the TensorInfo.op of each decode of ``comp``'s scheme (its
+    ``decompress_into``, which the step calls, and ``decompress`` calls)."""
     seen = []
-    decompress = comp.scheme.decompress
+    decompress_into = comp.scheme.decompress_into
 
-    def spy(ops, payload, ctx, info):
+    def spy(ops, payload, ctx, info, factor, into):
         seen.append(info.op)
-        return decompress(ops, payload, ctx, info)
-    comp.scheme.decompress = spy
+        return decompress_into(ops, payload, ctx, info, factor, into)
+    comp.scheme.decompress_into = spy
     return seen
 
 
