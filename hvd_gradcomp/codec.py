@@ -430,10 +430,10 @@ class Codec:
         sinfo = scheme_info(info, scale)
         has_state = self.store.has(info.key)
         state = self.store.read(info.key) if has_state else EmptyState()
-        # (times 1.0 is the identity: no pass over the output at world size 1)
+        # (a factor of 1.0 is no pass at all at world size 1; into only where no cast or scale follows)
         out, new_state = finish_tensor(scheme, self.ops, payload, inner, state, sinfo, dtype="float32",
-                                       factor=1.0 / divide if divide != 1 else 1.0,
-                                       into=into if info.dtype == "float32" and scale is None else None)
+                                       factor=1.0 / divide, into=into if info.dtype == "float32" and scale is None
+                                       else None)
         if info.dtype in HALF_MAX:  # clamp the mean: each rank keeps the excess (Average's share)
             out, new_state = saturate_output(scheme, self.ops, out, new_state,
                                              dataclasses.replace(sinfo, op="average"), HALF_MAX[info.dtype], scale)

@@ -325,20 +325,19 @@ def _decode(state: HookState, plan, encoded, reduced, counts, buffer):
         factor = codec.linear_decode(ctx) if unit.contiguous else None
         if factor is not None:  # a cast: its mean written into the bucket
             _write_cast(buffer[unit.start:unit.stop], _flat(payload), factor, n)
-            outs.append(None)
             continue
         dst = buffer[unit.start:unit.stop] if unit.contiguous else None
         out = payload if ctx is None else codec.decode(payload, ctx, divide=n, into=dst)
         if dropped is not None:
             codec.add_error_feedback(ctx, _dropped_part(out, dropped, slot))
-        outs.append(out)
+        outs.append((unit, dst, out))
     # Written into the bucket's buffer (one copy per unit, none where the decode wrote there
     # itself) and the buffer returned: DDP then sees its own views and copies nothing more per
     # parameter.
-    for unit, out in zip(plan.units, outs):
-        if out is not None and unit.contiguous:
-            runs.write_into(buffer[unit.start:unit.stop], out)
-        elif out is not None:
+    for unit, dst, out in outs:
+        if dst is not None:
+            runs.write_into(dst, out)
+        else:
             runs.scatter(buffer, unit, out)
 
 

@@ -274,7 +274,7 @@ class _ShardHook:
                 self.codec.add_error_feedback(ctx, dropped if divide else dropped / self.replicas)
             out = out.to(output.dtype)
             if unit.contiguous:
-                runs.write_into(output[unit.start:unit.stop], out)
+                runs.write_into(output[unit.start:unit.stop] if dst is None else dst, out)
             else:
                 output.index_copy_(0, unit.index, out)
 

@@ -7,8 +7,8 @@ of the math (about 14 passes over the gradient and 120 operations a call): encod
 and ``e`` once and writes ``p``, its block sums and the sign words in the same pass (tiles of
 16,384 words, each lane's coordinates contiguous), then the scales' codes and control words;
 decode writes each coordinate once from its word (into the engine's bucket, with its ``1 / n``
-folded in, when it offers one: :func:`hvd_gradcomp.composite.decompress_into`); the residual is one pass over ``p``, written in
-place. The agreed scales' ``exp2`` stays PyTorch's (as in :mod:`~torch_backend.kernels.cpu_thc`),
+folded in, when it offers one: :func:`hvd_gradcomp.composite.decompress_into`); the residual is
+one pass over ``p``, written in place. The agreed scales' ``exp2`` stays PyTorch's (as in :mod:`~torch_backend.kernels.cpu_thc`),
 so every rank computes the same scales whichever form it runs.
 
 Plans: every signSGD plan (any block, world size, op, with or without error feedback), on CPU
