@@ -388,7 +388,8 @@ def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo, dt
     scale: a 0-d float32 tensor, or None) when given; with a float32 ``dtype`` and no ``scale``
     it may be written into ``into`` (:func:`~hvd_gradcomp.composite.decompress_into`);
     ``new_state`` is ``scheme.finish`` (the state stays as it was when the all-reduced payload
-    says a rank failed); both get the ctx of ``scheme.receive``. Used by the adapters, the
+    says a rank failed); both get the ctx of ``scheme.receive``, and may come from one kernel
+    (:func:`~hvd_gradcomp.composite.decode_finish`). Used by the adapters, the
     overhead benchmark and the tests alike.
 
     Half-precision gradients (``dtype`` float16 or bfloat16): a finite decoded value beyond
@@ -403,9 +404,8 @@ def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo, dt
     dtype = dtype or info.dtype
     into = into if dtype == "float32" and scale is None else None  # (nothing else may follow the write)
     ctx = scheme.receive(ops, payload, ctx, info)
-    out = composite.decompress_into(scheme, ops, payload, ctx, info, factor, into)
+    out, new_state = composite.decode_finish(scheme, ops, payload, ctx, state, info, factor, into)
     out = ops.reshape(out, info.shape)
-    new_state = scheme.finish(ops, payload, ctx, state, info)
     if dtype in HALF_MAX:
         out, new_state = saturate_output(scheme, ops, out, new_state, info, HALF_MAX[dtype], scale)
     if scale is not None:

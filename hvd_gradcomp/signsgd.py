@@ -63,8 +63,9 @@ Integer payload: Horovod's prescale/postscale factors must stay 1 and the op mus
 Average (the adapters refuse the rest, before any collective).
 
 Kernels: steps 1-3, 4-5's small words, 4-5 (with an engine's ``1 / n`` folded in, written into
-its bucket: :func:`~hvd_gradcomp.composite.decompress_into`) and 6's residual are the kernels of
-:mod:`hvd_gradcomp.signsgd_kernels` (compositions of the primitives: the reference), called
+its bucket: :func:`~hvd_gradcomp.composite.decompress_into`), 6's residual, and 4-6 together (a
+step's decode and residual in one pass: :func:`~hvd_gradcomp.composite.decode_finish`) are the
+kernels of :mod:`hvd_gradcomp.signsgd_kernels` (compositions of the primitives: the reference), called
 through ``ops.fuse``, so a backend may run a fused form: PyTorch's CPU runs one C loop each
 (``torch_backend/kernels/cpu_signsgd.py``), CUDA Triton programs
 (``torch_backend/kernels/triton_signsgd.py``); both equal the reference bit for bit but for a
@@ -80,8 +81,8 @@ from typing import ClassVar, NamedTuple, Optional
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit
 from .lanes import LaneLayout, lane_layout, stats_layout
 from .options import error_feedback_option, option, validate
-from .signsgd_kernels import (CONTROL as _CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel,
-                              _residual_kernel)
+from .signsgd_kernels import (CONTROL as _CONTROL, _Plan, _decode_kernel, _decode_residual_kernel, _encode_kernel,
+                              _receive_kernel, _residual_kernel)
 
 __all__ = ["SignSGDConfig", "SignSGDState", "SignSGDScheme"]
 
@@ -186,15 +187,31 @@ class SignSGDScheme(Scheme):
         mean lands in its bucket with no multiply or copy after it."""
         plan = self._plan(info, self.layout(info))._replace(factor=factor)
         out = ops.fuse(_decode_kernel, plan)(payload, ctx.count, ctx.bad, ctx.scale, ctx.inferred, into)
-        return out[:info.numel] if ops.shape(out)[0] > info.numel else out
+        return self._trim(ops, out, info)
+
+    def decode_finish(self, ops, payload, ctx, state, info, factor, into):
+        """Steps 4-6 in one kernel (``_decode_residual_kernel``: the CPU's fused form computes the
+        decoded values and the residual in one pass over the coordinates), as
+        :meth:`decompress_into` and :meth:`finish` give them
+        (:func:`~hvd_gradcomp.composite.decode_finish`)."""
+        if not self.config.error_feedback:
+            return self.decompress_into(ops, payload, ctx, info, factor, into), state
+        plan = self._plan(info, self.layout(info))._replace(factor=factor)
+        out, left = ops.fuse(_decode_residual_kernel, plan)(payload, ctx.count, ctx.bad, ctx.scale, ctx.inferred,
+                                                            ctx.corrected, into)
+        return self._trim(ops, out, info), commit(ops, ctx.bad == 0, SignSGDState(self._trim(ops, left, info)), state)
+
+    @staticmethod
+    def _trim(ops, x, info):
+        """``x``'s first ``info.numel`` values (the gradient's of the padded [P])."""
+        return x[:info.numel] if ops.shape(x)[0] > info.numel else x
 
     def finish(self, ops, payload, ctx, state, info):
         """Step 6: ``e' = p - S sign(p)``, kept only when every rank was finite."""
         if not self.config.error_feedback:
             return state
         plan = self._plan(info, self.layout(info))
-        left = ops.fuse(_residual_kernel, plan)(ctx.corrected, ctx.scale)
-        left = left[:info.numel] if ops.shape(left)[0] > info.numel else left
+        left = self._trim(ops, ops.fuse(_residual_kernel, plan)(ctx.corrected, ctx.scale), info)
         return commit(ops, ctx.bad == 0, SignSGDState(left), state)
 
     def payload_dtype(self, info: TensorInfo) -> str:

@@ -1,6 +1,7 @@
 """signSGD's per-step kernels (:mod:`hvd_gradcomp.signsgd`, whose module docstring gives the
 steps they implement): encode (steps 1-3), receive (step 4's control words and step 5's
-scales), decode (steps 4-5) and the residual of step 6, each a pure function of a
+scales), decode (steps 4-5), the residual of step 6, and decode and residual together (what a
+step runs with error feedback), each a pure function of a
 :class:`_Plan` and tensors over the primitives, called through ``ops.fuse`` so that a backend
 may run a fused form instead (``torch_backend/kernels``: one C loop on the CPU,
 ``cpu_signsgd.py``; Triton programs on CUDA, ``triton_signsgd.py``). These compositions are the
@@ -115,3 +116,13 @@ def _residual_kernel(ops, plan: _Plan, corrected, scale):
     p = ops.reshape(corrected, (nb, B))
     bits = ops.cast(p >= 0.0, "float32")
     return ops.reshape((p + s) - bits * (s * 2.0), (nb * B,))
+
+
+def _decode_residual_kernel(ops, plan: _Plan, payload, count, bad, scale, inferred, corrected, into=None):
+    """Steps 4-6 of a step with error feedback: ``(out, left)``, :func:`_decode_kernel`'s ``out``
+    and :func:`_residual_kernel`'s ``left`` (float32 [P]) of the same arguments. One kernel so
+    that a fused form may run both in one pass over the coordinates (the C loop: ``left`` written
+    over ``corrected`` as the decode streams ``out``; only its first ``d`` values, those of the
+    gradient, when the decode writes into an [d] ``into``)."""
+    return (_decode_kernel(ops, plan, payload, count, bad, scale, inferred, into),
+            _residual_kernel(ops, plan, corrected, scale))

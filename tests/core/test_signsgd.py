@@ -295,7 +295,8 @@ def test_fused_forms_are_registered():
     plan = _plan(2, "average", 5000)
     assert kernels.status()["torch_backend.kernels.cpu_signsgd"] == "loaded"
     for fn, form in ((K._encode_kernel, cpu.encode), (K._receive_kernel, cpu.receive),
-                     (K._decode_kernel, cpu.decode), (K._residual_kernel, cpu.residual)):
+                     (K._decode_kernel, cpu.decode), (K._residual_kernel, cpu.residual),
+                     (K._decode_residual_kernel, cpu.decode_residual)):
         assert kernels.fused_form(fn, plan, "cpu") is form
 
 
@@ -391,10 +392,68 @@ def test_receive_decode_and_residual_are_bit_exact(n, op, d, block, bad):
     assert _bitwise(torch, K._decode_kernel(R, folded, reduced, *want, into), ref * (1.0 / 3))
     assert (bucket[:2] == 7.0).all() and (bucket[2 + d:] == 7.0).all()
     assert cpu.decode(plan, reduced, *want, bucket[:d].double()).dtype == torch.float32  # not writable: a new one
+    p = corrected.clone()
     ref = K._residual_kernel(R, plan, corrected, want[2])
     left = cpu.residual(plan, corrected, want[2])
     assert _bitwise(torch, left, ref)
     assert left.data_ptr() == corrected.data_ptr()  # written over p: no fresh [P] buffer
+    # Decode and residual in one pass: the same values; the residual written over p, all P of
+    # it with a new output, the gradient's d with the bucket's slice.
+    decoded = K._decode_kernel(R, plan, reduced, *want)
+    mine = p.clone()
+    out, left = cpu.decode_residual(plan, reduced, *want, mine)
+    assert _bitwise(torch, out, decoded) and _bitwise(torch, left, ref) and left.data_ptr() == mine.data_ptr()
+    mine, bucket = p.clone(), torch.full((d + 5,), 7.0)
+    out, left = cpu.decode_residual(folded, reduced, *want, mine, bucket[2:2 + d])
+    assert out.data_ptr() == bucket[2:].data_ptr() and _bitwise(torch, bucket[2:2 + d], decoded[:d] * (1.0 / 3))
+    assert _bitwise(torch, left[:d], ref[:d]) and (bucket[:2] == 7.0).all() and (bucket[2 + d:] == 7.0).all()
+    assert _bitwise(torch, K._decode_residual_kernel(R, plan, reduced, *want, p)[1], ref)
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64"])
+def test_streaming_stores_match_reference(march):
+    """Outputs of at least 2**20 coordinates (csrc/signsgd.c's NT_MIN) go out by non-temporal
+    stores a line at a time: the encode's p (its block sums now grouped by coordinate mod 16) and
+    the decode into a bucket slice that starts mid-line equal the reference as the plain stores
+    do, for this CPU's library and baseline x86-64's (SSE2 streaming stores), with the bucket
+    around the slice untouched."""
+    import os
+    torch, K, _, cpu, R = _torch_kernels()
+    from torch_backend.kernels import cbuild
+    if march != "native" and os.uname().machine not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 baseline build")
+    native = cpu._lib
+    lib = native if march == "native" else cbuild.load("signsgd", ("-march=x86-64", "-mtune=generic"))
+    for name in ("hgc_signsgd_encode", "hgc_signsgd_receive", "hgc_signsgd_decode", "hgc_signsgd_residual"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = (getattr(native, name).argtypes,
+                                                                   getattr(native, name).restype)
+    n, op, d = 3, "average", (1 << 20) + 4099
+    plan = _plan(n, op, d, True, 1000)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(d + 1, generator=gen)[1:] * torch.rand(d, generator=gen)  # starts mid-line
+    e = torch.randn(d, generator=gen) * 0.3
+    cpu._lib = lib
+    try:
+        payload, corrected = cpu.encode(plan, x, e, None)
+        want = K._encode_kernel(R, plan, x, e, None)
+        assert _bitwise(torch, corrected, want[1])
+        _codes_agree(torch, payload, want[0], want[1], n, op, d, 1000)
+        words = want[0].numpy()
+        reduced = torch.from_numpy(np.asarray(emulate_allreduce([words] * n, op, n), np.int32))
+        got = cpu.receive(plan, reduced, corrected)
+        ref = K._decode_kernel(R, plan._replace(factor=0.25), reduced, *got)
+        bucket = torch.full((d + 9,), 7.0)
+        into = bucket[3:3 + d]
+        out = cpu.decode(plan._replace(factor=0.25), reduced, *got, into)
+        assert out.data_ptr() == into.data_ptr() and _bitwise(torch, into, ref[:d])
+        assert (bucket[:3] == 7.0).all() and (bucket[3 + d:] == 7.0).all()
+        assert _bitwise(torch, cpu.decode(plan, reduced, *got), K._decode_kernel(R, plan, reduced, *got))
+        left_ref = K._residual_kernel(R, plan, corrected, got[2])
+        bucket.fill_(7.0)
+        out, left = cpu.decode_residual(plan._replace(factor=0.25), reduced, *got, corrected.clone(), into)
+        assert _bitwise(torch, into, ref[:d]) and _bitwise(torch, left[:d], left_ref[:d])
+    finally:
+        cpu._lib = native
 
 
 @pytest.mark.parametrize("spec,n,op", [("signsgd", 2, "average"), ("signsgd:block=64", 3, None),
@@ -426,7 +485,7 @@ def test_scheme_through_fused_forms_matches_reference(spec, n, op):
         for u, v in zip(a, b):
             assert _bitwise(torch, u, v)
     chosen = {getattr(f, "__name__", None) for f in kernels._CHOSEN.values() if f is not None}
-    want = {"encode", "receive", "decode"} | ({"residual"} if "error_feedback=false" not in spec else set())
+    want = {"encode", "receive"} | ({"decode_residual"} if "error_feedback=false" not in spec else {"decode"})
     assert want <= chosen, chosen
 
 
@@ -453,8 +512,9 @@ def test_fused_result_independent_of_vector_width():
             payload, corrected = cpu.encode(plan, x, e, None)
             reduced = payload * 3 // 3  # any words: the decoder's integer paths
             count, bad, scale, inferred = cpu.receive(plan, reduced, corrected)
+            both = cpu.decode_residual(plan, reduced, count, bad, scale, inferred, corrected.clone())
             return [payload, corrected.clone(), scale, cpu.decode(plan, reduced, count, bad, scale, inferred),
-                    cpu.residual(plan, corrected, scale)]
+                    cpu.residual(plan, corrected, scale), *both]
         finally:
             cpu._lib = native
 

@@ -20,6 +20,8 @@ The math is :mod:`hvd_gradcomp.signsgd_kernels` (steps 1-6 of :mod:`hvd_gradcomp
   exact lane sum ``V`` and ``V (f 2) - f c`` with its block's factor ``f``.
 - :func:`residual` (``_residual_kernel``), one program per 1024 coordinates:
   ``(p + S) - [p >= 0] (S 2)``.
+- :func:`decode_residual` (``_decode_residual_kernel``): :func:`decode`, then :func:`residual`
+  (two launches, as before the CPU's one pass fused them).
 
 Exactness: every float operation is the reference's, in its order, rounded once in float32
 (compiled with ``enable_fp_fusion=False``: no FMA), so ``p``, the sign and control words, the
@@ -40,13 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hvd_gradcomp.signsgd_kernels import (CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel,
-                                          _residual_kernel)
+from hvd_gradcomp.signsgd_kernels import (CONTROL, _Plan, _decode_kernel, _decode_residual_kernel, _encode_kernel,
+                                          _receive_kernel, _residual_kernel)
 
 from .forms import register, writable
 from .triton_thc_words import _MANTISSAS, _OPTIONS, _exact, _on, _scale_lane, op_code
 
-__all__ = ["accepts", "encode", "receive", "decode", "residual", "AOT", "MAX_BLOCK", "TILE"]
+__all__ = ["accepts", "encode", "receive", "decode", "residual", "decode_residual", "AOT", "MAX_BLOCK", "TILE"]
 
 MAX_BLOCK = 1 << 16
 TILE = 256  # sign words a pack or decode program
@@ -271,10 +273,17 @@ def residual(plan, corrected, scale):
     return out
 
 
+def decode_residual(plan, payload, count, bad, scale, inferred, corrected, into=None):
+    """Fused ``_decode_residual_kernel`` (steps 4-6): ``(out, left)``, :func:`decode`'s and
+    :func:`residual`'s, two launches."""
+    return decode(plan, payload, count, bad, scale, inferred, into), residual(plan, corrected, scale)
+
+
 register(_encode_kernel, "cuda", accepts, encode, "triton_signsgd.encode")
 register(_receive_kernel, "cuda", accepts, receive, "triton_signsgd.receive")
 register(_decode_kernel, "cuda", accepts, decode, "triton_signsgd.decode")
 register(_residual_kernel, "cuda", accepts, residual, "triton_signsgd.residual")
+register(_decode_residual_kernel, "cuda", accepts, decode_residual, "triton_signsgd.decode_residual")
 
 
 # ---- ahead-of-time compile (tests): (name, kernel, signature, constexprs) ----

@@ -1,4 +1,4 @@
-/* Fused CPU loops of signSGD's encode, receive, decode and residual kernels
+/* Fused CPU loops of signSGD's encode, receive, decode, residual and decode-residual kernels
  * (hvd_gradcomp/signsgd_kernels.py; the steps are hvd_gradcomp/signsgd.py's module docstring).
  *
  * Plain C99, no Python or torch headers: torch_backend/kernels/cpu_signsgd.py compiles this file
@@ -7,7 +7,8 @@
  * float operation is the reference's, in float32, written out in a fixed order (no FMA
  * contraction, nothing reassociated), so the results are the same bits at any vector width and
  * on every rank; only the per-block sums |p| add up in another order than PyTorch's sum (16
- * partial sums per run of coordinates, combined pairwise, runs in a fixed order).
+ * partial sums per block's part of a run, coordinate k into partial k % 16, combined pairwise,
+ * runs in a fixed order). Plain stores but for p (NT_MIN, NT_MAX).
  *
  * Layouts (hvd_gradcomp/lanes.py): the P sign bits sit planar in W = ceil(P / lanes) int32
  * words, coordinate k in lane k / W of word k % W, at bit guard + (k / W) width; the nb (code,
@@ -19,13 +20,59 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__) || defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
-#define ACC 16   /* partial sums a run (a fixed number: results independent of the vector width) */
+#define ACC 16   /* partial sums a block's part of a run, coordinate k into partial k % ACC (a fixed
+                  * number: results independent of the vector width) */
 #define TILE 16384 /* sign words an encode tile (64 KiB of the payload, in L2): each lane's TILE
                     * coordinates of a tile are contiguous, so each lane's streams of g, e and p
                     * (3 x lanes streams) run 64 KiB before they jump (at 256 words the jumps
                     * cost about a third of the encode) */
-#define DTILE 4096 /* words a decode tile: their exact values on the stack (16 KiB) */
+#define NT_MIN (1 << 20) /* coordinates: the encode's p, when at least this long (4 MiB, twice L2),
+                          * is written with non-temporal stores, 64 bytes at a time where they are
+                          * aligned (nothing reads p before the residual, long after): a store that
+                          * first reads its line (read for ownership) from memory costs about three
+                          * times a plain read here (one thread, AMD EPYC: 26 MB read 1.9 ms, read
+                          * and written in place 2.2, read into another array 8-12, into another
+                          * with streaming stores 2.9). Not the decode's output: the engine reads
+                          * its bucket right after, from cache where plain stores left it. */
+#define NT_MAX (1 << 23) /* coordinates: nor a p above 32 MiB, glibc's largest mmap threshold: such a
+                          * buffer comes fresh from mmap at each allocation, each page just zeroed by
+                          * the kernel and in cache, where streaming stores cost more than plain
+                          * ones (38 MB of fresh pages written: 25-28 ms against 16-19 here) */
+
+/* 16 floats of v to dst (64-byte aligned): non-temporal where the target has such stores, the same
+ * values either way; fence() orders them before the kernel returns. 32 bytes a store even with
+ * AVX-512: the compiler computes v in 32-byte vectors (its preferred width), and one 64-byte load
+ * of two such stores would wait for both to retire instead of taking their data (about a third
+ * of the decode's time here). */
+static inline void put16(float *restrict dst, const float *restrict v)
+{
+#if defined(__AVX__)
+    _mm256_stream_ps(dst, _mm256_loadu_ps(v));
+    _mm256_stream_ps(dst + 8, _mm256_loadu_ps(v + 8));
+#elif defined(__SSE2__)
+    for (int q = 0; q < 16; q += 4)
+        _mm_stream_ps(dst + q, _mm_loadu_ps(v + q));
+#else
+    memcpy(dst, v, 16 * sizeof(float));
+#endif
+}
+
+static inline void fence(void)
+{
+#if defined(__SSE2__) || defined(__AVX__) || defined(__AVX512F__)
+    _mm_sfence();
+#endif
+}
+
+/* Floats from p to the next 64-byte boundary (0 to 15). */
+static inline int64_t to_line(const float *p)
+{
+    return (int64_t)(((64u - ((uintptr_t)p & 63u)) & 63u) / sizeof(float));
+}
 
 /* lanes.exact_words of one all-reduced word, modulo 2**32: the word under Sum (or without guard
  * bits); under Average the multiple of 2**guard next to n w away from zero (w >= 0 here: the
@@ -49,21 +96,40 @@ static inline int64_t exact64(int64_t w, int64_t n, int64_t guard, int as_is)
     return (w < 0 ? down : up) - bias;
 }
 
-/* p = x (+ e) over [0, m) of one block's part of a run: p stored in c, its bit (p >= 0) added at
- * `shift` into the lane words a, |p| into partial part[i % ACC]. `has_e` is a constant at each
- * call, so the inlined loop is specialised (x + 0 would turn -0.0 into +0.0 in p). */
-static inline void bits_and_sums(const float *restrict x, const float *restrict e, int has_e,
-                                 float *restrict c, uint32_t *restrict a, int64_t m, unsigned shift,
+/* p = x (+ e) over [0, m) of one block's part of a run, whose first coordinate is lo: p stored in
+ * c, its bit (p >= 0) added at `shift` into the lane words a, |p| into partial part[(lo + i) %
+ * ACC]. `has_e` and `nt` are constants at each call, so the inlined loop is specialised (x + 0
+ * would turn -0.0 into +0.0 in p); nt: c + i is 64-byte aligned where (lo + i) % ACC is 0, and
+ * those 16 values go out by put16. */
+static inline void bits_and_sums(const float *restrict x, const float *restrict e, int has_e, int nt,
+                                 float *restrict c, uint32_t *restrict a, int64_t lo, int64_t m, unsigned shift,
                                  float part[ACC])
 {
-    int64_t i = 0;
-    for (; i + ACC <= m; i += ACC)
+    int64_t i = 0, head = (ACC - lo % ACC) % ACC;
+    for (; i < m && i < head; i++) {
+        float v = has_e ? x[i] + e[i] : x[i];
+        c[i] = v;
+        a[i] += (uint32_t)(v >= 0.0f) << shift;
+        part[(lo + i) % ACC] = part[(lo + i) % ACC] + fabsf(v);
+    }
+    for (; i + ACC <= m; i += ACC) {
+        float v[ACC];
+        /* 2 KiB ahead into L1 (the hardware prefetcher restarts at each run; in model A's DDP
+         * step the encode took 8.6-9.3 ms with these, 9.7-11.7 without) */
+        __builtin_prefetch(x + i + 512, 0, 3);
+        if (has_e)
+            __builtin_prefetch(e + i + 512, 0, 3);
         for (int q = 0; q < ACC; q++) {
-            float v = has_e ? x[i + q] + e[i + q] : x[i + q];
-            c[i + q] = v;
-            a[i + q] += (uint32_t)(v >= 0.0f) << shift;
-            part[q] = part[q] + fabsf(v);
+            v[q] = has_e ? x[i + q] + e[i + q] : x[i + q];
+            a[i + q] += (uint32_t)(v[q] >= 0.0f) << shift;
+            part[q] = part[q] + fabsf(v[q]);
         }
+        if (nt)
+            put16(c + i, v);
+        else
+            for (int q = 0; q < ACC; q++)
+                c[i + q] = v[q];
+    }
     for (int q = 0; i < m; i++, q++) {
         float v = has_e ? x[i] + e[i] : x[i];
         c[i] = v;
@@ -93,6 +159,8 @@ int32_t hgc_signsgd_encode(const float *restrict x, int64_t d, const float *rest
     if (!sums)
         return -1;
     uint32_t *restrict words = (uint32_t *)payload; /* the lanes add up in place */
+    /* coordinate k's p at a line start when k % 16 is 0 */
+    int nt = P >= NT_MIN && P <= NT_MAX && ((uintptr_t)corrected & 63u) == 0;
     for (int64_t i0 = 0; i0 < W; i0 += TILE) {
         int64_t t = W - i0 < TILE ? W - i0 : TILE;
         memset(words + i0, 0, (size_t)t * sizeof(uint32_t));
@@ -103,8 +171,8 @@ int32_t hgc_signsgd_encode(const float *restrict x, int64_t d, const float *rest
             int64_t end = start + t < P ? start + t : P;
             unsigned shift = (unsigned)(guard + j * width);
             /* p, its bit and the block sums of the run in one pass, block by block: each
-             * block's part of the run adds up in ACC partial sums (coordinate s + i into
-             * partial i % ACC), combined pairwise, then into sums[b] in run order */
+             * block's part of the run adds up in ACC partial sums (coordinate k into partial
+             * k % ACC), combined pairwise, then into sums[b] in run order */
             int64_t real = end < d ? end : d;
             for (int64_t s = start; s < end;) {
                 int64_t b = s / B;
@@ -115,10 +183,14 @@ int32_t hgc_signsgd_encode(const float *restrict x, int64_t d, const float *rest
                 const float *restrict xs = x + s;
                 int64_t m = r > s ? r - s : 0;
                 float part[ACC] = {0};
-                if (residual)
-                    bits_and_sums(xs, residual + s, 1, c, a, m, shift, part);
+                if (residual && nt)
+                    bits_and_sums(xs, residual + s, 1, 1, c, a, s, m, shift, part);
+                else if (residual)
+                    bits_and_sums(xs, residual + s, 1, 0, c, a, s, m, shift, part);
+                else if (nt)
+                    bits_and_sums(xs, xs, 0, 1, c, a, s, m, shift, part);
                 else
-                    bits_and_sums(xs, xs, 0, c, a, m, shift, part);
+                    bits_and_sums(xs, xs, 0, 0, c, a, s, m, shift, part);
                 for (int64_t i = m; i < e - s; i++) { /* the padding: p = 0, bit 1, nothing to the sum */
                     c[i] = 0.0f;
                     a[i] += (uint32_t)1 << shift;
@@ -156,6 +228,7 @@ int32_t hgc_signsgd_encode(const float *restrict x, int64_t d, const float *rest
     payload[W + Ws] = (int32_t)((uint32_t)1 << guard);
     payload[W + Ws + 1] = (int32_t)((uint32_t)(ok ? 0 : 1) << guard);
     free(sums);
+    fence();
     return ok;
 }
 
@@ -190,61 +263,91 @@ void hgc_signsgd_receive(const int32_t *restrict payload, int64_t W, int64_t nb,
     }
 }
 
-/* ---- _decode_kernel (steps 4-5) ----
+/* ---- _decode_kernel (steps 4-5), and _decode_residual_kernel (with step 6) ----
  *
  * payload: the all-reduced words (the first W the sign lanes); scale: float32 [nb], the agreed
  * S; count_p, bad_p: int64; inferred_p: one byte; summed as in hgc_signsgd_receive; inv_n: 1/n
  * rounded to float32. Per block f = (Sum ? S : S inv_n) + (bad > 0 ? NaN : 0); for coordinate
  * k of block b, V = lane (k / W) of the exact word k % W, out[k] = float(V) (f 2) - f float(c),
  * then times `factor` (a second float32 rounding, as the reference's separate product) when
- * has_factor. Only coordinates k < D are written (D <= P: out may hold just the gradient's d). */
-static inline void decode_run(const uint32_t *restrict ex, float *restrict out, int64_t m, unsigned shift,
-                              uint32_t mask, float a, float fc, int has_factor, float factor)
+ * has_factor. Only coordinates k < D are written (D <= P: out may hold just the gradient's d).
+ * Returns 0, or -1 when the W words of scratch (Average's exact words) could not be allocated
+ * (nothing written then).
+ * p: NULL, or float32 [P], the encode's p, whose first D values get step 6's residual in the
+ * same pass, in place (as hgc_signsgd_residual: (p + S) - [p >= 0] (S 2)), each run of p right
+ * after the same run of out: one pass over both (in model A's DDP step, one thread: 7.6-8.1 ms
+ * a step, against 9.7 for the decode and the residual apart). */
+static inline void decode_run(const uint32_t *restrict ex, float *restrict out, float *restrict p, int has_p,
+                              int64_t m, unsigned shift, uint32_t mask, float a, float fc, int has_factor,
+                              float factor, float s)
 {
     for (int64_t k = 0; k < m; k++) {
         float v = (float)(int32_t)((ex[k] >> shift) & mask) * a - fc;
         out[k] = has_factor ? v * factor : v;
     }
+    if (has_p) { /* the same run of p (at most B coordinates), in the same pass over the memory */
+        float s2 = s * 2.0f;
+        for (int64_t k = 0; k < m; k++) {
+            float v = p[k];
+            float bit = v >= 0.0f ? 1.0f : 0.0f;
+            p[k] = (v + s) - bit * s2;
+        }
+    }
 }
 
-void hgc_signsgd_decode(const int32_t *restrict payload, int64_t P, int64_t D, int64_t B,
-                        const float *restrict scale, int64_t lanes, int64_t width, int64_t guard, int64_t n,
-                        int64_t summed, const int64_t *count_p, const int64_t *bad_p, const uint8_t *inferred_p,
-                        float inv_n, int has_factor, float factor, float *restrict out)
+/* decode_run with its flags as constants at each call (a branch-free loop for each case). */
+static void decode_part(const uint32_t *restrict ex, float *restrict out, float *restrict p, int64_t m,
+                        unsigned shift, uint32_t mask, float a, float fc, int has_factor, float factor, float s)
+{
+    if (p && has_factor)
+        decode_run(ex, out, p, 1, m, shift, mask, a, fc, 1, factor, s);
+    else if (p)
+        decode_run(ex, out, p, 1, m, shift, mask, a, fc, 0, factor, s);
+    else if (has_factor)
+        decode_run(ex, out, p, 0, m, shift, mask, a, fc, 1, factor, s);
+    else
+        decode_run(ex, out, p, 0, m, shift, mask, a, fc, 0, factor, s);
+}
+
+int32_t hgc_signsgd_decode(const int32_t *restrict payload, int64_t P, int64_t D, int64_t B,
+                           const float *restrict scale, int64_t lanes, int64_t width, int64_t guard, int64_t n,
+                           int64_t summed, const int64_t *count_p, const int64_t *bad_p, const uint8_t *inferred_p,
+                           float inv_n, int has_factor, float factor, float *restrict out, float *restrict p)
 {
     int64_t W = (P + lanes - 1) / lanes;
     int is_sum = summed < 0 ? (*inferred_p != 0) : (int)summed;
     int as_is = is_sum || guard == 0;
     float count = (float)*count_p, poison = *bad_p > 0 ? NAN : 0.0f;
     uint32_t low = (uint32_t)(((uint64_t)1 << guard) - 1), mask = (uint32_t)(((uint64_t)1 << width) - 1);
-    uint32_t ex[DTILE];
-    for (int64_t i0 = 0; i0 < W; i0 += DTILE) {
-        int64_t t = W - i0 < DTILE ? W - i0 : DTILE;
-        if (as_is) {
-            for (int64_t i = 0; i < t; i++)
-                ex[i] = (uint32_t)payload[i0 + i];
-        } else {
-            for (int64_t i = 0; i < t; i++)
-                ex[i] = exact32(payload[i0 + i], (uint32_t)n, low, 0);
-        }
-        for (int64_t j = 0; j < lanes; j++) {
-            int64_t start = j * W + i0;
-            if (start >= D)
-                break;
-            int64_t end = start + t < D ? start + t : D;
-            unsigned shift = (unsigned)(guard + j * width);
-            for (int64_t s = start; s < end;) {
-                int64_t b = s / B;
-                int64_t e = (b + 1) * B < end ? (b + 1) * B : end;
-                float f = (is_sum ? scale[b] : scale[b] * inv_n) + poison;
-                if (has_factor)
-                    decode_run(ex + (s - start), out + s, e - s, shift, mask, f * 2.0f, f * count, 1, factor);
-                else
-                    decode_run(ex + (s - start), out + s, e - s, shift, mask, f * 2.0f, f * count, 0, 1.0f);
-                s = e;
-            }
+    const uint32_t *ex = (const uint32_t *)payload;
+    uint32_t *exact = NULL;
+    if (!as_is) { /* the W exact words once (4 bytes per `lanes` coordinates: they stay in L2) */
+        exact = malloc((size_t)(W > 0 ? W : 1) * sizeof(uint32_t));
+        if (!exact)
+            return -1;
+        for (int64_t i = 0; i < W; i++)
+            exact[i] = exact32(payload[i], (uint32_t)n, low, 0);
+        ex = exact;
+    }
+    /* lane by lane: coordinates j W + i of lane j are contiguous, so out and p are each one
+     * stream through memory, front to back */
+    for (int64_t j = 0; j < lanes; j++) {
+        int64_t start = j * W;
+        if (start >= D)
+            break;
+        int64_t end = start + W < D ? start + W : D;
+        unsigned shift = (unsigned)(guard + j * width);
+        for (int64_t s = start; s < end;) {
+            int64_t b = s / B;
+            int64_t e = (b + 1) * B < end ? (b + 1) * B : end;
+            float f = (is_sum ? scale[b] : scale[b] * inv_n) + poison;
+            decode_part(ex + (s - start), out + s, p ? p + s : NULL, e - s, shift, mask, f * 2.0f, f * count,
+                        has_factor, factor, scale[b]);
+            s = e;
         }
     }
+    free(exact);
+    return 0;
 }
 
 /* ---- _residual_kernel (step 6) ----
