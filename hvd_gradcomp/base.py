@@ -55,6 +55,9 @@ Flags (class attributes of :class:`Scheme`, with their defaults):
 - ``blocking`` (False): compress posts a synchronous side collective (``ops.allreduce``).
 - ``rank_local_fields`` (``("residual",)``): the state fields that differ between ranks; the
   adapters reset them when a checkpoint is loaded on another number of ranks.
+- ``residual_fields`` (``("residual",)``): the state fields that hold the error feedback, all
+  zero when nothing is owed (signSGD: ``p`` and ``S``); a state with none of them, or with them
+  empty, keeps none (:func:`saturate_output`), and ``auto``'s flush zeroes them.
 - ``adaptive`` (False): ``wire(info)`` and the state's fields may change between steps
   (``auto``), so the adapters ask for the bytes at every compress and store whatever
   ``finish`` returns.
@@ -237,6 +240,9 @@ class Scheme:
     # is equal on all ranks (agreed ranges, scores, bases, counters). A checkpoint loaded on a
     # different number of ranks keeps the others and resets these to zero.
     rank_local_fields = ("residual",)
+    # State fields that hold the error feedback (all zero: nothing owed); the default
+    # composite.residual_of reads ``residual``, a scheme with others overrides it.
+    residual_fields = ("residual",)
     # True: the scheme also works without its state (EmptyState), which the adapters then hand
     # it for a tensor they cannot name (fp16: its agreed scale, module cast.py); False: such a
     # tensor is refused when the scheme keeps state.
@@ -388,8 +394,7 @@ def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo, dt
     scale: a 0-d float32 tensor, or None) when given; with a float32 ``dtype`` and no ``scale``
     it may be written into ``into`` (:func:`~hvd_gradcomp.composite.decompress_into`);
     ``new_state`` is ``scheme.finish`` (the state stays as it was when the all-reduced payload
-    says a rank failed); both get the ctx of ``scheme.receive``, and may come from one kernel
-    (:func:`~hvd_gradcomp.composite.decode_finish`). Used by the adapters, the
+    says a rank failed); both get the ctx of ``scheme.receive``. Used by the adapters, the
     overhead benchmark and the tests alike.
 
     Half-precision gradients (``dtype`` float16 or bfloat16): a finite decoded value beyond
@@ -404,8 +409,9 @@ def finish_tensor(scheme: Scheme, ops, payload, ctx, state, info: TensorInfo, dt
     dtype = dtype or info.dtype
     into = into if dtype == "float32" and scale is None else None  # (nothing else may follow the write)
     ctx = scheme.receive(ops, payload, ctx, info)
-    out, new_state = composite.decode_finish(scheme, ops, payload, ctx, state, info, factor, into)
+    out = composite.decompress_into(scheme, ops, payload, ctx, info, factor, into)
     out = ops.reshape(out, info.shape)
+    new_state = scheme.finish(ops, payload, ctx, state, info)
     if dtype in HALF_MAX:
         out, new_state = saturate_output(scheme, ops, out, new_state, info, HALF_MAX[dtype], scale)
     if scale is not None:
@@ -429,8 +435,8 @@ def saturate_output(scheme: Scheme, ops, out, state, info: TensorInfo, limit: fl
     decodes ``out`` (a reduce-scatter's destination keeps all of it: the mean's excess times
     the divisor).
     NaN/inf stay as they are (a failed step must be seen as one; its excess is 0). Unchanged
-    when the state keeps no error feedback (no non-empty ``residual`` field; for ``adaptive``
-    schemes: :func:`~hvd_gradcomp.composite.add_residual` returns None). No host read for
+    when the state keeps no error feedback (its ``Scheme.residual_fields`` missing or empty; for
+    ``adaptive`` schemes: :func:`~hvd_gradcomp.composite.add_residual` returns None). No host read for
     fixed schemes: ``ops.select`` on whether any value was clamped.
     """
     lim = limit if scale is None else limit / scale
@@ -444,8 +450,8 @@ def saturate_output(scheme: Scheme, ops, out, state, info: TensorInfo, limit: fl
     if scheme.adaptive:  # its state's fields may change (auto's carry): it decides itself
         kept = composite.add_residual(scheme, ops, state, info, flat)
     else:
-        residual = getattr(state, "residual", None)
-        if residual is None or 0 in tuple(ops.shape(residual)):
+        held = [getattr(state, f, None) for f in scheme.residual_fields]
+        if not held or any(r is None or 0 in tuple(ops.shape(r)) for r in held):
             return out, state  # no error feedback to keep the excess in
         clipped = ops.sum(ops.abs(excess), None) > 0.0
         kept = ops.select(clipped, lambda: composite.add_residual(scheme, ops, state, info, flat),

@@ -23,8 +23,6 @@ A scheme overrides a hook only where the default is wrong for it:
   warm-up's step count).
 - :func:`decompress_into`: a fused decode that folds an engine's divide into its own pass and
   writes into the engine's buffer (signSGD), so no multiply or copy follows it.
-- :func:`decode_finish`: the decode and ``finish`` in one kernel, a pass over the coordinates
-  that writes the output and the new residual together (signSGD).
 - :func:`decode_factor`: decoding is the payload's cast times a constant (the casts), so an
   engine may fuse the cast, the scaling and the write into its buffer.
 - :func:`sent_zeros`: ``decompress``/``finish`` read this rank's own sent words from the ctx
@@ -40,7 +38,7 @@ This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it
 import inspect
 
 __all__ = ["residual_of", "residual_field", "add_residual", "payload_dtype", "hand_over", "init_like",
-           "forget", "check_loaded", "metrics", "decompress_into", "decode_finish", "decode_factor", "carry_over", "scatter_split",
+           "forget", "check_loaded", "metrics", "decompress_into", "decode_factor", "carry_over", "scatter_split",
            "sent_zeros", "own_zeroed", "blocks",
            "HOOKS", "check_hooks"]
 
@@ -55,7 +53,6 @@ HOOKS = {
     "check_loaded": ("key", "loaded"),
     "metrics": ("state",),
     "decompress_into": ("ops", "payload", "ctx", "info", "factor", "into"),
-    "decode_finish": ("ops", "payload", "ctx", "state", "info", "factor", "into"),
     "decode_factor": ("info",),
     "carry_over": ("ops", "state", "olds", "info"),
     "scatter_split": ("info",),
@@ -224,18 +221,6 @@ def decompress_into(scheme, ops, payload, ctx, info, factor=1.0, into=None):
         return hook(ops, payload, ctx, info, factor, into)
     out = scheme.decompress(ops, payload, ctx, info)
     return out * factor if factor != 1.0 else out
-
-
-def decode_finish(scheme, ops, payload, ctx, state, info, factor=1.0, into=None):
-    """``(out, new_state)``: :func:`decompress_into`'s ``out`` and ``scheme.finish``'s state, of
-    the ctx ``scheme.receive`` returned. Called by :func:`~hvd_gradcomp.base.finish_tensor`.
-    Default: the two one after the other; a scheme overrides it where one kernel computes both
-    (signSGD's decode and residual: one pass over the coordinates instead of two)."""
-    hook = _hook(scheme, "decode_finish")
-    if hook is not None:
-        return hook(ops, payload, ctx, state, info, factor, into)
-    return (decompress_into(scheme, ops, payload, ctx, info, factor, into),
-            scheme.finish(ops, payload, ctx, state, info))
 
 
 def decode_factor(scheme, info):

@@ -19,7 +19,7 @@ with 1-bit levels, ``centred=False``: no offset, so the ``P`` lane sums unpack i
 the cost of at most one lane a word).
 
 Steps of ``compress`` (no collective):
-    1. ``p = g + e`` (float32 [d]; ``e`` the residual, 0 without error feedback), zero-padded
+    1. ``p = g + e`` (float32 [d]; ``e`` step 6's residual, 0 without error feedback), zero-padded
        to ``P``. This rank's gradient counts as not finite if ``sum |p|`` is not (a NaN/inf,
        or finite values summing beyond float32): that sum is the only check
        (``guards_nonfinite`` is off, no separate pass over ``g``).
@@ -45,7 +45,10 @@ Steps of ``decompress`` / ``finish``:
        ``S (2 V - c)``, divided by ``n`` under Average; NaN everywhere if some rank was not
        finite.
     6. ``finish``: ``e' = p - S sign(p)`` (``sign(0) = +1``), what this rank contributed
-       taken off; when some rank was not finite the state stays as it was.
+       taken off; when some rank was not finite the state stays as it was. The state keeps
+       ``p`` and ``S`` (:class:`SignSGDState`), and the next step's encode forms ``e'`` from
+       them as it reads them, the same float32 operations (``pending``): no pass over the
+       coordinates of its own after the all-reduce.
 
 Why agreed scales: the paper's scale is per worker, but a sum of integer signs can carry only
 one per coordinate. The scales of this very step (from the codes in the payload) are used,
@@ -62,12 +65,11 @@ under Average at 8); the scales ``32 / (B lanes_s / 2)`` more (0.03 at ``B = 102
 Integer payload: Horovod's prescale/postscale factors must stay 1 and the op must be Sum or
 Average (the adapters refuse the rest, before any collective).
 
-Kernels: steps 1-3, 4-5's small words, 4-5 (with an engine's ``1 / n`` folded in, written into
-its bucket: :func:`~hvd_gradcomp.composite.decompress_into`), 6's residual, and 4-6 together (a
-step's decode and residual in one pass: :func:`~hvd_gradcomp.composite.decode_finish`) are the
-kernels of :mod:`hvd_gradcomp.signsgd_kernels` (compositions of the primitives: the reference), called
-through ``ops.fuse``, so a backend may run a fused form: PyTorch's CPU runs one C loop each
-(``torch_backend/kernels/cpu_signsgd.py``), CUDA Triton programs
+Kernels: steps 6 (of the last step) and 1-3, 4-5's small words, and 4-5 (with an engine's
+``1 / n`` folded in, written into its bucket: :func:`~hvd_gradcomp.composite.decompress_into`)
+are the kernels of :mod:`hvd_gradcomp.signsgd_kernels` (compositions of the primitives: the
+reference), called through ``ops.fuse``, so a backend may run a fused form: PyTorch's CPU runs
+one C loop each (``torch_backend/kernels/cpu_signsgd.py``), CUDA Triton programs
 (``torch_backend/kernels/triton_signsgd.py``); both equal the reference bit for bit but for a
 scale's log code where ``4 log2 s`` lies within float32 rounding of a half-integer (their block
 sums add up in another order).
@@ -81,8 +83,7 @@ from typing import ClassVar, NamedTuple, Optional
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit
 from .lanes import LaneLayout, lane_layout, stats_layout
 from .options import error_feedback_option, option, validate
-from .signsgd_kernels import (CONTROL as _CONTROL, _Plan, _decode_kernel, _decode_residual_kernel, _encode_kernel,
-                              _receive_kernel, _residual_kernel)
+from .signsgd_kernels import CONTROL as _CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel, pending
 
 __all__ = ["SignSGDConfig", "SignSGDState", "SignSGDScheme"]
 
@@ -109,7 +110,12 @@ class SignSGDConfig:
 
 
 class SignSGDState(NamedTuple):
-    residual: object  # float32 [d]: this rank's error feedback e
+    """This rank's error feedback ``e = (p + S) - [p >= 0] (2 S)`` per block, kept as the ``p``
+    and ``S`` of the last step that committed (zeros at first: ``e = 0``; ``S = 0``: ``e = p``),
+    so that step 6 is computed by the next encode as it reads them (``pending``)."""
+
+    corrected: object  # float32 [d]: p = g + e of the last committed step
+    scale: object  # float32 [nb]: that step's agreed S per block
 
 
 class Layout(NamedTuple):
@@ -135,6 +141,8 @@ class SignSGDScheme(Scheme):
     """EF-SignSGD with agreed per-block scales (module docstring, steps 1-6)."""
 
     name = "signsgd"
+    rank_local_fields = ("corrected", "scale")  # e is both: a joined rank keeps both as they were
+    residual_fields = ("corrected", "scale")
     flattens = True  # a vector's math: a bucket's tensors go as one (buckets.py)
     scalable = False  # integer payload: Horovod's scale factors would corrupt it
     # step 1's sum |p| sees every NaN/inf of g (and flags the rank in the payload): no separate
@@ -155,10 +163,35 @@ class SignSGDScheme(Scheme):
                       -(-2 * blocks // stats.lanes))
 
     def init(self, ops, info: TensorInfo, like):
-        self.layout(info)  # ValueError now for a world size above 1024
+        lay = self.layout(info)  # ValueError now for a world size above 1024
         if not self.config.error_feedback:
             return EmptyState()
-        return SignSGDState(ops.zeros((info.numel,), "float32", like))
+        return SignSGDState(ops.zeros((info.numel,), "float32", like), ops.zeros((lay.blocks,), "float32", like))
+
+    def residual_of(self, ops, state, info):
+        """The pending error feedback, float32 [numel] (:func:`~hvd_gradcomp.composite.residual_of`):
+        step 6's residual of the kept ``p`` and ``S``; None without error feedback."""
+        if not isinstance(state, SignSGDState):
+            return None
+        return pending(ops, self._plan(info, self.layout(info)), state.corrected, state.scale)
+
+    def add_residual(self, ops, state, info, residual):
+        """``state`` with ``residual`` (float32 [numel]) added to its error feedback: kept as
+        ``p = e + residual`` with ``S = 0`` (whose residual is ``p`` itself)."""
+        if not isinstance(state, SignSGDState):
+            return None
+        left = self.residual_of(ops, state, info) + ops.reshape(residual, (info.numel,))
+        return SignSGDState(left, state.scale * 0.0)
+
+    def check_loaded(self, key, loaded):
+        """ValueError for a checkpoint's state of the format before the kept ``(corrected,
+        scale)``: a field ``residual``, the error feedback itself."""
+        fields = tuple(loaded) if isinstance(loaded, dict) else tuple(getattr(loaded, "_fields", ()))
+        if set(fields) == {"residual"}:
+            raise ValueError(f"signsgd: the saved state of tensor {key!r} holds the residual e itself, the "
+                             f"format before signSGD kept p and S (fields corrected, scale); resume it with "
+                             f"the hvd_gradcomp that saved it, or drop its entry to start its error "
+                             f"feedback afresh")
 
     def _plan(self, info: TensorInfo, lay: Layout) -> _Plan:
         return _Plan(lay.block, lay.signs, lay.stats, self.config.error_feedback, info.world_size, info.op)
@@ -167,8 +200,9 @@ class SignSGDScheme(Scheme):
         """Steps 1-3 (one kernel, ``_encode_kernel``: one fused call where the backend has one)."""
         plan = self._plan(info, self.layout(info))
         x = ops.reshape(x, (info.numel,))
+        ef = self.config.error_feedback
         payload, corrected = ops.fuse(_encode_kernel, plan)(
-            x, state.residual if self.config.error_feedback else x, finite)
+            x, state.corrected if ef else x, state.scale if ef else x, finite)
         return payload, _SignCtx(corrected)
 
     def receive(self, ops, payload, ctx, info):
@@ -187,32 +221,15 @@ class SignSGDScheme(Scheme):
         mean lands in its bucket with no multiply or copy after it."""
         plan = self._plan(info, self.layout(info))._replace(factor=factor)
         out = ops.fuse(_decode_kernel, plan)(payload, ctx.count, ctx.bad, ctx.scale, ctx.inferred, into)
-        return self._trim(ops, out, info)
-
-    def decode_finish(self, ops, payload, ctx, state, info, factor, into):
-        """Steps 4-6 in one kernel (``_decode_residual_kernel``: the CPU's fused form computes the
-        decoded values and the residual in one pass over the coordinates), as
-        :meth:`decompress_into` and :meth:`finish` give them
-        (:func:`~hvd_gradcomp.composite.decode_finish`)."""
-        if not self.config.error_feedback:
-            return self.decompress_into(ops, payload, ctx, info, factor, into), state
-        plan = self._plan(info, self.layout(info))._replace(factor=factor)
-        out, left = ops.fuse(_decode_residual_kernel, plan)(payload, ctx.count, ctx.bad, ctx.scale, ctx.inferred,
-                                                            ctx.corrected, into)
-        return self._trim(ops, out, info), commit(ops, ctx.bad == 0, SignSGDState(self._trim(ops, left, info)), state)
-
-    @staticmethod
-    def _trim(ops, x, info):
-        """``x``'s first ``info.numel`` values (the gradient's of the padded [P])."""
-        return x[:info.numel] if ops.shape(x)[0] > info.numel else x
+        return out[:info.numel] if ops.shape(out)[0] > info.numel else out
 
     def finish(self, ops, payload, ctx, state, info):
-        """Step 6: ``e' = p - S sign(p)``, kept only when every rank was finite."""
+        """Step 6: the state keeps this step's ``p`` and agreed ``S`` (the next encode forms
+        ``e' = p - S sign(p)`` from them), only when every rank was finite."""
         if not self.config.error_feedback:
             return state
-        plan = self._plan(info, self.layout(info))
-        left = self._trim(ops, ops.fuse(_residual_kernel, plan)(ctx.corrected, ctx.scale), info)
-        return commit(ops, ctx.bad == 0, SignSGDState(left), state)
+        corrected = ctx.corrected[:info.numel] if ops.shape(ctx.corrected)[0] > info.numel else ctx.corrected
+        return commit(ops, ctx.bad == 0, SignSGDState(corrected, ctx.scale), state)
 
     def payload_dtype(self, info: TensorInfo) -> str:
         return "int32"

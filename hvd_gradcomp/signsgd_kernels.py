@@ -1,9 +1,8 @@
 """signSGD's per-step kernels (:mod:`hvd_gradcomp.signsgd`, whose module docstring gives the
-steps they implement): encode (steps 1-3), receive (step 4's control words and step 5's
-scales), decode (steps 4-5), the residual of step 6, and decode and residual together (what a
-step runs with error feedback), each a pure function of a
-:class:`_Plan` and tensors over the primitives, called through ``ops.fuse`` so that a backend
-may run a fused form instead (``torch_backend/kernels``: one C loop on the CPU,
+steps they implement): encode (steps 1-3, starting from step 6's residual of the last step),
+receive (step 4's control words and step 5's scales) and decode (steps 4-5), each a pure
+function of a :class:`_Plan` and tensors over the primitives, called through ``ops.fuse`` so
+that a backend may run a fused form instead (``torch_backend/kernels``: one C loop on the CPU,
 ``cpu_signsgd.py``; Triton programs on CUDA, ``triton_signsgd.py``). These compositions are the
 reference: the fused forms are tested against them.
 """
@@ -36,19 +35,22 @@ def summed(plan: _Plan, inferred):
     return plan.op == "sum" if plan.op is not None else inferred
 
 
-def _encode_kernel(ops, plan: _Plan, x, residual, finite):
+def _encode_kernel(ops, plan: _Plan, x, kept, scale, finite):
     """Steps 1-3: ``(payload int32 [words + stats words + 2], corrected float32 [P])``.
 
     Args:
         x: float32 [d], the gradient.
-        residual: float32 [d], the error feedback ``e`` (unread without error feedback).
+        kept: float32 [d], the last committed step's ``p`` (unread without error feedback).
+        scale: float32 [nb], that step's agreed ``S`` (unread without error feedback).
         finite: bool 0-d, or None (the scheme's own check alone: ``sum |p|`` finite).
 
-    ``corrected`` is ``p = g + e`` zero-padded to ``P = nb B`` (what step 6 reads).
+    The error feedback ``e = (p' + S') - [p' >= 0] (S' 2)`` of the kept ``p'``, ``S'``
+    (:func:`pending`), then ``p = x + e``; ``corrected`` is ``p`` zero-padded to ``P = nb B``
+    (what the state keeps, step 6).
     """
     d, B = ops.shape(x)[0], plan.block
     nb = -(-d // B)
-    p = x + residual if plan.error_feedback else x
+    p = x + pending(ops, plan, kept, scale) if plan.error_feedback else x
     if nb * B > d:
         p = ops.concat([p, ops.zeros((nb * B - d,), "float32", p)], 0)
     # Steps 1-2: per-block scales, and whether p is finite from their sum.
@@ -108,7 +110,7 @@ def _decode_kernel(ops, plan: _Plan, payload, count, bad, scale, inferred, into=
 
 
 def _residual_kernel(ops, plan: _Plan, corrected, scale):
-    """Step 6's new residual ``e' = p - S sign(p)`` (``sign(0) = +1``), float32 [P], as
+    """Step 6's residual ``e' = p - S sign(p)`` (``sign(0) = +1``), float32 [P], as
     ``(p + S) - 2 S b`` with ``b = [p >= 0]`` (float passes; a where on the bits is slower).
     ``corrected``: float32 [P], ``p``; ``scale``: float32 [nb], the agreed ``S``."""
     nb, B = ops.shape(scale)[0], plan.block
@@ -118,11 +120,13 @@ def _residual_kernel(ops, plan: _Plan, corrected, scale):
     return ops.reshape((p + s) - bits * (s * 2.0), (nb * B,))
 
 
-def _decode_residual_kernel(ops, plan: _Plan, payload, count, bad, scale, inferred, corrected, into=None):
-    """Steps 4-6 of a step with error feedback: ``(out, left)``, :func:`_decode_kernel`'s ``out``
-    and :func:`_residual_kernel`'s ``left`` (float32 [P]) of the same arguments. One kernel so
-    that a fused form may run both in one pass over the coordinates (the C loop: ``left`` written
-    over ``corrected`` as the decode streams ``out``; only its first ``d`` values, those of the
-    gradient, when the decode writes into an [d] ``into``)."""
-    return (_decode_kernel(ops, plan, payload, count, bad, scale, inferred, into),
-            _residual_kernel(ops, plan, corrected, scale))
+def pending(ops, plan: _Plan, kept, scale):
+    """The error feedback a state ``(kept, scale)`` holds, float32 [d]: :func:`_residual_kernel`
+    of ``kept`` (float32 [d], zero-padded to ``nb B``) and ``scale`` (float32 [nb]), its first
+    ``d`` values. A composition (no fused form of its own: the encode's forms run it inline)."""
+    d, nb = ops.shape(kept)[0], ops.shape(scale)[0]
+    padded = nb * plan.block
+    if padded > d:
+        kept = ops.concat([kept, ops.zeros((padded - d,), "float32", kept)], 0)
+    left = _residual_kernel(ops, plan, kept, scale)
+    return left[:d] if padded > d else left

@@ -410,7 +410,7 @@ class AutoScheme(AutoWindow, Scheme):
             # Some rank sat this step out (hvd.join()): nothing decided, the step does not
             # count (the probe comes again); a flush delivered what this rank sent.
             if ctx.probe == "flush":
-                new, carry = self._flushed(ops, inner), None
+                new, carry = self._flushed(ops, inner, ctx.choice), None
             self._counters[info.key] = (ctx.step, ctx.choice, n)
             return self._pack(state.step, state.choice, new, carry)
         for table in (self._shadows, self._samples, self._firsts, self._pruned, self._infos):
@@ -421,7 +421,7 @@ class AutoScheme(AutoWindow, Scheme):
             self._counters[info.key] = (ctx.step + 1, ctx.choice, n)
             return self._state(ops, payload, ctx.step + 1, ctx.choice, new, carry)
         if ctx.probe == "flush":  # exact: the residual and the carry are delivered
-            new, carry = self._flushed(ops, inner), None
+            new, carry = self._flushed(ops, inner, ctx.choice), None
         cands = len(self.candidates)
         codec_ms = [lanes[1 + i] / count for i in range(cands)]
         errors = [lanes[1 + cands + i] / count for i in range(cands)]

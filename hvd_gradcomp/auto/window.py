@@ -104,7 +104,7 @@ class AutoWindow:
         n = info.world_size
         if not all(math.isfinite(v) for v in lanes):  # nothing delivered
             return state
-        inner = self._flushed(ops, self._inner(state))
+        inner = self._flushed(ops, self._inner(state), ctx.choice)
         if not _contributors(lanes[0], info, "float32") >= n - 0.5:
             return self._pack(state.step, state.choice, inner, None)
         scale = 1 if info.op == "sum" else n  # rank 0's lanes alone, averaged or not
@@ -127,10 +127,11 @@ class AutoWindow:
         mine = [float(step), float(choice)] if info.rank == 0 else [0.0, 0.0]
         return [1.0 / info.world_size] + mine
 
-    @staticmethod
-    def _flushed(ops, inner):
-        """``inner`` after a flush: its residual (if any) zero."""
-        return inner._replace(residual=inner.residual * 0.0) if "residual" in inner._fields else inner
+    def _flushed(self, ops, inner, choice):
+        """``inner`` (candidate ``choice``'s state) after a flush: its error feedback fields
+        (:attr:`~hvd_gradcomp.base.Scheme.residual_fields`, those it has) zero."""
+        fields = [f for f in self.candidates[choice].residual_fields if f in inner._fields]
+        return inner._replace(**{f: getattr(inner, f) * 0.0 for f in fields}) if fields else inner
 
     # ---- measurement ----
     def _measure(self, ops, x, info, step):

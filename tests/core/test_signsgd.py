@@ -10,6 +10,7 @@ unpacked with NumPy shifts). Real ranks: tests/parallel/test_signsgd.py.
 import numpy as np
 import pytest
 
+from hvd_gradcomp import composite
 from hvd_gradcomp.base import EmptyState, TensorInfo, compress_tensor, finish_tensor
 from hvd_gradcomp.registry import make_scheme, parse_spec
 from tests.backends import BACKENDS, as_numpy, native_tensor, one_rank_ops
@@ -123,6 +124,10 @@ class Ranks:
             outs.append(as_numpy(out).astype(np.float64).reshape(-1))
         return outs
 
+    def residual(self, r):
+        """Rank ``r``'s pending error feedback (numpy, flat): the state keeps ``p`` and ``S``."""
+        return as_numpy(composite.residual_of(self.scheme, self.ops, self.states[r], self.infos[r])).reshape(-1)
+
 
 CASES = [(1, "average", False), (2, "average", False), (2, "sum", False), (3, "average", False),
          (3, "sum", False), (2, "average", True), (3, "sum", True), (8, "average", False)]
@@ -153,7 +158,7 @@ def test_ranks_match_float64_reference(backend, n, op, infer, ef, block):
             assert list(control) == [1, 0], (step, r)
             if ef:
                 top = max(ref.scale.max(), np.abs(ref.residual[r]).max())  # float32 rounding of either
-                np.testing.assert_allclose(as_numpy(sim.states[r].residual), ref.residual[r], rtol=0,
+                np.testing.assert_allclose(sim.residual(r), ref.residual[r], rtol=0,
                                            atol=1e-6 * top, err_msg=f"step {step} rank {r} residual")
             else:
                 assert isinstance(sim.states[r], EmptyState)
@@ -172,7 +177,7 @@ def test_error_feedback_keeps_everything(backend):
         grads = [gen.standard_normal(d) * np.linspace(0.01, 2, d) for _ in range(n)]
         given = given + np.sum([np.float32(g) for g in grads], axis=0)
         delivered = delivered + sim.step(grads)[0]
-    pending = np.sum([as_numpy(st.residual) for st in sim.states], axis=0)
+    pending = np.sum([sim.residual(r) for r in range(n)], axis=0)
     np.testing.assert_allclose(delivered + pending, given, rtol=0, atol=1e-5 * np.abs(given).max())
 
 
@@ -187,14 +192,14 @@ def test_nonfinite_on_one_rank(backend):
         for _ in range(2):
             grads = [gen.standard_normal(d) for _ in range(n)]
             sim.step(grads), ref.step(grads, op)
-        before = [as_numpy(st.residual) for st in sim.states]
+        before = [sim.residual(r) for r in range(n)]
         grads = [gen.standard_normal(d) for _ in range(n)]
         grads[1][17] = bad
         outs = sim.step(grads)
         assert all(np.isnan(out).all() for out in outs)
         assert list(split_payload(sim.own[1], n, op, d)[3]) == [1, 1]
-        for b, st in zip(before, sim.states):
-            np.testing.assert_array_equal(as_numpy(st.residual), b)
+        for r, b in enumerate(before):
+            np.testing.assert_array_equal(sim.residual(r), b)
         grads = [gen.standard_normal(d) for _ in range(n)]
         outs, expected = sim.step(grads), ref.step(grads, op)
         np.testing.assert_allclose(outs[0], expected, rtol=0, atol=1e-6 * ref.scale.max() * n)
@@ -207,7 +212,7 @@ def test_zeros_give_zeros(backend):
     for _ in range(2):
         outs = sim.step([np.zeros(300), np.zeros(300)])
         assert all((out == 0).all() for out in outs)
-        assert all((as_numpy(st.residual) == 0).all() for st in sim.states)
+        assert all((sim.residual(r) == 0).all() for r in range(2))
         for p in sim.own:
             _, codes, flags, control = split_payload(p, 2, "average", 300, 64)
             assert not codes.any() and not flags.any() and list(control) == [1, 0]
@@ -295,8 +300,7 @@ def test_fused_forms_are_registered():
     plan = _plan(2, "average", 5000)
     assert kernels.status()["torch_backend.kernels.cpu_signsgd"] == "loaded"
     for fn, form in ((K._encode_kernel, cpu.encode), (K._receive_kernel, cpu.receive),
-                     (K._decode_kernel, cpu.decode), (K._residual_kernel, cpu.residual),
-                     (K._decode_residual_kernel, cpu.decode_residual)):
+                     (K._decode_kernel, cpu.decode)):
         assert kernels.fused_form(fn, plan, "cpu") is form
 
 
@@ -314,10 +318,13 @@ def test_encode_matches_reference(n, op, d, block, ef, finite):
     if d > 10:
         x[7] = 0.0  # sign(0) = +1
         x[d // 2: d // 2 + 3] = -0.0
-    residual = torch.randn(d, generator=gen) * 0.5 if ef else x
+    kept = torch.randn(d, generator=gen) * 0.5 if ef else x  # the last step's p and S
+    scale = torch.rand(-(-d // plan.block), generator=gen) * 0.2 if ef else x
+    if ef and d > 10:
+        kept[3], kept[4] = 0.0, -0.0  # [p' >= 0] of both zeros is 1
     flag = None if finite is None else torch.tensor(finite)
-    got = cpu.encode(plan, torch.stack([x, -x], 1)[:, 0], residual, flag)  # strided: the form copies it
-    want = K._encode_kernel(R, plan, x, residual, flag)
+    got = cpu.encode(plan, torch.stack([x, -x], 1)[:, 0], kept, scale, flag)  # strided: the form copies it
+    want = K._encode_kernel(R, plan, x, kept, scale, flag)
     assert _bitwise(torch, got[1], want[1])
     _codes_agree(torch, got[0], want[0], want[1], n, op, d, block)
 
@@ -330,7 +337,7 @@ def test_encode_nonfinite_and_zeros(kind):
     n, op, d = 3, "average", 4000
     plan = _plan(n, op, d)
     x = torch.randn(d, generator=torch.Generator().manual_seed(9))
-    residual = torch.zeros(d)
+    kept, scale = torch.zeros(d), torch.zeros(-(-d // plan.block))
     if kind == "nan":
         x[1234] = float("nan")
     elif kind == "inf":
@@ -339,7 +346,7 @@ def test_encode_nonfinite_and_zeros(kind):
         x[:8] = 3e38
     else:
         x.zero_()
-    got, want = cpu.encode(plan, x, residual, None), K._encode_kernel(R, plan, x, residual, None)
+    got, want = cpu.encode(plan, x, kept, scale, None), K._encode_kernel(R, plan, x, kept, scale, None)
     assert _bitwise(torch, got[1], want[1]) and _bitwise(torch, got[0], want[0])
     assert list(split_payload(want[0].numpy(), n, op, d)[3]) == [1, int(kind != "zeros")]
 
@@ -352,7 +359,8 @@ def _reduced(torch, K, R, plan, n, op, d, bad_rank=None):
         x = torch.randn(d, generator=gen) * (1.0 + r)
         if r == bad_rank:
             x[3] = float("nan")
-        payload, corrected = K._encode_kernel(R, plan, x, torch.randn(d, generator=gen) * 0.1, None)
+        kept, scale = torch.randn(d, generator=gen) * 0.1, torch.rand(-(-d // plan.block), generator=gen) * 0.1
+        payload, corrected = K._encode_kernel(R, plan, x, kept, scale, None)
         own.append(payload.numpy())
         first = corrected if first is None else first
     actual = op or "sum"
@@ -364,7 +372,7 @@ def _reduced(torch, K, R, plan, n, op, d, bad_rank=None):
 @pytest.mark.parametrize("d,block", [(37, 1024), (3000, 1024), (5001, 100), (777, None),
                                      (70001, 1000)])  # several tiles of the C decode
 @pytest.mark.parametrize("bad", [False, True])
-def test_receive_decode_and_residual_are_bit_exact(n, op, d, block, bad):
+def test_receive_and_decode_are_bit_exact(n, op, d, block, bad):
     torch, K, _, cpu, R = _torch_kernels()
     if n == 1024 and d > 1000:
         pytest.skip("one size at 1024 ranks is enough")
@@ -392,31 +400,15 @@ def test_receive_decode_and_residual_are_bit_exact(n, op, d, block, bad):
     assert _bitwise(torch, K._decode_kernel(R, folded, reduced, *want, into), ref * (1.0 / 3))
     assert (bucket[:2] == 7.0).all() and (bucket[2 + d:] == 7.0).all()
     assert cpu.decode(plan, reduced, *want, bucket[:d].double()).dtype == torch.float32  # not writable: a new one
-    p = corrected.clone()
-    ref = K._residual_kernel(R, plan, corrected, want[2])
-    left = cpu.residual(plan, corrected, want[2])
-    assert _bitwise(torch, left, ref)
-    assert left.data_ptr() == corrected.data_ptr()  # written over p: no fresh [P] buffer
-    # Decode and residual in one pass: the same values; the residual written over p, all P of
-    # it with a new output, the gradient's d with the bucket's slice.
-    decoded = K._decode_kernel(R, plan, reduced, *want)
-    mine = p.clone()
-    out, left = cpu.decode_residual(plan, reduced, *want, mine)
-    assert _bitwise(torch, out, decoded) and _bitwise(torch, left, ref) and left.data_ptr() == mine.data_ptr()
-    mine, bucket = p.clone(), torch.full((d + 5,), 7.0)
-    out, left = cpu.decode_residual(folded, reduced, *want, mine, bucket[2:2 + d])
-    assert out.data_ptr() == bucket[2:].data_ptr() and _bitwise(torch, bucket[2:2 + d], decoded[:d] * (1.0 / 3))
-    assert _bitwise(torch, left[:d], ref[:d]) and (bucket[:2] == 7.0).all() and (bucket[2 + d:] == 7.0).all()
-    assert _bitwise(torch, K._decode_residual_kernel(R, plan, reduced, *want, p)[1], ref)
 
 
 @pytest.mark.parametrize("march", ["native", "x86-64"])
 def test_streaming_stores_match_reference(march):
-    """Outputs of at least 2**20 coordinates (csrc/signsgd.c's NT_MIN) go out by non-temporal
-    stores a line at a time: the encode's p (its block sums now grouped by coordinate mod 16) and
-    the decode into a bucket slice that starts mid-line equal the reference as the plain stores
-    do, for this CPU's library and baseline x86-64's (SSE2 streaming stores), with the bucket
-    around the slice untouched."""
+    """A p of 2**20 coordinates or more (csrc/signsgd.c's NT_MIN) goes out by non-temporal stores
+    a line at a time: it (its block sums grouped by coordinate mod 16) and the decode into a
+    bucket slice that starts mid-line (lane by lane, front to back) equal the reference, for this
+    CPU's library and baseline x86-64's (SSE2 streaming stores), with the bucket around the slice
+    untouched."""
     import os
     torch, K, _, cpu, R = _torch_kernels()
     from torch_backend.kernels import cbuild
@@ -424,18 +416,18 @@ def test_streaming_stores_match_reference(march):
         pytest.skip("x86-64 baseline build")
     native = cpu._lib
     lib = native if march == "native" else cbuild.load("signsgd", ("-march=x86-64", "-mtune=generic"))
-    for name in ("hgc_signsgd_encode", "hgc_signsgd_receive", "hgc_signsgd_decode", "hgc_signsgd_residual"):
+    for name in ("hgc_signsgd_encode", "hgc_signsgd_receive", "hgc_signsgd_decode"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = (getattr(native, name).argtypes,
                                                                    getattr(native, name).restype)
     n, op, d = 3, "average", (1 << 20) + 4099
     plan = _plan(n, op, d, True, 1000)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(d + 1, generator=gen)[1:] * torch.rand(d, generator=gen)  # starts mid-line
-    e = torch.randn(d, generator=gen) * 0.3
+    kept, scale = torch.randn(d, generator=gen) * 0.3, torch.rand(-(-d // 1000), generator=gen) * 0.1
     cpu._lib = lib
     try:
-        payload, corrected = cpu.encode(plan, x, e, None)
-        want = K._encode_kernel(R, plan, x, e, None)
+        payload, corrected = cpu.encode(plan, x, kept, scale, None)
+        want = K._encode_kernel(R, plan, x, kept, scale, None)
         assert _bitwise(torch, corrected, want[1])
         _codes_agree(torch, payload, want[0], want[1], n, op, d, 1000)
         words = want[0].numpy()
@@ -448,10 +440,6 @@ def test_streaming_stores_match_reference(march):
         assert out.data_ptr() == into.data_ptr() and _bitwise(torch, into, ref[:d])
         assert (bucket[:3] == 7.0).all() and (bucket[3 + d:] == 7.0).all()
         assert _bitwise(torch, cpu.decode(plan, reduced, *got), K._decode_kernel(R, plan, reduced, *got))
-        left_ref = K._residual_kernel(R, plan, corrected, got[2])
-        bucket.fill_(7.0)
-        out, left = cpu.decode_residual(plan._replace(factor=0.25), reduced, *got, corrected.clone(), into)
-        assert _bitwise(torch, into, ref[:d]) and _bitwise(torch, left[:d], left_ref[:d])
     finally:
         cpu._lib = native
 
@@ -485,7 +473,7 @@ def test_scheme_through_fused_forms_matches_reference(spec, n, op):
         for u, v in zip(a, b):
             assert _bitwise(torch, u, v)
     chosen = {getattr(f, "__name__", None) for f in kernels._CHOSEN.values() if f is not None}
-    want = {"encode", "receive"} | ({"decode_residual"} if "error_feedback=false" not in spec else {"decode"})
+    want = {"encode", "receive", "decode"}
     assert want <= chosen, chosen
 
 
@@ -498,7 +486,7 @@ def test_fused_result_independent_of_vector_width():
         pytest.skip("x86-64 baseline build")
     other = cbuild.load("signsgd", ("-march=x86-64", "-mtune=generic"))
     native = cpu._lib
-    names = ("hgc_signsgd_encode", "hgc_signsgd_receive", "hgc_signsgd_decode", "hgc_signsgd_residual")
+    names = ("hgc_signsgd_encode", "hgc_signsgd_receive", "hgc_signsgd_decode")
     for name in names:
         getattr(other, name).argtypes, getattr(other, name).restype = (getattr(native, name).argtypes,
                                                                        getattr(native, name).restype)
@@ -508,15 +496,37 @@ def test_fused_result_independent_of_vector_width():
         cpu._lib = lib
         try:
             gen = torch.Generator().manual_seed(2)
-            x, e = torch.randn(50001, generator=gen) * 100, torch.randn(50001, generator=gen)
-            payload, corrected = cpu.encode(plan, x, e, None)
+            x, kept = torch.randn(50001, generator=gen) * 100, torch.randn(50001, generator=gen)
+            payload, corrected = cpu.encode(plan, x, kept, torch.rand(51, generator=gen), None)
             reduced = payload * 3 // 3  # any words: the decoder's integer paths
             count, bad, scale, inferred = cpu.receive(plan, reduced, corrected)
-            both = cpu.decode_residual(plan, reduced, count, bad, scale, inferred, corrected.clone())
-            return [payload, corrected.clone(), scale, cpu.decode(plan, reduced, count, bad, scale, inferred),
-                    cpu.residual(plan, corrected, scale), *both]
+            return [payload, corrected, scale, cpu.decode(plan, reduced, count, bad, scale, inferred)]
         finally:
             cpu._lib = native
 
     for a, b in zip(run(native), run(other)):
         assert _bitwise(torch, a, b)
+
+
+def test_state_keeps_p_and_s_and_refuses_the_old_format():
+    """The state is the last step's ``p`` and ``S`` (both rank-local, both the error feedback):
+    ``residual_of`` forms ``e`` from them, ``add_residual`` keeps ``e + r`` with ``S = 0``,
+    ``auto``'s flush zeroes both, and a checkpoint of the former format (a ``residual`` field,
+    ``e`` itself) is refused by name."""
+    torch = pytest.importorskip("torch")
+    from hvd_gradcomp.signsgd import SignSGDState
+    ops = one_rank_ops("torch")
+    scheme = make_scheme("signsgd", block=2)
+    info = TensorInfo("w", (3,), "float32", 2, 0, "sum")
+    assert scheme.rank_local_fields == scheme.residual_fields == ("corrected", "scale")
+    state = SignSGDState(torch.tensor([0.5, -0.25, 0.0]), torch.tensor([0.125, 1.0]))
+    e = composite.residual_of(scheme, ops, state, info)
+    assert e.tolist() == [0.5 + 0.125 - 0.25, -0.25 + 0.125, 0.0 + 1.0 - 2.0]
+    more = composite.add_residual(scheme, ops, state, info, torch.tensor([1.0, 2.0, 3.0]))
+    assert more.scale.tolist() == [0.0, 0.0] and composite.residual_of(scheme, ops, more, info).tolist() == \
+        [e[0].item() + 1.0, e[1].item() + 2.0, e[2].item() + 3.0]
+    auto = make_scheme("auto", candidates="fp16|signsgd:block=2")
+    flushed = auto._flushed(ops, state, 1)
+    assert flushed.corrected.tolist() == [0.0] * 3 and flushed.scale.tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="signsgd: the saved state of tensor 'w' holds the residual e itself"):
+        composite.check_loaded(scheme, "w", {"residual": torch.zeros(3)})

@@ -92,7 +92,7 @@ def check_schemes(device):
                 problems += equal_values(f"{spec}: state {field}", a, b)
     chosen = {getattr(form, "__name__", None) for form in kernels._CHOSEN.values() if form is not None}
     # (a compress with agreed ranges is one encode call; range="current" runs the three apart)
-    for name in ("encode", "rotate", "noise", "quantize", "decode", "receive", "finish", "correct", "decode_residual"):
+    for name in ("encode", "rotate", "noise", "quantize", "decode", "receive", "finish", "correct"):
         if name not in chosen:
             problems.append(f"ops.fuse never ran the Triton form {name} (chosen: {sorted(chosen)})")
     return problems

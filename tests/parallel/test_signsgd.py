@@ -30,8 +30,9 @@ def _inputs(rank, seed, step, shape=SHAPE):
 
 
 def _residual(comp, name):
-    st = comp.state_dict()["tensors"].get(name)
-    return None if st is None else np.array(np.asarray(st["residual"]), copy=True)
+    """This rank's pending error feedback of tensor ``name`` (the state keeps ``p`` and ``S``)."""
+    e = comp.codec.error_feedback(name)
+    return None if e is None else np.array(np.asarray(e), copy=True)
 
 
 def worker_torch():

@@ -4,8 +4,9 @@
 The math is :mod:`hvd_gradcomp.signsgd_kernels` (steps 1-6 of :mod:`hvd_gradcomp.signsgd`):
 
 - :func:`encode` (``_encode_kernel``, steps 1-3), three launches: ``_blocks``, one program per
-  scale block (``B`` coordinates, in chunks of up to 1024), forms ``p = g + e`` (zeros past
-  ``d``), stores it and the block's ``sum |p|``; ``_pack``, one program per tile of
+  scale block (``B`` coordinates, in chunks of up to 1024), forms ``e = (p' + S') - [p' >= 0]
+  (S' 2)`` of the kept ``p'`` and ``S'`` (step 6 of the last step) and ``p = g + e`` (zeros
+  past ``d``), stores it and the block's ``sum |p|``; ``_pack``, one program per tile of
   :data:`TILE` sign words, visits lane by lane the tile's contiguous coordinates (word ``i``
   holds coordinates ``j W + i``, :func:`hvd_gradcomp.lanes.pack`) and shifts ``[p >= 0]`` into
   its lane; ``_stats``, one program, the finite flag (``sum`` of the sums finite, and the
@@ -18,14 +19,10 @@ The math is :mod:`hvd_gradcomp.signsgd_kernels` (steps 1-6 of :mod:`hvd_gradcomp
   for bit on every rank.
 - :func:`decode` (``_decode_kernel``), one program per tile of sign words: each coordinate's
   exact lane sum ``V`` and ``V (f 2) - f c`` with its block's factor ``f``.
-- :func:`residual` (``_residual_kernel``), one program per 1024 coordinates:
-  ``(p + S) - [p >= 0] (S 2)``.
-- :func:`decode_residual` (``_decode_residual_kernel``): :func:`decode`, then :func:`residual`
-  (two launches, as before the CPU's one pass fused them).
 
 Exactness: every float operation is the reference's, in its order, rounded once in float32
 (compiled with ``enable_fp_fusion=False``: no FMA), so ``p``, the sign and control words, the
-receive's outputs, the decoded values and the residual equal the reference's bit for bit. The
+receive's outputs and the decoded values equal the reference's bit for bit. The
 block sums add up in another order than PyTorch's ``sum``: a scale's code may differ by one
 where ``4 log2 s`` lies within float32 rounding of a half-integer, and the finite flag where
 the sum of the sums lies within rounding of float32's largest value (tested in Triton's
@@ -42,17 +39,16 @@ import torch
 import triton
 import triton.language as tl
 
-from hvd_gradcomp.signsgd_kernels import (CONTROL, _Plan, _decode_kernel, _decode_residual_kernel, _encode_kernel,
-                                          _receive_kernel, _residual_kernel)
+from hvd_gradcomp.signsgd_kernels import CONTROL, _Plan, _decode_kernel, _encode_kernel, _receive_kernel
 
 from .forms import register, writable
 from .triton_thc_words import _MANTISSAS, _OPTIONS, _exact, _on, _scale_lane, op_code
 
-__all__ = ["accepts", "encode", "receive", "decode", "residual", "decode_residual", "AOT", "MAX_BLOCK", "TILE"]
+__all__ = ["accepts", "encode", "receive", "decode", "AOT", "MAX_BLOCK", "TILE"]
 
 MAX_BLOCK = 1 << 16
 TILE = 256  # sign words a pack or decode program
-CHUNK = 1024  # coordinates a step of a block program (and a residual program)
+CHUNK = 1024  # coordinates a step of a block program
 SMALL = 256  # elements a loop step of the one-program kernels
 
 
@@ -68,11 +64,16 @@ def _chunk(block: int) -> int:
 
 # ---- Triton kernels ----
 @triton.jit
-def _blocks(x_ptr, e_ptr, p_ptr, sums_ptr, d, B, EF: tl.constexpr, STEP: tl.constexpr):
-    """Block ``b``: ``p = x + e`` (0 past ``d``) stored at ``p_ptr``, ``sum |p|`` at ``sums[b]``."""
+def _blocks(x_ptr, q_ptr, s_ptr, p_ptr, sums_ptr, d, B, EF: tl.constexpr, STEP: tl.constexpr):
+    """Block ``b``: ``p = x + e`` (0 past ``d``) stored at ``p_ptr``, ``sum |p|`` at ``sums[b]``;
+    ``e = (q + S) - [q >= 0] (S 2)``, step 6's residual of the kept ``q`` and the block's kept
+    ``S = s[b]`` (as ``signsgd_kernels.pending``)."""
     b = tl.program_id(0).to(tl.int64)
     base = b * B
     acc = tl.zeros((STEP,), dtype=tl.float32)
+    if EF:
+        s = tl.load(s_ptr + b)
+        s2 = s * 2.0
     for start in range(0, B, STEP):
         j = start + tl.arange(0, STEP)
         k = base + j
@@ -80,7 +81,9 @@ def _blocks(x_ptr, e_ptr, p_ptr, sums_ptr, d, B, EF: tl.constexpr, STEP: tl.cons
         real = inside & (k < d)
         v = tl.load(x_ptr + k, mask=real, other=0.0)
         if EF:
-            v = v + tl.load(e_ptr + k, mask=real, other=0.0)
+            q = tl.load(q_ptr + k, mask=real, other=0.0)
+            bit = (q >= 0.0).to(tl.float32)
+            v = tl.where(real, v + ((q + s) - bit * s2), v)
         tl.store(p_ptr + k, v, mask=inside)
         acc += tl.abs(v)
     tl.store(sums_ptr + b, tl.sum(acc, 0))
@@ -189,17 +192,6 @@ def _decode(payload_ptr, scale_ptr, count_ptr, bad_ptr, inferred_ptr, out_ptr, D
         tl.store(out_ptr + k, value, mask=m)
 
 
-@triton.jit
-def _residual(p_ptr, scale_ptr, out_ptr, P, B, STEP: tl.constexpr):
-    """``(p + S) - [p >= 0] (S 2)``, ``S`` the coordinate's block scale."""
-    k = tl.program_id(0).to(tl.int64) * STEP + tl.arange(0, STEP)
-    m = k < P
-    v = tl.load(p_ptr + k, mask=m, other=0.0)
-    s = tl.load(scale_ptr + k // B, mask=m, other=0.0)
-    bit = tl.where(v >= 0.0, 1.0, 0.0)
-    tl.store(out_ptr + k, (v + s) - bit * (s * 2.0), mask=m)
-
-
 # ---- launches ----
 def _sizes(plan, padded: int):
     """(nb, W, WS): blocks, sign words, statistics words of ``padded`` coordinates."""
@@ -207,22 +199,23 @@ def _sizes(plan, padded: int):
     return nb, -(-padded // plan.signs.lanes), -(-2 * nb // plan.stats.lanes)
 
 
-def encode(plan, x, residual, finite):
-    """Fused ``_encode_kernel`` (steps 1-3), three launches: ``(payload int32, corrected
-    float32 [P])`` (module docstring: bit for bit but for a code or the finite flag at a
-    rounding boundary of the block sums); ``finite`` None: the sum alone decides."""
+def encode(plan, x, kept, scale, finite):
+    """Fused ``_encode_kernel`` (steps 1-3, from the kept ``p'`` and ``S'``), three launches:
+    ``(payload int32, corrected float32 [P])`` (module docstring: bit for bit but for a code or
+    the finite flag at a rounding boundary of the block sums); ``finite`` None: the sum alone
+    decides."""
     d, B = x.shape[0], plan.block
     nb = -(-d // B)
     _, words, stats = _sizes(plan, nb * B)
     x = x.contiguous()
-    residual = residual.contiguous() if plan.error_feedback else x
+    kept, scale = (kept.contiguous(), scale.contiguous()) if plan.error_feedback else (x, x)
     corrected = torch.empty(nb * B, dtype=torch.float32, device=x.device)
     sums = torch.empty(nb, dtype=torch.float32, device=x.device)
     payload = torch.empty(words + stats + CONTROL, dtype=torch.int32, device=x.device)
     lay, slay = plan.signs, plan.stats
     last = d - (nb - 1) * B
     with _on(x):
-        _blocks[(nb,)](x, residual, corrected, sums, d, B, EF=plan.error_feedback, STEP=_chunk(B), **_OPTIONS)
+        _blocks[(nb,)](x, kept, scale, corrected, sums, d, B, EF=plan.error_feedback, STEP=_chunk(B), **_OPTIONS)
         _pack[(-(-words // TILE),)](corrected, payload, nb * B, words, LANES=lay.lanes, WIDTH=lay.width,
                                      GUARD=lay.guard, TILE_W=TILE, **_OPTIONS)
         _stats[(1,)](sums, sums if finite is None else finite.contiguous(), payload, nb, words, stats, 1.0 / B,
@@ -263,31 +256,14 @@ def decode(plan, payload, count, bad, scale, inferred, into=None):
     return out
 
 
-def residual(plan, corrected, scale):
-    """Fused ``_residual_kernel`` (step 6), one launch: float32 [P], the reference's bit for bit."""
-    corrected, scale = corrected.contiguous(), scale.contiguous()
-    out = torch.empty_like(corrected)
-    padded = corrected.shape[0]
-    with _on(corrected):
-        _residual[(-(-padded // CHUNK),)](corrected, scale, out, padded, plan.block, STEP=CHUNK, **_OPTIONS)
-    return out
-
-
-def decode_residual(plan, payload, count, bad, scale, inferred, corrected, into=None):
-    """Fused ``_decode_residual_kernel`` (steps 4-6): ``(out, left)``, :func:`decode`'s and
-    :func:`residual`'s, two launches."""
-    return decode(plan, payload, count, bad, scale, inferred, into), residual(plan, corrected, scale)
-
-
 register(_encode_kernel, "cuda", accepts, encode, "triton_signsgd.encode")
 register(_receive_kernel, "cuda", accepts, receive, "triton_signsgd.receive")
 register(_decode_kernel, "cuda", accepts, decode, "triton_signsgd.decode")
-register(_residual_kernel, "cuda", accepts, residual, "triton_signsgd.residual")
-register(_decode_residual_kernel, "cuda", accepts, decode_residual, "triton_signsgd.decode_residual")
 
 
 # ---- ahead-of-time compile (tests): (name, kernel, signature, constexprs) ----
-_BLOCKS_SIG = {"x_ptr": "*fp32", "e_ptr": "*fp32", "p_ptr": "*fp32", "sums_ptr": "*fp32", "d": "i32", "B": "i32",
+_BLOCKS_SIG = {"x_ptr": "*fp32", "q_ptr": "*fp32", "s_ptr": "*fp32", "p_ptr": "*fp32", "sums_ptr": "*fp32",
+               "d": "i32", "B": "i32",
                "EF": "constexpr", "STEP": "constexpr"}
 _PACK_SIG = {"p_ptr": "*fp32", "words_ptr": "*i32", "P": "i32", "W": "i32", "LANES": "constexpr",
              "WIDTH": "constexpr", "GUARD": "constexpr", "TILE_W": "constexpr"}
@@ -302,8 +278,6 @@ _DECODE_SIG = {"payload_ptr": "*i32", "scale_ptr": "*fp32", "count_ptr": "*i64",
                "inferred_ptr": "*i1", "out_ptr": "*fp32", "D": "i32", "W": "i32", "B": "i32", "inv_n": "fp32",
                "factor": "fp32", "N": "constexpr", "OP": "constexpr", "LANES": "constexpr", "WIDTH": "constexpr",
                "GUARD": "constexpr", "FACTOR": "constexpr", "TILE_W": "constexpr"}
-_RESIDUAL_SIG = {"p_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp32", "P": "i32", "B": "i32",
-                 "STEP": "constexpr"}
 
 
 def _aot():
@@ -312,8 +286,7 @@ def _aot():
     without error feedback and with a small block; the statistics with a caller's finite flag."""
     from hvd_gradcomp.lanes import lane_layout, stats_layout
     out = [("blocks[ef=False,step=1024]", _blocks, _BLOCKS_SIG, {"EF": False, "STEP": CHUNK}),
-           ("blocks[ef=True,step=16]", _blocks, _BLOCKS_SIG, {"EF": True, "STEP": 16}),
-           ("residual", _residual, _RESIDUAL_SIG, {"STEP": CHUNK})]
+           ("blocks[ef=True,step=16]", _blocks, _BLOCKS_SIG, {"EF": True, "STEP": 16})]
     for n, op in ((2, "average"), (2, "sum"), (3, None)):
         lay = lane_layout(1, n, None, op, scheme="signsgd", centred=False)
         slay = stats_layout(n, lay.guard)

@@ -1,4 +1,4 @@
-/* Fused CPU loops of signSGD's encode, receive, decode, residual and decode-residual kernels
+/* Fused CPU loops of signSGD's encode (with the last step's residual), receive and decode kernels
  * (hvd_gradcomp/signsgd_kernels.py; the steps are hvd_gradcomp/signsgd.py's module docstring).
  *
  * Plain C99, no Python or torch headers: torch_backend/kernels/cpu_signsgd.py compiles this file
@@ -32,7 +32,7 @@
                     * cost about a third of the encode) */
 #define NT_MIN (1 << 20) /* coordinates: the encode's p, when at least this long (4 MiB, twice L2),
                           * is written with non-temporal stores, 64 bytes at a time where they are
-                          * aligned (nothing reads p before the residual, long after): a store that
+                          * aligned (nothing reads p before the next step's encode): a store that
                           * first reads its line (read for ownership) from memory costs about three
                           * times a plain read here (one thread, AMD EPYC: 26 MB read 1.9 ms, read
                           * and written in place 2.2, read into another array 8-12, into another
@@ -96,18 +96,28 @@ static inline int64_t exact64(int64_t w, int64_t n, int64_t guard, int as_is)
     return (w < 0 ? down : up) - bias;
 }
 
-/* p = x (+ e) over [0, m) of one block's part of a run, whose first coordinate is lo: p stored in
- * c, its bit (p >= 0) added at `shift` into the lane words a, |p| into partial part[(lo + i) %
- * ACC]. `has_e` and `nt` are constants at each call, so the inlined loop is specialised (x + 0
- * would turn -0.0 into +0.0 in p); nt: c + i is 64-byte aligned where (lo + i) % ACC is 0, and
- * those 16 values go out by put16. */
-static inline void bits_and_sums(const float *restrict x, const float *restrict e, int has_e, int nt,
+/* p = x (+ e) over [0, m) of one block's part of a run, whose first coordinate is lo, e being
+ * step 6's residual of the kept p' (q) and its block's S' (s): e = (q + s) - [q >= 0] (s 2), as
+ * signsgd_kernels.pending. p stored in c, its bit (p >= 0) added at `shift` into the lane words
+ * a, |p| into partial part[(lo + i) % ACC]. `has_e` and `nt` are constants at each call, so the
+ * inlined loop is specialised (x + 0 would turn -0.0 into +0.0 in p); nt: c + i is 64-byte
+ * aligned where (lo + i) % ACC is 0, and those 16 values go out by put16. */
+static inline float corrected_value(float x, float q, float s, float s2, int has_e)
+{
+    if (!has_e)
+        return x;
+    float bit = q >= 0.0f ? 1.0f : 0.0f;
+    return x + ((q + s) - bit * s2);
+}
+
+static inline void bits_and_sums(const float *restrict x, const float *restrict q, float s, int has_e, int nt,
                                  float *restrict c, uint32_t *restrict a, int64_t lo, int64_t m, unsigned shift,
                                  float part[ACC])
 {
     int64_t i = 0, head = (ACC - lo % ACC) % ACC;
+    float s2 = s * 2.0f;
     for (; i < m && i < head; i++) {
-        float v = has_e ? x[i] + e[i] : x[i];
+        float v = corrected_value(x[i], has_e ? q[i] : 0.0f, s, s2, has_e);
         c[i] = v;
         a[i] += (uint32_t)(v >= 0.0f) << shift;
         part[(lo + i) % ACC] = part[(lo + i) % ACC] + fabsf(v);
@@ -118,29 +128,30 @@ static inline void bits_and_sums(const float *restrict x, const float *restrict 
          * step the encode took 8.6-9.3 ms with these, 9.7-11.7 without) */
         __builtin_prefetch(x + i + 512, 0, 3);
         if (has_e)
-            __builtin_prefetch(e + i + 512, 0, 3);
-        for (int q = 0; q < ACC; q++) {
-            v[q] = has_e ? x[i + q] + e[i + q] : x[i + q];
-            a[i + q] += (uint32_t)(v[q] >= 0.0f) << shift;
-            part[q] = part[q] + fabsf(v[q]);
+            __builtin_prefetch(q + i + 512, 0, 3);
+        for (int k = 0; k < ACC; k++) {
+            v[k] = corrected_value(x[i + k], has_e ? q[i + k] : 0.0f, s, s2, has_e);
+            a[i + k] += (uint32_t)(v[k] >= 0.0f) << shift;
+            part[k] = part[k] + fabsf(v[k]);
         }
         if (nt)
             put16(c + i, v);
         else
-            for (int q = 0; q < ACC; q++)
-                c[i + q] = v[q];
+            for (int k = 0; k < ACC; k++)
+                c[i + k] = v[k];
     }
-    for (int q = 0; i < m; i++, q++) {
-        float v = has_e ? x[i] + e[i] : x[i];
+    for (int k = 0; i < m; i++, k++) {
+        float v = corrected_value(x[i], has_e ? q[i] : 0.0f, s, s2, has_e);
         c[i] = v;
         a[i] += (uint32_t)(v >= 0.0f) << shift;
-        part[q] = part[q] + fabsf(v);
+        part[k] = part[k] + fabsf(v);
     }
 }
 
 /* ---- _encode_kernel (steps 1-3) ----
  *
- * x: float32 [d]; residual: float32 [d] or NULL (no error feedback); finite_p: the incoming flag
+ * x: float32 [d]; kept: float32 [d], the last committed step's p, or NULL (no error feedback);
+ * kept_scale: float32 [nb], that step's agreed S (read with kept); finite_p: the incoming flag
  * (one byte) or NULL (none: the sum alone decides); corrected: out float32 [P], p = x + e, zeros
  * past d; payload: out int32 [W + Ws + 2]. inv_block, inv_last: 1/B and 1/(coordinates of the
  * last block), rounded to float32 as PyTorch rounds those scalars. Per block b, sums[b] = sum
@@ -149,7 +160,8 @@ static inline void bits_and_sums(const float *restrict x, const float *restrict 
  * clamp(rint(log2f(s_b) 4) + 512, 1, 1023) (rint rounds half to even, as torch.round; log2f may
  * differ from PyTorch's log2 by a rounding), else (0, 0). Returns ok, or -1 when the nb floats of
  * scratch could not be allocated (nothing usable written then). */
-int32_t hgc_signsgd_encode(const float *restrict x, int64_t d, const float *restrict residual, int64_t P,
+int32_t hgc_signsgd_encode(const float *restrict x, int64_t d, const float *restrict kept,
+                           const float *restrict kept_scale, int64_t P,
                            int64_t B, const uint8_t *finite_p, float inv_block, float inv_last,
                            float *restrict corrected, int32_t *restrict payload, int64_t lanes, int64_t width,
                            int64_t guard, int64_t s_lanes, int64_t s_width)
@@ -183,14 +195,15 @@ int32_t hgc_signsgd_encode(const float *restrict x, int64_t d, const float *rest
                 const float *restrict xs = x + s;
                 int64_t m = r > s ? r - s : 0;
                 float part[ACC] = {0};
-                if (residual && nt)
-                    bits_and_sums(xs, residual + s, 1, 1, c, a, s, m, shift, part);
-                else if (residual)
-                    bits_and_sums(xs, residual + s, 1, 0, c, a, s, m, shift, part);
+                float sb = kept ? kept_scale[b] : 0.0f;
+                if (kept && nt)
+                    bits_and_sums(xs, kept + s, sb, 1, 1, c, a, s, m, shift, part);
+                else if (kept)
+                    bits_and_sums(xs, kept + s, sb, 1, 0, c, a, s, m, shift, part);
                 else if (nt)
-                    bits_and_sums(xs, xs, 0, 1, c, a, s, m, shift, part);
+                    bits_and_sums(xs, xs, 0.0f, 0, 1, c, a, s, m, shift, part);
                 else
-                    bits_and_sums(xs, xs, 0, 0, c, a, s, m, shift, part);
+                    bits_and_sums(xs, xs, 0.0f, 0, 0, c, a, s, m, shift, part);
                 for (int64_t i = m; i < e - s; i++) { /* the padding: p = 0, bit 1, nothing to the sum */
                     c[i] = 0.0f;
                     a[i] += (uint32_t)1 << shift;
@@ -263,56 +276,30 @@ void hgc_signsgd_receive(const int32_t *restrict payload, int64_t W, int64_t nb,
     }
 }
 
-/* ---- _decode_kernel (steps 4-5), and _decode_residual_kernel (with step 6) ----
+/* ---- _decode_kernel (steps 4-5) ----
  *
  * payload: the all-reduced words (the first W the sign lanes); scale: float32 [nb], the agreed
  * S; count_p, bad_p: int64; inferred_p: one byte; summed as in hgc_signsgd_receive; inv_n: 1/n
  * rounded to float32. Per block f = (Sum ? S : S inv_n) + (bad > 0 ? NaN : 0); for coordinate
  * k of block b, V = lane (k / W) of the exact word k % W, out[k] = float(V) (f 2) - f float(c),
  * then times `factor` (a second float32 rounding, as the reference's separate product) when
- * has_factor. Only coordinates k < D are written (D <= P: out may hold just the gradient's d).
+ * has_factor. Only coordinates k < D are written (D <= P: out may hold just the gradient's d),
+ * lane by lane, front to back, with plain stores (the engine reads its bucket right after).
  * Returns 0, or -1 when the W words of scratch (Average's exact words) could not be allocated
- * (nothing written then).
- * p: NULL, or float32 [P], the encode's p, whose first D values get step 6's residual in the
- * same pass, in place (as hgc_signsgd_residual: (p + S) - [p >= 0] (S 2)), each run of p right
- * after the same run of out: one pass over both (in model A's DDP step, one thread: 7.6-8.1 ms
- * a step, against 9.7 for the decode and the residual apart). */
-static inline void decode_run(const uint32_t *restrict ex, float *restrict out, float *restrict p, int has_p,
-                              int64_t m, unsigned shift, uint32_t mask, float a, float fc, int has_factor,
-                              float factor, float s)
+ * (nothing written then). */
+static inline void decode_run(const uint32_t *restrict ex, float *restrict out, int64_t m, unsigned shift,
+                              uint32_t mask, float a, float fc, int has_factor, float factor)
 {
     for (int64_t k = 0; k < m; k++) {
         float v = (float)(int32_t)((ex[k] >> shift) & mask) * a - fc;
         out[k] = has_factor ? v * factor : v;
     }
-    if (has_p) { /* the same run of p (at most B coordinates), in the same pass over the memory */
-        float s2 = s * 2.0f;
-        for (int64_t k = 0; k < m; k++) {
-            float v = p[k];
-            float bit = v >= 0.0f ? 1.0f : 0.0f;
-            p[k] = (v + s) - bit * s2;
-        }
-    }
-}
-
-/* decode_run with its flags as constants at each call (a branch-free loop for each case). */
-static void decode_part(const uint32_t *restrict ex, float *restrict out, float *restrict p, int64_t m,
-                        unsigned shift, uint32_t mask, float a, float fc, int has_factor, float factor, float s)
-{
-    if (p && has_factor)
-        decode_run(ex, out, p, 1, m, shift, mask, a, fc, 1, factor, s);
-    else if (p)
-        decode_run(ex, out, p, 1, m, shift, mask, a, fc, 0, factor, s);
-    else if (has_factor)
-        decode_run(ex, out, p, 0, m, shift, mask, a, fc, 1, factor, s);
-    else
-        decode_run(ex, out, p, 0, m, shift, mask, a, fc, 0, factor, s);
 }
 
 int32_t hgc_signsgd_decode(const int32_t *restrict payload, int64_t P, int64_t D, int64_t B,
                            const float *restrict scale, int64_t lanes, int64_t width, int64_t guard, int64_t n,
                            int64_t summed, const int64_t *count_p, const int64_t *bad_p, const uint8_t *inferred_p,
-                           float inv_n, int has_factor, float factor, float *restrict out, float *restrict p)
+                           float inv_n, int has_factor, float factor, float *restrict out)
 {
     int64_t W = (P + lanes - 1) / lanes;
     int is_sum = summed < 0 ? (*inferred_p != 0) : (int)summed;
@@ -341,28 +328,13 @@ int32_t hgc_signsgd_decode(const int32_t *restrict payload, int64_t P, int64_t D
             int64_t b = s / B;
             int64_t e = (b + 1) * B < end ? (b + 1) * B : end;
             float f = (is_sum ? scale[b] : scale[b] * inv_n) + poison;
-            decode_part(ex + (s - start), out + s, p ? p + s : NULL, e - s, shift, mask, f * 2.0f, f * count,
-                        has_factor, factor, scale[b]);
+            if (has_factor)
+                decode_run(ex + (s - start), out + s, e - s, shift, mask, f * 2.0f, f * count, 1, factor);
+            else
+                decode_run(ex + (s - start), out + s, e - s, shift, mask, f * 2.0f, f * count, 0, 1.0f);
             s = e;
         }
     }
     free(exact);
     return 0;
-}
-
-/* ---- _residual_kernel (step 6) ----
- *
- * p: float32 [P], overwritten in place with (p + S) - [p >= 0] (S 2) per block (scale: float32
- * [nb], S): each coordinate is read once and written once where it was read, no second array. */
-void hgc_signsgd_residual(float *p, int64_t P, int64_t B, const float *restrict scale)
-{
-    for (int64_t b = 0; b < P / B; b++) {
-        float s = scale[b], s2 = s * 2.0f;
-        float *restrict pb = p + b * B;
-        for (int64_t k = 0; k < B; k++) {
-            float v = pb[k];
-            float bit = v >= 0.0f ? 1.0f : 0.0f;
-            pb[k] = (v + s) - bit * s2;
-        }
-    }
 }
