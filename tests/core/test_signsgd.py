@@ -406,9 +406,8 @@ def test_receive_and_decode_are_bit_exact(n, op, d, block, bad):
 def test_streaming_stores_match_reference(march):
     """A p of 2**20 coordinates or more (csrc/signsgd.c's NT_MIN) goes out by non-temporal stores
     a line at a time: it (its block sums grouped by coordinate mod 16) and the decode into a
-    bucket slice that starts mid-line (lane by lane, front to back) equal the reference, for this
-    CPU's library and baseline x86-64's (SSE2 streaming stores), with the bucket around the slice
-    untouched."""
+    bucket slice that starts mid-line equal the reference, for this CPU's library and baseline
+    x86-64's (SSE2 streaming stores), with the bucket around the slice untouched."""
     import os
     torch, K, _, cpu, R = _torch_kernels()
     from torch_backend.kernels import cbuild

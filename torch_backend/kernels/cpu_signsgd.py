@@ -56,7 +56,7 @@ _lib.hgc_signsgd_encode.restype = ctypes.c_int32
 _lib.hgc_signsgd_receive.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P]
 _lib.hgc_signsgd_receive.restype = None
 _lib.hgc_signsgd_decode.argtypes = [_P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _F, ctypes.c_int, _F, _P]
-_lib.hgc_signsgd_decode.restype = ctypes.c_int32
+_lib.hgc_signsgd_decode.restype = None
 
 
 def accepts(plan) -> bool:
@@ -145,12 +145,10 @@ def decode(plan, payload, count, bad, scale, inferred, into=None):
     count, bad, inferred = count.contiguous(), bad.contiguous(), inferred.contiguous()
     out = into if writable(into, padded, payload.device) else torch.empty(padded, dtype=torch.float32)
     lay = plan.signs
-    status = _lib.hgc_signsgd_decode(payload.data_ptr(), padded, out.shape[0], plan.block, scale.data_ptr(),
-                                     lay.lanes, lay.width, lay.guard, plan.world_size, _summed_code(plan),
-                                     count.data_ptr(), bad.data_ptr(), inferred.data_ptr(), 1.0 / plan.world_size,
-                                     int(plan.factor != 1.0), plan.factor, out.data_ptr())
-    if status < 0:  # no memory for the exact words: the composition, this call
-        return _decode_kernel(REFERENCE_OPS, plan, payload, count, bad, scale, inferred, into)
+    _lib.hgc_signsgd_decode(payload.data_ptr(), padded, out.shape[0], plan.block, scale.data_ptr(), lay.lanes,
+                            lay.width, lay.guard, plan.world_size, _summed_code(plan), count.data_ptr(),
+                            bad.data_ptr(), inferred.data_ptr(), 1.0 / plan.world_size, int(plan.factor != 1.0),
+                            plan.factor, out.data_ptr())
     return out
 
 
