@@ -253,7 +253,7 @@ def test_config_spec_and_errors():
 # ---------------------------------------------------------------- the fused forms (CPU)
 # torch_backend/kernels/cpu_signsgd.py (csrc/signsgd.c) against the kernels' reference
 # compositions (hvd_gradcomp/signsgd_kernels.py run on REFERENCE_OPS): the sign and control
-# words, p, the receive, the decode and the residual bit for bit; a scale's log code may move
+# words, p (from the kept p and S), the receive and the decode bit for bit; a scale's log code may move
 # by one only where 4 log2 s lies within float32 rounding of a half-integer (the block sums add
 # up in another order).
 
