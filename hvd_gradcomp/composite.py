@@ -38,7 +38,7 @@ This module imports nothing of the package (:mod:`~hvd_gradcomp.base` imports it
 import inspect
 
 __all__ = ["residual_of", "residual_field", "add_residual", "payload_dtype", "hand_over", "init_like",
-           "forget", "check_loaded", "metrics", "decompress_into", "decode_factor", "carry_over", "scatter_split",
+           "forget", "check_loaded", "loaded_fields", "metrics", "decompress_into", "decode_factor", "carry_over", "scatter_split",
            "sent_zeros", "own_zeroed", "blocks",
            "HOOKS", "check_hooks"]
 
@@ -186,6 +186,14 @@ def check_loaded(scheme, key: str, loaded):
     hook = _hook(scheme, "check_loaded")
     if hook is not None:
         hook(key, loaded)
+
+
+def loaded_fields(loaded) -> dict:
+    """``{field: value}`` of a tensor's saved state as :func:`check_loaded` gets it (a dict, or a
+    NamedTuple-like with ``_fields``): what a scheme's ``check_loaded`` hook reads."""
+    if isinstance(loaded, dict):
+        return dict(loaded)
+    return dict(zip(getattr(loaded, "_fields", ()), loaded))
 
 
 def metrics(scheme, state) -> dict:

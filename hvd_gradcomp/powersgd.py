@@ -509,8 +509,8 @@ class PowerSGDScheme(Scheme):
         The adapters' generic checks (fields, shapes) refuse such a state too; this gives the
         reason. Call it before them.
         """
-        fields = tuple(loaded) if isinstance(loaded, dict) else tuple(getattr(loaded, "_fields", ()))
-        values = loaded if isinstance(loaded, dict) else dict(zip(fields, loaded))
+        values = composite.loaded_fields(loaded)
+        fields = tuple(values)
         if "version" not in fields:
             if set(fields) == {"residual", "q", "step"}:
                 raise ValueError(

@@ -80,6 +80,7 @@ at ``init``, before any collective. Measured: ``docs/signsgd.md``.
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
+from . import composite
 from .base import EmptyState, Scheme, TensorInfo, WireBytes, commit
 from .lanes import LaneLayout, lane_layout, stats_layout
 from .options import error_feedback_option, option, validate
@@ -186,8 +187,7 @@ class SignSGDScheme(Scheme):
     def check_loaded(self, key, loaded):
         """ValueError for a checkpoint's state of the format before the kept ``(corrected,
         scale)``: a field ``residual``, the error feedback itself."""
-        fields = tuple(loaded) if isinstance(loaded, dict) else tuple(getattr(loaded, "_fields", ()))
-        if set(fields) == {"residual"}:
+        if set(composite.loaded_fields(loaded)) == {"residual"}:
             raise ValueError(f"signsgd: the saved state of tensor {key!r} holds the residual e itself, the "
                              f"format before signSGD kept p and S (fields corrected, scale); resume it with "
                              f"the hvd_gradcomp that saved it, or drop its entry to start its error "

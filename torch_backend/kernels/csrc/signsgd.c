@@ -69,12 +69,6 @@ static inline void fence(void)
 #endif
 }
 
-/* Floats from p to the next 64-byte boundary (0 to 15). */
-static inline int64_t to_line(const float *p)
-{
-    return (int64_t)(((64u - ((uintptr_t)p & 63u)) & 63u) / sizeof(float));
-}
-
 /* lanes.exact_words of one all-reduced word, modulo 2**32: the word under Sum (or without guard
  * bits); under Average the multiple of 2**guard next to n w away from zero (w >= 0 here: the
  * lanes are uncentred, every sum is non-negative; a negative word rounds down, as there). */
